@@ -1,0 +1,281 @@
+"""Per-family forward glue: the few lines that run HF's own modules for one stage.
+
+A stage holds some of a model's modules (embeddings, a run of blocks, final norm, head) under their
+original names. The glue calls them in the order the HF model's ``forward`` would, building the
+attention masks with transformers' own ``masking_utils`` and the position embeddings with the
+model's own rotary module, so numerics equal the unsplit model. Nothing from HF's modeling code is
+copied: each block is the HF block itself.
+
+A glue sees ``received`` (the tensors sent by the previous stage, see the recipe's ``flows``) and
+``inputs`` (the model inputs, which every stage of a pipelined call gets: ids, masks, position
+ids, labels; and, when generating, a per-stage ``cache``). It returns a tensor or a tuple of
+tensors: the next stage's ``received``, or the head outputs on the last stage.
+
+Note: glue names are looked up from recipes (``glue = "llama"``), never from ``model_type``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+__all__ = ["GLUES", "Glue", "get_glue"]
+
+
+def _layer_index(fqn: str) -> int:
+    return int(fqn.rpartition(".")[2])
+
+
+class Glue:
+    """Base: embed on the first stage, run the owned blocks, finish and apply the head on the last."""
+
+    def prepare_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Whole-batch input preprocessing done once, on every rank, before microbatching."""
+        return inputs
+
+    def forward(self, stage: Any, received: tuple[torch.Tensor, ...], inputs: dict[str, Any]):
+        raise NotImplementedError
+
+    # Head application shared by the families: ``hidden`` after the final norm of the last stack.
+    def head(self, stage: Any, hidden: torch.Tensor, inputs: dict[str, Any]):
+        head = stage.resolved.head
+        mods = [stage.get_submodule(m) for m in head.modules]
+        if head.suffix.endswith("Model") and head.suffix == "Model":
+            outs = [hidden] + [m(hidden) for m in mods]  # e.g. BertModel: (last_hidden_state, pooler_output)
+            return tuple(outs) if len(outs) > 1 else hidden
+        keep = inputs.get("logits_to_keep")
+        if head.pool is None and keep:
+            hidden = hidden[:, -int(keep) :, :]  # generation only needs the last position's logits
+        out = hidden
+        for m in mods:
+            out = m(out)
+        if head.pool == "last_token":
+            out = _pool_last_token(out, inputs, stage.config)
+        return out
+
+
+def _pool_last_token(logits: torch.Tensor, inputs: dict[str, Any], config) -> torch.Tensor:
+    # As transformers' GenericForSequenceClassification: the rightmost token that is not padding.
+    ids = inputs.get("input_ids")
+    batch = logits.shape[0]
+    if ids is None or config.pad_token_id is None:
+        last = torch.full((batch,), -1, device=logits.device, dtype=torch.long)
+    else:
+        non_pad = (ids != config.pad_token_id).to(logits.device, torch.int32)
+        positions = torch.arange(ids.shape[-1], device=logits.device, dtype=torch.int32)
+        last = (positions * non_pad).argmax(-1)
+    return logits[torch.arange(batch, device=logits.device), last]
+
+
+class _SingleStack(Glue):
+    """Decoder-only and encoder-only models: one stack, ``hidden_states`` flows between stages."""
+
+    def embed(self, stage, inputs):
+        raise NotImplementedError
+
+    def context(self, stage, hidden, inputs) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def block(self, layer, hidden, ctx):
+        raise NotImplementedError
+
+    def forward(self, stage, received, inputs):
+        if stage.spec.is_first:
+            hidden = self.embed(stage, inputs)  # (B, T, H)
+        else:
+            (hidden,) = received
+        ctx = self.context(stage, hidden, inputs)
+        for _, layer in stage.blocks:
+            hidden = self.block(layer, hidden, ctx)
+        for m in stage.finals:
+            hidden = m(hidden)
+        if stage.spec.is_last:
+            return self.head(stage, hidden, inputs)
+        return hidden
+
+
+def _positions(hidden: torch.Tensor, inputs: dict[str, Any], past: int) -> torch.Tensor:
+    pos = inputs.get("position_ids")
+    if pos is None:
+        pos = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)  # (1, T)
+    return pos
+
+
+def _past_length(stage, inputs) -> int:
+    cache = inputs.get("cache")
+    if cache is None or not stage.blocks:
+        return 0
+    return cache.get_seq_length(_layer_index(stage.blocks[0][0]))
+
+
+class LlamaGlue(_SingleStack):
+    """LLaMA / Mistral / Qwen2: embed_tokens, decoder layers with rotary embeddings, RMSNorm."""
+
+    def embed(self, stage, inputs):
+        if inputs.get("inputs_embeds") is not None:
+            return inputs["inputs_embeds"]
+        return stage.embeds[0](inputs["input_ids"])
+
+    def context(self, stage, hidden, inputs):
+        cache = inputs.get("cache")
+        pos = _positions(hidden, inputs, _past_length(stage, inputs))
+        first = _layer_index(stage.blocks[0][0])
+        mask = create_causal_mask(
+            config=stage.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"),
+            cache=cache, position_ids=pos, layer_idx=first if cache is not None else None,
+        )
+        return {
+            "attention_mask": mask,
+            "position_ids": pos,
+            "position_embeddings": stage.replicas[0](hidden, position_ids=pos),  # rotary (cos, sin)
+            "cache": cache,
+            "use_cache": cache is not None,
+        }
+
+    def block(self, layer, hidden, ctx):
+        return layer(hidden, **ctx)
+
+
+class GPT2Glue(_SingleStack):
+    """GPT-2: token + learned position embeddings, pre-LN blocks, final LayerNorm."""
+
+    def embed(self, stage, inputs):
+        wte, wpe, drop = stage.embeds
+        hidden = inputs.get("inputs_embeds")
+        if hidden is None:
+            hidden = wte(inputs["input_ids"])
+        pos = _positions(hidden, inputs, _past_length(stage, inputs))
+        hidden = hidden + wpe(pos)
+        if inputs.get("token_type_ids") is not None:
+            hidden = hidden + wte(inputs["token_type_ids"])
+        return drop(hidden)
+
+    def context(self, stage, hidden, inputs):
+        cache = inputs.get("cache")
+        pos = _positions(hidden, inputs, _past_length(stage, inputs))
+        mask = inputs.get("attention_mask")
+        if mask is not None and mask.ndim < 4:
+            mask = mask.view(hidden.shape[0], -1)
+        mask = create_causal_mask(
+            config=stage.config, inputs_embeds=hidden, attention_mask=mask, cache=cache, position_ids=pos,
+            layer_idx=_layer_index(stage.blocks[0][0]) if cache is not None else None,
+        )
+        return {"cache": cache, "attention_mask": mask, "use_cache": cache is not None, "position_ids": pos}
+
+    def block(self, layer, hidden, ctx):
+        return layer(hidden, ctx["cache"], ctx["attention_mask"], None, use_cache=ctx["use_cache"], position_ids=ctx["position_ids"])
+
+
+class BertGlue(_SingleStack):
+    """BERT: embeddings, bidirectional encoder layers, then pooler / MLM head / classifier."""
+
+    def embed(self, stage, inputs):
+        return stage.embeds[0](
+            input_ids=inputs.get("input_ids"), token_type_ids=inputs.get("token_type_ids"),
+            position_ids=inputs.get("position_ids"), inputs_embeds=inputs.get("inputs_embeds"),
+        )
+
+    def context(self, stage, hidden, inputs):
+        mask = create_bidirectional_mask(config=stage.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"))
+        return {"attention_mask": mask}
+
+    def block(self, layer, hidden, ctx):
+        return layer(hidden, ctx["attention_mask"])
+
+
+class T5Glue(Glue):
+    """T5: encoder stages then decoder stages; the encoder output travels with the decoder state.
+
+    What a stage receives and sends depends on where it sits:
+      inside the encoder            (enc_hidden,)            -> (enc_hidden,)
+      ending the encoder            ...                      -> (encoder_output,)
+      starting the decoder          (encoder_output,)        -> (dec_hidden, encoder_output)
+      inside the decoder            (dec_hidden, encoder_output)
+    Block 0 of each stack owns the relative position bias; a stage starting mid-stack recomputes
+    the bias from its replica of block 0's bias embedding (the recipe's ``every_stage``).
+    """
+
+    def prepare_inputs(self, model, inputs):
+        if inputs.get("labels") is not None and inputs.get("decoder_input_ids") is None and inputs.get("decoder_inputs_embeds") is None:
+            inputs = dict(inputs, decoder_input_ids=model._shift_right(inputs["labels"]))
+        return inputs
+
+    def forward(self, stage, received, inputs):
+        received = list(received)
+        enc_out = None
+        cache = inputs.get("cache")
+        if inputs.get("encoder_outputs") is not None:
+            enc_out = inputs["encoder_outputs"]  # generation: the encoder ran once, its output is given
+        hidden = None
+        for stack in stage.stack_runs:
+            is_decoder = stack.name == "decoder"
+            if stack.starts:
+                if is_decoder:
+                    if enc_out is None:
+                        enc_out = received.pop(0)
+                    hidden = stack.embed(inputs["decoder_input_ids"])
+                else:
+                    hidden = stack.embed(inputs["input_ids"])
+                hidden = stack.dropout(hidden)
+            else:
+                hidden = received.pop(0)
+                if is_decoder and enc_out is None:
+                    enc_out = received.pop(0)
+            hidden = self._run_stack(stage, stack, hidden, enc_out if is_decoder else None, inputs, cache if is_decoder else None)
+            if stack.ends:
+                for m in stack.finals:
+                    hidden = m(hidden)
+                hidden = stack.dropout(hidden)
+                if not is_decoder:
+                    enc_out, hidden = hidden, None
+        if stage.spec.is_last:
+            if stage.config.scale_decoder_outputs:
+                hidden = hidden * (stage.config.d_model**-0.5)
+            return self.head(stage, hidden, inputs)
+        if hidden is None:
+            return enc_out  # this stage ended the encoder: the decoder starts next
+        if enc_out is None:
+            return hidden  # still inside the encoder
+        return hidden, enc_out
+
+    def _run_stack(self, stage, stack, hidden, enc_out, inputs, cache):
+        config = stack.config
+        if config.is_decoder:
+            self_cache = cache.self_attention_cache if cache is not None else None
+            first = _layer_index(stack.blocks[0])
+            past = self_cache.get_seq_length(first) if self_cache is not None else 0
+            mask = create_causal_mask(
+                config=config, inputs_embeds=hidden, attention_mask=inputs.get("decoder_attention_mask"),
+                cache=self_cache, layer_idx=first if self_cache is not None else None,
+            )
+            enc_mask = create_bidirectional_mask(
+                config=config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"), encoder_hidden_states=enc_out
+            )
+        else:
+            past = 0
+            mask = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"))
+            enc_mask = None
+        position_bias = None
+        if not stack.starts:
+            q = hidden.shape[1]
+            # the replica is block 0's bias embedding; its parent attention module knows the bucketing
+            bias_module = stage.get_submodule(stack.replicas[0].rpartition(".")[0])
+            position_bias = bias_module.compute_bias(q, past + q, device=hidden.device, past_seen_tokens=past)
+        enc_position_bias = None
+        for block in stack.modules:
+            hidden, position_bias, cross_bias = block(
+                hidden, mask, position_bias, enc_out, enc_mask, enc_position_bias, cache=cache
+            )
+            if config.is_decoder:
+                enc_position_bias = cross_bias
+        return hidden
+
+
+GLUES: dict[str, type[Glue]] = {"llama": LlamaGlue, "gpt2": GPT2Glue, "bert": BertGlue, "t5": T5Glue}
+
+
+def get_glue(name: str) -> Glue:
+    return GLUES[name]()

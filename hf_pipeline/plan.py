@@ -1,0 +1,433 @@
+"""Stage plan: which blocks and modules each pipeline stage owns, and which rank runs it.
+
+The plan is computed from the config alone: the model is instantiated on the meta device (no
+memory, no weights read), the recipe's module paths are resolved and checked against it, each
+block is costed (parameters, bytes and per-token FLOPs, counting the embedding and the LM head)
+and the blocks are cut into contiguous stages that balance the cost.
+
+Example:
+    >>> plan = make_plan(meta_model, get_recipe("llama"), pp_size=2, virtual_stages=2)
+    >>> print(plan)          # one row per stage: rank, blocks, parameters, bytes
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .recipe import HeadSpec, Recipe, RecipeError
+
+__all__ = ["PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "resolve_recipe"]
+
+LAYOUTS = ("loop", "v")
+
+
+class PlanError(ValueError):
+    """The requested split cannot be built (too many stages, bad split points, ...)."""
+
+
+def _get(root: nn.Module, fqn: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(fqn)
+    except AttributeError:
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedStack:
+    name: str
+    blocks: tuple[str, ...]  # block FQNs in order
+    embed: tuple[str, ...]
+    final: tuple[str, ...]
+    every_stage: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRecipe:
+    """A recipe with ``{base}`` filled in for one model class and every path checked to exist."""
+
+    recipe: Recipe
+    class_name: str
+    base: str  # "model." / "transformer." / ""
+    stacks: tuple[ResolvedStack, ...]
+    head: HeadSpec  # with module paths resolved
+    tied: tuple[tuple[str, ...], ...]  # groups of parameter FQNs that are one tensor in this model
+
+
+def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
+    """Fill in ``{base}`` for ``model``'s class and check every named module exists.
+
+    Raises:
+        RecipeError: naming the recipe file, the field and the missing module.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    class_name = type(model).__name__
+
+    def fill(path: str, where: str) -> str:
+        fqn = path.replace("{base}", base)
+        if _get(model, fqn) is None:
+            raise RecipeError(
+                f"{recipe.source}: field {where!r} names module {fqn!r}, which {class_name} does not have. "
+                f"Fix the path in the recipe (top-level children of {class_name}: {[n for n, _ in model.named_children()]})."
+            )
+        return fqn
+
+    stacks = []
+    for i, stack in enumerate(recipe.stacks):
+        blocks_fqn = fill(stack.blocks, f"stacks[{i}].blocks")
+        container = model.get_submodule(blocks_fqn)
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise RecipeError(
+                f"{recipe.source}: field 'stacks[{i}].blocks' names {blocks_fqn!r}, which is a "
+                f"{type(container).__name__}, not a non-empty ModuleList of blocks"
+            )
+        stacks.append(
+            ResolvedStack(
+                name=stack.name,
+                blocks=tuple(f"{blocks_fqn}.{name}" for name, _ in container.named_children()),
+                embed=tuple(fill(p, f"stacks[{i}].embed") for p in stack.embed),
+                final=tuple(fill(p, f"stacks[{i}].final") for p in stack.final),
+                every_stage=tuple(fill(p, f"stacks[{i}].every_stage") for p in stack.every_stage),
+            )
+        )
+    head = recipe.head_for(class_name)
+    head = HeadSpec(
+        suffix=head.suffix,
+        modules=tuple(fill(p, f"heads.{head.suffix}.modules") for p in head.modules),
+        outputs=head.outputs,
+        output_class=head.output_class,
+        loss=head.loss,
+        pool=head.pool,
+    )
+    # Tied groups: only the members this model has, and only where they really are one tensor
+    # (LLaMA ties lm_head to the embedding only when config.tie_word_embeddings says so).
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    shared = [tuple(names) for names in by_id.values() if len(names) > 1]
+    declared = [tuple(g.replace("{base}", base) for g in group) for group in recipe.tied]
+    tied = []
+    for names in shared:
+        if not any(set(names) & set(group) for group in declared):
+            raise RecipeError(
+                f"{recipe.source}: parameters {list(names)} of {class_name} are one tensor, but field 'tied.groups' "
+                f"does not declare them; add them to a tied group"
+            )
+        tied.append(names)
+    return ResolvedRecipe(recipe=recipe, class_name=class_name, base=base, stacks=tuple(stacks), head=head, tied=tuple(tied))
+
+
+def _module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, is_block: bool) -> tuple[int, int, float]:
+    """(params, bytes, FLOPs per token) of the given modules; shared tensors are counted once."""
+    seen: set[int] = set()
+    params = 0
+    flops = 0.0
+    for fqn in fqns:
+        mod = model.get_submodule(fqn)
+        for sub in mod.modules():
+            lookup = isinstance(sub, nn.Embedding)
+            for p in sub.parameters(recurse=False):
+                # A tied embedding / LM head is one tensor: its bytes count once, but the LM head's
+                # matmul costs compute while the embedding lookup does not.
+                if not lookup and p.dim() >= 2:
+                    flops += 2.0 * p.numel()
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params += p.numel()
+    if is_block:
+        flops += 4.0 * seq_len * hidden  # attention scores and weighted sum: QK^T and AV
+    return params, params * itemsize, flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One pipeline stage: the blocks it runs and every module FQN it holds."""
+
+    index: int
+    rank: int  # rank inside the pipeline group
+    blocks: tuple[str, ...]
+    modules: tuple[str, ...]  # all owned module FQNs (embeddings, blocks, finals, head, replicas)
+    stacks: tuple[str, ...]  # names of the stacks this stage runs blocks of
+    params: int
+    nbytes: int
+    flops_per_token: float
+    is_first: bool
+    is_last: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """The split of one model into stages and their placement on the pipeline ranks."""
+
+    model_class: str
+    model_type: str
+    pp_size: int
+    virtual_stages: int
+    layout: str
+    dtype: torch.dtype
+    stages: tuple[StageSpec, ...]
+    total_params: int
+    total_bytes: int
+    tied: tuple[tuple[str, ...], ...] = ()
+    _by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise PlanError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        by_rank: dict[int, list[int]] = {r: [] for r in range(self.pp_size)}
+        for s in self.stages:
+            by_rank[s.rank].append(s.index)
+        self._by_rank.update({r: tuple(v) for r, v in by_rank.items()})
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stages_for_rank(self, rank: int) -> tuple[StageSpec, ...]:
+        """The stages pipeline rank ``rank`` runs, in stage order."""
+        return tuple(self.stages[i] for i in self._by_rank[rank])
+
+    @property
+    def first_rank(self) -> int:
+        return self.stages[0].rank
+
+    @property
+    def last_rank(self) -> int:
+        return self.stages[-1].rank
+
+    def to_dict(self) -> dict:
+        return {
+            "model_class": self.model_class,
+            "model_type": self.model_type,
+            "pp_size": self.pp_size,
+            "virtual_stages": self.virtual_stages,
+            "layout": self.layout,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "total_params": self.total_params,
+            "total_bytes": self.total_bytes,
+            "stages": [
+                {
+                    "index": s.index,
+                    "rank": s.rank,
+                    "blocks": list(s.blocks),
+                    "modules": list(s.modules),
+                    "params": s.params,
+                    "bytes": s.nbytes,
+                    "flops_per_token": s.flops_per_token,
+                }
+                for s in self.stages
+            ],
+        }
+
+    def __str__(self) -> str:
+        def human(n: float) -> str:
+            for unit in ("", "K", "M", "G", "T"):
+                if abs(n) < 1000:
+                    return f"{n:.3g}{unit}"
+                n /= 1000
+            return f"{n:.3g}P"
+
+        head = (
+            f"StagePlan: {self.model_class} ({self.model_type}), {self.num_stages} stages on {self.pp_size} "
+            f"rank(s), {self.virtual_stages} per rank ({self.layout} layout), {str(self.dtype).removeprefix('torch.')}, "
+            f"{human(self.total_params)} params / {human(self.total_bytes)}B"
+        )
+        rows = [("stage", "rank", "blocks", "params", "bytes", "GFLOP/tok", "other modules")]
+        for s in self.stages:
+            blocks = _compress(s.blocks)
+            others = [m for m in s.modules if m not in s.blocks]
+            rows.append(
+                (str(s.index), str(s.rank), blocks, human(s.params), human(s.nbytes) + "B", f"{s.flops_per_token / 1e9:.3f}", ", ".join(others) or "-")
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines = [head]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+        return "\n".join(lines)
+
+
+def _compress(blocks: Sequence[str]) -> str:
+    """'model.layers.0', 'model.layers.1', 'model.layers.2' -> 'model.layers.0-2'."""
+    out: list[str] = []
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for b in blocks:
+        prefix, _, idx = b.rpartition(".")
+        if prefix not in groups:
+            groups[prefix] = []
+            order.append(prefix)
+        groups[prefix].append(int(idx))
+    for prefix in order:
+        idx = groups[prefix]
+        out.append(f"{prefix}.{idx[0]}" if len(idx) == 1 else f"{prefix}.{idx[0]}-{idx[-1]}")
+    return ", ".join(out)
+
+
+def _partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Start indices of ``parts`` contiguous non-empty groups minimising the largest group cost."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    # best[k][i]: minimal max-cost splitting the first i items into k groups
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i] - 1e-9 * abs(v):
+                    best[k][i] = v
+                    cut[k][i] = j
+    starts = []
+    i = n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        starts.append(j)
+        i = j
+    return sorted(starts)
+
+
+def _rank_of(stage: int, pp_size: int, layout: str) -> int:
+    if layout == "loop":
+        return stage % pp_size  # rank r owns stages r, r+p, r+2p, ...
+    # V shape: rank r owns stages r and 2p-1-r, so the last stage sits next to the first
+    wave, pos = divmod(stage, pp_size)
+    return pos if wave % 2 == 0 else pp_size - 1 - pos
+
+
+def make_plan(
+    model: nn.Module,
+    recipe: Recipe | ResolvedRecipe,
+    *,
+    pp_size: int,
+    virtual_stages: int = 1,
+    layout: str = "loop",
+    split: str | Sequence[str] = "auto",
+    dtype: torch.dtype | None = None,
+    seq_len: int = 256,
+) -> StagePlan:
+    """Split ``model`` (on the meta device) into ``pp_size * virtual_stages`` stages.
+
+    Args:
+        model: the HF model, usually on the meta device.
+        recipe: its recipe (resolved or not).
+        pp_size: ranks in the pipeline.
+        virtual_stages: stages per rank (interleaved schedules use 2+).
+        layout: "loop" (rank r owns stages r, r+p, ...) or "v" (rank r owns r and 2p-1-r).
+        split: "auto" for cost balancing, "uniform" for equal block counts, or the block FQNs that
+            start stages 1..S-1 (e.g. ``["model.layers.4"]``).
+        dtype: dtype the weights will be loaded in (for the byte counts); default: the model's.
+        seq_len: sequence length used to cost attention.
+    Returns:
+        The :class:`StagePlan`.
+    """
+    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve_recipe(model, recipe)
+    if pp_size < 1 or virtual_stages < 1:
+        raise PlanError(f"pp_size and virtual_stages must be >= 1 (got {pp_size}, {virtual_stages})")
+    if layout == "v" and virtual_stages != 2:
+        raise PlanError(f"the V layout places exactly 2 stages per rank; got virtual_stages={virtual_stages}")
+    num_stages = pp_size * virtual_stages
+    if dtype is None:
+        dtype = next(model.parameters()).dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
+
+    # Units: one per block, in execution order across stacks; embeddings cost to the first block of
+    # their stack, final modules to the last, the head to the very last block.
+    units: list[tuple[int, str]] = [(si, b) for si, st in enumerate(resolved.stacks) for b in st.blocks]
+    if num_stages > len(units):
+        raise PlanError(
+            f"{num_stages} stages requested ({pp_size} ranks x {virtual_stages} virtual stages) but "
+            f"{resolved.class_name} has only {len(units)} blocks; use fewer ranks or virtual_stages"
+        )
+
+    def extra_modules(first: int, last: int) -> list[str]:
+        mods: list[str] = []
+        for si, st in enumerate(resolved.stacks):
+            idx = [i for i in range(first, last) if units[i][0] == si]
+            if not idx:
+                continue
+            if units[idx[0]][1] == st.blocks[0]:
+                mods += st.embed
+            mods += [m for m in st.every_stage if not any(m.startswith(b + ".") for b in (units[i][1] for i in idx))]
+            if units[idx[-1]][1] == st.blocks[-1]:
+                mods += st.final
+        if last == len(units):
+            mods += resolved.head.modules
+        return mods
+
+    def stats(first: int, last: int) -> tuple[int, int, float]:
+        blocks = [units[i][1] for i in range(first, last)]
+        p1, b1, f1 = _module_stats(model, blocks, itemsize, seq_len, hidden, True)
+        p2, b2, f2 = _module_stats(model, extra_modules(first, last), itemsize, seq_len, hidden, False)
+        return p1 + p2, b1 + b2, f1 + f2
+
+    if isinstance(split, str):
+        if split == "auto":
+            costs = [stats(i, i + 1)[2] for i in range(len(units))]
+            starts = _partition(costs, num_stages)
+        elif split == "uniform":
+            n = len(units)
+            starts = [round(k * n / num_stages) for k in range(num_stages)]
+        else:
+            raise PlanError(f"split must be 'auto', 'uniform' or a list of block names, got {split!r}")
+    else:
+        names = [b for _, b in units]
+        split = list(split)
+        if len(split) != num_stages - 1:
+            raise PlanError(
+                f"split lists {len(split)} block(s) to start stages at, but {num_stages} stages need "
+                f"{num_stages - 1}; blocks are {names[0]} ... {names[-1]}"
+            )
+        starts = [0]
+        for fqn in split:
+            if fqn not in names:
+                raise PlanError(f"split point {fqn!r} is not a block of {resolved.class_name}; blocks are {names[0]} ... {names[-1]}")
+            starts.append(names.index(fqn))
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise PlanError(f"split points {split} must be distinct blocks in increasing order, none of them the first block")
+
+    bounds = list(zip(starts, starts[1:] + [len(units)]))
+    stages = []
+    for s, (a, b) in enumerate(bounds):
+        blocks = tuple(units[i][1] for i in range(a, b))
+        extras = extra_modules(a, b)
+        params, nbytes, flops = stats(a, b)
+        stage_stacks = tuple(dict.fromkeys(resolved.stacks[units[i][0]].name for i in range(a, b)))
+        stages.append(
+            StageSpec(
+                index=s,
+                rank=_rank_of(s, pp_size, layout),
+                blocks=blocks,
+                modules=tuple(dict.fromkeys(list(extras[: len(extras)]) + list(blocks))),
+                stacks=stage_stacks,
+                params=params,
+                nbytes=nbytes,
+                flops_per_token=flops,
+                is_first=s == 0,
+                is_last=s == num_stages - 1,
+            )
+        )
+    total_params = sum(p.numel() for p in model.parameters())
+    return StagePlan(
+        model_class=resolved.class_name,
+        model_type=str(getattr(config, "model_type", "")),
+        pp_size=pp_size,
+        virtual_stages=virtual_stages,
+        layout=layout,
+        dtype=dtype,
+        stages=tuple(stages),
+        total_params=total_params,
+        total_bytes=total_params * itemsize,
+        tied=resolved.tied,
+    )

@@ -1,0 +1,238 @@
+"""Split recipes: per-architecture data describing how a model cuts into pipeline stages.
+
+A recipe is a TOML file in ``model_recipes/`` (one per family). It names, per ``config.model_type``,
+the module paths of the embeddings, the repeated blocks, the final norms and the task heads, the
+modules every stage needs a replica of, and the tied parameters. Generic code reads recipes; it
+never branches on a model name. Adding an architecture of the same shape is a new TOML file.
+
+Example:
+    >>> recipe = get_recipe("llama")
+    >>> recipe.stacks[0].blocks
+    '{base}layers'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import pathlib
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["HeadSpec", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe", "register_recipe"]
+
+# Forward glue implementations a recipe may name (``hf_pipeline/glue.py``); kept here so that
+# validating a recipe needs no torch import.
+KNOWN_GLUES = ("llama", "gpt2", "bert", "t5")
+KNOWN_LOSSES = ("causal_lm", "masked_lm", "sequence_classification", "seq2seq_lm")
+KNOWN_POOLS = ("last_token", "pooler")
+
+
+class RecipeError(ValueError):
+    """A recipe file is malformed, or names a module the model does not have."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StackSpec:
+    """One repeated stack of blocks (a decoder-only model has one; T5 has encoder then decoder)."""
+
+    name: str
+    blocks: str  # path of the ModuleList of blocks, e.g. "{base}layers"
+    embed: tuple[str, ...] = ()  # modules run before the stack's first block
+    final: tuple[str, ...] = ()  # modules run after its last block
+    every_stage: tuple[str, ...] = ()  # replicated on every stage that runs a block of this stack
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadSpec:
+    """A task head, selected by the suffix of the model class name (``ForCausalLM``, ``Model`` ...)."""
+
+    suffix: str
+    modules: tuple[str, ...]
+    outputs: tuple[str, ...]
+    output_class: str
+    loss: str | None = None
+    pool: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A validated recipe. ``source`` is the file it came from, used in every error message."""
+
+    source: str
+    model_types: tuple[str, ...]
+    glue: str
+    flows: tuple[str, ...]
+    stacks: tuple[StackSpec, ...]
+    heads: dict[str, HeadSpec] = field(default_factory=dict)
+    tied: tuple[tuple[str, ...], ...] = ()
+
+    def head_for(self, class_name: str) -> HeadSpec:
+        """The head whose suffix ends ``class_name`` (longest match wins: ``ForCausalLM`` over ``Model``)."""
+        matches = [h for s, h in self.heads.items() if class_name.endswith(s)]
+        if not matches:
+            raise RecipeError(
+                f"{self.source}: no [heads.*] entry matches model class {class_name!r}; known heads: "
+                f"{sorted(self.heads)}. Add a [heads.<ClassSuffix>] table to the recipe."
+            )
+        return max(matches, key=lambda h: len(h.suffix))
+
+
+def _expect(source: str, where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise RecipeError(f"{source}: field {where!r} must be a {names}, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _str_list(source: str, where: str, value: Any) -> tuple[str, ...]:
+    _expect(source, where, value, list)
+    for i, item in enumerate(value):
+        _expect(source, f"{where}[{i}]", item, str)
+    return tuple(value)
+
+
+def _parse(data: dict[str, Any], source: str) -> Recipe:
+    allowed = {"model_types", "glue", "flows", "stacks", "heads", "tied"}
+    for key in data:
+        if key not in allowed:
+            raise RecipeError(f"{source}: unknown field {key!r}; allowed fields: {sorted(allowed)}")
+    for key in ("model_types", "glue", "stacks", "heads"):
+        if key not in data:
+            raise RecipeError(f"{source}: missing required field {key!r}")
+    model_types = _str_list(source, "model_types", data["model_types"])
+    if not model_types:
+        raise RecipeError(f"{source}: field 'model_types' must name at least one config.model_type")
+    glue = _expect(source, "glue", data["glue"], str)
+    if glue not in KNOWN_GLUES:
+        raise RecipeError(f"{source}: field 'glue' is {glue!r}; it must be one of {list(KNOWN_GLUES)}")
+    flows = _str_list(source, "flows", data.get("flows", ["hidden_states"]))
+
+    stacks = []
+    for i, raw in enumerate(_expect(source, "stacks", data["stacks"], list)):
+        where = f"stacks[{i}]"
+        _expect(source, where, raw, dict)
+        extra = set(raw) - {"name", "blocks", "embed", "final", "every_stage"}
+        if extra:
+            raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
+        for key in ("name", "blocks"):
+            if key not in raw:
+                raise RecipeError(f"{source}: missing required field {where}.{key}")
+        stacks.append(
+            StackSpec(
+                name=_expect(source, f"{where}.name", raw["name"], str),
+                blocks=_expect(source, f"{where}.blocks", raw["blocks"], str),
+                embed=_str_list(source, f"{where}.embed", raw.get("embed", [])),
+                final=_str_list(source, f"{where}.final", raw.get("final", [])),
+                every_stage=_str_list(source, f"{where}.every_stage", raw.get("every_stage", [])),
+            )
+        )
+    if not stacks:
+        raise RecipeError(f"{source}: field 'stacks' must list at least one stack of blocks")
+
+    heads = {}
+    for suffix, raw in _expect(source, "heads", data["heads"], dict).items():
+        where = f"heads.{suffix}"
+        _expect(source, where, raw, dict)
+        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool"}
+        if extra:
+            raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
+        for key in ("modules", "outputs", "output_class"):
+            if key not in raw:
+                raise RecipeError(f"{source}: missing required field {where}.{key}")
+        loss = raw.get("loss")
+        if loss is not None and loss not in KNOWN_LOSSES:
+            raise RecipeError(f"{source}: field {where}.loss is {loss!r}; it must be one of {list(KNOWN_LOSSES)}")
+        pool = raw.get("pool")
+        if pool is not None and pool not in KNOWN_POOLS:
+            raise RecipeError(f"{source}: field {where}.pool is {pool!r}; it must be one of {list(KNOWN_POOLS)}")
+        outputs = _str_list(source, f"{where}.outputs", raw["outputs"])
+        if not outputs:
+            raise RecipeError(f"{source}: field {where}.outputs must name at least one output")
+        heads[suffix] = HeadSpec(
+            suffix=suffix,
+            modules=_str_list(source, f"{where}.modules", raw["modules"]),
+            outputs=outputs,
+            output_class=_expect(source, f"{where}.output_class", raw["output_class"], str),
+            loss=loss,
+            pool=pool,
+        )
+
+    tied_raw = _expect(source, "tied", data.get("tied", {}), dict)
+    groups = tied_raw.get("groups", [])
+    _expect(source, "tied.groups", groups, list)
+    tied = tuple(_str_list(source, f"tied.groups[{i}]", g) for i, g in enumerate(groups))
+    return Recipe(source=source, model_types=model_types, glue=glue, flows=flows, stacks=tuple(stacks), heads=heads, tied=tied)
+
+
+def load_recipe(path: str | pathlib.Path) -> Recipe:
+    """Read and validate one recipe file.
+
+    Args:
+        path: a ``.toml`` recipe.
+    Returns:
+        The validated :class:`Recipe`.
+    Raises:
+        RecipeError: naming the file and the offending field.
+    """
+    path = pathlib.Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML ({e})") from None
+    return _parse(data, str(path))
+
+
+_EXTRA: dict[str, Recipe] = {}
+
+
+def register_recipe(path_or_recipe: str | pathlib.Path | Recipe) -> Recipe:
+    """Register a recipe from outside ``model_recipes/`` (it wins over a built-in one of the same model_type)."""
+    recipe = path_or_recipe if isinstance(path_or_recipe, Recipe) else load_recipe(path_or_recipe)
+    for mt in recipe.model_types:
+        _EXTRA[mt] = recipe
+    return recipe
+
+
+@functools.cache
+def _builtin() -> dict[str, Recipe]:
+    registry: dict[str, Recipe] = {}
+    root = importlib.resources.files("model_recipes")
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".toml"):
+            continue
+        with importlib.resources.as_file(entry) as path:
+            recipe = load_recipe(path)
+        for mt in recipe.model_types:
+            if mt in registry:
+                raise RecipeError(f"{recipe.source}: model_type {mt!r} is already claimed by {registry[mt].source}")
+            registry[mt] = recipe
+    return registry
+
+
+def list_recipes() -> dict[str, Recipe]:
+    """All known recipes by model_type (built-in plus registered)."""
+    return {**_builtin(), **_EXTRA}
+
+
+def get_recipe(model_type: str) -> Recipe:
+    """The recipe for ``config.model_type``.
+
+    Raises:
+        RecipeError: listing the supported model types and how to add one.
+    """
+    known = list_recipes()
+    if model_type not in known:
+        raise RecipeError(
+            f"no pipeline recipe for model_type {model_type!r}. Supported: {sorted(known)}. To add one, write a "
+            f"TOML file like model_recipes/llama.toml naming its embeddings, blocks, final modules and heads, and "
+            f"pass it to hf_pipeline.register_recipe(path) (or add it to model_recipes/); or load with "
+            f"split_method='trace' to let torch.export split it (forward and training only)."
+        )
+    return known[model_type]
+
+
+def replace(recipe: Recipe, **changes: Any) -> Recipe:
+    return dataclasses.replace(recipe, **changes)

@@ -1,0 +1,189 @@
+"""Stage modules: a pruned copy of the HF model holding only what one stage owns.
+
+The full model is instantiated once on the meta device. For each local stage a copy is pruned to
+the stage's module FQNs (see :class:`~hf_pipeline.plan.StageSpec`), keeping HF's own module
+objects and the model's attribute tree, so ``stage.named_parameters()`` yields exactly the
+checkpoint keys (``model.layers.3.mlp.up_proj.weight``). Weights are then materialised straight
+onto the stage device from the safetensors shards (see ``weights.py``).
+
+Example:
+    >>> meta = meta_model(config, "AutoModelForCausalLM")
+    >>> stage = build_stage(meta, resolved, plan.stages[1])
+    >>> sorted(n for n, _ in stage.named_parameters())[:1]
+    ['model.layers.4.input_layernorm.weight']
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+from torch import nn
+
+from .glue import Glue, get_glue
+from .plan import ResolvedRecipe, StageSpec
+
+__all__ = ["StageModule", "StackRun", "build_stage", "materialize", "meta_model", "resolve_auto_class"]
+
+
+def resolve_auto_class(auto_class: str | type, config) -> type:
+    """The concrete transformers class an Auto class maps ``config`` to (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``)."""
+    auto = getattr(transformers, auto_class) if isinstance(auto_class, str) else auto_class
+    if not hasattr(auto, "_model_mapping"):
+        return auto  # already a concrete class
+    try:
+        return auto._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(
+            f"{auto.__name__} has no model for config {type(config).__name__} (model_type {config.model_type!r}); "
+            f"pick the Auto class that matches the checkpoint"
+        ) from None
+
+
+def meta_model(config, model_class: str | type) -> nn.Module:
+    """Instantiate ``model_class`` for ``config`` with parameters on the meta device.
+
+    Buffers stay real (they are small and not all of them are in checkpoints: rotary ``inv_freq``,
+    position id ranges), so a pruned stage only needs its parameters loaded.
+    """
+    cls = resolve_auto_class(model_class, config)
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config)
+    # init_empty_weights swaps parameters as they are registered, which undoes the ties that
+    # post_init made; tie again so shared tensors are one Parameter, as in a real model.
+    model.tie_weights()
+    return model.eval()
+
+
+def _prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
+    # Delete every child not kept and not an ancestor of a kept module. Containers keep their
+    # class and attributes (a ModuleList of layers 4..7 still iterates them), and parameter names
+    # stay the model's own.
+    for name in list(module._parameters):
+        if prefix.rstrip(".") not in keep:
+            del module._parameters[name]
+    for name, child in list(module._modules.items()):
+        fqn = prefix + name
+        if child is None or fqn in keep:
+            continue
+        if any(k.startswith(fqn + ".") for k in keep):
+            _prune(child, keep, fqn + ".")
+        else:
+            del module._modules[name]
+
+
+@dataclass
+class StackRun:
+    """The part of one stack (encoder, decoder, ...) that a stage runs."""
+
+    name: str
+    starts: bool  # the stage runs this stack's first block (and its embeddings)
+    ends: bool  # ... and its last block (and its final modules)
+    blocks: list[str]
+    modules: list[nn.Module]
+    embeds: list[nn.Module]
+    finals: list[nn.Module]
+    replicas: list[str]  # FQNs of modules replicated on this stage (e.g. T5's relative bias)
+    container: nn.Module  # the module holding the stack (T5Stack; the base model otherwise)
+
+    def embed(self, ids):
+        return self.embeds[0](ids)
+
+    @property
+    def config(self):
+        return self.container.config
+
+    @property
+    def dropout(self):
+        return getattr(self.container, "dropout", nn.Identity())
+
+
+class StageModule(nn.Module):
+    """One pipeline stage. Its children are the pruned top-level children of the HF model."""
+
+    def __init__(self, root: nn.Module, spec: StageSpec, resolved: ResolvedRecipe, glue: Glue):
+        super().__init__()
+        for name, child in root.named_children():
+            self.add_module(name, child)
+        self.config = root.config
+        self.spec = spec
+        self.resolved = resolved
+        self.glue = glue
+        self.stack_runs: list[StackRun] = []
+        for stack in resolved.stacks:
+            owned = [b for b in stack.blocks if b in spec.blocks]
+            if not owned:
+                continue
+            container_fqn = stack.blocks[0].rpartition(".")[0].rpartition(".")[0]
+            self.stack_runs.append(
+                StackRun(
+                    name=stack.name,
+                    starts=owned[0] == stack.blocks[0],
+                    ends=owned[-1] == stack.blocks[-1],
+                    blocks=owned,
+                    modules=[self.get_submodule(b) for b in owned],
+                    embeds=[self.get_submodule(m) for m in stack.embed if m in spec.modules],
+                    finals=[self.get_submodule(m) for m in stack.final if m in spec.modules],
+                    replicas=[m for m in stack.every_stage if m in spec.modules],
+                    container=self.get_submodule(container_fqn) if container_fqn else self,
+                )
+            )
+
+    # Shortcuts for single-stack glues.
+    @property
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        return [(b, m) for run in self.stack_runs for b, m in zip(run.blocks, run.modules)]
+
+    @property
+    def embeds(self) -> list[nn.Module]:
+        return self.stack_runs[0].embeds
+
+    @property
+    def finals(self) -> list[nn.Module]:
+        return self.stack_runs[-1].finals
+
+    @property
+    def replicas(self) -> list[nn.Module]:
+        return [self.get_submodule(m) for m in self.stack_runs[0].replicas]
+
+    def forward(self, *received: torch.Tensor, **inputs: Any):
+        return self.glue.forward(self, received, inputs)
+
+    def extra_repr(self) -> str:
+        return f"stage={self.spec.index}, rank={self.spec.rank}, blocks={len(self.spec.blocks)}"
+
+
+def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> StageModule:
+    """A meta-device :class:`StageModule` for ``spec``, cut from a copy of ``full``."""
+    root = copy.deepcopy(full)
+    _prune(root, set(spec.modules))
+    return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue))
+
+
+def materialize(stage: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch.device, tied: tuple[tuple[str, ...], ...] = ()) -> None:
+    """Replace the stage's meta parameters with ``tensors`` (by checkpoint name), on ``device``.
+
+    Names that are one tensor in the model (``tied``) become one Parameter again when a stage holds
+    several of them, so their gradients add up as in the unsplit model.
+    """
+    groups = {name: g for g in tied for name in g}
+    made: dict[str, nn.Parameter] = {}
+    for name, param in list(stage.named_parameters(remove_duplicate=False)):
+        owner_name, _, attr = name.rpartition(".")
+        owner = stage.get_submodule(owner_name)
+        twin = next((made[n] for n in groups.get(name, ()) if n in made), None)
+        if twin is None:
+            if name not in tensors:
+                raise KeyError(f"no tensor loaded for stage parameter {name!r}")
+            twin = nn.Parameter(tensors[name].to(device), requires_grad=param.requires_grad)
+        owner._parameters[attr] = twin
+        made[name] = twin
+    for name, buf in list(stage.named_buffers()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = stage.get_submodule(owner_name)
+        value = tensors.get(name, buf)
+        owner._buffers[attr] = value.to(device)

@@ -1,0 +1,112 @@
+"""Tiny models and real sharded checkpoints for tests (no hub: configs are built here).
+
+``make_checkpoint(tmp_path, "llama")`` writes ``save_pretrained(max_shard_size=...)`` output with at
+least 3 safetensors shards and an index, and returns the directory; the same seed always gives the
+same weights, so a test's reference model is ``AUTO[arch].from_pretrained(path)``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+import transformers
+
+__all__ = ["ARCHS", "AUTO", "config_for", "make_checkpoint", "reference", "sample_inputs"]
+
+ARCHS = ("llama", "gpt2", "bert", "t5")
+
+# Auto class each arch is tested with (others are covered by their own tests).
+AUTO = {
+    "llama": "AutoModelForCausalLM",
+    "gpt2": "AutoModelForCausalLM",
+    "bert": "AutoModelForMaskedLM",
+    "t5": "AutoModelForSeq2SeqLM",
+}
+
+VOCAB = 96
+
+
+def config_for(arch: str, **overrides) -> transformers.PretrainedConfig:
+    """A tiny config (4 blocks; T5: 3 encoder + 3 decoder blocks) whose tokens ids fit VOCAB."""
+    common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, tie_word_embeddings=False, **common,
+        )
+    elif arch == "llama-tied":
+        cfg = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, tie_word_embeddings=True, **common,
+        )
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, sliding_window=None, **common,
+        )
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, **common,
+        )
+    elif arch == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=128, **common)
+    elif arch == "bert":
+        cfg = transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
+            vocab_size=VOCAB, pad_token_id=0,
+        )
+    elif arch == "t5":
+        cfg = transformers.T5Config(
+            d_model=32, d_ff=64, d_kv=8, num_layers=3, num_decoder_layers=3, num_heads=4, vocab_size=VOCAB,
+            pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+        )
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_checkpoint(directory: str | pathlib.Path, arch: str, *, auto: str | None = None, seed: int = 0, shards: int = 3, **overrides) -> pathlib.Path:
+    """Save a tiny randomly initialised ``arch`` model in >= ``shards`` safetensors shards."""
+    directory = pathlib.Path(directory)
+    torch.manual_seed(seed)
+    model = getattr(transformers, auto or AUTO.get(arch.split("-")[0], "AutoModelForCausalLM")).from_config(config_for(arch, **overrides))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Leave room for the largest single tensor: a shard never splits one.
+    biggest = max(p.numel() * p.element_size() for p in model.parameters())
+    size = max(total // (shards + 1), biggest + 1)
+    model.save_pretrained(directory, max_shard_size=f"{max(size // 1000, 1)}KB")
+    index = directory / "model.safetensors.index.json"
+    if shards > 1:
+        n = len(set(json.loads(index.read_text())["weight_map"].values()))
+        assert n >= shards, f"expected >= {shards} shards, got {n}"
+    return directory
+
+
+def reference(path, auto: str):
+    """The single-process transformers model, fp32, eval mode."""
+    return getattr(transformers, auto).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def sample_inputs(arch: str, batch: int = 4, seq: int = 9, *, seed: int = 1, pad_left: bool = True) -> dict[str, torch.Tensor]:
+    """Random ids with an attention mask that pads the first sequences (uneven lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        pad = (b * 2) % max(seq - 2, 1)
+        if pad:
+            if pad_left:
+                mask[b, :pad] = 0
+                ids[b, :pad] = 0
+            else:
+                mask[b, seq - pad :] = 0
+                ids[b, seq - pad :] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if arch == "t5":
+        inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (batch, 5), generator=g)
+    return inputs
