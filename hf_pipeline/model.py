@@ -255,6 +255,32 @@ class PipelinedModel(nn.Module):
             dist.broadcast(t, src=src, group=self.pp_group)
         return tensors
 
+    # ------------------------------------------------------- training / saving / generation
+    # Each lives in its own module; these methods are the user-facing entry points.
+    def train_step(self, batch: dict[str, Any], **kwargs: Any) -> torch.Tensor:
+        """Forward + backward of one global batch; returns the mean loss on every rank. See ``train.py``."""
+        from .train import train_step
+
+        return train_step(self, batch, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
+        from .train import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpoint.py``."""
+        from .checkpoint import save_pretrained
+
+        return save_pretrained(self, save_directory, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
+        from .generate import generate
+
+        return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
     def extra_repr(self) -> str:
         return f"rank={self.ctx.rank}, stages={[s.spec.index for s in self.stages]} of {self.plan.num_stages}"
 

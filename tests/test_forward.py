@@ -1,0 +1,117 @@
+"""Tier 3: pipelined forward over gloo equals single-process transformers (fp32, max abs diff 1e-5).
+
+Each case loads a real >= 3-shard checkpoint with ``from_pretrained(..., pipeline=True)`` on every
+rank, runs a padded, uneven batch through torch's schedules and compares the output on every rank
+with the reference loaded by plain transformers in the parent process.
+"""
+
+import pytest
+import torch
+
+import tiny
+from harness import run_distributed
+
+TOL = 1e-5  # fp32: the same kernels on the same inputs; only summation order could differ
+
+
+def _forward(path, auto, arch, kwargs, batch):
+    import hf_pipeline
+
+    model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", **kwargs)
+    inputs = tiny.sample_inputs(arch, batch=batch, seq=9)
+    out = model(**inputs)
+    names = model.resolved.head.outputs
+    return {
+        "outputs": {n: getattr(out, n) for n in names},
+        "plan": [(s.index, s.rank, s.blocks) for s in model.plan.stages],
+        "local": [s.spec.index for s in model.stages],
+        "files": list(model.load_report.files_opened),
+    }
+
+
+def _reference(path, auto, arch, batch):
+    ref = tiny.reference(path, auto)
+    with torch.no_grad():
+        return ref(**tiny.sample_inputs(arch, batch=batch, seq=9))
+
+
+def _check(results, expected, world):
+    assert len(results) == world
+    for rank, res in enumerate(results):
+        for name, got in res["outputs"].items():
+            want = getattr(expected, name)
+            assert got.shape == want.shape, (rank, name)
+            diff = (got - want).abs().max().item()
+            assert diff <= TOL, f"rank {rank} {name}: max abs diff {diff}"
+
+
+# (arch, auto class) x world sizes 2, 3 (4 for the 4-layer decoder-only models) x virtual stages
+CASES = [
+    ("llama", "AutoModelForCausalLM", 2, 1),
+    ("llama", "AutoModelForCausalLM", 2, 2),
+    ("llama", "AutoModelForCausalLM", 3, 1),
+    ("llama", "AutoModelForCausalLM", 4, 1),
+    ("gpt2", "AutoModelForCausalLM", 2, 2),
+    ("gpt2", "AutoModelForCausalLM", 3, 1),
+    ("gpt2", "AutoModelForCausalLM", 4, 1),
+    ("bert", "AutoModelForMaskedLM", 2, 1),
+    ("bert", "AutoModelForMaskedLM", 2, 2),
+    ("bert", "AutoModelForMaskedLM", 3, 1),
+    ("t5", "AutoModelForSeq2SeqLM", 2, 1),
+    ("t5", "AutoModelForSeq2SeqLM", 3, 2),
+    ("t5", "AutoModelForSeq2SeqLM", 3, 1),
+]
+
+
+@pytest.mark.parametrize("arch,auto,world,virtual", CASES, ids=[f"{a}-w{w}-v{v}" for a, _, w, v in CASES])
+def test_pipelined_forward_equals_transformers(tmp_path, arch, auto, world, virtual):
+    path = tiny.make_checkpoint(tmp_path / arch, arch)
+    batch = 6  # not a multiple of n_microbatches=4: the last microbatch is padded
+    kwargs = {"n_microbatches": 4, "virtual_stages": virtual}
+    results = run_distributed(_forward, world, str(path), auto, arch, kwargs, batch)
+    _check(results, _reference(path, auto, arch, batch), world)
+    plan = results[0]["plan"]
+    assert len(plan) == world * virtual
+    assert all(r["plan"] == plan for r in results)
+    for rank, res in enumerate(results):
+        assert res["local"] == [i for i, r, _ in plan if r == rank]
+
+
+@pytest.mark.parametrize("arch,auto", [("llama", "AutoModelForCausalLM"), ("bert", "AutoModel"), ("bert", "AutoModelForSequenceClassification"), ("gpt2", "AutoModel")])
+def test_other_heads_world_2(tmp_path, arch, auto):
+    path = tiny.make_checkpoint(tmp_path / arch, arch, auto=auto)
+    results = run_distributed(_forward, 2, str(path), auto, arch, {"n_microbatches": 2}, 4)
+    _check(results, _reference(path, auto, arch, 4), 2)
+
+
+def test_world_size_1_runs_every_stage_locally(tmp_path):
+    path = tiny.make_checkpoint(tmp_path / "t5", "t5")
+    res = _forward(str(path), "AutoModelForSeq2SeqLM", "t5", {"num_stages": 2, "virtual_stages": 2}, 3)
+    _check([res], _reference(path, "AutoModelForSeq2SeqLM", "t5", 3), 1)
+    assert res["local"] == [0, 1]
+
+
+def _gather_false(path):
+    import hf_pipeline
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", gather_output=False, n_microbatches=2)
+    out = model(**tiny.sample_inputs("llama", batch=2))
+    return None if out is None else out.logits
+
+
+def test_gather_output_false_keeps_output_on_last_stage(tmp_path):
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    results = run_distributed(_gather_false, 2, str(path))
+    assert results[0] is None
+    want = _reference(path, "AutoModelForCausalLM", "llama", 2).logits
+    assert (results[1] - want).abs().max() <= TOL
+
+
+def test_pipeline_false_is_plain_transformers(tmp_path):
+    import transformers
+
+    import hf_pipeline
+
+    path = tiny.make_checkpoint(tmp_path / "gpt2", "gpt2")
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path)
+    assert type(model) is transformers.GPT2LMHeadModel
