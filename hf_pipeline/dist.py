@@ -1,25 +1,37 @@
-"""One rank context: process group, device and error agreement for every rank of a job.
+"""One rank context: process group and device from the environment, timeouts, and error agreement.
 
-``init_distributed()`` works the same under ``torchrun``, ``accelerate launch --multi_gpu`` (both set
-RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR) and a plain ``python script.py`` (world size 1, no
-process group). Devices come from LOCAL_RANK, never the global rank, so multi-host jobs place
-stages on the right GPU. A failure detected on one rank is turned into an error on every rank
-(``collective_errors``) instead of leaving the others blocked in a receive.
+``init_distributed()`` works the same under ``torchrun``, ``accelerate launch --multi_gpu`` (which
+starts torchrun) and a plain ``python script.py``: it reuses a default process group that already
+exists, else creates one from the launcher's env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``/``MASTER_PORT``), else runs as a single process with no group at all. The device
+comes from ``LOCAL_RANK`` (never the global rank, which is wrong on every host but the first).
 
-Example:
+A failure on one rank must become a clear error on every rank instead of a hang in the next
+collective: ``collective_errors`` / ``raise_on_any_rank`` agree on failures after a local step,
+and ``check_same_on_all_ranks`` catches inputs that differ across ranks before they are used.
+
+Example (``torchrun --nproc-per-node 2 script.py``):
     >>> ctx = init_distributed()
-    >>> with collective_errors(ctx, "loading weights"):
-    ...     tensors = load_my_shards()
+    >>> with collective_errors(ctx, "loading weights", label=f"stage {ctx.rank}"):
+    ...     tensors = load_my_stage()          # raises on rank 1 -> RankError on rank 0
+    >>> check_same_on_all_ranks(ctx, "input_ids", input_ids)
+
+Environment:
+    HF_PIPELINE_TIMEOUT: collective timeout in seconds (default 300, far below torch's 30 min, so a
+        dead peer ends the job in minutes).
+    HF_PIPELINE_THREADS: if set, ``torch.set_num_threads`` of every rank (tests set 1).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import os
-from dataclasses import dataclass
-from typing import Any, Iterator
+import pickle
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,176 +48,498 @@ __all__ = [
     "raise_on_any_rank",
 ]
 
-# Well under torch's 30 minutes: a dead peer must not hold a job for half an hour.
 DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "HF_PIPELINE_TIMEOUT"
+THREADS_ENV = "HF_PIPELINE_THREADS"
+_MAX_MESSAGE = 2000  # characters of a remote error message carried to the other ranks
+_HASH_ALL_BYTES = 1 << 20  # tensors up to 1 MiB are hashed byte for byte; larger ones get a cheaper checksum
+_EDGE_BYTES = 1 << 16  # of a large tensor: hash its first and last 64 KiB plus a sum over all of it
+_MAX_SUMMARY = 300  # characters of a value's description in a mismatch message
 
-
-class RankError(RuntimeError):
-    """Another rank failed; the message names it and carries its original message."""
-
-    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), original_type: str = ""):
-        super().__init__(message)
-        self.ranks = ranks
-        self.rank = ranks[0] if ranks else None
-        self.original_type = original_type
+_CONTEXT: RankContext | None = None  # the context created last (get_rank_context)
+_OWNS_GROUP = False  # True when init_distributed created the default group (destroy_distributed may destroy it)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankContext:
-    """Where this process sits in the job."""
+    """Who this process is and where its tensors live; the one place per-rank facts are read from.
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        world_size: number of processes in the job.
+        local_rank: rank on this host (picks the GPU).
+        local_world_size: processes on this host.
+        device: ``cuda:<local_rank>`` when CUDA is used, else ``cpu``.
+        backend: ``"nccl"``, ``"gloo"`` (or another backend of a reused group), or ``"none"`` for a
+            single process without a group.
+        group: the default process group; ``None`` for a single process (unless a one-process
+            group already existed and was reused).
+        timeout: collective timeout of the group (also what :meth:`apply_timeout` gives subgroups).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     device: torch.device
-    backend: str  # "gloo", "nccl" or "none" (single process)
-    group: Any = None  # the default process group, or None
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    backend: str
+    group: dist.ProcessGroup | None
+    timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size}); check RANK and WORLD_SIZE")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local rank {self.local_rank} is outside [0, local_world_size={self.local_world_size}); "
+                "check LOCAL_RANK and LOCAL_WORLD_SIZE"
+            )
 
     @property
     def is_main_process(self) -> bool:
+        """True on global rank 0 (logging, saving, progress bars)."""
         return self.rank == 0
 
     @property
     def is_last_process(self) -> bool:
+        """True on the last global rank."""
         return self.rank == self.world_size - 1
 
+    @property
+    def is_distributed(self) -> bool:
+        """True with more than one process (collectives must then be called on every rank)."""
+        return self.world_size > 1
+
     def barrier(self) -> None:
-        if self.is_distributed:
-            dist.barrier()
+        """Wait for every rank; a no-op for a single process."""
+        if self.group is None:
+            return
+        if self.device.type == "cuda" and self.backend == "nccl":
+            dist.barrier(group=self.group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self.group)
+
+    def apply_timeout(self, *groups: dist.ProcessGroup) -> None:
+        """Give subgroups this context's timeout.
+
+        Note: ``dist.new_group`` and ``init_device_mesh`` create groups with torch's default timeout
+        (30 min), not the default group's; call this on every subgroup you create.
+
+        Args:
+            *groups: process groups this rank belongs to.
+        """
+        for group in groups:
+            if group is not None:
+                group.set_timeout(self.timeout)
 
 
-_CONTEXT: RankContext | None = None
-_CREATED_GROUP = False
+class RankError(RuntimeError):
+    """Another rank failed; raised on every rank but the failing one(s).
+
+    Attributes:
+        rank: the first failing rank.
+        ranks: every failing rank, ascending.
+        original_type: name of the first failing rank's exception type (e.g. ``"ValueError"``).
+        failures: ``{rank: (type name, message, label)}`` for every failing rank.
+    """
+
+    def __init__(self, message: str, *, failures: Mapping[int, tuple[str, str, str | None]]) -> None:
+        super().__init__(message)
+        self.failures = dict(sorted(failures.items()))
+        self.ranks = tuple(self.failures)
+        self.rank = self.ranks[0]
+        self.original_type = self.failures[self.rank][0]
+
+    def __reduce__(self):  # picklable (e.g. sent back from a worker process)
+        return (_rebuild_rank_error, (str(self), self.failures))
 
 
-def _timeout_from_env(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
-    if isinstance(timeout, datetime.timedelta):
-        return timeout
+def _rebuild_rank_error(message: str, failures: Mapping[int, tuple[str, str, str | None]]) -> RankError:
+    return RankError(message, failures=failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up and tear-down
+# ---------------------------------------------------------------------------------------------
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
     if timeout is None:
-        timeout = float(os.environ.get("HF_PIPELINE_TIMEOUT", DEFAULT_TIMEOUT_S))
-    return datetime.timedelta(seconds=float(timeout))
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None or raw.strip() == "":
+            timeout = DEFAULT_TIMEOUT_S
+        else:
+            try:
+                timeout = float(raw)
+            except ValueError:
+                raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a number of seconds, e.g. {TIMEOUT_ENV}=600") from None
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout.total_seconds()} s; pass e.g. timeout=300")
+    return timeout
 
 
-def init_distributed(*, device: str | torch.device | None = None, timeout: float | datetime.timedelta | None = None) -> RankContext:
-    """Join (or create) the default process group and pick this rank's device.
+def _apply_threads() -> None:
+    threads = _env_int(THREADS_ENV)
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"{THREADS_ENV}={threads} must be >= 1")
+    torch.set_num_threads(threads)
+
+
+def _resolve_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    """``cuda:<local_rank>`` if CUDA is wanted and available, else cpu; an explicit index is kept."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} was asked for but CUDA is not available; pass device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(
+                f"local rank {local_rank} wants {device} but this host has {count} GPU(s); launch at most {count} "
+                "processes per host (torchrun --nproc-per-node) or set LOCAL_RANK correctly"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"device {str(device)!r} is not supported; use 'cpu', 'cuda' or 'cuda:<index>'")
+    return device
+
+
+def init_distributed(
+    *, device: str | torch.device | None = None, timeout: float | datetime.timedelta | None = None
+) -> RankContext:
+    """Join (or create) the process group this job runs in and return the rank context.
 
     Args:
-        device: force a device type ("cpu", "cuda"); default cuda:LOCAL_RANK when CUDA is available.
-        timeout: collective timeout (seconds); default env HF_PIPELINE_TIMEOUT, else 300 s.
+        device: ``None`` picks ``cuda:<LOCAL_RANK>`` when CUDA is available, else cpu; ``"cpu"``
+            forces CPU (gloo); ``"cuda"`` or ``"cuda:<i>"`` forces CUDA.
+        timeout: collective timeout in seconds or as a timedelta; default ``$HF_PIPELINE_TIMEOUT``
+            or 300 s. Ignored when an existing group is reused (its own timeout stays).
+
     Returns:
-        The :class:`RankContext` (also kept for :func:`get_rank_context`).
+        The :class:`RankContext`, also cached for :func:`get_rank_context`.
+
+    Example:
+        >>> ctx = init_distributed(device="cpu")     # under torchrun --nproc-per-node 2
+        >>> ctx.rank, ctx.world_size, ctx.backend     # (1, 2, 'gloo') on the second process
     """
-    global _CONTEXT, _CREATED_GROUP
-    if os.environ.get("HF_PIPELINE_THREADS"):
-        torch.set_num_threads(int(os.environ["HF_PIPELINE_THREADS"]))
-    td = _timeout_from_env(timeout)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    want = torch.device(device) if device is not None else None
-    use_cuda = (want is None and torch.cuda.is_available()) or (want is not None and want.type == "cuda")
-    if use_cuda:
-        dev = torch.device("cuda", want.index if want is not None and want.index is not None else local_rank)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
+    global _CONTEXT, _OWNS_GROUP
+    _apply_threads()
+    resolved_timeout = _resolve_timeout(timeout)
 
     if dist.is_available() and dist.is_initialized():
-        backend = dist.get_backend()
-        world, rank = dist.get_world_size(), dist.get_rank()
-    elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, init_method="env://", timeout=td, **kwargs)
-        _CREATED_GROUP = True
-        world, rank = dist.get_world_size(), dist.get_rank()
+        # Someone (accelerate, the user, an earlier call) already made the group: join it as it is.
+        group = dist.group.WORLD
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        local_rank = _env_int("LOCAL_RANK", rank % local_world_size)
+        backend = str(dist.get_backend(group))
+        if device is None and "nccl" not in backend:
+            device = "cpu"  # a gloo-only group cannot move CUDA tensors
+        resolved = _resolve_device(device, local_rank)
+        if resolved.type == "cpu" and "gloo" not in backend:
+            raise ValueError(
+                f"the existing process group uses backend {backend!r}, which cannot run collectives on CPU tensors; "
+                "initialize it with 'gloo' (or 'cpu:gloo,cuda:nccl'), or pass device='cuda'"
+            )
+        existing = _group_timeout(group)
+        ctx = RankContext(
+            rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+            device=resolved, backend=backend, group=group, timeout=existing or resolved_timeout,
+        )
     else:
-        backend, world, rank = "none", 1, 0
-    _CONTEXT = RankContext(
-        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, device=dev,
-        backend=backend, group=dist.group.WORLD if world > 1 else None, timeout_s=td.total_seconds(),
+        world_size = _env_int("WORLD_SIZE", 1)
+        if world_size < 1:
+            raise ValueError(f"WORLD_SIZE={world_size} must be >= 1")
+        if world_size == 1:
+            local_rank = _env_int("LOCAL_RANK", 0)  # kept: it still picks the GPU
+            ctx = RankContext(
+                rank=0, world_size=1, local_rank=local_rank,
+                local_world_size=_env_int("LOCAL_WORLD_SIZE", local_rank + 1),
+                device=_resolve_device(device, local_rank), backend="none", group=None, timeout=resolved_timeout,
+            )
+        else:
+            ctx = _create_group(world_size, device, resolved_timeout)
+            _OWNS_GROUP = True
+    _CONTEXT = ctx
+    return ctx
+
+
+def _create_group(world_size: int, device: str | torch.device | None, timeout: datetime.timedelta) -> RankContext:
+    rank = _env_int("RANK")
+    if rank is None:
+        raise ValueError(f"WORLD_SIZE={world_size} is set but RANK is not; start the script with torchrun or accelerate launch")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} is set but {' and '.join(missing)} is not; start the script with torchrun or "
+            "accelerate launch, or set MASTER_ADDR/MASTER_PORT to rank 0's address and a free port"
+        )
+    # LOCAL_RANK is set by every launcher we support; without it assume one host (rank == local rank).
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_rank = _env_int("LOCAL_RANK", rank % local_world_size)
+    resolved = _resolve_device(device, local_rank)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)  # all_gather_object on nccl uses the current device
+        dist.init_process_group("nccl", init_method="env://", timeout=timeout, device_id=resolved)
+        backend = "nccl"
+    else:
+        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+        backend = "gloo"
+    return RankContext(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+        local_world_size=local_world_size, device=resolved, backend=backend, group=dist.group.WORLD,
+        timeout=timeout,
     )
-    return _CONTEXT
+
+
+def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout a group was created with (None if its backend does not say)."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001 - private API, backend not registered for this device
+            continue
+    return None
 
 
 def get_rank_context() -> RankContext:
-    """The context made by the last :func:`init_distributed` (made now if there is none)."""
+    """The context the last :func:`init_distributed` call returned, made now (with defaults) if none.
+
+    Returns:
+        The cached :class:`RankContext`; a fresh one if its group has been destroyed since.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None and _CONTEXT.group is not None and not dist.is_initialized():
+        destroy_distributed()  # the group was destroyed behind our back; the context is stale
     return _CONTEXT if _CONTEXT is not None else init_distributed()
 
 
 def destroy_distributed() -> None:
-    """Tear down the process group this module created, and forget the context."""
-    global _CONTEXT, _CREATED_GROUP
-    if _CREATED_GROUP and dist.is_initialized():
+    """Destroy the process group if :func:`init_distributed` created it, and clear the cached context.
+
+    A group that existed before (made by accelerate or the user) is left alone. Safe to call twice.
+    """
+    global _CONTEXT, _OWNS_GROUP
+    if _OWNS_GROUP and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _CREATED_GROUP = False
+    _OWNS_GROUP = False
     _CONTEXT = None
 
 
-def raise_on_any_rank(ctx: RankContext, error: BaseException | None, *, what: str) -> None:
-    """Collective: if any rank failed at ``what``, raise on every rank.
+# ---------------------------------------------------------------------------------------------
+# Error agreement
+# ---------------------------------------------------------------------------------------------
 
-    The failing rank re-raises its own exception (type and traceback kept); the others raise
-    :class:`RankError` naming the failing rank(s) and their messages.
+
+def _describe(error: BaseException) -> tuple[str, str, str]:
+    """(type name, message, innermost frame) of a local exception, small enough to all-gather."""
+    message = str(error)
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + f"... ({len(message) - _MAX_MESSAGE} more characters)"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return type(error).__name__, message, where
+
+
+def raise_on_any_rank(
+    ctx: RankContext,
+    error: BaseException | None,
+    *,
+    what: str,
+    label: str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Collective: raise on every rank if the local step just run failed on any rank.
+
+    Every rank of the group must call this, passing the exception it caught (or ``None``). A
+    failing rank re-raises its own exception (same type, same traceback; a note names the other
+    failing ranks); every other rank raises :class:`RankError` naming the failing rank(s) and
+    their messages. With no group this just re-raises ``error`` if there is one.
+
+    Args:
+        ctx: the rank context.
+        error: the exception this rank caught, or ``None``.
+        what: the step, for the message (``"loading weights"`` -> "... failed while loading weights").
+        label: this rank's role, shown next to its rank (e.g. ``"stage 2"``).
+        group: group to agree in; default ``ctx.group``.
+
+    Raises:
+        BaseException: this rank's own ``error``.
+        RankError: another rank failed.
     """
-    if not ctx.is_distributed:
+    group = group if group is not None else ctx.group
+    if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
-    mine = None if error is None else (type(error).__name__, str(error))
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+    mine = (*_describe(error), label) if error is not None else None
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(gathered, mine, group=group)
+    except Exception as gather_error:
+        if error is not None:
+            error.add_note(f"(the other ranks could not be told: {gather_error})")
+            raise error
+        gather_error.add_note(
+            f"hf_pipeline: agreeing on errors after {what} failed; a peer rank has probably crashed or hung "
+            f"(timeout {ctx.timeout.total_seconds():.0f} s, set {TIMEOUT_ENV} to change it)"
+        )
+        raise
+    # gathered is ordered by rank within the group; messages name global ranks
+    failed = {dist.get_global_rank(group, i): item for i, item in enumerate(gathered) if item is not None}
     if not failed:
         return
+    failures = {r: (t, m, lab) for r, (t, m, _, lab) in failed.items()}
+    lines = [
+        f"rank {r}{f' ({lab})' if lab else ''} failed while {what}: {t}: {m}{f' [at {where}]' if where else ''}"
+        for r, (t, m, where, lab) in sorted(failed.items())
+    ]
     if error is not None:
+        others = [line for r, line in zip(sorted(failed), lines) if r != ctx.rank]
+        if others:
+            error.add_note("other ranks failed too:\n" + "\n".join(others))
         raise error
-    detail = "; ".join(f"rank {r} raised {t}: {m}" for r, (t, m) in failed)
-    raise RankError(f"{what} failed on another rank: {detail}", ranks=tuple(r for r, _ in failed), original_type=failed[0][1][0])
+    message = lines[0] if len(lines) == 1 else f"{len(lines)} ranks failed while {what}:\n" + "\n".join(lines)
+    raise RankError(message, failures=failures)
 
 
-@contextlib.contextmanager
-def collective_errors(ctx: RankContext, what: str) -> Iterator[None]:
-    """Run a local step on every rank; an exception on any rank becomes an error on all of them."""
+@contextmanager
+def collective_errors(
+    ctx: RankContext, what: str, *, label: str | None = None, group: dist.ProcessGroup | None = None
+) -> Iterator[None]:
+    """Run a local step on every rank; if it raises on any rank, raise on all (see :func:`raise_on_any_rank`).
+
+    Note: the block must not itself run collectives that a failing rank would skip — a rank that
+    raised early and reached the agreement would otherwise wait for peers stuck in the skipped
+    collective until the timeout.
+
+    Args:
+        ctx: the rank context.
+        what: the step, for the message.
+        label: this rank's role, for the message (e.g. ``"stage 1"``).
+        group: group to agree in; default ``ctx.group``.
+
+    Example:
+        >>> with collective_errors(ctx, "loading weights"):
+        ...     tensors, report = load_tensors(index, wanted, device=ctx.device)
+    """
+    error: Exception | None = None
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - re-raised below, on this rank and (as RankError) on the others
-        raise_on_any_rank(ctx, e, what=what)
-        raise
-    raise_on_any_rank(ctx, None, what=what)
+    except Exception as caught:  # KeyboardInterrupt/SystemExit propagate: launchers stop every rank for those
+        error = caught
+    raise_on_any_rank(ctx, error, what=what, label=label, group=group)
 
 
-def _fingerprint(value: Any) -> Any:
+def _tensor_fingerprint(t: torch.Tensor) -> tuple[str, str]:
+    """(digest, summary) of a tensor: shape, dtype and a checksum of its bytes."""
+    head = f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}"
+    if t.is_meta or t.layout != torch.strided or t.is_quantized:
+        return f"{head},{t.layout}", head + ")"
+    flat = t.detach().contiguous().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    h = hashlib.blake2b(digest_size=8)
+    if nbytes <= _HASH_ALL_BYTES:
+        h.update(raw.cpu().numpy().tobytes())
+    else:
+        # Large: hash both ends exactly and sum every byte on the tensor's own device (no full copy).
+        h.update(raw[:_EDGE_BYTES].cpu().numpy().tobytes())
+        h.update(raw[-_EDGE_BYTES:].cpu().numpy().tobytes())
+        words = raw.view(torch.int64) if nbytes % 8 == 0 else raw
+        h.update(str(int(words.sum(dtype=torch.int64))).encode())
+    checksum = h.hexdigest()
+    return f"{head},{checksum}", f"{head}, checksum={checksum[:8]})"
+
+
+def _fingerprint(value: Any) -> tuple[str, str]:
+    """(digest material, readable summary) of a value; recursive over containers."""
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
-        return ("tensor", tuple(t.shape), str(t.dtype), digest)
-    if isinstance(value, dict):
-        return tuple((k, _fingerprint(v)) for k, v in sorted(value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_fingerprint(v) for v in value)
-    return repr(value)
-
-
-def check_same_on_all_ranks(ctx: RankContext, name: str, value: Any, *, group: Any = None) -> None:
-    """Collective: raise ValueError on every rank if ``value`` differs between ranks.
-
-    For inputs of collective calls (every rank must pass the same ``input_ids``): a silent
-    difference would give wrong results or a hang, so it is detected from a cheap fingerprint.
-    """
-    if not ctx.is_distributed:
-        return
-    size = dist.get_world_size(group)
-    prints: list[Any] = [None] * size
-    dist.all_gather_object(prints, _fingerprint(value), group=group)
-    if any(p != prints[0] for p in prints):
-        differ = [r for r, p in enumerate(prints) if p != prints[0]]
-        raise ValueError(
-            f"{name} differ between ranks (ranks {differ} differ from rank 0); a pipelined call is collective and "
-            f"every rank must pass the same {name}"
+        return _tensor_fingerprint(value)
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.Size)):
+        r = repr(value)
+        return r, r if len(r) <= 60 else r[:57] + "..."
+    if isinstance(value, torch.device):
+        return repr(value), str(value)
+    if isinstance(value, Mapping):
+        items = [(repr(k), _fingerprint(v)) for k, v in value.items()]
+        items.sort(key=lambda kv: kv[0])
+        return (
+            "{" + ",".join(f"{k}:{d}" for k, (d, _) in items) + "}",
+            "{" + ", ".join(f"{k}: {s}" for k, (_, s) in items) + "}",
         )
+    if isinstance(value, (list, tuple)):
+        parts = [_fingerprint(v) for v in value]
+        open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
+        return open_ + ",".join(d for d, _ in parts) + close, open_ + ", ".join(s for _, s in parts) + close
+    if is_dataclass(value) and not isinstance(value, type):
+        return _fingerprint({f.name: getattr(value, f.name) for f in fields(value)})
+    try:  # any other picklable object: compare its pickle (repr may contain per-process addresses)
+        digest = hashlib.blake2b(pickle.dumps(value), digest_size=8).hexdigest()
+    except Exception:  # noqa: BLE001 - unpicklable: compare the type only
+        digest = "unpicklable"
+    name = type(value).__qualname__
+    return f"{name}:{digest}", f"{name}(#{digest[:8]})"
+
+
+def check_same_on_all_ranks(
+    ctx: RankContext, name: str, value: Any, *, group: dist.ProcessGroup | None = None
+) -> None:
+    """Collective: raise on every rank if ``value`` is not the same on all of them.
+
+    Compares a cheap fingerprint (structure; for tensors shape, dtype and a checksum of the bytes;
+    for other leaves their repr or pickle), not the full values: a mismatch is always reported,
+    equality is overwhelmingly likely but not proven for tensors over 1 MiB. A no-op without a group.
+
+    Args:
+        ctx: the rank context.
+        name: what the value is, for the message (e.g. ``"input_ids"``).
+        value: a tensor, number, string, or a dict/list/tuple/dataclass of those.
+        group: group that must agree; default ``ctx.group``.
+
+    Raises:
+        ValueError: on every rank, naming ``name`` and which ranks hold which value.
+
+    Example:
+        >>> check_same_on_all_ranks(ctx, "input_ids", input_ids)
+    """
+    group = group if group is not None else ctx.group
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    digest_material, summary = _fingerprint(value)
+    digest = hashlib.blake2b(digest_material.encode(), digest_size=16).hexdigest()
+    if len(summary) > _MAX_SUMMARY:
+        summary = summary[: _MAX_SUMMARY - 3] + "..."
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (digest, summary), group=group)
+    if len({d for d, _ in gathered}) == 1:
+        return
+    by_digest: dict[str, list[int]] = {}
+    summaries: dict[str, str] = {}
+    for i, (d, s) in enumerate(gathered):
+        by_digest.setdefault(d, []).append(dist.get_global_rank(group, i))
+        summaries[d] = s
+    variants = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {summaries[d]}"
+        for d, ranks in sorted(by_digest.items(), key=lambda item: item[1][0])
+    )
+    raise ValueError(
+        f"{name} must be the same on every rank but differs: {variants}. Pass the same {name} on every rank "
+        "(same inputs and seed everywhere, or broadcast them from rank 0)"
+    )

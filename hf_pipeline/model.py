@@ -281,6 +281,12 @@ class PipelinedModel(nn.Module):
 
         return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
+    def profile(self):
+        """Context manager timing every pipeline action on this rank; ``.timeline()`` after it. See ``profile.py``."""
+        from .profile import record
+
+        return record(self)
+
     def extra_repr(self) -> str:
         return f"rank={self.ctx.rank}, stages={[s.spec.index for s in self.stages]} of {self.plan.num_stages}"
 
@@ -303,6 +309,8 @@ def _build_groups(ctx: RankContext, pp_size: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
+    ctx.apply_timeout(mesh.get_group("pp"), mesh.get_group("dp"))
     return mesh, mesh.get_group("pp"), mesh.get_group("dp"), mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), dp_size
 
 

@@ -1,9 +1,21 @@
 """The one multi-process harness: run a function on N gloo ranks on this machine, collect results.
 
-``run_distributed(fn, 2, *args)`` spawns two processes with the torchrun environment (free port on
-127.0.0.1, GLOO_SOCKET_IFNAME=lo, one thread each), calls ``fn(*args)`` in each and returns the
-per-rank return values. A failure on any rank raises with every failed rank's traceback; a rank
-that does not finish in ``timeout`` seconds is killed and reported, so a test never hangs.
+``run_distributed(fn, 2, *args)`` spawns two processes with the torchrun environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, a free port on 127.0.0.1, GLOO_SOCKET_IFNAME=lo, one
+thread each), calls ``fn(*args)`` in each and returns the per-rank return values. A failure on any
+rank raises :class:`ChildFailed` with every failed rank's traceback; a rank that does not finish
+in ``timeout`` seconds is killed (SIGKILL) and reported, so a test never hangs.
+
+``fn`` must be a module-level function (it is pickled by name into spawned processes); the tests
+directory and the repository root are on ``sys.path`` in every child, so test modules import. The
+harness itself imports only torch in the children, never transformers.
+
+Example:
+    >>> def _ranks():
+    ...     from hf_pipeline.dist import init_distributed
+    ...     return init_distributed().rank
+    >>> run_distributed(_ranks, 2)
+    [0, 1]
 """
 
 from __future__ import annotations
@@ -19,41 +31,66 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["ChildFailed", "free_port", "run_distributed"]
+__all__ = ["ChildFailed", "expect_errors", "free_port", "run_distributed"]
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _TESTS = pathlib.Path(__file__).resolve().parent
+# Spawned children get the parent's sys.path before they unpickle their target (``harness._child``).
+for _p in (str(_ROOT), str(_TESTS)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+_POLL_S = 0.2  # how often the parent checks for results and dead children
+_JOIN_S = 10.0  # time a finished child gets to exit (destroying its process group) before SIGKILL
 
 
 class ChildFailed(AssertionError):
-    """One or more ranks raised or timed out."""
+    """One or more ranks raised, died or timed out; the message has every failed rank's traceback."""
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+
+    Returns:
+        The port number.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, kwargs: dict, out: Any) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-        HF_PIPELINE_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-    )
-    os.environ.update(env)
-    for p in (str(_ROOT), str(_TESTS)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    import torch
+def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str]) -> dict[str, str]:
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "HF_PIPELINE_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env.update(extra)
+    return env
 
-    torch.set_num_threads(1)
+
+def _child(rank: int, env: dict[str, str], payload: bytes, out: Any) -> None:
+    """Body of one rank: set the env, unpickle and run ``fn``, report back, destroy the group."""
+    os.environ.update(env)  # before fn is unpickled: importing its module may read the env
     try:
+        import torch
+
+        torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(payload)
         result = fn(*args, **kwargs)
         # Plain pickle bytes: tensors go by value, not as shared-memory handles that die with the child.
         out.put((rank, "ok", pickle.dumps(result)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        out.put((rank, "error", pickle.dumps((type(e).__name__, str(e), traceback.format_exc(), e if _picklable(e) else None))))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+        original = e if _round_trips(e) else None
+        out.put((rank, "error", pickle.dumps((type(e).__name__, str(e), traceback.format_exc(), original))))
     finally:
         import torch.distributed as dist
 
@@ -64,80 +101,145 @@ def _child(rank: int, world: int, port: int, env: dict, fn: Callable, args: tupl
                 pass
 
 
-def _picklable(obj: Any) -> bool:
+def _round_trips(obj: Any) -> bool:
     try:
         pickle.loads(pickle.dumps(obj))
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - some exceptions pickle but cannot be rebuilt
         return False
 
 
+def _failure(rank: int, status: str, payload: Any, timeout: float, grace: float, first_failed: int | None):
+    """(message for ChildFailed, exception for return_exceptions) of one failed rank."""
+    if status == "timeout":
+        msg = f"rank {rank} timed out after {timeout:g} s (killed)"
+        return msg, TimeoutError(msg)
+    if status == "stuck":
+        msg = (
+            f"rank {rank} was still running {grace:g} s after rank {first_failed} failed (killed; probably "
+            "blocked in a collective the failed rank never reached)"
+        )
+        return msg, TimeoutError(msg)
+    if status == "died":
+        msg = f"rank {rank} died with exit code {payload} without reporting a result"
+        return msg, ChildFailed(msg)
+    name, text, tb, original = payload
+    msg = f"rank {rank} raised {name}: {text}\n{tb}"
+    if original is None:
+        return msg, ChildFailed(msg)
+    original.remote_traceback = tb  # the child's traceback does not survive pickling
+    original.add_note(f"traceback on rank {rank}:\n{tb}")
+    return msg, original
+
+
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 180, env: dict | None = None,
-    return_exceptions: bool = False, **kwargs: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    return_exceptions: bool = False,
+    failure_grace: float = 30,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return results ordered by rank.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results ordered by rank.
 
     Args:
-        fn: a module-level function (it is pickled into spawned processes).
-        timeout: seconds for the whole job; ranks still running are killed and reported.
-        env: extra environment variables for every rank.
-        return_exceptions: return each failed rank's exception (or a ChildFailed describing it)
-            in its slot instead of raising; timed-out ranks get a TimeoutError.
+        fn: a module-level function (pickled by name); its return value must pickle (tensors do).
+        world_size: number of ranks.
+        *args, **kwargs: passed to ``fn`` on every rank.
+        timeout: seconds for the whole run; ranks still running then are killed and reported.
+        env: extra environment variables for every rank (override the defaults).
+        return_exceptions: put each failed rank's exception in its slot instead of raising: the
+            original exception (with ``.remote_traceback``) when it pickles, ``TimeoutError`` for a
+            killed rank, else :class:`ChildFailed`.
+        failure_grace: once a rank failed, seconds the others get to finish before they are
+            killed (a peer blocked on the failed rank would otherwise hold the test to ``timeout``).
+
+    Returns:
+        One entry per rank: ``fn``'s return value (or, with ``return_exceptions``, the exception).
+
+    Raises:
+        ChildFailed: some rank raised, died or timed out (and ``return_exceptions`` is False).
+        TypeError: ``fn`` or its arguments cannot be pickled (e.g. a lambda or a local function).
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as e:  # noqa: BLE001 - turned into a message that says what to change
+        raise TypeError(f"run_distributed needs a module-level fn and picklable arguments: {e}") from e
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
+    extra = {str(k): str(v) for k, v in (env or {}).items()}
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, port, dict(env or {}), fn, args, kwargs, out), daemon=True)
+        ctx.Process(
+            target=_child, args=(r, _rank_env(r, world_size, port, extra), payload, out),
+            name=f"rank{r}", daemon=True,
+        )
         for r in range(world_size)
     ]
     results: dict[int, tuple[str, Any]] = {}
+    first_failed: int | None = None
     try:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
         while len(results) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 break
             try:
-                rank, status, payload = out.get(timeout=min(left, 0.5))
-                results[rank] = (status, pickle.loads(payload))
+                rank, status, raw = out.get(timeout=min(deadline - now, _POLL_S))
+                results[rank] = (status, pickle.loads(raw))
             except queue.Empty:
-                # a child that died without reporting (SIGKILL, segfault) will never report
+                # A child that exited without reporting (SIGKILL, segfault, os._exit) never will;
+                # anything it did put is read first, on the next loop turn, while it is still queued.
                 for r, p in enumerate(procs):
-                    if r not in results and not p.is_alive() and p.exitcode not in (0, None):
-                        try:
-                            rank, status, payload = out.get(timeout=1.0)
-                            results[rank] = (status, pickle.loads(payload))
-                        except queue.Empty:
-                            results[r] = ("died", p.exitcode)
+                    if r not in results and p.exitcode is not None and out.empty():
+                        results[r] = ("died", p.exitcode)
+            failed = [r for r, (status, _) in results.items() if status != "ok"]
+            if failed and first_failed is None:
+                first_failed = min(failed)
+                deadline = min(deadline, time.monotonic() + failure_grace)
     finally:
-        for p in procs:
-            p.join(timeout=5 if len(results) == world_size else 0.1)
+        # Always reap: finished children get time to exit, the rest (or all, on Ctrl-C) are killed.
+        for r, p in enumerate(procs):
+            if p.pid is None:
+                continue
+            p.join(timeout=_JOIN_S if r in results else 0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    failures = []
+        out.close()
+    messages: list[str] = []
     values: list[Any] = []
     for r in range(world_size):
-        status, payload = results.get(r, ("timeout", None))
+        status, value = results.get(r, ("stuck" if first_failed is not None else "timeout", None))
         if status == "ok":
-            values.append(payload)
+            values.append(value)
             continue
-        if status == "timeout":
-            msg = f"rank {r} timed out after {timeout:.0f} s"
-            exc: BaseException = TimeoutError(msg)
-        elif status == "died":
-            msg = f"rank {r} died with exit code {payload}"
-            exc = ChildFailed(msg)
-        else:
-            name, text, tb, original = payload
-            msg = f"rank {r} raised {name}: {text}\n{tb}"
-            exc = original if original is not None else ChildFailed(msg)
-        failures.append(msg)
+        msg, exc = _failure(r, status, value, timeout, failure_grace, first_failed)
+        messages.append(msg)
         values.append(exc)
-    if failures and not return_exceptions:
-        raise ChildFailed("distributed run failed:\n" + "\n".join(failures))
+    if messages and not return_exceptions:
+        raise ChildFailed(f"distributed run on {world_size} ranks failed:\n" + "\n".join(messages))
     return values
+
+
+def expect_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60, **kwargs: Any) -> list[BaseException | None]:
+    """Run ``fn`` like :func:`run_distributed` and return each rank's exception, ``None`` where it returned.
+
+    For bad-input tests: assert that every rank raised, and with which message.
+
+    Args:
+        fn, world_size, *args, **kwargs: as for :func:`run_distributed` (``env`` and
+            ``failure_grace`` included).
+        timeout: seconds for the whole run.
+
+    Returns:
+        Per rank, the exception it raised (``TimeoutError`` if killed) or ``None``.
+    """
+    values = run_distributed(fn, world_size, *args, timeout=timeout, return_exceptions=True, **kwargs)
+    return [v if isinstance(v, BaseException) else None for v in values]
