@@ -10,7 +10,7 @@ __all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoMod
 
 _PIPELINE_KWARGS = (
     "n_microbatches", "num_stages", "virtual_stages", "schedule", "split", "dtype", "device", "gather_output",
-    "revision", "progress", "config",
+    "revision", "progress", "config", "split_method",
 )
 
 
@@ -26,7 +26,7 @@ class _PipelineAuto:
             pipeline: False returns exactly ``transformers.<AutoClass>.from_pretrained(...)``; True returns
                 a :class:`hf_pipeline.model.PipelinedModel` (collective: call it on every rank).
             **kwargs: with ``pipeline=True``: n_microbatches, num_stages, virtual_stages, schedule, split,
-                dtype, device, gather_output, revision, progress, config. Otherwise transformers' own.
+                dtype, device, gather_output, revision, progress, config, split_method. Otherwise transformers' own.
         """
         if not pipeline:
             return cls._hf_class.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)

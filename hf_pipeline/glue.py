@@ -212,6 +212,10 @@ class T5Glue(Glue):
         hidden = None
         for stack in stage.stack_runs:
             is_decoder = stack.name == "decoder"
+            if not is_decoder and inputs.get("encoder_outputs") is not None:
+                continue  # generation: the encoder already ran once for this request
+            if is_decoder and inputs.get("decoder_input_ids") is None and inputs.get("encoder_outputs") is None:
+                return enc_out  # an encoder-only pass (generation encodes once, then decodes step by step)
             if stack.starts:
                 if is_decoder:
                     if enc_out is None:

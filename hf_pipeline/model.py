@@ -27,14 +27,18 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from transformers import AutoConfig, modeling_outputs
 
+from . import validate
 from .dist import RankContext, check_same_on_all_ranks, collective_errors, init_distributed
+from .faults import raise_if_broken, step_errors
 from .plan import ResolvedRecipe, StagePlan, make_plan, resolve_recipe
-from .recipe import get_recipe
-from .schedules import ScheduleSpec, get_schedule, validate_schedule
+from .recipe import get_recipe, list_recipes
+from .schedules import ScheduleForwardInOrder, ScheduleSpec, get_schedule, validate_schedule
 from .stages import StageModule, build_stage, materialize, meta_model
 from .weights import CheckpointIndex, LoadReport, load_tensors, resolve_checkpoint
 
-__all__ = ["PipelinedModel", "load_pipelined"]
+__all__ = ["PipelinedModel", "SPLIT_METHODS", "load_pipelined"]
+
+SPLIT_METHODS = ("auto", "recipe", "trace")
 
 
 def _resolve_dtype(dtype: Any, config) -> torch.dtype:
@@ -136,6 +140,17 @@ class PipelinedModel(nn.Module):
             return pp_rank
         return dist.get_global_rank(self.pp_group, pp_rank)
 
+    def rank_label(self, rank: int) -> str:
+        """What global rank ``rank`` runs, for messages: ``"stage 1"``, ``"stages 0, 2 of replica 1"``."""
+        pp = self.plan.pp_size
+        idx = [s.index for s in self.plan.stages_for_rank(rank % pp)]
+        label = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+        return label + (f" of replica {rank // pp}" if self.dp_size > 1 else "")
+
+    def _step_errors(self, what: str):
+        # A failure inside a pipelined call reaches every rank with the failing rank's stage (faults.py).
+        return step_errors(self.ctx, what, groups=(self.pp_group, self.dp_group), describe=self.rank_label)
+
     def checkpoint_named_parameters(self):
         """(checkpoint key, parameter) for this rank's parameters; tied copies within a stage once."""
         seen: set[int] = set()
@@ -163,21 +178,28 @@ class PipelinedModel(nn.Module):
                 return inputs[key].shape[0]
         raise ValueError("pass input_ids (or inputs_embeds) to the pipelined model")
 
-    def _runtime(self, key: Any, *, training: bool, loss_fn=None):
-        """PipelineStage objects + torch schedule for one input signature (shapes fix the P2P buffers)."""
-        full_key = (key, training)
+    def _runtime(self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True):
+        """PipelineStage objects + torch schedule for one input signature (shapes fix the P2P buffers).
+
+        ``scale_grads=False``: torch does not divide gradients by n_microbatches (the loss already
+        is each microbatch's share of the global mean, see ``train.py``).
+        """
+        full_key = (key, training) if scale_grads else (key, training, "unscaled")
         if full_key not in self._runtimes:
             pstages = [
                 PipelineStage(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.pp_group)
                 for stage in self.stages
             ]
             spec = self.schedule
+            kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
             if not training and not spec.multi:
-                spec = get_schedule("gpipe")  # forward only: GPipe runs exactly the forward actions
-            elif not training and spec.layout == "loop":
-                spec = get_schedule("looped-bfs")
-            kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn}
-            schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
+                # forward only: GPipe runs exactly the forward actions
+                schedule = get_schedule("gpipe").cls(pstages[0], **kwargs)
+            elif not training:
+                stage_to_rank = {s.index: s.rank for s in self.plan.stages}
+                schedule = ScheduleForwardInOrder(pstages, self.n_microbatches, stage_to_rank=stage_to_rank)
+            else:
+                schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
             self._runtimes[full_key] = (pstages, schedule)
         return self._runtimes[full_key]
 
@@ -196,11 +218,18 @@ class PipelinedModel(nn.Module):
             other ranks then get None).
         """
         labels = kwargs.pop("labels", None)
+        raise_if_broken("a forward pass")
         inputs = self._prepare(dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs))
         if self.check_inputs:
-            check_same_on_all_ranks(self.ctx, "model inputs", {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+            check_same_on_all_ranks(self.ctx, "model inputs", tensors if labels is None else {**tensors, "labels": labels})
         batch = self._batch_size(inputs)
-        outputs = self._run_forward(inputs, batch)
+        # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
+        validate.check_model_inputs(self.config, self.resolved.head.loss, inputs, labels=labels)
+        if self.plan.pp_size > 1:
+            validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
+        with self._step_errors("a forward pass"):
+            outputs = self._run_forward(inputs, batch)
         if outputs is None:
             return None
         result = dict(zip(self.resolved.head.outputs, outputs))
@@ -208,8 +237,11 @@ class PipelinedModel(nn.Module):
             from .losses import model_loss
 
             result["loss"] = model_loss(self, result["logits"], labels.to(self.device))
-        cls = getattr(modeling_outputs, self.resolved.head.output_class)
-        return cls(**result)
+        return self._output_class()(**result)
+
+    def _output_class(self) -> type:
+        # The transformers output class the head's outputs are returned in (a traced model records its own).
+        return getattr(modeling_outputs, self.resolved.head.output_class)
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         if self.plan.pp_size == 1:
@@ -261,25 +293,34 @@ class PipelinedModel(nn.Module):
         """Forward + backward of one global batch; returns the mean loss on every rank. See ``train.py``."""
         from .train import train_step
 
-        return train_step(self, batch, **kwargs)
+        with self._step_errors("a training step"):
+            return train_step(self, batch, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
         from .train import clip_grad_norm_
 
-        return clip_grad_norm_(self, max_norm, norm_type)
+        with self._step_errors("clip_grad_norm_"):
+            return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpoint.py``."""
         from .checkpoint import save_pretrained
 
-        return save_pretrained(self, save_directory, **kwargs)
+        with self._step_errors("save_pretrained"):
+            return save_pretrained(self, save_directory, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
         from .generate import generate
 
-        return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        with self._step_errors("generate"):
+            validate.check_generate_inputs(input_ids)
+            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not self.config.is_encoder_decoder:
+                # Inside the guard: if only some ranks got a too-long prompt, the others are told, not left waiting.
+                new = kwargs.get("max_new_tokens")
+                validate.check_sequence_length(self.config, input_ids.shape[1], what="the prompt", new_tokens=new if isinstance(new, int) else 0)
+            return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     def profile(self):
         """Context manager timing every pipeline action on this rank; ``.timeline()`` after it. See ``profile.py``."""
@@ -329,6 +370,7 @@ def load_pipelined(
     revision: str | None = None,
     progress: bool | None = None,
     config=None,
+    split_method: str = "auto",
 ) -> PipelinedModel:
     """Build this rank's stages of ``path`` and return the :class:`PipelinedModel` (collective).
 
@@ -345,13 +387,19 @@ def load_pipelined(
         dtype: weights dtype ("auto" = the config's).
         device: force a device ("cpu"); default cuda:LOCAL_RANK when available.
         gather_output: give outputs to every rank (else only the last stage's rank).
+        split_method: "recipe" (a recipe from ``model_recipes/`` must exist), "trace" (split with
+            torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
+            recipe for ``config.model_type`` when there is one, else the tracer.
     """
     ctx = init_distributed(device=device)
     with collective_errors(ctx, "reading the checkpoint config"):
         ckpt = resolve_checkpoint(path, revision=revision)
         if config is None:
             config = AutoConfig.from_pretrained(ckpt)
-        recipe = get_recipe(config.model_type)
+        if split_method not in SPLIT_METHODS:
+            raise ValueError(f"split_method must be one of {list(SPLIT_METHODS)}, got {split_method!r}")
+        traced = split_method == "trace" or (split_method == "auto" and config.model_type not in list_recipes())
+        recipe = None if traced else get_recipe(config.model_type)
         if schedule is None:
             schedule = "interleaved-1f1b" if (virtual_stages or 1) > 1 else "1f1b"
         sched = get_schedule(schedule)
@@ -372,9 +420,17 @@ def load_pipelined(
         validate_schedule(sched, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
         dtype = _resolve_dtype(dtype, config)
         _check_dtype_supported(dtype, ctx.device)
-        skeleton = meta_model(config, auto_class)
-        resolved = resolve_recipe(skeleton, recipe)
-        plan = make_plan(skeleton, resolved, pp_size=pp_size, virtual_stages=virtual_stages, layout=sched.layout, split=split, dtype=dtype)
+        if not traced:
+            skeleton = meta_model(config, auto_class)
+            resolved = resolve_recipe(skeleton, recipe)
+            plan = make_plan(skeleton, resolved, pp_size=pp_size, virtual_stages=virtual_stages, layout=sched.layout, split=split, dtype=dtype)
+    if traced:
+        from .trace import load_traced
+
+        return load_traced(
+            auto_class, ckpt, config=config, ctx=ctx, schedule=sched, pp_size=pp_size, virtual_stages=virtual_stages,
+            n_microbatches=n_microbatches, split=split, dtype=dtype, gather_output=gather_output, progress=progress,
+        )
     mesh, pp_group, dp_group, pp_rank, dp_rank, dp_size = _build_groups(ctx, pp_size)
 
     local = plan.stages_for_rank(pp_rank)
@@ -388,8 +444,9 @@ def load_pipelined(
             index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
             progress=ctx.is_main_process if progress is None else progress,
         )
+        made: dict = {}  # one Parameter per checkpoint tensor on this rank, across its stages
         for stage in stages:
-            materialize(stage, tensors, device=ctx.device, tied=resolved.tied)
+            materialize(stage, tensors, device=ctx.device, tied=resolved.tied, made=made)
             stage.eval()
         del tensors
     return PipelinedModel(

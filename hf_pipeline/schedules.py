@@ -92,3 +92,36 @@ def validate_schedule(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, 
                 f"schedule {spec.name!r} needs n_microbatches to be a multiple of the number of rounds ({rounds} = "
                 f"n_microbatches // pp_size), got {n_microbatches}; use a multiple of pp_size={pp_size}"
             )
+
+
+class ScheduleForwardInOrder(pp.schedules._PipelineScheduleRuntime):
+    """Forward-only schedule for any stage placement, looped or V-shaped.
+
+    Torch's multi-stage schedules are training schedules: the V-shaped ones cannot run forward
+    only (their action lists pair every F with a B). For inference every rank runs its stages in
+    stage order, all microbatches of one stage before the next (breadth first), which cannot
+    deadlock whatever the placement; torch's runtime adds the sends and receives.
+    """
+
+    def __init__(self, stages, n_microbatches: int, *, stage_to_rank: dict[int, int], **kwargs):
+        self._stage_to_rank = dict(stage_to_rank)
+        super().__init__(stages=stages, n_microbatches=n_microbatches, **kwargs)
+        forward = pp.schedules._ComputationType.FORWARD
+        actions: dict[int, list] = {r: [] for r in sorted(set(stage_to_rank.values()))}
+        for stage in sorted(stage_to_rank):
+            for mb in range(n_microbatches):
+                actions[stage_to_rank[stage]].append(pp.schedules._Action(stage, forward, mb))
+        self._prepare_schedule_with_comms(actions)
+
+    def _prepare_schedule_with_comms(self, actions, format="compute_only") -> None:
+        # torch's version validates that every forward has a backward (it is built for training
+        # schedules); the placement is known from the plan, so set it and run the same lowering.
+        lib = pp.schedules
+        self.stage_index_to_group_rank = dict(self._stage_to_rank)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.pipeline_order = dict(actions)
+        lowered = {r: lib._add_reduce_grad(lib._add_unshard_reshard(a), self._n_microbatches) for r, a in actions.items()}
+        self.pipeline_order_with_comms = lib._add_send_recv(
+            lowered, stage_to_rank=lambda s: self.stage_index_to_group_rank[s], num_stages=self._num_stages
+        )

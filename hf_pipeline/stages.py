@@ -164,18 +164,24 @@ def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> S
     return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue))
 
 
-def materialize(stage: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch.device, tied: tuple[tuple[str, ...], ...] = ()) -> None:
+def materialize(
+    stage: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch.device, tied: tuple[tuple[str, ...], ...] = (),
+    made: dict[str, nn.Parameter] | None = None,
+) -> None:
     """Replace the stage's meta parameters with ``tensors`` (by checkpoint name), on ``device``.
 
     Names that are one tensor in the model (``tied``) become one Parameter again when a stage holds
-    several of them, so their gradients add up as in the unsplit model.
+    several of them, so their gradients add up as in the unsplit model. Pass the same ``made`` dict
+    for all stages of one rank to extend this across them (a tied embedding and LM head, or a
+    replica such as T5's relative bias, on two local stages): two Parameters sharing one storage
+    would each be stepped by the optimizer, moving the tensor twice.
     """
     groups = {name: g for g in tied for name in g}
-    made: dict[str, nn.Parameter] = {}
+    made = {} if made is None else made
     for name, param in list(stage.named_parameters(remove_duplicate=False)):
         owner_name, _, attr = name.rpartition(".")
         owner = stage.get_submodule(owner_name)
-        twin = next((made[n] for n in groups.get(name, ()) if n in made), None)
+        twin = next((made[n] for n in (name, *groups.get(name, ())) if n in made), None)
         if twin is None:
             if name not in tensors:
                 raise KeyError(f"no tensor loaded for stage parameter {name!r}")

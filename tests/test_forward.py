@@ -115,3 +115,14 @@ def test_pipeline_false_is_plain_transformers(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "gpt2", "gpt2")
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path)
     assert type(model) is transformers.GPT2LMHeadModel
+
+
+@pytest.mark.parametrize("schedule", ["zbv-zero-bubble", "interleaved-1f1b"])
+def test_forward_with_multi_stage_training_schedules(tmp_path, schedule):
+    # Inference runs every stage in order whatever the layout: V-shaped placement included.
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    kwargs = {"n_microbatches": 4, "schedule": schedule, "virtual_stages": 2}
+    results = run_distributed(_forward, 2, str(path), "AutoModelForCausalLM", "llama", kwargs, 4)
+    _check(results, _reference(path, "AutoModelForCausalLM", "llama", 4), 2)
+    if schedule == "zbv-zero-bubble":
+        assert [r for _, r, _ in results[0]["plan"]] == [0, 1, 1, 0]

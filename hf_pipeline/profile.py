@@ -1,0 +1,586 @@
+"""Per-action timings of pipelined calls: a Gantt PNG, a Chrome trace, idle fractions per rank.
+
+``record(model)`` (or ``model.profile()``) wraps, for as long as the ``with`` block lasts, the
+methods torch's schedules call on this model's ``PipelineStage`` objects —
+``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or I for the input-gradient half of a
+zero-bubble schedule), ``backward_weight_one_chunk`` (W) — plus the loss computation on the last
+stage, the P2P waits (``_wait_batch_p2p``) and each schedule ``step``. Stage calls that do not go
+through a torch schedule (world size 1, a decode loop) are recorded from the stage module itself.
+Every record is (rank, stage, microbatch, kind, start, end) with ``time.perf_counter``; the clocks
+of the ranks are aligned by a barrier when recording starts.
+
+``Recorder.timeline()`` (collective) gathers every rank's records into a :class:`Timeline`:
+``idle_fraction()`` = 1 - busy / step wall time per rank, ``actions(rank)`` = the executed action
+order (compare it with :func:`schedule_actions`), ``save_png`` and ``save_chrome_trace``
+(load the JSON in https://ui.perfetto.dev or chrome://tracing).
+
+Example (``torchrun --nproc_per_node 2 script.py``):
+    >>> with model.profile() as prof:
+    ...     model.train_step(batch)
+    >>> timeline = prof.timeline()              # every rank calls it
+    >>> timeline.idle_fraction()                 # {0: 0.12, 1: 0.10}
+    >>> if model.ctx.is_main_process:
+    ...     timeline.save_png("timeline.png"); timeline.save_chrome_trace("trace.json")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules as _torch_schedules
+from torch.distributed.pipelining import stage as _torch_stage
+
+from .plan import _rank_of
+from .schedules import ScheduleSpec, get_schedule
+
+__all__ = [
+    "ActionRecord",
+    "Recorder",
+    "Timeline",
+    "expected_vs_recorded",
+    "record",
+    "schedule_actions",
+    "theoretical_bubble",
+]
+
+# Kinds that keep a rank busy ("setup": stage calls torch makes outside the schedule's actions, e.g.
+# shape inference on a first step); "recv_wait" / "send_wait" (P2P waits) and gaps are idle time.
+COMPUTE_KINDS = ("F", "B", "I", "W", "loss", "setup")
+_ACTION_KINDS = ("F", "B", "I", "W")  # the schedule's own actions (what pipeline_order lists)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionRecord:
+    """One timed action on one rank. Times are seconds since the recording started (clocks aligned)."""
+
+    rank: int  # pipeline rank
+    stage: int | None  # stage index; None for a P2P wait
+    microbatch: int | None
+    kind: str  # F, B, I, W, loss, setup, recv_wait, send_wait
+    start: float
+    end: float
+    step: int  # index of the schedule step (within this recording) the action ran in
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def label(self) -> str:
+        """torch's action notation: ``1F3`` = stage 1, forward, microbatch 3."""
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{'' if self.stage is None else self.stage}{self.kind}{mb}"
+
+
+# ----------------------------------------------------------------------------- schedule theory
+def theoretical_bubble(schedule: str | ScheduleSpec, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle fraction of a training step the schedule's analysis predicts (equal stage costs).
+
+    GPipe and 1F1B: (p-1)/(m+p-1); interleaved / looped with v stages per rank: (p-1)/(v*m+p-1);
+    interleaved zero-bubble (ZB-H1 family): a third of 1F1B's; ZBV and DualPipeV: 0.
+    """
+    spec = get_schedule(schedule) if isinstance(schedule, str) else schedule
+    p, m, v = pp_size, n_microbatches, virtual_stages
+    if p <= 1:
+        return 0.0
+    one_f_one_b = (p - 1) / (m + p - 1)
+    if spec.name in ("gpipe", "1f1b"):
+        return one_f_one_b
+    if spec.name in ("interleaved-1f1b", "looped-bfs"):
+        return (p - 1) / (v * m + p - 1)
+    if spec.name == "interleaved-zero-bubble":
+        return one_f_one_b / 3
+    if spec.name in ("zbv-zero-bubble", "dualpipev"):
+        return 0.0
+    raise ValueError(f"no bubble formula for schedule {spec.name!r}")
+
+
+def _single_stage_actions(name: str, stage: int, num_stages: int, m: int, training: bool) -> list[str]:
+    # What ScheduleGPipe / Schedule1F1B._step_microbatches execute. Note: torch 2.13's
+    # Schedule1F1B.pipeline_order numbers the last rank's forwards 1..m (off by one), so the order
+    # is derived from the step's own loops instead.
+    if not training or name == "gpipe":
+        return [f"{stage}F{i}" for i in range(m)] + ([f"{stage}B{i}" for i in range(m)] if training else [])
+    warmup = min(m, num_stages - stage)
+    out = [f"{stage}F{i}" for i in range(warmup)]
+    fwd, bwd = warmup, 0
+    while fwd < m:
+        out += [f"{stage}B{bwd}", f"{stage}F{fwd}"]
+        bwd, fwd = bwd + 1, fwd + 1
+    out += [f"{stage}B{i}" for i in range(bwd, m)]
+    return out
+
+
+def _flatten(actions) -> Iterator[Any]:
+    for a in actions:
+        if a is None:
+            continue
+        if a.sub_actions:
+            yield from _flatten(a.sub_actions)
+        else:
+            yield a
+
+
+def schedule_actions(
+    schedule: str | ScheduleSpec, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1, training: bool = True
+) -> dict[int, list[str]]:
+    """The compute actions each pipeline rank runs in one step, in order (``["0F0", "0F1", "0B0", ...]``).
+
+    Multi-stage schedules: torch's own ``pipeline_order`` (built from stand-in stage objects, so no
+    process group is needed). Single-stage GPipe / 1F1B: the order their ``step`` executes.
+    ``training=False``: the forward actions only (what a forward-only step runs).
+    """
+    spec = get_schedule(schedule) if isinstance(schedule, str) else schedule
+    p, v, m = pp_size, virtual_stages, n_microbatches
+    if not spec.multi:
+        return {r: _single_stage_actions(spec.name, r, p, m, training) for r in range(p)}
+    num_stages = p * v
+
+    def stand_in(index: int) -> types.SimpleNamespace:
+        # The attributes PipelineScheduleMulti.__init__ reads from its stages.
+        return types.SimpleNamespace(
+            stage_index=index, num_stages=num_stages, group_size=p, group_rank=0,
+            is_first=index == 0, is_last=index == num_stages - 1, submod=torch.nn.Module(),
+        )
+
+    local = [stand_in(i) for i in range(num_stages) if _rank_of(i, p, spec.layout) == 0]
+    order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
+    kinds = _ACTION_KINDS if training else ("F",)
+    return {
+        r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in kinds]
+        for r in range(p)
+    }
+
+
+# ----------------------------------------------------------------------------- the timeline
+@dataclass(kw_only=True)
+class Timeline:
+    """Every rank's records of one recording (same object on every rank after ``Recorder.timeline()``)."""
+
+    records: list[ActionRecord]
+    steps: dict[int, list[tuple[float, float]]]  # rank -> (start, end) of each schedule step
+    pp_size: int
+    schedule: str | None = None
+    virtual_stages: int = 1
+    n_microbatches: int | None = None
+    title: str = ""
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.steps) | {r.rank for r in self.records})
+
+    def actions(self, rank: int, step: int | None = None) -> list[str]:
+        """The schedule actions (F/B/I/W) rank ``rank`` ran, in execution order, as ``"1B3"`` labels."""
+        return [
+            r.label for r in sorted(self._of(rank, step), key=lambda r: r.start) if r.kind in _ACTION_KINDS
+        ]
+
+    def _of(self, rank: int, step: int | None) -> list[ActionRecord]:
+        return [r for r in self.records if r.rank == rank and (step is None or r.step == step)]
+
+    def _window(self, rank: int, step: int | None) -> list[tuple[float, float]]:
+        steps = self.steps.get(rank, [])
+        if steps:
+            return steps if step is None else [steps[step]]
+        mine = self._of(rank, step)  # no torch schedule step (e.g. a decode loop): the span of the actions
+        return [(min(r.start for r in mine), max(r.end for r in mine))] if mine else []
+
+    def busy_seconds(self, rank: int, step: int | None = None) -> float:
+        """Time rank ``rank`` spent computing (F/B/I/W and the loss), overlaps counted once."""
+        spans = sorted((r.start, r.end) for r in self._of(rank, step) if r.kind in COMPUTE_KINDS)
+        total, cur_start, cur_end = 0.0, None, None
+        for s, e in spans:
+            if cur_end is None or s > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = s, e
+            else:
+                cur_end = max(cur_end, e)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return total
+
+    def wall_seconds(self, rank: int, step: int | None = None) -> float:
+        return sum(e - s for s, e in self._window(rank, step))
+
+    def idle_fraction(self, step: int | None = None) -> dict[int, float]:
+        """1 - busy / wall time of the schedule step(s), per rank (all recorded steps together by default)."""
+        out = {}
+        for rank in self.ranks:
+            wall = self.wall_seconds(rank, step)
+            out[rank] = 1.0 - self.busy_seconds(rank, step) / wall if wall > 0 else 0.0
+        return out
+
+    def theoretical_idle_fraction(self) -> float | None:
+        if self.schedule is None or self.n_microbatches is None:
+            return None
+        return theoretical_bubble(self.schedule, pp_size=self.pp_size, n_microbatches=self.n_microbatches, virtual_stages=self.virtual_stages)
+
+    # ------------------------------------------------------------------ output
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule, "pp_size": self.pp_size, "virtual_stages": self.virtual_stages,
+            "n_microbatches": self.n_microbatches, "title": self.title,
+            "idle_fraction": {str(k): v for k, v in self.idle_fraction().items()},
+            "theoretical_idle_fraction": self.theoretical_idle_fraction(),
+            "steps": {str(k): v for k, v in self.steps.items()},
+            "records": [asdict(r) for r in self.records],
+        }
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome trace events: one process per rank, one thread per stage (P2P waits on their own row)."""
+        events: list[dict[str, Any]] = []
+        wait_tid = -1
+        for rank in self.ranks:
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+            for stage in sorted({r.stage for r in self.records if r.rank == rank and r.stage is not None}):
+                events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": stage, "args": {"name": f"stage {stage}"}})
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": wait_tid, "args": {"name": "p2p waits"}})
+            for i, (s, e) in enumerate(self.steps.get(rank, [])):
+                events.append({"name": f"step {i}", "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": rank, "tid": -2, "cat": "step"})
+        for r in self.records:
+            events.append({
+                "name": r.label, "cat": r.kind, "ph": "X", "ts": r.start * 1e6, "dur": r.duration * 1e6,
+                "pid": r.rank, "tid": wait_tid if r.stage is None else r.stage,
+                "args": {"microbatch": r.microbatch, "stage": r.stage, "kind": r.kind, "step": r.step},
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"schedule": self.schedule, "title": self.title}}
+
+    def save_chrome_trace(self, path: str | os.PathLike) -> pathlib.Path:
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.chrome_trace()))
+        return path
+
+    def save_png(self, path: str | os.PathLike, *, step: int | None = None, dpi: int = 120) -> pathlib.Path:
+        """A Gantt chart: one row per rank, actions coloured by microbatch, P2P waits grey, idle white."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ranks = self.ranks
+        records = [r for r in self.records if step is None or r.step == step]
+        windows = {rank: self._window(rank, step) for rank in ranks}
+        t0 = min([s for w in windows.values() for s, _ in w] + [r.start for r in records] or [0.0])
+        n_mb = max([r.microbatch for r in records if r.microbatch is not None] + [0]) + 1
+        cmap = plt.get_cmap("tab20" if n_mb > 10 else "tab10")
+        fig, ax = plt.subplots(figsize=(12, 0.9 * len(ranks) + 1.6))
+        idle = self.idle_fraction(step)
+        multi_stage = {rank: len({r.stage for r in records if r.rank == rank and r.stage is not None}) > 1 for rank in ranks}
+        for row, rank in enumerate(ranks):
+            y = len(ranks) - 1 - row
+            for s, e in windows[rank]:
+                ax.barh(y, (e - s) * 1e3, left=(s - t0) * 1e3, height=0.8, color="white", edgecolor="0.6", linewidth=0.6)
+            for r in records:
+                if r.rank != rank:
+                    continue
+                left, width = (r.start - t0) * 1e3, r.duration * 1e3
+                if r.kind in ("recv_wait", "send_wait"):
+                    ax.barh(y, width, left=left, height=0.25, color="0.75")
+                    continue
+                color = cmap((r.microbatch or 0) % cmap.N)
+                hatch = {"B": "//", "I": "\\\\", "W": "xx", "loss": ".."}.get(r.kind)
+                ax.barh(y, width, left=left, height=0.8 if r.kind != "loss" else 0.4, color=color, hatch=hatch, edgecolor="black", linewidth=0.3)
+                if width > 0:
+                    text = r.label if multi_stage[rank] else f"{r.kind}{'' if r.microbatch is None else r.microbatch}"
+                    ax.text(left + width / 2, y, text, ha="center", va="center", fontsize=6, clip_on=True)
+        ax.set_yticks(range(len(ranks)))
+        ax.set_yticklabels([f"rank {r}\nidle {idle.get(r, 0.0):.0%}" for r in reversed(ranks)])
+        ax.set_xlabel("time (ms)")
+        theory = self.theoretical_idle_fraction()
+        head = self.title or (self.schedule or "pipeline")
+        ax.set_title(head + (f" — theoretical bubble {theory:.0%}" if theory is not None else ""))
+        legend = [Patch(facecolor="white", edgecolor="black", label="F (forward)"), Patch(facecolor="white", edgecolor="black", hatch="//", label="B (backward)")]
+        if any(r.kind == "I" for r in records):
+            legend += [Patch(facecolor="white", edgecolor="black", hatch="\\\\", label="I (input grad)"), Patch(facecolor="white", edgecolor="black", hatch="xx", label="W (weight grad)")]
+        legend += [Patch(facecolor="0.75", label="P2P wait"), Patch(facecolor="white", edgecolor="0.6", label="idle (step window)")]
+        ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(legend), fontsize=7, frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+        return path
+
+
+# ----------------------------------------------------------------------------- recording
+_ACTIVE = threading.local()
+_LOCK = threading.Lock()
+_current: Recorder | None = None
+
+
+@dataclass(kw_only=True)
+class Recorder:
+    """Records per-action timings of one model's pipelined calls while active (see :func:`record`)."""
+
+    model: Any
+    records: list[ActionRecord] = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)
+    _t0: float = 0.0
+    _saved: list[tuple[Any, str, Any]] = field(default_factory=list)
+    _pending: dict[int, str] = field(default_factory=dict)  # id(work list) -> "recv_wait" / "send_wait"
+    _caches: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, id(cache)) -> microbatch
+    _schedule: Any = None
+    _depth: int = 0  # > 0 inside a torch stage action: the stage module's own call is not recorded twice
+    _in_step: bool = False  # inside a torch schedule step
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Recorder:
+        global _current
+        with _LOCK:
+            if _current is not None:
+                raise RuntimeError("a profile recording is already active in this process; leave it before starting another")
+            _current = self
+        try:
+            group = getattr(self.model, "pp_group", None)
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier(group=group)  # align the ranks' clocks: every rank starts its origin here
+            self._t0 = time.perf_counter()
+            self._patch()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _current
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+        with _LOCK:
+            _current = None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.model, "pp_rank", 0))
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _mine(self, submod: Any) -> bool:
+        return any(submod is s for s in self.model.stages)
+
+    def _add(self, *, stage, microbatch, kind, start, end) -> None:
+        self.records.append(
+            ActionRecord(rank=self.rank, stage=stage, microbatch=microbatch, kind=kind, start=start, end=end, step=max(len(self.steps) - 1, 0))
+        )
+
+    def _wrap(self, owner: Any, name: str, make) -> None:
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def _patch(self) -> None:
+        rec = self
+        base = _torch_stage._PipelineStageBase
+
+        def stage_action(kind_of):
+            def make(original):
+                def wrapper(stage, chunk_id, *args, **kwargs):
+                    kind = kind_of(args, kwargs)
+                    # Without backward (forward-only steps) torch still calls backward_one_chunk; it returns at once.
+                    if not rec._mine(stage.submod) or (kind != "F" and not stage.has_backward):
+                        return original(stage, chunk_id, *args, **kwargs)
+                    start = rec._now()
+                    rec._depth += 1
+                    try:
+                        return original(stage, chunk_id, *args, **kwargs)
+                    finally:
+                        rec._depth -= 1
+                        rec._add(stage=stage.stage_index, microbatch=chunk_id, kind=kind, start=start, end=rec._now())
+
+                return wrapper
+
+            return make
+
+        def backward_kind(args, kwargs):
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            return "B" if full else "I"
+
+        self._wrap(base, "forward_one_chunk", stage_action(lambda a, k: "F"))
+        self._wrap(base, "backward_one_chunk", stage_action(backward_kind))
+        self._wrap(base, "backward_weight_one_chunk", stage_action(lambda a, k: "W"))
+
+        def make_loss(original):
+            def wrapper(schedule, stage, output, target_mbs, mb_index, *args, **kwargs):
+                if not (rec._mine(stage.submod) and stage.is_last and schedule._loss_fn is not None):
+                    return original(schedule, stage, output, target_mbs, mb_index, *args, **kwargs)
+                start = rec._now()
+                try:
+                    return original(schedule, stage, output, target_mbs, mb_index, *args, **kwargs)
+                finally:
+                    rec._add(stage=stage.stage_index, microbatch=mb_index, kind="loss", start=start, end=rec._now())
+
+            return wrapper
+
+        self._wrap(_torch_schedules._PipelineSchedule, "_maybe_compute_loss", make_loss)
+
+        def make_step(original):
+            def wrapper(schedule, *args, **kwargs):
+                stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+                if not any(s is not None and rec._mine(s.submod) for s in stages):
+                    return original(schedule, *args, **kwargs)
+                rec._schedule = schedule
+                start = rec._now()
+                rec.steps.append((start, start))
+                rec._in_step = True
+                try:
+                    return original(schedule, *args, **kwargs)
+                finally:
+                    rec._in_step = False
+                    rec.steps[-1] = (start, rec._now())
+
+            return wrapper
+
+        self._wrap(_torch_schedules.PipelineScheduleSingle, "step", make_step)
+        self._wrap(_torch_schedules.PipelineScheduleMulti, "step", make_step)
+
+        # P2P: remember whether each batch of work holds sends or receives, time the waits on it.
+        def make_batch(original):
+            def wrapper(p2p_ops, *args, **kwargs):
+                works = original(p2p_ops, *args, **kwargs)
+                if p2p_ops and isinstance(works, list):
+                    recv = any(op.op is dist.irecv for op in p2p_ops)
+                    rec._pending[id(works)] = "recv_wait" if recv else "send_wait"
+                return works
+
+            return wrapper
+
+        def make_wait(original):
+            def wrapper(work, *args, **kwargs):
+                kind = rec._pending.pop(id(work), None)
+                if not work or kind is None:
+                    return original(work, *args, **kwargs)
+                start = rec._now()
+                try:
+                    return original(work, *args, **kwargs)
+                finally:
+                    rec._add(stage=None, microbatch=None, kind=kind, start=start, end=rec._now())
+
+            return wrapper
+
+        self._wrap(_torch_schedules, "_batch_p2p", make_batch)
+        self._wrap(_torch_schedules, "_wait_batch_p2p", make_wait)
+
+        # Stage calls outside torch's schedules (world size 1, decode loops): time the stage module.
+        from .stages import StageModule
+
+        def make_module_forward(original):
+            def wrapper(module, *received, **inputs):
+                if rec._depth or not rec._mine(module):
+                    return original(module, *received, **inputs)
+                cache = inputs.get("cache")
+                key = (module.spec.index, id(cache))
+                mb = None
+                if cache is not None:
+                    # One cache per (stage, microbatch): number the caches in order of first use.
+                    mb = rec._caches.setdefault(key, sum(1 for s, _ in rec._caches if s == module.spec.index))
+                start = rec._now()
+                kind = "setup" if rec._in_step else "F"  # inside a step but outside its actions: torch's own setup
+                try:
+                    return original(module, *received, **inputs)
+                finally:
+                    rec._add(stage=module.spec.index, microbatch=mb, kind=kind, start=start, end=rec._now())
+
+            return wrapper
+
+        self._wrap(StageModule, "forward", make_module_forward)
+
+        # The decode ring of generate.py waits for its P2P messages in _Ring._take.
+        import sys
+
+        ring = getattr(sys.modules.get(f"{__package__}.generate"), "_Ring", None)
+        if ring is not None and hasattr(ring, "_take"):
+
+            def make_take(original):
+                def wrapper(ring_self, key, *args, **kwargs):
+                    if ring_self.model is not rec.model:
+                        return original(ring_self, key, *args, **kwargs)
+                    start = rec._now()
+                    try:
+                        return original(ring_self, key, *args, **kwargs)
+                    finally:
+                        end = rec._now()
+                        if end - start > 1e-6:
+                            rec._add(stage=None, microbatch=None, kind="recv_wait", start=start, end=end)
+
+                return wrapper
+
+            self._wrap(ring, "_take", make_take)
+
+    # ------------------------------------------------------------------ results
+    def local_timeline(self, title: str = "") -> Timeline:
+        """This rank's records only (no communication)."""
+        return self._timeline(list(self.records), {self.rank: list(self.steps)}, title)
+
+    def timeline(self, title: str = "") -> Timeline:
+        """Every rank's records (collective over the pipeline group: call it on every rank)."""
+        records, steps = list(self.records), {self.rank: list(self.steps)}
+        if dist.is_available() and dist.is_initialized():
+            group = getattr(self.model, "pp_group", None)
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, (self.rank, records, steps[self.rank]), group=group)
+            records = [r for _, recs, _ in gathered for r in recs]
+            steps = {rank: st for rank, _, st in gathered}
+        return self._timeline(records, steps, title)
+
+    def _timeline(self, records, steps, title) -> Timeline:
+        model = self.model
+        spec = getattr(model, "schedule", None)
+        training = any(r.kind in ("B", "I", "W") for r in records)
+        name = spec.name if spec is not None else None
+        if spec is not None and not training and not spec.multi:
+            name = "gpipe"  # forward-only calls run GPipe's forward actions (see PipelinedModel._runtime)
+        elif spec is not None and not training and spec.layout == "loop":
+            name = "looped-bfs"
+        if not any(steps.values()):
+            name = None  # no torch schedule ran (a decode loop): its own theory applies, not the schedule's
+        plan = getattr(model, "plan", None)
+        return Timeline(
+            records=sorted(records, key=lambda r: (r.rank, r.start)), steps=steps,
+            pp_size=plan.pp_size if plan is not None else 1, schedule=name,
+            virtual_stages=plan.virtual_stages if plan is not None else 1,
+            n_microbatches=getattr(model, "n_microbatches", None), title=title,
+        )
+
+
+def record(model: Any) -> Recorder:
+    """Context manager recording per-action timings of ``model``'s pipelined calls on this rank.
+
+    Args:
+        model: a :class:`~hf_pipeline.model.PipelinedModel`.
+
+    Returns:
+        A :class:`Recorder`; after the block, ``recorder.timeline()`` (collective) gives the
+        :class:`Timeline` of every rank.
+
+    Example:
+        >>> with record(model) as prof:
+        ...     model(**inputs)
+        >>> prof.timeline().actions(0)
+        ['0F0', '0F1', '0F2', '0F3']
+    """
+    return Recorder(model=model)
+
+
+def expected_vs_recorded(timeline: Timeline, *, training: bool = True, step: int = 0) -> dict[int, tuple[list[str], list[str]]]:
+    """rank -> (the schedule's action list, the recorded order) for one step; equal when the run followed the schedule."""
+    expected = schedule_actions(
+        timeline.schedule, pp_size=timeline.pp_size, n_microbatches=timeline.n_microbatches,
+        virtual_stages=timeline.virtual_stages, training=training,
+    )
+    return {rank: (expected[rank], timeline.actions(rank, step)) for rank in range(timeline.pp_size)}
+

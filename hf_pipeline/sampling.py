@@ -1,0 +1,112 @@
+"""Small pure helpers of pipelined generation: microbatch split, positions, seeded per-row sampling.
+
+Everything here is a function of its arguments only, so it is tested alone (``tests/test_sampling.py``)
+and the decode ring in ``generate.py`` stays about communication and caches.
+
+Seeded sampling. transformers samples the whole batch with one ``torch.multinomial`` call on the
+global random stream, so which random numbers a row gets depends on the batch shape. A pipeline
+samples one microbatch at a time, so that stream would change with the number of microbatches
+and stages. Instead each row gets its own ``torch.Generator`` seeded from ``(seed, row index in the
+whole batch)`` (:func:`row_seed`): a row draws the same numbers whatever the microbatching, the
+number of stages or data-parallel replicas, so a seed gives the same tokens at every world size.
+(It is a different stream from transformers' own, so sampled tokens are not expected to equal
+``transformers.generate(do_sample=True)``; greedy tokens are.)
+
+Example:
+    >>> gens = row_generators(1234, range(0, 4))
+    >>> select_tokens(scores, do_sample=True, generators=gens)   # (4,) token ids
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "left_padded_position_ids",
+    "microbatch_bounds",
+    "row_generators",
+    "row_seed",
+    "select_tokens",
+]
+
+# Odd 64-bit constants of splitmix64: consecutive rows get unrelated seeds, not seed, seed+1, ...
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+
+
+def microbatch_bounds(batch: int, n: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` row ranges of ``n`` microbatches (sizes differ by at most one).
+
+    Args:
+        batch: number of rows.
+        n: number of microbatches, ``1 <= n <= batch``.
+    Returns:
+        ``n`` ranges covering ``range(batch)`` in order, larger ones first (as ``torch.tensor_split``).
+    """
+    if batch < 1:
+        raise ValueError(f"cannot split an empty batch (batch={batch}) into microbatches; pass at least one sequence")
+    if not 1 <= n <= batch:
+        raise ValueError(f"n_microbatches must be in [1, batch={batch}], got {n}")
+    base, extra = divmod(batch, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def left_padded_position_ids(attention_mask: torch.Tensor | None, length: int, *, batch: int = 1) -> torch.Tensor:
+    """Position ids of a (left-)padded prompt exactly as transformers' generate makes them.
+
+    ``cumsum(mask) - 1`` with padding positions set to 0; without a mask ``arange(length)``.
+
+    Args:
+        attention_mask: ``(B, T)`` 0/1 mask, or None.
+        length: ``T``.
+        batch: rows to expand to when there is no mask.
+    Returns:
+        ``(B, T)`` long tensor.
+    """
+    if attention_mask is None:
+        return torch.arange(length, dtype=torch.long).unsqueeze(0).expand(batch, length)
+    pos = attention_mask.long().cumsum(-1) - 1  # (B, T)
+    return pos.masked_fill(attention_mask == 0, 0)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """A 63-bit seed for row ``row`` of a request seeded with ``seed`` (splitmix64 of both)."""
+    z = (int(seed) * _GOLDEN + (int(row) + 1) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def row_generators(seed: int, rows: Iterable[int], device: str | torch.device = "cpu") -> list[torch.Generator]:
+    """One seeded ``torch.Generator`` per row (global row indices of the whole batch)."""
+    return [torch.Generator(device=device).manual_seed(row_seed(seed, r)) for r in rows]
+
+
+def select_tokens(scores: torch.Tensor, *, do_sample: bool, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+    """Next token per row from processed scores: argmax, or a multinomial draw from each row's generator.
+
+    Args:
+        scores: ``(N, V)`` processed logits (after temperature / top-k / top-p ...), float.
+        do_sample: sample (True) or greedy (False).
+        generators: with sampling, one generator per row of ``scores``.
+    Returns:
+        ``(N,)`` long token ids.
+    """
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    if generators is None or len(generators) != scores.shape[0]:
+        raise ValueError(f"sampling needs one generator per row: {scores.shape[0]} rows, got {0 if generators is None else len(generators)}")
+    probs = torch.softmax(scores.float(), dim=-1)  # (N, V)
+    out = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    for j, gen in enumerate(generators):
+        out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
+    return out

@@ -1,0 +1,802 @@
+"""Benchmarks side by side: every figure is a ratio against a baseline measured in the same run.
+
+    python scripts/benchmark.py                      # the full run (several minutes), writes bench_results/
+    python scripts/benchmark.py --quick              # tiny sizes, every section, seconds (what CI runs)
+    python scripts/benchmark.py --sections train,generate   # rerun some sections, merged into results.json
+    hf-pipeline bench [same options]
+
+Sections (multi-rank parts run under ``torchrun``, 1 thread per rank, OMP_NUM_THREADS=1; each
+baseline runs in the same invocation):
+  load      a >= 1 GB LLaMA-architecture bf16 checkpoint in >= 4 safetensors shards (random weights,
+            written shard by shard and cached): per-rank peak RSS above the post-import baseline
+            (the OS's high-water mark, VmHWM, reset before each load) and bytes read, for p = 1, 2, 4,
+            against transformers ``from_pretrained`` on every rank (what accelerate's prepare_pippy needs).
+  train     tokens/s of ``model.train_step`` per schedule on 2 ranks x 1 thread against one
+            transformers process x 1 thread, same global batch (LLaMA hidden 512, 8 layers, seq 128,
+            batch 16, 8 microbatches).
+  generate  tokens/s of pipelined greedy ``generate`` (2 ranks) against transformers' ``generate``
+            on one process and against a one-microbatch pipeline (16 prompts x 32 tokens, 64 new tokens).
+  bubble    per-rank idle fraction of one profiled training step per schedule (from per-action
+            timings, hf_pipeline.profile) beside the schedule's theoretical bubble; Gantt PNGs and
+            Chrome traces go to ``<out>/timelines/``.
+
+Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import pathlib
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2)]
+SECTIONS = ("load", "train", "generate", "bubble")
+
+
+# ----------------------------------------------------------------------------- sizes
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """Everything a run's size depends on; ``--quick`` swaps in tiny values."""
+
+    # load: the >= 1 GB checkpoint
+    load_hidden: int = 2048
+    load_intermediate: int = 5632
+    load_layers: int = 12
+    load_heads: int = 16
+    load_kv_heads: int = 4
+    load_vocab: int = 32000
+    load_shard_bytes: int = 100_000_000
+    load_ranks: tuple[int, ...] = (1, 2, 4)
+    # train / generate model
+    hidden: int = 512
+    intermediate: int = 1376  # ~8/3 x hidden, as LLaMA
+    layers: int = 8
+    heads: int = 8
+    # LM head as costly relative to a layer as in LLaMA-7B (0.65 of a layer): vocab 4096 at hidden 512
+    vocab: int = 4096
+    seq: int = 128
+    batch: int = 16
+    n_microbatches: int = 8
+    train_reps: int = 5
+    prompts: int = 16
+    prompt_len: int = 32
+    new_tokens: int = 64
+    gen_reps: int = 3
+    world: int = 2
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            load_hidden=64, load_intermediate=128, load_layers=4, load_heads=4, load_kv_heads=2, load_vocab=512,
+            load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, vocab=256,
+            seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, new_tokens=8, gen_reps=1,
+        )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _llama_config(*, hidden, intermediate, layers, heads, kv_heads, vocab, max_pos, dtype):
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=max_pos, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None, dtype=dtype,
+    )
+
+
+def write_random_checkpoint(directory: pathlib.Path, config, *, shard_bytes: int, seed: int = 0) -> pathlib.Path:
+    """A sharded safetensors checkpoint of ``config`` with random weights, written tensor by tensor.
+
+    Nothing close to the model's size is ever in memory: parameter names and shapes come from the
+    model on the meta device, each shard's tensors are drawn, written and dropped. The layout is
+    what ``save_pretrained(max_shard_size=...)`` writes (shards + index + config.json), and a
+    ``.complete`` marker makes the directory a cache: an existing complete directory is reused.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from hf_pipeline.stages import meta_model
+
+    directory = pathlib.Path(directory)
+    if (directory / ".complete").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, str(config.dtype).removeprefix("torch."))
+    meta = meta_model(config, "AutoModelForCausalLM")
+    entries = [(name, tuple(t.shape)) for name, t in meta.state_dict().items()]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in entries:
+        nbytes = itemsize * (1 if not shape else int(torch.Size(shape).numel()))
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    gen = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+            tensors[name] = t
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
+        del tensors
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config.save_pretrained(directory)
+    (directory / ".complete").write_text("ok\n")
+    return directory
+
+
+def _cache_dir(args) -> pathlib.Path:
+    if args.cache_dir:
+        return pathlib.Path(args.cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "hf_pipeline" / "bench"
+
+
+def _checkpoints(args, sizes: Sizes) -> dict[str, str]:
+    import torch
+
+    root = _cache_dir(args)
+    s = sizes
+    load_cfg = _llama_config(
+        hidden=s.load_hidden, intermediate=s.load_intermediate, layers=s.load_layers, heads=s.load_heads,
+        kv_heads=s.load_kv_heads, vocab=s.load_vocab, max_pos=256, dtype="bfloat16",
+    )
+    q = Sizes.quick()
+    warm_cfg = _llama_config(
+        hidden=q.load_hidden, intermediate=q.load_intermediate, layers=q.load_layers, heads=q.load_heads,
+        kv_heads=q.load_kv_heads, vocab=q.load_vocab, max_pos=256, dtype="bfloat16",
+    )
+    warmup = write_random_checkpoint(root / "warmup", warm_cfg, shard_bytes=q.load_shard_bytes)
+    tag = f"load-h{s.load_hidden}-l{s.load_layers}-v{s.load_vocab}-s{s.load_shard_bytes}"
+    t = time.perf_counter()
+    load = write_random_checkpoint(root / tag, load_cfg, shard_bytes=s.load_shard_bytes)
+    created = time.perf_counter() - t
+    train_cfg = _llama_config(
+        hidden=s.hidden, intermediate=s.intermediate, layers=s.layers, heads=s.heads, kv_heads=s.heads, vocab=s.vocab,
+        max_pos=max(256, s.seq, s.prompt_len + s.new_tokens), dtype="float32",
+    )
+    train = write_random_checkpoint(root / f"train-h{s.hidden}-l{s.layers}-v{s.vocab}", train_cfg, shard_bytes=16_000_000)
+    del torch
+    return {"load": str(load), "warmup": str(warmup), "train": str(train), "load_seconds": f"{created:.1f}"}
+
+
+# ----------------------------------------------------------------------------- memory readings
+def _status_kb(field: str) -> int | None:
+    try:
+        m = re.search(rf"^{field}:\s+(\d+) kB", pathlib.Path("/proc/self/status").read_text(), re.M)
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+def _reset_peak() -> bool:
+    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss() -> int:
+    kb = _status_kb("VmRSS")
+    if kb is not None:
+        return kb * 1024
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    kb = _status_kb("VmHWM")
+    if kb is not None:
+        return kb * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _touch(params) -> None:
+    # transformers maps same-dtype safetensors weights lazily (views of the file mapping): their pages
+    # are read, and count as resident, only when first used. Reading every weight once, as the first
+    # forward would, makes both loaders' numbers mean "the weights are in memory".
+    import torch
+
+    with torch.no_grad():
+        for p in params:
+            p.sum()
+
+
+class _PeakMeter:
+    """Peak RSS above the RSS at entry, as the OS counts it (mapped file pages included)."""
+
+    def __enter__(self):
+        gc.collect()
+        self.resettable = _reset_peak()
+        self.base = _rss()
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = _peak_rss() - self.base
+
+
+# ----------------------------------------------------------------------------- worker side
+def _sync(model=None):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _task_load_ours(spec: dict, out: dict) -> None:
+    import torch
+
+    from hf_pipeline import AutoModelForCausalLM
+
+    # Warm-up on a tiny checkpoint of the same architecture: lazy imports and the process group
+    # belong to the baseline, not to loading.
+    AutoModelForCausalLM.from_pretrained(spec["warmup"], pipeline=True, device="cpu", progress=False)
+    with _PeakMeter() as meter:
+        model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", progress=False)
+        _touch(model.parameters())
+    out.update(
+        peak_rss=meter.peak, resettable=meter.resettable, base_rss=meter.base,
+        stage_bytes=sum(p.numel() * p.element_size() for _, p in model.checkpoint_named_parameters()),
+        bytes_read=model.load_report.bytes_read, files_opened=len(model.load_report.files_opened),
+        stages=[s.spec.index for s in model.stages], pp_rank=model.pp_rank,
+    )
+    del model
+    gc.collect()
+    _sync()
+    del torch
+
+
+def _task_load_hf(spec: dict, out: dict) -> None:
+    import torch
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_pretrained(spec["warmup"], dtype=torch.bfloat16)
+    with _PeakMeter() as meter:
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.bfloat16)
+        _touch(model.parameters())
+    out.update(
+        peak_rss=meter.peak, resettable=meter.resettable, base_rss=meter.base,
+        model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+    )
+    del model
+    gc.collect()
+    _sync()
+
+
+def _batch(sizes: dict, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, sizes["vocab"], (sizes["batch"], sizes["seq"]), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _prompts(sizes: dict, seed: int = 1):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, sizes["vocab"], (sizes["prompts"], sizes["prompt_len"]), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def _task_train_hf(spec: dict, out: dict) -> None:
+    import torch
+    import transformers
+
+    sizes = spec["sizes"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32)
+    model.train()
+    batch = _batch(sizes)
+    times = []
+    for i in range(sizes["train_reps"] + 1):  # the first step warms up
+        t = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    out.update(step_seconds=times[1:], loss=float(loss))
+
+
+def _task_train_pp(spec: dict, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hf_pipeline import AutoModelForCausalLM
+    from hf_pipeline.profile import expected_vs_recorded
+
+    sizes = spec["sizes"]
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["path"], pipeline=True, device="cpu", dtype=torch.float32, schedule=spec["schedule"],
+        virtual_stages=spec["virtual_stages"], n_microbatches=sizes["n_microbatches"], progress=False,
+    )
+    batch = _batch(sizes)
+    times = []
+    for i in range(sizes["train_reps"] + 1):
+        _sync()
+        t = time.perf_counter()
+        loss = model.train_step(batch)
+        times.append(time.perf_counter() - t)
+        for p in model.parameters():
+            p.grad = None
+    # Every rank's step time: the pipeline's step is as slow as its slowest rank.
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    step_seconds = [max(ts[i] for ts in gathered) for i in range(1, len(times))]
+    with model.profile() as prof:
+        model.train_step(batch)
+    timeline = prof.timeline(title=f"{spec['schedule']}: {sizes['n_microbatches']} microbatches, {model.plan.pp_size} ranks x {model.plan.virtual_stages} stages")
+    order = expected_vs_recorded(timeline, training=True)
+    if model.ctx.is_main_process and spec.get("timeline_dir"):
+        d = pathlib.Path(spec["timeline_dir"])
+        timeline.save_png(d / f"train-{spec['schedule']}.png")
+        timeline.save_chrome_trace(d / f"train-{spec['schedule']}.trace.json")
+    out.update(
+        step_seconds=step_seconds, loss=float(loss), idle_fraction=timeline.idle_fraction(),
+        theoretical_idle_fraction=timeline.theoretical_idle_fraction(),
+        order_matches={r: e == got for r, (e, got) in order.items()},
+        busy_seconds={r: timeline.busy_seconds(r) for r in timeline.ranks},
+        profiled_wall_seconds={r: timeline.wall_seconds(r) for r in timeline.ranks},
+    )
+
+
+def _task_generate_hf(spec: dict, out: dict) -> None:
+    import torch
+    import transformers
+
+    sizes = spec["sizes"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).eval()
+    ids, mask = _prompts(sizes)
+    times, result = [], None
+    for i in range(sizes["gen_reps"] + 1):
+        t = time.perf_counter()
+        result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sizes["new_tokens"], min_new_tokens=sizes["new_tokens"], do_sample=False, pad_token_id=0)
+        times.append(time.perf_counter() - t)
+    out.update(seconds=times[1:], new_tokens=int((result.shape[1] - ids.shape[1]) * ids.shape[0]), tokens=result.tolist())
+
+
+def _task_generate_pp(spec: dict, out: dict) -> None:
+    import torch
+
+    from hf_pipeline import AutoModelForCausalLM
+
+    sizes = spec["sizes"]
+    model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False)
+    ids, mask = _prompts(sizes)
+    results = {}
+    for label, m in (("pipelined", None), ("one_microbatch", 1)):
+        times, stats, tokens = [], None, None
+        for i in range(sizes["gen_reps"] + 1):
+            _sync()
+            t = time.perf_counter()
+            tokens, stats = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=sizes["new_tokens"], do_sample=False,
+                n_microbatches=m, return_stats=True, pad_token_id=0,
+            )
+            times.append(time.perf_counter() - t)
+        results[label] = {"seconds": times[1:], "new_tokens": stats.new_tokens, "n_microbatches": stats.n_microbatches, "tokens": tokens.tolist()}
+    with model.profile() as prof:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=min(sizes["new_tokens"], 8), do_sample=False, pad_token_id=0)
+    timeline = prof.timeline(title=f"generate: {sizes['prompts']} prompts, {model.plan.pp_size} ranks (first 8 tokens)")
+    if model.ctx.is_main_process and spec.get("timeline_dir"):
+        d = pathlib.Path(spec["timeline_dir"])
+        timeline.save_png(d / "generate.png")
+        timeline.save_chrome_trace(d / "generate.trace.json")
+    results["idle_fraction"] = timeline.idle_fraction()
+    out.update(results)
+
+
+_TASKS = {
+    "load_ours": _task_load_ours, "load_hf": _task_load_hf, "train_hf": _task_train_hf, "train_pp": _task_train_pp,
+    "generate_hf": _task_generate_hf, "generate_pp": _task_generate_pp,
+}
+
+
+def _worker(spec_path: str) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    job = json.loads(pathlib.Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    results = []
+    for task in job["tasks"]:
+        out: dict[str, Any] = {"task": task["task"], "label": task.get("label")}
+        t = time.perf_counter()
+        try:
+            _TASKS[task["task"]](task, out)
+            out["ok"] = True
+        except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
+            out.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        out["wall_seconds"] = time.perf_counter() - t
+        results.append(out)
+        gc.collect()
+    pathlib.Path(job["out_dir"], f"rank{rank}.json").write_text(json.dumps(results))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent side
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_PIPELINE_THREADS="1", TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1", GLOO_SOCKET_IFNAME="lo", TRANSFORMERS_VERBOSITY="error",
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _launch(world: int, tasks: list[dict], *, timeout: float, log) -> list[list[dict]]:
+    """Run ``tasks`` in order on ``world`` fresh processes (torchrun for world > 1); per-rank results."""
+    with tempfile.TemporaryDirectory(prefix="hf_pipeline_bench_") as tmp:
+        spec = pathlib.Path(tmp, "job.json")
+        spec.write_text(json.dumps({"tasks": tasks, "out_dir": tmp}))
+        script = str(pathlib.Path(__file__).resolve())
+        if world == 1:
+            cmd = [sys.executable, script, "--worker", str(spec)]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", script, "--worker", str(spec)]
+        log(f"  launching {world} process(es): {', '.join(t.get('label') or t['task'] for t in tasks)}")
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=str(_ROOT))
+        results = []
+        for r in range(world):
+            f = pathlib.Path(tmp, f"rank{r}.json")
+            if not f.is_file():
+                raise RuntimeError(f"rank {r} of {cmd} wrote no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            results.append(json.loads(f.read_text()))
+        return results
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        m = re.search(r"^model name\s*:\s*(.+)$", pathlib.Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    mem = None
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _errors(rank_results: list[dict]) -> list[str]:
+    return [f"{r.get('label') or r['task']}: {r['error']}" for r in rank_results if not r.get("ok")]
+
+
+def run_benchmark(args, log=print) -> dict[str, Any]:
+    sizes = Sizes.quick() if args.quick else Sizes()
+    if args.load_ranks:
+        sizes = Sizes(**{**asdict(sizes), "load_ranks": tuple(int(x) for x in args.load_ranks.split(","))})
+    if args.reps:
+        sizes = Sizes(**{**asdict(sizes), "train_reps": args.reps, "gen_reps": args.reps})
+    sections = [s.strip() for s in args.sections.split(",")] if args.sections else list(SECTIONS)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    out_dir = pathlib.Path(args.out)
+    timeline_dir = out_dir / "timelines"
+    timeline_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    log(f"hf_pipeline benchmark ({'quick' if args.quick else 'full'}): sections {', '.join(sections)}")
+    ckpts = _checkpoints(args, sizes)
+    log(f"  checkpoints in {_cache_dir(args)} (load checkpoint ready in {ckpts['load_seconds']} s)")
+    sz = asdict(sizes)
+    results: dict[str, Any] = {
+        "command": "python scripts/benchmark.py " + " ".join(args.argv), "quick": bool(args.quick),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": _machine(), "sizes": sz,
+    }
+    timeout = args.timeout
+
+    # Which work runs in which launch: one launch per world size, fresh processes (peak RSS).
+    launches: dict[int, list[dict]] = {}
+    if "load" in sections:
+        for p in sizes.load_ranks:
+            launches.setdefault(p, []).extend([
+                {"task": "load_ours", "label": f"load hf_pipeline p={p}", "path": ckpts["load"], "warmup": ckpts["warmup"]},
+                {"task": "load_hf", "label": f"load transformers p={p}", "path": ckpts["load"], "warmup": ckpts["warmup"]},
+            ])
+    if "train" in sections or "bubble" in sections:
+        launches.setdefault(1, []).append({"task": "train_hf", "label": "train transformers", "path": ckpts["train"], "sizes": sz})
+        for name, v in SCHEDULES:
+            launches.setdefault(sizes.world, []).append({
+                "task": "train_pp", "label": f"train {name}", "path": ckpts["train"], "sizes": sz, "schedule": name,
+                "virtual_stages": v, "timeline_dir": str(timeline_dir),
+            })
+    if "generate" in sections:
+        launches.setdefault(1, []).append({"task": "generate_hf", "label": "generate transformers", "path": ckpts["train"], "sizes": sz})
+        launches.setdefault(sizes.world, []).append({"task": "generate_pp", "label": "generate pipelined", "path": ckpts["train"], "sizes": sz, "timeline_dir": str(timeline_dir)})
+
+    raw: dict[int, list[list[dict]]] = {}
+    for world in sorted(launches):
+        raw[world] = _launch(world, launches[world], timeout=timeout, log=log)
+    results["errors"] = sorted({e for per_rank in raw.values() for rr in per_rank for e in _errors(rr)})
+
+    def find(world: int, label: str) -> list[dict]:
+        return [next(t for t in rr if t["label"] == label) for rr in raw.get(world, [])]
+
+    from hf_pipeline.weights import CheckpointIndex, checkpoint_nbytes
+
+    if "load" in sections:
+        ckpt_bytes = checkpoint_nbytes(CheckpointIndex.from_directory(ckpts["load"]))
+        index = json.loads(pathlib.Path(ckpts["load"], "model.safetensors.index.json").read_text())
+        load = {"checkpoint_bytes": ckpt_bytes, "tensor_bytes": index["metadata"]["total_size"], "shards": len(set(index["weight_map"].values())), "by_world": {}}
+        for p in sizes.load_ranks:
+            ours, hf = find(p, f"load hf_pipeline p={p}"), find(p, f"load transformers p={p}")
+            if not all(t.get("ok") for t in ours + hf):
+                load["by_world"][str(p)] = {"error": "; ".join(t.get("error", "") for t in ours + hf if not t.get("ok"))}
+                continue
+            load["by_world"][str(p)] = {
+                "ours_peak_rss": [t["peak_rss"] for t in ours], "ours_stage_bytes": [t["stage_bytes"] for t in ours],
+                "ours_bytes_read": [t["bytes_read"] for t in ours], "ours_files_opened": [t["files_opened"] for t in ours],
+                "hf_peak_rss": [t["peak_rss"] for t in hf], "hf_model_bytes": [t["model_bytes"] for t in hf],
+                "peak_over_stage": max(t["peak_rss"] / t["stage_bytes"] for t in ours),
+                "bytes_read_over_checkpoint": sum(t["bytes_read"] for t in ours) / index["metadata"]["total_size"],
+                "hf_bytes_read_over_checkpoint": sum(t["model_bytes"] for t in hf) / index["metadata"]["total_size"],
+                "hf_peak_over_ours": max(t["peak_rss"] for t in hf) / max(t["peak_rss"] for t in ours),
+                "peak_resettable": all(t["resettable"] for t in ours + hf),
+            }
+        results["load"] = load
+
+    if "train" in sections or "bubble" in sections:
+        base = find(1, "train transformers")[0]
+        tokens = sizes.batch * sizes.seq
+        train = {"tokens_per_step": tokens, "baseline": None, "schedules": {}}
+        if base.get("ok"):
+            train["baseline"] = {"step_seconds": base["step_seconds"], "tokens_per_s": tokens / _median(base["step_seconds"])}
+        for name, v in SCHEDULES:
+            per_rank = find(sizes.world, f"train {name}")
+            r0 = per_rank[0]
+            if not r0.get("ok"):
+                train["schedules"][name] = {"virtual_stages": v, "error": r0["error"]}
+                continue
+            tps = tokens / _median(r0["step_seconds"])
+            train["schedules"][name] = {
+                "virtual_stages": v, "step_seconds": r0["step_seconds"], "tokens_per_s": tps,
+                "speedup": tps / train["baseline"]["tokens_per_s"] if train["baseline"] else None,
+                "idle_fraction": r0["idle_fraction"], "theoretical_idle_fraction": r0["theoretical_idle_fraction"],
+                "order_matches_schedule": r0["order_matches"], "busy_seconds": r0["busy_seconds"],
+                "profiled_wall_seconds": r0["profiled_wall_seconds"],
+            }
+        results["train"] = train
+
+    if "generate" in sections:
+        base, pp = find(1, "generate transformers")[0], find(sizes.world, "generate pipelined")[0]
+        gen: dict[str, Any] = {}
+        if base.get("ok"):
+            gen["baseline"] = {"seconds": base["seconds"], "tokens_per_s": base["new_tokens"] / _median(base["seconds"])}
+        else:
+            gen["baseline"] = {"error": base["error"]}
+        if pp.get("ok"):
+            for label in ("pipelined", "one_microbatch"):
+                r = pp[label]
+                gen[label] = {
+                    "seconds": r["seconds"], "tokens_per_s": r["new_tokens"] / _median(r["seconds"]), "n_microbatches": r["n_microbatches"],
+                    "tokens_equal_transformers": bool(base.get("ok")) and r["tokens"] == base["tokens"],
+                }
+            gen["idle_fraction"] = pp["idle_fraction"]
+            if base.get("ok"):
+                gen["speedup_vs_transformers"] = gen["pipelined"]["tokens_per_s"] / gen["baseline"]["tokens_per_s"]
+                gen["one_microbatch_vs_transformers"] = gen["one_microbatch"]["tokens_per_s"] / gen["baseline"]["tokens_per_s"]
+            gen["speedup_vs_one_microbatch"] = gen["pipelined"]["tokens_per_s"] / gen["one_microbatch"]["tokens_per_s"]
+        else:
+            gen["error"] = pp["error"]
+        results["generate"] = gen
+
+    results["seconds"] = time.time() - started
+    results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def to_markdown(res: dict[str, Any]) -> str:
+    m, s = res["machine"], res["sizes"]
+    lines = [
+        "# hf_pipeline benchmark" + (" (quick mode: tiny sizes, numbers mean nothing)" if res.get("quick") else ""),
+        "",
+        f"Command: `{res['command'].strip()}` — {res['date']}, {res['seconds']:.0f} s.",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {(m['memory_bytes'] or 0) / 2**30:.0f} GiB; {m['platform']}; "
+        f"python {m['python']}, torch {m['torch']}, transformers {m['transformers']}. "
+        f"Load average at start {tuple(round(x, 2) for x in m['load_average'] or ())}, at end "
+        f"{tuple(round(x, 2) for x in m.get('load_average_end') or ())} (other work on the machine disturbs timings).",
+        "Every rank runs 1 thread (OMP_NUM_THREADS=1); every ratio is against a baseline measured in the same run.",
+        "",
+    ]
+    if "load" in res:
+        ld = res["load"]
+        lines += [
+            "## Load: per-rank memory and bytes read",
+            "",
+            f"LLaMA-architecture checkpoint, random bf16 weights: hidden {s['load_hidden']}, {s['load_layers']} layers, vocab "
+            f"{s['load_vocab']}; {_gb(ld['checkpoint_bytes'])} in {ld['shards']} safetensors shards. Peak RSS = the OS's "
+            "high-water mark (VmHWM, reset before each load) minus the RSS just before loading; it includes the pages of "
+            "the shard being read. Baseline: `transformers.AutoModelForCausalLM.from_pretrained` on every rank (what "
+            "accelerate's `prepare_pippy` needs).",
+            "",
+            "| ranks | hf_pipeline peak RSS per rank | stage bytes per rank | peak / stage bytes (max) | bytes read, all ranks / checkpoint | transformers peak RSS per rank | transformers bytes, all ranks / checkpoint |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for p, row in ld["by_world"].items():
+            if "error" in row:
+                lines.append(f"| {p} | error: {row['error']} | | | | | |")
+                continue
+            lines.append(
+                f"| {p} | {', '.join(_gb(x) for x in row['ours_peak_rss'])} | {', '.join(_gb(x) for x in row['ours_stage_bytes'])} | "
+                f"{row['peak_over_stage']:.2f}x (target <= 1.25x) | {row['bytes_read_over_checkpoint']:.2f}x (target <= 1.1x) | "
+                f"{', '.join(_gb(x) for x in row['hf_peak_rss'])} | {row['hf_bytes_read_over_checkpoint']:.2f}x |"
+            )
+        worlds = [(p, row) for p, row in ld["by_world"].items() if "error" not in row and int(p) > 1]
+        if worlds:
+            lines += ["", f"Whole checkpoint: {_gb(ld['checkpoint_bytes'])}. Largest per-rank peak RSS: " + "; ".join(
+                f"{p} ranks {_gb(max(row['ours_peak_rss']))} (transformers {_gb(max(row['hf_peak_rss']))})" for p, row in worlds) + "."]
+        lines.append("")
+    if "train" in res:
+        tr = res["train"]
+        base = tr.get("baseline")
+        lines += [
+            "## Train: tokens/s against one transformers process",
+            "",
+            f"LLaMA hidden {s['hidden']}, {s['layers']} layers, vocab {s['vocab']}, seq {s['seq']}, global batch {s['batch']}, "
+            f"{s['n_microbatches']} microbatches; forward + backward of the whole batch per step (median of {s['train_reps']} "
+            f"steps after a warm-up). Pipelined: {s['world']} ranks x 1 thread; baseline: 1 process x 1 thread, the whole batch "
+            "at once. Target >= 1.75x (limit 2x).",
+            "",
+            "| schedule | stages per rank | step (s) | tokens/s | vs transformers |",
+            "|---|---|---|---|---|",
+        ]
+        if base:
+            lines.append(f"| transformers, 1 process | - | {_median(base['step_seconds']):.3f} | {base['tokens_per_s']:.0f} | 1.00x |")
+        for name, row in tr["schedules"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {row['virtual_stages']} | error: {row['error'][:200]} | | |")
+                continue
+            sp = f"{row['speedup']:.2f}x" if row["speedup"] else "-"
+            lines.append(f"| {name} | {row['virtual_stages']} | {_median(row['step_seconds']):.3f} | {row['tokens_per_s']:.0f} | {sp} |")
+        lines.append("")
+    if "generate" in res:
+        g = res["generate"]
+        lines += [
+            "## Generate: tokens/s against transformers and a one-microbatch pipeline",
+            "",
+            f"{s['prompts']} prompts x {s['prompt_len']} tokens, {s['new_tokens']} new tokens, greedy (median of {s['gen_reps']} "
+            f"runs after a warm-up); pipelined on {s['world']} ranks x 1 thread.",
+            "",
+            "| run | microbatches | seconds | new tokens/s | vs transformers | tokens equal transformers |",
+            "|---|---|---|---|---|---|",
+        ]
+        b = g.get("baseline", {})
+        if "tokens_per_s" in b:
+            lines.append(f"| transformers generate, 1 process | - | {_median(b['seconds']):.2f} | {b['tokens_per_s']:.0f} | 1.00x | - |")
+        for label, name in (("pipelined", "pipelined generate"), ("one_microbatch", "pipelined, n_microbatches=1")):
+            if label in g:
+                r = g[label]
+                vs = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if "tokens_per_s" in b else "-"
+                lines.append(f"| {name} | {r['n_microbatches']} | {_median(r['seconds']):.2f} | {r['tokens_per_s']:.0f} | {vs} | {'yes' if r['tokens_equal_transformers'] else 'no'} |")
+        if "error" in g:
+            lines.append(f"| pipelined generate | error: {g['error'][:200]} | | | | |")
+        if "speedup_vs_one_microbatch" in g:
+            lines += ["", f"Pipelined vs one microbatch: {g['speedup_vs_one_microbatch']:.2f}x (target >= 1.7x)."]
+        lines.append("")
+    if "train" in res:
+        lines += [
+            "## Bubble: measured idle fraction per rank vs theory",
+            "",
+            "One profiled training step per schedule (`model.profile()`): idle = 1 - busy / step wall time on that rank, "
+            "busy = forward, backward, weight-gradient and loss actions. Theory: GPipe/1F1B (p-1)/(m+p-1), interleaved "
+            "(p-1)/(v*m+p-1), ZB-H1 about a third of 1F1B's, ZBV about 0. The recorded action order is compared with the "
+            "schedule's action list. Timelines: `timelines/train-<schedule>.png` and `.trace.json` (Perfetto / chrome://tracing).",
+            "",
+            "| schedule | idle per rank (measured) | theoretical bubble | action order = schedule |",
+            "|---|---|---|---|",
+        ]
+        for name, row in res["train"]["schedules"].items():
+            if "error" in row:
+                lines.append(f"| {name} | error | | |")
+                continue
+            idle = ", ".join(f"rank {k}: {_pct(v)}" for k, v in sorted(row["idle_fraction"].items()))
+            match = "yes" if all(row["order_matches_schedule"].values()) else "no"
+            lines.append(f"| {name} | {idle} | {_pct(row['theoretical_idle_fraction'])} | {match} |")
+        lines.append("")
+    if res.get("runs"):
+        lines += ["## Partial reruns", ""] + [
+            f"- `{r['command'].strip()}` ({', '.join(r['sections'])}) — {r['date']}, load average at start "
+            f"{tuple(round(x, 2) for x in r['machine'].get('load_average') or ())}" for r in res["runs"]
+        ] + [""]
+    if res.get("errors"):
+        lines += ["## Errors", ""] + [f"- {e}" for e in res["errors"]] + [""]
+    return "\n".join(lines)
+
+
+def _merge(previous: dict[str, Any], new: dict[str, Any], sections: list[str]) -> dict[str, Any]:
+    # A partial rerun replaces only its sections (bubble numbers live in the train section).
+    merged = dict(previous)
+    for key in ("load", "train", "generate"):
+        if key in new:
+            merged[key] = new[key]
+    merged.setdefault("runs", []).append({k: new[k] for k in ("command", "date", "seconds") if k in new} | {"sections": sections, "machine": new["machine"]})
+    for key in ("quick", "sizes", "errors"):
+        merged[key] = new[key]
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, prog="hf-pipeline bench")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition: seconds (CI)")
+    parser.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--out", default=str(_ROOT / "bench_results"), help="directory for results.md, results.json, timelines/")
+    parser.add_argument("--cache-dir", default=None, help="where the random checkpoints are written once (default ~/.cache/hf_pipeline/bench)")
+    parser.add_argument("--load-ranks", default=None, help="world sizes of the load section (default 1,2,4; quick 1,2)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per launched job")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker)
+    args.argv = argv
+    res = run_benchmark(args)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "results.json", out / "results.md"
+    if args.sections and json_path.is_file():
+        res = _merge(json.loads(json_path.read_text()), res, args.sections.split(","))
+        res["seconds"] = sum(r.get("seconds", 0) for r in res.get("runs", [])) or res.get("seconds", 0)
+    json_path.write_text(json.dumps(res, indent=2, default=str))
+    md_path.write_text(to_markdown(res))
+    print(md_path.read_text())
+    return 1 if res.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Fine-tune a transformers model with pipeline parallelism on a local text or JSON dataset.
+
+Causal LM (LLaMA, GPT-2, ...), masked LM (BERT) or seq2seq (T5), picked from the checkpoint's
+architecture. The data file is read with ``datasets.load_dataset`` ("text" for .txt, "json" for
+.json/.jsonl), tokenised with the model's tokenizer and cut into fixed-length blocks (one input
+shape: the pipeline's communication buffers are sized once). Every rank reads the same data in
+the same seeded order and passes the same global batch; each pipeline replica takes its share.
+
+Run (2 processes, one pipeline of 2 stages; more processes than stages give data parallelism):
+
+    torchrun --nproc_per_node 2 scripts/train.py --model path/to/model --data train.txt \\
+        --output-dir out --steps 1000 --batch-size 16 --n-microbatches 8 --schedule interleaved-1f1b
+
+    accelerate launch --multi_gpu --num_processes 2 scripts/train.py --model path/to/model \\
+        --data train.txt --output-dir out --steps 1000
+
+    # CPU only (accelerate --multi_gpu on a CPU host starts 2 CPU processes through torchrun):
+    accelerate launch --multi_gpu --num_processes 2 scripts/train.py --device cpu ...
+
+    # continue from the latest complete checkpoint in --output-dir:
+    torchrun --nproc_per_node 2 scripts/train.py ... --output-dir out --resume
+
+Every ``--save-every`` steps (and at the end) ``<output-dir>/checkpoint-<step>`` gets a normal
+transformers checkpoint (plus the tokenizer, optimizer, scheduler and RNG state): load it with
+``transformers.AutoModelFor*.from_pretrained`` or resume from it. Rank 0 shows a progress bar and
+appends one JSON line per step (step, loss, lr, grad_norm) to ``--log-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+
+import torch
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(_ROOT))
+
+TASKS = {
+    "causal_lm": "AutoModelForCausalLM",
+    "masked_lm": "AutoModelForMaskedLM",
+    "seq2seq_lm": "AutoModelForSeq2SeqLM",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + safetensors)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--data", required=True, help="training data: a .txt file (one text per line) or .json/.jsonl")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--target-column", default=None, help="seq2seq: column with the target text (default: the text's continuation)")
+    p.add_argument("--task", choices=sorted(TASKS), default=None, help="default: from the checkpoint's architecture")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps to train for (in total, counting resumed ones)")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (rows) per train_step, all replicas together")
+    p.add_argument("--grad-accum", type=int, default=1, help="train_steps per optimizer step")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per row")
+    p.add_argument("--n-microbatches", type=int, default=None)
+    p.add_argument("--schedule", default=None, help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, ...")
+    p.add_argument("--virtual-stages", type=int, default=None)
+    p.add_argument("--num-stages", type=int, default=None, help="total stages (default: world size x virtual stages)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--mlm-probability", type=float, default=0.15)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
+    p.add_argument("--device", default=None, help="'cpu' to force CPU (default: cuda:LOCAL_RANK when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K optimizer steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
+    p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
+    p.add_argument("--log-file", default=None, help="JSON lines of per-step metrics (default: <output-dir>/log.jsonl)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 1:
+        p.error("--batch-size, --grad-accum and --steps must be >= 1")
+    return args
+
+
+def infer_task(model_dir: str) -> str:
+    """causal_lm / masked_lm / seq2seq_lm from config.json's architectures (or is_encoder_decoder)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    arch = (config.architectures or [""])[0]
+    if arch.endswith("ForMaskedLM"):
+        return "masked_lm"
+    if config.is_encoder_decoder or arch.endswith("ForConditionalGeneration"):
+        return "seq2seq_lm"
+    return "causal_lm"
+
+
+# ----------------------------------------------------------------------------- data
+def build_dataset(args, tokenizer, task: str):
+    """Fixed-length rows: {"input_ids": [...], ("labels": [...])} as a datasets.Dataset (in memory)."""
+    import datasets
+
+    builder = "text" if args.data.endswith(".txt") else "json"
+    raw = datasets.load_dataset(builder, data_files=args.data, split="train", keep_in_memory=True)
+    block = args.block_size
+    if task == "seq2seq_lm" and args.target_column:
+        def encode_pairs(batch):
+            src = tokenizer(batch[args.text_column], max_length=block, truncation=True, padding="max_length")
+            tgt = tokenizer(batch[args.target_column], max_length=block, truncation=True, padding="max_length")
+            labels = [[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in zip(tgt["input_ids"], tgt["attention_mask"])]
+            return {"input_ids": src["input_ids"], "attention_mask": src["attention_mask"], "labels": labels}
+
+        return raw.map(encode_pairs, batched=True, remove_columns=raw.column_names, keep_in_memory=True)
+
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    span = 2 * block if task == "seq2seq_lm" else block  # seq2seq from plain text: continue the text
+
+    def group(batch):
+        # As transformers' run_clm.py: concatenate the documents, cut into equal blocks, drop the rest.
+        ids = []
+        for row in tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]:
+            ids.extend(row + ([eos] if eos is not None else []))
+        n = len(ids) // span * span
+        chunks = [ids[i : i + span] for i in range(0, n, span)]
+        if task == "seq2seq_lm":
+            return {"input_ids": [c[:block] for c in chunks], "labels": [c[block:] for c in chunks]}
+        return {"input_ids": chunks}
+
+    ds = raw.map(group, batched=True, batch_size=1000, remove_columns=raw.column_names, keep_in_memory=True)
+    if len(ds) == 0:
+        raise ValueError(f"{args.data} has fewer than {span} tokens: nothing to train on; lower --block-size")
+    return ds
+
+
+class Batches:
+    """Global batch number b (0, 1, ...) -> the same batch on every rank, in a seeded per-epoch order.
+
+    A resumed run asks for batch ``k * grad_accum`` onwards and sees exactly what an uninterrupted
+    run would have seen; masked-LM masks are drawn from a generator seeded by the batch number.
+    """
+
+    def __init__(self, dataset, *, batch_size: int, seed: int, task: str, tokenizer, mlm_probability: float):
+        if len(dataset) < batch_size:
+            raise ValueError(f"the dataset has {len(dataset)} blocks, fewer than --batch-size {batch_size}; use more data or a smaller batch")
+        self.dataset = dataset.with_format("torch")
+        self.batch_size = batch_size
+        self.per_epoch = len(dataset) // batch_size
+        self.seed = seed
+        self.task = task
+        self.collator = None
+        if task == "masked_lm":
+            from transformers import DataCollatorForLanguageModeling
+
+            if tokenizer.mask_token is None:
+                raise ValueError("masked LM training needs a tokenizer with a mask token")
+            self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
+
+    def __call__(self, b: int) -> dict[str, torch.Tensor]:
+        epoch, pos = divmod(b, self.per_epoch)
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+        rows = self.dataset[order[pos * self.batch_size : (pos + 1) * self.batch_size]]
+        ids = rows["input_ids"]
+        if self.collator is not None:
+            # The collator draws masks from the global RNG: fork it, seeded by the batch number, so
+            # every rank draws the same masks and dropout streams are left alone.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed * 1_000_003 + b)
+                return dict(self.collator([{"input_ids": r} for r in ids]))
+        batch = {"input_ids": ids}
+        if "attention_mask" in rows:
+            batch["attention_mask"] = rows["attention_mask"]
+        else:
+            batch["attention_mask"] = torch.ones_like(ids)
+        batch["labels"] = rows["labels"] if "labels" in rows else ids.clone()
+        return batch
+
+
+# ----------------------------------------------------------------------------- training
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+    from tqdm.auto import tqdm
+
+    import hf_pipeline
+    from hf_pipeline.checkpoint import latest_checkpoint, load_training_state
+
+    out = pathlib.Path(args.output_dir)
+    resume_from = args.resume_from
+    if args.resume and resume_from is None:
+        found = latest_checkpoint(out)
+        resume_from = str(found) if found is not None else None  # nothing saved yet: start fresh
+    task = args.task or infer_task(args.model)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    torch.manual_seed(args.seed)
+
+    load = {k: v for k, v in {
+        "n_microbatches": args.n_microbatches, "schedule": args.schedule, "virtual_stages": args.virtual_stages,
+        "num_stages": args.num_stages, "device": args.device,
+    }.items() if v is not None}
+    model = getattr(hf_pipeline, TASKS[task]).from_pretrained(resume_from or args.model, pipeline=True, dtype="float32", **load)
+    model.train()
+    ctx = model.ctx
+    if ctx.is_main_process:
+        print(model.plan, flush=True)
+
+    dataset = build_dataset(args, tokenizer, task)
+    batches = Batches(dataset, batch_size=args.batch_size, seed=args.seed, task=task, tokenizer=tokenizer, mlm_probability=args.mlm_probability)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps)
+    start = 0
+    if resume_from is not None:
+        start = int(load_training_state(model, resume_from, optimizer=opt, scheduler=sched)["step"])
+        if ctx.is_main_process:
+            print(f"resumed from {resume_from} at step {start}", flush=True)
+
+    log_path = pathlib.Path(args.log_file) if args.log_file else out / "log.jsonl"
+    if ctx.is_main_process:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=args.steps, initial=start, desc="train", disable=args.no_progress or not ctx.is_main_process, dynamic_ncols=True)
+    autocast = torch.bfloat16 if args.bf16 else None
+    for step in range(start, args.steps):
+        total = 0.0
+        for a in range(args.grad_accum):
+            loss = model.train_step(batches(step * args.grad_accum + a), loss_scale=1.0 / args.grad_accum, autocast=autocast)
+            total += float(loss)
+        norm = float(model.clip_grad_norm_(args.max_grad_norm)) if args.max_grad_norm > 0 else float("nan")
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        mean = total / args.grad_accum
+        if ctx.is_main_process:
+            bar.update(1)
+            bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step + 1, "loss": mean, "lr": lr, "grad_norm": norm}) + "\n")
+            if not math.isfinite(mean):
+                print(f"step {step + 1}: loss is {mean}", file=sys.stderr, flush=True)
+        done = step + 1
+        if (args.save_every and done % args.save_every == 0) or done == args.steps:
+            path = model.save_pretrained(out / f"checkpoint-{done}", optimizer=opt, scheduler=sched, step=done, tokenizer=tokenizer)
+            if ctx.is_main_process:
+                bar.write(f"saved {path}")
+    bar.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

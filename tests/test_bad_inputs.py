@@ -1,0 +1,343 @@
+"""Bad input: every case raises a clear error on EVERY rank, within seconds, and never hangs.
+
+Two spawned 2-rank jobs run all cases one after another (process start-up dominates these tiny
+runs): one passes bad arguments / broken checkpoints to ``from_pretrained``, the other bad
+arguments to the calls of a loaded model and ends with correct calls, whose numbers must still
+equal transformers' — an agreed error leaves the process group usable.
+
+Each case names the exception type and a fragment of the message every rank must show (the
+failing rank its own error; the others, when only some ranks failed, a RankError quoting it).
+``HF_PIPELINE_ERRORS_TABLE=path pytest tests/test_bad_inputs.py`` writes the observed messages as
+the markdown table of ``docs/errors.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+import tiny
+from harness import run_distributed
+
+_FAST_S = 10.0  # per case, on every rank; the collective timeout (300 s) is far away
+
+# --------------------------------------------------------------------------- broken checkpoints
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _shards(path: pathlib.Path) -> list[str]:
+    return sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+
+
+def _make_paths(tmp: pathlib.Path) -> dict[str, str]:
+    good = tiny.make_checkpoint(tmp / "llama", "llama")
+    shards = _shards(good)
+    paths = {"llama": good}
+
+    paths["missing_shard"] = _copy(good, tmp / "missing_shard")
+    (paths["missing_shard"] / shards[1]).unlink()
+
+    paths["index_names_missing_file"] = p = _copy(good, tmp / "index_names_missing_file")
+    index = json.loads((p / "model.safetensors.index.json").read_text())
+    key = next(k for k, v in index["weight_map"].items() if v == shards[-1])
+    index["weight_map"][key] = "model-00099-of-00099.safetensors"
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    paths["truncated_shard"] = p = _copy(good, tmp / "truncated_shard")
+    data = (p / shards[-1]).read_bytes()
+    (p / shards[-1]).write_bytes(data[: len(data) - 100])
+
+    paths["corrupted_shard"] = p = _copy(good, tmp / "corrupted_shard")
+    data = bytearray((p / shards[0]).read_bytes())
+    data[8:24] = b"\xff" * 16  # the JSON header starts at byte 8
+    (p / shards[0]).write_bytes(bytes(data))
+
+    paths["unknown_model_type"] = p = _copy(good, tmp / "unknown_model_type")
+    cfg = json.loads((p / "config.json").read_text())
+    cfg["model_type"] = "frobnicator"
+    (p / "config.json").write_text(json.dumps(cfg))
+
+    import transformers
+
+    torch.manual_seed(0)
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=96, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2, max_position_embeddings=64,
+        word_embed_proj_dim=16,
+    ))
+    opt.save_pretrained(tmp / "opt")
+    paths["opt"] = tmp / "opt"
+
+    paths["mistral"] = tiny.make_checkpoint(tmp / "mistral", "mistral")
+    (tmp / "bad_syntax.toml").write_text('model_types = ["llama"\nglue = "llama"\n')
+    (tmp / "bad_field.toml").write_text(
+        'model_types = ["llama"]\nglue = "frobnicate"\n[[stacks]]\nname = "decoder"\nblocks = "{base}layers"\n[heads.Model]\n'
+        'modules = []\noutputs = ["last_hidden_state"]\noutput_class = "BaseModelOutputWithPast"\n'
+    )
+    recipe = (pathlib.Path(__file__).resolve().parents[1] / "model_recipes" / "llama.toml").read_text()
+    (tmp / "bad_module.toml").write_text(recipe.replace('"{base}layers"', '"{base}decoder_blocks"'))
+    paths.update({name: tmp / f"{name}.toml" for name in ("bad_syntax", "bad_field", "bad_module")})
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _load(path: str, **kwargs):
+    import hf_pipeline
+
+    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, **kwargs)
+
+
+def _register_then_load(recipe: str, path: str):
+    import hf_pipeline
+    from hf_pipeline import recipe as recipes
+
+    try:
+        hf_pipeline.register_recipe(recipe)
+        return _load(path)
+    finally:
+        recipes._EXTRA.clear()  # later cases see the built-in recipes again
+
+
+# name -> (call on every rank, exception type names accepted, message fragment (regex))
+LOAD_CASES = {
+    "unknown architecture (model_type transformers does not know)": (
+        lambda p: _load(p["unknown_model_type"]), ("ValueError",), r"model type `frobnicator`"),
+    "architecture without a recipe, split_method='recipe'": (
+        lambda p: _load(p["opt"], split_method="recipe"), ("RecipeError",), r"no pipeline recipe for model_type 'opt'"),
+    "recipe file malformed: not valid TOML": (
+        lambda p: __import__("hf_pipeline").register_recipe(p["bad_syntax"]), ("RecipeError",), r"bad_syntax\.toml: not valid TOML"),
+    "recipe file malformed: bad field value": (
+        lambda p: __import__("hf_pipeline").register_recipe(p["bad_field"]), ("RecipeError",), r"field 'glue' is 'frobnicate'; it must be one of"),
+    "recipe names a module the model does not have": (
+        lambda p: _register_then_load(p["bad_module"], p["mistral"]), ("RecipeError",), r"decoder_blocks"),
+    "more stages than blocks": (
+        lambda p: _load(p["llama"], num_stages=6, virtual_stages=3, schedule="looped-bfs"), ("PlanError",), r"6 stages.*4 blocks|4 blocks.*6 stages"),
+    "world size not a multiple of num_stages / virtual_stages": (
+        lambda p: _load(p["llama"], num_stages=3), ("ValueError",), r"num_stages=3 with virtual_stages=1 needs a multiple of 3 processes, but the world size is 2"),
+    "num_stages not a multiple of virtual_stages": (
+        lambda p: _load(p["llama"], num_stages=4, virtual_stages=3, schedule="looped-bfs"), ("ValueError",), r"num_stages=4 is not a multiple of virtual_stages=3"),
+    "schedule needs one stage per rank, virtual_stages=2 given": (
+        lambda p: _load(p["llama"], schedule="1f1b", virtual_stages=2), ("ScheduleError",), r"schedule '1f1b' needs virtual_stages 1 per rank, got 2"),
+    "V schedule with virtual_stages=3": (
+        lambda p: _load(p["llama"], schedule="zbv-zero-bubble", virtual_stages=3), ("ScheduleError",), r"schedule 'zbv-zero-bubble' needs virtual_stages 2 per rank, got 3"),
+    "1F1B with fewer microbatches than stages": (
+        lambda p: _load(p["llama"], schedule="1f1b", n_microbatches=1), ("ScheduleError",), r"needs n_microbatches >= the number of stages \(2\), got 1"),
+    "unknown schedule name": (
+        lambda p: _load(p["llama"], schedule="2f2b"), ("ScheduleError",), r"unknown schedule '2f2b'; choose one of"),
+    "shard file missing": (
+        lambda p: _load(p["missing_shard"]), ("CheckpointError",), r"names shard 'model-00002-of-\d+\.safetensors'.*does not exist"),
+    "index names a file that does not exist": (
+        lambda p: _load(p["index_names_missing_file"]), ("CheckpointError",), r"names shard 'model-00099-of-00099\.safetensors'.*does not exist"),
+    "shard truncated": (
+        lambda p: _load(p["truncated_shard"]), ("CheckpointError", "RankError"), r"is truncated \(expected \d+ bytes, found \d+\)"),
+    "shard header corrupted": (
+        lambda p: _load(p["corrupted_shard"]), ("CheckpointError", "RankError"), r"(corrupted header|header is corrupted)"),
+    "checkpoint misses keys (config has more layers)": (
+        lambda p: _load(p["llama"], config=tiny.config_for("llama", num_hidden_layers=5)), ("CheckpointError", "RankError"),
+        r"has no tensor for \d+ of this stage's parameters/buffers: model\.layers\.4\."),
+    "checkpoint has unexpected keys (config has fewer layers)": (
+        lambda p: _load(p["llama"], config=tiny.config_for("llama", num_hidden_layers=3)), ("CheckpointError",),
+        r"holds \d+ tensor\(s\) the model does not have: model\.layers\.3\."),
+    "checkpoint tensor of the wrong shape": (
+        lambda p: _load(p["llama"], config=tiny.config_for("llama", intermediate_size=48)), ("CheckpointError", "RankError"),
+        r"has shape \[64, 32\] but the model expects \[48, 32\]"),
+    "dtype the device does not support": (
+        lambda p: _load(p["llama"], dtype=torch.float8_e4m3fn), ("ValueError",), r"dtype torch\.float8_e4m3fn is not supported on device cpu"),
+    "dtype that is not a floating point type": (
+        lambda p: _load(p["llama"], dtype="int8"), ("ValueError",), r"dtype must be a floating point type, got torch\.int8"),
+}
+
+
+def _run_cases(cases: dict, arg) -> dict[str, tuple[str, str, float] | None]:
+    out = {}
+    for name, (fn, _, _) in cases.items():
+        start = time.monotonic()
+        try:
+            fn(arg)
+        except Exception as e:  # noqa: BLE001 - the errors are the result
+            out[name] = (type(e).__name__, str(e), time.monotonic() - start)
+        else:
+            out[name] = None
+    return out
+
+
+def _load_job(paths):
+    return _run_cases(LOAD_CASES, paths)
+
+
+def _check(cases: dict, per_rank: list[dict], table: list[tuple[str, str]]) -> None:
+    problems = []
+    for name, (_, types, pattern) in cases.items():
+        for rank, results in enumerate(per_rank):
+            got = results[name]
+            if got is None:
+                problems.append(f"{name}: rank {rank} raised nothing")
+                continue
+            kind, message, elapsed = got
+            if kind not in types or not re.search(pattern, message, re.S):
+                problems.append(f"{name}: rank {rank} raised {kind}: {message[:400]}")
+            if elapsed > _FAST_S:
+                problems.append(f"{name}: rank {rank} took {elapsed:.1f} s")
+        first = per_rank[0][name]
+        if first is not None:
+            own = next((r[name] for r in per_rank if r[name] is not None and r[name][0] != "RankError"), first)
+            table.append((name, f"{own[0]}: {own[1]}"))
+    assert not problems, "\n".join(problems)
+
+
+_TABLE: list[tuple[str, str]] = []
+
+
+def test_bad_loading_arguments_and_checkpoints_fail_on_every_rank(tmp_path):
+    paths = _make_paths(tmp_path)
+    per_rank = run_distributed(_load_job, 2, paths, timeout=240)
+    _check(LOAD_CASES, per_rank, _TABLE)
+    _write_table()
+
+
+# --------------------------------------------------------------------------- bad call arguments
+_MODEL: dict = {}
+
+
+def _ids(batch: int, seq: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    return tiny.sample_inputs("llama", batch=batch, seq=seq, seed=seed)
+
+
+def _with_labels(inputs: dict, labels=None) -> dict:
+    return {**inputs, "labels": inputs["input_ids"].clone() if labels is None else labels}
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _m():
+    return _MODEL["llama"]
+
+
+CALL_CASES = {
+    "forward: batch smaller than n_microbatches": (
+        lambda _: _m()(**_ids(1, 9)), ("ValueError",), r"batch size 1 is smaller than n_microbatches=2"),
+    "train_step: batch not divisible by n_microbatches": (
+        lambda _: _m().train_step(_with_labels(_ids(3, 9))), ("ValueError",),
+        r"a training batch of 3 rows does not split into n_microbatches=2 equal microbatches"),
+    "forward: sequence longer than the maximum positions": (
+        lambda _: _m()(**_ids(2, 129)), ("ValueError",), r"input_ids has 129 tokens, more than the model's maximum of 128 positions"),
+    "forward (GPT-2, learned positions): sequence too long": (
+        lambda _: _MODEL["gpt2"](**_ids(2, 130)), ("ValueError",), r"input_ids has 130 tokens, more than the model's maximum of 128"),
+    "generate: prompt + max_new_tokens beyond the maximum positions": (
+        lambda _: _m().generate(**_ids(2, 120), max_new_tokens=16), ("ValueError",),
+        r"the prompt has 120 tokens \+ 16 new tokens = 136, more than the model's maximum of 128"),
+    "generate: empty prompt batch": (
+        lambda _: _m().generate(torch.empty(0, 5, dtype=torch.long), max_new_tokens=2), ("ValueError",), r"holds no prompts"),
+    "generate: empty prompt list": (
+        lambda _: _m().generate([], max_new_tokens=2), ("ValueError",), r"the prompt list is empty"),
+    "generate: prompts of mixed types": (
+        lambda _: _m().generate(["a prompt", [5, 6, 7]], max_new_tokens=2), ("ValueError",),
+        r"prompts must all be strings or all be token-id lists, got a mix: ids \(first at index 1\), text \(first at index 0\)"),
+    "generate: untokenized prompt list": (
+        lambda _: _m().generate(["a prompt", "another"], max_new_tokens=2), ("TypeError",),
+        r"got a list of text prompts; pass tok\(prompts, return_tensors='pt', padding=True\)"),
+    "generate: unsupported mode (beam search)": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, num_beams=2), ("ValueError",), r"is not supported by pipelined generation"),
+    "forward: inputs differ between ranks": (
+        lambda _: _m()(**_ids(2, 9, seed=1 + _rank())), ("ValueError",), r"model inputs must be the same on every rank but differs: rank 0: .*; rank 1: "),
+    "train_step: batch differs between ranks": (
+        lambda _: _m().train_step(_with_labels(_ids(2, 9, seed=1 + _rank()))), ("ValueError",),
+        r"the training batch differs across ranks"),
+    "generate: inputs differ between ranks": (
+        lambda _: _m().generate(**_ids(2, 5, seed=1 + _rank()), max_new_tokens=2), ("ValueError",), r"generate inputs must be the same on every rank"),
+    "forward: labels shape does not match input_ids": (
+        lambda _: _m()(**_with_labels(_ids(2, 9), torch.zeros(2, 7, dtype=torch.long))), ("ValueError",),
+        r"labels shape \(2, 7\) does not match input_ids \(2, 9\)"),
+    "train_step: labels shape does not match input_ids": (
+        lambda _: _m().train_step(_with_labels(_ids(2, 9), torch.zeros(2, 7, dtype=torch.long))), ("ValueError",),
+        r"labels shape \(2, 7\) does not match input_ids \(2, 9\)"),
+    "train_step: labels with the wrong number of rows": (
+        lambda _: _m().train_step(_with_labels(_ids(2, 9), torch.zeros(4, 9, dtype=torch.long))), ("ValueError",),
+        r"labels has 4 rows but the batch has 2"),
+    "train_step: no labels": (
+        lambda _: _m().train_step(_ids(2, 9)), ("ValueError",), r"the batch has no 'labels'"),
+}
+
+
+def _call_job(llama: str, gpt2: str):
+    _MODEL["llama"] = _load(llama, n_microbatches=2)
+    _MODEL["gpt2"] = _load(gpt2, n_microbatches=2)
+    results = _run_cases(CALL_CASES, None)
+    # After all that the pipeline still works: agreed errors never stop the process group.
+    model = _m()
+    inputs = _ids(2, 9)
+    logits = model(**inputs).logits
+    ids = model.generate(**_ids(2, 5), max_new_tokens=3, do_sample=False)
+    loss = model.train_step(_with_labels(inputs))
+    return results, logits, ids, loss
+
+
+def test_bad_call_arguments_fail_on_every_rank_and_leave_the_pipeline_usable(tmp_path):
+    llama = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    gpt2 = tiny.make_checkpoint(tmp_path / "gpt2", "gpt2")
+    per_rank = run_distributed(_call_job, 2, str(llama), str(gpt2), timeout=240)
+    _check(CALL_CASES, [r[0] for r in per_rank], _TABLE)
+    _write_table()
+    ref = tiny.reference(llama, "AutoModelForCausalLM")
+    inputs = _ids(2, 9)
+    with torch.no_grad():
+        want = ref(**_with_labels(inputs))
+    want_ids = ref.generate(**_ids(2, 5), max_new_tokens=3, do_sample=False)
+    for _, logits, ids, loss in per_rank:
+        assert (logits - want.logits).abs().max() <= 1e-5
+        assert torch.equal(ids, want_ids)
+        assert abs(loss.item() - want.loss.item()) <= 1e-5
+
+
+def _write_table() -> None:
+    target = os.environ.get("HF_PIPELINE_ERRORS_TABLE")
+    if not target:
+        return
+    rows = ["| case | error raised on every rank |", "| --- | --- |"]
+    for name, message in _TABLE:
+        text = re.sub(r"/tmp/\S*?/(pytest-of-\w+/)?pytest-\d+/[^/\s]+/", "<dir>/", message)
+        text = text.replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {name} | {text} |")
+    pathlib.Path(target).write_text("\n".join(rows) + "\n")
+
+
+# --------------------------------------------------------------------------- the checks alone
+def test_validation_helpers():
+    from hf_pipeline import validate
+
+    assert validate.max_positions(tiny.config_for("gpt2")) == 128  # n_positions, through attribute_map
+    assert validate.max_positions(tiny.config_for("t5")) is None  # relative positions: no limit
+    validate.check_sequence_length(tiny.config_for("llama"), 128)
+    with pytest.raises(ValueError, match=r"has 100 tokens \+ 29 new tokens = 129"):
+        validate.check_sequence_length(tiny.config_for("llama"), 100, what="the prompt", new_tokens=29)
+    validate.check_microbatches(batch=6, n_microbatches=4, training=False)  # inference pads
+    with pytest.raises(ValueError, match=r"e\.g\. 4 or 8"):
+        validate.check_microbatches(batch=6, n_microbatches=4, training=True)
+    assert validate.check_prompts(["a", "b"]) == "text"
+    assert validate.check_prompts([[1, 2], [3]]) == "ids"
+    for bad, pattern in [("one string", "must be a list"), ([], "empty"), ([[1], []], "prompt 1 is an empty token list"),
+                         (["x", [1, 2]], "got a mix: ids .first at index 1., text .first at index 0."),
+                         (["x", 1.5], "got a float at index 1"), ([[1, True]], "got a list holding non-int items at index 0")]:
+        with pytest.raises(ValueError, match=pattern):
+            validate.check_prompts(bad)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    validate.check_labels("causal_lm", ids, input_ids=ids)
+    validate.check_labels("sequence_classification", torch.tensor([0, 1]), input_ids=ids)
+    validate.check_labels("seq2seq_lm", torch.zeros(2, 3, dtype=torch.long), input_ids=ids)
+    with pytest.raises(ValueError, match="has no loss"):
+        validate.check_labels(None, ids, input_ids=ids)
+    with pytest.raises(ValueError, match="integer token ids"):
+        validate.check_labels("masked_lm", ids.float(), input_ids=ids)
+    with pytest.raises(ValueError, match=r"labels has 3 rows but the batch has 2"):
+        validate.check_labels("sequence_classification", torch.tensor([0, 1, 1]), input_ids=ids)
