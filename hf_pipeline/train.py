@@ -48,6 +48,7 @@ from torch import nn
 
 from .dist import _fingerprint, raise_on_any_rank
 from .losses import LossFunction, PipelineLoss, get_loss
+from .stages import StageModule
 from .validate import check_microbatches, check_model_inputs
 
 __all__ = ["ParamLayout", "clip_grad_norm_", "param_layout", "train_step"]
@@ -385,37 +386,29 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
 # ``stage_backward_weight``). I groups the weights by the graph nodes where their subgraph joins
 # the part that depends on the stage input ("intermediates"), and W runs one ``autograd.grad`` per
 # group without retaining the graph. Groups are only merged when they share such a node, yet one
-# group's pass can still run through another's nodes: in a T5 stage that starts the decoder, the
-# decoder stream (from decoder_input_ids, no gradient input) joins the encoder output both at the
-# cross-attention scores and at the residual add after it, so the pass of the decoder weights
-# runs backward through the cross-attention output projection and frees it; the group of
-# ``EncDecAttention.o.weight`` then fails with "Trying to backward through the graph a second
-# time". Merging all groups of a microbatch into one before W computes every weight gradient in one
-# pass (torch's own prehooks keep each intermediate's gradient from being counted twice) and
-# gives the same gradients as a full backward.
-def _merge_weight_groups(pstage) -> None:
-    if getattr(pstage, "_hf_pipeline_merged_w", False):
+# group's pass can still run through nodes another group needs: in a T5 stage that starts the
+# decoder, the decoder stream (from decoder_input_ids, no gradient input) joins the encoder output
+# both at the cross-attention scores and at the residual add after it, so the pass of the decoder
+# weights runs backward through the cross-attention output projection and frees its saved
+# tensors; the group of ``EncDecAttention.o.weight`` then fails with "Trying to backward through
+# the graph a second time". Running each group's pass with ``retain_graph=True`` fixes it: torch's
+# own prehooks already keep each intermediate's gradient from being counted twice, the graph is
+# freed when W drops its last reference, and for models whose groups do not overlap (LLaMA, GPT-2,
+# BERT) nothing is computed twice. (Merging all groups into one pass would also be correct, but
+# then every pass runs back through the whole input-gradient chain again.)
+def _retain_graph_in_weight_pass(pstage) -> None:
+    if getattr(pstage, "_hf_pipeline_retains_w", False):
         return
+    from torch.distributed.pipelining._backward import stage_backward_weight
 
-    def backward_weight_one_chunk(bwd_chunk_id: int, last_backward: bool = False):
-        state = pstage.backward_state.get(bwd_chunk_id)
-        if state is not None and state[1] is not None and len(state[1]) > 1:
-            params: set = set()
-            nodes, grads, seen = [], [], set()
-            for group in state[1]:
-                params |= group["params"]
-                for node, grad in zip(group["intermediates"], group.get("grads") or ()):
-                    if node not in seen and grad is not None:
-                        seen.add(node)
-                        nodes.append(node)
-                        grads.append(grad)
-            merged = [{"params": params, "intermediates": nodes, "grads": grads}]
-            pstage.backward_state[bwd_chunk_id] = (state[0], merged, *state[2:])
+    def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
+        if backward_type == "weight" and isinstance(pstage.submod, StageModule):  # not wrapped in DDP / FSDP
+            return stage_backward_weight(pstage.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
         # Looked up on the class at call time, so wrappers installed there (profile.py) still run.
-        return type(pstage).backward_weight_one_chunk(pstage, bwd_chunk_id, last_backward=last_backward)
+        return type(pstage).backward_maybe_with_nosync(pstage, backward_type, bwd_kwargs, last_backward=last_backward)
 
-    pstage.backward_weight_one_chunk = backward_weight_one_chunk
-    pstage._hf_pipeline_merged_w = True
+    pstage.backward_maybe_with_nosync = backward_maybe_with_nosync
+    pstage._hf_pipeline_retains_w = True
 
 
 def train_step(
@@ -477,7 +470,7 @@ def train_step(
                 pstages, schedule = model._runtime(signature, training=True, loss_fn=state.loss_fn, scale_grads=False)
                 if model.schedule.zero_bubble:
                     for pstage in pstages:
-                        _merge_weight_groups(pstage)
+                        _retain_graph_in_weight_pass(pstage)
                 schedule.step(**b.inputs, target=b.labels, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
     finally:
         for m, mode in modes:

@@ -114,7 +114,8 @@ def _load_cases(cases):
 
 def test_each_rank_opens_exactly_its_own_files(tmp_path):
     cases, reports = [], []
-    # LLaMA: no shared tensor; T5 with 2 stages per rank: tied embeddings and replicated relative bias.
+    # LLaMA: no shared tensor. T5 with 2 stages per rank (interleaved placement): per-stage files, plus
+    # tied embeddings and the replicated relative bias in the shared file.
     for arch, kwargs in (("llama", {}), ("t5", {"virtual_stages": 2})):
         src = tiny.make_checkpoint(tmp_path / f"{arch}-src", arch)
         stages = 2 * kwargs.get("virtual_stages", 1)
@@ -136,6 +137,10 @@ def test_each_rank_opens_exactly_its_own_files(tmp_path):
     # The two ranks of the untied LLaMA share no file at all.
     llama = [set(per_rank[r][0]["converted"]["files"]) for r in range(2)]
     assert not llama[0] & llama[1]
+    # The two T5 ranks share no file but the shared one.
+    t5 = [set(per_rank[r][1]["converted"]["files"]) for r in range(2)]
+    assert t5[0] & t5[1] == {SHARED_FILE}
+    assert len(t5[0]) == len(t5[1]) == 3  # two own stage files each
 
 
 def test_output_is_atomic_and_never_inside_the_source(tmp_path, monkeypatch):
