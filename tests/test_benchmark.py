@@ -74,6 +74,10 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert gen["pipelined"]["n_microbatches"] == 2 and gen["one_microbatch"]["n_microbatches"] == 1
     assert gen["speedup_vs_one_microbatch"] > 0 and gen["baseline"]["tokens_per_s"] > 0
     assert (out / "timelines" / "generate.png").is_file()
+    bound = gen["bound"]  # the ring's ceiling on this machine, from transformers step times in the same run
+    assert bound["microbatches"] == 2 and 0 < bound["stage_step_s"] and 0 < bound["concurrent_stage_step_s"]
+    assert bound["speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["stage_step_s"]))
+    assert "No 2-stage ring with 2 microbatches can beat" in md
 
     train = res["train"]
     assert train["baseline"]["tokens_per_s"] > 0
