@@ -145,12 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load(p)
     _add_launch(p)
 
-    p = sub.add_parser("train", prog=f"{PROG} train", help="fine-tune a causal LM on a text / JSON / CSV file with a pipeline schedule",
-                       description="Fine-tune a causal LM with model.train_step (any torch schedule) and save a transformers "
-                                   "checkpoint into --output-dir. Options are named as scripts/train.py's, which adds masked-LM "
-                                   "and seq2seq training, periodic checkpoints and resuming.", formatter_class=fmt)
+    p = sub.add_parser("train", prog=f"{PROG} train", help="fine-tune a causal LM, masked LM or seq2seq model on a text / JSON / CSV file",
+                       description="Fine-tune a causal LM (GPT-2, LLaMA, ...), masked LM (BERT) or seq2seq model (T5), the "
+                                   "task chosen from the config, with model.train_step (any torch schedule) and save a "
+                                   "transformers checkpoint into --output-dir. Options are named as scripts/train.py's, which "
+                                   "adds gradient accumulation, periodic checkpoints and resuming.", formatter_class=fmt)
     p.add_argument("--data", type=_existing_path, required=True, help=".txt/.md (one text per line), .json/.jsonl, .csv or .parquet file")
     p.add_argument("--text-column", default="text", help="column holding the text (JSON / CSV / parquet; default 'text')")
+    p.add_argument("--target-column", default=None, help="seq2seq: column holding each text's target (default: the text's continuation)")
+    p.add_argument("--mlm-probability", type=_positive_float, default=0.15, help="masked LM: share of tokens masked (default 0.15)")
+    p.add_argument("--auto-class", default=None, help="transformers class to train (default: from the config, as plan)")
     p.add_argument("--output-dir", required=True, help="directory for the trained checkpoint and its tokenizer")
     p.add_argument("--steps", type=_positive, default=100, help="optimizer steps (default 100)")
     p.add_argument("--batch-size", type=_positive, default=8, help="rows per step, the global batch (default 8)")
@@ -161,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-grad-norm", type=_positive_float, default=1.0, help="clip gradients to this global norm (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the batch order (default 0)")
     p.add_argument("--log-every", type=_positive, default=10, help="print the loss every N steps (default 10)")
+    p.add_argument("--log-file", default=None, help="also append one JSON line per step (step, loss, lr, grad_norm) to this file")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the saved checkpoint (default 2GB)")
     _add_load(p)
     _add_launch(p)
@@ -403,64 +408,64 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _text_rows(path: str, column: str) -> list[str]:
-    if pathlib.Path(path).suffix.lower() in (".txt", ".text", ".md"):
-        return [line for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    import datasets  # JSON / CSV / parquet: datasets reads them (and caches the parsed table)
-
-    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    kind = kinds.get(pathlib.Path(path).suffix.lower())
-    if kind is None:
-        raise CLIError(f"--data {path}: unknown file type; use .txt, .json, .jsonl, .csv or .parquet")
-    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    if column not in ds.column_names:
-        raise CLIError(f"--data {path} has no column {column!r} (columns: {ds.column_names}); pass --text-column")
-    return [t for t in ds[column] if isinstance(t, str) and t.strip()]
-
-
 def cmd_train(args) -> int:
-    """``hf-pipeline train``: fine-tune a causal LM with ``model.train_step`` and ``save_pretrained`` it."""
+    """``hf-pipeline train``: fine-tune with ``model.train_step`` and ``save_pretrained`` the result.
+
+    The class is the one ``plan`` picks from the config (``--auto-class`` to choose); its head's
+    loss is the task (``causal_lm``, ``masked_lm`` or ``seq2seq_lm``), and ``hf_pipeline.data``
+    makes the rows and batches for it, as for ``scripts/train.py``.
+    """
     import time
 
     import torch
     import transformers
 
-    import hf_pipeline
+    from .data import TASKS, Batches, build_dataset, load_rows
+    from .model import load_pipelined
 
     path = _model_path(args)
+    auto = _auto_class_for(_load_config(path), args.auto_class)
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    texts = _text_rows(args.data, args.text_column)
-    ids: list[int] = []
-    eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
-    for row in tok(texts, add_special_tokens=False, verbose=False)["input_ids"]:  # verbose: long texts are fine here
-        ids += row + ([eos] if eos is not None else [])
-    rows = len(ids) // args.block_size
-    if rows < 1:
-        raise CLIError(f"--data {args.data} has {len(ids)} tokens, fewer than one row of --block-size {args.block_size}; add text or lower --block-size")
-    data = torch.tensor(ids[: rows * args.block_size]).view(rows, args.block_size)  # (N, block)
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **_load_kwargs(args))
+    # The file and its columns are checked before the (long) model load; the rows are made after
+    # it, once the head says which task they are for.
+    columns = (args.text_column,) + ((args.target_column,) if args.target_column else ())
+    raw = load_rows(args.data, columns=columns)
+    model = load_pipelined(auto, path, progress=False, **_load_kwargs(args))
+    task = model.resolved.head.loss
+    if task not in TASKS:
+        raise CLIError(
+            f"{model.plan.model_class} trains with loss {task!r}; `train` fine-tunes language models ({', '.join(TASKS)}): "
+            f"pass --auto-class AutoModelForCausalLM, AutoModelForMaskedLM or AutoModelForSeq2SeqLM"
+        )
+    rows = build_dataset(raw, tok, task, block_size=args.block_size, text_column=args.text_column, target_column=args.target_column)
     per_step = model.n_microbatches * model.dp_size
     if args.batch_size % per_step:
         raise CLIError(f"--batch-size {args.batch_size} must be a multiple of n_microbatches x data-parallel replicas = {per_step}")
+    batches = Batches(rows, batch_size=args.batch_size, seed=args.seed, task=task, tokenizer=tok, mlm_probability=args.mlm_probability)
     ctx = model.ctx
     if ctx.is_main_process:
         print(model.plan, flush=True)
-        print(f"data: {len(texts)} texts, {rows} rows of {args.block_size} tokens", flush=True)
+        print(f"data: {len(raw)} texts, {len(rows)} rows of {args.block_size} tokens ({task})", flush=True)
+        if args.log_file:
+            pathlib.Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps)
-    g = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
     start = time.perf_counter()
     for step in range(args.steps):
-        batch = data[torch.randint(rows, (args.batch_size,), generator=g)]  # (B, block)
-        loss = model.train_step({"input_ids": batch, "labels": batch})
-        model.clip_grad_norm_(args.max_grad_norm)
+        loss = float(model.train_step(batches(step)))  # the same batch on every rank
+        norm = float(model.clip_grad_norm_(args.max_grad_norm))
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if ctx.is_main_process and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step + 1:5d}  loss {float(loss):.4f}  lr {lr:.2e}  {time.perf_counter() - start:7.1f} s", flush=True)
+        if not ctx.is_main_process:
+            continue
+        if args.log_file:
+            with open(args.log_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}) + "\n")
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print(f"step {step + 1:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - start:7.1f} s", flush=True)
     model.save_pretrained(args.output_dir, max_shard_size=args.max_shard_size, tokenizer=tok)
     if ctx.is_main_process:
         print(f"saved {args.output_dir}")

@@ -66,6 +66,7 @@ _COMM_MARKERS = (
 
 _calls = itertools.count()  # collective calls made under step_errors by this process (same on every rank)
 _broken: str | None = None  # set once this process stopped its group: later calls fail at once
+_broken_world: object = None  # ... that group: a job that destroys it and makes a new one may go on
 
 
 class PipelineBroken(RuntimeError):
@@ -98,6 +99,9 @@ def _original(error: BaseException) -> BaseException:
 
 def raise_if_broken(what: str) -> None:
     """Raise :class:`PipelineBroken` if an earlier failure stopped this rank's process group."""
+    global _broken, _broken_world
+    if _broken is not None and (not dist.is_initialized() or dist.group.WORLD is not _broken_world):
+        _broken = _broken_world = None  # the stopped group is gone; a new one works
     if _broken is not None:
         raise PipelineBroken(f"cannot run {what}: {_broken} This rank's process group was stopped then; restart the job")
 
@@ -230,7 +234,7 @@ def step_errors(
         ``failures`` map the failing rank to (type, message, label)); :class:`PipelineBroken` for
         calls after a failure stopped this rank's group.
     """
-    global _broken
+    global _broken, _broken_world
     raise_if_broken(what)
     if not ctx.is_distributed:
         yield
@@ -260,6 +264,7 @@ def step_errors(
                 raise error
             store.first_failure(record)
             _stop(groups)
+            _broken_world = dist.group.WORLD
             _broken = f"{_name(me, describe)} failed during {what}: {type(error).__name__}: {str(error)[:300]}."
             error.add_note(
                 f"hf_pipeline: {_name(me, describe)} raised during {what} while other ranks were waiting for it; they "
@@ -310,7 +315,7 @@ def step_errors(
                     f". The rendezvous store is unreachable too ({store.error[:200]}): the process hosting it (rank 0, "
                     "or torchrun's agent on the first node) has probably died"
                 )
-        _broken = f"{message.splitlines()[0]}"
+        _broken, _broken_world = message.splitlines()[0], dist.group.WORLD
         raised = RankError(message, failures=failures)
         raised._hf_pipeline_handled = True
         raise raised from error

@@ -34,7 +34,7 @@ from .plan import ResolvedRecipe, StagePlan, make_plan, resolve_recipe
 from .recipe import get_recipe, list_recipes
 from .schedules import ScheduleForwardInOrder, ScheduleSpec, get_schedule, validate_schedule
 from .stages import StageModule, build_stage, materialize, meta_model
-from .weights import CheckpointIndex, LoadReport, load_tensors, resolve_checkpoint
+from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
 
 __all__ = ["PipelinedModel", "SPLIT_METHODS", "load_pipelined"]
 
@@ -463,6 +463,11 @@ def _wanted_tensors(skeleton: nn.Module, resolved: ResolvedRecipe, stages: Seque
     full_sd = skeleton.state_dict(keep_vars=True)
     groups = {name: g for g in resolved.tied for name in g}
 
+    # Keys transformers renames on load (LayerNorm.gamma -> .weight, ...), by the name they load as.
+    legacy: dict[str, str] = {}
+    for key, renamed in checkpoint_key_renames(skeleton, ckpt_keys).items():
+        legacy.setdefault(renamed, key)
+
     def variants(name: str) -> list[str]:
         # A base model (BertModel) can load a head checkpoint (bert.embeddings...) and a head model a
         # base checkpoint (embeddings...), as transformers allows.
@@ -471,7 +476,7 @@ def _wanted_tensors(skeleton: nn.Module, resolved: ResolvedRecipe, stages: Seque
             out.append(name[len(prefix) + 1 :])
         elif prefix and not resolved.base:
             out.append(f"{prefix}.{name}")
-        return out
+        return out + [legacy[v] for v in out if v in legacy]
 
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     aliases: dict[str, list[str]] = {}

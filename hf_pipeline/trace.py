@@ -8,11 +8,31 @@ or a list of block names, looped or V layout) is the same :class:`~hf_pipeline.p
 recipes use.
 
 What this path can and cannot do:
-- Forward and training run through torch's own schedules, like recipe stages.
-- ``torch.export`` specializes on shapes: a trace is made per input signature (shapes, dtypes,
-  input names, train/eval, grad mode) and cached. Weights are loaded once; every new trace gets
-  the same Parameter objects, so optimizers and gradients see one set of tensors.
+- Forward and training run through torch's own schedules, like recipe stages: every schedule of
+  :data:`hf_pipeline.schedules.SCHEDULES`, one stage per rank (GPipe, 1F1B) or several, looped
+  (interleaved 1F1B, looped BFS, interleaved zero-bubble) or V-shaped (ZBV zero-bubble,
+  DualPipeV). A traced stage graph is ordinary autograd, so the zero-bubble split of backward into
+  input and weight gradients works on it unchanged.
+- Seq2seq models given ``labels`` and no decoder inputs get ``decoder_input_ids`` from the
+  model's own ``prepare_decoder_input_ids_from_labels``, as transformers' forward does.
 - No KV cache (the tracer fails with one), hence no pipelined ``generate()``: that needs a recipe.
+
+When a new trace is made. ``torch.export`` specializes on shapes, so a trace is made per key
+(train/eval mode, grad mode, and the name, shape and dtype of every tensor input) and cached for
+the life of the model, unbounded. The shapes are the ones one stage call sees:
+- ``model(**inputs)`` on several ranks: one microbatch. ``forward`` first pads the batch to a
+  multiple of ``n_microbatches`` (repeating the last row), so the rows per microbatch are
+  ``ceil(batch / n_microbatches)``: with ``n_microbatches=4``, batches of 5 to 8 rows of one
+  length share one trace (and one torch runtime), 9 rows make a new one, and so does every new
+  sequence length (pad the length to a few fixed sizes to bound the traces).
+- ``model(**inputs)`` on one rank (all stages local): the whole batch, unpadded.
+- ``train_step``: one microbatch of ``batch / (dp_size * n_microbatches)`` rows (no padding: the
+  batch must divide), traced in training mode with grad on, so not shared with ``forward``.
+A new trace runs ``torch.export`` of the whole meta model on every rank (no communication)
+and keeps only graphs: the weights are loaded once, and every trace
+is wired to the same Parameter objects, so optimizers and gradients see one set of tensors.
+Tracing with symbolic batch sizes would avoid the re-traces, but torch 2.13's ``pipeline()`` exports
+with static shapes only (it passes no ``dynamic_shapes`` to ``torch.export``).
 
 Every rank traces the whole model on its own (no communication): each stage gets all the model
 inputs as keyword arguments, so whichever local stage first sees a new signature traces it.
@@ -327,7 +347,9 @@ class _StageRunner(nn.Module):
         for name, t in zip(flow.carry_out, out):
             if not isinstance(t, torch.Tensor):
                 raise TraceError(f"stage {self.index} would send {name} = {t!r} to the next stage; only tensors can cross stages")
-        return out
+        # A traced value may be a view (T5's position bias is an expanded slice); send and receive
+        # buffers must be dense, and .contiguous() is a no-op (same tensor, same autograd) when it is.
+        return tuple(t.contiguous() for t in out)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -451,6 +473,24 @@ class _Tracer:
 
 
 # ----------------------------------------------------------------------------- stages and model
+class _TracedGlue(Glue):
+    """Whole-batch input preparation for traced stages: only what transformers does before the graph.
+
+    A seq2seq model given ``labels`` and no decoder inputs makes ``decoder_input_ids`` from the
+    labels inside its forward; the loss is not part of the traced graph (``labels`` are the
+    schedule's targets), so the shift happens here, through the model's own public method.
+    """
+
+    def prepare_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        shift = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+        if (
+            getattr(model.config, "is_encoder_decoder", False) and callable(shift) and inputs.get("labels") is not None
+            and inputs.get("decoder_input_ids") is None and inputs.get("decoder_inputs_embeds") is None
+        ):
+            inputs = dict(inputs, decoder_input_ids=shift(labels=inputs["labels"]))
+        return inputs
+
+
 class TracedStage(nn.Module):
     """One traced pipeline stage: its parameters and buffers under their checkpoint names.
 
@@ -468,7 +508,7 @@ class TracedStage(nn.Module):
         self.config = root.config
         self.spec = spec
         self.resolved = resolved
-        self.glue = Glue()  # whole-batch input preparation: none beyond what transformers' forward does
+        self.glue = _TracedGlue()
         object.__setattr__(self, "_tracer", tracer)  # shared by the rank's stages, not a submodule
 
     def forward(self, *received: torch.Tensor, **inputs: Any):

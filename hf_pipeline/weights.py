@@ -1,10 +1,12 @@
 """Per-stage checkpoint loading: each rank reads only the safetensors shards, and only the tensors, it owns.
 
 A stage's parameter names equal the checkpoint keys, so loading is: map each wanted name to a key
-(trying aliases for tied weights and base-model prefixes), group the keys by shard, check every
-shard header we need (size, keys, shapes) *before* reading any data, then open each needed shard
-once and read its tensors straight onto the stage device. Shards holding none of the stage's
-tensors are never opened, so peak host memory is about one stage, not the whole model.
+(trying aliases for tied weights, base-model prefixes and the key renames transformers applies,
+see :func:`checkpoint_key_renames`), group the keys by shard, check every shard header we need
+(size, keys, shapes, dtypes, offsets) *before* reading any data, then open each needed shard once
+and read each tensor's bytes straight into its destination tensor. Shards holding none of the
+stage's tensors are never opened and nothing is memory-mapped, so peak host memory is one stage's
+bytes (plus a bounded buffer for casts), not the whole model nor a shard more.
 
 Example:
     >>> index = CheckpointIndex.from_directory(resolve_checkpoint("org/model"))
@@ -16,7 +18,9 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import pathlib
 import re
 import struct
@@ -24,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping, Sequence
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "CheckpointIndex",
     "CheckpointNotFoundError",
     "LoadReport",
+    "checkpoint_key_renames",
     "checkpoint_nbytes",
     "load_tensors",
     "resolve_checkpoint",
@@ -96,12 +100,32 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
         ) from None
 
 
-def _read_header(path: pathlib.Path) -> dict[str, dict]:
-    """The tensor entries of a safetensors header, after checking the file size against it.
+# safetensors dtype name -> (bits per element, torch dtype name or None where torch has no such type).
+_DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "I16": (16, "int16"), "U16": (16, "uint16"),
+    "F16": (16, "float16"), "BF16": (16, "bfloat16"), "I32": (32, "int32"), "U32": (32, "uint32"), "F32": (32, "float32"),
+    "I64": (64, "int64"), "U64": (64, "uint64"), "F64": (64, "float64"), "C64": (64, "complex64"),
+    "F8_E4M3": (8, "float8_e4m3fn"), "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"), "F8_E8M0": (8, "float8_e8m0fnu"),
+    # Packed sub-byte formats: no torch dtype holds one element each.
+    "F4": (4, None), "F6_E2M3": (6, None), "F6_E3M2": (6, None),
+}
+
+
+@dataclass(frozen=True)
+class _ShardHeader:
+    data_start: int  # file offset of the data; an entry's data_offsets are relative to it
+    entries: dict[str, dict]  # key -> {"dtype", "shape", "data_offsets"}
+
+
+def _shard_header(path: pathlib.Path) -> _ShardHeader:
+    """The header of a safetensors shard, checked as strictly as safetensors checks it, and against the file size.
 
     safetensors layout: 8-byte little-endian header length N, N bytes of JSON, then the data;
-    ``data_offsets`` are relative to the data start, so a complete file is 8 + N + max(end) bytes.
-    Reading this ourselves is cheap and lets us say "truncated" instead of a generic error.
+    ``data_offsets`` are relative to the data start, the tensors tile the data without holes or
+    overlaps, so a complete file is 8 + N + max(end) bytes. Reading this ourselves is cheap and lets
+    us say "truncated" instead of a generic error; since the loader reads tensor bytes at these
+    offsets itself, every entry's byte length is checked against its shape and dtype here.
     """
     try:
         size = path.stat().st_size
@@ -125,13 +149,26 @@ def _read_header(path: pathlib.Path) -> dict[str, dict]:
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        end = 0
+        spans = []
         for key, entry in header.items():
             begin, stop = entry["data_offsets"]
-            valid = isinstance(entry["dtype"], str) and all(isinstance(d, int) for d in entry["shape"]) and 0 <= begin <= stop
-            if not valid:
+            shape, dtype = entry["shape"], entry["dtype"]
+            valid = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
+            if not (valid and isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
                 raise ValueError(f"bad entry for {key!r}: {entry}")
-            end = max(end, stop)
+            if dtype not in _DTYPES:
+                raise ValueError(f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(_DTYPES)})")
+            bits = _DTYPES[dtype][0] * math.prod(shape)
+            if bits != 8 * (stop - begin):
+                raise ValueError(
+                    f"{key!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets span {stop - begin}"
+                )
+            spans.append((begin, stop, key))
+        end = 0
+        for begin, stop, key in sorted(spans):
+            if begin != end:
+                raise ValueError(f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})")
+            end = stop
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(
             f"shard {path.name} in {path.parent} has a corrupted header ({type(e).__name__}: {e}); re-download or re-save it"
@@ -147,7 +184,12 @@ def _read_header(path: pathlib.Path) -> dict[str, dict]:
             f"shard {path.name} in {path.parent} is corrupted: {size - expected} bytes after the last tensor "
             f"(expected {expected} bytes, found {size}); re-download or re-save it"
         )
-    return header
+    return _ShardHeader(data_start=8 + n, entries=header)
+
+
+def _read_header(path: pathlib.Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors header (see :func:`_shard_header`)."""
+    return _shard_header(path).entries
 
 
 _NO_SAFETENSORS = (
@@ -240,6 +282,50 @@ def checkpoint_nbytes(index: CheckpointIndex) -> int:
     return sum((index.directory / shard).stat().st_size for shard in set(index.weight_map.values()))
 
 
+# What transformers' "legacy" conversion mapping renames (older checkpoints), for a transformers
+# whose from_pretrained has no rename mechanism to ask.
+_LEGACY_RENAMES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
+
+
+def checkpoint_key_renames(model, keys: Iterable[str]) -> dict[str, str]:
+    """Checkpoint keys that transformers' ``from_pretrained`` loads under another name: key -> model name.
+
+    transformers renames checkpoint keys before matching them to the model: the model class's and
+    its sub-models' registered conversion mapping plus the "legacy" renames that every model gets
+    (``LayerNorm.gamma``/``beta`` -> ``weight``/``bias``, ``weight_g``/``weight_v`` -> weight-norm
+    parametrizations, GPT-NeoX's ``embed_out`` -> ``lm_head``, ...). The renames come from
+    transformers itself (``get_model_conversion_mapping`` + ``rename_source_key``), so a checkpoint
+    it accepts is accepted here. Only pure renames apply: conversions that merge or split tensors
+    (fused MoE experts, fused qkv) change the data and are not done by the per-stage loader. The
+    base-model prefix is left alone: the loader's prefix aliases handle it.
+
+    Args:
+        model: the (meta-device) transformers model the checkpoint is loaded into.
+        keys: the checkpoint's keys.
+
+    Returns:
+        Only the keys a rename changes.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without conversion mappings applied only the legacy renames
+        return {k: _legacy_rename(k) for k in keys if _legacy_rename(k) != k}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for key in keys:
+        renamed, _ = rename_source_key(key, renamings, [])
+        if renamed != key:
+            out[key] = renamed
+    return out
+
+
+def _legacy_rename(key: str) -> str:
+    for old, new in _LEGACY_RENAMES:
+        key = key.replace(old, new)
+    return key
+
+
 @dataclass(kw_only=True)
 class LoadReport:
     """What :func:`load_tensors` actually read, for tests and logs."""
@@ -300,8 +386,10 @@ def load_tensors(
         wanted: stage name -> (expected shape, target dtype). Floating tensors are cast to a floating
             target; integer/bool tensors keep their stored dtype unless the target is also non-floating.
         aliases: stage name -> checkpoint keys tried in order when the name itself is not stored
-            (tied weights: ``lm_head.weight`` -> ``transformer.wte.weight``; base-model prefixes).
-        device: where the tensors go; safetensors reads them straight there.
+            (tied weights: ``lm_head.weight`` -> ``transformer.wte.weight``; base-model prefixes;
+            legacy names such as ``LayerNorm.gamma``).
+        device: where the tensors go. Each tensor's bytes are read from the file into its final
+            buffer (through a small bounce buffer when it is cast or goes to an accelerator).
         expected_keys: every key the whole model may hold (all stages and aliases). Checkpoint keys
             outside it raise, checked from the index alone. None skips the check.
         ignore_unexpected: regex patterns (``re.search``) of checkpoint keys never reported as unexpected.
@@ -323,15 +411,16 @@ def load_tensors(
     for name, key in source.items():
         by_key.setdefault(key, []).append(name)
 
-    # Pass 1, headers only: shapes, sizes and stale indexes fail here, before gigabytes are read.
+    # Pass 1, headers only: shapes, sizes, dtypes and stale indexes fail here, before gigabytes are read.
     plans = {shard: _plan_shard(index, shard, keys, by_key, wanted) for shard, keys in groups.items()}
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # safetensors' "cuda" would mean cuda:0
+        device = torch.device("cuda", torch.cuda.current_device())
     report = LoadReport()
     out: dict[str, torch.Tensor] = {}
-    total = sum(nbytes for plan in plans.values() for _, nbytes in plan)
+    reader = _TensorReader(device)
+    total = sum(t.nbytes for plan in plans.values() for t in plan)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress)
     with bar:
         for shard, plan in plans.items():
@@ -340,57 +429,154 @@ def load_tensors(
             bar.set_postfix_str(shard, refresh=False)
             key = None
             try:
-                with safe_open(path, framework="pt", device=str(device)) as f:
-                    for key, nbytes in plan:
-                        tensor = _convert(f.get_tensor(key), wanted[by_key[key][0]][1], device)
+                with _open_shard(path) as f:
+                    for t in plan:
+                        key = t.key
+                        tensor = reader.read(f, t)
                         for name in by_key[key]:
                             out[name] = tensor
                         report.keys_read.append(key)
-                        report.bytes_read += nbytes
-                        bar.update(nbytes)
-            except torch.OutOfMemoryError:
-                raise  # not the checkpoint's fault
-            except Exception as e:  # SafetensorError, OSError, RuntimeError: wrap them all with the file name
+                        report.bytes_read += t.nbytes
+                        bar.update(t.nbytes)
+            except OSError as e:
                 where = f"reading {key!r} from" if key is not None else "opening"
+                raise CheckpointError(f"error {where} shard {shard!r} in {index.directory}: {type(e).__name__}: {e}") from e
+            except _ShortRead as e:
                 raise CheckpointError(
-                    f"error {where} shard {shard!r} in {index.directory}: {type(e).__name__}: {e}. "
-                    "The file is probably corrupted; re-download or re-save it"
-                ) from e
+                    f"shard {shard!r} in {index.directory} ended while reading {key!r} ({e}): the file was truncated "
+                    "after its header was checked (is it being overwritten?); re-download or re-save it"
+                ) from None
     return out, report
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    key: str
+    offset: int  # absolute file offset of the tensor's first byte
+    nbytes: int  # stored bytes
+    shape: tuple[int, ...]
+    stored: torch.dtype
+    target: torch.dtype
 
 
 def _plan_shard(
     index: CheckpointIndex, shard: str, keys: list[str], by_key: Mapping[str, list[str]], wanted: Mapping
-) -> list[tuple[str, int]]:
-    """Check one shard's header against what is wanted from it; (key, stored bytes) in file order."""
+) -> list[_TensorPlan]:
+    """Check one shard's header against what is wanted from it; what to read, in file order."""
     path = index.directory / shard
     if not path.is_file():
         raise CheckpointError(f"shard {shard!r} (holding {keys[0]!r}) is missing from {index.directory}; re-download the checkpoint")
-    header = _read_header(path)
+    header = _shard_header(path)
+    plans = []
     for key in keys:
-        if key not in header:
+        if key not in header.entries:
             raise CheckpointError(
                 f"the index of {index.directory} puts {key!r} in shard {shard!r}, but that shard does not hold it; "
                 "the index is stale: re-download or re-save the checkpoint"
             )
-        stored = tuple(header[key]["shape"])
+        entry = header.entries[key]
+        stored_shape = tuple(entry["shape"])
         for name in by_key[key]:
             shape = tuple(wanted[name][0])
-            if stored != shape:
+            if stored_shape != shape:
                 via = "" if name == key else f" (read as {name!r})"
                 raise CheckpointError(
-                    f"{key!r}{via} in shard {shard!r} of {index.directory} has shape {list(stored)} but the model expects "
+                    f"{key!r}{via} in shard {shard!r} of {index.directory} has shape {list(stored_shape)} but the model expects "
                     f"{list(shape)}; the config (hidden_size, vocab_size, heads, ...) does not match the checkpoint"
                 )
-    # File order: sequential reads of the mapped shard.
-    keys = sorted(keys, key=lambda k: header[k]["data_offsets"][0])
-    return [(k, header[k]["data_offsets"][1] - header[k]["data_offsets"][0]) for k in keys]
+        torch_name = _DTYPES[entry["dtype"]][1]
+        stored_dtype = getattr(torch, torch_name, None) if torch_name else None
+        if not isinstance(stored_dtype, torch.dtype):
+            raise CheckpointError(
+                f"{key!r} in shard {shard!r} of {index.directory} is stored as {entry['dtype']}, which torch "
+                f"{torch.__version__} has no dtype for; dequantize or re-save the checkpoint in a torch dtype"
+            )
+        target = wanted[by_key[key][0]][1]
+        # As before: floating tensors take a floating target, integer/bool ones a non-floating one only.
+        if stored_dtype.is_floating_point != target.is_floating_point:
+            target = stored_dtype
+        begin, stop = entry["data_offsets"]
+        plans.append(_TensorPlan(key, header.data_start + begin, stop - begin, stored_shape, stored_dtype, target))
+    # File order: one forward sweep through the shard.
+    return sorted(plans, key=lambda t: t.offset)
 
 
-def _convert(raw: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = raw.to(dtype) if raw.is_floating_point() == dtype.is_floating_point else raw
-    # On CPU safetensors returns views of one mmap of the whole shard: a tensor kept as a view would
-    # keep the file mapped (and crash with SIGBUS if the checkpoint is overwritten), so copy it out.
-    if device.type == "cpu" and tensor.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
-        tensor = tensor.clone()
-    return tensor
+def _open_shard(path: pathlib.Path):
+    # Unbuffered: readinto() then goes straight from the page cache into the destination tensor.
+    return open(path, "rb", buffering=0)
+
+
+class _ShortRead(Exception):
+    """The file ended before a tensor's bytes did (it changed after its header was checked)."""
+
+
+def _readinto(f, offset: int, buffer: memoryview) -> None:
+    f.seek(offset)
+    done = 0
+    while done < len(buffer):
+        n = f.readinto(buffer[done:])
+        if not n:
+            raise _ShortRead(f"{done} of {len(buffer)} bytes at offset {offset}")
+        done += n
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+
+
+class _TensorReader:
+    """Reads safetensors entries from an open shard into newly allocated tensors on ``device``.
+
+    Why not safetensors' own API: on CPU ``safe_open`` memory-maps the whole shard and
+    ``get_tensor`` returns views of that mapping. Keeping a view keeps the file mapped (and a
+    rewritten checkpoint then crashes with SIGBUS), so each tensor had to be cloned out, and every
+    page read through the mapping stays resident, and counted in the process's RSS, until the
+    shard is closed: peak memory was the stage *plus* up to a whole shard (or the largest tensor).
+    ``safetensors.torch.load`` reads the whole file into memory instead. Reading each tensor's
+    bytes at its header offset into its final buffer holds every byte once; the page cache is
+    the kernel's, not the process's, and nothing stays mapped.
+
+    A tensor that keeps its stored dtype on CPU is read in place. A cast or a device transfer goes
+    through one reusable bounce buffer of ``_CHUNK`` bytes (pinned for CUDA), so the extra memory is
+    bounded whatever the tensor size.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bounce: torch.Tensor | None = None
+
+    def _bounce_buffer(self) -> torch.Tensor:
+        if self._bounce is None:
+            pin = self.device.type == "cuda"
+            self._bounce = torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=pin)
+        return self._bounce
+
+    def read(self, f, t: _TensorPlan) -> torch.Tensor:
+        if self.device.type == "cpu" and t.target == t.stored:
+            out = torch.empty(t.shape, dtype=t.stored)
+            if t.nbytes:
+                _readinto(f, t.offset, _as_bytes(out))
+            return _from_little_endian(out)
+        out = torch.empty(t.shape, dtype=t.target, device=self.device)
+        flat = out.view(-1)
+        size = t.stored.itemsize
+        bounce = self._bounce_buffer()
+        per = len(bounce) // size  # whole elements per chunk
+        for first in range(0, flat.numel(), per):
+            n = min(per, flat.numel() - first)
+            chunk = bounce[: n * size]
+            _readinto(f, t.offset + first * size, _as_bytes(chunk))
+            flat[first : first + n].copy_(_from_little_endian(chunk.view(t.stored)))
+        return out
+
+
+_CHUNK = 16 << 20  # bytes per cast / transfer step: small next to any stage, large enough for full-speed reads
+
+
+def _from_little_endian(tensor: torch.Tensor) -> torch.Tensor:
+    # safetensors stores little-endian data; only a big-endian host has to swap it.
+    if sys.byteorder == "little" or tensor.element_size() == 1:
+        return tensor
+    swapped = tensor.view(-1).view(torch.uint8).view(-1, tensor.element_size()).flip(-1)
+    return tensor.copy_(swapped.contiguous().view(tensor.dtype).view(tensor.shape))

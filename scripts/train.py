@@ -1,10 +1,11 @@
 """Fine-tune a transformers model with pipeline parallelism on a local text or JSON dataset.
 
 Causal LM (LLaMA, GPT-2, ...), masked LM (BERT) or seq2seq (T5), picked from the checkpoint's
-architecture. The data file is read with ``datasets.load_dataset`` ("text" for .txt, "json" for
-.json/.jsonl), tokenised with the model's tokenizer and cut into fixed-length blocks (one input
-shape: the pipeline's communication buffers are sized once). Every rank reads the same data in
-the same seeded order and passes the same global batch; each pipeline replica takes its share.
+architecture. The data file (.txt/.md one text per line, .json/.jsonl, .csv, .parquet) is read
+with ``datasets``, tokenised with the model's tokenizer and cut into fixed-length blocks (one input
+shape: the pipeline's communication buffers are sized once; see ``hf_pipeline/data.py``, shared
+with ``hf-pipeline train``). Every rank reads the same data in the same seeded order and passes
+the same global batch; each pipeline replica takes its share.
 
 Run (2 processes, one pipeline of 2 stages; more processes than stages give data parallelism):
 
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + safetensors)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    p.add_argument("--data", required=True, help="training data: a .txt file (one text per line) or .json/.jsonl")
+    p.add_argument("--data", required=True, help="training data: a .txt/.md file (one text per line), .json/.jsonl, .csv or .parquet")
     p.add_argument("--text-column", default="text")
     p.add_argument("--target-column", default=None, help="seq2seq: column with the target text (default: the text's continuation)")
     p.add_argument("--task", choices=sorted(TASKS), default=None, help="default: from the checkpoint's architecture")
@@ -97,86 +98,6 @@ def infer_task(model_dir: str) -> str:
     return "causal_lm"
 
 
-# ----------------------------------------------------------------------------- data
-def build_dataset(args, tokenizer, task: str):
-    """Fixed-length rows: {"input_ids": [...], ("labels": [...])} as a datasets.Dataset (in memory)."""
-    import datasets
-
-    builder = "text" if args.data.endswith(".txt") else "json"
-    raw = datasets.load_dataset(builder, data_files=args.data, split="train", keep_in_memory=True)
-    block = args.block_size
-    if task == "seq2seq_lm" and args.target_column:
-        def encode_pairs(batch):
-            src = tokenizer(batch[args.text_column], max_length=block, truncation=True, padding="max_length")
-            tgt = tokenizer(batch[args.target_column], max_length=block, truncation=True, padding="max_length")
-            labels = [[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in zip(tgt["input_ids"], tgt["attention_mask"])]
-            return {"input_ids": src["input_ids"], "attention_mask": src["attention_mask"], "labels": labels}
-
-        return raw.map(encode_pairs, batched=True, remove_columns=raw.column_names, keep_in_memory=True)
-
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    span = 2 * block if task == "seq2seq_lm" else block  # seq2seq from plain text: continue the text
-
-    def group(batch):
-        # As transformers' run_clm.py: concatenate the documents, cut into equal blocks, drop the rest.
-        ids = []
-        for row in tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]:
-            ids.extend(row + ([eos] if eos is not None else []))
-        n = len(ids) // span * span
-        chunks = [ids[i : i + span] for i in range(0, n, span)]
-        if task == "seq2seq_lm":
-            return {"input_ids": [c[:block] for c in chunks], "labels": [c[block:] for c in chunks]}
-        return {"input_ids": chunks}
-
-    ds = raw.map(group, batched=True, batch_size=1000, remove_columns=raw.column_names, keep_in_memory=True)
-    if len(ds) == 0:
-        raise ValueError(f"{args.data} has fewer than {span} tokens: nothing to train on; lower --block-size")
-    return ds
-
-
-class Batches:
-    """Global batch number b (0, 1, ...) -> the same batch on every rank, in a seeded per-epoch order.
-
-    A resumed run asks for batch ``k * grad_accum`` onwards and sees exactly what an uninterrupted
-    run would have seen; masked-LM masks are drawn from a generator seeded by the batch number.
-    """
-
-    def __init__(self, dataset, *, batch_size: int, seed: int, task: str, tokenizer, mlm_probability: float):
-        if len(dataset) < batch_size:
-            raise ValueError(f"the dataset has {len(dataset)} blocks, fewer than --batch-size {batch_size}; use more data or a smaller batch")
-        self.dataset = dataset.with_format("torch")
-        self.batch_size = batch_size
-        self.per_epoch = len(dataset) // batch_size
-        self.seed = seed
-        self.task = task
-        self.collator = None
-        if task == "masked_lm":
-            from transformers import DataCollatorForLanguageModeling
-
-            if tokenizer.mask_token is None:
-                raise ValueError("masked LM training needs a tokenizer with a mask token")
-            self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
-
-    def __call__(self, b: int) -> dict[str, torch.Tensor]:
-        epoch, pos = divmod(b, self.per_epoch)
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
-        rows = self.dataset[order[pos * self.batch_size : (pos + 1) * self.batch_size]]
-        ids = rows["input_ids"]
-        if self.collator is not None:
-            # The collator draws masks from the global RNG: fork it, seeded by the batch number, so
-            # every rank draws the same masks and dropout streams are left alone.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed * 1_000_003 + b)
-                return dict(self.collator([{"input_ids": r} for r in ids]))
-        batch = {"input_ids": ids}
-        if "attention_mask" in rows:
-            batch["attention_mask"] = rows["attention_mask"]
-        else:
-            batch["attention_mask"] = torch.ones_like(ids)
-        batch["labels"] = rows["labels"] if "labels" in rows else ids.clone()
-        return batch
-
-
 # ----------------------------------------------------------------------------- training
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -185,6 +106,7 @@ def main(argv=None) -> int:
 
     import hf_pipeline
     from hf_pipeline.checkpoint import latest_checkpoint, load_training_state
+    from hf_pipeline.data import Batches, build_dataset
 
     out = pathlib.Path(args.output_dir)
     resume_from = args.resume_from
@@ -205,7 +127,9 @@ def main(argv=None) -> int:
     if ctx.is_main_process:
         print(model.plan, flush=True)
 
-    dataset = build_dataset(args, tokenizer, task)
+    dataset = build_dataset(
+        args.data, tokenizer, task, block_size=args.block_size, text_column=args.text_column, target_column=args.target_column,
+    )
     batches = Batches(dataset, batch_size=args.batch_size, seed=args.seed, task=task, tokenizer=tokenizer, mlm_probability=args.mlm_probability)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps)

@@ -92,8 +92,8 @@ def _observed(results):
 
 @pytest.mark.parametrize(
     "what,world,victim,at_call",
-    [("train", 3, 1, 2), ("generate", 2, 1, 5)],
-    ids=["train-3ranks-kill-middle", "generate-2ranks-kill-last"],
+    [("train", 3, 1, 2), ("generate", 2, 0, 5)],
+    ids=["train-3ranks-kill-middle", "generate-kill-first-stage"],
 )
 def test_killed_rank_is_named_by_every_survivor(tmp_path, what, world, victim, at_call):
     from hf_pipeline.dist import RankError
@@ -112,24 +112,32 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path, what, world, victim, a
         assert res["message"].startswith(f"rank {victim} (stage {victim}) stopped answering during "), res["message"]
         assert res["elapsed"] < _FAST_S, f"rank {rank} took {res['elapsed']:.1f} s to notice"
         assert list(res["failures"]) == [victim]
+        if victim == 0:  # under plain env:// init rank 0 also hosted the rendezvous store
+            assert "The rendezvous store is unreachable too" in res["message"]
         assert res["later"]["type"] == "PipelineBroken" and res["later"]["elapsed"] < 1.0
         assert "restart the job" in res["later"]["message"]
 
 
-def test_rank_that_raises_mid_step_reaches_every_rank_with_its_message(tmp_path):
-    # The last of 3 stages raises inside its 2nd microbatch of a training step: rank 1 waits on it
-    # directly, rank 0 only through rank 1. Both must get the original message.
+@pytest.mark.parametrize(
+    "what,label,at_call",
+    [("train", "a training step", 2), ("generate", "generate", 3)],
+    ids=["train", "generate"],
+)
+def test_rank_that_raises_mid_step_reaches_every_rank_with_its_message(tmp_path, what, label, at_call):
+    # The last of 3 stages raises inside a training step (its 2nd microbatch) or in the middle of
+    # decoding (its 3rd call: after prefill and a decode step): rank 1 waits on it directly, rank 0
+    # only through rank 1. Both must get the original message.
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     original = "labels hold token id 977 but the vocabulary has 96 entries (found on the last stage)"
     results = _observed(run_distributed(
-        _fault, 3, str(path), "train", 2, "raise", 2, timeout=120, return_exceptions=True,
+        _fault, 3, str(path), what, 2, "raise", at_call, timeout=120, return_exceptions=True,
         env={"HF_PIPELINE_TIMEOUT": str(_TIMEOUT_S)},
     ))
     assert results[2]["type"] == "ValueError" and results[2]["message"] == original  # its own error, unwrapped
     for rank in (0, 1):
         res = results[rank]
         assert res["type"] == "RankError", res
-        assert res["message"].startswith(f"rank 2 (stage 2) failed during a training step: ValueError: {original}")
+        assert res["message"].startswith(f"rank 2 (stage 2) failed during {label}: ValueError: {original}"), res["message"]
         assert res["failures"] == {2: ("ValueError", original, "stage 2")}
     for rank, res in enumerate(results):
         assert res["elapsed"] < _FAST_S, f"rank {rank} took {res['elapsed']:.1f} s"

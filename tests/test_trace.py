@@ -6,9 +6,14 @@ checkpoints:
   * forward logits equal transformers (fp32, max abs diff 1e-5) at world sizes 1, 2 and 3, with 1
     and 2 virtual stages; at 3 stages the traced graph feeds stage 2 from stage 0 (the attention
     mask, rotary cos/sin), which has to be carried through stage 1;
-  * a new input shape re-traces without reading the checkpoint again, onto the same Parameters;
-  * ``train_step`` through torch's 1F1B schedule at world size 2 gives transformers' loss and
-    every parameter's gradient (rel 1e-5), the tied embedding / LM head included;
+  * a new input shape re-traces without reading the checkpoint again, onto the same Parameters; a
+    batch that ``forward`` pads to the same microbatch shape reuses the trace and the runtime;
+  * ``train_step`` at world size 2 gives transformers' loss and every parameter's gradient (rel
+    1e-5) through torch's 1F1B (OPT, tied embedding / LM head on two ranks), interleaved 1F1B and
+    interleaved zero-bubble (looped layout, 2 stages per rank) and ZBV zero-bubble (V layout: the
+    tied LLaMA embedding and LM head on two stages of one rank) with LLaMA forced through the
+    tracer, and 1F1B with T5 (decoder inputs shifted from the labels; the encoder's output and the
+    position bias cross stages);
   * architectures that cannot be traced on meta weights fail at load with the model class and the
     reason (GPT-J: torch.export's own error; Falcon: a constant lost on the meta device);
     ``generate()`` says it needs a recipe.
@@ -59,6 +64,8 @@ def _checkpoint(directory: pathlib.Path, arch: str) -> str:
     """``save_pretrained`` of a seeded random model in >= 3 safetensors shards."""
     if arch in ("llama", "llama-tied"):
         return str(tiny.make_checkpoint(directory, arch))
+    if arch == "t5":
+        return str(tiny.make_checkpoint(directory, arch, dropout_rate=0.0))  # dropout off for exact gradients
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(arch))
     biggest = max(p.numel() * p.element_size() for p in model.parameters())
@@ -72,7 +79,7 @@ def _checkpoint(directory: pathlib.Path, arch: str) -> str:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("traced")
-    return {arch: _checkpoint(root / arch, arch) for arch in ("opt", "phi", "bloom", "llama")}
+    return {arch: _checkpoint(root / arch, arch) for arch in ("opt", "phi", "bloom", "llama", "llama-tied", "t5")}
 
 
 def _reference(path: str, batch: int = 6, seq: int = 9) -> torch.Tensor:
@@ -81,18 +88,33 @@ def _reference(path: str, batch: int = 6, seq: int = 9) -> torch.Tensor:
         return ref(**tiny.sample_inputs("llama", batch=batch, seq=seq)).logits
 
 
-def _load(path: str, **kwargs):
+def _load(path: str, auto: str = "AutoModelForCausalLM", **kwargs):
     import hf_pipeline
 
-    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, **kwargs)
+    return getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", progress=False, **kwargs)
+
+
+def _train_batch(arch: str) -> dict[str, torch.Tensor]:
+    inputs = tiny.sample_inputs(arch, batch=8, seq=9)
+    if arch == "t5":
+        # No decoder inputs: the model shifts them from the labels, as transformers does.
+        return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": inputs["decoder_input_ids"]}
+    return {**inputs, "labels": inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)}
 
 
 # --------------------------------------------------------------------------- run on every rank
 def _forward(path: str, kwargs: dict, batch: int = 6, seq: int = 9) -> dict:
     model = _load(path, **kwargs)
-    out = model(**tiny.sample_inputs("llama", batch=batch, seq=seq))
+    inputs = tiny.sample_inputs("llama", batch=batch, seq=seq)
+    out = model(**inputs)
+    made = (len(model._tracer.traces), len(model._runtimes))
+    # One row fewer pads (repeating the last row) to the same microbatch shape: nothing is traced again.
+    fewer = model(**{k: v[:-1] for k, v in inputs.items()})
     return {
         "logits": out.logits,
+        "fewer_logits": fewer.logits,
+        "made": made,
+        "made_after_fewer": (len(model._tracer.traces), len(model._runtimes)),
         "class": type(model).__name__,
         "output_class": type(out).__name__,
         "plan": [(s.index, s.rank, s.blocks, s.modules) for s in model.plan.stages],
@@ -102,21 +124,22 @@ def _forward(path: str, kwargs: dict, batch: int = 6, seq: int = 9) -> dict:
     }
 
 
-def _train(path: str) -> dict:
-    model = _load(path, schedule="1f1b", n_microbatches=4)
-    inputs = tiny.sample_inputs("llama", batch=8, seq=9)
-    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
-    loss = model.train_step({**inputs, "labels": labels})
+def _train(path: str, arch: str, kwargs: dict) -> dict:
+    model = _load(path, tiny.AUTO.get(arch, "AutoModelForCausalLM"), **kwargs)
+    loss = model.train_step(_train_batch(arch))
     grads = {n: p.grad.clone() for n, p in model.checkpoint_named_parameters() if p.grad is not None}
-    return {"loss": loss, "grads": grads, "names": sorted(n for n, _ in model.checkpoint_named_parameters())}
+    return {
+        "loss": loss, "grads": grads, "class": type(model).__name__,
+        "local": [(s.spec.index, s.spec.rank) for s in model.stages],
+    }
 
 
-def _job(forward_cases: list, train_path: str | None) -> dict:
+def _job(forward_cases: list, train_cases: list) -> dict:
     # One spawned job runs everything of a world size: process start-up dominates these tiny runs.
-    out = {"forward": [_forward(path, kwargs) for path, kwargs in forward_cases]}
-    if train_path is not None:
-        out["train"] = _train(train_path)
-    return out
+    return {
+        "forward": [_forward(path, kwargs) for path, kwargs in forward_cases],
+        "train": [_train(path, arch, kwargs) for path, arch, kwargs in train_cases],
+    }
 
 
 # --------------------------------------------------------------------------- checks
@@ -132,6 +155,11 @@ def _check_forward(results: list[dict], path: str, world: int, what: str) -> Non
         assert res["logits"].shape == want.shape, what
         diff = (res["logits"] - want).abs().max().item()
         assert diff <= TOL, f"{what} rank {rank}: max abs diff {diff}"
+        # 5 rows pad to the microbatches of 6: the trace and the runtime of 6 rows served them.
+        assert res["fewer_logits"].shape == want[:-1].shape, what
+        diff = (res["fewer_logits"] - want[:-1]).abs().max().item()
+        assert diff <= TOL, f"{what} rank {rank}, one row fewer: max abs diff {diff}"
+        assert res["made"] == (1, 1) and res["made_after_fewer"] == (1, 1), (what, res["made"], res["made_after_fewer"])
         assert res["plan"] == plan, f"{what}: rank {rank} built another plan"
         assert res["local"] == [i for i, r, _, _ in plan if r == rank], what
     # Each rank read only its own stages' tensors; together they read the whole checkpoint.
@@ -212,30 +240,25 @@ def test_untraceable_model_and_generate_fail_with_what_to_do(tmp_path, checkpoin
         model.generate(tiny.sample_inputs("llama", batch=1)["input_ids"], max_new_tokens=2)
 
 
-def _reference_training(path: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ref = tiny.reference(path, "AutoModelForCausalLM").train()
-    inputs = tiny.sample_inputs("llama", batch=8, seq=9)
-    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
-    loss = ref(**inputs, labels=labels).loss
+def _reference_training(path: str, arch: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[set[str]]]:
+    """Transformers' loss and gradients by parameter name, and the names of each distinct tensor (ties)."""
+    ref = tiny.reference(path, tiny.AUTO.get(arch, "AutoModelForCausalLM")).train()
+    loss = ref(**_train_batch(arch)).loss
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}
+    named = list(ref.named_parameters(remove_duplicate=False))
+    aliases: dict[int, set[str]] = {}
+    for n, p in named:
+        aliases.setdefault(id(p), set()).add(n)
+    return loss.detach(), {n: p.grad for n, p in named if p.grad is not None}, list(aliases.values())
 
 
-def test_world_size_2_forward_and_1f1b_training_equal_transformers(checkpoints):
-    cases = [
-        ("phi", {"n_microbatches": 2}),
-        ("opt", {"n_microbatches": 4, "virtual_stages": 2}),  # 4 stages: values carried across 3 boundaries
-        ("llama", {"n_microbatches": 2, "split_method": "trace"}),
-    ]
-    per_rank = run_distributed(_job, 2, [(checkpoints[a], kw) for a, kw in cases], checkpoints["opt"], timeout=600)
-    for i, (arch, kw) in enumerate(cases):
-        _check_forward([r["forward"][i] for r in per_rank], checkpoints[arch], 2, f"{arch} {kw}")
-    # Training: the loss on every rank and each parameter's gradient, by checkpoint name.
-    want_loss, want_grads = _reference_training(checkpoints["opt"])
-    names = set()
-    for rank, r in enumerate(per_rank):
-        got = r["train"]
-        assert torch.allclose(got["loss"], want_loss, rtol=GRAD_RTOL, atol=0), (rank, got["loss"], want_loss)
+def _check_training(per_rank: list[dict], path: str, arch: str, what: str) -> set[str]:
+    """The loss on every rank and each parameter's gradient, by checkpoint name; returns the names seen."""
+    want_loss, want_grads, tensors = _reference_training(path, arch)
+    names: set[str] = set()
+    for rank, got in enumerate(per_rank):
+        assert got["class"] == "TracedPipelinedModel", what
+        assert torch.allclose(got["loss"], want_loss, rtol=GRAD_RTOL, atol=0), (what, rank, got["loss"], want_loss)
         bad = []
         for name, g in got["grads"].items():
             want = want_grads[name]
@@ -244,17 +267,54 @@ def test_world_size_2_forward_and_1f1b_training_equal_transformers(checkpoints):
             err = (g - want).norm().item()
             if err > GRAD_RTOL * want.norm().item() + GRAD_ATOL:
                 bad.append(f"{name}: |diff| {err:.3g}, |want| {want.norm().item():.3g}")
-        assert not bad, f"rank {rank} gradients differ: " + "; ".join(bad)
+        assert not bad, f"{what} rank {rank} gradients differ: " + "; ".join(bad)
         names |= set(got["grads"])
-    # Every parameter got its gradient on some rank; the tied LM head (= the embedding) on both.
-    assert names == set(want_grads), sorted(set(want_grads) ^ names)
-    assert "model.decoder.embed_tokens.weight" in per_rank[0]["train"]["grads"]
-    assert "lm_head.weight" in per_rank[1]["train"]["grads"]
+    # Every parameter got its gradient on some rank, under one of its names (a tied tensor under
+    # the name of the module each stage runs it as).
+    assert names <= set(want_grads), (what, sorted(names - set(want_grads)))
+    missing = [sorted(group) for group in tensors if not group & names]
+    assert not missing, (what, missing)
+    return names
+
+
+def test_world_size_2_forward_and_training_through_every_schedule_kind_equal_transformers(checkpoints):
+    cases = [
+        ("phi", {"n_microbatches": 2}),
+        ("opt", {"n_microbatches": 4, "virtual_stages": 2}),  # 4 stages: values carried across 3 boundaries
+        ("llama", {"n_microbatches": 2, "split_method": "trace"}),
+    ]
+    forced = {"split_method": "trace", "n_microbatches": 4}
+    train = [
+        ("opt", {"schedule": "1f1b", "n_microbatches": 4}),
+        ("llama", {**forced, "schedule": "interleaved-1f1b", "virtual_stages": 2}),
+        ("llama", {**forced, "schedule": "interleaved-zero-bubble", "virtual_stages": 2}),
+        ("llama-tied", {**forced, "schedule": "zbv-zero-bubble", "virtual_stages": 2}),
+        ("t5", {"split_method": "trace", "schedule": "1f1b", "n_microbatches": 2}),
+    ]
+    per_rank = run_distributed(
+        _job, 2, [(checkpoints[a], kw) for a, kw in cases], [(checkpoints[a], a, kw) for a, kw in train], timeout=600
+    )
+    for i, (arch, kw) in enumerate(cases):
+        _check_forward([r["forward"][i] for r in per_rank], checkpoints[arch], 2, f"{arch} {kw}")
+    for i, (arch, kw) in enumerate(train):
+        what = f"{arch} {kw.get('schedule')}"
+        names = _check_training([r["train"][i] for r in per_rank], checkpoints[arch], arch, what)
+        local = [r["train"][i]["local"] for r in per_rank]
+        if kw.get("virtual_stages") == 2:
+            layout = [[(0, 0), (3, 0)], [(1, 1), (2, 1)]] if "zbv" in kw["schedule"] else [[(0, 0), (2, 0)], [(1, 1), (3, 1)]]
+            assert local == layout, (what, local)
+        if arch == "opt":
+            # The tied LM head (= the embedding) on both ranks.
+            assert "model.decoder.embed_tokens.weight" in per_rank[0]["train"][i]["grads"]
+            assert "lm_head.weight" in per_rank[1]["train"][i]["grads"]
+        if arch == "llama-tied":
+            # V layout: the embedding (stage 0) and the tied LM head (stage 3) on rank 0, summed locally.
+            assert {"model.embed_tokens.weight", "lm_head.weight"} <= names & set(per_rank[0]["train"][i]["grads"]), what
 
 
 def test_world_size_3_carries_values_past_a_stage(checkpoints):
     cases = [("opt", {"n_microbatches": 3}), ("phi", {"n_microbatches": 3})]
-    per_rank = run_distributed(_job, 3, [(checkpoints[a], kw) for a, kw in cases], None, timeout=600)
+    per_rank = run_distributed(_job, 3, [(checkpoints[a], kw) for a, kw in cases], [], timeout=600)
     for i, (arch, kw) in enumerate(cases):
         results = [r["forward"][i] for r in per_rank]
         _check_forward(results, checkpoints[arch], 3, arch)

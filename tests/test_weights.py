@@ -11,18 +11,23 @@ import os
 import pathlib
 import shutil
 import socket
+import sys
 
 import psutil
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+
+import tiny
+from harness import run_distributed
 
 from hf_pipeline import weights
 from hf_pipeline.weights import (
     CheckpointError,
     CheckpointIndex,
     CheckpointNotFoundError,
+    checkpoint_key_renames,
     checkpoint_nbytes,
     load_tensors,
     resolve_checkpoint,
@@ -80,20 +85,20 @@ def llama_copy(llama, tmp_path):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records every shard the loader opens with safe_open and every header it parses."""
+    """Records every shard the loader opens to read tensor data and every header it parses."""
     calls = {"opened": [], "headers": []}
-    real_open, real_header = weights.safe_open, weights._read_header
+    real_open, real_header = weights._open_shard, weights._shard_header
 
-    def safe_open(path, *args, **kwargs):
+    def open_shard(path):
         calls["opened"].append(pathlib.Path(path).name)
-        return real_open(path, *args, **kwargs)
+        return real_open(path)
 
-    def read_header(path):
+    def shard_header(path):
         calls["headers"].append(pathlib.Path(path).name)
         return real_header(path)
 
-    monkeypatch.setattr(weights, "safe_open", safe_open)
-    monkeypatch.setattr(weights, "_read_header", read_header)
+    monkeypatch.setattr(weights, "_open_shard", open_shard)
+    monkeypatch.setattr(weights, "_shard_header", shard_header)
     return calls
 
 
@@ -119,7 +124,7 @@ def _open_under(directory, *, mapped: bool = True) -> list[str]:
 
 
 def _corrupt_dtype(directory, key) -> str:
-    """Make the header name an unknown dtype (valid JSON, same length: only safetensors notices)."""
+    """Make the header name an unknown dtype (valid JSON, same length, same file size)."""
     shard = _shard_of(directory, key)
     path = directory / shard
     data = bytearray(path.read_bytes())
@@ -191,6 +196,56 @@ def test_floating_tensors_are_cast_on_the_way(llama):
     assert report.bytes_read == sum(sd[k].numel() * 4 for k in names)
 
 
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float64])
+def test_casts_in_small_chunks(llama, monkeypatch, target):
+    # A bounce buffer of 100 bytes: 25 fp32 elements a step, so every tensor takes many uneven steps.
+    monkeypatch.setattr(weights, "_CHUNK", 100)
+    directory, sd = llama
+    names = _layers(sd, 1) + ["model.embed_tokens.weight"]
+    tensors, _ = load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, names, target))
+    for name in names:
+        assert tensors[name].dtype == target
+        torch.testing.assert_close(tensors[name], sd[name].to(target), rtol=0, atol=0, msg=name)
+
+
+def _status_bytes(field: str) -> int:
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
+def test_peak_memory_is_the_tensors_alone(tmp_path, target):
+    # Each byte is held once: no mapped shard pages, no clone. The peak RSS (VmHWM, file pages
+    # included) during loading stays within the loaded bytes plus the cast's bounce buffer.
+    ref = {"big": torch.randn(6 * 1024 * 1024), "small": torch.randn(3, 5)}  # 24 MiB of fp32
+    save_file(ref, tmp_path / weights.SINGLE_NAME)
+    index = CheckpointIndex.from_directory(tmp_path)
+    wanted = {k: (tuple(v.shape), target) for k, v in ref.items()}
+    import gc
+
+    gc.collect()
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    base = _status_bytes("VmRSS")
+    tensors, _ = load_tensors(index, wanted)
+    peak = _status_bytes("VmHWM") - base
+    loaded = sum(t.numel() * t.element_size() for t in tensors.values())
+    bounce = 0 if target == torch.float32 else weights._CHUNK
+    assert peak <= loaded + bounce + (2 << 20), f"peak {peak / 2**20:.1f} MiB for {loaded / 2**20:.1f} MiB loaded"
+    assert all(torch.equal(tensors[k], ref[k].to(target)) for k in ref)
+
+
+def test_big_endian_hosts_swap_bytes(tmp_path, monkeypatch):
+    # safetensors data is little-endian; on a big-endian host every element's bytes are reversed.
+    ref = {"w": torch.randn(4, 3), "i": torch.arange(6, dtype=torch.int16)}
+    save_file(ref, tmp_path / weights.SINGLE_NAME)
+    monkeypatch.setattr(weights.sys, "byteorder", "big")
+    tensors, _ = load_tensors(CheckpointIndex.from_directory(tmp_path), {"w": ((4, 3), torch.float32), "i": ((6,), torch.int16)})
+    for k, v in ref.items():
+        swapped = v.view(-1).view(torch.uint8).view(-1, v.element_size()).flip(-1).contiguous().view(v.dtype).view(v.shape)
+        assert torch.equal(tensors[k], swapped), k
+
+
 def test_integer_buffers_keep_their_dtype(tmp_path):
     ref = {"w": torch.randn(3, 4), "position_ids": torch.arange(8).unsqueeze(0), "mask": torch.ones(2, 2, dtype=torch.bool)}
     save_file(ref, tmp_path / weights.SINGLE_NAME)
@@ -257,7 +312,7 @@ def test_progress_bar_runs(llama):
 
 
 def test_no_shard_stays_open_or_mapped(llama):
-    # safetensors maps the whole shard on CPU; tensors that stayed views would keep it mapped.
+    # Tensors that were views of a file mapping would keep the shard mapped (and break if it is rewritten).
     directory, sd = llama
     tensors, report = load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, sd))
     assert len(report.files_opened) >= 3
@@ -270,8 +325,7 @@ def test_no_shard_stays_open_after_an_error(llama_copy):
     shard = _corrupt_dtype(directory, "model.layers.1.mlp.up_proj.weight")
     with pytest.raises(CheckpointError, match=shard):
         load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, sd))
-    # Only descriptors: the exception's traceback may keep the safetensors handle (and its mapping) alive.
-    assert _open_under(directory, mapped=False) == []
+    assert _open_under(directory) == []
 
 
 # --- errors: keys and shapes ---------------------------------------------------------------------
@@ -373,7 +427,7 @@ def test_truncated_shard(llama_copy, spy):
         f.truncate(size - 100)
     with pytest.raises(CheckpointError, match=rf"{shard}.*truncated \(expected {size} bytes, found {size - 100}\)"):
         load_tensors(index, _wanted(sd, _layers(sd, 3)))
-    assert spy["opened"] == []  # detected from the header, safetensors never saw the file
+    assert spy["opened"] == []  # detected from the header, the data was never opened
     # A stage that does not need the damaged shard loads fine: that shard is not even looked at.
     others = [k for k in sd if index.weight_map[k] != shard][:4]
     before = len(spy["headers"])
@@ -414,12 +468,67 @@ def test_corrupted_header(llama_copy, where):
         load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, _layers(sd, 1)))
 
 
-def test_corruption_only_safetensors_detects_is_wrapped(llama_copy):
+def test_unknown_dtype_in_header(llama_copy, spy):
     directory, sd = llama_copy
     shard = _corrupt_dtype(directory, "model.layers.1.mlp.up_proj.weight")
-    with pytest.raises(CheckpointError, match=rf"{shard}.*corrupted") as e:
+    with pytest.raises(CheckpointError, match=rf"{shard}.*corrupted.*unknown dtype 'Q32'"):
         load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, _layers(sd, 1)))
-    assert e.value.__cause__ is not None  # the safetensors error is kept for debugging
+    assert spy["opened"] == []  # found from the header, before any data was read
+
+
+def _rewrite_header(path: pathlib.Path, edit) -> None:
+    """Apply edit(header dict) and write the header back, padded to its old length (same data offsets)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    path.write_bytes(data[:8] + raw.ljust(n, b" ") + data[8 + n :])
+
+
+@pytest.mark.parametrize("damage", ["size", "overlap"])
+def test_entry_offsets_are_checked(llama_copy, damage, spy):
+    # The loader reads bytes at the header's offsets itself, so offsets that disagree with the
+    # shape, or tensors that overlap, must be refused as safetensors refuses them.
+    directory, sd = llama_copy
+    key = "model.layers.1.mlp.up_proj.weight"
+    shard = _shard_of(directory, key)
+
+    def edit(header):
+        entry = header[key]
+        if damage == "size":
+            entry["shape"] = [entry["shape"][0] // 2, entry["shape"][1]]
+        else:
+            other = next(v for k, v in header.items() if k not in (key, "__metadata__") and v["data_offsets"][0] > 0)
+            begin, stop = other["data_offsets"]
+            other["data_offsets"] = [begin - 4, stop - 4]
+
+    _rewrite_header(directory / shard, edit)
+    match = r"needs \d+ bytes but its data_offsets span" if damage == "size" else "not where the previous tensor ends"
+    with pytest.raises(CheckpointError, match=rf"{shard}.*corrupted.*{match}"):
+        load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, _layers(sd, 1)))
+    assert spy["opened"] == []
+
+
+def test_shard_truncated_while_loading(llama_copy, monkeypatch):
+    # The headers were fine, then the file shrank (overwritten by a concurrent save): a clear error
+    # naming the shard and key, and no descriptor left open.
+    directory, sd = llama_copy
+    key = "model.layers.3.mlp.down_proj.weight"
+    shard = _shard_of(directory, key)
+    real_open = weights._open_shard
+
+    def open_after_truncation(path):
+        if path.name == shard:
+            with open(path, "r+b") as f:
+                f.truncate(8 + int.from_bytes(f.read(8), "little") + 4)  # the header and 4 bytes of data
+        return real_open(path)
+
+    monkeypatch.setattr(weights, "_open_shard", open_after_truncation)
+    with pytest.raises(CheckpointError, match=rf"{shard}.*ended while reading.*truncated"):
+        load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, _layers(sd, 3)))
+    assert _open_under(directory) == []
 
 
 def test_directory_without_safetensors(tmp_path, llama):
@@ -502,3 +611,138 @@ def test_resolve_missing_revision(offline_cache, single):
     with pytest.raises(CheckpointNotFoundError, match="v2"):
         resolve_checkpoint("org/tiny", revision="v2")
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+# --- checkpoint key renames ----------------------------------------------------------------------
+
+
+def _rename_keys(src: pathlib.Path, dst: pathlib.Path, rename, extra=None) -> pathlib.Path:
+    """Copy a sharded checkpoint with every key rewritten by rename (None drops it); extra(keys) adds tensors."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / weights.INDEX_NAME).read_text())
+    weight_map = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = {rename(k): v for k, v in load_file(dst / shard).items() if rename(k) is not None}
+        if extra is not None:
+            tensors.update(extra(tensors))
+        save_file(tensors, dst / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+    index["weight_map"] = weight_map
+    (dst / weights.INDEX_NAME).write_text(json.dumps(index))
+    return dst
+
+
+def _gamma_beta(key: str) -> str:
+    # BERT checkpoints from before PyTorch-style names (TF ports, old transformers) store LayerNorm gamma/beta.
+    return key.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+
+
+def _gpt2_hub_layout(key: str) -> str | None:
+    # The hub's gpt2 was saved from GPT2Model: no "transformer." prefix and no (tied) lm_head.
+    return None if key == "lm_head.weight" else key.removeprefix("transformer.")
+
+
+def _gpt2_causal_masks(tensors):
+    # ... and it stores each block's causal-mask buffer, which transformers ignores on load.
+    layers = {k.split(".")[1] for k in tensors if k.startswith("h.")}
+    n = tiny.config_for("gpt2").n_positions
+    return {f"h.{i}.attn.bias": torch.tril(torch.ones(n, n)).view(1, 1, n, n) for i in layers}
+
+
+LEGACY = {  # case -> (arch, auto class the checkpoint is saved from and loaded as)
+    "bert-gamma-beta": ("bert", "AutoModelForMaskedLM"),
+    "bert-base-gamma-beta": ("bert", "AutoModel"),  # BertModel keys: no "bert." prefix
+    "gpt2-hub-layout": ("gpt2", "AutoModelForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory):
+    """case -> (directory with legacy key names, transformers' output on it, its output on the original, output name)."""
+    root = tmp_path_factory.mktemp("legacy")
+    sources = {
+        "bert-gamma-beta": (tiny.make_checkpoint(root / "bert-src", "bert"), _gamma_beta, None),
+        "bert-base-gamma-beta": (tiny.make_checkpoint(root / "bert-base-src", "bert", auto="AutoModel"), _gamma_beta, None),
+        "gpt2-hub-layout": (tiny.make_checkpoint(root / "gpt2-src", "gpt2"), _gpt2_hub_layout, _gpt2_causal_masks),
+    }
+    cases = {}
+    for case, (arch, auto) in LEGACY.items():
+        src, rename, extra = sources[case]
+        path = _rename_keys(src, root / case, rename, extra)
+        inputs = tiny.sample_inputs(arch)
+        with torch.no_grad():
+            got = tiny.reference(path, auto)(**inputs)
+            original = tiny.reference(src, auto)(**inputs)
+        out = "logits" if auto != "AutoModel" else "last_hidden_state"
+        cases[case] = (path, getattr(got, out), getattr(original, out), out)
+    return cases
+
+
+def _legacy_forward(cases: dict, **kwargs) -> dict:
+    import hf_pipeline
+
+    results = {}
+    for case, (path, arch, auto, out) in cases.items():
+        model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", progress=False, **kwargs)
+        results[case] = (getattr(model(**tiny.sample_inputs(arch)), out), list(model.load_report.keys_read))
+    return results
+
+
+def _check_legacy(legacy, results):
+    for case, (got, keys_read) in results.items():
+        path, want, original, _ = legacy[case]
+        # transformers really renamed (its model equals the one saved with today's names) ...
+        torch.testing.assert_close(want, original, rtol=0, atol=0, msg=case)
+        # ... and so does the pipeline.
+        assert (got - want).abs().max().item() <= 1e-5, case
+        stored = CheckpointIndex.from_directory(path).keys()
+        assert set(keys_read) <= stored, case
+        if case.startswith("bert"):
+            assert any(k.endswith("LayerNorm.gamma") for k in keys_read), case
+
+
+def _legacy_jobs(legacy):
+    return {case: (legacy[case][0], LEGACY[case][0], LEGACY[case][1], legacy[case][3]) for case in LEGACY}
+
+
+def test_checkpoint_key_renames_are_transformers_own():
+    with torch.device("meta"):
+        model = transformers.BertForMaskedLM(tiny.config_for("bert"))
+    keys = ["bert.embeddings.LayerNorm.gamma", "bert.encoder.layer.0.output.LayerNorm.beta", "bert.embeddings.word_embeddings.weight"]
+    assert checkpoint_key_renames(model, keys) == {
+        "bert.embeddings.LayerNorm.gamma": "bert.embeddings.LayerNorm.weight",
+        "bert.encoder.layer.0.output.LayerNorm.beta": "bert.encoder.layer.0.output.LayerNorm.bias",
+    }
+
+
+def test_checkpoint_key_renames_without_transformers_mapping(monkeypatch):
+    # A transformers without conversion mappings: only the legacy LayerNorm names are renamed.
+    monkeypatch.setitem(sys.modules, "transformers.core_model_loading", None)  # makes the import fail
+    with torch.device("meta"):
+        model = transformers.BertModel(tiny.config_for("bert"))
+    keys = ["embeddings.LayerNorm.gamma", "embeddings.LayerNorm.beta", "pooler.dense.weight"]
+    assert checkpoint_key_renames(model, keys) == {
+        "embeddings.LayerNorm.gamma": "embeddings.LayerNorm.weight", "embeddings.LayerNorm.beta": "embeddings.LayerNorm.bias",
+    }
+
+
+def test_legacy_key_names_load_as_transformers_loads_them(legacy):
+    # World size 1, in process, two stages on this rank: the cut and the tied GPT-2 head see renamed keys.
+    results = _legacy_forward(_legacy_jobs(legacy), num_stages=2, virtual_stages=2, schedule="interleaved-1f1b")
+    _check_legacy(legacy, results)
+
+
+def test_legacy_key_names_load_pipelined(legacy):
+    results = run_distributed(_legacy_forward, 2, _legacy_jobs(legacy), timeout=180)
+    for rank_results in results:
+        _check_legacy(legacy, rank_results)
+
+
+def test_legacy_names_missing_say_what_was_tried(legacy, tmp_path):
+    # A renamed key that is gone is reported by the name the model wants.
+    path = legacy["bert-gamma-beta"][0]
+    broken = _rename_keys(path, tmp_path / "bert", lambda k: None if k == "bert.embeddings.LayerNorm.gamma" else k)
+    import hf_pipeline
+
+    with pytest.raises(CheckpointError, match=r"bert\.embeddings\.LayerNorm\.weight"):
+        hf_pipeline.AutoModelForMaskedLM.from_pretrained(broken, pipeline=True, device="cpu", progress=False)
