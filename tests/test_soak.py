@@ -9,9 +9,9 @@ files. Between the end of the warm-up and the end, none may grow beyond noise:
   work handle, a list entry) adds at least one object per call, i.e. 1,000 — the bound is 10x
   below that.
 * RSS: at most ``_RSS_MB`` over the 1,000 calls, and at most ``_RSS_HALF_MB`` over the second
-  500 (a native leak of 4 KB per call fails). Measured here: generate and training grow 0.5-3 MB in
-  their first 500 calls (allocator arenas settling) and then stay flat to the byte. Smaller leaks (one tiny KV cache, ~1 KB per call) are caught by the
-  object and tensor counts.
+  500 (a native leak of 4 KB per call fails). Measured here: generate and training grow 0.5-3 MB
+  in their first 500 calls (allocator arenas settling) and then stay flat to the byte. Smaller
+  leaks (one tiny KV cache, ~1 KB per call) are caught by the object and tensor counts.
 * threads and file descriptors: exactly equal; no shard file stays open (or memory-mapped) after loading.
 """
 
