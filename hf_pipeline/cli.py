@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, default=1, help="sequences per step (default 1)")
     p.add_argument("--seq", type=_positive, default=None, help="tokens per sequence (default min(max positions, 2048))")
     p.add_argument("--n-microbatches", type=_positive, default=None, help="microbatches per step (default: number of stages)")
-    p.add_argument("--split", default="auto", help="auto, uniform, or comma-separated block names starting stages 1..S-1")
+    p.add_argument("--split", default="auto", help="auto, uniform, or comma-separated block names (or block halves, e.g. model.layers.4.post_attention_layernorm) starting stages 1..S-1")
     p.add_argument("--auto-class", default=None, help="transformers class to load as (default: from the config)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--merge", action="store_true", help="write standard shards (from a per-stage or any other layout)")
     p.add_argument("--virtual-stages", type=_positive, default=None, help="stages per rank (use the values you will load with)")
     p.add_argument("--schedule", default=None, help="schedule the model will run (fixes where virtual stages go)")
-    p.add_argument("--split", default="auto", help="auto, uniform, or comma-separated block names starting stages 1..S-1")
+    p.add_argument("--split", default="auto", help="auto, uniform, or comma-separated block names (or block halves, e.g. model.layers.4.post_attention_layernorm) starting stages 1..S-1")
     p.add_argument("--auto-class", default=None, help="transformers class to plan for (default: from the config)")
     p.add_argument("--max-shard-size", default="5GB", help="with --merge: bytes per shard, e.g. 2GB (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")

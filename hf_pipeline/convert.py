@@ -297,7 +297,7 @@ def convert_to_stages(
             stage_files[s] = tuple(sorted(opened))
         extra = {
             "layout": "per-stage", "num_stages": n, "virtual_stages": plan.virtual_stages, "pp_size": plan.pp_size,
-            "placement": plan.layout, "split": [s.blocks[0] for s in plan.stages[1:]],
+            "placement": plan.layout, "split": list(plan.split_points),
             "stage_files": {str(s): list(f) for s, f in stage_files.items()},
         }
         weight_map = {k: name for name, ks in per_file.items() for k in ks}

@@ -552,6 +552,9 @@ class _Ring:
         if last:
             inputs["logits_to_keep"] = 1
         out = slot.stage(*received, **inputs)
+        # After every step: the rank's caches peak when its slowest stage has appended a step's
+        # keys and values while its other stages have not yet released theirs.
+        self._observe()
         out = out[0] if isinstance(out, tuple) else out  # in decoding only the hidden state flows on
         if last:
             self._deliver(("tok", i), self.d0, self._choose(i, t, live, out[:, -1, :]))

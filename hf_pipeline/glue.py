@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.pytorch_utils import apply_chunking_to_forward
 
 __all__ = ["GLUES", "Glue", "get_glue"]
 
@@ -82,14 +83,23 @@ class _SingleStack(Glue):
     def block(self, layer, hidden, ctx):
         raise NotImplementedError
 
+    def block_half(self, layer, half: int, hidden, ctx):
+        """Half of ``layer``'s forward (0: attention with its residual, 1: MLP with its residual).
+
+        These are the lines of the HF block's own ``forward``, split where the recipe's ``halves``
+        cut it; ``tests/test_stages.py`` checks that both halves in a row equal the block.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot run half a block")
+
     def forward(self, stage, received, inputs):
         if stage.spec.is_first:
             hidden = self.embed(stage, inputs)  # (B, T, H)
         else:
             (hidden,) = received
-        ctx = self.context(stage, hidden, inputs)
-        for _, layer in stage.blocks:
-            hidden = self.block(layer, hidden, ctx)
+        # A stage that runs only the MLP half of a block needs no mask, positions or cache.
+        ctx = self.context(stage, hidden, inputs) if stage.attention_blocks else {}
+        for (_, layer), half in zip(stage.blocks, stage.block_halves):
+            hidden = self.block(layer, hidden, ctx) if half is None else self.block_half(layer, half, hidden, ctx)
         for m in stage.finals:
             hidden = m(hidden)
         if stage.spec.is_last:
@@ -104,11 +114,16 @@ def _positions(hidden: torch.Tensor, inputs: dict[str, Any], past: int) -> torch
     return pos
 
 
+def _first_attention_layer(stage) -> int:
+    # A stage that starts with the MLP half of a block does not hold that block's KV cache.
+    return _layer_index(stage.attention_blocks[0])
+
+
 def _past_length(stage, inputs) -> int:
     cache = inputs.get("cache")
-    if cache is None or not stage.blocks:
+    if cache is None or not stage.attention_blocks:
         return 0
-    return cache.get_seq_length(_layer_index(stage.blocks[0][0]))
+    return cache.get_seq_length(_first_attention_layer(stage))
 
 
 class LlamaGlue(_SingleStack):
@@ -122,7 +137,7 @@ class LlamaGlue(_SingleStack):
     def context(self, stage, hidden, inputs):
         cache = inputs.get("cache")
         pos = _positions(hidden, inputs, _past_length(stage, inputs))
-        first = _layer_index(stage.blocks[0][0])
+        first = _first_attention_layer(stage)
         mask = create_causal_mask(
             config=stage.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"),
             cache=cache, position_ids=pos, layer_idx=first if cache is not None else None,
@@ -137,6 +152,18 @@ class LlamaGlue(_SingleStack):
 
     def block(self, layer, hidden, ctx):
         return layer(hidden, **ctx)
+
+    def block_half(self, layer, half, hidden, ctx):
+        residual = hidden
+        if half == 0:
+            hidden, _ = layer.self_attn(
+                hidden_states=layer.input_layernorm(hidden), attention_mask=ctx["attention_mask"],
+                position_ids=ctx["position_ids"], cache=ctx["cache"], use_cache=ctx["use_cache"],
+                position_embeddings=ctx["position_embeddings"],
+            )
+        else:
+            hidden = layer.mlp(layer.post_attention_layernorm(hidden))
+        return residual + hidden
 
 
 class GPT2Glue(_SingleStack):
@@ -161,12 +188,22 @@ class GPT2Glue(_SingleStack):
             mask = mask.view(hidden.shape[0], -1)
         mask = create_causal_mask(
             config=stage.config, inputs_embeds=hidden, attention_mask=mask, cache=cache, position_ids=pos,
-            layer_idx=_layer_index(stage.blocks[0][0]) if cache is not None else None,
+            layer_idx=_first_attention_layer(stage) if cache is not None else None,
         )
         return {"cache": cache, "attention_mask": mask, "use_cache": cache is not None, "position_ids": pos}
 
     def block(self, layer, hidden, ctx):
         return layer(hidden, ctx["cache"], ctx["attention_mask"], None, use_cache=ctx["use_cache"], position_ids=ctx["position_ids"])
+
+    def block_half(self, layer, half, hidden, ctx):
+        residual = hidden
+        if half == 0:
+            out, _ = layer.attn(
+                layer.ln_1(hidden), cache=ctx["cache"], attention_mask=ctx["attention_mask"], use_cache=ctx["use_cache"],
+                position_ids=ctx["position_ids"],
+            )
+            return out + residual
+        return residual + layer.mlp(layer.ln_2(hidden))
 
 
 class BertGlue(_SingleStack):
@@ -184,6 +221,11 @@ class BertGlue(_SingleStack):
 
     def block(self, layer, hidden, ctx):
         return layer(hidden, ctx["attention_mask"])
+
+    def block_half(self, layer, half, hidden, ctx):
+        if half == 0:
+            return layer.attention(hidden, ctx["attention_mask"])[0]
+        return apply_chunking_to_forward(layer.feed_forward_chunk, layer.chunk_size_feed_forward, layer.seq_len_dim, hidden)
 
 
 class T5Glue(Glue):

@@ -439,7 +439,7 @@ def plan_report(
 
     stage_rows = []
     for s, run in zip(plan.stages, runs):
-        decoder_layers = sum(1 for b in s.blocks if any(b in st.blocks for st in resolved.stacks if st.name == "decoder"))
+        decoder_layers = sum(1 for b in s.attention_blocks if any(b in st.blocks for st in resolved.stacks if st.name == "decoder"))
         kv = kv_cache_bytes_per_token(config, decoder_layers=decoder_layers, dtype=torch_dtype) if generative else 0
         stage_rows.append(StageMemory(
             index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,

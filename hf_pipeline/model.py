@@ -383,7 +383,9 @@ def load_pipelined(
         virtual_stages: stages per rank (default: what the schedule needs, 1 or 2).
         schedule: a name from :data:`hf_pipeline.schedules.SCHEDULES` (default "1f1b", or
             "interleaved-1f1b" with virtual_stages > 1).
-        split: "auto" (cost balanced), "uniform", or block FQNs starting stages 1..S-1.
+        split: "auto" (cost balanced, cutting a block between its attention and MLP halves where
+            the recipe allows and that balances better), "uniform" (whole blocks), or what starts
+            stages 1..S-1: block FQNs or a block's second half ("model.layers.4.post_attention_layernorm").
         dtype: weights dtype ("auto" = the config's).
         device: force a device ("cpu"); default cuda:LOCAL_RANK when available.
         gather_output: give outputs to every rank (else only the last stage's rank).

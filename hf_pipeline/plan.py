@@ -24,6 +24,8 @@ from .recipe import HeadSpec, Recipe, RecipeError
 __all__ = ["PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "resolve_recipe"]
 
 LAYOUTS = ("loop", "v")
+# ``split="auto"`` cuts a block in two only when that lowers the slowest stage's cost by more than this.
+CUT_GAIN = 0.02
 
 
 class PlanError(ValueError):
@@ -44,6 +46,8 @@ class ResolvedStack:
     embed: tuple[str, ...]
     final: tuple[str, ...]
     every_stage: tuple[str, ...]
+    halves: tuple[tuple[str, ...], ...] = ()  # the recipe's block halves (names relative to a block)
+    cuttable: frozenset[str] = frozenset()  # blocks whose children the two halves cover exactly
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +90,26 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
                 f"{recipe.source}: field 'stacks[{i}].blocks' names {blocks_fqn!r}, which is a "
                 f"{type(container).__name__}, not a non-empty ModuleList of blocks"
             )
+        blocks = tuple(f"{blocks_fqn}.{name}" for name, _ in container.named_children())
+        cuttable = frozenset()
+        if stack.halves:
+            wanted = set(stack.halves[0]) | set(stack.halves[1])
+            # A block with children outside the halves (GPT-2 or BERT with cross-attention) stays whole.
+            cuttable = frozenset(b for b in blocks if {n for n, _ in model.get_submodule(b).named_children()} == wanted)
+            for b in blocks:
+                missing = wanted - {n for n, _ in model.get_submodule(b).named_children()}
+                if missing:
+                    raise RecipeError(
+                        f"{recipe.source}: field 'stacks[{i}].halves' names {sorted(missing)}, which block {b!r} "
+                        f"({type(model.get_submodule(b)).__name__}) does not have; its children: "
+                        f"{[n for n, _ in model.get_submodule(b).named_children()]}"
+                    )
         stacks.append(
             ResolvedStack(
                 name=stack.name,
-                blocks=tuple(f"{blocks_fqn}.{name}" for name, _ in container.named_children()),
+                blocks=blocks,
+                halves=stack.halves,
+                cuttable=cuttable,
                 embed=tuple(fill(p, f"stacks[{i}].embed") for p in stack.embed),
                 final=tuple(fill(p, f"stacks[{i}].final") for p in stack.final),
                 every_stage=tuple(fill(p, f"stacks[{i}].every_stage") for p in stack.every_stage),
@@ -122,8 +142,8 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
     return ResolvedRecipe(recipe=recipe, class_name=class_name, base=base, stacks=tuple(stacks), head=head, tied=tuple(tied))
 
 
-def _module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, is_block: bool) -> tuple[int, int, float]:
-    """(params, bytes, FLOPs per token) of the given modules; shared tensors are counted once."""
+def _module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, attention: int) -> tuple[int, int, float]:
+    """(params, bytes, FLOPs per token) of the given modules, ``attention`` of them attention layers; shared tensors count once."""
     seen: set[int] = set()
     params = 0
     flops = 0.0
@@ -140,8 +160,7 @@ def _module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len:
                     continue
                 seen.add(id(p))
                 params += p.numel()
-    if is_block:
-        flops += 4.0 * seq_len * hidden  # attention scores and weighted sum: QK^T and AV
+    flops += attention * 4.0 * seq_len * hidden  # attention scores and weighted sum: QK^T and AV, per layer
     return params, params * itemsize, flops
 
 
@@ -159,6 +178,19 @@ class StageSpec:
     flops_per_token: float
     is_first: bool
     is_last: bool
+    # Blocks this stage runs only one half of, with the half: 0 = the first (attention) half, 1 =
+    # the second (MLP) half. Only a stage's first block can be a second half, only its last a first.
+    halves: tuple[tuple[str, int], ...] = ()
+    start: str = ""  # where the stage starts: its first block, or the first module of that block's second half
+
+    def half_of(self, block: str) -> int | None:
+        """0 or 1 if this stage runs only that half of ``block``; None if it runs the whole block."""
+        return dict(self.halves).get(block)
+
+    @property
+    def attention_blocks(self) -> tuple[str, ...]:
+        """Blocks whose attention (first half) this stage runs: the layers whose KV cache it keeps."""
+        return tuple(b for b in self.blocks if self.half_of(b) != 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,6 +221,11 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """What starts stages 1..S-1, in the form ``make_plan(split=...)`` takes to rebuild this plan."""
+        return tuple(s.start or s.blocks[0] for s in self.stages[1:])
+
     def stages_for_rank(self, rank: int) -> tuple[StageSpec, ...]:
         """The stages pipeline rank ``rank`` runs, in stage order."""
         return tuple(self.stages[i] for i in self._by_rank[rank])
@@ -216,6 +253,7 @@ class StagePlan:
                     "index": s.index,
                     "rank": s.rank,
                     "blocks": list(s.blocks),
+                    "halves": {b: h for b, h in s.halves},
                     "modules": list(s.modules),
                     "params": s.params,
                     "bytes": s.nbytes,
@@ -241,7 +279,9 @@ class StagePlan:
         rows = [("stage", "rank", "blocks", "params", "bytes", "GFLOP/tok", "other modules")]
         for s in self.stages:
             blocks = _compress(s.blocks)
-            others = [m for m in s.modules if m not in s.blocks]
+            if s.halves:
+                blocks += " (" + ", ".join(f"{b.rpartition('.')[2]}: {'1st' if h == 0 else '2nd'} half" for b, h in s.halves) + ")"
+            others = [m for m in s.modules if m not in s.blocks and not any(m.startswith(b + ".") for b in s.blocks)]
             rows.append(
                 (str(s.index), str(s.rank), blocks, human(s.params), human(s.nbytes) + "B", f"{s.flops_per_token / 1e9:.3f}", ", ".join(others) or "-")
             )
@@ -296,6 +336,15 @@ def _partition(costs: Sequence[float], parts: int) -> list[int]:
     return sorted(starts)
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """What the partitioner places: a whole block (``half`` None) or one half of it (0, 1)."""
+
+    stack: int
+    block: str
+    half: int | None
+
+
 def _rank_of(stage: int, pp_size: int, layout: str) -> int:
     if layout == "loop":
         return stage % pp_size  # rank r owns stages r, r+p, r+2p, ...
@@ -323,8 +372,10 @@ def make_plan(
         pp_size: ranks in the pipeline.
         virtual_stages: stages per rank (interleaved schedules use 2+).
         layout: "loop" (rank r owns stages r, r+p, ...) or "v" (rank r owns r and 2p-1-r).
-        split: "auto" for cost balancing, "uniform" for equal block counts, or the block FQNs that
-            start stages 1..S-1 (e.g. ``["model.layers.4"]``).
+        split: "auto" for cost balancing (cutting a block between its attention and MLP halves
+            where the recipe allows it and that balances better), "uniform" for equal block counts,
+            or what starts stages 1..S-1: block FQNs (``["model.layers.4"]``) or the first module of
+            a block's second half (``["model.layers.4.post_attention_layernorm"]``).
         dtype: dtype the weights will be loaded in (for the byte counts); default: the model's.
         seq_len: sequence length used to cost attention.
     Returns:
@@ -342,80 +393,130 @@ def make_plan(
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
 
-    # Units: one per block, in execution order across stacks; embeddings cost to the first block of
-    # their stack, final modules to the last, the head to the very last block.
-    units: list[tuple[int, str]] = [(si, b) for si, st in enumerate(resolved.stacks) for b in st.blocks]
-    if num_stages > len(units):
-        raise PlanError(
-            f"{num_stages} stages requested ({pp_size} ranks x {virtual_stages} virtual stages) but "
-            f"{resolved.class_name} has only {len(units)} blocks; use fewer ranks or virtual_stages"
-        )
+    # Units, in execution order across stacks: one per half of each block the recipe lets the
+    # planner cut, one per other block. Embeddings go with the first unit of their stack, final
+    # modules with its last, the head with the very last unit. A block whose two halves end up on
+    # one stage is one whole unit again.
+    units: list[_Unit] = []
+    for si, st in enumerate(resolved.stacks):
+        for b in st.blocks:
+            units += [_Unit(si, b, 0), _Unit(si, b, 1)] if b in st.cuttable else [_Unit(si, b, None)]
+    block_starts = [i for i, u in enumerate(units) if u.half != 1]  # unit indices where a block starts
+    n_blocks = len(block_starts)
 
-    def extra_modules(first: int, last: int) -> list[str]:
+    def unit_modules(u: _Unit) -> list[str]:
+        if u.half is None:
+            return [u.block]
+        return [f"{u.block}.{c}" for c in resolved.stacks[u.stack].halves[u.half]]
+
+    def extra_modules(group: Sequence[_Unit], is_last: bool) -> list[str]:
         mods: list[str] = []
         for si, st in enumerate(resolved.stacks):
-            idx = [i for i in range(first, last) if units[i][0] == si]
-            if not idx:
+            mine = [u for u in group if u.stack == si]
+            if not mine:
                 continue
-            if units[idx[0]][1] == st.blocks[0]:
+            if mine[0].block == st.blocks[0] and mine[0].half != 1:
                 mods += st.embed
-            mods += [m for m in st.every_stage if not any(m.startswith(b + ".") for b in (units[i][1] for i in idx))]
-            if units[idx[-1]][1] == st.blocks[-1]:
+            owned = [m for u in mine for m in unit_modules(u)]
+            mods += [m for m in st.every_stage if not any(m == o or m.startswith(o + ".") for o in owned)]
+            if mine[-1].block == st.blocks[-1] and mine[-1].half != 0:
                 mods += st.final
-        if last == len(units):
+        if is_last:
             mods += resolved.head.modules
         return mods
 
-    def stats(first: int, last: int) -> tuple[int, int, float]:
-        blocks = [units[i][1] for i in range(first, last)]
-        p1, b1, f1 = _module_stats(model, blocks, itemsize, seq_len, hidden, True)
-        p2, b2, f2 = _module_stats(model, extra_modules(first, last), itemsize, seq_len, hidden, False)
-        return p1 + p2, b1 + b2, f1 + f2
+    def stats(group: Sequence[_Unit], is_last: bool) -> tuple[int, int, float]:
+        mods = [m for u in group for m in unit_modules(u)] + extra_modules(group, is_last)
+        attention = sum(1 for u in group if u.half != 1)  # the attention scores run in the first half
+        return _module_stats(model, mods, itemsize, seq_len, hidden, attention)
+
+    def too_many(available: int, what: str) -> PlanError:
+        return PlanError(
+            f"{num_stages} stages requested ({pp_size} ranks x {virtual_stages} virtual stages) but "
+            f"{resolved.class_name} has only {available} {what}; use fewer ranks or virtual_stages"
+        )
 
     if isinstance(split, str):
         if split == "auto":
-            costs = [stats(i, i + 1)[2] for i in range(len(units))]
-            starts = _partition(costs, num_stages)
+            costs = [stats([u], i == len(units) - 1)[2] for i, u in enumerate(units)]
+            block_costs = [sum(costs[a:b]) for a, b in zip(block_starts, block_starts[1:] + [len(units)])]
+
+            def slowest(starts: list[int], cs: list[float]) -> float:
+                return max(sum(cs[a:b]) for a, b in zip(starts, starts[1:] + [len(cs)]))
+
+            starts = None
+            if num_stages <= n_blocks:
+                whole = _partition(block_costs, num_stages)
+                starts = [block_starts[i] for i in whole]
+                best = slowest(whole, block_costs)
+            if len(units) > n_blocks:
+                if num_stages > len(units):
+                    raise too_many(len(units), "block halves")
+                cut = _partition(costs, num_stages)
+                # Cut a block only where that makes the slowest stage clearly faster: a whole-block
+                # plan is the simpler one to read, and equal cost is no reason to leave it.
+                if starts is None or slowest(cut, costs) < (1.0 - CUT_GAIN) * best:
+                    starts = cut
+            if starts is None:
+                raise too_many(n_blocks, "blocks")
         elif split == "uniform":
-            n = len(units)
-            starts = [round(k * n / num_stages) for k in range(num_stages)]
+            if num_stages > n_blocks:
+                raise too_many(n_blocks, "blocks")
+            starts = [block_starts[round(k * n_blocks / num_stages)] for k in range(num_stages)]
         else:
             raise PlanError(f"split must be 'auto', 'uniform' or a list of block names, got {split!r}")
     else:
-        names = [b for _, b in units]
+        names: dict[str, int] = {}
+        for i, u in enumerate(units):
+            if u.half != 1:
+                names[u.block] = i
+            else:
+                names[unit_modules(u)[0]] = i  # the stage starts at this block's second half
         split = list(split)
         if len(split) != num_stages - 1:
             raise PlanError(
                 f"split lists {len(split)} block(s) to start stages at, but {num_stages} stages need "
-                f"{num_stages - 1}; blocks are {names[0]} ... {names[-1]}"
+                f"{num_stages - 1}; blocks are {units[0].block} ... {units[-1].block}"
             )
         starts = [0]
         for fqn in split:
             if fqn not in names:
-                raise PlanError(f"split point {fqn!r} is not a block of {resolved.class_name}; blocks are {names[0]} ... {names[-1]}")
-            starts.append(names.index(fqn))
+                halves = [n for n in names if n not in {u.block for u in units}]
+                raise PlanError(
+                    f"split point {fqn!r} is not a block of {resolved.class_name}; blocks are {units[0].block} ... "
+                    f"{units[-1].block}" + (f"; a stage can also start at a block's second half ({halves[0]}, ...)" if halves else "")
+                )
+            starts.append(names[fqn])
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise PlanError(f"split points {split} must be distinct blocks in increasing order, none of them the first block")
 
-    bounds = list(zip(starts, starts[1:] + [len(units)]))
     stages = []
+    bounds = list(zip(starts, starts[1:] + [len(units)]))
     for s, (a, b) in enumerate(bounds):
-        blocks = tuple(units[i][1] for i in range(a, b))
-        extras = extra_modules(a, b)
-        params, nbytes, flops = stats(a, b)
-        stage_stacks = tuple(dict.fromkeys(resolved.stacks[units[i][0]].name for i in range(a, b)))
+        group: list[_Unit] = []
+        for u in units[a:b]:
+            if u.half == 1 and group and group[-1].block == u.block:
+                group[-1] = _Unit(u.stack, u.block, None)  # both halves on this stage: the whole block
+            else:
+                group.append(u)
+        is_last = s == num_stages - 1
+        blocks = tuple(u.block for u in group)
+        extras = extra_modules(group, is_last)
+        params, nbytes, flops = stats(group, is_last)
         stages.append(
             StageSpec(
                 index=s,
                 rank=_rank_of(s, pp_size, layout),
                 blocks=blocks,
-                modules=tuple(dict.fromkeys(list(extras[: len(extras)]) + list(blocks))),
-                stacks=stage_stacks,
+                modules=tuple(dict.fromkeys(extras + [m for u in group for m in unit_modules(u)])),
+                stacks=tuple(dict.fromkeys(resolved.stacks[u.stack].name for u in group)),
                 params=params,
                 nbytes=nbytes,
                 flops_per_token=flops,
                 is_first=s == 0,
-                is_last=s == num_stages - 1,
+                is_last=is_last,
+                halves=tuple((u.block, u.half) for u in group if u.half is not None),
+                start=unit_modules(group[0])[0] if group[0].half == 1 else group[0].block,
             )
         )
     total_params = sum(p.numel() for p in model.parameters())

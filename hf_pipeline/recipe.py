@@ -28,6 +28,8 @@ __all__ = ["HeadSpec", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list
 KNOWN_GLUES = ("llama", "gpt2", "bert", "t5")
 KNOWN_LOSSES = ("causal_lm", "masked_lm", "sequence_classification", "seq2seq_lm")
 KNOWN_POOLS = ("last_token", "pooler")
+# Glues that can run a block's two halves on different stages (``Glue.block_half``).
+HALF_GLUES = ("llama", "gpt2", "bert")
 
 
 class RecipeError(ValueError):
@@ -43,6 +45,9 @@ class StackSpec:
     embed: tuple[str, ...] = ()  # modules run before the stack's first block
     final: tuple[str, ...] = ()  # modules run after its last block
     every_stage: tuple[str, ...] = ()  # replicated on every stage that runs a block of this stack
+    # Where a block may be cut between two stages: its children (names relative to the block) in
+    # the half that runs first (attention) and the half that runs second (MLP). Empty: never cut.
+    halves: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +99,25 @@ def _str_list(source: str, where: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, ...], ...]:
+    _expect(source, where, value, list)
+    if not value:
+        return ()
+    if len(value) != 2:
+        raise RecipeError(f"{source}: field {where!r} must list exactly two halves (attention, then MLP), got {len(value)}")
+    halves = tuple(_str_list(source, f"{where}[{i}]", h) for i, h in enumerate(value))
+    if not all(halves):
+        raise RecipeError(f"{source}: field {where!r}: each half must name at least one child module of the block")
+    if set(halves[0]) & set(halves[1]):
+        raise RecipeError(f"{source}: field {where!r}: {sorted(set(halves[0]) & set(halves[1]))} appear in both halves")
+    if glue not in HALF_GLUES:
+        raise RecipeError(
+            f"{source}: field {where!r} declares block halves, but glue {glue!r} cannot run half a block; "
+            f"glues that can: {list(HALF_GLUES)}"
+        )
+    return halves
+
+
 def _parse(data: dict[str, Any], source: str) -> Recipe:
     allowed = {"model_types", "glue", "flows", "stacks", "heads", "tied"}
     for key in data:
@@ -114,7 +138,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     for i, raw in enumerate(_expect(source, "stacks", data["stacks"], list)):
         where = f"stacks[{i}]"
         _expect(source, where, raw, dict)
-        extra = set(raw) - {"name", "blocks", "embed", "final", "every_stage"}
+        extra = set(raw) - {"name", "blocks", "embed", "final", "every_stage", "halves"}
         if extra:
             raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
         for key in ("name", "blocks"):
@@ -127,6 +151,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
                 embed=_str_list(source, f"{where}.embed", raw.get("embed", [])),
                 final=_str_list(source, f"{where}.final", raw.get("final", [])),
                 every_stage=_str_list(source, f"{where}.every_stage", raw.get("every_stage", [])),
+                halves=_halves(source, f"{where}.halves", raw.get("halves", []), glue),
             )
         )
     if not stacks:

@@ -85,6 +85,7 @@ class StackRun:
     ends: bool  # ... and its last block (and its final modules)
     blocks: list[str]
     modules: list[nn.Module]
+    halves: list[int | None]  # per block: None = run whole, 0 / 1 = run only its first / second half
     embeds: list[nn.Module]
     finals: list[nn.Module]
     replicas: list[str]  # FQNs of modules replicated on this stage (e.g. T5's relative bias)
@@ -122,10 +123,11 @@ class StageModule(nn.Module):
             self.stack_runs.append(
                 StackRun(
                     name=stack.name,
-                    starts=owned[0] == stack.blocks[0],
-                    ends=owned[-1] == stack.blocks[-1],
+                    starts=owned[0] == stack.blocks[0] and spec.half_of(owned[0]) != 1,
+                    ends=owned[-1] == stack.blocks[-1] and spec.half_of(owned[-1]) != 0,
                     blocks=owned,
                     modules=[self.get_submodule(b) for b in owned],
+                    halves=[spec.half_of(b) for b in owned],
                     embeds=[self.get_submodule(m) for m in stack.embed if m in spec.modules],
                     finals=[self.get_submodule(m) for m in stack.final if m in spec.modules],
                     replicas=[m for m in stack.every_stage if m in spec.modules],
@@ -137,6 +139,16 @@ class StageModule(nn.Module):
     @property
     def blocks(self) -> list[tuple[str, nn.Module]]:
         return [(b, m) for run in self.stack_runs for b, m in zip(run.blocks, run.modules)]
+
+    @property
+    def block_halves(self) -> list[int | None]:
+        """Parallel to :attr:`blocks`: None for a whole block, 0 / 1 for its first / second half only."""
+        return [h for run in self.stack_runs for h in run.halves]
+
+    @property
+    def attention_blocks(self) -> list[str]:
+        """The blocks whose attention this stage runs (and whose KV cache it keeps), in order."""
+        return [b for b, h in zip((b for b, _ in self.blocks), self.block_halves) if h != 1]
 
     @property
     def embeds(self) -> list[nn.Module]:
@@ -154,7 +166,8 @@ class StageModule(nn.Module):
         return self.glue.forward(self, received, inputs)
 
     def extra_repr(self) -> str:
-        return f"stage={self.spec.index}, rank={self.spec.rank}, blocks={len(self.spec.blocks)}"
+        halves = f", halves={dict(self.spec.halves)}" if self.spec.halves else ""
+        return f"stage={self.spec.index}, rank={self.spec.rank}, blocks={len(self.spec.blocks)}{halves}"
 
 
 def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> StageModule:

@@ -205,9 +205,9 @@ def _traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks
     nparams = sum(t.numel() for t in distinct.values())
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
-    _, _, f_blocks = _module_stats(model, list(spec.blocks), itemsize, seq_len, hidden, True)
+    _, _, f_blocks = _module_stats(model, list(spec.blocks), itemsize, seq_len, hidden, len(spec.blocks))
     others = [m for m in mods if m and m not in spec.blocks]
-    _, _, f_other = _module_stats(model, others, itemsize, seq_len, hidden, False)
+    _, _, f_other = _module_stats(model, others, itemsize, seq_len, hidden, 0)
     return dataclasses.replace(spec, modules=mods, params=nparams, nbytes=nparams * itemsize, flops_per_token=f_blocks + f_other)
 
 
@@ -616,7 +616,7 @@ def load_traced(
         blocks_fqn = find_blocks(skeleton)
         resolved = _costing_recipe(skeleton, blocks_fqn)
         plan = make_plan(skeleton, resolved, pp_size=pp_size, virtual_stages=virtual_stages, layout=schedule.layout, split=split, dtype=dtype)
-        split_points = [s.blocks[0] for s in plan.stages[1:]]
+        split_points = list(plan.split_points)
         tracer = _Tracer(skeleton, split_points, plan.num_stages, (), ctx.device)
         first = tracer.trace(_load_example(config), training=False, install=False)
         out = pytree.tree_unflatten([torch.empty(0)] * first.out_spec.num_leaves, first.out_spec)

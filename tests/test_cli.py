@@ -111,7 +111,7 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys):
         (["plan", str(tmp_path / "missing")], "does not exist"),
         (["plan", str(ckpt), "--stages", "0"], "must be >= 1"),
         (["plan", str(ckpt), "--stages", "two"], "not a whole number"),
-        (["plan", str(ckpt), "--stages", "9"], "only 4 blocks"),
+        (["plan", str(ckpt), "--stages", "9"], "only 8 block halves"),
         (["plan", str(ckpt), "--schedule", "fastest"], "unknown schedule"),
         (["plan", str(tmp_path)], "no config.json"),
         (["convert", str(ckpt), str(ckpt / "out"), "--stages", "2"], "outside the source"),

@@ -188,5 +188,5 @@ def test_parse_size_and_bad_plans(tmp_path):
     src = tiny.make_checkpoint(tmp_path / "src", "llama", shards=1)
     with pytest.raises(ConvertError, match="multiple of virtual_stages"):
         convert_to_stages(src, tmp_path / "out", num_stages=3, virtual_stages=2)
-    with pytest.raises(ValueError, match="only 4 blocks"):
-        convert_to_stages(src, tmp_path / "out", num_stages=5)
+    with pytest.raises(ValueError, match="only 8 block halves"):
+        convert_to_stages(src, tmp_path / "out", num_stages=9)

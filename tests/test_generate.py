@@ -46,8 +46,9 @@ class _Collect:
 
 
 def _generating_blocks(model) -> int:
+    """Decoder layers whose KV cache this rank keeps: those whose attention (half) it runs."""
     stack = model.resolved.stacks[-1]
-    return sum(1 for st in model.stages for b in st.spec.blocks if b in stack.blocks)
+    return sum(1 for st in model.stages for b in st.spec.attention_blocks if b in stack.blocks)
 
 
 def _live_memory() -> tuple[int, int]:
@@ -225,7 +226,25 @@ def _gen_cases(assets, world: int):
                 case["repeat"] = (a["inputs"], greedy_kwargs)
             case["requests"] = requests
             cases.append(case)
-    if world == 2:  # two data-parallel replicas of a one-stage pipeline
+    if world == 2:
+        # Layers cut between attention and MLP at stage boundaries: the attention half keeps the
+        # layer's cache. v2 has a stage with an attention half alone (llama) or an MLP half first (gpt2).
+        cuts = {
+            "llama": [["model.layers.2.post_attention_layernorm"],
+                      ["model.layers.1", "model.layers.1.post_attention_layernorm", "model.layers.3.post_attention_layernorm"]],
+            "gpt2": [["transformer.h.3.ln_2"], ["transformer.h.0.ln_2", "transformer.h.2", "transformer.h.2.ln_2"]],
+        }
+        for arch, splits in cuts.items():
+            a = assets["gen"][arch]
+            for virtual, split in zip((1, 2), splits):
+                cases.append({
+                    "arch": arch, "virtual": virtual, "path": a["path"], "auto": tiny.AUTO[arch],
+                    "load": {"virtual_stages": virtual, "split": split},
+                    "requests": [("greedy", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0)),
+                                 ("sampled", a["inputs"], a["sample_kwargs"]),
+                                 ("full", a["inputs"], dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0))],
+                })
+        # two data-parallel replicas of a one-stage pipeline
         a = assets["gen"]["llama"]
         cases.append({
             "arch": "llama", "virtual": 1, "path": a["path"], "auto": "AutoModelForCausalLM", "load": {"num_stages": 1},
@@ -270,12 +289,17 @@ def _check_generation(assets, cases, per_rank, world):
             if "full" in res:
                 assert torch.equal(res["full"]["ids"], a["full"]), f"{where}: min_new_tokens run differs"
         if "full" in results[0]:
-            # Each rank holds exactly the cache of its own layers; together, the whole model's.
+            # Each rank holds the cache of its own layers only; together, the whole model's. A rank's
+            # first stage may free a finished microbatch's cache while a later stage of the same
+            # rank still has that microbatch's last step to run, so a rank's peak may miss at most
+            # one token per layer of the full cache (and never exceeds it).
             per_layer = a["cache_bytes"] // a["layers"]
+            tokens = a["full"].shape[1] - 1  # steps a layer's cache holds (the last new token is never fed back)
             peaks = [res["full"]["peak"] for res in results]
             for rank, res in enumerate(results):
-                assert res["full"]["peak"] == per_layer * res["blocks"], f"{where} rank {rank}: cache {peaks} vs {per_layer} x {res['blocks']} layers"
-            assert sum(peaks) == a["cache_bytes"], f"{where}: rank caches {peaks} do not add up to transformers' {a['cache_bytes']}"
+                full, slack = per_layer * res["blocks"], per_layer * res["blocks"] // tokens
+                assert full - slack <= res["full"]["peak"] <= full, f"{where} rank {rank}: cache {peaks} vs {per_layer} x {res['blocks']} layers"
+            assert a["cache_bytes"] * (1 - 1 / tokens) <= sum(peaks) <= a["cache_bytes"], f"{where}: rank caches {peaks} do not add up to transformers' {a['cache_bytes']}"
         if "stream" in results[0]:
             start = a["inputs"]["input_ids"].shape[1]
             for rank, res in enumerate(results):

@@ -19,7 +19,14 @@ def _plan(arch="llama", auto="AutoModelForCausalLM", **kw):
 def test_plan_owns_every_block_once_in_order():
     model, plan = _plan(pp_size=3)
     blocks = [b for s in plan.stages for b in s.blocks]
-    assert blocks == [f"model.layers.{i}" for i in range(4)]
+    # 3 stages over 4 layers balance best with layer 2 cut: its attention half ends stage 1, its MLP
+    # half starts stage 2; every other block is on exactly one stage.
+    assert blocks == [f"model.layers.{i}" for i in (0, 1, 2, 2, 3)], plan
+    assert [s.halves for s in plan.stages] == [(), (("model.layers.2", 0),), (("model.layers.2", 1),)]
+    assert "model.layers.2.self_attn" in plan.stages[1].modules and "model.layers.2.mlp" in plan.stages[2].modules
+    assert "model.layers.2" not in plan.stages[1].modules + plan.stages[2].modules
+    assert plan.stages[1].attention_blocks == ("model.layers.1", "model.layers.2")
+    assert plan.stages[2].attention_blocks == ("model.layers.3",)
     assert plan.stages[0].is_first and plan.stages[-1].is_last
     assert "model.embed_tokens" in plan.stages[0].modules
     assert {"model.norm", "lm_head"} <= set(plan.stages[-1].modules)
@@ -58,10 +65,58 @@ def test_virtual_stages_loop_and_v_layouts():
 
 
 def test_more_stages_than_blocks_is_a_clear_error():
-    with pytest.raises(PlanError, match="only 4 blocks"):
-        _plan(pp_size=5)
+    # LLaMA layers can be cut in two, so up to 8 stages fit 4 layers; T5 blocks cannot be cut.
+    with pytest.raises(PlanError, match="only 8 block halves"):
+        _plan(pp_size=9)
     with pytest.raises(PlanError, match="virtual"):
-        _plan(pp_size=3, virtual_stages=2)
+        _plan(pp_size=3, virtual_stages=3)
+    with pytest.raises(PlanError, match="only 4 blocks"):
+        _plan(pp_size=5, split="uniform")
+    with pytest.raises(PlanError, match="only 6 blocks"):
+        _plan("t5", "AutoModelForSeq2SeqLM", pp_size=7)
+    _, plan = _plan(pp_size=8)
+    assert all(len(s.halves) == 1 for s in plan.stages), plan
+
+
+def test_auto_cuts_a_block_only_where_it_balances_better():
+    # The benchmark's shape: 8 layers and an LM head worth ~0.65 of a layer. Whole layers leave the
+    # last stage 4.65 layers against 4; the attention half of layer 4 moves to stage 0.
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=4096)
+    model = meta_model(cfg, "AutoModelForCausalLM")
+    cut = make_plan(model, get_recipe("llama"), pp_size=2, seq_len=128)
+    whole = make_plan(model, get_recipe("llama"), pp_size=2, seq_len=128, split=["model.layers.4"])
+    assert cut.split_points == ("model.layers.4.post_attention_layernorm",), cut
+    slowest = lambda plan: max(s.flops_per_token for s in plan.stages)  # noqa: E731
+    assert slowest(cut) < 0.95 * slowest(whole)
+    assert sum(s.flops_per_token for s in cut.stages) == pytest.approx(sum(s.flops_per_token for s in whole.stages))
+    assert sum(s.params for s in cut.stages) == cut.total_params
+    # Equal layers and a cheap head: whole layers are as good, so nothing is cut.
+    _, even = _plan(pp_size=2, cfg={"num_hidden_layers": 8})
+    assert all(not s.halves for s in even.stages), even
+
+
+def test_split_points_rebuild_the_plan_and_name_block_halves():
+    model, plan = _plan(pp_size=3)
+    again = make_plan(model, get_recipe("llama"), pp_size=3, split=list(plan.split_points))
+    assert again.stages == plan.stages
+    _, explicit = _plan(pp_size=2, virtual_stages=2, split=["model.layers.1", "model.layers.1.post_attention_layernorm", "model.layers.2"])
+    assert [s.blocks for s in explicit.stages] == [
+        ("model.layers.0",), ("model.layers.1",), ("model.layers.1",), ("model.layers.2", "model.layers.3"),
+    ]
+    assert explicit.stages[2].attention_blocks == ()  # the MLP half alone
+    with pytest.raises(PlanError, match="second half"):
+        _plan(pp_size=2, split=["model.layers.1.mlp"])
+    assert "2nd half" in str(explicit)
+
+
+def test_blocks_with_children_outside_the_halves_stay_whole():
+    # GPT-2 with cross-attention: the recipe's halves do not cover ln_cross_attn / crossattention.
+    _, plan = _plan("gpt2", pp_size=3, cfg={"add_cross_attention": True})
+    assert all(not s.halves for s in plan.stages), plan
+    _, plan = _plan("gpt2", pp_size=3)
+    assert any(s.halves for s in plan.stages), plan
 
 
 def test_t5_plan_runs_encoder_then_decoder_with_bias_replicas():

@@ -78,3 +78,38 @@ def test_tied_weights_on_one_stage_are_one_parameter():
     _, _, split = _stages("llama-tied", "AutoModelForCausalLM", 2)
     assert torch.equal(split[0].model.embed_tokens.weight, split[1].lm_head.weight)
     assert split[0].model.embed_tokens.weight is not split[1].lm_head.weight
+
+
+HALVED = [c for c in CASES if c[0] != "t5"]  # T5 blocks are never cut
+
+
+@pytest.mark.parametrize("arch,auto", HALVED, ids=[f"{a}-{b.removeprefix('AutoModel') or 'Model'}" for a, b in HALVED])
+def test_block_halves_on_separate_stages_equal_the_hf_model_and_its_gradients(arch, auto):
+    # 8 stages over 4 blocks: every stage runs one half of one block (attention or MLP), so both
+    # halves of every block run through the glue's block_half and nothing else.
+    ref, plan, stages = _stages(arch, auto, 8)
+    assert all(len(s.spec.halves) == 1 for s in stages), plan
+    inputs = tiny.sample_inputs(arch.split("-")[0], batch=3, seq=8)
+    expected = ref(**inputs)
+    x = ()
+    for stage in stages:
+        x = stage(*x, **inputs)
+        x = x if isinstance(x, tuple) else (x,)
+    outputs = stages[-1].resolved.head.outputs
+    for name, got in zip(outputs, x):
+        assert (got - getattr(expected, name)).abs().max().item() <= 1e-5, name
+    sum(t.float().pow(2).sum() for t in x).backward()
+    sum(getattr(expected, n).float().pow(2).sum() for n in outputs).backward()
+    # A tied embedding and LM head on two stages are two Parameters: their gradients add up to the
+    # one tensor's gradient in the HF model (the runtime sums them across ranks).
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    summed: dict[int, torch.Tensor] = {}
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert p.grad is not None, name
+            key = id(ref_params[name])
+            summed[key] = p.grad if key not in summed else summed[key] + p.grad
+    assert len(summed) == len(list(ref.parameters()))
+    for name, want in ref.named_parameters():
+        got = summed[id(want)]
+        assert (got - want.grad).abs().max().item() <= 1e-5 * max(1.0, want.grad.abs().max().item()), name

@@ -3,7 +3,8 @@
 Each spawned job loads many tiny models in turn (process start-up dominates). World size 2: every
 schedule torch provides x BERT (MLM), GPT-2, T5 and LLaMA, a tied-head LLaMA with its LM head on
 the other rank (1F1B) and on the same rank (ZBV), the sequence-classification heads of BERT and
-LLaMA, gradient accumulation with an LR schedule, bf16 autocast, and bad batches. World size 4:
+LLaMA, blocks cut between attention and MLP at stage boundaries (BERT, GPT-2, LLaMA, tied
+LLaMA), gradient accumulation with an LR schedule, bf16 autocast, and bad batches. World size 4:
 an 8-layer tied LLaMA on 4 and 8 stages, and pp=2 x dp=2 (compared with pp=2 alone on the full
 batch). For each case, on every rank: one ``train_step`` whose loss and gradients (by checkpoint
 key, every copy of a key held by several stages) are compared with transformers'
@@ -111,6 +112,7 @@ def _train_case(path, auto, arch, load_kwargs, steps=STEPS, rows=ROWS):
     return {
         "losses": losses, "norms": norms, "grads": grads, "params": _by_key(model, lambda p: p),
         "local": [s.spec.index for s in model.stages], "pp_rank": model.pp_rank, "dp_rank": model.dp_rank,
+        "halves": [s.spec.halves for s in model.stages],
         "shared": {k: param_layout(model).pp_ranks(k) for k in param_layout(model).shared},
     }
 
@@ -306,6 +308,15 @@ def _lookup(ref, grads: dict, key: str) -> torch.Tensor:
     return next(g for n, g in grads.items() if ref.get_parameter(n) is ref.get_parameter(key))
 
 
+# Where each family's blocks may be cut: the block list and the first module of a block's second half.
+CUTS = {
+    "llama": ("model.layers", "post_attention_layernorm"),
+    "gpt2": ("transformer.h", "ln_2"),
+    "bert": ("bert.encoder.layer", "intermediate"),
+    "llama-tied": ("model.layers", "post_attention_layernorm"),
+}
+
+
 def _world2_cases(checkpoints):
     cases, names = [], []
     for arch, _ in ARCHS:
@@ -321,6 +332,20 @@ def _world2_cases(checkpoints):
         path, auto = checkpoints[arch]
         cases.append((path, auto, arch, {"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": M}))
         names.append(f"{arch} interleaved-1f1b v2")
+    # Blocks cut between attention and MLP at stage boundaries: 1F1B with one cut; interleaved with
+    # a stage that runs only an attention half; ZBV with one that runs only an MLP half.
+    for arch, (blocks, second) in CUTS.items():
+        path, auto = checkpoints[arch]
+        splits = {
+            ("1f1b", 1): [f"{blocks}.1.{second}"],
+            ("interleaved-1f1b", 2): [f"{blocks}.0.{second}", f"{blocks}.2", f"{blocks}.2.{second}"],
+            ("zbv-zero-bubble", 2): [f"{blocks}.1", f"{blocks}.1.{second}", f"{blocks}.2"],
+        }
+        for (sched, v), split in splits.items():
+            if arch == "llama-tied" and sched == "interleaved-1f1b":
+                continue
+            cases.append((path, auto, arch, {"schedule": sched, "virtual_stages": v, "n_microbatches": M, "split": split}))
+            names.append(f"{arch} {sched} v{v} split={split}")
     path, auto = checkpoints["llama8"]
     for sched, v in (("1f1b", 1), ("interleaved-1f1b", 2)):  # pp alone, for the pp x dp comparison
         cases.append((path, auto, "llama", {"schedule": sched, "virtual_stages": v, "n_microbatches": M}))
@@ -363,6 +388,8 @@ def test_every_schedule_and_arch_equals_transformers_world2(world2):
         results = [per_rank[r]["cases"][i] for r in range(2)]
         _check_case(name, results, case[0], case[1], case[2], ref_cache)
         shared = _check_tied_copies(name, results)
+        if "split" in case[3]:
+            assert any(h for res in results for h in res["halves"]), f"{name}: no stage runs half a block"
         if case[2] in ("gpt2", "bert", "t5", "llama-tied"):
             assert shared, f"{name}: expected a tied key held by two stages"
 
