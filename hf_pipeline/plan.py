@@ -94,16 +94,20 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
         cuttable = frozenset()
         if stack.halves:
             wanted = set(stack.halves[0]) | set(stack.halves[1])
-            # A block with children outside the halves (GPT-2 or BERT with cross-attention) stays whole.
-            cuttable = frozenset(b for b in blocks if {n for n, _ in model.get_submodule(b).named_children()} == wanted)
+            cut = []
             for b in blocks:
-                missing = wanted - {n for n, _ in model.get_submodule(b).named_children()}
+                block = model.get_submodule(b)
+                children = [n for n, _ in block.named_children()]
+                missing = wanted - set(children)
                 if missing:
                     raise RecipeError(
                         f"{recipe.source}: field 'stacks[{i}].halves' names {sorted(missing)}, which block {b!r} "
-                        f"({type(model.get_submodule(b)).__name__}) does not have; its children: "
-                        f"{[n for n, _ in model.get_submodule(b).named_children()]}"
+                        f"({type(block).__name__}) does not have; its children: {children}"
                     )
+                # A block with children outside the halves (GPT-2 or BERT with cross-attention) stays whole.
+                if set(children) == wanted:
+                    cut.append(b)
+            cuttable = frozenset(cut)
         stacks.append(
             ResolvedStack(
                 name=stack.name,

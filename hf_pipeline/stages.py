@@ -85,7 +85,6 @@ class StackRun:
     ends: bool  # ... and its last block (and its final modules)
     blocks: list[str]
     modules: list[nn.Module]
-    halves: list[int | None]  # per block: None = run whole, 0 / 1 = run only its first / second half
     embeds: list[nn.Module]
     finals: list[nn.Module]
     replicas: list[str]  # FQNs of modules replicated on this stage (e.g. T5's relative bias)
@@ -127,7 +126,6 @@ class StageModule(nn.Module):
                     ends=owned[-1] == stack.blocks[-1] and spec.half_of(owned[-1]) != 0,
                     blocks=owned,
                     modules=[self.get_submodule(b) for b in owned],
-                    halves=[spec.half_of(b) for b in owned],
                     embeds=[self.get_submodule(m) for m in stack.embed if m in spec.modules],
                     finals=[self.get_submodule(m) for m in stack.final if m in spec.modules],
                     replicas=[m for m in stack.every_stage if m in spec.modules],
@@ -143,12 +141,12 @@ class StageModule(nn.Module):
     @property
     def block_halves(self) -> list[int | None]:
         """Parallel to :attr:`blocks`: None for a whole block, 0 / 1 for its first / second half only."""
-        return [h for run in self.stack_runs for h in run.halves]
+        return [self.spec.half_of(b) for run in self.stack_runs for b in run.blocks]
 
     @property
-    def attention_blocks(self) -> list[str]:
+    def attention_blocks(self) -> tuple[str, ...]:
         """The blocks whose attention this stage runs (and whose KV cache it keeps), in order."""
-        return [b for b, h in zip((b for b, _ in self.blocks), self.block_halves) if h != 1]
+        return self.spec.attention_blocks
 
     @property
     def embeds(self) -> list[nn.Module]:
