@@ -82,35 +82,23 @@ class ActionRecord:
 
 
 # ----------------------------------------------------------------------------- schedule theory
-def theoretical_bubble(schedule: str | ScheduleSpec, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+def theoretical_bubble(schedule: str | type | ScheduleSpec, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1) -> float:
     """The idle fraction of a training step the schedule's analysis predicts (equal stage costs).
 
-    GPipe and 1F1B: (p-1)/(m+p-1); interleaved / looped with v stages per rank: (p-1)/(v*m+p-1);
-    interleaved zero-bubble (ZB-H1 family): a third of 1F1B's; ZBV and DualPipeV: 0.
+    The spec's ``bubble`` formula (:data:`~hf_pipeline.schedules.BUBBLE_FORMULAS`): GPipe and 1F1B
+    (p-1)/(m+p-1); interleaved / looped with v stages per rank (p-1)/(v*m+p-1); interleaved
+    zero-bubble (ZB-H1 family) a third of 1F1B's; ZBV and DualPipeV 0.
     """
-    spec = get_schedule(schedule) if isinstance(schedule, str) else schedule
-    p, m, v = pp_size, n_microbatches, virtual_stages
-    if p <= 1:
-        return 0.0
-    one_f_one_b = (p - 1) / (m + p - 1)
-    if spec.name in ("gpipe", "1f1b"):
-        return one_f_one_b
-    if spec.name in ("interleaved-1f1b", "looped-bfs"):
-        return (p - 1) / (v * m + p - 1)
-    if spec.name == "interleaved-zero-bubble":
-        return one_f_one_b / 3
-    if spec.name in ("zbv-zero-bubble", "dualpipev"):
-        return 0.0
-    raise ValueError(f"no bubble formula for schedule {spec.name!r}")
+    spec = get_schedule(schedule)
+    return spec.theoretical_bubble(pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
 
 
-def _single_stage_actions(name: str, stage: int, num_stages: int, m: int, training: bool) -> list[str]:
-    # What ScheduleGPipe / Schedule1F1B._step_microbatches execute. Note: torch 2.13's
-    # Schedule1F1B.pipeline_order numbers the last rank's forwards 1..m (off by one), so the order
-    # is derived from the step's own loops instead.
-    if not training or name == "gpipe":
-        return [f"{stage}F{i}" for i in range(m)] + ([f"{stage}B{i}" for i in range(m)] if training else [])
-    warmup = min(m, num_stages - stage)
+def _single_stage_actions(spec: ScheduleSpec, stage: int, num_stages: int, m: int) -> list[str]:
+    # What ScheduleGPipe / Schedule1F1B._step_microbatches execute: ``spec.warmup`` forwards, then
+    # one backward and one forward while forwards remain, then the remaining backwards. Note:
+    # torch 2.13's Schedule1F1B.pipeline_order numbers the last rank's forwards 1..m (off by one),
+    # so the order is derived from the step's own loops instead.
+    warmup = m if spec.warmup == "all" else min(m, num_stages - stage)
     out = [f"{stage}F{i}" for i in range(warmup)]
     fwd, bwd = warmup, 0
     while fwd < m:
@@ -139,10 +127,16 @@ def schedule_actions(
     process group is needed). Single-stage GPipe / 1F1B: the order their ``step`` executes.
     ``training=False``: the forward actions only (what a forward-only step runs).
     """
-    spec = get_schedule(schedule) if isinstance(schedule, str) else schedule
+    spec = get_schedule(schedule)
     p, v, m = pp_size, virtual_stages, n_microbatches
+    if not training:
+        # A forward-only call runs every rank's stages in stage order, all microbatches of one
+        # stage before the next (GPipe's forward for one stage per rank, looped BFS's for looped
+        # stages, ScheduleForwardInOrder's for any layout): see ScheduleSpec.forward_only.
+        num_stages = p * (v if spec.multi else 1)
+        return {r: [f"{s}F{i}" for s in range(num_stages) if _rank_of(s, p, spec.layout) == r for i in range(m)] for r in range(p)}
     if not spec.multi:
-        return {r: _single_stage_actions(spec.name, r, p, m, training) for r in range(p)}
+        return {r: _single_stage_actions(spec, r, p, m) for r in range(p)}
     num_stages = p * v
 
     def stand_in(index: int) -> types.SimpleNamespace:
@@ -154,11 +148,7 @@ def schedule_actions(
 
     local = [stand_in(i) for i in range(num_stages) if _rank_of(i, p, spec.layout) == 0]
     order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
-    kinds = _ACTION_KINDS if training else ("F",)
-    return {
-        r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in kinds]
-        for r in range(p)
-    }
+    return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in _ACTION_KINDS] for r in range(p)}
 
 
 # ----------------------------------------------------------------------------- the timeline
@@ -542,10 +532,8 @@ class Recorder:
         spec = getattr(model, "schedule", None)
         training = any(r.kind in ("B", "I", "W") for r in records)
         name = spec.name if spec is not None else None
-        if spec is not None and not training and not spec.multi:
-            name = "gpipe"  # forward-only calls run GPipe's forward actions (see PipelinedModel._runtime)
-        elif spec is not None and not training and spec.layout == "loop":
-            name = "looped-bfs"
+        if spec is not None and not training:
+            name = spec.forward_as or spec.name  # forward-only calls match that schedule's forward (ScheduleSpec.forward_only)
         if not any(steps.values()):
             name = None  # no torch schedule ran (a decode loop): its own theory applies, not the schedule's
         plan = getattr(model, "plan", None)

@@ -1,97 +1,342 @@
-"""Schedule names -> ``torch.distributed.pipelining`` schedule classes, and what each needs.
+"""Schedules as data: names and classes -> ``torch.distributed.pipelining`` schedules, and their rules.
 
-We do not write a training scheduler: every schedule is torch's own. This module only maps the
-names users pass (``schedule="interleaved-1f1b"``) to the class, the stage layout the class
-expects (looped: rank r owns stages r, r+p, ...; V: rank r owns r and 2p-1-r) and the
-microbatch / virtual-stage combinations it accepts, so a bad combination fails on every rank,
-before any communication, with a message that says what to change.
+We do not write a training scheduler: every schedule is torch's own. A :class:`ScheduleSpec`
+holds what the rest of the package needs to know about one: its torch class, the stage layout it
+expects (looped: rank r owns stages r, r+p, ...; V: rank r owns r and 2p-1-r), the virtual stages
+per rank it takes, its microbatch rules, its warm-up and its bubble formula. Validation, profiling
+and the memory planner read these fields; generic code does not branch on a schedule's name.
+
+The rules are checked at two times:
+
+* :func:`check_layout`, at load: what the stage placement needs (virtual stages per rank; a V
+  schedule places exactly 2 per rank). Forward and generate need nothing more: they never run
+  the training schedule (a forward-only call runs :meth:`ScheduleSpec.forward_only`, generation
+  its own decode ring), so they work with any ``n_microbatches >= 1``, fewer than the stages too.
+* :func:`check_training`, at the start of a training step: the training schedule's microbatch
+  rules (1F1B: at least one microbatch per stage; interleaved: a multiple of its rounds).
+
+Both read only options every rank has alike, so a bad combination fails on every rank before any
+communication, with a message that says what to change. :func:`validate_schedule` runs both.
+
+:func:`get_schedule` accepts this package's names (``"interleaved-1f1b"``; case, ``_`` / ``-``
+and a few aliases do not matter), torch's names (what ``torch.distributed.pipelining.schedules.
+get_schedule_class`` accepts: ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBVZeroBubble"``, ...),
+torch's class names (``"ScheduleGPipe"``), the classes themselves (``pp.ScheduleInterleaved1F1B``,
+or a subclass of one) and a :class:`ScheduleSpec`.
+
+Example:
+    >>> spec = get_schedule("Interleaved1F1B")
+    >>> spec.name, spec.cls is pp.ScheduleInterleaved1F1B, spec.layout
+    ('interleaved-1f1b', True, 'loop')
+    >>> check_training(get_schedule("1f1b"), pp_size=3, virtual_stages=1, n_microbatches=2)
+    Traceback (most recent call last):
+    ScheduleError: schedule '1f1b' needs n_microbatches >= the number of stages (3) to train, got 2; ...
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from torch.distributed import pipelining as pp
+from torch.distributed.pipelining.schedules import get_schedule_class
 
-__all__ = ["ScheduleError", "ScheduleSpec", "SCHEDULES", "get_schedule", "validate_schedule"]
+__all__ = [
+    "BUBBLE_FORMULAS",
+    "SCHEDULES",
+    "ScheduleError",
+    "ScheduleForwardInOrder",
+    "ScheduleSpec",
+    "accepted_schedules",
+    "check_layout",
+    "check_training",
+    "default_schedule",
+    "get_schedule",
+    "validate_schedule",
+]
 
 
 class ScheduleError(ValueError):
     """A schedule cannot run with the requested stages / microbatches."""
 
+# Idle fraction of a training step at equal stage costs, by name: p ranks, m microbatches, v stages
+# per rank. (formula as documented, function)
+BUBBLE_FORMULAS: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
+    "fill-drain": ("(p-1)/(m+p-1)", lambda p, m, v: (p - 1) / (m + p - 1)),  # GPipe, 1F1B
+    "interleaved": ("(p-1)/(v*m+p-1)", lambda p, m, v: (p - 1) / (v * m + p - 1)),  # looped, v chunks
+    "zb-h1": ("(p-1)/(m+p-1)/3", lambda p, m, v: (p - 1) / (m + p - 1) / 3),  # about a third of 1F1B's
+    "zero": ("0", lambda p, m, v: 0.0),  # ZBV, DualPipeV
+}
+_LAYOUTS = ("loop", "v")
+_WARMUPS = ("all", "remaining-stages")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleSpec:
+    """One torch schedule and its rules.
+
+    Attributes:
+        name: this package's name (what checkpoints and reports record).
+        cls: the torch schedule class.
+        multi: takes a list of stages per rank (``PipelineScheduleMulti``).
+        layout: where virtual stages go: "loop" (rank r owns r, r+p, ...) or "v" (r and 2p-1-r).
+        min_virtual, max_virtual: stages per rank it takes (``max_virtual=None``: no upper bound).
+        zero_bubble: splits backward into input (I) and weight (W) gradients.
+        microbatches_per_stage: training needs ``n_microbatches >= microbatches_per_stage x stages``.
+        rounds: training on more than one rank needs ``n_microbatches`` to be a multiple of torch's
+            number of rounds, ``max(1, n_microbatches // pp_size)``.
+        bubble: a key of :data:`BUBBLE_FORMULAS`.
+        warmup: single-stage schedules: forwards run before the first backward; "all" (GPipe) or
+            "remaining-stages" (1F1B: ``min(m, stages - stage index)``, then one backward, one forward).
+        forward_as: the schedule whose forward actions and bubble a forward-only call matches (for
+            single-stage schedules GPipe's, for looped ones looped BFS's); None: this one's.
+    """
+
     name: str
     cls: type
-    multi: bool  # takes a list of stages per rank (PipelineScheduleMulti)
-    layout: str  # "loop" or "v"
+    multi: bool
+    layout: str
     min_virtual: int
     max_virtual: int | None
-    zero_bubble: bool = False  # splits backward into input (I) and weight (W) gradients
+    zero_bubble: bool = False
+    microbatches_per_stage: int = 0
+    rounds: bool = False
+    bubble: str = "fill-drain"
+    warmup: str = "all"
+    forward_as: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"schedule {self.name!r}: layout must be one of {_LAYOUTS}, got {self.layout!r}")
+        if self.bubble not in BUBBLE_FORMULAS:
+            raise ValueError(f"schedule {self.name!r}: bubble must be one of {sorted(BUBBLE_FORMULAS)}, got {self.bubble!r}")
+        if self.warmup not in _WARMUPS:
+            raise ValueError(f"schedule {self.name!r}: warmup must be one of {_WARMUPS}, got {self.warmup!r}")
+        if self.min_virtual < 1 or (self.max_virtual is not None and self.max_virtual < self.min_virtual):
+            raise ValueError(f"schedule {self.name!r}: virtual stages {self.min_virtual}..{self.max_virtual} is an empty range")
+        if not self.multi and self.max_virtual != 1:
+            raise ValueError(f"schedule {self.name!r}: a single-stage schedule takes max_virtual=1")
+
+    # ------------------------------------------------------------------ rules
     def default_virtual_stages(self) -> int:
         return max(self.min_virtual, 1 if self.max_virtual == 1 else 2)
 
+    def accepts_virtual(self, virtual_stages: int) -> bool:
+        """Whether the schedule places ``virtual_stages`` stages per rank."""
+        return virtual_stages >= self.min_virtual and (self.max_virtual is None or virtual_stages <= self.max_virtual)
+
+    def min_microbatches(self, *, pp_size: int, virtual_stages: int) -> int:
+        """The fewest microbatches a training step of this schedule takes."""
+        return max(1, self.microbatches_per_stage * pp_size * virtual_stages)
+
+    def training_problem(self, *, pp_size: int, virtual_stages: int, n_microbatches: int) -> str | None:
+        """Why a training step cannot run with these settings (None: it can)."""
+        need = self.min_microbatches(pp_size=pp_size, virtual_stages=virtual_stages)
+        if n_microbatches < need:
+            what = "the number of stages" if self.microbatches_per_stage == 1 else f"{self.microbatches_per_stage} x the stages"
+            return f"needs n_microbatches >= {what} ({need}) to train, got {n_microbatches}"
+        if self.rounds and pp_size > 1:
+            rounds = max(1, n_microbatches // pp_size)
+            if n_microbatches % rounds:
+                return (
+                    f"needs n_microbatches to be a multiple of the number of rounds ({rounds} = n_microbatches // "
+                    f"pp_size) to train, got {n_microbatches}"
+                )
+        return None
+
+    @property
+    def bubble_formula(self) -> str:
+        """The documented formula of :meth:`theoretical_bubble` (p ranks, m microbatches, v stages per rank)."""
+        return BUBBLE_FORMULAS[self.bubble][0]
+
+    def theoretical_bubble(self, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+        """The idle fraction of a training step the schedule's analysis predicts (equal stage costs)."""
+        if pp_size <= 1:
+            return 0.0
+        return BUBBLE_FORMULAS[self.bubble][1](pp_size, n_microbatches, virtual_stages)
+
+    @property
+    def torch_name(self) -> str | None:
+        """The name torch's ``get_schedule_class`` knows this class by (None: it knows none)."""
+        short = self.cls.__name__.removeprefix("Schedule")
+        try:
+            return short if get_schedule_class(short) is self.cls else None
+        except ValueError:
+            return None
+
+    # ------------------------------------------------------------------ schedules
+    def forward_only(self, stages: list, *, n_microbatches: int, stage_to_rank: dict[int, int], **kwargs: Any):
+        """The schedule a forward-only (inference) call runs over this rank's torch ``PipelineStage`` objects.
+
+        Training schedules are not used for inference: one stage per rank runs GPipe's forward
+        actions, several stages per rank (looped or V) :class:`ScheduleForwardInOrder`. Either
+        runs any number of microbatches.
+        """
+        if not self.multi:
+            return SCHEDULES[self.forward_as or self.name].cls(stages[0], n_microbatches=n_microbatches, **kwargs)
+        return ScheduleForwardInOrder(stages, n_microbatches, stage_to_rank=stage_to_rank)
+
 
 def _specs() -> dict[str, ScheduleSpec]:
+    single = dict(multi=False, layout="loop", min_virtual=1, max_virtual=1, forward_as="gpipe")
+    looped = dict(multi=True, layout="loop", max_virtual=None, forward_as="looped-bfs")
+    v_shape = dict(multi=True, layout="v", min_virtual=2, max_virtual=2, zero_bubble=True, microbatches_per_stage=1, bubble="zero")
     specs = [
-        ScheduleSpec(name="gpipe", cls=pp.ScheduleGPipe, multi=False, layout="loop", min_virtual=1, max_virtual=1),
-        ScheduleSpec(name="1f1b", cls=pp.Schedule1F1B, multi=False, layout="loop", min_virtual=1, max_virtual=1),
-        ScheduleSpec(name="interleaved-1f1b", cls=pp.ScheduleInterleaved1F1B, multi=True, layout="loop", min_virtual=2, max_virtual=None),
-        ScheduleSpec(name="looped-bfs", cls=pp.ScheduleLoopedBFS, multi=True, layout="loop", min_virtual=1, max_virtual=None),
+        ScheduleSpec(name="gpipe", cls=pp.ScheduleGPipe, **single),
+        ScheduleSpec(name="1f1b", cls=pp.Schedule1F1B, microbatches_per_stage=1, warmup="remaining-stages", **single),
+        ScheduleSpec(name="interleaved-1f1b", cls=pp.ScheduleInterleaved1F1B, min_virtual=2, rounds=True, bubble="interleaved", **looped),
+        ScheduleSpec(name="looped-bfs", cls=pp.ScheduleLoopedBFS, min_virtual=1, bubble="interleaved", **looped),
         ScheduleSpec(
-            name="interleaved-zero-bubble", cls=pp.ScheduleInterleavedZeroBubble, multi=True, layout="loop",
-            min_virtual=2, max_virtual=None, zero_bubble=True,
+            name="interleaved-zero-bubble", cls=pp.ScheduleInterleavedZeroBubble, min_virtual=2, zero_bubble=True,
+            rounds=True, bubble="zb-h1", **looped,
         ),
-        ScheduleSpec(name="zbv-zero-bubble", cls=pp.ScheduleZBVZeroBubble, multi=True, layout="v", min_virtual=2, max_virtual=2, zero_bubble=True),
+        ScheduleSpec(name="zbv-zero-bubble", cls=pp.ScheduleZBVZeroBubble, **v_shape),
     ]
     if hasattr(pp, "ScheduleDualPipeV"):
-        specs.append(ScheduleSpec(name="dualpipev", cls=pp.ScheduleDualPipeV, multi=True, layout="v", min_virtual=2, max_virtual=2, zero_bubble=True))
-    return {s.name: s for s in specs}
+        specs.append(ScheduleSpec(name="dualpipev", cls=pp.ScheduleDualPipeV, **v_shape))
+    out = {s.name: s for s in specs}
+    for s in specs:
+        assert s.forward_as is None or s.forward_as in out, f"{s.name}: forward_as {s.forward_as!r} is not a schedule"
+    return out
 
 
 SCHEDULES: dict[str, ScheduleSpec] = _specs()
-_ALIASES = {"interleaved": "interleaved-1f1b", "zbv": "zbv-zero-bubble", "zero-bubble": "interleaved-zero-bubble", "1F1B": "1f1b", "GPipe": "gpipe"}
+_ALIASES = {"interleaved": "interleaved-1f1b", "zbv": "zbv-zero-bubble", "zero-bubble": "interleaved-zero-bubble"}
+_BY_CLASS: dict[type, ScheduleSpec] = {s.cls: s for s in SCHEDULES.values()}
+_BY_CLASS_NAME: dict[str, ScheduleSpec] = {s.cls.__name__.lower(): s for s in SCHEDULES.values()}
 
 
-def get_schedule(name: str) -> ScheduleSpec:
-    """The :class:`ScheduleSpec` for a schedule name (case-insensitive, ``_`` or ``-``)."""
-    key = _ALIASES.get(name, name).lower().replace("_", "-")
+def accepted_schedules() -> dict[str, list[str]]:
+    """What :func:`get_schedule` accepts, for messages: this package's names, torch's names, torch's classes."""
+    return {
+        "names": list(SCHEDULES),
+        "torch names": [s.torch_name for s in SCHEDULES.values() if s.torch_name],
+        "classes": [f"torch.distributed.pipelining.{s.cls.__name__}" for s in SCHEDULES.values()],
+    }
+
+
+def _unknown(what: str, why: str = "") -> ScheduleError:
+    acc = accepted_schedules()
+    return ScheduleError(
+        f"unknown schedule {what}{why}; choose one of {acc['names']}, or torch's names {acc['torch names']}, "
+        "or their classes (torch.distributed.pipelining.ScheduleInterleaved1F1B, ...)"
+    )
+
+
+def _from_class(cls: type) -> ScheduleSpec:
+    for base in cls.__mro__:
+        if base in _BY_CLASS:
+            spec = _BY_CLASS[base]
+            # A subclass of a known schedule keeps its rules and runs as itself.
+            return spec if base is cls else dataclasses.replace(spec, cls=cls)
+    raise _unknown(f"class {cls.__module__}.{cls.__qualname__}", " (not one of torch's schedules nor a subclass of one)")
+
+
+def get_schedule(schedule: str | type | ScheduleSpec) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` for a schedule name, a torch schedule class or a spec.
+
+    Args:
+        schedule: this package's name (``"1f1b"``, ``"interleaved-1f1b"``, ...; case-insensitive,
+            ``_`` or ``-``), torch's (``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"ZBVZeroBubble"``,
+            anything ``get_schedule_class`` accepts), a torch class name (``"ScheduleGPipe"``), the
+            class (``pp.ScheduleInterleaved1F1B``, or a subclass of one), or a ``ScheduleSpec``.
+
+    Returns:
+        The spec; its ``name`` is always this package's name.
+
+    Raises:
+        ScheduleError: anything else, with a message listing what is accepted.
+
+    Example:
+        >>> get_schedule(pp.ScheduleZBVZeroBubble).name
+        'zbv-zero-bubble'
+    """
+    if isinstance(schedule, ScheduleSpec):
+        return schedule
+    if isinstance(schedule, type):
+        return _from_class(schedule)
+    if not isinstance(schedule, str):
+        raise _unknown(repr(schedule), f" (got {type(schedule).__name__}; pass a name or a schedule class)")
+    key = schedule.strip().lower().replace("_", "-")
     key = _ALIASES.get(key, key)
-    if key not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return SCHEDULES[key]
+    if key in SCHEDULES:
+        return SCHEDULES[key]
+    if schedule.strip().lower() in _BY_CLASS_NAME:
+        return _BY_CLASS_NAME[schedule.strip().lower()]
+    try:
+        cls = get_schedule_class(schedule.strip())
+    except ValueError:
+        raise _unknown(repr(schedule)) from None
+    if cls not in _BY_CLASS:  # torch's abstract bases (PipelineScheduleSingle / Multi) schedule nothing
+        raise _unknown(repr(schedule), f" (torch's {cls.__name__} is a base class, not a schedule)")
+    return _BY_CLASS[cls]
+
+
+def default_schedule(virtual_stages: int | None = None) -> str:
+    """The schedule used when none is given: "1f1b", or "interleaved-1f1b" with several stages per rank."""
+    return "interleaved-1f1b" if (virtual_stages or 1) > 1 else "1f1b"
+
+
+def _quoted(names: list[str]) -> str:
+    return " or ".join(repr(n) for n in names)
+
+
+def check_layout(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_microbatches: int | None = None) -> None:
+    """Raise :class:`ScheduleError` if ``spec`` cannot place ``virtual_stages`` stages per rank (load time).
+
+    This is all a forward or generate call needs: they run with any ``n_microbatches >= 1``
+    (given, it is checked to be one). Training's microbatch rules are :func:`check_training`'s.
+    """
+    if pp_size < 1:
+        raise ScheduleError(f"pp_size must be >= 1, got {pp_size}")
+    if n_microbatches is not None and (not isinstance(n_microbatches, int) or n_microbatches < 1):
+        raise ScheduleError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
+    if not spec.accepts_virtual(virtual_stages):
+        want = str(spec.min_virtual) if spec.max_virtual == spec.min_virtual else (
+            f">= {spec.min_virtual}" if spec.max_virtual is None else f"{spec.min_virtual}..{spec.max_virtual}")
+        others = [s.name for s in SCHEDULES.values() if s.accepts_virtual(virtual_stages)]
+        fix = f"use schedule={_quoted(others[:3])} for {virtual_stages} stage{'s' if virtual_stages != 1 else ''} per rank" if others and virtual_stages >= 1 else (
+            f"use virtual_stages={spec.default_virtual_stages()}")
+        raise ScheduleError(f"schedule {spec.name!r} needs virtual_stages {want} per rank, got {virtual_stages}; {fix}")
+
+
+def check_training(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_microbatches: int) -> None:
+    """Raise :class:`ScheduleError` if a training step of ``spec`` cannot run these microbatches.
+
+    The rules are the ones torch's schedule constructors enforce, read from the spec's fields,
+    checked before any communication so every rank fails the same way. The message names the
+    fix: the ``n_microbatches`` to load with, or a schedule that trains with these settings.
+    """
+    check_layout(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
+    problem = spec.training_problem(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
+    if problem is None:
+        return
+
+    def trains(s: ScheduleSpec, m: int) -> bool:
+        return s.training_problem(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m) is None
+
+    # The nearest counts that train, found through the same rules (no rule is written twice).
+    bound = n_microbatches + spec.min_microbatches(pp_size=pp_size, virtual_stages=virtual_stages) + pp_size
+    above = next((m for m in range(n_microbatches + 1, bound + 1) if trains(spec, m)), None)
+    below = next((m for m in range(n_microbatches - 1, 0, -1) if trains(spec, m)), None)
+    counts = [m for m in (above, below) if m is not None]
+    fixes = [f"load the model with n_microbatches={' or '.join(map(str, counts))}"] if counts else []
+    others = [s.name for s in SCHEDULES.values() if s.name != spec.name and s.accepts_virtual(virtual_stages) and trains(s, n_microbatches)]
+    if others:
+        fixes.append(f"with schedule={_quoted(others[:2])}, which train{'s' if len(others[:2]) == 1 else ''} with {n_microbatches}")
+    raise ScheduleError(
+        f"schedule {spec.name!r} {problem}; {', or '.join(fixes)} (forward and generate run with any n_microbatches)"
+    )
 
 
 def validate_schedule(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_microbatches: int) -> None:
-    """Raise :class:`ScheduleError` if ``spec`` cannot run this combination.
+    """Raise :class:`ScheduleError` if ``spec`` cannot place these stages or train with these microbatches.
 
-    The rules are the ones torch's schedule constructors enforce (plus the layout each needs),
-    checked up front so every rank fails the same way before any communication.
+    :func:`check_layout` and :func:`check_training` together (what the memory planner, which plans
+    training, needs).
     """
-    if n_microbatches < 1:
-        raise ScheduleError(f"n_microbatches must be >= 1, got {n_microbatches}")
-    if virtual_stages < spec.min_virtual or (spec.max_virtual is not None and virtual_stages > spec.max_virtual):
-        want = str(spec.min_virtual) if spec.max_virtual == spec.min_virtual else (
-            f">= {spec.min_virtual}" if spec.max_virtual is None else f"{spec.min_virtual}..{spec.max_virtual}")
-        raise ScheduleError(
-            f"schedule {spec.name!r} needs virtual_stages {want} per rank, got {virtual_stages}; "
-            + ("use schedule='1f1b' or 'gpipe' for one stage per rank" if virtual_stages == 1 else
-               "use schedule='interleaved-1f1b' or 'looped-bfs' for several stages per rank")
-        )
-    num_stages = pp_size * virtual_stages
-    if spec.name in ("1f1b", "zbv-zero-bubble", "dualpipev") and n_microbatches < num_stages:
-        raise ScheduleError(
-            f"schedule {spec.name!r} needs n_microbatches >= the number of stages ({num_stages}), got {n_microbatches}"
-        )
-    if spec.name in ("interleaved-1f1b", "interleaved-zero-bubble") and pp_size > 1:
-        rounds = max(1, n_microbatches // pp_size)
-        if n_microbatches % rounds != 0:
-            raise ScheduleError(
-                f"schedule {spec.name!r} needs n_microbatches to be a multiple of the number of rounds ({rounds} = "
-                f"n_microbatches // pp_size), got {n_microbatches}; use a multiple of pp_size={pp_size}"
-            )
+    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
 
 
 class ScheduleForwardInOrder(pp.schedules._PipelineScheduleRuntime):

@@ -48,6 +48,7 @@ from torch import nn
 
 from .dist import _fingerprint, raise_on_any_rank
 from .losses import LossFunction, PipelineLoss, get_loss
+from .schedules import check_training
 from .stages import StageModule
 from .validate import check_microbatches, check_model_inputs
 
@@ -440,6 +441,9 @@ def train_step(
     """
     if not loss_scale or loss_scale != loss_scale:
         raise ValueError(f"loss_scale must be a non-zero number, got {loss_scale}")
+    # The training schedule's microbatch rules (loading checked only the layout: forward and
+    # generate run with any n_microbatches). Same settings on every rank: raised on every rank.
+    check_training(model.schedule, pp_size=model.plan.pp_size, virtual_stages=model.plan.virtual_stages, n_microbatches=model.n_microbatches)
     state = _train_state(model)
     error: BaseException | None = None
     b: _Batch | None = None
