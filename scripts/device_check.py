@@ -217,6 +217,8 @@ class Run:
                 self.result["sections"].setdefault(self.current, {})["status"] = "timed_out"
             self.result["timed_out"] = True
             self.write()
+            if self.rank == 0 and self.args.workdir is None and "root" in self.state:
+                shutil.rmtree(self.state["root"], ignore_errors=True)  # the temporary checkpoint
         os._exit(3)
 
     # -- sections
@@ -582,7 +584,12 @@ class Sections:
             floor = LOGITS_RTOL[self.dtype] * max(1.0, scale)
             if self.dtype == torch.float32:
                 tol = floor
+                fig["tolerance_rule"] = "fp32: 1e-4 x max(1, largest |logit|); only the order of sums can differ"
             else:
+                fig["tolerance_rule"] = (
+                    "max(2 x transformers' own bf16 error against fp32 on these inputs, one bf16 step (2**-7) of the "
+                    "largest |logit|): two results each within the rounding error of the exact one are within twice it"
+                )
                 # transformers' own rounding: the same weights in fp32 on the same inputs.
                 ref32 = transformers.AutoModelForCausalLM.from_pretrained(self.run.state["root"] / "model", dtype=torch.float32)
                 ref32 = ref32.to(self.device).eval()

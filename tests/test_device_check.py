@@ -148,7 +148,7 @@ def test_bf16_failure_in_one_section_is_recorded_and_the_next_runs(tmp_path):
 
 def test_budget_watchdog_writes_the_figures_and_ends_the_run(tmp_path):
     # One second cannot hold a run (imports and the checkpoint alone take longer): the watchdog fires.
-    cmd, out = _script(tmp_path, "--budget-s", "1", "--reserve-s", "0")
+    cmd, out = _script(tmp_path, "--budget-s", "1", "--reserve-s", "0", "--workdir", str(tmp_path / "work"))
     result = _run([sys.executable] + cmd, out, expect_rc=3)
     assert result["timed_out"] is True and result["ok"] is False
     assert result["sections"].get("train", {}).get("status") != "ok"  # cut short, not finished
