@@ -332,7 +332,9 @@ class _Ring:
     # ------------------------------------------------------------ setup
     def _new_cache(self):
         # As transformers' generate: a DynamicCache built from the (decoder) config, so layer indices are the
-        # model's own; a stage only ever fills the layers it owns.
+        # model's own and each layer has its kind's cache (sliding-window layers keep only the window, as
+        # DynamicSlidingWindowLayer); a stage only ever fills the layers it owns, and the glue sizes each
+        # layer's mask against the cache layer of its kind.
         cfg = self.model.config.get_text_config(decoder=True)
         if self.req.encoder_decoder:
             return EncoderDecoderCache(DynamicCache(config=cfg), DynamicCache(config=cfg))

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, create_sliding_window_causal_mask
 from transformers.pytorch_utils import apply_chunking_to_forward
 
-__all__ = ["GLUES", "Glue", "get_glue"]
+__all__ = ["GLUES", "Glue", "attention_kinds", "get_glue"]
 
 
 def _layer_index(fqn: str) -> int:
@@ -32,6 +33,9 @@ def _layer_index(fqn: str) -> int:
 
 class Glue:
     """Base: embed on the first stage, run the owned blocks, finish and apply the head on the last."""
+
+    def check(self, stage: Any) -> None:
+        """Refuse, when the stage is built, a model whose forward this glue cannot reproduce (default: none)."""
 
     def prepare_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Whole-batch input preprocessing done once, on every rank, before microbatching."""
@@ -83,6 +87,10 @@ class _SingleStack(Glue):
     def block(self, layer, hidden, ctx):
         raise NotImplementedError
 
+    def layer_context(self, ctx: dict[str, Any], fqn: str) -> dict[str, Any]:
+        """The context block ``fqn`` runs with (default: the stage's, the same for every block)."""
+        return ctx
+
     def block_half(self, layer, half: int, hidden, ctx):
         """Half of ``layer``'s forward (0: attention with its residual, 1: MLP with its residual).
 
@@ -98,8 +106,11 @@ class _SingleStack(Glue):
             (hidden,) = received
         # A stage that runs only the MLP half of a block needs no mask, positions or cache.
         ctx = self.context(stage, hidden, inputs) if stage.attention_blocks else {}
-        for (_, layer), half in zip(stage.blocks, stage.block_halves):
-            hidden = self.block(layer, hidden, ctx) if half is None else self.block_half(layer, half, hidden, ctx)
+        for (fqn, layer), half in zip(stage.blocks, stage.block_halves):
+            if half is None:
+                hidden = self.block(layer, hidden, self.layer_context(ctx, fqn))
+            else:  # only the attention half needs the layer's own context (its mask)
+                hidden = self.block_half(layer, half, hidden, self.layer_context(ctx, fqn) if half == 0 else ctx)
         for m in stage.finals:
             hidden = m(hidden)
         if stage.spec.is_last:
@@ -126,8 +137,80 @@ def _past_length(stage, inputs) -> int:
     return cache.get_seq_length(_first_attention_layer(stage))
 
 
+# The attention kinds the LLaMA family's decoder layers implement, each with the transformers mask function
+# its model's own forward builds for it (LlamaModel: full; MistralModel: sliding when ``sliding_window`` is
+# set; Qwen2Model: one mask per kind in ``config.layer_types``).
+_LLAMA_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def attention_kinds(config) -> tuple[str, ...]:
+    """Each decoder layer's attention kind, by global layer index, as transformers chooses its mask.
+
+    As ``transformers.masking_utils.create_masks_for_generate`` (which mirrors the modeling files):
+    ``config.layer_types`` when the config has it (Qwen2: from ``use_sliding_window`` and
+    ``max_window_layers``), else one kind for every layer: ``"sliding_attention"`` when
+    ``config.sliding_window`` is set (Mistral), ``"full_attention"`` otherwise (LLaMA).
+
+    Example:
+        >>> attention_kinds(Qwen2Config(num_hidden_layers=3, use_sliding_window=True, max_window_layers=1))
+        ('full_attention', 'sliding_attention', 'sliding_attention')
+    """
+    text = config.get_text_config(decoder=True)
+    kinds = getattr(text, "layer_types", None)
+    if kinds is not None:
+        return tuple(kinds)
+    kind = "sliding_attention" if getattr(text, "sliding_window", None) is not None else "full_attention"
+    return (kind,) * text.num_hidden_layers
+
+
 class LlamaGlue(_SingleStack):
-    """LLaMA / Mistral / Qwen2: embed_tokens, decoder layers with rotary embeddings, RMSNorm."""
+    """LLaMA / Mistral / Qwen2: embed_tokens, decoder layers with rotary embeddings, RMSNorm.
+
+    Note (per-layer masks): each layer gets the mask of its own attention kind (:func:`attention_kinds`,
+    by global layer index), one mask per kind present in the stage. With a KV cache each mask is sized
+    against the stage's first layer of that kind: a sliding layer's cache keeps only the last
+    ``sliding_window - 1`` positions (transformers' ``DynamicCache(config=...)`` builds it so), a full
+    layer's keeps them all, so their key lengths differ once the sequence passes the window.
+    """
+
+    def check(self, stage):
+        config = stage.config.get_text_config(decoder=True)
+        name = type(config).__name__
+        kinds = attention_kinds(config)
+        unknown = sorted({k for k in kinds if k not in _LLAMA_MASKS})
+        if unknown:
+            raise ValueError(
+                f"{name}: config.layer_types has attention kind(s) {unknown}, which LLaMA-family decoder layers do not "
+                f"implement (supported: {sorted(_LLAMA_MASKS)}); use layer types this model class supports"
+            )
+        sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+        if sliding and getattr(config, "sliding_window", None) is None:
+            raise ValueError(
+                f"{name}: config.layer_types makes layers {sliding} 'sliding_attention' but config.sliding_window is None "
+                f"(Qwen2: use_sliding_window=False); set sliding_window (and use_sliding_window=True) or make them 'full_attention'"
+            )
+        cache_kinds = tuple(get_layer_types_and_kwargs(config)[0])
+        if cache_kinds != kinds:
+            raise ValueError(
+                f"{name}: the KV cache transformers builds from this config has layer kinds {list(cache_kinds)} but the "
+                f"masks would be {list(kinds)}; pipelined generation needs them to agree"
+            )
+        # transformers' attention classes that follow config.layer_types record their layer's kind
+        # (Qwen2Attention.layer_type); the others' models build one mask for every layer (MistralModel,
+        # LlamaModel), so per-layer kinds in config.layer_types would not be what the model itself computes.
+        uniform = "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+        for fqn, layer in stage.blocks:
+            i = _layer_index(fqn)
+            attn = getattr(layer, "self_attn", None)
+            own = getattr(attn, "layer_type", None) if attn is not None else None
+            if attn is not None and own is None and kinds[i] != uniform:
+                raise ValueError(
+                    f"{name}: config.layer_types makes layer {i} {kinds[i]!r}, but {type(attn).__name__} does not follow "
+                    f"config.layer_types (its model builds one mask kind for every layer) while the KV cache built from the "
+                    f"config would; remove layer_types from the config or use a model class with per-layer attention kinds"
+                )
+            if own is not None and own != kinds[i]:
+                raise ValueError(f"{name}: layer {i} was built as {own!r} but config.layer_types says {kinds[i]!r}")
 
     def embed(self, stage, inputs):
         if inputs.get("inputs_embeds") is not None:
@@ -137,18 +220,30 @@ class LlamaGlue(_SingleStack):
     def context(self, stage, hidden, inputs):
         cache = inputs.get("cache")
         pos = _positions(hidden, inputs, _past_length(stage, inputs))
-        first = _first_attention_layer(stage)
-        mask = create_causal_mask(
-            config=stage.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"),
-            cache=cache, position_ids=pos, layer_idx=first if cache is not None else None,
-        )
+        kinds = attention_kinds(stage.config)
+        first: dict[str, int] = {}  # attention kind -> the stage's first layer of that kind
+        for fqn in stage.attention_blocks:
+            first.setdefault(kinds[_layer_index(fqn)], _layer_index(fqn))
+        masks = {
+            kind: _LLAMA_MASKS[kind](
+                config=stage.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"),
+                cache=cache, position_ids=pos, layer_idx=layer if cache is not None else None,
+            )
+            for kind, layer in first.items()
+        }
         return {
-            "attention_mask": mask,
+            "masks": masks,
+            "kinds": kinds,
             "position_ids": pos,
             "position_embeddings": stage.replicas[0](hidden, position_ids=pos),  # rotary (cos, sin)
             "cache": cache,
             "use_cache": cache is not None,
         }
+
+    def layer_context(self, ctx, fqn):
+        # What the HF decoder layer takes: the shared arguments and the mask of this layer's kind.
+        mask = ctx["masks"][ctx["kinds"][_layer_index(fqn)]]
+        return {k: v for k, v in ctx.items() if k not in ("masks", "kinds")} | {"attention_mask": mask}
 
     def block(self, layer, hidden, ctx):
         return layer(hidden, **ctx)

@@ -132,6 +132,7 @@ class StageModule(nn.Module):
                     container=self.get_submodule(container_fqn) if container_fqn else self,
                 )
             )
+        glue.check(self)  # refuse at load what the glue cannot compute as the HF model does
 
     # Shortcuts for single-stack glues.
     @property
