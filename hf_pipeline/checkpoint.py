@@ -8,17 +8,44 @@ the first data-parallel replica writes the tensors its stages own into its own s
 held by several stages (a tied embedding / LM head, T5's replicated relative bias) is written once,
 by the first stage holding it, under the key transformers keeps for it.
 
-With ``optimizer=`` / ``scheduler=`` / ``step=`` the training state goes beside the weights:
-``optimizer/pp-XXXXX.pt`` (one file per pipeline rank, states keyed by checkpoint key, with
-``optimizer/index.json``), ``scheduler.pt``, ``rng/rank-XXXXX.pt`` (every global rank's RNG states)
-and ``trainer_state.json``. :func:`load_training_state` restores them, so a resumed run continues
-bitwise where it stopped (same world size, CPU).
+Like transformers, a save into an existing directory writes and overwrites only the checkpoint's
+own files (config, generation config, weight shards, index) and removes only stale weight files:
+``model.safetensors`` and ``model*-NNNNN-of-NNNNN.safetensors`` files the new index does not list.
+Everything else (a tokenizer, a README, scripts, subdirectories, ``notes.safetensors``) stays, so
+``save_pretrained(".")`` and saving back into the directory a model was loaded from are safe.
 
-Atomicity: everything is written into ``<dir>.tmp-<id>`` beside the target; after every rank has
-finished (agreed through a collective), rank 0 writes the index last and renames the directory
-into place (a previous checkpoint of the same name is moved aside first, then deleted). A save
-interrupted at any point leaves at most a ``.tmp-`` directory without an index, which
-:func:`is_complete_checkpoint` and :func:`latest_checkpoint` never take for a checkpoint.
+Training state is written only when asked for: with ``optimizer=`` / ``scheduler=`` / ``step=`` /
+``trainer_state=`` it goes beside the weights: ``optimizer/pp-XXXXX.pt`` (one file per pipeline
+rank, states keyed by checkpoint key, with ``optimizer/index.json``), ``scheduler.pt``,
+``rng/rank-XXXXX.pt`` (every global rank's RNG states) and ``trainer_state.json``.
+:func:`load_training_state` restores them, so a resumed run continues bitwise where it stopped
+(same world size, CPU). A plain ``save_pretrained(dir)`` writes none of these.
+
+Crash safety (a kill of any rank at any instant leaves the old or the new checkpoint complete, and
+found by ``from_pretrained(dir)`` and :func:`latest_checkpoint`): every rank writes (and fsyncs)
+its files into a hidden staging directory ``<dir>/.hf_pipeline.tmp-<save id>``; once every rank
+has finished (agreed through a collective), rank 0 moves them into place with ``os.replace``:
+first the shards, under names no file of the directory has (``model-0000i-of-0000n.safetensors``,
+or ``model-<save id>-0000i-of-0000n.safetensors`` when those exist already), then the training
+state, tokenizer and config, and the index last: replacing the index is the one instant the
+checkpoint switches from old to new. Only then are the stale weight files removed. Kill points:
+
+- before or between shards, before the agreement: only the staging directory is new; the old
+  checkpoint is untouched (a new directory has no index, so it is never taken for a checkpoint).
+- while rank 0 moves shards in: the new files have names the old index does not list, so the
+  old checkpoint stays complete; the loader ignores files no index lists.
+- before the index (config, tokenizer, training state already replaced): the old index still
+  lists the old, untouched shards. The config is the new one: for a save of the same model (a
+  resume, a fine-tune saved back) it describes the old weights as well. Training state replaced
+  in place belongs to the new save: :func:`load_training_state` sees its save id differ from the
+  index's and refuses to pair it with the old weights (only when overwriting a directory that
+  holds training state; fresh ``checkpoint-N`` directories have no such window).
+- after the index: it lists only new shards, all present and fsynced: the new checkpoint is
+  complete. Stale files (and the old ``model.safetensors``, which transformers would load in
+  preference to an index until it is removed — a complete old checkpoint) are listed by no index.
+A killed save leaves its staging directory behind; the loader ignores it and warns, and the next
+save into the directory removes it. A save that fails (raises on any rank) removes what it wrote,
+and the directory too if it created it.
 
 Example:
     >>> model.save_pretrained("out/checkpoint-100", optimizer=opt, scheduler=sched, step=100)
@@ -31,7 +58,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
 import os
 import pathlib
@@ -40,16 +69,18 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from .dist import collective_errors
+from .weights import SAVE_STAGING_PATTERN, SAVE_STAGING_PREFIX
 
 __all__ = [
     "INDEX_NAME",
     "TRAINER_STATE_NAME",
+    "WEIGHT_FILE_PATTERN",
     "is_complete_checkpoint",
     "latest_checkpoint",
     "load_training_state",
@@ -57,14 +88,30 @@ __all__ = [
     "save_pretrained",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"  # written last: its presence marks a complete checkpoint
+INDEX_NAME = "model.safetensors.index.json"  # replaced last: the instant a save becomes the checkpoint
+SINGLE_NAME = "model.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.pt"
 OPTIMIZER_DIR = "optimizer"
 RNG_DIR = "rng"
+# Weight files a save may remove when its index does not list them: transformers' own rule for
+# stale shards (a name starting with "model" and ending in -NNNNN-of-NNNNN), safetensors only.
+WEIGHT_FILE_PATTERN = re.compile(r"model.*-\d{5}-of-\d{5}\.safetensors")
+SAVE_ID_KEY = "hf_pipeline_save_id"  # in the index metadata and trainer_state.json: which save wrote them
 _TMP = ".tmp-"
 _OLD = ".old-"
 _FORMAT = 1
+
+# Test hook: when set, called with the phase name on the rank passing it. Phases: "begin" (nothing
+# written), "shard" (after each of this rank's shard files is staged), "written" (this rank staged
+# everything), and on rank 0 "moved" (after each shard is moved into place), "before_index",
+# "after_index" and "cleaned" (stale files removed). Tests kill the process there.
+save_phase_hook: Callable[[str], None] | None = None
+
+
+def _phase(name: str) -> None:
+    if save_phase_hook is not None:
+        save_phase_hook(name)
 
 
 def parse_size(size: int | str) -> int:
@@ -185,11 +232,90 @@ def _broadcast(model, obj: Any) -> Any:
     return box[0]
 
 
+# --------------------------------------------------------------------------------------------
+# Writing files: staged, fsynced, a full disk named
+# --------------------------------------------------------------------------------------------
+def _fsync(path: pathlib.Path) -> None:
+    """Flush a file's data (or a directory's entries) to disk: a rename is durable only after both."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _disk_of(path: pathlib.Path) -> str:
+    """``the disk mounted at /x (tmpfs, tmpfs, 2.0 KiB free of 64.0 KiB)``: the filesystem holding ``path``."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    mount = p
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    device = ""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and fields[1] == str(mount):
+                device = f"{fields[0]}, {fields[2]}, "  # the last entry wins: it is the one mounted on top
+    try:
+        usage = shutil.disk_usage(p)
+        space = f"{_human(usage.free)} free of {_human(usage.total)}"
+    except OSError:
+        space = "free space unknown"
+    return f"the disk mounted at {mount} ({device}{space})"
+
+
+# How a full disk (or quota) shows: OSError ENOSPC/EDQUOT, safetensors' "... (os error 28)", and
+# torch.save's short write "[enforce fail at inline_container.cc] unexpected pos".
+_DISK_FULL = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded", "unexpected pos")
+
+
+@contextlib.contextmanager
+def _writing(path: pathlib.Path) -> Iterator[None]:
+    """Turn a full disk while writing ``path`` into an ``OSError`` (ENOSPC) that names the disk and the file."""
+    try:
+        yield
+    except Exception as e:
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not (full or any(s in str(e) for s in _DISK_FULL)):
+            raise
+        error = OSError(
+            f"No space left on device: writing {path} failed on {_disk_of(path)}; free space there or save to another disk"
+        )
+        error.errno = errno.ENOSPC
+        raise error from e
+
+
+def _save_torch(obj: Any, path: pathlib.Path) -> None:
+    with _writing(path):
+        torch.save(obj, path)
+        _fsync(path)
+
+
 def _write_json(path: pathlib.Path, data: Any) -> None:
-    # Through a temporary name: a reader never sees half a file.
-    part = path.with_name(path.name + ".partial")
-    part.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(part, path)
+    with _writing(path):
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        _fsync(path)
+
+
+def _shard_names(plans: list[dict], tag: str | None) -> list[list[str]]:
+    """Per rank, the file names of its shards: ``model[-<tag>]-0000i-of-0000n.safetensors``, numbered across ranks."""
+    total = sum(len(p["shards"]) for p in plans)
+    infix = f"-{tag}" if tag else ""
+    out, first = [], 0
+    for p in plans:
+        out.append([f"model{infix}-{first + i + 1:05d}-of-{total:05d}.safetensors" for i in range(len(p["shards"]))])
+        first += len(p["shards"])
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,11 +332,14 @@ def save_pretrained(
     tokenizer: Any = None,
     trainer_state: dict[str, Any] | None = None,
 ) -> pathlib.Path:
-    """Write a transformers checkpoint (plus training state) from every rank. Collective.
+    """Write a transformers checkpoint from every rank, and training state when asked for. Collective.
+
+    Files in ``save_directory`` that are not the checkpoint's own are kept (see the module docstring
+    for what is replaced, what is removed and why a kill at any instant leaves a complete checkpoint).
 
     Args:
         model: the :class:`~hf_pipeline.model.PipelinedModel`.
-        save_directory: the checkpoint directory (replaced atomically if it exists).
+        save_directory: the checkpoint directory (created if missing; the same path on every rank).
         optimizer: this rank's optimizer; its state is written per pipeline rank, keyed by checkpoint key.
         scheduler: an LR scheduler (anything with ``state_dict()``), written by rank 0.
         step: the training step reached, kept in ``trainer_state.json``.
@@ -218,28 +347,37 @@ def save_pretrained(
         tokenizer: a tokenizer / processor saved into the checkpoint by rank 0 (``save_pretrained``).
         trainer_state: extra JSON-serialisable values kept in ``trainer_state.json``.
 
+    Any of ``optimizer``, ``scheduler``, ``step`` or ``trainer_state`` asks for the training state:
+    then RNG states and ``trainer_state.json`` are written too. Without them only the HF checkpoint is.
+
     Returns:
         The checkpoint directory.
 
     Example:
         >>> model.save_pretrained("out/checkpoint-100", optimizer=opt, scheduler=sched, step=100)
     """
-    from safetensors.torch import save_file
+    import safetensors.torch  # save_file looked up at call time (tests replace it)
 
     from .train import param_layout
 
     ctx = model.ctx
     final = pathlib.Path(save_directory).absolute()
     token = _broadcast(model, uuid.uuid4().hex[:12] if ctx.is_main_process else None)
-    tmp = final.with_name(f"{final.name}{_TMP}{token}")
+    paths = _gather(model, str(final))
+    staging = final / f"{SAVE_STAGING_PREFIX}{token}"
+    with_state = optimizer is not None or scheduler is not None or step is not None or trainer_state is not None
     layout = param_layout(model)
 
-    # 1. Local: what this rank writes; rank 0 makes the temporary directory.
+    # 1. Checks and plans on every rank; nothing is written before every rank has passed them.
     with collective_errors(ctx, "preparing the checkpoint"):
+        if len(set(paths)) > 1:
+            listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+            raise ValueError(
+                f"save_pretrained got a different directory on each rank ({listing}); pass the same path on every rank "
+                "(a shared filesystem: each rank writes its own shards into it)"
+            )
         if final.exists() and not final.is_dir():
             raise FileExistsError(f"{final} exists and is not a directory; pass a directory path to save_pretrained")
-        if ctx.is_main_process:
-            tmp.mkdir(parents=True, exist_ok=False)
         tensors = _my_tensors(model)
         shards = _plan_shards(tensors, parse_size(max_shard_size))
         opt_state = _optimizer_state(model, optimizer) if optimizer is not None and model.dp_rank == 0 else None
@@ -250,42 +388,64 @@ def save_pretrained(
             "pp_rank": model.pp_rank,
         }
     plans = _gather(model, my_plan)
-    total_files = sum(len(p["shards"]) for p in plans)
-    first = sum(len(p["shards"]) for p in plans[: ctx.rank])
-    names = [f"model-{first + i + 1:05d}-of-{total_files:05d}.safetensors" for i in range(len(shards))]
 
-    # 2. Every rank writes its shards, optimizer file and RNG state into the temporary directory.
+    # 2. Rank 0 picks shard names that no file in the directory has (so that no file the old index
+    #    lists is ever overwritten) and makes the staging directory.
+    created: list[pathlib.Path] = []  # directories this save made, deepest first: removed again if it fails
+    progress = {"committed": False, "moved": []}
     try:
-        with collective_errors(ctx, "writing the checkpoint"):
-            for name, keys in zip(names, shards):
-                save_file({k: tensors[k].contiguous().cpu() for k in keys}, str(tmp / name), metadata={"format": "pt"})
-            if opt_state is not None:
-                (tmp / OPTIMIZER_DIR).mkdir(exist_ok=True)
-                torch.save(opt_state, tmp / OPTIMIZER_DIR / f"pp-{model.pp_rank:05d}.pt")
-            (tmp / RNG_DIR).mkdir(exist_ok=True)
-            torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{ctx.rank:05d}.pt")
+        tag = None
+        with collective_errors(ctx, "preparing the checkpoint directory"):
+            if ctx.is_main_process:
+                plain = [n for names in _shard_names(plans, None) for n in names]
+                tag = token if any((final / n).exists() for n in plain) else None
+                p = final
+                while not p.exists():
+                    created.append(p)
+                    p = p.parent
+                staging.mkdir(parents=True)
+                if with_state:
+                    (staging / OPTIMIZER_DIR).mkdir()
+                    (staging / RNG_DIR).mkdir()
+        tag = _broadcast(model, tag)
+        names = _shard_names(plans, tag)
 
-        # 3. Rank 0: config, scheduler, trainer state, then the index (the completeness marker), then rename.
+        # 3. Every rank stages its shards (and optimizer / RNG state when asked for), fsynced.
+        with collective_errors(ctx, "writing the checkpoint"):
+            _phase("begin")
+            for name, keys in zip(names[ctx.rank], shards):
+                path = staging / name
+                with _writing(path):
+                    safetensors.torch.save_file({k: tensors[k].contiguous().cpu() for k in keys}, str(path), metadata={"format": "pt"})
+                    _fsync(path)
+                _phase("shard")
+            if opt_state is not None:
+                _save_torch(opt_state, staging / OPTIMIZER_DIR / f"pp-{model.pp_rank:05d}.pt")
+            if with_state:
+                _save_torch(_rng_state(), staging / RNG_DIR / f"rank-{ctx.rank:05d}.pt")
+            if ctx.is_main_process:
+                _stage_main(model, staging, plans, names, layout, token, with_state=with_state,
+                            scheduler=scheduler, step=step, tokenizer=tokenizer, extra=trainer_state)
+            _phase("written")
+
+        # 4. Rank 0 moves everything into place, the index last, then removes stale weight files.
         with collective_errors(ctx, "finishing the checkpoint"):
             if ctx.is_main_process:
-                _finish(model, tmp, final, token, plans, layout, scheduler=scheduler, step=step, tokenizer=tokenizer, extra=trainer_state)
+                _publish(final, staging, [n for ns in names for n in ns], progress)
     except BaseException:
-        if ctx.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes (agreed above)
+        if ctx.is_main_process:  # every rank is past its writes (agreed above), or dead
+            _remove_failed(final, staging, created, progress)
         raise
     return final
 
 
-def _finish(model, tmp: pathlib.Path, final: pathlib.Path, token: str, plans, layout, *, scheduler, step, tokenizer, extra) -> None:
+def _stage_main(model, staging: pathlib.Path, plans, names, layout, token: str, *, with_state: bool, scheduler, step, tokenizer, extra) -> None:
+    """Rank 0's share of the staging: index, config, generation config, tokenizer, training state."""
     weight_map: dict[str, str] = {}
     total_size = 0
     total_params = 0
-    file_no = 0
-    total_files = sum(len(p["shards"]) for p in plans)
-    for plan in plans:
-        for shard in plan["shards"]:
-            file_no += 1
-            name = f"model-{file_no:05d}-of-{total_files:05d}.safetensors"
+    for plan, rank_names in zip(plans, names):
+        for shard, name in zip(plan["shards"], rank_names):
             for key, numel, nbytes in shard:
                 if key in weight_map:
                     raise RuntimeError(f"checkpoint key {key!r} was written by two ranks; the stage plan is inconsistent")
@@ -297,55 +457,126 @@ def _finish(model, tmp: pathlib.Path, final: pathlib.Path, token: str, plans, la
     if missing:
         raise RuntimeError(f"no rank wrote {missing[:5]}{' ...' if len(missing) > 5 else ''}; the stage plan does not cover the model")
 
-    config = copy.deepcopy(model.config)
-    config.dtype = str(model.plan.dtype).removeprefix("torch.")  # as transformers writes it
-    config.architectures = [type(model.skeleton).__name__]
-    config.save_pretrained(tmp)
-    if model.skeleton.can_generate():
-        from .generate import generation_config
+    with _writing(staging / "config.json"):
+        config = copy.deepcopy(model.config)
+        config.dtype = str(model.plan.dtype).removeprefix("torch.")  # as transformers writes it
+        config.architectures = [type(model.skeleton).__name__]
+        config.save_pretrained(staging)
+        if model.skeleton.can_generate():
+            from .generate import generation_config
 
-        generation_config(model).save_pretrained(tmp)
+            generation_config(model).save_pretrained(staging)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        with _writing(staging):
+            tokenizer.save_pretrained(staging)
     if scheduler is not None:
-        torch.save(scheduler.state_dict(), tmp / SCHEDULER_NAME)
-    optimizer_index = {k: f"pp-{p['pp_rank']:05d}.pt" for p in plans if p["optimizer_keys"] for k in p["optimizer_keys"]}
-    if any(p["optimizer_keys"] is not None for p in plans):  # an optimizer without state (plain SGD) too
-        _write_json(tmp / OPTIMIZER_DIR / "index.json", {"format": _FORMAT, "state_files": optimizer_index})
-    plan = model.plan
-    _write_json(tmp / TRAINER_STATE_NAME, {
-        **(extra or {}),
-        "format": _FORMAT, "step": step, "world_size": model.ctx.world_size, "pp_size": plan.pp_size,
-        "dp_size": model.dp_size, "num_stages": plan.num_stages, "virtual_stages": plan.virtual_stages,
-        "schedule": model.schedule.name, "n_microbatches": model.n_microbatches, "model_class": type(model.skeleton).__name__,
-        "stage_blocks": [list(s.blocks) for s in plan.stages],
-    })
-    _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total_size, "total_parameters": total_params}, "weight_map": dict(sorted(weight_map.items()))})
-    if final.exists():
-        old = final.with_name(f"{final.name}{_OLD}{token}")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+        _save_torch(scheduler.state_dict(), staging / SCHEDULER_NAME)
+    if with_state:
+        optimizer_index = {k: f"pp-{p['pp_rank']:05d}.pt" for p in plans if p["optimizer_keys"] for k in p["optimizer_keys"]}
+        if any(p["optimizer_keys"] is not None for p in plans):  # an optimizer without state (plain SGD) too
+            _write_json(staging / OPTIMIZER_DIR / "index.json", {"format": _FORMAT, "state_files": optimizer_index})
+        plan = model.plan
+        _write_json(staging / TRAINER_STATE_NAME, {
+            **(extra or {}),
+            "format": _FORMAT, "step": step, "world_size": model.ctx.world_size, "pp_size": plan.pp_size,
+            "dp_size": model.dp_size, "num_stages": plan.num_stages, "virtual_stages": plan.virtual_stages,
+            "schedule": model.schedule.name, "n_microbatches": model.n_microbatches, "model_class": type(model.skeleton).__name__,
+            "stage_blocks": [list(s.blocks) for s in plan.stages], SAVE_ID_KEY: token,
+        })
+    metadata = {"total_size": total_size, "total_parameters": total_params, SAVE_ID_KEY: token}
+    _write_json(staging / INDEX_NAME, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
+    for p in staging.rglob("*"):  # config / tokenizer files were written by transformers: flush them too
+        if p.is_file():
+            with _writing(p):
+                _fsync(p)
+
+
+def _publish_order(rel: pathlib.Path) -> int:
+    """Training state first (trainer_state.json, which names the save, last of it), then other files, config last."""
+    if rel.parts[0] in (OPTIMIZER_DIR, RNG_DIR) or rel.name == SCHEDULER_NAME:
+        return 0
+    return {TRAINER_STATE_NAME: 1, "generation_config.json": 3, "config.json": 4}.get(str(rel), 2)
+
+
+def _publish(final: pathlib.Path, staging: pathlib.Path, shard_names: list[str], progress: dict) -> None:
+    """Move the staged files into ``final``: shards, training state, tokenizer, config, then the index; then clean up.
+
+    Until the index is replaced the old index lists only old files, which nothing here touches (new
+    shard names are fresh); from that instant the new index lists only new files, all in place.
+    """
+    for name in shard_names:
+        os.replace(staging / name, final / name)
+        progress["moved"].append(final / name)
+        _phase("moved")
+    listed = set(shard_names)
+    rest = sorted(
+        (p.relative_to(staging) for p in staging.rglob("*") if p.is_file()),
+        key=lambda r: (_publish_order(r), str(r)),
+    )
+    rest = [r for r in rest if str(r) != INDEX_NAME and str(r) not in listed]
+    dirs = {final}
+    for rel in rest:
+        target = final / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / rel, target)
+        dirs.add(target.parent)
+    for d in dirs:
+        _fsync(d)
+    _phase("before_index")
+    os.replace(staging / INDEX_NAME, final / INDEX_NAME)  # the switch from the old checkpoint to the new one
+    _fsync(final)
+    progress["committed"] = True
+    _phase("after_index")
+    for p in final.iterdir():
+        if p.name in listed or not p.is_file():
+            continue
+        if p.name == SINGLE_NAME or WEIGHT_FILE_PATTERN.fullmatch(p.name):
+            p.unlink()  # a stale weight file; an old model.safetensors would shadow the index for transformers
+    shutil.rmtree(staging, ignore_errors=True)
+    for p in final.iterdir():  # staging directories of earlier saves that were killed
+        if SAVE_STAGING_PATTERN.fullmatch(p.name) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+    _phase("cleaned")
+
+
+def _remove_failed(final: pathlib.Path, staging: pathlib.Path, created: list[pathlib.Path], progress: dict) -> None:
+    """After a failed save: remove what it wrote (and the directories it made) unless the index was already replaced."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if progress["committed"]:
+        return  # the new checkpoint is complete; only the clean-up after it failed
+    for path in progress["moved"]:  # fresh names: nothing of the old checkpoint
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if created and created[0] == final:
+        shutil.rmtree(final, ignore_errors=True)
+    for d in created:
+        with contextlib.suppress(OSError):
+            d.rmdir()  # a parent made for this save, if it is still empty
 
 
 # --------------------------------------------------------------------------------------------
 # Finding and resuming
 # --------------------------------------------------------------------------------------------
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """True for a directory that a finished save left: index and config present, not a temporary name."""
+    """True for a directory that a finished save left: config and index present, every file the index lists too.
+
+    Files no index lists (a killed save's staging directory, stale shards) do not matter.
+    """
     path = pathlib.Path(path)
-    return (
-        path.is_dir() and _TMP not in path.name and _OLD not in path.name
-        and (path / INDEX_NAME).is_file() and (path / "config.json").is_file()
-    )
+    if not (path.is_dir() and _TMP not in path.name and _OLD not in path.name and (path / "config.json").is_file()):
+        return False
+    try:
+        files = set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return all(isinstance(f, str) and (path / f).is_file() for f in files)
 
 
 def latest_checkpoint(root: str | os.PathLike, prefix: str = "checkpoint-") -> pathlib.Path | None:
     """The complete ``<root>/<prefix><step>`` directory with the highest step, or None.
 
-    Directories of interrupted saves (``.tmp-`` names, no index) are skipped.
+    Directories of interrupted saves (no index yet, or ``.tmp-`` names of older versions) are skipped;
+    a checkpoint overwritten by a save that was killed is found with its old or its new contents.
     """
     root = pathlib.Path(root)
     if not root.is_dir():
@@ -390,6 +621,14 @@ def load_training_state(
             raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {INDEX_NAME} or config.json); pass one save_pretrained wrote")
         state_path = directory / TRAINER_STATE_NAME
         state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+        weights_id = json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
+        if state.get(SAVE_ID_KEY) and weights_id and state[SAVE_ID_KEY] != weights_id:
+            raise ValueError(
+                f"the training state in {directory} was written by another save than its weights ({TRAINER_STATE_NAME} "
+                f"names save {state[SAVE_ID_KEY]}, {INDEX_NAME} save {weights_id}): a later save_pretrained into this "
+                "directory without optimizer=/step=, or one killed while replacing it. Resume from a checkpoint saved "
+                "with its training state, or load the weights alone"
+            )
         if optimizer is not None:
             _load_optimizer(model, optimizer, directory, param_layout(model))
         if scheduler is not None:

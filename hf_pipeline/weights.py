@@ -24,6 +24,7 @@ import sys
 import pathlib
 import re
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping, Sequence
 
@@ -35,6 +36,8 @@ __all__ = [
     "CheckpointIndex",
     "CheckpointNotFoundError",
     "LoadReport",
+    "SAVE_STAGING_PATTERN",
+    "SAVE_STAGING_PREFIX",
     "checkpoint_key_renames",
     "checkpoint_nbytes",
     "load_tensors",
@@ -43,6 +46,9 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# save_pretrained stages a save in <dir>/.hf_pipeline.tmp-<save id>; one that was killed leaves it behind.
+SAVE_STAGING_PREFIX = ".hf_pipeline.tmp-"
+SAVE_STAGING_PATTERN = re.compile(re.escape(SAVE_STAGING_PREFIX) + r"[0-9a-f]{12}")
 _MAX_HEADER = 100_000_000  # safetensors refuses larger headers too; a bigger length field means corruption
 _MAX_LISTED = 10  # names shown in a missing/unexpected-key message
 
@@ -223,6 +229,13 @@ class CheckpointIndex:
         if not directory.is_dir():
             raise CheckpointNotFoundError(
                 f"checkpoint directory {directory} does not exist; pass a directory, or a hub id through resolve_checkpoint()"
+            )
+        leftovers = sorted(p.name for p in directory.iterdir() if SAVE_STAGING_PATTERN.fullmatch(p.name))
+        if leftovers:
+            warnings.warn(
+                f"{directory} holds what an interrupted save_pretrained left ({', '.join(leftovers)}); ignoring it: the "
+                f"checkpoint is what {INDEX_NAME} lists. The next save into the directory removes it (or delete it)",
+                stacklevel=2,
             )
         index_path = directory / INDEX_NAME
         if index_path.is_file():
