@@ -1,7 +1,7 @@
 """Benchmarks side by side: every figure is a ratio against a baseline measured in the same run.
 
     python scripts/benchmark.py                      # the full run (several minutes), writes bench_results/
-    python scripts/benchmark.py --quick              # tiny sizes, every section, seconds (what CI runs)
+    python scripts/benchmark.py --quick              # tiny sizes, every section, seconds (what CI runs), writes bench_out/quick/
     python scripts/benchmark.py --sections train,generate   # rerun some sections, merged into results.json
     hf-pipeline bench [same options]
 
@@ -21,6 +21,8 @@ baseline runs in the same invocation):
             Chrome traces go to ``<out>/timelines/``.
 
 Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
+``--out`` defaults to ``bench_results/`` (committed) for full runs and to ``bench_out/quick/`` (ignored
+by git) for ``--quick``, whose tiny sizes make numbers that only show the script works.
 """
 
 from __future__ import annotations
@@ -883,7 +885,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, prog="hf-pipeline bench")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition: seconds (CI)")
     parser.add_argument("--sections", default=None, help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
-    parser.add_argument("--out", default=str(_ROOT / "bench_results"), help="directory for results.md, results.json, timelines/")
+    parser.add_argument("--out", default=None, help="directory for results.md, results.json, timelines/ "
+                        "(default: bench_results/, or bench_out/quick/ with --quick, so a quick run never overwrites the committed results)")
     parser.add_argument("--cache-dir", default=None, help="where the random checkpoints are written once (default ~/.cache/hf_pipeline/bench)")
     parser.add_argument("--load-ranks", default=None, help="world sizes of the load section (default 1,2,4; quick 1,2)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
@@ -892,6 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
+    if args.out is None:
+        args.out = str(_ROOT / ("bench_out/quick" if args.quick else "bench_results"))
     args.argv = argv
     res = run_benchmark(args)
     out = pathlib.Path(args.out)

@@ -6,6 +6,11 @@ thread each), calls ``fn(*args)`` in each and returns the per-rank return values
 rank raises :class:`ChildFailed` with every failed rank's traceback; a rank that does not finish
 in ``timeout`` seconds is killed (SIGKILL) and reported, so a test never hangs.
 
+``timeout`` counts from the moment every rank is up (spawned, torch imported, ``fn`` unpickled), so
+a loaded machine's slow start-up does not eat it; start-up has its own allowance,
+:data:`STARTUP_TIMEOUT_S`. :func:`last_run_timing` says how long the latest run's start-up and
+run took, for tests that bound a run's duration without counting start-up.
+
 ``fn`` must be a module-level function (it is pickled by name into spawned processes); the tests
 directory and the repository root are on ``sys.path`` in every child, so test modules import. The
 harness itself imports only torch in the children, never transformers.
@@ -29,9 +34,10 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["ChildFailed", "expect_errors", "free_port", "run_distributed"]
+__all__ = ["STARTUP_TIMEOUT_S", "ChildFailed", "RunTiming", "expect_errors", "free_port", "last_run_timing", "run_distributed"]
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _TESTS = pathlib.Path(__file__).resolve().parent
@@ -42,10 +48,45 @@ for _p in (str(_ROOT), str(_TESTS)):
 
 _POLL_S = 0.2  # how often the parent checks for results and dead children
 _JOIN_S = 10.0  # time a finished child gets to exit (destroying its process group) before SIGKILL
+# Spawning, importing torch and unpickling fn (which imports its test module) on every rank, before
+# ``timeout`` starts: seconds when idle, ten times that on a busy 2-core machine. Only a rank stuck
+# in start-up ever waits this long; one that crashes is seen at once by its exit code.
+STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RunTiming:
+    """Durations of one :func:`run_distributed` call, measured in the parent.
+
+    ``startup_s``: from spawning the ranks until every rank was up (or until the run ended, if some
+    never came up). ``run_s``: from then until the parent had every result or gave up on the rest
+    (killing and reaping the children is not counted).
+    """
+
+    startup_s: float
+    run_s: float
+
+
+_LAST_RUN: RunTiming | None = None
 
 
 class ChildFailed(AssertionError):
     """One or more ranks raised, died or timed out; the message has every failed rank's traceback."""
+
+
+def last_run_timing() -> RunTiming:
+    """Start-up and run time of the latest :func:`run_distributed` (or :func:`expect_errors`) call.
+
+    Returns:
+        Its :class:`RunTiming`.
+
+    Example:
+        >>> run_distributed(_ranks, 2)
+        >>> assert last_run_timing().run_s < 10  # however long spawning and importing took
+    """
+    if _LAST_RUN is None:
+        raise RuntimeError("last_run_timing() needs a run_distributed call first")
+    return _LAST_RUN
 
 
 def free_port() -> int:
@@ -85,6 +126,7 @@ def _child(rank: int, env: dict[str, str], payload: bytes, out: Any) -> None:
 
         torch.set_num_threads(1)
         fn, args, kwargs = pickle.loads(payload)
+        out.put((rank, "up", b""))  # start-up is over: the parent's ``timeout`` clock starts when all are up
         result = fn(*args, **kwargs)
         # Plain pickle bytes: tensors go by value, not as shared-memory handles that die with the child.
         out.put((rank, "ok", pickle.dumps(result)))
@@ -113,6 +155,9 @@ def _failure(rank: int, status: str, payload: Any, timeout: float, grace: float,
     """(message for ChildFailed, exception for return_exceptions) of one failed rank."""
     if status == "timeout":
         msg = f"rank {rank} timed out after {timeout:g} s (killed)"
+        return msg, TimeoutError(msg)
+    if status == "startup":
+        msg = f"rank {rank} did not start within {STARTUP_TIMEOUT_S:g} s (killed; spawning, importing torch or unpickling fn hung)"
         return msg, TimeoutError(msg)
     if status == "stuck":
         msg = (
@@ -148,7 +193,8 @@ def run_distributed(
         fn: a module-level function (pickled by name); its return value must pickle (tensors do).
         world_size: number of ranks.
         *args, **kwargs: passed to ``fn`` on every rank.
-        timeout: seconds for the whole run; ranks still running then are killed and reported.
+        timeout: seconds from every rank being up (start-up is not counted, see
+            :data:`STARTUP_TIMEOUT_S`); ranks still running then are killed and reported.
         env: extra environment variables for every rank (override the defaults).
         return_exceptions: put each failed rank's exception in its slot instead of raising: the
             original exception (with ``.remote_traceback``) when it pickles, ``TimeoutError`` for a
@@ -180,18 +226,28 @@ def run_distributed(
         )
         for r in range(world_size)
     ]
+    global _LAST_RUN
     results: dict[int, tuple[str, Any]] = {}
+    up: set[int] = set()
     first_failed: int | None = None
+    spawned = time.monotonic()
+    ready: float | None = None  # when every rank was up
     try:
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
+        deadline = spawned + STARTUP_TIMEOUT_S  # until every rank is up; then ``timeout`` from that moment
         while len(results) < world_size:
             now = time.monotonic()
             if now >= deadline:
                 break
             try:
                 rank, status, raw = out.get(timeout=min(deadline - now, _POLL_S))
+                if status == "up":
+                    up.add(rank)
+                    if len(up) == world_size:
+                        ready = time.monotonic()
+                        deadline = min(deadline, ready + timeout) if first_failed is not None else ready + timeout
+                    continue
                 results[rank] = (status, pickle.loads(raw))
             except queue.Empty:
                 # A child that exited without reporting (SIGKILL, segfault, os._exit) never will;
@@ -204,6 +260,9 @@ def run_distributed(
                 first_failed = min(failed)
                 deadline = min(deadline, time.monotonic() + failure_grace)
     finally:
+        ended = time.monotonic()
+        started = ready if ready is not None else ended
+        _LAST_RUN = RunTiming(startup_s=started - spawned, run_s=ended - started)
         # Always reap: finished children get time to exit, the rest (or all, on Ctrl-C) are killed.
         for r, p in enumerate(procs):
             if p.pid is None:
@@ -216,7 +275,7 @@ def run_distributed(
     messages: list[str] = []
     values: list[Any] = []
     for r in range(world_size):
-        status, value = results.get(r, ("stuck" if first_failed is not None else "timeout", None))
+        status, value = results.get(r, ("stuck" if first_failed is not None else "timeout" if r in up else "startup", None))
         if status == "ok":
             values.append(value)
             continue
@@ -236,7 +295,7 @@ def expect_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     Args:
         fn, world_size, *args, **kwargs: as for :func:`run_distributed` (``env`` and
             ``failure_grace`` included).
-        timeout: seconds for the whole run.
+        timeout: seconds from every rank being up, as for :func:`run_distributed`.
 
     Returns:
         Per rank, the exception it raised (``TimeoutError`` if killed) or ``None``.

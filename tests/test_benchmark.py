@@ -2,9 +2,12 @@
 
 import importlib.util
 import json
+import math
 import pathlib
+import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -48,16 +51,37 @@ def test_partial_rerun_replaces_only_its_sections():
     assert merged["runs"][-1]["sections"] == ["generate"]
 
 
+def _files(root: pathlib.Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def _ratio(x, world: int) -> bool:
+    """A speed ratio of ``world`` ranks against one process: finite, positive, and not beyond what
+    ``world`` times the compute could give (doubled: one timed repetition on a shared machine)."""
+    return isinstance(x, float) and math.isfinite(x) and 1e-3 < x < 2 * world
+
+
 def test_quick_benchmark_runs_every_section(tmp_path):
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--timeout", "240"]
+    # The default --out: a quick run must leave the committed bench_results/ alone.
+    committed = _files(ROOT / "bench_results")
+    assert "results.json" in committed and "results.md" in committed
+    out = ROOT / "bench_out" / "quick"
+    started = time.time()
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick", "--cache-dir", str(tmp_path / "cache"), "--timeout", "240"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
-    assert (out / "results.json").is_file(), proc.stderr[-3000:]
+    after = _files(ROOT / "bench_results")
+    changed = sorted(name for name in committed.keys() | after.keys() if committed.get(name) != after.get(name))
+    assert not changed, f"a quick run with the default --out changed bench_results/: {changed}"
+    assert (out / "results.json").is_file() and (out / "results.json").stat().st_mtime >= started, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     md = (out / "results.md").read_text()
+    assert not res["errors"], res["errors"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     for header in ("## Load", "## Train", "## Generate", "## Bubble"):
         assert header in md
-    assert res["quick"] and res["machine"]["cores"] >= 1 and "torch" in res["machine"]
+    assert res["quick"] and "--quick" in res["command"] and res["machine"]["cores"] >= 1 and "torch" in res["machine"]
+    sizes = res["sizes"]
+    world, m = sizes["world"], sizes["n_microbatches"]
 
     load = res["load"]
     assert load["shards"] >= 4
@@ -69,22 +93,45 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert row["hf_bytes_read_over_checkpoint"] == pytest.approx(int(p))
         assert all(x > 0 for x in row["ours_peak_rss"] + row["hf_peak_rss"]) and row["peak_resettable"]
 
+    # Generate: every ratio is this run's pipelined figure over this run's baseline, tokens equal.
     gen = res["generate"]
     assert gen["pipelined"]["tokens_equal_transformers"] and gen["one_microbatch"]["tokens_equal_transformers"]
     assert gen["pipelined"]["n_microbatches"] == 2 and gen["one_microbatch"]["n_microbatches"] == 1
-    assert gen["speedup_vs_one_microbatch"] > 0 and gen["baseline"]["tokens_per_s"] > 0
+    tps = {k: gen[k]["tokens_per_s"] for k in ("baseline", "pipelined", "one_microbatch")}
+    assert all(math.isfinite(v) and v > 0 for v in tps.values()), tps
+    assert gen["speedup_vs_transformers"] == pytest.approx(tps["pipelined"] / tps["baseline"])
+    assert gen["one_microbatch_vs_transformers"] == pytest.approx(tps["one_microbatch"] / tps["baseline"])
+    assert gen["speedup_vs_one_microbatch"] == pytest.approx(tps["pipelined"] / tps["one_microbatch"])
+    for key in ("speedup_vs_transformers", "one_microbatch_vs_transformers", "speedup_vs_one_microbatch"):
+        assert _ratio(gen[key], world), (key, gen[key])
+    assert all(0 <= v < 1 for v in gen["idle_fraction"].values()), gen["idle_fraction"]
     assert (out / "timelines" / "generate.png").is_file()
     bound = gen["bound"]  # the ring's ceiling on this machine, from transformers step times in the same run
-    assert bound["microbatches"] == 2 and 0 < bound["stage_step_s"] and 0 < bound["concurrent_stage_step_s"]
+    assert bound["microbatches"] == 2
+    assert all(math.isfinite(bound[k]) and bound[k] > 0 for k in ("full_step_s", "stage_step_s", "concurrent_stage_step_s"))
     assert bound["speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["stage_step_s"]))
+    assert bound["concurrent_speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["concurrent_stage_step_s"]))
     assert "No 2-stage ring with 2 microbatches can beat" in md
 
+    # Train: each schedule's steps are paired with transformers steps run just before them, in its job.
     train = res["train"]
-    assert train["baseline"]["tokens_per_s"] > 0
-    assert not res["errors"], res["errors"]
+    assert train["tokens_per_step"] == sizes["batch"] * sizes["seq"]
+    base = train["baseline"]
+    assert base["tokens_per_s"] == pytest.approx(train["tokens_per_step"] / statistics.median(base["step_seconds"]))
+    theory = {"gpipe": (world - 1) / (m + world - 1), "1f1b": (world - 1) / (m + world - 1),
+              "interleaved-1f1b": (world - 1) / (2 * m + world - 1)}  # (p-1)/(v*m+p-1)
+    assert set(theory) <= set(train["schedules"])
     for name, row in train["schedules"].items():
-        assert row["speedup"] > 0, name
+        steps, paired = row["step_seconds"], row["paired_baseline_seconds"]
+        assert len(steps) == len(paired) == sizes["train_reps"], name
+        assert all(math.isfinite(t) and t > 0 for t in steps + paired), name
+        assert row["speedup"] == pytest.approx(statistics.median([b / s for b, s in zip(paired, steps)])), name
+        assert row["tokens_per_s"] == pytest.approx(train["tokens_per_step"] / statistics.median(steps)), name
+        assert row["speedup_vs_separate_baseline"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"]), name
+        assert _ratio(row["speedup"], world) and _ratio(row["speedup_vs_separate_baseline"], world), (name, row["speedup"])
         assert all(row["order_matches_schedule"].values()), name
         assert all(0 <= v < 1 for v in row["idle_fraction"].values()), name
+        assert all(0 < row["busy_seconds"][r] <= row["profiled_wall_seconds"][r] for r in row["busy_seconds"]), name
+        if name in theory:
+            assert row["theoretical_idle_fraction"] == pytest.approx(theory[name]), name
         assert (out / "timelines" / f"train-{name}.png").is_file() and (out / "timelines" / f"train-{name}.trace.json").is_file()
-    assert proc.returncode == 0, proc.stderr[-3000:]
