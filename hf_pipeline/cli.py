@@ -30,6 +30,8 @@ import re
 import sys
 from typing import Any, Sequence
 
+from .errors import CLIError, PipelineBroken, PipelineError, RankError
+
 __all__ = ["CLIError", "build_parser", "main"]
 
 PROG = "hf-pipeline"
@@ -39,10 +41,6 @@ _LAUNCH_OPTS = frozenset({
     "--main-process-ip", "--main_process_ip", "--main-process-port", "--main_process_port",
     "--num-cpu-threads-per-process", "--num_cpu_threads_per_process",
 })
-
-
-class CLIError(Exception):
-    """A user mistake: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -206,39 +204,17 @@ def _split(text: str) -> str | list[str]:
     return text if text in ("auto", "uniform") else [s.strip() for s in text.split(",") if s.strip()]
 
 
-def _auto_class_for(config, given: str | None) -> str:
-    """The Auto class to plan/load ``config`` with: given, else by the config's kind (encoder-decoder, MLM, causal)."""
-    import transformers
+def _auto_class_for(config, given: str | None) -> type:
+    """The class to plan/load ``config`` with: ``--auto-class`` if given, else the one the library picks."""
+    from .options import model_class_for
 
-    if given:
-        if not hasattr(transformers, given):
-            raise CLIError(f"transformers has no class {given!r}; use e.g. AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM, AutoModel")
-        return given
-    for arch in getattr(config, "architectures", None) or ():
-        if hasattr(transformers, arch):
-            return arch
-    order = ("AutoModelForSeq2SeqLM",) if config.is_encoder_decoder else ("AutoModelForMaskedLM", "AutoModelForCausalLM")
-    for name in order + ("AutoModel",):
-        if type(config) in getattr(transformers, name)._model_mapping:
-            # An encoder with a masked-LM head (BERT) is planned as that, not as a causal LM.
-            if name == "AutoModelForMaskedLM" and getattr(config, "is_decoder", False):
-                continue
-            return name
-    return "AutoModel"
+    return model_class_for(config, given)
 
 
 def _load_config(path: str):
-    import transformers
+    from .options import load_config
 
-    p = pathlib.Path(path)
-    if p.is_file():
-        data = json.loads(p.read_text())
-        if "model_type" not in data:
-            raise CLIError(f"{path} has no 'model_type'; pass a transformers config.json or a checkpoint directory")
-        return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise CLIError(f"{path} has no config.json; pass a checkpoint directory or a config.json file")
-    return transformers.AutoConfig.from_pretrained(path)
+    return load_config(path)
 
 
 def _model_path(args) -> str:
@@ -330,30 +306,13 @@ def cmd_plan(args) -> int:
     """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone."""
     config = _load_config(args.path)
     auto = _auto_class_for(config, args.auto_class)
-    try:
-        from .memory import plan_report
-    except ImportError:  # the planner is optional: fall back to the bare stage plan
-        plan_report = None
-    if plan_report is not None:
-        report = plan_report(
-            config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,
-            batch=args.batch, seq=args.seq, n_microbatches=args.n_microbatches, auto_class=auto, split=_split(args.split),
-        )
-        print(report.to_json() if args.json else report)
-        return 0
-    from .plan import make_plan, resolve_recipe
-    from .recipe import get_recipe
-    from .schedules import get_schedule
-    from .stages import meta_model
+    from .memory import plan_report
 
-    sched = get_schedule(args.schedule or ("interleaved-1f1b" if (args.virtual_stages or 1) > 1 else "1f1b"))
-    virtual = args.virtual_stages or sched.default_virtual_stages()
-    if args.stages % virtual:
-        raise CLIError(f"--stages {args.stages} must be a multiple of --virtual-stages {virtual}")
-    skeleton = meta_model(config, auto)
-    plan = make_plan(skeleton, resolve_recipe(skeleton, get_recipe(config.model_type)), pp_size=args.stages // virtual,
-                     virtual_stages=virtual, layout=sched.layout, split=_split(args.split))
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+    report = plan_report(
+        config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,
+        batch=args.batch, seq=args.seq, n_microbatches=args.n_microbatches, auto_class=auto, split=_split(args.split),
+    )
+    print(report.to_json() if args.json else report)
     return 0
 
 
@@ -564,19 +523,35 @@ def cmd_env(args) -> int:
 
 
 # ------------------------------------------------------------------------------------ main
-_USER_ERRORS = (
-    "CLIError", "ConvertError", "PlanError", "RecipeError", "ScheduleError", "CheckpointError", "CheckpointNotFoundError",
-    "FileNotFoundError", "NotADirectoryError", "FileExistsError", "ValueError",
-)
+# Builtin errors that mean a user mistake here: a path that does not exist or is taken, a plain
+# ValueError from an argument check (its subclasses, e.g. a JSON decoding error, are not).
+_USER_EXACT = (ValueError, FileExistsError)
+_USER_ANY = (FileNotFoundError, NotADirectoryError)
+
+
+def _user_error_names() -> set[str]:
+    """Type names of user mistakes, for errors raised on another rank (a RankError carries only the names)."""
+    names, todo = {c.__name__ for c in _USER_EXACT + _USER_ANY}, [PipelineError]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls not in (RankError, PipelineBroken):
+            names.add(cls.__name__)
+    return names
 
 
 def _is_user_error(e: BaseException) -> bool:
-    """Errors our validation raises for bad input (also when another rank raised it: a RankError naming one)."""
-    from .dist import RankError
+    """Errors the library raises for bad input (also when another rank raised one: a RankError naming it).
 
+    Decided by the library's exception types: every :class:`~hf_pipeline.errors.PipelineError`
+    but the two that report a failure while running (``RankError`` of a real fault, ``PipelineBroken``).
+    """
     if isinstance(e, RankError):
-        return all(kind in _USER_ERRORS for kind, _, _ in e.failures.values())
-    return type(e).__name__ in _USER_ERRORS or isinstance(e, (CLIError, FileNotFoundError, NotADirectoryError))
+        names = _user_error_names()
+        return all(kind in names for kind, _, _ in e.failures.values())
+    if isinstance(e, PipelineBroken):
+        return False
+    return isinstance(e, (PipelineError, *_USER_ANY)) or type(e) in _USER_EXACT
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -40,11 +39,13 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .plan import StagePlan, make_plan, resolve_recipe
-from .recipe import get_recipe, list_recipes
-from .schedules import get_schedule
-from .stages import build_stage, meta_model
-from .weights import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointIndex, _resolve_keys, resolve_checkpoint
+from .build import wanted_tensors
+from .errors import ConvertError, InputError
+from .options import PipelineOptions, parse_size
+from .plan import StagePlan
+from .recipe import list_recipes
+from .stages import recipe_front_end
+from .weights import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointIndex, read_header, resolve_checkpoint, resolve_keys
 
 __all__ = [
     "ConvertError",
@@ -53,7 +54,6 @@ __all__ = [
     "UNUSED_FILE",
     "convert_to_stages",
     "merge_shards",
-    "parse_size",
     "stage_file_name",
     "stage_keys",
 ]
@@ -63,34 +63,9 @@ UNUSED_FILE = "model-unused.safetensors"
 _META_KEY = "hf_pipeline"  # our entry in the index's "metadata" (transformers reads only total_size there)
 
 
-class ConvertError(ValueError):
-    """The conversion cannot be done as asked (bad output path, sizes, plan); the message says what to change."""
-
-
 def stage_file_name(stage: int, num_stages: int) -> str:
     """File name of stage ``stage`` (0-based) of ``num_stages``: ``model-stage-00001-of-00004.safetensors``."""
     return f"model-stage-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string like ``"500MB"``, ``"2GB"``, ``"1.5GiB"`` (as transformers' max_shard_size).
-
-    Raises:
-        ConvertError: for anything else, or a size below 1 byte.
-    """
-    if isinstance(size, int):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", str(size).upper())
-        if not m:
-            raise ConvertError(f"cannot read the size {size!r}; write e.g. 500MB, 2GB or 1073741824")
-        unit = m.group(2).rstrip("B") or ""
-        base = 1024 if unit.endswith("I") else 1000
-        power = "KMGT".find(unit[:1]) + 1 if unit else 0
-        value = int(float(m.group(1)) * base**power)
-    if value < 1:
-        raise ConvertError(f"the size must be at least 1 byte, got {size!r}")
-    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,18 +92,6 @@ class ConvertReport:
         return sorted({f for s in plan.stages_for_rank(pp_rank) for f in self.stage_files.get(s.index, ())})
 
 
-def _model_class(config, auto_class: str | type | None) -> str | type:
-    if auto_class is not None:
-        return auto_class
-    for arch in getattr(config, "architectures", None) or ():
-        if hasattr(transformers, arch):
-            return getattr(transformers, arch)
-    raise ConvertError(
-        "the config names no transformers model class (config.architectures); pass the class the checkpoint is "
-        "loaded as, e.g. auto_class='AutoModelForCausalLM' (--auto-class on the command line)"
-    )
-
-
 def stage_keys(
     path: str | os.PathLike,
     *,
@@ -152,8 +115,6 @@ def stage_keys(
         (plan, stage index -> checkpoint keys), the same keys ``from_pretrained(pipeline=True)``
         reads for that stage with the same arguments.
     """
-    from .model import _wanted_tensors  # the loader's own choice of keys, so the two cannot drift apart
-
     ckpt = resolve_checkpoint(path)
     config = transformers.AutoConfig.from_pretrained(ckpt)
     if config.model_type not in list_recipes():
@@ -161,19 +122,22 @@ def stage_keys(
             f"no recipe for model_type {config.model_type!r} (recipes: {sorted(list_recipes())}); per-stage files need "
             "the stage plan of a recipe. Add a recipe (model_recipes/*.toml) or keep the checkpoint as it is"
         )
-    sched = get_schedule(schedule or ("interleaved-1f1b" if (virtual_stages or 1) > 1 else "1f1b"))
-    virtual = virtual_stages or sched.default_virtual_stages()
-    if num_stages < 1 or num_stages % virtual:
-        raise ConvertError(f"num_stages={num_stages} must be a positive multiple of virtual_stages={virtual}")
-    skeleton = meta_model(config, _model_class(config, auto_class))
-    resolved = resolve_recipe(skeleton, get_recipe(config.model_type))
-    plan = make_plan(skeleton, resolved, pp_size=num_stages // virtual, virtual_stages=virtual, layout=sched.layout, split=split)
+    try:
+        options = PipelineOptions.resolve(
+            config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=num_stages,
+            split=split, split_method="recipe",
+        )
+    except InputError as e:
+        raise ConvertError(str(e)) from None
+    build = recipe_front_end(config, options)
+    plan = build.plan
     index = CheckpointIndex.from_directory(ckpt)
     keys: dict[int, list[str]] = {}
     for spec in plan.stages:
-        stage = build_stage(skeleton, resolved, spec)
-        wanted, aliases, _, _ = _wanted_tensors(skeleton, resolved, [stage], index, torch.float32)
-        keys[spec.index] = list(dict.fromkeys(_resolve_keys(index, wanted, aliases).values()))
+        # The loader's own choice of keys (build.wanted_tensors), so the two cannot drift apart.
+        stages = build.make_stages([spec])
+        wanted, aliases, _, _ = wanted_tensors(build.skeleton, build.resolved, stages, index, torch.float32)
+        keys[spec.index] = list(dict.fromkeys(resolve_keys(index, wanted, aliases).values()))
     return plan, keys
 
 
@@ -332,7 +296,10 @@ def merge_shards(
     """
     source = resolve_checkpoint(path)
     output = pathlib.Path(output)
-    limit = parse_size(max_shard_size)
+    try:
+        limit = parse_size(max_shard_size, what="max_shard_size")
+    except InputError as e:
+        raise ConvertError(str(e)) from None
     _check_output(source, output, overwrite)
     index = CheckpointIndex.from_directory(source)
     order = _source_order(index)
@@ -364,9 +331,7 @@ def merge_shards(
 
 
 def _headers(index: CheckpointIndex) -> dict[str, dict]:
-    from .weights import _read_header
-
-    return {shard: _read_header(index.directory / shard) for shard in sorted(set(index.weight_map.values()))}
+    return {shard: read_header(index.directory / shard) for shard in sorted(set(index.weight_map.values()))}
 
 
 def _tensor_sizes(index: CheckpointIndex) -> dict[str, int]:

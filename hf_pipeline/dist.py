@@ -36,8 +36,11 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from .errors import RankError
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "ParallelDims",
     "RankContext",
     "RankError",
     "check_same_on_all_ranks",
@@ -131,31 +134,6 @@ class RankContext:
         for group in groups:
             if group is not None:
                 group.set_timeout(self.timeout)
-
-
-class RankError(RuntimeError):
-    """Another rank failed; raised on every rank but the failing one(s).
-
-    Attributes:
-        rank: the first failing rank.
-        ranks: every failing rank, ascending.
-        original_type: name of the first failing rank's exception type (e.g. ``"ValueError"``).
-        failures: ``{rank: (type name, message, label)}`` for every failing rank.
-    """
-
-    def __init__(self, message: str, *, failures: Mapping[int, tuple[str, str, str | None]]) -> None:
-        super().__init__(message)
-        self.failures = dict(sorted(failures.items()))
-        self.ranks = tuple(self.failures)
-        self.rank = self.ranks[0]
-        self.original_type = self.failures[self.rank][0]
-
-    def __reduce__(self):  # picklable (e.g. sent back from a worker process)
-        return (_rebuild_rank_error, (str(self), self.failures))
-
-
-def _rebuild_rank_error(message: str, failures: Mapping[int, tuple[str, str, str | None]]) -> RankError:
-    return RankError(message, failures=failures)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +296,56 @@ def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline.
+
+    Global ranks ``[d * pp_size, (d + 1) * pp_size)`` form pipeline replica ``d``; with one
+    replica the pipeline uses the default group (``pp_group`` None) and no mesh is made.
+
+    Attributes:
+        pp_size, dp_size: ranks per pipeline, pipeline replicas.
+        pp_rank, dp_rank: this rank's place in its pipeline, and its replica.
+        pp_group, dp_group: this rank's pipeline group and data-parallel group (None when not needed).
+        mesh: the (dp, pp) device mesh with several replicas, else None.
+    """
+
+    pp_size: int
+    dp_size: int = 1
+    pp_rank: int = 0
+    dp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    mesh: Any = None
+
+    @classmethod
+    def build(cls, ctx: RankContext, pp_size: int) -> "ParallelDims":
+        """The dims of ``ctx``'s job for ``pp_size``-rank pipelines (collective with several replicas)."""
+        if ctx.world_size % pp_size:
+            raise ValueError(
+                f"world size {ctx.world_size} is not a multiple of the pipeline size {pp_size} (= num_stages / "
+                f"virtual_stages); launch a multiple of {pp_size} processes or change num_stages"
+            )
+        dp_size = ctx.world_size // pp_size
+        if not ctx.is_distributed:
+            return cls(pp_size=pp_size)
+        if dp_size == 1:
+            return cls(pp_size=pp_size, pp_rank=ctx.rank)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+        # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
+        ctx.apply_timeout(mesh.get_group("pp"), mesh.get_group("dp"))
+        return cls(
+            pp_size=pp_size, dp_size=dp_size, pp_rank=mesh.get_local_rank("pp"), dp_rank=mesh.get_local_rank("dp"),
+            pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), mesh=mesh,
+        )
+
+    def global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank`` in this rank's replica."""
+        return pp_rank if self.pp_group is None else dist.get_global_rank(self.pp_group, pp_rank)
+
+
 def get_rank_context() -> RankContext:
     """The context the last :func:`init_distributed` call returned, made now (with defaults) if none.
 
@@ -468,7 +496,7 @@ def _tensor_fingerprint(t: torch.Tensor) -> tuple[str, str]:
     return f"{head},{checksum}", f"{head}, checksum={checksum[:8]})"
 
 
-def _fingerprint(value: Any) -> tuple[str, str]:
+def fingerprint(value: Any) -> tuple[str, str]:
     """(digest material, readable summary) of a value; recursive over containers."""
     if isinstance(value, torch.Tensor):
         return _tensor_fingerprint(value)
@@ -478,18 +506,18 @@ def _fingerprint(value: Any) -> tuple[str, str]:
     if isinstance(value, torch.device):
         return repr(value), str(value)
     if isinstance(value, Mapping):
-        items = [(repr(k), _fingerprint(v)) for k, v in value.items()]
+        items = [(repr(k), fingerprint(v)) for k, v in value.items()]
         items.sort(key=lambda kv: kv[0])
         return (
             "{" + ",".join(f"{k}:{d}" for k, (d, _) in items) + "}",
             "{" + ", ".join(f"{k}: {s}" for k, (_, s) in items) + "}",
         )
     if isinstance(value, (list, tuple)):
-        parts = [_fingerprint(v) for v in value]
+        parts = [fingerprint(v) for v in value]
         open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
         return open_ + ",".join(d for d, _ in parts) + close, open_ + ", ".join(s for _, s in parts) + close
     if is_dataclass(value) and not isinstance(value, type):
-        return _fingerprint({f.name: getattr(value, f.name) for f in fields(value)})
+        return fingerprint({f.name: getattr(value, f.name) for f in fields(value)})
     try:  # any other picklable object: compare its pickle (repr may contain per-process addresses)
         digest = hashlib.blake2b(pickle.dumps(value), digest_size=8).hexdigest()
     except Exception:  # noqa: BLE001 - unpicklable: compare the type only
@@ -522,7 +550,7 @@ def check_same_on_all_ranks(
     group = group if group is not None else ctx.group
     if group is None or dist.get_world_size(group) == 1:
         return
-    digest_material, summary = _fingerprint(value)
+    digest_material, summary = fingerprint(value)
     digest = hashlib.blake2b(digest_material.encode(), digest_size=16).hexdigest()
     if len(summary) > _MAX_SUMMARY:
         summary = summary[: _MAX_SUMMARY - 3] + "..."

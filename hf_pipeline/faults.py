@@ -47,6 +47,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import PipelineBroken
 from .dist import TIMEOUT_ENV, RankContext, RankError
 
 __all__ = ["PipelineBroken", "is_communication_error", "raise_if_broken", "step_errors"]
@@ -67,10 +68,6 @@ _COMM_MARKERS = (
 _calls = itertools.count()  # collective calls made under step_errors by this process (same on every rank)
 _broken: str | None = None  # set once this process stopped its group: later calls fail at once
 _broken_world: object = None  # ... that group: a job that destroys it and makes a new one may go on
-
-
-class PipelineBroken(RuntimeError):
-    """A previous pipelined call failed and this rank's process group was stopped; restart the job."""
 
 
 def is_communication_error(error: BaseException) -> bool:

@@ -681,7 +681,7 @@ def generate(
     ring.decode_loop()
     out = ring.result()
     if model.plan.pp_size > 1:
-        out = model._broadcast_from_last(out)
+        out = model.runtime.broadcast_from_last(out)
     ids, lengths = out
     if model.dp_size > 1:
         ids, lengths = _gather_replicas(model, ids, lengths, req.pad)

@@ -44,11 +44,11 @@ import torch
 import transformers
 from torch import nn
 
-from .plan import ResolvedRecipe, StagePlan, _compress, make_plan, resolve_recipe
+from .options import PipelineOptions, load_config
+from .plan import ResolvedRecipe, StagePlan, compress_blocks
 from .profile import schedule_actions
-from .recipe import get_recipe
-from .schedules import ScheduleSpec, get_schedule, validate_schedule
-from .stages import StageModule, build_stage, meta_model
+from .schedules import check_training
+from .stages import StageModule, build_stage, recipe_front_end
 
 __all__ = [
     "MemoryReport",
@@ -58,43 +58,6 @@ __all__ = [
     "measure_saved_bytes",
     "plan_report",
 ]
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-
-
-def _dtype(dtype: Any, config) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        if dtype.removeprefix("torch.") not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not known; use one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype.removeprefix("torch.")]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating point torch dtype (e.g. 'bf16'), got {dtype!r}")
-    return dtype
-
-
-def _load_config(path_or_config: Any):
-    """A transformers config from a config object, a dict, a config.json file or a checkpoint directory."""
-    if isinstance(path_or_config, transformers.PretrainedConfig):
-        return path_or_config
-    if isinstance(path_or_config, dict):
-        d = dict(path_or_config)
-        if "model_type" not in d:
-            raise ValueError("a config dict needs a 'model_type' key (e.g. 'llama')")
-        return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
-    path = pathlib.Path(path_or_config).expanduser()
-    if path.is_file():
-        d = json.loads(path.read_text())
-        if "model_type" not in d:
-            raise ValueError(f"{path} has no 'model_type'; pass the checkpoint directory or a transformers config.json")
-        return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json; pass a checkpoint directory, a config.json file or a config object")
-    # A directory, or a hub id already in the local cache: only config.json is read.
-    return transformers.AutoConfig.from_pretrained(str(path_or_config))
-
 
 # ----------------------------------------------------------------------------- measurements
 def measure_saved_bytes(fn, params: Sequence[torch.Tensor] = ()) -> tuple[int, Any]:
@@ -359,7 +322,7 @@ class MemoryReport:
 def _compress_modules(modules: Sequence[str]) -> str:
     blocks = [m for m in modules if m.rpartition(".")[2].isdigit()]
     others = [m for m in modules if m not in blocks]
-    return ", ".join(([_compress(blocks)] if blocks else []) + others)
+    return ", ".join(([compress_blocks(blocks)] if blocks else []) + others)
 
 
 def _peak_in_flight(actions: Sequence[str], act: dict[int, int]) -> tuple[int, dict[int, int]]:
@@ -410,26 +373,21 @@ def plan_report(
     Returns:
         :class:`MemoryReport`.
     """
-    config = _load_config(path_or_config)
-    recipe = get_recipe(config.model_type)
-    if schedule is None:
-        schedule = "interleaved-1f1b" if (virtual_stages or 1) > 1 else "1f1b"
-    spec: ScheduleSpec = get_schedule(schedule)
-    if virtual_stages is None:
-        virtual_stages = spec.default_virtual_stages()
-    if stages < 1 or stages % virtual_stages:
-        raise ValueError(f"stages={stages} must be a positive multiple of virtual_stages={virtual_stages}")
-    pp_size = stages // virtual_stages
-    m = n_microbatches or stages
-    validate_schedule(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m)
+    config = load_config(path_or_config)
+    options = PipelineOptions.resolve(
+        config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
+        n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
+    )
+    spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
+    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m)  # the planner plans training
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if seq is None:
         seq = int(min(_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
-    torch_dtype = _dtype(dtype, config)
-    skeleton = meta_model(config, auto_class)
-    resolved = resolve_recipe(skeleton, recipe)
-    plan = make_plan(skeleton, resolved, pp_size=pp_size, virtual_stages=virtual_stages, layout=spec.layout, split=split, dtype=torch_dtype, seq_len=seq)
+    torch_dtype = options.dtype
+    # The loader's own front end: the planner predicts the stages from_pretrained builds.
+    build = recipe_front_end(config, options)
+    skeleton, resolved, plan = build.skeleton, build.resolved, build.plan
 
     # Microbatches: torch splits the (padded) batch into m equal chunks; a batch smaller than m
     # still runs one sequence per microbatch at most.

@@ -22,45 +22,20 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from transformers import AutoConfig, modeling_outputs
 
 from . import validate
-from .dist import RankContext, check_same_on_all_ranks, collective_errors, init_distributed
+from .build import BuiltPipeline, build_pipeline
+from .dist import ParallelDims, RankContext, check_same_on_all_ranks
+from .errors import TraceError
 from .faults import raise_if_broken, step_errors
-from .plan import ResolvedRecipe, StagePlan, make_plan, resolve_recipe
-from .recipe import get_recipe, list_recipes
-from .schedules import ScheduleForwardInOrder, ScheduleSpec, get_schedule, validate_schedule
-from .stages import StageModule, build_stage, materialize, meta_model
-from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
+from .options import PipelineOptions
+from .plan import ResolvedRecipe, StagePlan
+from .runtime import PipelineRuntime, pad_batch, signature
+from .schedules import ScheduleSpec
+from .weights import LoadReport
 
-__all__ = ["PipelinedModel", "SPLIT_METHODS", "load_pipelined"]
-
-SPLIT_METHODS = ("auto", "recipe", "trace")
-
-
-def _resolve_dtype(dtype: Any, config) -> torch.dtype:
-    # As transformers' default dtype="auto": the config's dtype, else the default float dtype.
-    if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
-    if isinstance(dtype, str):
-        name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(dtype, dtype)
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32', 'bfloat16' or torch.float16")
-        dtype = getattr(torch, name)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating point type, got {dtype}")
-    return dtype
-
-
-def _check_dtype_supported(dtype: torch.dtype, device: torch.device) -> None:
-    try:
-        a = torch.ones(2, 2, dtype=dtype, device=device)
-        (a @ a).sum().item()
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"dtype {dtype} is not supported on device {device} ({e}); load with dtype='float32'") from None
+__all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 
 
 class PipelinedModel(nn.Module):
@@ -74,48 +49,55 @@ class PipelinedModel(nn.Module):
         load_report: what this rank read from the checkpoint.
     """
 
-    def __init__(
-        self,
-        *,
-        config,
-        plan: StagePlan,
-        resolved: ResolvedRecipe,
-        stages: Sequence[StageModule],
-        skeleton: nn.Module,
-        ctx: RankContext,
-        schedule: ScheduleSpec,
-        n_microbatches: int,
-        gather_output: bool = True,
-        checkpoint_dir: pathlib.Path | None = None,
-        load_report: LoadReport | None = None,
-        pp_group: dist.ProcessGroup | None = None,
-        dp_group: dist.ProcessGroup | None = None,
-        pp_rank: int = 0,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        mesh: Any = None,
-    ):
+    def __init__(self, built: BuiltPipeline, *, gather_output: bool = True):
         super().__init__()
-        self.config = config
-        self.plan = plan
-        self.resolved = resolved
-        self.stages = nn.ModuleList(stages)
+        build = built.build
+        self.config = build.config
+        self.options: PipelineOptions = built.options
+        self.plan: StagePlan = build.plan
+        self.resolved: ResolvedRecipe = build.resolved
+        self.stages = nn.ModuleList(built.stages)
         # The meta-device model: never run, kept for its config-only helpers (T5's _shift_right).
-        object.__setattr__(self, "skeleton", skeleton)
-        self.ctx = ctx
-        self.schedule = schedule
-        self.n_microbatches = n_microbatches
+        object.__setattr__(self, "skeleton", build.skeleton)
+        object.__setattr__(self, "build", build)  # plain data, not a submodule
+        self.ctx: RankContext = built.ctx
+        self.dims: ParallelDims = built.dims
+        self.schedule: ScheduleSpec = built.options.schedule
+        self.n_microbatches = built.options.n_microbatches
         self.gather_output = gather_output
-        self.checkpoint_dir = checkpoint_dir
-        self.load_report = load_report
-        self.pp_group = pp_group
-        self.dp_group = dp_group
-        self.pp_rank = pp_rank
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.mesh = mesh
-        self._runtimes: dict[Any, tuple[list[PipelineStage], Any]] = {}
+        self.checkpoint_dir: pathlib.Path | None = built.checkpoint_dir
+        self.load_report: LoadReport = built.load_report
+        # torch's stages and schedules per input shape (bounded), padding and gathering: runtime.py
+        self.runtime = PipelineRuntime(
+            stages=built.stages, plan=build.plan, schedule=built.options.schedule, n_microbatches=self.n_microbatches,
+            dims=built.dims, device=built.ctx.device,
+        )
         self.check_inputs = True
+
+    # Where this rank sits in the (dp, pp) layout; see :class:`~hf_pipeline.dist.ParallelDims`.
+    @property
+    def pp_rank(self) -> int:
+        return self.dims.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.dims.pp_group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.dims.dp_group
+
+    @property
+    def mesh(self) -> Any:
+        return self.dims.mesh
 
     # ----------------------------------------------------------------- properties
     @property
@@ -136,9 +118,7 @@ class PipelinedModel(nn.Module):
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this rank's pipeline replica."""
-        if self.pp_group is None:
-            return pp_rank
-        return dist.get_global_rank(self.pp_group, pp_rank)
+        return self.dims.global_rank(pp_rank)
 
     def rank_label(self, rank: int) -> str:
         """What global rank ``rank`` runs, for messages: ``"stage 1"``, ``"stages 0, 2 of replica 1"``."""
@@ -178,36 +158,6 @@ class PipelinedModel(nn.Module):
                 return inputs[key].shape[0]
         raise ValueError("pass input_ids (or inputs_embeds) to the pipelined model")
 
-    def _runtime(self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True):
-        """PipelineStage objects + torch schedule for one input signature (shapes fix the P2P buffers).
-
-        ``scale_grads=False``: torch does not divide gradients by n_microbatches (the loss already
-        is each microbatch's share of the global mean, see ``train.py``).
-        """
-        full_key = (key, training) if scale_grads else (key, training, "unscaled")
-        if full_key not in self._runtimes:
-            pstages = [
-                PipelineStage(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.pp_group)
-                for stage in self.stages
-            ]
-            spec = self.schedule
-            kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
-            if not training and not spec.multi:
-                # forward only: GPipe runs exactly the forward actions
-                schedule = get_schedule("gpipe").cls(pstages[0], **kwargs)
-            elif not training:
-                stage_to_rank = {s.index: s.rank for s in self.plan.stages}
-                schedule = ScheduleForwardInOrder(pstages, self.n_microbatches, stage_to_rank=stage_to_rank)
-            else:
-                schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
-            self._runtimes[full_key] = (pstages, schedule)
-        return self._runtimes[full_key]
-
-    def _signature(self, inputs: dict[str, Any]) -> tuple:
-        return tuple(
-            (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)) for k, v in sorted(inputs.items())
-        )
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
         """Pipelined forward (inference). Collective: every rank passes the same inputs.
@@ -241,7 +191,7 @@ class PipelinedModel(nn.Module):
 
     def _output_class(self) -> type:
         # The transformers output class the head's outputs are returned in (a traced model records its own).
-        return getattr(modeling_outputs, self.resolved.head.output_class)
+        return self.build.output_class
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         if self.plan.pp_size == 1:
@@ -257,14 +207,8 @@ class PipelinedModel(nn.Module):
                 f"batch size {batch} is smaller than n_microbatches={m}; pass at least {m} sequences or load with a "
                 f"smaller n_microbatches"
             )
-        pad = (-batch) % m
-        if pad:
-            # Torch's schedules need equal microbatches: repeat the last row, drop its outputs after.
-            inputs = {
-                k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
-                for k, v in inputs.items()
-            }
-        _, schedule = self._runtime(self._signature(inputs), training=False)
+        inputs = pad_batch(inputs, batch, m)
+        _, schedule = self.runtime.get(signature(inputs), training=False)
         for stage in self.stages:
             stage.eval()
         out = schedule.step(**inputs)
@@ -273,19 +217,7 @@ class PipelinedModel(nn.Module):
             out = tuple(t[:batch] for t in out)
         if not self.gather_output:
             return out if self.is_last_stage_rank else None
-        return self._broadcast_from_last(out if self.is_last_stage_rank else None)
-
-    def _broadcast_from_last(self, tensors: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
-        src = self.global_rank(self.plan.last_rank)
-        meta = [None if tensors is None else [(tuple(t.shape), t.dtype) for t in tensors]]
-        dist.broadcast_object_list(meta, src=src, group=self.pp_group)
-        if tensors is None:
-            tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0])
-        else:
-            tensors = tuple(t.contiguous() for t in tensors)
-        for t in tensors:
-            dist.broadcast(t, src=src, group=self.pp_group)
-        return tensors
+        return self.runtime.broadcast_from_last(out if self.is_last_stage_rank else None)
 
     # ------------------------------------------------------- training / saving / generation
     # Each lives in its own module; these methods are the user-facing entry points.
@@ -314,6 +246,8 @@ class PipelinedModel(nn.Module):
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
         from .generate import generate
 
+        if self.build.generate_refusal is not None:
+            raise TraceError(self.build.generate_refusal)
         with self._step_errors("generate"):
             validate.check_generate_inputs(input_ids)
             if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not self.config.is_encoder_decoder:
@@ -332,27 +266,15 @@ class PipelinedModel(nn.Module):
         return f"rank={self.ctx.rank}, stages={[s.spec.index for s in self.stages]} of {self.plan.num_stages}"
 
     def __repr__(self) -> str:  # keep print(model) short: the plan says what matters
-        return f"PipelinedModel({self.extra_repr()})\n{self.plan}"
+        return f"{type(self).__name__}({self.extra_repr()})\n{self.plan}"
 
 
-def _build_groups(ctx: RankContext, pp_size: int):
-    """(mesh, pp_group, dp_group, pp_rank, dp_rank, dp_size): ranks [d*pp, (d+1)*pp) form pipeline replica d."""
-    if ctx.world_size % pp_size:
-        raise ValueError(
-            f"world size {ctx.world_size} is not a multiple of the pipeline size {pp_size} (= num_stages / "
-            f"virtual_stages); launch a multiple of {pp_size} processes or change num_stages"
-        )
-    dp_size = ctx.world_size // pp_size
-    if not ctx.is_distributed:
-        return None, None, None, 0, 0, 1
-    if dp_size == 1:
-        return None, None, None, ctx.rank, 0, 1
-    from torch.distributed.device_mesh import init_device_mesh
+class TracedPipelinedModel(PipelinedModel):
+    """A :class:`PipelinedModel` whose stages come from ``torch.export`` tracing instead of a recipe.
 
-    mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-    # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
-    ctx.apply_timeout(mesh.get_group("pp"), mesh.get_group("dp"))
-    return mesh, mesh.get_group("pp"), mesh.get_group("dp"), mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), dp_size
+    Same surface and the same loader (``build.py``); ``generate()`` raises, since KV-cached
+    generation needs a recipe.
+    """
 
 
 def load_pipelined(
@@ -393,106 +315,9 @@ def load_pipelined(
             torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
             recipe for ``config.model_type`` when there is one, else the tracer.
     """
-    ctx = init_distributed(device=device)
-    with collective_errors(ctx, "reading the checkpoint config"):
-        ckpt = resolve_checkpoint(path, revision=revision)
-        if config is None:
-            config = AutoConfig.from_pretrained(ckpt)
-        if split_method not in SPLIT_METHODS:
-            raise ValueError(f"split_method must be one of {list(SPLIT_METHODS)}, got {split_method!r}")
-        traced = split_method == "trace" or (split_method == "auto" and config.model_type not in list_recipes())
-        recipe = None if traced else get_recipe(config.model_type)
-        if schedule is None:
-            schedule = "interleaved-1f1b" if (virtual_stages or 1) > 1 else "1f1b"
-        sched = get_schedule(schedule)
-        if virtual_stages is None:
-            virtual_stages = sched.default_virtual_stages()
-        if num_stages is None:
-            num_stages = ctx.world_size * virtual_stages
-        if num_stages % virtual_stages:
-            raise ValueError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
-        pp_size = num_stages // virtual_stages
-        if ctx.world_size % pp_size:
-            raise ValueError(
-                f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} processes, "
-                f"but the world size is {ctx.world_size}; launch {pp_size} (or k x {pp_size}) processes or change num_stages"
-            )
-        if n_microbatches is None:
-            n_microbatches = num_stages
-        validate_schedule(sched, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
-        dtype = _resolve_dtype(dtype, config)
-        _check_dtype_supported(dtype, ctx.device)
-        if not traced:
-            skeleton = meta_model(config, auto_class)
-            resolved = resolve_recipe(skeleton, recipe)
-            plan = make_plan(skeleton, resolved, pp_size=pp_size, virtual_stages=virtual_stages, layout=sched.layout, split=split, dtype=dtype)
-    if traced:
-        from .trace import load_traced
-
-        return load_traced(
-            auto_class, ckpt, config=config, ctx=ctx, schedule=sched, pp_size=pp_size, virtual_stages=virtual_stages,
-            n_microbatches=n_microbatches, split=split, dtype=dtype, gather_output=gather_output, progress=progress,
-        )
-    mesh, pp_group, dp_group, pp_rank, dp_rank, dp_size = _build_groups(ctx, pp_size)
-
-    local = plan.stages_for_rank(pp_rank)
-    stages: list[StageModule] = []
-    report = LoadReport(files_opened=[], keys_read=[], bytes_read=0)
-    with collective_errors(ctx, "loading weights"):
-        index = CheckpointIndex.from_directory(ckpt)
-        stages = [build_stage(skeleton, resolved, spec) for spec in local]
-        wanted, aliases, expected, ignore = _wanted_tensors(skeleton, resolved, stages, index, dtype)
-        tensors, report = load_tensors(
-            index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
-            progress=ctx.is_main_process if progress is None else progress,
-        )
-        made: dict = {}  # one Parameter per checkpoint tensor on this rank, across its stages
-        for stage in stages:
-            materialize(stage, tensors, device=ctx.device, tied=resolved.tied, made=made)
-            stage.eval()
-        del tensors
-    return PipelinedModel(
-        config=config, plan=plan, resolved=resolved, stages=stages, skeleton=skeleton, ctx=ctx, schedule=sched,
-        n_microbatches=n_microbatches, gather_output=gather_output, checkpoint_dir=ckpt, load_report=report,
-        pp_group=pp_group, dp_group=dp_group, pp_rank=pp_rank, dp_rank=dp_rank, dp_size=dp_size, mesh=mesh,
+    built = build_pipeline(
+        auto_class, path, config=config, revision=revision, device=device, progress=progress,
+        n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
+        split=split, dtype=dtype, split_method=split_method,
     )
-
-
-def _wanted_tensors(skeleton: nn.Module, resolved: ResolvedRecipe, stages: Sequence[StageModule], index: CheckpointIndex, dtype: torch.dtype):
-    """What to read for these stages: names + (shape, dtype), alternative keys, the whole model's keys."""
-    ckpt_keys = index.keys()
-    prefix = getattr(skeleton, "base_model_prefix", "") or ""
-    full_sd = skeleton.state_dict(keep_vars=True)
-    groups = {name: g for g in resolved.tied for name in g}
-
-    # Keys transformers renames on load (LayerNorm.gamma -> .weight, ...), by the name they load as.
-    legacy: dict[str, str] = {}
-    for key, renamed in checkpoint_key_renames(skeleton, ckpt_keys).items():
-        legacy.setdefault(renamed, key)
-
-    def variants(name: str) -> list[str]:
-        # A base model (BertModel) can load a head checkpoint (bert.embeddings...) and a head model a
-        # base checkpoint (embeddings...), as transformers allows.
-        out = [name]
-        if prefix and name.startswith(prefix + "."):
-            out.append(name[len(prefix) + 1 :])
-        elif prefix and not resolved.base:
-            out.append(f"{prefix}.{name}")
-        return out + [legacy[v] for v in out if v in legacy]
-
-    wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    aliases: dict[str, list[str]] = {}
-    for stage in stages:
-        sd = stage.state_dict(keep_vars=True)
-        for name, t in sd.items():
-            is_param = isinstance(t, nn.Parameter)
-            alts = [v for member in groups.get(name, (name,)) for v in variants(member)]
-            if not is_param and not any(a in ckpt_keys for a in alts):
-                continue  # a buffer the checkpoint does not store keeps its constructed value
-            wanted[name] = (tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
-            aliases[name] = [a for a in alts if a != name]
-    expected = {v for name in full_sd for member in groups.get(name, (name,)) for v in variants(member)}
-    ignore = list(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or [])
-    if prefix and not resolved.base and any(k.startswith(prefix + ".") for k in ckpt_keys):
-        ignore.append(rf"^(?!{prefix}\.)")  # a head checkpoint loaded as its base model: heads are ignored
-    return wanted, aliases, expected, ignore
+    return (TracedPipelinedModel if built.build.traced else PipelinedModel)(built, gather_output=gather_output)

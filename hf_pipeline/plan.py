@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .errors import PlanError
 from .recipe import HeadSpec, Recipe, RecipeError
 
 __all__ = ["PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "resolve_recipe"]
@@ -26,10 +27,6 @@ __all__ = ["PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan",
 LAYOUTS = ("loop", "v")
 # ``split="auto"`` cuts a block in two only when that lowers the slowest stage's cost by more than this.
 CUT_GAIN = 0.02
-
-
-class PlanError(ValueError):
-    """The requested split cannot be built (too many stages, bad split points, ...)."""
 
 
 def _get(root: nn.Module, fqn: str) -> nn.Module | None:
@@ -146,7 +143,7 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
     return ResolvedRecipe(recipe=recipe, class_name=class_name, base=base, stacks=tuple(stacks), head=head, tied=tuple(tied))
 
 
-def _module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, attention: int) -> tuple[int, int, float]:
+def module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, attention: int) -> tuple[int, int, float]:
     """(params, bytes, FLOPs per token) of the given modules, ``attention`` of them attention layers; shared tensors count once."""
     seen: set[int] = set()
     params = 0
@@ -282,7 +279,7 @@ class StagePlan:
         )
         rows = [("stage", "rank", "blocks", "params", "bytes", "GFLOP/tok", "other modules")]
         for s in self.stages:
-            blocks = _compress(s.blocks)
+            blocks = compress_blocks(s.blocks)
             if s.halves:
                 blocks += " (" + ", ".join(f"{b.rpartition('.')[2]}: {'1st' if h == 0 else '2nd'} half" for b, h in s.halves) + ")"
             others = [m for m in s.modules if m not in s.blocks and not any(m.startswith(b + ".") for b in s.blocks)]
@@ -296,7 +293,7 @@ class StagePlan:
         return "\n".join(lines)
 
 
-def _compress(blocks: Sequence[str]) -> str:
+def compress_blocks(blocks: Sequence[str]) -> str:
     """'model.layers.0', 'model.layers.1', 'model.layers.2' -> 'model.layers.0-2'."""
     out: list[str] = []
     groups: dict[str, list[int]] = {}
@@ -349,7 +346,7 @@ class _Unit:
     half: int | None
 
 
-def _rank_of(stage: int, pp_size: int, layout: str) -> int:
+def rank_of_stage(stage: int, pp_size: int, layout: str) -> int:
     if layout == "loop":
         return stage % pp_size  # rank r owns stages r, r+p, r+2p, ...
     # V shape: rank r owns stages r and 2p-1-r, so the last stage sits next to the first
@@ -432,7 +429,7 @@ def make_plan(
     def stats(group: Sequence[_Unit], is_last: bool) -> tuple[int, int, float]:
         mods = [m for u in group for m in unit_modules(u)] + extra_modules(group, is_last)
         attention = sum(1 for u in group if u.half != 1)  # the attention scores run in the first half
-        return _module_stats(model, mods, itemsize, seq_len, hidden, attention)
+        return module_stats(model, mods, itemsize, seq_len, hidden, attention)
 
     def too_many(available: int, what: str) -> PlanError:
         return PlanError(
@@ -510,7 +507,7 @@ def make_plan(
         stages.append(
             StageSpec(
                 index=s,
-                rank=_rank_of(s, pp_size, layout),
+                rank=rank_of_stage(s, pp_size, layout),
                 blocks=blocks,
                 modules=tuple(dict.fromkeys(extras + [m for u in group for m in unit_modules(u)])),
                 stacks=tuple(dict.fromkeys(resolved.stacks[u.stack].name for u in group)),

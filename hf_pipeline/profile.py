@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining import stage as _torch_stage
 
-from .plan import _rank_of
+from .plan import rank_of_stage
 from .schedules import ScheduleSpec, get_schedule
 
 __all__ = [
@@ -134,7 +134,7 @@ def schedule_actions(
         # stage before the next (GPipe's forward for one stage per rank, looped BFS's for looped
         # stages, ScheduleForwardInOrder's for any layout): see ScheduleSpec.forward_only.
         num_stages = p * (v if spec.multi else 1)
-        return {r: [f"{s}F{i}" for s in range(num_stages) if _rank_of(s, p, spec.layout) == r for i in range(m)] for r in range(p)}
+        return {r: [f"{s}F{i}" for s in range(num_stages) if rank_of_stage(s, p, spec.layout) == r for i in range(m)] for r in range(p)}
     if not spec.multi:
         return {r: _single_stage_actions(spec, r, p, m) for r in range(p)}
     num_stages = p * v
@@ -146,7 +146,7 @@ def schedule_actions(
             is_first=index == 0, is_last=index == num_stages - 1, submod=torch.nn.Module(),
         )
 
-    local = [stand_in(i) for i in range(num_stages) if _rank_of(i, p, spec.layout) == 0]
+    local = [stand_in(i) for i in range(num_stages) if rank_of_stage(i, p, spec.layout) == 0]
     order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
     return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in _ACTION_KINDS] for r in range(p)}
 

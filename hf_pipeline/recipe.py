@@ -21,6 +21,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import RecipeError
+
 __all__ = ["HeadSpec", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe", "register_recipe"]
 
 # Forward glue implementations a recipe may name (``hf_pipeline/glue.py``); kept here so that
@@ -30,10 +32,6 @@ KNOWN_LOSSES = ("causal_lm", "masked_lm", "sequence_classification", "seq2seq_lm
 KNOWN_POOLS = ("last_token", "pooler")
 # Glues that can run a block's two halves on different stages (``Glue.block_half``).
 HALF_GLUES = ("llama", "gpt2", "bert")
-
-
-class RecipeError(ValueError):
-    """A recipe file is malformed, or names a module the model does not have."""
 
 
 @dataclass(frozen=True, kw_only=True)

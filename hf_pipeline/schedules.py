@@ -42,6 +42,8 @@ from typing import Any, Callable
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from .errors import ScheduleError
+
 __all__ = [
     "BUBBLE_FORMULAS",
     "SCHEDULES",
@@ -55,10 +57,6 @@ __all__ = [
     "get_schedule",
     "validate_schedule",
 ]
-
-
-class ScheduleError(ValueError):
-    """A schedule cannot run with the requested stages / microbatches."""
 
 # Idle fraction of a training step at equal stage costs, by name: p ranks, m microbatches, v stages
 # per rank. (formula as documented, function)

@@ -16,8 +16,8 @@ Example:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import transformers
@@ -25,23 +25,11 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from .glue import Glue, get_glue
-from .plan import ResolvedRecipe, StageSpec
+from .options import PipelineOptions, model_class_for
+from .plan import ResolvedRecipe, StagePlan, StageSpec, make_plan, resolve_recipe
+from .recipe import get_recipe
 
-__all__ = ["StageModule", "StackRun", "build_stage", "materialize", "meta_model", "resolve_auto_class"]
-
-
-def resolve_auto_class(auto_class: str | type, config) -> type:
-    """The concrete transformers class an Auto class maps ``config`` to (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``)."""
-    auto = getattr(transformers, auto_class) if isinstance(auto_class, str) else auto_class
-    if not hasattr(auto, "_model_mapping"):
-        return auto  # already a concrete class
-    try:
-        return auto._model_mapping[type(config)]
-    except KeyError:
-        raise ValueError(
-            f"{auto.__name__} has no model for config {type(config).__name__} (model_type {config.model_type!r}); "
-            f"pick the Auto class that matches the checkpoint"
-        ) from None
+__all__ = ["StageBuild", "StageModule", "StackRun", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
 
 
 def meta_model(config, model_class: str | type) -> nn.Module:
@@ -50,7 +38,7 @@ def meta_model(config, model_class: str | type) -> nn.Module:
     Buffers stay real (they are small and not all of them are in checkpoints: rotary ``inv_freq``,
     position id ranges), so a pruned stage only needs its parameters loaded.
     """
-    cls = resolve_auto_class(model_class, config)
+    cls = model_class_for(config, model_class)
     with init_empty_weights(include_buffers=False):
         model = cls._from_config(config)
     # init_empty_weights swaps parameters as they are registered, which undoes the ties that
@@ -59,7 +47,7 @@ def meta_model(config, model_class: str | type) -> nn.Module:
     return model.eval()
 
 
-def _prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
+def prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
     # Delete every child not kept and not an ancestor of a kept module. Containers keep their
     # class and attributes (a ModuleList of layers 4..7 still iterates them), and parameter names
     # stay the model's own.
@@ -71,7 +59,7 @@ def _prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
         if child is None or fqn in keep:
             continue
         if any(k.startswith(fqn + ".") for k in keep):
-            _prune(child, keep, fqn + ".")
+            prune(child, keep, fqn + ".")
         else:
             del module._modules[name]
 
@@ -172,7 +160,7 @@ class StageModule(nn.Module):
 def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> StageModule:
     """A meta-device :class:`StageModule` for ``spec``, cut from a copy of ``full``."""
     root = copy.deepcopy(full)
-    _prune(root, set(spec.modules))
+    prune(root, set(spec.modules))
     return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue))
 
 
@@ -205,3 +193,48 @@ def materialize(
         owner = stage.get_submodule(owner_name)
         value = tensors.get(name, buf)
         owner._buffers[attr] = value.to(device)
+
+
+@dataclass(kw_only=True)
+class StageBuild:
+    """What a front end gives the loader (the same on every rank).
+
+    Attributes:
+        config: the config the stages run with (the tracer's copy has ``use_cache=False``).
+        plan: the stage plan.
+        resolved: the recipe resolved against the model (the tracer makes one from the model).
+        skeleton: the whole model on the meta device; never run, kept for config-only helpers.
+        output_class: the transformers output class the head's outputs are returned in.
+        make_stages: meta-device stage modules for the given specs (this rank's), checkpoint names inside.
+        on_loaded: called with the materialised stages (the tracer wires its graphs to them).
+        generate_refusal: why this model cannot ``generate()``, or None when it can.
+    """
+
+    config: Any
+    plan: StagePlan
+    resolved: ResolvedRecipe
+    skeleton: nn.Module
+    output_class: type
+    make_stages: Callable[[Sequence[StageSpec]], list[nn.Module]]
+    on_loaded: Callable[[Sequence[nn.Module]], None] = field(default=lambda stages: None)
+    generate_refusal: str | None = None
+    traced: bool = False
+
+
+def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
+    """The recipe front end: the plan of ``config``'s model and stages cut from it by its recipe.
+
+    Needs only the config (no weights, no process group): the planner and the converter call it
+    too, so they plan exactly what the loader builds.
+    """
+    skeleton = meta_model(config, options.model_class)
+    resolved = resolve_recipe(skeleton, get_recipe(config.model_type))
+    plan = make_plan(
+        skeleton, resolved, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
+        layout=options.schedule.layout, split=options.split, dtype=options.dtype,
+    )
+    return StageBuild(
+        config=config, plan=plan, resolved=resolved, skeleton=skeleton,
+        output_class=getattr(transformers.modeling_outputs, resolved.head.output_class),
+        make_stages=lambda specs: [build_stage(skeleton, resolved, spec) for spec in specs],
+    )

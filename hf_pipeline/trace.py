@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
-import os
 import re
 from typing import Any, Sequence
 
@@ -58,16 +57,14 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.utils import _pytree as pytree
 
-from .dist import RankContext, collective_errors
+from .errors import TraceError
 from .glue import Glue
-from .model import PipelinedModel, _build_groups, _wanted_tensors  # model.py imports this module lazily: no cycle
-from .plan import ResolvedRecipe, ResolvedStack, StageSpec, _module_stats, make_plan
+from .options import PipelineOptions
+from .plan import ResolvedRecipe, ResolvedStack, StageSpec, module_stats, make_plan
 from .recipe import HeadSpec, Recipe, StackSpec
-from .schedules import ScheduleSpec
-from .stages import _prune, materialize, meta_model
-from .weights import CheckpointIndex, LoadReport, load_tensors
+from .stages import StageBuild, meta_model, prune
 
-__all__ = ["TraceError", "TracedPipelinedModel", "TracedStage", "find_blocks", "load_traced"]
+__all__ = ["TraceError", "TracedStage", "find_blocks", "trace_front_end"]
 
 # HF's own ``model.loss_type`` -> the loss names of hf_pipeline.losses (same as the recipes' ``loss``).
 _LOSSES = {
@@ -83,10 +80,6 @@ _RECIPE_HOWTO = (
     "run the blocks with a transformers Cache), register it with hf_pipeline.register_recipe(path) and load with "
     "split_method='recipe' or 'auto'"
 )
-
-
-class TraceError(RuntimeError):
-    """The model cannot be split or run through ``torch.export`` tracing."""
 
 
 # ----------------------------------------------------------------------------- the split
@@ -205,9 +198,9 @@ def _traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks
     nparams = sum(t.numel() for t in distinct.values())
     config = getattr(model, "config", None)
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
-    _, _, f_blocks = _module_stats(model, list(spec.blocks), itemsize, seq_len, hidden, len(spec.blocks))
+    _, _, f_blocks = module_stats(model, list(spec.blocks), itemsize, seq_len, hidden, len(spec.blocks))
     others = [m for m in mods if m and m not in spec.blocks]
-    _, _, f_other = _module_stats(model, others, itemsize, seq_len, hidden, 0)
+    _, _, f_other = module_stats(model, others, itemsize, seq_len, hidden, 0)
     return dataclasses.replace(spec, modules=mods, params=nparams, nbytes=nparams * itemsize, flops_per_token=f_blocks + f_other)
 
 
@@ -524,7 +517,7 @@ def _holder(skeleton: nn.Module, names: Sequence[str]) -> nn.Module:
     present = {n for n, _ in root.named_parameters(remove_duplicate=False)} | {n for n, _ in root.named_buffers(remove_duplicate=False)}
     names = [n for n in names if n in present]  # lifted constants live in the graph only
     keep = set(names)
-    _prune(root, {_owner(n)[0] for n in names})
+    prune(root, {_owner(n)[0] for n in names})
     for name, _ in list(root.named_parameters(remove_duplicate=False)):
         if name not in keep:
             owner, attr = _owner(name)
@@ -563,99 +556,53 @@ def _load_example(config) -> dict[str, torch.Tensor]:
     return example
 
 
-class TracedPipelinedModel(PipelinedModel):
-    """A :class:`PipelinedModel` whose stages come from ``torch.export`` tracing instead of a recipe.
+def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -> StageBuild:
+    """The tracer front end: plan the model from its module tree and split it with torch.export.
 
-    Same surface: ``model(**inputs)``, ``model.plan``, ``model.stages`` (checkpoint names inside),
-    training through ``_runtime(..., training=True)``. ``generate()`` raises: KV-cached generation
-    needs a recipe.
+    Returns the same :class:`~hf_pipeline.stages.StageBuild` as the recipe front end: the loader
+    (``build.py``) then reads and materialises the stages' tensors exactly as for recipe stages,
+    and wires this tracer's graphs to them when they are loaded.
     """
-
-    def __init__(self, *, tracer: _Tracer, **kwargs: Any):
-        super().__init__(**kwargs)
-        object.__setattr__(self, "_tracer", tracer)  # not a submodule: its graphs share the stages' parameters
-
-    def _output_class(self) -> type:
-        return self._tracer.output_class
-
-    def generate(self, *args: Any, **kwargs: Any):
+    config = copy.deepcopy(config)
+    config.use_cache = False  # torch.export cannot trace HF's KV cache
+    skeleton = meta_model(config, options.model_class)
+    _cast_parameters(skeleton, options.dtype)
+    blocks_fqn = find_blocks(skeleton)
+    resolved = _costing_recipe(skeleton, blocks_fqn)
+    plan = make_plan(
+        skeleton, resolved, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
+        layout=options.schedule.layout, split=options.split, dtype=options.dtype,
+    )
+    tracer = _Tracer(skeleton, list(plan.split_points), plan.num_stages, (), device)
+    first = tracer.trace(_load_example(config), training=False, install=False)
+    out = pytree.tree_unflatten([torch.empty(0)] * first.out_spec.num_leaves, first.out_spec)
+    keys = tuple(out.keys()) if hasattr(out, "keys") else ()
+    if len(keys) != first.out_spec.num_leaves:
         raise TraceError(
-            f"{self.plan.model_class} was split by torch.export tracing, which works without a KV cache only, so it cannot "
-            f"generate. KV-cached pipelined generation needs a recipe; to generate with this model, {_RECIPE_HOWTO}"
+            f"{type(skeleton).__name__} returns {type(out).__name__} with {first.out_spec.num_leaves} tensors for "
+            f"{len(keys)} fields {list(keys)}; the traced path returns one tensor per field: turn off "
+            f"output_hidden_states / output_attentions in the config"
         )
+    tracer.output_class = type(out)
+    resolved = dataclasses.replace(resolved, head=dataclasses.replace(resolved.head, outputs=keys, output_class=type(out).__name__))
+    itemsize = torch.empty((), dtype=options.dtype).element_size()
+    blocks = resolved.stacks[0].blocks
+    stages = tuple(_traced_spec(skeleton, s, first.state[s.index], blocks, itemsize) for s in plan.stages)
+    plan = dataclasses.replace(plan, stages=stages, _by_rank={})
 
-    def __repr__(self) -> str:
-        return f"TracedPipelinedModel({self.extra_repr()})\n{self.plan}"
+    def make_stages(specs: Sequence[StageSpec]) -> list[nn.Module]:
+        tracer.local = tuple(s.index for s in specs)
+        return [TracedStage(_holder(skeleton, first.state[s.index]), s, resolved, tracer) for s in specs]
 
-
-def load_traced(
-    auto_class: str | type,
-    ckpt: os.PathLike,
-    *,
-    config,
-    ctx: RankContext,
-    schedule: ScheduleSpec,
-    pp_size: int,
-    virtual_stages: int,
-    n_microbatches: int,
-    split: str | Sequence[str],
-    dtype: torch.dtype,
-    gather_output: bool = True,
-    progress: bool | None = None,
-) -> TracedPipelinedModel:
-    """Trace, plan and load this rank's stages of the checkpoint at ``ckpt`` (collective).
-
-    Called by :func:`hf_pipeline.model.load_pipelined` for ``split_method="trace"`` (or "auto"
-    without a recipe); the arguments are the ones it validated.
-    """
-    with collective_errors(ctx, "tracing the model"):
-        config = copy.deepcopy(config)
-        config.use_cache = False  # torch.export cannot trace HF's KV cache
-        skeleton = meta_model(config, auto_class)
-        _cast_parameters(skeleton, dtype)
-        blocks_fqn = find_blocks(skeleton)
-        resolved = _costing_recipe(skeleton, blocks_fqn)
-        plan = make_plan(skeleton, resolved, pp_size=pp_size, virtual_stages=virtual_stages, layout=schedule.layout, split=split, dtype=dtype)
-        split_points = list(plan.split_points)
-        tracer = _Tracer(skeleton, split_points, plan.num_stages, (), ctx.device)
-        first = tracer.trace(_load_example(config), training=False, install=False)
-        out = pytree.tree_unflatten([torch.empty(0)] * first.out_spec.num_leaves, first.out_spec)
-        keys = tuple(out.keys()) if hasattr(out, "keys") else ()
-        if len(keys) != first.out_spec.num_leaves:
-            raise TraceError(
-                f"{type(skeleton).__name__} returns {type(out).__name__} with {first.out_spec.num_leaves} tensors for "
-                f"{len(keys)} fields {list(keys)}; the traced path returns one tensor per field: turn off "
-                f"output_hidden_states / output_attentions in the config"
-            )
-        tracer.output_class = type(out)
-        resolved = dataclasses.replace(
-            resolved, head=dataclasses.replace(resolved.head, outputs=keys, output_class=type(out).__name__)
-        )
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        blocks = resolved.stacks[0].blocks
-        stages = tuple(_traced_spec(skeleton, s, first.state[s.index], blocks, itemsize) for s in plan.stages)
-        plan = dataclasses.replace(plan, stages=stages, _by_rank={})
-    mesh, pp_group, dp_group, pp_rank, dp_rank, dp_size = _build_groups(ctx, pp_size)
-
-    local = plan.stages_for_rank(pp_rank)
-    tracer.local = tuple(s.index for s in local)
-    report = LoadReport(files_opened=[], keys_read=[], bytes_read=0)
-    holders: list[TracedStage] = []
-    with collective_errors(ctx, "loading weights"):
-        index = CheckpointIndex.from_directory(ckpt)
-        holders = [TracedStage(_holder(skeleton, first.state[s.index]), s, resolved, tracer) for s in local]
-        wanted, aliases, expected, ignore = _wanted_tensors(skeleton, resolved, holders, index, dtype)
-        tensors, report = load_tensors(
-            index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
-            progress=ctx.is_main_process if progress is None else progress,
-        )
-        for holder in holders:
-            materialize(holder, tensors, device=ctx.device, tied=resolved.tied)
-            holder.eval()
+    def on_loaded(loaded: Sequence[nn.Module]) -> None:
+        for holder in loaded:
             tracer.holders[holder.spec.index] = holder
-        del tensors
-    return TracedPipelinedModel(
-        tracer=tracer, config=config, plan=plan, resolved=resolved, stages=holders, skeleton=skeleton, ctx=ctx,
-        schedule=schedule, n_microbatches=n_microbatches, gather_output=gather_output, checkpoint_dir=ckpt,
-        load_report=report, pp_group=pp_group, dp_group=dp_group, pp_rank=pp_rank, dp_rank=dp_rank, dp_size=dp_size, mesh=mesh,
+
+    return StageBuild(
+        config=config, plan=plan, resolved=resolved, skeleton=skeleton, output_class=type(out),
+        make_stages=make_stages, on_loaded=on_loaded, traced=True,
+        generate_refusal=(
+            f"{plan.model_class} was split by torch.export tracing, which works without a KV cache only, so it cannot "
+            f"generate. KV-cached pipelined generation needs a recipe; to generate with this model, {_RECIPE_HOWTO}"
+        ),
     )

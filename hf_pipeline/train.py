@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dist import _fingerprint, raise_on_any_rank
+from .dist import fingerprint, raise_on_any_rank
 from .losses import LossFunction, PipelineLoss, get_loss
+from .runtime import signature
 from .schedules import check_training
 from .stages import StageModule
 from .validate import check_microbatches, check_model_inputs
@@ -240,7 +241,7 @@ class _Batch:
 
 
 def _digest(batch: Mapping[str, Any]) -> int:
-    material, _ = _fingerprint({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    material, _ = fingerprint({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
     return int.from_bytes(hashlib.blake2b(material.encode(), digest_size=8).digest(), "little") & ((1 << 62) - 1)
 
 
@@ -470,8 +471,8 @@ def train_step(
             if model.plan.pp_size == 1:
                 _run_local(model, state, b, loss_kwargs, losses)
             else:
-                signature = model._signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
-                pstages, schedule = model._runtime(signature, training=True, loss_fn=state.loss_fn, scale_grads=False)
+                key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
+                pstages, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
                 if model.schedule.zero_bubble:
                     for pstage in pstages:
                         _retain_graph_in_weight_pass(pstage)

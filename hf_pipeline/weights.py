@@ -31,6 +31,8 @@ from typing import Collection, Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .errors import CheckpointError, CheckpointNotFoundError
+
 __all__ = [
     "CheckpointError",
     "CheckpointIndex",
@@ -51,14 +53,6 @@ SAVE_STAGING_PREFIX = ".hf_pipeline.tmp-"
 SAVE_STAGING_PATTERN = re.compile(re.escape(SAVE_STAGING_PREFIX) + r"[0-9a-f]{12}")
 _MAX_HEADER = 100_000_000  # safetensors refuses larger headers too; a bigger length field means corruption
 _MAX_LISTED = 10  # names shown in a missing/unexpected-key message
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be loaded as asked; the message names the file or key and how to fix it."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """Neither a local checkpoint directory nor a hub id in the local cache."""
 
 
 def _listing(names: Sequence[str]) -> str:
@@ -193,7 +187,7 @@ def _shard_header(path: pathlib.Path) -> _ShardHeader:
     return _ShardHeader(data_start=8 + n, entries=header)
 
 
-def _read_header(path: pathlib.Path) -> dict[str, dict]:
+def read_header(path: pathlib.Path) -> dict[str, dict]:
     """The tensor entries of a safetensors header (see :func:`_shard_header`)."""
     return _shard_header(path).entries
 
@@ -261,7 +255,7 @@ class CheckpointIndex:
             return cls(directory=directory, weight_map=dict(weight_map))
         single = directory / SINGLE_NAME
         if single.is_file():
-            return cls(directory=directory, weight_map=dict.fromkeys(_read_header(single), SINGLE_NAME))
+            return cls(directory=directory, weight_map=dict.fromkeys(read_header(single), SINGLE_NAME))
         others = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".ckpt"))
         found = f" (found: {', '.join(others[:_MAX_LISTED])})" if others else ""
         raise CheckpointError(_NO_SAFETENSORS.format(index=INDEX_NAME, single=SINGLE_NAME, dir=directory, found=found))
@@ -348,7 +342,7 @@ class LoadReport:
     bytes_read: int = 0  # stored bytes (before any dtype cast) of the tensors read
 
 
-def _resolve_keys(index: CheckpointIndex, wanted: Mapping, aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
+def resolve_keys(index: CheckpointIndex, wanted: Mapping, aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
     """Stage name -> checkpoint key: the name itself, else the first alias the checkpoint holds."""
     have = index.weight_map
     source: dict[str, str] = {}
@@ -416,7 +410,7 @@ def load_tensors(
             missing, truncated or corrupted shards. Everything is checked before any tensor data is read.
     """
     aliases = aliases or {}
-    source = _resolve_keys(index, wanted, aliases)
+    source = resolve_keys(index, wanted, aliases)
     if expected_keys is not None:
         _check_unexpected(index, expected_keys, ignore_unexpected)
     groups = index.shards_for(source.values())

@@ -17,10 +17,11 @@ from hf_pipeline.convert import (
     ConvertError,
     convert_to_stages,
     merge_shards,
-    parse_size,
     stage_file_name,
     stage_keys,
 )
+from hf_pipeline.errors import InputError
+from hf_pipeline.options import parse_size
 from hf_pipeline.weights import INDEX_NAME, CheckpointIndex
 
 
@@ -183,7 +184,7 @@ def test_parse_size_and_bad_plans(tmp_path):
     assert parse_size("40KB") == 40_000
     assert parse_size(123) == 123
     for bad in ("lots", "5XB", 0, "-1MB"):
-        with pytest.raises(ConvertError):
+        with pytest.raises(InputError):
             parse_size(bad)
     src = tiny.make_checkpoint(tmp_path / "src", "llama", shards=1)
     with pytest.raises(ConvertError, match="multiple of virtual_stages"):

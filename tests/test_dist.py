@@ -103,9 +103,9 @@ def test_thread_env_and_bad_settings(single_process, monkeypatch):
 
 
 def test_fingerprint_sees_small_and_large_changes():
-    from hf_pipeline.dist import _fingerprint
+    from hf_pipeline.dist import fingerprint
 
-    fp = lambda v: _fingerprint(v)[0]  # noqa: E731
+    fp = lambda v: fingerprint(v)[0]  # noqa: E731
     a = torch.arange(16, dtype=torch.int64).reshape(2, 8)
     assert fp(a) == fp(a.clone())
     assert fp(a) != fp(a.flip(1))  # same sum, other order

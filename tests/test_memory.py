@@ -35,7 +35,8 @@ def _real_saved_bytes(arch, auto, dtype, stages, microbatch, seq):
     ref = getattr(transformers, auto).from_config(cfg).to(dtype)
     skeleton = meta_model(cfg, auto)
     resolved = resolve_recipe(skeleton, get_recipe(cfg.model_type))
-    plan = make_plan(skeleton, resolved, pp_size=stages, dtype=dtype, seq_len=seq)
+    # The loader's plan (from_pretrained knows no sequence length): the one the planner predicts for.
+    plan = make_plan(skeleton, resolved, pp_size=stages, dtype=dtype)
     sd = ref.state_dict()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, tiny.VOCAB, (microbatch, seq), generator=g)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tiny
+from hf_pipeline.runtime import signature
 from harness import run_distributed
 from hf_pipeline.profile import ActionRecord, Timeline, schedule_actions, theoretical_bubble
 
@@ -23,7 +24,7 @@ def _profile_training(path, out_dir):
         model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule=name, virtual_stages=v, n_microbatches=4)
         prepared = model._prepare(dict(inputs))
         # The training runtime train_step drives: torch's schedule with a loss on the last stage.
-        _, schedule = model._runtime(model._signature(prepared), training=True, loss_fn=lambda out, target: out.float().pow(2).mean())
+        _, schedule = model.runtime.get(signature(prepared), training=True, loss_fn=lambda out, target: out.float().pow(2).mean())
         for stage in model.stages:
             stage.train()
         target = torch.zeros(8)

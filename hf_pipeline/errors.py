@@ -1,0 +1,98 @@
+"""The library's exceptions, in one place, under one base class.
+
+Every error the library raises on purpose derives from :class:`PipelineError`, so callers (and
+the ``hf-pipeline`` CLI) can tell "the user asked for something that cannot be done" from a bug:
+``except PipelineError`` catches the first; anything else escaping the library is the second.
+Each class also keeps the builtin base it always had (``ValueError`` for bad arguments,
+``RuntimeError`` for failures while running), so ``except ValueError`` code keeps working.
+
+This module imports nothing from the package: every other module may raise these.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+__all__ = [
+    "CLIError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConvertError",
+    "InputError",
+    "PipelineBroken",
+    "PipelineError",
+    "PlanError",
+    "RankError",
+    "RecipeError",
+    "ScheduleError",
+    "TraceError",
+]
+
+
+class PipelineError(Exception):
+    """Base of every error the library raises on purpose; its message says what to change."""
+
+
+class InputError(PipelineError, ValueError):
+    """A bad argument or input value (an option of ``from_pretrained``, a call's inputs)."""
+
+
+class RecipeError(PipelineError, ValueError):
+    """A recipe file is malformed or does not match the model it is applied to."""
+
+
+class PlanError(PipelineError, ValueError):
+    """The model cannot be split as requested."""
+
+
+class ScheduleError(PipelineError, ValueError):
+    """A schedule cannot run with the requested stages / microbatches."""
+
+
+class CheckpointError(PipelineError, ValueError):
+    """A checkpoint is missing, malformed or does not match the model."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the given path (nor in the local hub cache)."""
+
+
+class ConvertError(PipelineError, ValueError):
+    """A checkpoint conversion cannot be done as requested."""
+
+
+class TraceError(PipelineError, RuntimeError):
+    """The torch.export fallback cannot split (or run) this model."""
+
+
+class RankError(PipelineError, RuntimeError):
+    """Another rank failed; raised on every rank but the failing one(s).
+
+    Attributes:
+        rank: the first failing rank.
+        ranks: every failing rank, ascending.
+        original_type: name of the first failing rank's exception type (e.g. ``"ValueError"``).
+        failures: ``{rank: (type name, message, label)}`` for every failing rank.
+    """
+
+    def __init__(self, message: str, *, failures: Mapping[int, tuple[str, str, str | None]]) -> None:
+        super().__init__(message)
+        self.failures = dict(sorted(failures.items()))
+        self.ranks = tuple(self.failures)
+        self.rank = self.ranks[0]
+        self.original_type = self.failures[self.rank][0]
+
+    def __reduce__(self):  # picklable (e.g. sent back from a worker process)
+        return (_rebuild_rank_error, (str(self), self.failures))
+
+
+def _rebuild_rank_error(message: str, failures: Mapping[int, tuple[str, str, str | None]]) -> RankError:
+    return RankError(message, failures=failures)
+
+
+class PipelineBroken(PipelineError, RuntimeError):
+    """The process group can no longer be used after a failure inside a pipelined call."""
+
+
+class CLIError(PipelineError):
+    """A command-line mistake: printed as one line, exit code 2."""
