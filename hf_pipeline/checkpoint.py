@@ -134,11 +134,9 @@ def parse_size(size: int | str) -> int:
 # --------------------------------------------------------------------------------------------
 def _my_tensors(model) -> dict[str, torch.Tensor]:
     """checkpoint key -> tensor, for the keys whose first holding stage is on this rank (replica 0 only)."""
-    from .train import param_layout
-
     if model.dp_rank != 0:
         return {}  # replicas hold the same values: the first one writes
-    layout = param_layout(model)
+    layout = model.param_layout
     out: dict[str, torch.Tensor] = {}
     for stage in model.stages:
         for name, t in stage.state_dict(keep_vars=True).items():
@@ -164,9 +162,7 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
 
 def _optimizer_state(model, optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with parameter indices replaced by checkpoint keys."""
-    from .train import param_layout
-
-    layout = param_layout(model)
+    layout = model.param_layout
     key_of_param: dict[int, str] = {}
     for stage in model.stages:
         for name, p in stage.named_parameters(remove_duplicate=False):
@@ -358,15 +354,13 @@ def save_pretrained(
     """
     import safetensors.torch  # save_file looked up at call time (tests replace it)
 
-    from .train import param_layout
-
     ctx = model.ctx
     final = pathlib.Path(save_directory).absolute()
     token = _broadcast(model, uuid.uuid4().hex[:12] if ctx.is_main_process else None)
     paths = _gather(model, str(final))
     staging = final / f"{SAVE_STAGING_PREFIX}{token}"
     with_state = optimizer is not None or scheduler is not None or step is not None or trainer_state is not None
-    layout = param_layout(model)
+    layout = model.param_layout
 
     # 1. Checks and plans on every rank; nothing is written before every rank has passed them.
     with collective_errors(ctx, "preparing the checkpoint"):
@@ -612,8 +606,6 @@ def load_training_state(
     Returns:
         The ``trainer_state.json`` contents (``step`` among them).
     """
-    from .train import param_layout
-
     directory = pathlib.Path(directory)
     ctx = model.ctx
     with collective_errors(ctx, "loading the training state"):
@@ -630,7 +622,7 @@ def load_training_state(
                 "with its training state, or load the weights alone"
             )
         if optimizer is not None:
-            _load_optimizer(model, optimizer, directory, param_layout(model))
+            _load_optimizer(model, optimizer, directory, model.param_layout)
         if scheduler is not None:
             path = directory / SCHEDULER_NAME
             if not path.is_file():

@@ -16,6 +16,7 @@ Example (``torchrun --nproc_per_node 2 script.py``):
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from typing import Any, Sequence
@@ -30,7 +31,7 @@ from .dist import ParallelDims, RankContext, check_same_on_all_ranks
 from .errors import TraceError
 from .faults import raise_if_broken, step_errors
 from .options import PipelineOptions
-from .plan import ResolvedRecipe, StagePlan
+from .plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
 from .runtime import PipelineRuntime, pad_batch, signature
 from .schedules import ScheduleSpec
 from .weights import LoadReport
@@ -73,6 +74,11 @@ class PipelinedModel(nn.Module):
             dims=built.dims, device=built.ctx.device,
         )
         self.check_inputs = True
+
+    @functools.cached_property
+    def param_layout(self) -> ParamLayout:
+        """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.plan.param_layout`."""
+        return param_layout(self.skeleton, self.plan, self.resolved.tied)
 
     # Where this rank sits in the (dp, pp) layout; see :class:`~hf_pipeline.dist.ParallelDims`.
     @property
@@ -141,7 +147,8 @@ class PipelinedModel(nn.Module):
                     yield name, p
 
     # ----------------------------------------------------------------- forward
-    def _prepare(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5 derives decoder inputs)."""
         inputs = {k: v for k, v in inputs.items() if v is not None}
         for k, v in list(inputs.items()):
             if isinstance(v, torch.Tensor):
@@ -152,7 +159,9 @@ class PipelinedModel(nn.Module):
     def resolved_glue(self):
         return self.stages[0].glue
 
-    def _batch_size(self, inputs: dict[str, Any]) -> int:
+    @staticmethod
+    def batch_size(inputs: dict[str, Any]) -> int:
+        """Rows of a call's inputs (from input_ids, inputs_embeds or decoder_input_ids)."""
         for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
             if key in inputs:
                 return inputs[key].shape[0]
@@ -169,11 +178,11 @@ class PipelinedModel(nn.Module):
         """
         labels = kwargs.pop("labels", None)
         raise_if_broken("a forward pass")
-        inputs = self._prepare(dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs))
+        inputs = self.prepare_inputs(dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs))
         if self.check_inputs:
             tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
             check_same_on_all_ranks(self.ctx, "model inputs", tensors if labels is None else {**tensors, "labels": labels})
-        batch = self._batch_size(inputs)
+        batch = self.batch_size(inputs)
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
         validate.check_model_inputs(self.config, self.resolved.head.loss, inputs, labels=labels)
         if self.plan.pp_size > 1:

@@ -65,13 +65,13 @@ def parse_size(size: int | str, *, what: str = "size") -> int:
         InputError: for anything else, or a size below 1 byte.
     """
     if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise InputError(f"{what} {size!r} is not a size; write e.g. '500MB', '2GB' or a number of bytes")
+        raise InputError(f"cannot read the size {size!r} ({what}); write e.g. '500MB', '2GB' or a number of bytes")
     if isinstance(size, int):
         value = size
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", size.upper())
         if not m:
-            raise InputError(f"{what} {size!r} is not a size; write e.g. '500MB', '2GB' or a number of bytes")
+            raise InputError(f"cannot read the size {size!r} ({what}); write e.g. '500MB', '2GB' or a number of bytes")
         unit = m.group(2).rstrip("B")
         base = 1024 if unit.endswith("I") else 1000
         power = "KMGT".find(unit[:1]) + 1 if unit else 0

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -53,91 +54,11 @@ from .schedules import check_training
 from .stages import StageModule
 from .validate import check_microbatches, check_model_inputs
 
-__all__ = ["ParamLayout", "clip_grad_norm_", "param_layout", "train_step"]
+__all__ = ["clip_grad_norm_", "train_step"]
 
 _BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of at most this size
 # Inputs a training step cannot take: caches and precomputed encoder outputs belong to generation.
 _NOT_FOR_TRAINING = ("past_key_values", "encoder_outputs", "cache_position", "use_cache", "logits_to_keep")
-
-
-# --------------------------------------------------------------------------------------------
-# Which stage holds which checkpoint key
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class ParamLayout:
-    """Where every checkpoint key of the model lives, computed from the plan alone (same on every rank).
-
-    Attributes:
-        key_of: every state-dict name of the model (tied aliases included) -> its checkpoint key,
-            the one name transformers' ``save_pretrained`` writes for that tensor.
-        holders: checkpoint key -> indices of the stages holding it, ascending (two or more for
-            tied weights split across stages and for replicas such as T5's relative bias).
-        stage_rank: stage index -> pipeline rank.
-        saved: the keys ``save_pretrained`` of the unsplit model writes.
-        parameters: the checkpoint keys that are parameters (the rest are persistent buffers).
-    """
-
-    key_of: dict[str, str]
-    holders: dict[str, tuple[int, ...]]
-    stage_rank: tuple[int, ...]
-    saved: frozenset[str]
-    parameters: frozenset[str]
-
-    def owner_stage(self, key: str) -> int:
-        """The stage that writes ``key`` to a checkpoint and counts it in the gradient norm: its first holder."""
-        return self.holders[key][0]
-
-    def pp_ranks(self, key: str) -> tuple[int, ...]:
-        """Pipeline ranks holding ``key``, ascending."""
-        return tuple(sorted({self.stage_rank[s] for s in self.holders[key]}))
-
-    @property
-    def shared(self) -> dict[str, tuple[int, ...]]:
-        """Keys held by more than one stage -> their holders."""
-        return {k: h for k, h in self.holders.items() if len(h) > 1}
-
-
-def _hf_saved_keys(skeleton: nn.Module) -> set[str]:
-    # Exactly what transformers' save_pretrained keeps: its own tie removal (which works on the
-    # meta-device skeleton, tied tensors being the same Parameter object), minus ignored keys.
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    kept = set(remove_tied_weights_from_state_dict(dict(skeleton.state_dict()), skeleton))
-    for key in getattr(skeleton, "_keys_to_ignore_on_save", None) or ():
-        kept.discard(key)
-    return kept
-
-
-def param_layout(model) -> ParamLayout:
-    """The :class:`ParamLayout` of a :class:`~hf_pipeline.model.PipelinedModel` (cached on it)."""
-    cached = getattr(model, "_param_layout", None)
-    if cached is not None:
-        return cached
-    skeleton, plan = model.skeleton, model.plan
-    state_names = list(skeleton.state_dict(keep_vars=True).keys())
-    saved = _hf_saved_keys(skeleton)
-    key_of = {name: name for name in state_names}
-    for group in model.resolved.tied:
-        kept = sorted(n for n in group if n in saved)
-        key = kept[0] if kept else sorted(group)[0]
-        for name in group:
-            key_of[name] = key
-    holders: dict[str, set[int]] = {}
-    for name in state_names:
-        module = name.rpartition(".")[0]
-        for spec in plan.stages:
-            if any(module == m or module.startswith(m + ".") for m in spec.modules):
-                holders.setdefault(key_of[name], set()).add(spec.index)
-    param_names = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
-    layout = ParamLayout(
-        key_of=key_of,
-        holders={k: tuple(sorted(v)) for k, v in sorted(holders.items())},
-        stage_rank=tuple(s.rank for s in plan.stages),
-        saved=frozenset(saved),
-        parameters=frozenset(key_of[n] for n in param_names),
-    )
-    object.__setattr__(model, "_param_layout", layout)
-    return layout
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,12 +110,16 @@ def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGrou
     return made[ranks]
 
 
+# Per-model training state, owned here (not stored on the model), dropped with the model.
+_STATES: "weakref.WeakKeyDictionary[Any, _TrainState]" = weakref.WeakKeyDictionary()
+
+
 def _train_state(model) -> _TrainState:
-    state = getattr(model, "_train_state", None)
+    state = _STATES.get(model)
     if state is not None:
         return state
     loss = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
-    layout = param_layout(model)
+    layout = model.param_layout
     local_stages = {s.spec.index for s in model.stages}
     by_key: dict[str, _LocalKey] = {}
     seen: set[int] = set()
@@ -225,7 +150,7 @@ def _train_state(model) -> _TrainState:
         loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),
         local=local, buckets=buckets, norm_params=norm_params, params=[p for e in local for p in e.params],
     )
-    object.__setattr__(model, "_train_state", state)
+    _STATES[model] = state
     return state
 
 
@@ -263,7 +188,7 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
             raise ValueError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}; pass what a data collator returns (return_tensors='pt')")
     digest = _digest(batch) if model.check_inputs else 0
     labels = batch.pop("labels")
-    rows = model._batch_size(batch)
+    rows = model.batch_size(batch)
     for k, v in batch.items():
         if v.dim() == 0 or v.shape[0] != rows:
             raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row per example")
@@ -275,7 +200,7 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
             f"dp_size x n_microbatches = {dp * m} rows"
         )
     check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
-    prepared = model._prepare({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
+    prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
     labels = prepared.pop("labels")
     denominator = float(state.loss.count(labels, model.config))
     if dp > 1:

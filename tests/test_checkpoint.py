@@ -61,9 +61,7 @@ def _steps(model, opt, sched, arch, steps):
 
 
 def _params(model):
-    from hf_pipeline.train import param_layout
-
-    layout = param_layout(model)
+    layout = model.param_layout
     return {layout.key_of.get(n, n): p.detach().clone() for n, p in model.checkpoint_named_parameters()}
 
 

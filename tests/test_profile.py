@@ -22,7 +22,7 @@ def _profile_training(path, out_dir):
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     for name, v in SCHEDULES:
         model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule=name, virtual_stages=v, n_microbatches=4)
-        prepared = model._prepare(dict(inputs))
+        prepared = model.prepare_inputs(dict(inputs))
         # The training runtime train_step drives: torch's schedule with a loss on the last stage.
         _, schedule = model.runtime.get(signature(prepared), training=True, loss_fn=lambda out, target: out.float().pow(2).mean())
         for stage in model.stages:

@@ -77,9 +77,7 @@ def make_batch(arch: str, rows: int = ROWS, seed: int = 1) -> dict[str, torch.Te
 
 def _by_key(model, tensors_of) -> dict[str, list[torch.Tensor]]:
     """checkpoint key -> this rank's copies (one per local stage holding it)."""
-    from hf_pipeline.train import param_layout
-
-    layout = param_layout(model)
+    layout = model.param_layout
     out: dict[str, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for stage in model.stages:
@@ -95,8 +93,6 @@ def _by_key(model, tensors_of) -> dict[str, list[torch.Tensor]]:
 
 def _train_case(path, auto, arch, load_kwargs, steps=STEPS, rows=ROWS):
     import hf_pipeline
-    from hf_pipeline.train import param_layout
-
     model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", **load_kwargs)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -113,7 +109,7 @@ def _train_case(path, auto, arch, load_kwargs, steps=STEPS, rows=ROWS):
         "losses": losses, "norms": norms, "grads": grads, "params": _by_key(model, lambda p: p),
         "local": [s.spec.index for s in model.stages], "pp_rank": model.pp_rank, "dp_rank": model.dp_rank,
         "halves": [s.spec.halves for s in model.stages],
-        "shared": {k: param_layout(model).pp_ranks(k) for k in param_layout(model).shared},
+        "shared": {k: model.param_layout.pp_ranks(k) for k in model.param_layout.shared},
     }
 
 
