@@ -45,7 +45,18 @@ from .options import PipelineOptions, parse_size
 from .plan import StagePlan
 from .recipe import list_recipes
 from .stages import recipe_front_end
-from .weights import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointIndex, read_header, resolve_checkpoint, resolve_keys
+from .weights import (
+    BIN_INDEX_NAME,
+    INDEX_NAME,
+    SINGLE_NAME,
+    CheckpointError,
+    CheckpointIndex,
+    load_pytorch_file,
+    pytorch_files,
+    read_header,
+    resolve_checkpoint,
+    resolve_keys,
+)
 
 __all__ = [
     "ConvertError",
@@ -152,7 +163,19 @@ def _check_output(source: pathlib.Path, output: pathlib.Path, overwrite: bool) -
 
 
 def _weight_file(name: str) -> bool:
-    return name.endswith(".safetensors") or name == INDEX_NAME
+    # PyTorch weight files are not carried over either: the output is the safetensors checkpoint.
+    return name.endswith((".safetensors", ".bin")) or name in (INDEX_NAME, BIN_INDEX_NAME)
+
+
+def _source_index(source: pathlib.Path) -> CheckpointIndex:
+    """The source's safetensors index, or that of its PyTorch ``.bin`` files when it has no safetensors."""
+    if not (source / INDEX_NAME).is_file() and not (source / SINGLE_NAME).is_file() and pytorch_files(source):
+        return CheckpointIndex.from_pytorch_directory(source)
+    return CheckpointIndex.from_directory(source)
+
+
+def _is_pytorch(shard: str) -> bool:
+    return shard.endswith(".bin")
 
 
 class _Writer:
@@ -163,10 +186,24 @@ class _Writer:
         self.directory = directory
         self.files: dict[str, list[str]] = {}
         self.bytes = 0
+        self._pytorch: tuple[str, dict[str, torch.Tensor]] | None = None  # the .bin file read last, whole
+
+    def _pytorch_file(self, shard: str) -> dict[str, torch.Tensor]:
+        if self._pytorch is None or self._pytorch[0] != shard:
+            self._pytorch = None
+            self._pytorch = (shard, load_pytorch_file(self.index.directory / shard))
+        return self._pytorch[1]
 
     def write(self, name: str, keys: Sequence[str]) -> None:
         tensors: dict[str, torch.Tensor] = {}
         for shard, shard_keys in self.index.shards_for(keys).items():
+            if _is_pytorch(shard):
+                state = self._pytorch_file(shard)
+                for key in shard_keys:
+                    if key not in state:
+                        raise CheckpointError(f"{self.index.directory / shard} does not hold {key!r}, which its index names; re-download it")
+                    tensors[key] = state[key]
+                continue
             try:
                 with safe_open(self.index.directory / shard, framework="pt") as f:
                     for key in shard_keys:
@@ -175,7 +212,15 @@ class _Writer:
                 raise
             except Exception as e:  # noqa: BLE001 - SafetensorError / OSError: name the file
                 raise CheckpointError(f"cannot read shard {shard!r} of {self.index.directory}: {type(e).__name__}: {e}") from e
-        ordered = {k: tensors[k].contiguous() for k in keys}
+        ordered = {}
+        seen: set[int] = set()
+        for k in keys:
+            t = tensors[k].contiguous()
+            # Tensors of a .bin file may share storage (tied weights); each safetensors entry owns its bytes.
+            ptr = t.untyped_storage().data_ptr() if t.numel() else None
+            ordered[k] = t.clone() if ptr in seen else t
+            if ptr is not None:
+                seen.add(ptr)
         save_file(ordered, self.directory / name, metadata={"format": "pt"})
         self.files[name] = list(keys)
         self.bytes += sum(t.numel() * t.element_size() for t in ordered.values())
@@ -301,7 +346,7 @@ def merge_shards(
     except InputError as e:
         raise ConvertError(str(e)) from None
     _check_output(source, output, overwrite)
-    index = CheckpointIndex.from_directory(source)
+    index = _source_index(source)  # a PyTorch (.bin) checkpoint becomes safetensors here
     order = _source_order(index)
     sizes = _tensor_sizes(index)
     groups: list[list[str]] = [[]]
@@ -335,6 +380,8 @@ def _headers(index: CheckpointIndex) -> dict[str, dict]:
 
 
 def _tensor_sizes(index: CheckpointIndex) -> dict[str, int]:
+    if any(_is_pytorch(shard) for shard in index.weight_map.values()):
+        return {k: t.numel() * t.element_size() for k, t in _pytorch_tensors(index).items()}
     sizes: dict[str, int] = {}
     for shard, header in _headers(index).items():
         for key, entry in header.items():
@@ -349,8 +396,22 @@ def _tensor_sizes(index: CheckpointIndex) -> dict[str, int]:
 
 def _source_order(index: CheckpointIndex) -> list[str]:
     """Keys in model order: per-stage files first by stage, then each file's own (data offset) order."""
+    if any(_is_pytorch(shard) for shard in index.weight_map.values()):
+        return list(_pytorch_tensors(index))  # file by file, each in its saved (state-dict) order
     order: list[str] = []
     for shard, header in _headers(index).items():
         keys = [k for k in header if index.weight_map.get(k) == shard]
         order += sorted(keys, key=lambda k: header[k]["data_offsets"][0])
     return order
+
+
+def _pytorch_tensors(index: CheckpointIndex) -> dict[str, torch.Tensor]:
+    """Every indexed key of a PyTorch checkpoint, file by file in name order (memory-mapped, not copied)."""
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index.weight_map.values())):
+        state = load_pytorch_file(index.directory / shard)
+        out.update({k: v for k, v in state.items() if index.weight_map.get(k) == shard})
+    missing = [k for k in index.weight_map if k not in out]
+    if missing:
+        raise CheckpointError(f"the index of {index.directory} names keys its .bin files do not hold: {missing[:5]}; re-save the checkpoint")
+    return out

@@ -23,13 +23,18 @@ from typing import Any
 
 from .errors import RecipeError
 
-__all__ = ["HeadSpec", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe", "register_recipe"]
+__all__ = [
+    "HeadSpec", "POSITION_KINDS", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe",
+    "position_kind", "register_recipe",
+]
 
 # Forward glue implementations a recipe may name (``hf_pipeline/glue.py``); kept here so that
 # validating a recipe needs no torch import.
 KNOWN_GLUES = ("llama", "gpt2", "bert", "t5")
 KNOWN_LOSSES = ("causal_lm", "masked_lm", "sequence_classification", "seq2seq_lm")
 KNOWN_POOLS = ("last_token", "pooler")
+# How a family encodes positions: a learned table (ends at max_position_embeddings), rotary or relative (no end).
+POSITION_KINDS = ("learned", "rotary", "relative")
 # Glues that can run a block's two halves on different stages (``Glue.block_half``).
 HALF_GLUES = ("llama", "gpt2", "bert")
 
@@ -71,6 +76,10 @@ class Recipe:
     stacks: tuple[StackSpec, ...]
     heads: dict[str, HeadSpec] = field(default_factory=dict)
     tied: tuple[tuple[str, ...], ...] = ()
+    # How the model encodes positions (POSITION_KINDS): "learned" tables (GPT-2, BERT) end at
+    # config.max_position_embeddings; "rotary" (LLaMA) and "relative" (T5) positions do not, and
+    # transformers runs longer inputs for them.
+    positions: str = "learned"
 
     def head_for(self, class_name: str) -> HeadSpec:
         """The head whose suffix ends ``class_name`` (longest match wins: ``ForCausalLM`` over ``Model``)."""
@@ -117,7 +126,7 @@ def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, 
 
 
 def _parse(data: dict[str, Any], source: str) -> Recipe:
-    allowed = {"model_types", "glue", "flows", "stacks", "heads", "tied"}
+    allowed = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions"}
     for key in data:
         if key not in allowed:
             raise RecipeError(f"{source}: unknown field {key!r}; allowed fields: {sorted(allowed)}")
@@ -131,6 +140,9 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     if glue not in KNOWN_GLUES:
         raise RecipeError(f"{source}: field 'glue' is {glue!r}; it must be one of {list(KNOWN_GLUES)}")
     flows = _str_list(source, "flows", data.get("flows", ["hidden_states"]))
+    positions = _expect(source, "positions", data.get("positions", "learned"), str)
+    if positions not in POSITION_KINDS:
+        raise RecipeError(f"{source}: field 'positions' is {positions!r}; it must be one of {list(POSITION_KINDS)}")
 
     stacks = []
     for i, raw in enumerate(_expect(source, "stacks", data["stacks"], list)):
@@ -187,7 +199,10 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     groups = tied_raw.get("groups", [])
     _expect(source, "tied.groups", groups, list)
     tied = tuple(_str_list(source, f"tied.groups[{i}]", g) for i, g in enumerate(groups))
-    return Recipe(source=source, model_types=model_types, glue=glue, flows=flows, stacks=tuple(stacks), heads=heads, tied=tied)
+    return Recipe(
+        source=source, model_types=model_types, glue=glue, flows=flows, stacks=tuple(stacks), heads=heads, tied=tied,
+        positions=positions,
+    )
 
 
 def load_recipe(path: str | pathlib.Path) -> Recipe:
@@ -255,6 +270,17 @@ def get_recipe(model_type: str) -> Recipe:
             f"split_method='trace' to let torch.export split it (forward and training only)."
         )
     return known[model_type]
+
+
+def position_kind(config) -> str:
+    """How ``config``'s model encodes positions (its recipe's ``positions``); ``"learned"`` without a recipe.
+
+    Only ``"learned"`` tables limit the sequence length to ``config.max_position_embeddings``:
+    transformers runs rotary (LLaMA, with or without rope scaling) and relative (T5) models on
+    longer inputs.
+    """
+    recipe = list_recipes().get(getattr(config, "model_type", None))
+    return recipe.positions if recipe is not None else "learned"
 
 
 def replace(recipe: Recipe, **changes: Any) -> Recipe:

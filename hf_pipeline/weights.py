@@ -38,16 +38,22 @@ __all__ = [
     "CheckpointIndex",
     "CheckpointNotFoundError",
     "LoadReport",
+    "BIN_INDEX_NAME",
+    "BIN_NAME",
     "SAVE_STAGING_PATTERN",
     "SAVE_STAGING_PREFIX",
     "checkpoint_key_renames",
     "checkpoint_nbytes",
+    "load_pytorch_file",
     "load_tensors",
+    "pytorch_files",
     "resolve_checkpoint",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+BIN_NAME = "pytorch_model.bin"
 # save_pretrained stages a save in <dir>/.hf_pipeline.tmp-<save id>; one that was killed leaves it behind.
 SAVE_STAGING_PREFIX = ".hf_pipeline.tmp-"
 SAVE_STAGING_PATTERN = re.compile(re.escape(SAVE_STAGING_PREFIX) + r"[0-9a-f]{12}")
@@ -194,8 +200,13 @@ def read_header(path: pathlib.Path) -> dict[str, dict]:
 
 _NO_SAFETENSORS = (
     "no safetensors checkpoint ({index} or {single}) in {dir}{found}. Only safetensors are loaded (read lazily, "
-    "shard by shard); convert a PyTorch checkpoint once with transformers: "
-    "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir, safe_serialization=True)`"
+    "shard by shard, each rank its own tensors)"
+)
+# A PyTorch (.bin) checkpoint: convert it once; the converter reads each .bin file whole, on one process.
+_CONVERT_BIN = (
+    "; convert this PyTorch checkpoint to safetensors once, then load OUT_DIR: `hf-pipeline convert {dir} OUT_DIR "
+    "--merge` (or hf_pipeline.convert.merge_shards; it reads each .bin file whole, on one process), or with "
+    "transformers: `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(OUT_DIR, safe_serialization=True)`"
 )
 
 
@@ -258,7 +269,30 @@ class CheckpointIndex:
             return cls(directory=directory, weight_map=dict.fromkeys(read_header(single), SINGLE_NAME))
         others = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".ckpt"))
         found = f" (found: {', '.join(others[:_MAX_LISTED])})" if others else ""
-        raise CheckpointError(_NO_SAFETENSORS.format(index=INDEX_NAME, single=SINGLE_NAME, dir=directory, found=found))
+        message = _NO_SAFETENSORS.format(index=INDEX_NAME, single=SINGLE_NAME, dir=directory, found=found)
+        if pytorch_files(directory):
+            message += _CONVERT_BIN.format(dir=directory)
+        raise CheckpointError(message)
+
+    @classmethod
+    def from_pytorch_directory(cls, directory: str | os.PathLike) -> CheckpointIndex:
+        """The index of a PyTorch checkpoint (``pytorch_model.bin.index.json`` or ``pytorch_model.bin``).
+
+        Only the converter reads these (each file whole, ``torch.load(weights_only=True)``); the loader
+        takes safetensors only. Returns an index whose shards are the ``.bin`` files.
+        """
+        directory = pathlib.Path(directory)
+        index_path = directory / BIN_INDEX_NAME
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it") from None
+            return cls(directory=directory, weight_map=dict(weight_map))
+        single = directory / BIN_NAME
+        if not single.is_file():
+            raise CheckpointError(f"no PyTorch checkpoint ({BIN_INDEX_NAME} or {BIN_NAME}) in {directory}")
+        return cls(directory=directory, weight_map=dict.fromkeys(load_pytorch_file(single), BIN_NAME))
 
     def keys(self) -> set[str]:
         """Every checkpoint key."""
@@ -282,6 +316,25 @@ class CheckpointIndex:
         for key in keys:
             groups.setdefault(self.weight_map[key], []).append(key)
         return {shard: groups[shard] for shard in sorted(groups)}
+
+
+def pytorch_files(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds a PyTorch (``.bin``) checkpoint in transformers' layout."""
+    directory = pathlib.Path(directory)
+    return (directory / BIN_INDEX_NAME).is_file() or (directory / BIN_NAME).is_file()
+
+
+def load_pytorch_file(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """All tensors of one ``.bin`` file (``weights_only``: no code in the file runs), memory-mapped where torch can."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # the legacy (pre-zip) format cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, OSError, ...: name the file
+        raise CheckpointError(f"cannot read the PyTorch checkpoint file {path} ({type(e).__name__}: {e})") from e
 
 
 def checkpoint_nbytes(index: CheckpointIndex) -> int:
@@ -340,6 +393,7 @@ class LoadReport:
     files_opened: list[str] = field(default_factory=list)  # shard file names, in the order opened
     keys_read: list[str] = field(default_factory=list)  # checkpoint keys, each once
     bytes_read: int = 0  # stored bytes (before any dtype cast) of the tensors read
+    initialized: list[str] = field(default_factory=list)  # names missing from the checkpoint, initialised as transformers does
 
 
 def resolve_keys(index: CheckpointIndex, wanted: Mapping, aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
@@ -363,7 +417,10 @@ def resolve_keys(index: CheckpointIndex, wanted: Mapping, aliases: Mapping[str, 
     return source
 
 
-def _check_unexpected(index: CheckpointIndex, expected: Collection[str], ignore: Collection[str]) -> None:
+_IGNORE_HINT = "if these keys are harmless, pass their patterns in ignore_unexpected"
+
+
+def _check_unexpected(index: CheckpointIndex, expected: Collection[str], ignore: Collection[str], hint: str = _IGNORE_HINT) -> None:
     expected = set(expected)
     patterns = [re.compile(p) for p in ignore]
     # re.search, as transformers applies _keys_to_ignore_on_load_unexpected.
@@ -371,8 +428,7 @@ def _check_unexpected(index: CheckpointIndex, expected: Collection[str], ignore:
     if extra:
         raise CheckpointError(
             f"checkpoint {index.directory} holds {len(extra)} tensor(s) the model does not have: {_listing(extra)}. "
-            "The config probably does not match the checkpoint (fewer layers, another architecture or model class); "
-            "if these keys are harmless, pass their patterns in ignore_unexpected"
+            f"The config probably does not match the checkpoint (fewer layers, another architecture or model class); {hint}"
         )
 
 
@@ -385,6 +441,8 @@ def load_tensors(
     expected_keys: Collection[str] | None = None,
     ignore_unexpected: Collection[str] = (),
     progress: bool = False,
+    floating: Collection[str] = (),
+    unexpected_hint: str = _IGNORE_HINT,
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Read one stage's tensors, opening only the shards that hold them.
 
@@ -401,6 +459,10 @@ def load_tensors(
             outside it raise, checked from the index alone. None skips the check.
         ignore_unexpected: regex patterns (``re.search``) of checkpoint keys never reported as unexpected.
         progress: show a tqdm bar over bytes (set it on one rank only).
+        floating: names that must be stored as floating point (the model's float parameters): an
+            integer or bool tensor for one of them raises, naming the key and the shard, instead of
+            being kept in its stored dtype.
+        unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
 
     Returns:
         (stage name -> tensor, :class:`LoadReport`). Names served by one checkpoint key share one tensor.
@@ -412,14 +474,15 @@ def load_tensors(
     aliases = aliases or {}
     source = resolve_keys(index, wanted, aliases)
     if expected_keys is not None:
-        _check_unexpected(index, expected_keys, ignore_unexpected)
+        _check_unexpected(index, expected_keys, ignore_unexpected, unexpected_hint)
     groups = index.shards_for(source.values())
     by_key: dict[str, list[str]] = {}
     for name, key in source.items():
         by_key.setdefault(key, []).append(name)
 
     # Pass 1, headers only: shapes, sizes, dtypes and stale indexes fail here, before gigabytes are read.
-    plans = {shard: _plan_shard(index, shard, keys, by_key, wanted) for shard, keys in groups.items()}
+    floating = set(floating)
+    plans = {shard: _plan_shard(index, shard, keys, by_key, wanted, floating) for shard, keys in groups.items()}
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -467,7 +530,8 @@ class _TensorPlan:
 
 
 def _plan_shard(
-    index: CheckpointIndex, shard: str, keys: list[str], by_key: Mapping[str, list[str]], wanted: Mapping
+    index: CheckpointIndex, shard: str, keys: list[str], by_key: Mapping[str, list[str]], wanted: Mapping,
+    floating: Collection[str] = (),
 ) -> list[_TensorPlan]:
     """Check one shard's header against what is wanted from it; what to read, in file order."""
     path = index.directory / shard
@@ -499,6 +563,14 @@ def _plan_shard(
                 f"{torch.__version__} has no dtype for; dequantize or re-save the checkpoint in a torch dtype"
             )
         target = wanted[by_key[key][0]][1]
+        if not stored_dtype.is_floating_point and any(name in floating for name in by_key[key]):
+            name = next(name for name in by_key[key] if name in floating)
+            via = "" if name == key else f" (read as {name!r})"
+            raise CheckpointError(
+                f"{key!r}{via} in shard {shard!r} of {index.directory} is stored as {entry['dtype']} (integers) but the "
+                f"model's parameter is floating point ({target}); the checkpoint is quantized or damaged: re-save it with "
+                "floating-point weights (or dequantize it first)"
+            )
         # As before: floating tensors take a floating target, integer/bool ones a non-floating one only.
         if stored_dtype.is_floating_point != target.is_floating_point:
             target = stored_dtype

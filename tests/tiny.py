@@ -13,7 +13,7 @@ import pathlib
 import torch
 import transformers
 
-__all__ = ["ARCHS", "AUTO", "config_for", "make_checkpoint", "reference", "sample_inputs"]
+__all__ = ["ARCHS", "AUTO", "config_for", "edit_checkpoint", "make_checkpoint", "reference", "sample_inputs", "save_pytorch_checkpoint"]
 
 ARCHS = ("llama", "gpt2", "bert", "t5")
 
@@ -50,6 +50,11 @@ def config_for(arch: str, **overrides) -> transformers.PretrainedConfig:
         cfg = transformers.Qwen2Config(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128, **common,
+        )
+    elif arch == "qwen3":  # no built-in recipe: tests register one (LLaMA-shaped, q/k norms inside attention)
+        cfg = transformers.Qwen3Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=128, tie_word_embeddings=False, **common,
         )
     elif arch == "gpt2":
         cfg = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=128, **common)
@@ -110,3 +115,52 @@ def sample_inputs(arch: str, batch: int = 4, seq: int = 9, *, seed: int = 1, pad
     if arch == "t5":
         inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (batch, 5), generator=g)
     return inputs
+
+
+def edit_checkpoint(src: str | pathlib.Path, dst: str | pathlib.Path, edit) -> pathlib.Path:
+    """Copy a sharded safetensors checkpoint, rewriting each shard's tensors with ``edit(tensors, shard_number)``.
+
+    ``edit`` returns the shard's new key -> tensor dict (keys may be added, dropped or renamed); the
+    index follows. Used to imitate checkpoints saved by other transformers versions or classes.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    weight_map = {}
+    for i, shard in enumerate(sorted(set(index["weight_map"].values()))):
+        tensors = edit(load_file(dst / shard), i)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, dst / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+    index["weight_map"] = weight_map
+    index_path.write_text(json.dumps(index))
+    return dst
+
+
+def save_pytorch_checkpoint(model, directory: str | pathlib.Path, *, shards: int = 1) -> pathlib.Path:
+    """Save ``model`` as an older transformers did: ``pytorch_model.bin`` (or ``shards`` .bin files and their index).
+
+    transformers 5 writes safetensors even with ``safe_serialization=False``, so the state dict is
+    written with ``torch.save`` here (tied tensors stay shared, as in old saves).
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    state = model.state_dict()
+    if shards == 1:
+        torch.save(state, directory / "pytorch_model.bin")
+        return directory
+    keys = list(state)
+    per = -(-len(keys) // shards)
+    weight_map = {}
+    for i in range(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {k: state[k] for k in keys[i * per : (i + 1) * per]}
+        torch.save(part, directory / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
