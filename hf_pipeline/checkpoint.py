@@ -610,7 +610,7 @@ def load_training_state(
     ctx = model.ctx
     with collective_errors(ctx, "loading the training state"):
         if not is_complete_checkpoint(directory):
-            raise FileNotFoundError(f"{directory} is not a complete checkpoint (no {INDEX_NAME} or config.json); pass one save_pretrained wrote")
+            raise FileNotFoundError(f"{directory} is not a complete checkpoint: {_why_incomplete(directory)}")
         state_path = directory / TRAINER_STATE_NAME
         state = json.loads(state_path.read_text()) if state_path.is_file() else {}
         weights_id = json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
@@ -639,6 +639,34 @@ def load_training_state(
                     stacklevel=2,
                 )
     return state
+
+
+def _why_incomplete(path: pathlib.Path) -> str:
+    """Why :func:`is_complete_checkpoint` refuses ``path``, and what to pass instead."""
+    if not path.is_dir():
+        return "it does not exist or is not a directory; pass the directory save_pretrained wrote"
+    if path.name.startswith(SAVE_STAGING_PREFIX):
+        return (
+            f"it is the staging directory of a save_pretrained into {path.parent} that did not finish (killed or failed), "
+            f"and its files may be partial; pass {path.parent} itself, or latest_checkpoint(root) for the last complete one"
+        )
+    if _TMP in path.name or _OLD in path.name:
+        marker = _TMP if _TMP in path.name else _OLD
+        return (
+            f"its name {path.name!r} contains {marker!r}, which marks a directory an interrupted save left behind, so it "
+            "is never taken for a checkpoint whatever it holds; pass the checkpoint directory, or rename this one "
+            f"without {marker!r} if it is a complete checkpoint of yours"
+        )
+    if not (path / "config.json").is_file():
+        return "it has no config.json; pass the directory save_pretrained wrote"
+    try:
+        files = json.loads((path / INDEX_NAME).read_text())["weight_map"].values()
+    except FileNotFoundError:
+        return f"it has no {INDEX_NAME}; pass a directory save_pretrained wrote (it always writes the index)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {INDEX_NAME} cannot be read ({type(e).__name__}: {e}); re-save the checkpoint"
+    missing = sorted({f for f in files if not (isinstance(f, str) and (path / f).is_file())}, key=str)
+    return f"{INDEX_NAME} lists {len(missing)} shard(s) that are not there (e.g. {missing[0]!r}); the save or copy is incomplete"
 
 
 def _load_optimizer(model, optimizer, directory: pathlib.Path, layout) -> None:

@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import os
 import pickle
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
+from .compat import default_store
 from .errors import RankError
 
 __all__ = [
@@ -45,9 +48,11 @@ __all__ = [
     "RankError",
     "check_same_on_all_ranks",
     "collective_errors",
+    "communication_failure",
     "destroy_distributed",
     "get_rank_context",
     "init_distributed",
+    "lost_peer_error",
     "raise_on_any_rank",
 ]
 
@@ -58,9 +63,17 @@ _MAX_MESSAGE = 2000  # characters of a remote error message carried to the other
 _HASH_ALL_BYTES = 1 << 20  # tensors up to 1 MiB are hashed byte for byte; larger ones get a cheaper checksum
 _EDGE_BYTES = 1 << 16  # of a large tensor: hash its first and last 64 KiB plus a sum over all of it
 _MAX_SUMMARY = 300  # characters of a value's description in a mismatch message
+_MAX_FIELDS = 6  # differing fields named in a mismatch message
+_LOST_WAIT_S = 3.0  # after a failed agreement: how long a rank waits for the live peers to say so
+_LOST_POLL_S = 0.02
+_LOST_PREFIX = "hf_pipeline/agreement"
+# Substrings of backend errors that mean "no answer in time" / "the peer went away".
+_TIMEOUT_MARKERS = ("Timed out", "timed out", "Socket Timeout", "timeout")
+_CLOSED_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "Connection refused", "recvValue failed", "failed to recv")
 
 _CONTEXT: RankContext | None = None  # the context created last (get_rank_context)
 _OWNS_GROUP = False  # True when init_distributed created the default group (destroy_distributed may destroy it)
+_AGREEMENTS = itertools.count()  # agreements this process entered: the same sequence on every rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,6 +398,111 @@ def _describe(error: BaseException) -> tuple[str, str, str]:
     return type(error).__name__, message, where
 
 
+def communication_failure(error: BaseException, timeout_s: float) -> str:
+    """What a communication error means, in the library's words (the backend's text stays in ``__cause__``).
+
+    Args:
+        error: the error a collective or a receive raised.
+        timeout_s: the collective timeout, for the message.
+
+    Returns:
+        A short reason, e.g. ``"no answer within the collective timeout of 300 s ..."``.
+    """
+    text = str(error)
+    if any(marker in text for marker in _TIMEOUT_MARKERS):
+        return (
+            f"no answer within the collective timeout of {timeout_s:.0f} s: the process hangs, was stopped or is "
+            f"far behind (set {TIMEOUT_ENV} to change the timeout)"
+        )
+    if any(marker in text for marker in _CLOSED_MARKERS):
+        return "its connection closed: the process exited, crashed or was killed (out of memory, a signal)"
+    return f"communication with it failed ({type(error).__name__})"
+
+
+def _default_store():
+    try:
+        return default_store()
+    except Exception:  # noqa: BLE001 - no default group / store
+        return None
+
+
+def _silent_peers(ctx: RankContext, group: dist.ProcessGroup, number: int) -> tuple[list[int], str | None]:
+    """After a failed agreement: the group's global ranks that did not say they are alive (and a store error).
+
+    Every live rank whose agreement failed writes one key to the rendezvous store (the channel that
+    still works when the group does not) and waits up to ``_LOST_WAIT_S`` for the others' keys; the
+    ranks whose key never comes are the ones that died, hang or were stopped.
+    """
+    ranks = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+    others = [r for r in ranks if r != ctx.rank]
+    store = _default_store()
+    if store is None:
+        return others, "no rendezvous store"
+    prefix = f"{_LOST_PREFIX}/{number}"
+    try:
+        store.set(f"{prefix}/rank{ctx.rank}", b"1")
+        seen: set[int] = set()
+        deadline = time.monotonic() + _LOST_WAIT_S
+        while True:
+            seen |= {r for r in others if r not in seen and store.check([f"{prefix}/rank{r}"])}
+            if len(seen) == len(others) or time.monotonic() >= deadline:
+                return [r for r in others if r not in seen], None
+            time.sleep(_LOST_POLL_S)
+    except Exception as e:  # noqa: BLE001 - the store's host (rank 0 under env:// init) is gone too
+        return ([ranks[0]] if ranks[0] != ctx.rank else others), f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _name(rank: int, describe: Callable[[int], str] | None) -> str:
+    label = describe(rank) if describe is not None else ""
+    return f"rank {rank}" + (f" ({label})" if label else "")
+
+
+def lost_peer_error(
+    ctx: RankContext,
+    error: BaseException,
+    *,
+    what: str,
+    group: dist.ProcessGroup | None = None,
+    describe: Callable[[int], str] | None = None,
+    number: int | None = None,
+) -> RankError:
+    """The :class:`RankError` for an agreement whose collective failed: which peers stopped answering, and why.
+
+    Call it on every rank whose collective raised (it waits up to a few seconds for the other live
+    ranks). The backend's message is not repeated (raise the result ``from error`` to keep it).
+
+    Args:
+        ctx: the rank context.
+        error: what the collective raised.
+        what: the step, for the message ("loading weights").
+        group: the group of the collective; default ``ctx.group``.
+        describe: global rank -> its role (``"stage 1"``), for the message.
+        number: the agreement's number (from the same sequence on every rank); default a fresh one.
+
+    Returns:
+        The error (``failures`` maps each silent peer to ``("ConnectionError", ..., its role)``),
+        marked so that :func:`hf_pipeline.faults.step_errors` treats this rank's group as stopped.
+    """
+    group = group if group is not None else ctx.group
+    silent, store_error = _silent_peers(ctx, group, next(_AGREEMENTS) if number is None else number)
+    reason = communication_failure(error, ctx.timeout.total_seconds())
+    if silent:
+        names = ", ".join(_name(r, describe) for r in silent)
+        message = f"{names} stopped answering while {what}: {reason}; check its log"
+        failures = {r: ("ConnectionError", f"stopped answering while {what}", describe(r) if describe else None) for r in silent}
+    else:
+        message = f"{_name(ctx.rank, describe)} lost contact with its peers while {what}: {reason}"
+        failures = {ctx.rank: ("ConnectionError", message, describe(ctx.rank) if describe else None)}
+    if store_error is not None:
+        message += (
+            f". The rendezvous store is unreachable too ({store_error}): the process hosting it (rank 0, or torchrun's "
+            "agent on the first node) has probably died"
+        )
+    raised = RankError(message, failures=failures)
+    raised._hf_pipeline_lost = True
+    return raised
+
+
 def raise_on_any_rank(
     ctx: RankContext,
     error: BaseException | None,
@@ -392,6 +510,7 @@ def raise_on_any_rank(
     what: str,
     label: str | None = None,
     group: dist.ProcessGroup | None = None,
+    describe: Callable[[int], str] | None = None,
 ) -> None:
     """Collective: raise on every rank if the local step just run failed on any rank.
 
@@ -406,29 +525,32 @@ def raise_on_any_rank(
         what: the step, for the message (``"loading weights"`` -> "... failed while loading weights").
         label: this rank's role, shown next to its rank (e.g. ``"stage 2"``).
         group: group to agree in; default ``ctx.group``.
+        describe: global rank -> its role, for naming a peer that stopped answering (``label``
+            is this rank's when not given).
 
     Raises:
         BaseException: this rank's own ``error``.
-        RankError: another rank failed.
+        RankError: another rank failed, or stopped answering (died, hangs, was stopped) before it
+            could say.
     """
     group = group if group is not None else ctx.group
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
+    if label is None and describe is not None:
+        label = describe(ctx.rank)
+    number = next(_AGREEMENTS)
     mine = (*_describe(error), label) if error is not None else None
     gathered: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(gathered, mine, group=group)
     except Exception as gather_error:
+        lost = lost_peer_error(ctx, gather_error, what=what, group=group, describe=describe, number=number)
         if error is not None:
-            error.add_note(f"(the other ranks could not be told: {gather_error})")
+            error.add_note(f"(the other ranks could not be told: {lost})")
             raise error
-        gather_error.add_note(
-            f"hf_pipeline: agreeing on errors after {what} failed; a peer rank has probably crashed or hung "
-            f"(timeout {ctx.timeout.total_seconds():.0f} s, set {TIMEOUT_ENV} to change it)"
-        )
-        raise
+        raise lost from gather_error
     # gathered is ordered by rank within the group; messages name global ranks
     failed = {dist.get_global_rank(group, i): item for i, item in enumerate(gathered) if item is not None}
     if not failed:
@@ -449,7 +571,8 @@ def raise_on_any_rank(
 
 @contextmanager
 def collective_errors(
-    ctx: RankContext, what: str, *, label: str | None = None, group: dist.ProcessGroup | None = None
+    ctx: RankContext, what: str, *, label: str | None = None, group: dist.ProcessGroup | None = None,
+    describe: Callable[[int], str] | None = None,
 ) -> Iterator[None]:
     """Run a local step on every rank; if it raises on any rank, raise on all (see :func:`raise_on_any_rank`).
 
@@ -462,6 +585,7 @@ def collective_errors(
         what: the step, for the message.
         label: this rank's role, for the message (e.g. ``"stage 1"``).
         group: group to agree in; default ``ctx.group``.
+        describe: global rank -> its role, for the messages (see :func:`raise_on_any_rank`).
 
     Example:
         >>> with collective_errors(ctx, "loading weights"):
@@ -472,7 +596,7 @@ def collective_errors(
         yield
     except Exception as caught:  # KeyboardInterrupt/SystemExit propagate: launchers stop every rank for those
         error = caught
-    raise_on_any_rank(ctx, error, what=what, label=label, group=group)
+    raise_on_any_rank(ctx, error, what=what, label=label, group=group, describe=describe)
 
 
 def _tensor_fingerprint(t: torch.Tensor) -> tuple[str, str]:
@@ -526,23 +650,65 @@ def fingerprint(value: Any) -> tuple[str, str]:
     return f"{name}:{digest}", f"{name}(#{digest[:8]})"
 
 
+def _fields(value: Any, prefix: str = "", depth: int = 2) -> dict[str, Any]:
+    """The named parts of ``value`` to tell apart in a mismatch message: mapping keys and dataclass
+    fields, ``depth`` levels deep (``config.rope_scaling``); anything else is one unnamed part."""
+    if depth and is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    if not depth or not isinstance(value, Mapping):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        out.update(_fields(v, f"{prefix}.{k}" if prefix else str(k), depth - 1))
+    return out
+
+
+def _short(summary: str, limit: int) -> str:
+    return summary if len(summary) <= limit else summary[: limit - 3] + "..."
+
+
+def _variants(values: list[tuple[int, str, str]]) -> str:
+    """``rank 0: a; ranks 1, 2: b`` from (rank, digest, summary), grouped by digest in rank order."""
+    by_digest: dict[str, list[int]] = {}
+    summaries: dict[str, str] = {}
+    for rank, d, summary in values:
+        by_digest.setdefault(d, []).append(rank)
+        summaries[d] = summary
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {summaries[d]}"
+        for d, ranks in sorted(by_digest.items(), key=lambda item: item[1][0])
+    )
+
+
 def check_same_on_all_ranks(
-    ctx: RankContext, name: str, value: Any, *, group: dist.ProcessGroup | None = None
+    ctx: RankContext,
+    name: str,
+    value: Any,
+    *,
+    group: dist.ProcessGroup | None = None,
+    describe: Callable[[int], str] | None = None,
+    hint: str | None = None,
 ) -> None:
     """Collective: raise on every rank if ``value`` is not the same on all of them.
 
-    Compares a cheap fingerprint (structure; for tensors shape, dtype and a checksum of the bytes;
-    for other leaves their repr or pickle), not the full values: a mismatch is always reported,
-    equality is overwhelmingly likely but not proven for tensors over 1 MiB. A no-op without a group.
+    Compares one cheap digest (structure; for tensors shape, dtype and a checksum of the bytes; for
+    other leaves their repr or pickle), not the full values: a mismatch is always reported,
+    equality is overwhelmingly likely but not proven for tensors over 1 MiB. Only when the digests
+    differ is a second, larger exchange made, to name what differs: for a mapping or a dataclass
+    the keys (two levels deep, ``config.hidden_size``) whose values differ, and which ranks hold
+    which value. A no-op without a group.
 
     Args:
         ctx: the rank context.
         name: what the value is, for the message (e.g. ``"input_ids"``).
         value: a tensor, number, string, or a dict/list/tuple/dataclass of those.
         group: group that must agree; default ``ctx.group``.
+        describe: global rank -> its role, for naming a peer that stopped answering.
+        hint: what to do, for the message (default: pass the same inputs and seed everywhere).
 
     Raises:
-        ValueError: on every rank, naming ``name`` and which ranks hold which value.
+        ValueError: on every rank, naming ``name``, the differing keys and which ranks hold which value.
+        RankError: a peer stopped answering (died, hangs, was stopped) during the exchange.
 
     Example:
         >>> check_same_on_all_ranks(ctx, "input_ids", input_ids)
@@ -550,24 +716,41 @@ def check_same_on_all_ranks(
     group = group if group is not None else ctx.group
     if group is None or dist.get_world_size(group) == 1:
         return
+    number = next(_AGREEMENTS)
     digest_material, summary = fingerprint(value)
     digest = hashlib.blake2b(digest_material.encode(), digest_size=16).hexdigest()
-    if len(summary) > _MAX_SUMMARY:
-        summary = summary[: _MAX_SUMMARY - 3] + "..."
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (digest, summary), group=group)
-    if len({d for d, _ in gathered}) == 1:
-        return
-    by_digest: dict[str, list[int]] = {}
-    summaries: dict[str, str] = {}
-    for i, (d, s) in enumerate(gathered):
-        by_digest.setdefault(d, []).append(dist.get_global_rank(group, i))
-        summaries[d] = s
-    variants = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {summaries[d]}"
-        for d, ranks in sorted(by_digest.items(), key=lambda item: item[1][0])
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(gathered, digest, group=group)
+        if len(set(gathered)) == 1:
+            return
+        # They differ (every rank sees it): exchange the parts, to say which differ.
+        parts = {}
+        for path, part in _fields(value).items():
+            material, part_summary = fingerprint(part)
+            parts[path] = (hashlib.blake2b(material.encode(), digest_size=8).hexdigest(), _short(part_summary, 160))
+        details: list[Any] = [None] * world
+        dist.all_gather_object(details, (_short(summary, _MAX_SUMMARY), parts), group=group)
+    except Exception as e:
+        raise lost_peer_error(ctx, e, what=f"comparing {name} across ranks", group=group, describe=describe, number=number) from e
+    ranks = [dist.get_global_rank(group, i) for i in range(world)]
+    hint = hint or f"Pass the same {name} on every rank (same inputs and seed everywhere, or broadcast them from rank 0)"
+    paths = list(dict.fromkeys(path for _, p in details for path in p))
+    differing = [
+        path for path in paths
+        if len({p.get(path, ("<absent>", ""))[0] for _, p in details}) > 1
+    ]
+    if differing == [""] or not differing:
+        variants = _variants([(r, d, summ) for r, d, (summ, _) in zip(ranks, gathered, details)])
+        raise ValueError(f"{name} must be the same on every rank but differs: {variants}. {hint}")
+    shown = differing[:_MAX_FIELDS]
+    per_field = " | ".join(
+        f"{path}: " + _variants([(r, *p.get(path, ("<absent>", "(not given)"))) for r, (_, p) in zip(ranks, details)])
+        for path in shown
     )
+    more = f" (and {len(differing) - len(shown)} more)" if len(differing) > len(shown) else ""
+    which = shown[0] if len(differing) == 1 else ", ".join(shown[:-1]) + (" and " if not more else ", ") + shown[-1] + more
     raise ValueError(
-        f"{name} must be the same on every rank but differs: {variants}. Pass the same {name} on every rank "
-        "(same inputs and seed everywhere, or broadcast them from rank 0)"
+        f"{name} must be the same on every rank but {which} differ{'s' if len(differing) == 1 else ''}: {per_field}. {hint}"
     )

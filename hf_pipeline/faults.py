@@ -47,8 +47,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .compat import abort_process_group, default_store
 from .errors import PipelineBroken
-from .dist import TIMEOUT_ENV, RankContext, RankError
+from .dist import RankContext, RankError, communication_failure
 
 __all__ = ["PipelineBroken", "is_communication_error", "raise_if_broken", "step_errors"]
 
@@ -118,7 +119,7 @@ class _Store:
     def __init__(self) -> None:
         self.error: str | None = None
         try:
-            self.store = dist.distributed_c10d._get_default_store()
+            self.store = default_store()
         except Exception as e:  # noqa: BLE001 - no default group / store
             self.store, self.error = None, f"{type(e).__name__}: {e}"
 
@@ -188,7 +189,7 @@ def _stop(groups: Sequence[dist.ProcessGroup | None]) -> None:
         backend = str(dist.get_backend(group))
         if "nccl" in backend:
             try:
-                dist.distributed_c10d._abort_process_group(group)
+                abort_process_group(group)
             except Exception:  # noqa: BLE001 - best effort: the timeout still bounds the wait
                 pass
         if "gloo" not in backend:
@@ -242,6 +243,13 @@ def step_errors(
     except Exception as caught:
         if getattr(caught, "_hf_pipeline_handled", False) or isinstance(caught, PipelineBroken):
             raise  # an inner step_errors already told everyone
+        if getattr(caught, "_hf_pipeline_lost", False):
+            # An agreement inside the call found a peer gone (dist.lost_peer_error): every live rank
+            # found it too. Stop this rank's group so later calls fail at once, as after any lost peer.
+            _stop(groups)
+            _broken, _broken_world = str(caught).splitlines()[0], dist.group.WORLD
+            caught._hf_pipeline_handled = True
+            raise
         error = _original(caught)
         if error is not caught:
             # Raise what the stage raised (a ValueError stays a ValueError); torch's wrapper says where.
@@ -296,15 +304,14 @@ def step_errors(
             if silent:
                 names = ", ".join(_name(r, describe) for r in silent)
                 message = (
-                    f"{names} stopped answering during {what}: {_name(me, describe)} lost contact "
-                    f"({type(error).__name__}: {str(error)[:300]}). The process died (killed, crashed, out of memory) "
-                    f"or hangs (collective timeout {timeout_s:.0f} s, set {TIMEOUT_ENV} to change it); check its log"
+                    f"{names} stopped answering during {what}: {_name(me, describe)} lost contact, "
+                    f"{communication_failure(error, timeout_s)}; check its log"
                 )
                 failures = {r: ("ConnectionError", f"stopped answering during {what}", describe(r) if describe else None) for r in silent}
             else:
                 message = (
-                    f"{_name(me, describe)} lost contact with its peers during {what} ({type(error).__name__}: "
-                    f"{str(error)[:300]})"
+                    f"{_name(me, describe)} lost contact with its peers during {what}: "
+                    f"{communication_failure(error, timeout_s)}"
                 )
                 failures = {me: (type(error).__name__, str(error)[:_MAX_MESSAGE], label or None)}
             if store.error is not None:

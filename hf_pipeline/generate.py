@@ -71,6 +71,8 @@ from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, Lo
 from transformers.generation.configuration_utils import GenerationMode
 
 from .dist import check_same_on_all_ranks
+from .errors import InputError
+from .validate import check_generate_inputs, check_sequence_length, check_token_ids, vocab_size
 from .sampling import left_padded_position_ids, microbatch_bounds, row_generators, select_tokens
 
 __all__ = ["GenerationStats", "cache_nbytes", "generate", "generation_config", "prepare_generation_config"]
@@ -177,8 +179,9 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
             raise TypeError(f"generate(..., {key}=...) is not supported by pipelined generation; pass input_ids (and attention_mask)")
     if input_ids is None:
         raise ValueError("pass input_ids (B, T) to generate: the same tensor on every rank")
-    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
-        raise ValueError(f"input_ids must be a 2-D integer tensor (batch, length), got {tuple(input_ids.shape)} {input_ids.dtype}")
+    # Dtype, shape and every id inside the vocabulary (one min/max pass): the first stage's embedding
+    # would raise torch's IndexError alone, with its peers waiting.
+    check_token_ids(input_ids, vocab=vocab_size(model.config), what="input_ids")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
     device = model.device
@@ -188,7 +191,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
     user_gc = config
     has_default_max_length = kwargs.get("max_length") is None and (user_gc is None or user_gc.max_length is None) and generation_config(model).max_length is None
     has_default_min_length = kwargs.get("min_length") is None and (user_gc is None or user_gc.min_length is None) and generation_config(model).min_length is None
-    gc, extra = prepare_generation_config(model, user_gc, **kwargs)
+    gc, extra = _as_transformers_raises(kwargs, user_gc, lambda: prepare_generation_config(model, user_gc, **kwargs))
     extra = {k: v for k, v in extra.items() if v is not None and k not in ("output_attentions", "output_hidden_states")}
     if extra:
         raise TypeError(f"unexpected generate() argument(s) {sorted(extra)}: not GenerationConfig fields nor supported inputs")
@@ -253,11 +256,75 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global stream: torch.manual_seed reproduces it
     pad = gc._pad_token_tensor
     pad = int(pad.reshape(-1)[0].item()) if pad is not None else 0  # no pad and no EOS: no row finishes early
+    _as_transformers_raises(kwargs, user_gc, lambda: _check_processors(
+        model, gc, prompt=prompt, enc_ids=enc_ids, mask=mask, logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria, tokenizer=tokenizer,
+    ))
     return _Request(
         config=gc, encoder_decoder=encoder_decoder, prompt=prompt, mask=mask, positions=positions, enc_ids=enc_ids,
         enc_mask=enc_mask, bounds=bounds, row_offset=lo, max_new=max_new, do_sample=bool(gc.do_sample), seed=seed,
         pad=pad, streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     )
+
+
+def _given(kwargs: dict[str, Any], config: GenerationConfig | None) -> str:
+    """The generation arguments the caller set, for messages: ``top_k=-1, max_new_tokens=2``."""
+    parts = [f"{k}={v!r}" for k, v in kwargs.items() if v is not None]
+    if config is not None:
+        parts.append(f"generation_config={config.to_diff_dict()}")
+    text = ", ".join(parts) or "none besides the model's generation config"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _as_transformers_raises(kwargs: dict[str, Any], config: GenerationConfig | None, check):
+    """Run a transformers check of the generation arguments; its ValueError becomes an InputError (a
+    ValueError) and its TypeError stays a TypeError, both naming the arguments given."""
+    try:
+        return check()
+    except (InputError, RuntimeError):
+        raise
+    except TypeError as e:
+        raise TypeError(f"{e} (generate arguments: {_given(kwargs, config)})") from e
+    except ValueError as e:
+        raise InputError(f"{e} (generate arguments: {_given(kwargs, config)})") from e
+
+
+def _check_processors(model, gc: GenerationConfig, *, prompt, enc_ids, mask, logits_processor, stopping_criteria, tokenizer) -> None:
+    """Build what the last stage will build (logits processors, stopping criteria) and run the
+    processors transformers makes once on one row, on every rank: transformers checks their
+    arguments there (``temperature=0`` with sampling, ``top_k < 0``, ``repetition_penalty < 0``,
+    ``stop_strings`` without a tokenizer, token ids outside the vocabulary), and the last stage
+    alone would otherwise raise with its peers waiting in the ring."""
+    skel = model.skeleton
+    mask_key = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
+    user = list(logits_processor or [])
+    processors = skel._get_logits_processor(
+        generation_config=gc, input_ids_seq_length=prompt.shape[1],
+        encoder_input_ids=(enc_ids if enc_ids is not None else prompt)[:1], logits_processor=LogitsProcessorList(user),
+        device=prompt.device, model_kwargs={mask_key: mask[:1] if mask is not None else None},
+    )
+    # The caller's own processors are not run here (they may keep state); transformers' are fresh copies.
+    own = LogitsProcessorList([p for p in processors if not any(p is u for u in user)])
+    width = int(model.config.get_text_config(decoder=True).vocab_size)
+    own(prompt[:1], torch.zeros(1, width, dtype=torch.float32, device=prompt.device))
+    skel._get_stopping_criteria(
+        generation_config=gc, stopping_criteria=StoppingCriteriaList(stopping_criteria or []), tokenizer=tokenizer,
+    )
+
+
+def _agreed_arguments(input_ids, attention_mask, generation_config, kwargs, seed, n_microbatches, logits_processor, stopping_criteria, tokenizer) -> dict[str, Any]:
+    """What must be the same on every rank, for one small digest: tensors by checksum, a
+    GenerationConfig by its fields, a tokenizer by its class and size, processors by their classes."""
+    def plain(value):
+        return value.to_dict() if isinstance(value, GenerationConfig) else value
+
+    return {
+        "input_ids": input_ids, "attention_mask": attention_mask, "seed": seed, "n_microbatches": n_microbatches,
+        "generation_config": plain(generation_config), "kwargs": {k: plain(v) for k, v in kwargs.items()},
+        "tokenizer": None if tokenizer is None else f"{type(tokenizer).__name__}({len(tokenizer)} tokens)",
+        "logits_processor": [type(x).__name__ for x in logits_processor or []],
+        "stopping_criteria": [type(x).__name__ for x in stopping_criteria or []],
+    }
 
 
 # --------------------------------------------------------------------------- the ring
@@ -671,11 +738,17 @@ def generate(
     """
     start = time.perf_counter()
     if model.check_inputs:
-        simple = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+        # One small digest of every argument (the generation config too) before anything else: the
+        # checks below then raise the same error on every rank, and no rank starts a different ring.
         check_same_on_all_ranks(
             model.ctx, "generate inputs",
-            {"input_ids": input_ids, "attention_mask": attention_mask, "seed": seed, "n_microbatches": n_microbatches, "kwargs": simple},
+            _agreed_arguments(input_ids, attention_mask, generation_config, kwargs, seed, n_microbatches, logits_processor, stopping_criteria, tokenizer),
+            describe=model.rank_label,
         )
+    check_generate_inputs(input_ids)
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not model.config.is_encoder_decoder:
+        new = kwargs.get("max_new_tokens")
+        check_sequence_length(model.config, input_ids.shape[1], what="the prompt", new_tokens=new if isinstance(new, int) and not isinstance(new, bool) else 0)
     req = _prepare(model, input_ids, attention_mask, generation_config, kwargs, n_microbatches, seed, streamer, logits_processor, stopping_criteria, tokenizer)
     ring = _Ring(model, req)
     ring.decode_loop()

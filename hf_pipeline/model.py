@@ -178,13 +178,16 @@ class PipelinedModel(nn.Module):
         """
         labels = kwargs.pop("labels", None)
         raise_if_broken("a forward pass")
-        inputs = self.prepare_inputs(dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs))
+        given = {k: v for k, v in dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs).items() if v is not None}
         if self.check_inputs:
-            tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-            check_same_on_all_ranks(self.ctx, "model inputs", tensors if labels is None else {**tensors, "labels": labels})
-        batch = self.batch_size(inputs)
+            # Every argument (tensors by checksum) in one small digest, before anything else is exchanged.
+            check_same_on_all_ranks(
+                self.ctx, "model inputs", given if labels is None else {**given, "labels": labels}, describe=self.rank_label,
+            )
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
-        validate.check_model_inputs(self.config, self.resolved.head.loss, inputs, labels=labels)
+        validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels)
+        inputs = self.prepare_inputs(given)
+        batch = self.batch_size(inputs)
         if self.plan.pp_size > 1:
             validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
         with self._step_errors("a forward pass"):
@@ -258,11 +261,7 @@ class PipelinedModel(nn.Module):
         if self.build.generate_refusal is not None:
             raise TraceError(self.build.generate_refusal)
         with self._step_errors("generate"):
-            validate.check_generate_inputs(input_ids)
-            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not self.config.is_encoder_decoder:
-                # Inside the guard: if only some ranks got a too-long prompt, the others are told, not left waiting.
-                new = kwargs.get("max_new_tokens")
-                validate.check_sequence_length(self.config, input_ids.shape[1], what="the prompt", new_tokens=new if isinstance(new, int) else 0)
+            # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     def profile(self):

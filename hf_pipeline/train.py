@@ -188,11 +188,13 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
             raise ValueError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}; pass what a data collator returns (return_tensors='pt')")
     digest = _digest(batch) if model.check_inputs else 0
     labels = batch.pop("labels")
+    # Ids (dtype, shape, inside the vocabulary) and labels (shape, inside the vocabulary or -100) first:
+    # the shapes below are only meaningful for (batch, length) ids.
+    check_model_inputs(model.config, state.loss.name, batch, labels=labels)
     rows = model.batch_size(batch)
     for k, v in batch.items():
         if v.dim() == 0 or v.shape[0] != rows:
             raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row per example")
-    check_model_inputs(model.config, state.loss.name, batch, labels=labels)
     dp, m = model.dp_size, model.n_microbatches
     if rows % dp:
         raise ValueError(
@@ -228,7 +230,7 @@ def _agree(model, error: BaseException | None, digest: int) -> None:
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
     failed, max_hi, max_lo, neg_min_hi, neg_min_lo = flags.tolist()
     if failed:
-        raise_on_any_rank(ctx, error, what="checking the training batch", label=model.rank_label(ctx.rank) if hasattr(model, "rank_label") else None)
+        raise_on_any_rank(ctx, error, what="checking the training batch", describe=getattr(model, "rank_label", None))
     if model.check_inputs and (max_hi != -neg_min_hi or max_lo != -neg_min_lo):
         raise ValueError(
             "the training batch differs across ranks; every rank must pass the same global batch to train_step "

@@ -18,15 +18,77 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .errors import InputError
+
 __all__ = [
+    "IGNORE_INDEX",
     "check_generate_inputs",
     "check_labels",
     "check_microbatches",
     "check_model_inputs",
     "check_prompts",
     "check_sequence_length",
+    "check_token_ids",
     "max_positions",
+    "pipeline_identity",
+    "vocab_size",
 ]
+
+IGNORE_INDEX = -100  # the label transformers' losses skip
+_TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
+
+
+def vocab_size(config) -> int | None:
+    """Token ids the model's embeddings (and LM head) cover: ``config.vocab_size`` (a composite model's text config)."""
+    value = getattr(config, "vocab_size", None)
+    if not isinstance(value, int) and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _first_outside(values: torch.Tensor, bad: torch.Tensor, *, column_offset: int = 0) -> str:
+    """``"96 at [0, 3]"``: the first offending value and where it is (only computed once something is wrong)."""
+    where = tuple(int(i) for i in bad.nonzero()[0].tolist())
+    shown = list(where[:-1]) + [where[-1] + column_offset] if where else []
+    return f"{int(values[where])} at {shown}"
+
+
+def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", limit_name: str = "config.vocab_size") -> None:
+    """Raise InputError unless ``ids`` is a (batch, length) integer tensor of ids in ``[0, vocab)``.
+
+    Cheap: one min/max pass over the ids (a second pass only to say where a bad id is).
+
+    Args:
+        ids: the tensor.
+        vocab: how many ids the embedding has (None: the range is not checked).
+        what: the input's name, for the message.
+        limit_name: where ``vocab`` comes from, for the message.
+    """
+    if not isinstance(ids, torch.Tensor):
+        raise InputError(f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., return_tensors='pt')")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InputError(f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() if the values are ids)")
+    shape = tuple(ids.shape)
+    if ids.dim() != 2:
+        fix = (
+            f"; for one sequence pass {what}[None]" if ids.dim() == 1
+            else f"; merge the leading dimensions ({what}.reshape(-1, {shape[-1]})) or drop the extra one" if ids.dim() > 2
+            else "; pass a (batch, length) tensor"
+        )
+        raise InputError(f"{what} must be (batch, length), got shape {shape} ({ids.dim()}-D){fix}")
+    if shape[0] == 0:
+        raise InputError(f"{what} of shape {shape} holds no rows; pass at least one")
+    if shape[1] == 0:
+        raise InputError(f"{what} of shape {shape} holds no tokens; every row needs at least one (e.g. the BOS token)")
+    if vocab is None:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if lo < 0 or hi >= vocab:
+        first = _first_outside(ids, (ids < 0) | (ids >= vocab))
+        raise InputError(
+            f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must be "
+            f"in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
+        )
 
 
 def max_positions(config) -> int | None:
@@ -51,10 +113,16 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
     total = length + new_tokens
     if total > limit:
         grown = f" + {new_tokens} new tokens = {total}" if new_tokens else ""
-        raise ValueError(
+        fixes = []
+        if limit - new_tokens >= 1:
+            fixes.append(f"truncate the input to at most {limit - new_tokens} tokens")
+        if new_tokens and length < limit:
+            fixes.append(f"generate at most {limit - length} new tokens (max_new_tokens={limit - length})")
+        if not fixes:  # the input alone fills every position
+            fixes.append(f"truncate the input to fewer than {limit} tokens and generate fewer tokens")
+        raise InputError(
             f"{what} has {length} tokens{grown}, more than the model's maximum of {limit} positions "
-            f"(config.max_position_embeddings); truncate the input to at most {limit - new_tokens} tokens"
-            + (" or generate fewer tokens" if new_tokens else "")
+            f"(config.max_position_embeddings); " + " or ".join(fixes)
         )
 
 
@@ -78,7 +146,10 @@ def check_microbatches(*, batch: int, n_microbatches: int, training: bool) -> No
         )
 
 
-def check_labels(loss: str | None, labels: torch.Tensor, *, input_ids: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None, batch: int | None = None) -> None:
+def check_labels(
+    loss: str | None, labels: torch.Tensor, *, input_ids: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None,
+    batch: int | None = None, vocab: int | None = None, num_labels: int | None = None,
+) -> None:
     """Raise ValueError if ``labels`` does not fit the head's loss.
 
     Args:
@@ -87,6 +158,8 @@ def check_labels(loss: str | None, labels: torch.Tensor, *, input_ids: torch.Ten
         labels: the labels tensor.
         input_ids / decoder_input_ids: the inputs it must match.
         batch: the batch size (when no ids are given).
+        vocab: token labels must be in ``[0, vocab)`` or -100 (None: not checked).
+        num_labels: class labels must be in ``[0, num_labels)`` (None: not checked).
     """
     if loss is None:
         raise ValueError("this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)")
@@ -115,10 +188,50 @@ def check_labels(loss: str | None, labels: torch.Tensor, *, input_ids: torch.Ten
             raise ValueError(f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}")
     if labels.dtype.is_floating_point and loss != "sequence_classification":
         raise ValueError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
+    _check_label_range(loss, labels, vocab=vocab, num_labels=num_labels)
+
+
+def _check_label_range(loss: str, labels: torch.Tensor, *, vocab: int | None, num_labels: int | None) -> None:
+    # One min/max pass; the loss would raise "Target 96 is out of bounds" on the last stage alone.
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.numel() == 0:
+        return
+    offset = 0
+    if loss == "causal_lm":
+        labels, offset = labels[..., 1:], 1  # the shift drops the first position: transformers never reads it
+        limit, name, what = vocab, "config.vocab_size", "token"
+    elif loss in ("masked_lm", "seq2seq_lm"):
+        limit, name, what = vocab, "config.vocab_size", "token"
+    elif loss == "sequence_classification" and labels.dim() == 1 and num_labels is not None and num_labels > 1:
+        limit, name, what = num_labels, "config.num_labels", "class"
+    else:
+        return
+    if limit is None or labels.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(labels))
+    if hi < limit and (lo >= 0 or not bool(((labels < 0) & (labels != IGNORE_INDEX)).any())):
+        return
+    first = _first_outside(labels, (labels >= limit) | ((labels < 0) & (labels != IGNORE_INDEX)), column_offset=offset)
+    raise InputError(
+        f"labels hold {what} id {first}, outside the model's {limit} {what}s ({name}); labels must be in "
+        f"[0, {limit - 1}], or {IGNORE_INDEX} where no loss is wanted"
+    )
 
 
 def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None) -> None:
-    """Sequence lengths and labels of one call's inputs (see the functions above)."""
+    """Token ids, sequence lengths and labels of one call's inputs (see the functions above)."""
+    vocab = vocab_size(config)
+    for key in ("input_ids", "decoder_input_ids"):
+        if inputs.get(key) is not None:
+            check_token_ids(inputs[key], vocab=vocab, what=key)
+    types = inputs.get("token_type_ids")
+    type_vocab = getattr(config, "type_vocab_size", None)
+    if isinstance(types, torch.Tensor) and isinstance(type_vocab, int) and types.numel() and not types.dtype.is_floating_point:
+        lo, hi = (int(v) for v in torch.aminmax(types))
+        if lo < 0 or hi >= type_vocab:
+            raise InputError(
+                f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the model's "
+                f"{type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
+            )
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() >= 2:
             check_sequence_length(config, inputs[key].shape[1], what=key)
@@ -127,7 +240,11 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
     if isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2 and mask.shape != ids.shape:
         raise ValueError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
     if labels is not None:
-        check_labels(loss, labels, input_ids=inputs.get("input_ids"), decoder_input_ids=inputs.get("decoder_input_ids"))
+        num_labels = getattr(config, "num_labels", None)
+        check_labels(
+            loss, labels, input_ids=inputs.get("input_ids"), decoder_input_ids=inputs.get("decoder_input_ids"),
+            vocab=vocab, num_labels=num_labels if isinstance(num_labels, int) else None,
+        )
 
 
 def check_prompts(prompts: Any) -> str:
@@ -177,3 +294,77 @@ def check_generate_inputs(input_ids: Any) -> None:
             f"input_ids of shape {tuple(input_ids.shape)} holds no "
             + ("prompts; pass at least one" if input_ids.shape[0] == 0 else "tokens; every prompt needs at least one (e.g. the BOS token)")
         )
+
+
+def pipeline_identity(options, config, checkpoint_dir, *, device_type: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """What every rank must agree on before it builds its stages: one small, comparable dict.
+
+    The resolved options, the arguments that shape the pipeline, the device type, and the
+    checkpoint's identity by content, not by path (a path may differ from host to host): the
+    config, the generation config, the index's weight map and each shard's size. Nothing is read
+    from the shards. An unreadable index is described, not raised: the loader reports it.
+
+    Args:
+        options: the resolved :class:`~hf_pipeline.options.PipelineOptions`.
+        config: the transformers config the stages are built from.
+        checkpoint_dir: the local checkpoint directory (or None).
+        device_type: ``"cpu"`` or ``"cuda"``.
+        arguments: the caller's arguments as given (``split_method``, ``gather_output``, ...).
+
+    Returns:
+        A dict for :func:`hf_pipeline.dist.check_same_on_all_ranks`: mismatches are named by key
+        (``split``, ``config.hidden_size``, ``shard sizes.model-00002-of-00005.safetensors``).
+    """
+    import hashlib
+    import json
+    import pathlib
+    from dataclasses import fields
+
+    out: dict[str, Any] = {}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if isinstance(value, type):
+            value = value.__qualname__  # the model class
+        elif f.name == "schedule":
+            value = value.name
+        out[f.name] = value
+    out.update({k: v for k, v in arguments.items() if k not in out})
+    out["device type"] = device_type
+    cfg = config.to_dict()
+    cfg.pop("_name_or_path", None)  # where it was read from, not what it is
+    out["config"] = cfg
+    if checkpoint_dir is None:
+        return out
+    directory = pathlib.Path(checkpoint_dir)
+    generation = directory / "generation_config.json"
+    out["generation_config.json"] = generation.read_text() if generation.is_file() else None
+    index = directory / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        weight_map = f"unreadable ({type(e).__name__})"
+    if isinstance(weight_map, dict):
+        text = json.dumps(weight_map, sort_keys=True)
+        # One leaf: thousands of keys are compared by one hash, not listed in a mismatch message.
+        out["weight map"] = f"{len(weight_map)} keys (#{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()})"
+        files = sorted({v for v in weight_map.values() if isinstance(v, str)})
+    else:
+        out["weight map"] = weight_map
+        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+    sizes, tails = {}, {}
+    for name in files:
+        try:
+            with open(directory / name, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - _TAIL_BYTES))
+                tail = f.read(_TAIL_BYTES)
+        except OSError:
+            sizes[name] = tails[name] = None  # missing or unreadable: the loader says which and why
+            continue
+        sizes[name] = size
+        tails[name] = hashlib.blake2b(tail, digest_size=8).hexdigest()
+    out["shard sizes"] = sizes
+    # The last bytes of each shard (one page, not a tensor read): two checkpoints of one architecture
+    # have the same config, index and sizes, but not the same weights.
+    out["shard tails"] = tails
+    return out

@@ -79,6 +79,20 @@ def _make_paths(tmp: pathlib.Path) -> dict[str, str]:
     paths["opt"] = tmp / "opt"
 
     paths["mistral"] = tiny.make_checkpoint(tmp / "mistral", "mistral")
+    # Same architecture and files layout, other weights (another seed): only the bytes tell them apart.
+    paths["llama_other_weights"] = tiny.make_checkpoint(tmp / "llama_other_weights", "llama", seed=1)
+    paths["llama_other_config"] = p = _copy(good, tmp / "llama_other_config")
+    cfg = json.loads((p / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-3
+    (p / "config.json").write_text(json.dumps(cfg))
+    paths["llama_int_weight"] = p = _copy(good, tmp / "llama_int_weight")
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((p / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    tensors = load_file(str(p / shard))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)  # same size: the index stays valid
+    save_file(tensors, str(p / shard), metadata={"format": "pt"})
     (tmp / "bad_syntax.toml").write_text('model_types = ["llama"\nglue = "llama"\n')
     (tmp / "bad_field.toml").write_text(
         'model_types = ["llama"]\nglue = "frobnicate"\n[[stacks]]\nname = "decoder"\nblocks = "{base}layers"\n[heads.Model]\n'
@@ -130,8 +144,6 @@ LOAD_CASES = {
         lambda p: _load(p["llama"], schedule="1f1b", virtual_stages=2), ("ScheduleError",), r"schedule '1f1b' needs virtual_stages 1 per rank, got 2"),
     "V schedule with virtual_stages=3": (
         lambda p: _load(p["llama"], schedule="zbv-zero-bubble", virtual_stages=3), ("ScheduleError",), r"schedule 'zbv-zero-bubble' needs virtual_stages 2 per rank, got 3"),
-    "1F1B with fewer microbatches than stages": (
-        lambda p: _load(p["llama"], schedule="1f1b", n_microbatches=1), ("ScheduleError",), r"needs n_microbatches >= the number of stages \(2\), got 1"),
     "unknown schedule name": (
         lambda p: _load(p["llama"], schedule="2f2b"), ("ScheduleError",), r"unknown schedule '2f2b'; choose one of"),
     "shard file missing": (
@@ -154,7 +166,39 @@ LOAD_CASES = {
     "dtype the device does not support": (
         lambda p: _load(p["llama"], dtype=torch.float8_e4m3fn), ("ValueError",), r"dtype torch\.float8_e4m3fn is not supported on device cpu"),
     "dtype that is not a floating point type": (
-        lambda p: _load(p["llama"], dtype="int8"), ("ValueError",), r"dtype must be a floating point type, got torch\.int8"),
+        lambda p: _load(p["llama"], dtype="int8"), ("ValueError",), r"dtype must be a floating point .*got torch\.int8"),
+    "virtual_stages=0": (
+        lambda p: _load(p["llama"], virtual_stages=0), ("ValueError",), r"virtual_stages must be a positive integer, got 0"),
+    "num_stages=0": (
+        lambda p: _load(p["llama"], num_stages=0), ("ValueError",), r"num_stages must be a positive integer, got 0"),
+    "n_microbatches=0": (
+        lambda p: _load(p["llama"], n_microbatches=0), ("ValueError",), r"n_microbatches must be a positive integer, got 0"),
+    "an integer tensor where a float weight belongs": (
+        lambda p: _load(p["llama_int_weight"]), ("CheckpointError", "RankError"), r"model\.norm\.weight.*model-\d+-of-\d+\.safetensors"),
+    # Arguments or checkpoints that differ between ranks: one agreement at load names what differs.
+    "split differs between ranks": (
+        lambda p: _load(p["llama"], split="auto" if _rank() == 0 else ["model.layers.1"]), ("ValueError",),
+        r"but split differs: split: rank 0: 'auto'; rank 1: \('model\.layers\.1'\)"),
+    "n_microbatches differs between ranks": (
+        lambda p: _load(p["llama"], n_microbatches=2 + 2 * _rank()), ("ValueError",),
+        r"but n_microbatches differs: n_microbatches: rank 0: 2; rank 1: 4"),
+    "dtype differs between ranks": (
+        lambda p: _load(p["llama"], dtype=("float32", "bfloat16")[_rank()]), ("ValueError",),
+        r"but dtype differs: dtype: rank 0: torch\.float32; rank 1: torch\.bfloat16"),
+    "schedule differs between ranks": (
+        lambda p: _load(p["llama"], schedule=("1f1b", "gpipe")[_rank()]), ("ValueError",), r"but schedule differs: schedule: rank 0: '1f1b'; rank 1: 'gpipe'"),
+    "gather_output differs between ranks": (
+        lambda p: _load(p["llama"], gather_output=bool(_rank())), ("ValueError",), r"but gather_output differs: gather_output: rank 0: False; rank 1: True"),
+    "checkpoint differs between ranks: another model's weights": (
+        lambda p: _load(p[("llama", "llama_other_weights")[_rank()]]), ("ValueError",),
+        r"but shard tails\.model-00001-of-\d+\.safetensors, .* differ: shard tails\.model-00001-of-\d+\.safetensors: rank 0: '\w+'; rank 1: '\w+'"),
+    "checkpoint differs between ranks: another config": (
+        lambda p: _load(p[("llama", "llama_other_config")[_rank()]]), ("ValueError",),
+        r"but config\.rms_norm_eps differs: config\.rms_norm_eps: rank 0: 1e-06; rank 1: 0\.001"),
+    "checkpoint differs between ranks: a shard truncated on one rank's copy": (
+        lambda p: _load(p[("llama", "truncated_shard")[_rank()]]), ("ValueError",),
+        r"but shard sizes\.model-00005-of-00005\.safetensors and shard tails\.model-00005-of-00005\.safetensors differ: "
+        r"shard sizes\.model-00005-of-00005\.safetensors: rank 0: \d+; rank 1: \d+"),
 }
 
 
@@ -257,7 +301,8 @@ CALL_CASES = {
     "generate: unsupported mode (beam search)": (
         lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, num_beams=2), ("ValueError",), r"is not supported by pipelined generation"),
     "forward: inputs differ between ranks": (
-        lambda _: _m()(**_ids(2, 9, seed=1 + _rank())), ("ValueError",), r"model inputs must be the same on every rank but differs: rank 0: .*; rank 1: "),
+        lambda _: _m()(**_ids(2, 9, seed=1 + _rank())), ("ValueError",),
+        r"model inputs must be the same on every rank but input_ids differs: input_ids: rank 0: Tensor\(.*\); rank 1: Tensor\("),
     "train_step: batch differs between ranks": (
         lambda _: _m().train_step(_with_labels(_ids(2, 9, seed=1 + _rank()))), ("ValueError",),
         r"the training batch differs across ranks"),
@@ -274,7 +319,91 @@ CALL_CASES = {
         r"labels has 4 rows but the batch has 2"),
     "train_step: no labels": (
         lambda _: _m().train_step(_ids(2, 9)), ("ValueError",), r"the batch has no 'labels'"),
+    # Bad values: found on every rank before anything is sent (torch would raise on one stage only).
+    "forward: token id >= vocab_size": (
+        lambda _: _m()(input_ids=_bad_ids(2, 9, 96)), ("ValueError",),
+        r"input_ids holds token id 96 at \[1, 4\], outside the model's vocabulary of 96 tokens \(config\.vocab_size\)"),
+    "forward: negative token id": (
+        lambda _: _m()(input_ids=_bad_ids(2, 9, -1)), ("ValueError",), r"input_ids holds token id -1 at \[1, 4\], outside the model's vocabulary"),
+    "generate: token id >= vocab_size": (
+        lambda _: _m().generate(input_ids=_bad_ids(2, 5, 96), max_new_tokens=2), ("ValueError",), r"input_ids holds token id 96 at \[1, 2\]"),
+    "generate: negative token id": (
+        lambda _: _m().generate(input_ids=_bad_ids(2, 5, -7), max_new_tokens=2), ("ValueError",), r"input_ids holds token id -7 at \[1, 2\]"),
+    "train_step: labels >= vocab_size": (
+        lambda _: _m().train_step(_with_labels(_ids(2, 9), _bad_ids(2, 9, 96))), ("ValueError",),
+        r"labels hold token id 96 at \[1, 4\], outside the model's 96 tokens \(config\.vocab_size\); labels must be in \[0, 95\], or -100"),
+    "train_step: negative labels other than -100": (
+        lambda _: _m().train_step(_with_labels(_ids(2, 9), _bad_ids(2, 9, -1))), ("ValueError",), r"labels hold token id -1 at \[1, 4\]"),
+    "forward: labels >= vocab_size": (
+        lambda _: _m()(**_with_labels(_ids(2, 9), _bad_ids(2, 9, 200))), ("ValueError",), r"labels hold token id 200"),
+    "forward: float input_ids": (
+        lambda _: _m()(input_ids=_ids(2, 9)["input_ids"].float()), ("ValueError",), r"input_ids must hold integer token ids, got dtype torch\.float32"),
+    "forward: input_ids of shape (B, 0)": (
+        lambda _: _m()(input_ids=torch.zeros(2, 0, dtype=torch.long)), ("ValueError",), r"input_ids of shape \(2, 0\) holds no tokens"),
+    "forward: 1-D input_ids": (
+        lambda _: _m()(input_ids=_ids(2, 9)["input_ids"][0]), ("ValueError",),
+        r"input_ids must be \(batch, length\), got shape \(9,\) \(1-D\); for one sequence pass input_ids\[None\]"),
+    "forward: 3-D input_ids": (
+        lambda _: _m()(input_ids=_ids(2, 9)["input_ids"][None]), ("ValueError",), r"input_ids must be \(batch, length\), got shape \(1, 2, 9\) \(3-D\)"),
+    "forward: input_ids as a list": (
+        lambda _: _m()(input_ids=[[5, 6, 7], [8, 9, 10]]), ("ValueError",), r"input_ids must be a \(batch, length\) tensor of token ids, got list"),
+    "train_step: float input_ids": (
+        lambda _: _m().train_step({"input_ids": _ids(2, 9)["input_ids"].float(), "labels": _ids(2, 9)["input_ids"]}), ("ValueError",),
+        r"input_ids must hold integer token ids"),
+    "generate: float input_ids": (
+        lambda _: _m().generate(input_ids=_ids(2, 5)["input_ids"].float(), max_new_tokens=2), ("ValueError",), r"input_ids must hold integer token ids"),
+    "generate: 1-D input_ids": (
+        lambda _: _m().generate(input_ids=_ids(2, 5)["input_ids"][0], max_new_tokens=2), ("ValueError",), r"got shape \(5,\) \(1-D\)"),
+    "generate: 3-D input_ids": (
+        lambda _: _m().generate(input_ids=_ids(2, 5)["input_ids"][None], max_new_tokens=2), ("ValueError",), r"got shape \(1, 2, 5\) \(3-D\)"),
+    "generate: max_new_tokens far beyond the maximum positions": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=10**12), ("ValueError",),
+        r"the prompt has 5 tokens \+ 1000000000000 new tokens = 1000000000005, more than the model's maximum of 128 positions "
+        r"\(config\.max_position_embeddings\); generate at most 123 new tokens \(max_new_tokens=123\)$"),
+    # Generation arguments transformers rejects: its own checks, on every rank, its exception type.
+    "generate: temperature=0 with sampling": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, temperature=0.0), ("ValueError",),
+        r"`temperature` \(=0\.0\) has to be a strictly positive float.*\(generate arguments: .*temperature=0\.0"),
+    "generate: top_k < 0": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, top_k=-1), ("ValueError",),
+        r"`top_k` has to be a strictly positive integer, but is -1 \(generate arguments: .*top_k=-1"),
+    "generate: repetition_penalty < 0": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, repetition_penalty=-1.0), ("ValueError",),
+        r"`penalty` has to be a strictly positive float, but is -1\.0 \(generate arguments: .*repetition_penalty=-1\.0"),
+    "generate: stop_strings without a tokenizer": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, stop_strings=["x"]), ("ValueError",),
+        r"There are one or more stop strings.*could not locate a tokenizer.*\(generate arguments: .*stop_strings=\['x'\]"),
+    "generate: max_new_tokens=0": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=0), ("ValueError",), r"`max_new_tokens` must be greater than 0, but is 0"),
+    "generate: min_p outside [0, 1]": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, min_p=2.0), ("ValueError",), r"`min_p` has to be a float in the \[0, 1\] interval"),
+    "generate: typical_p=0": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, typical_p=0.0), ("ValueError",), r"`typical_p` has to be a float > 0 and < 1"),
+    "generate: bad_words_ids outside the vocabulary": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, bad_words_ids=[[200]]), ("ValueError",),
+        r"The model vocabulary size is 96, but the following tokens were being biased: \[200\]"),
+    "generate: max_new_tokens not a number": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens="5"), ("TypeError",), r"not supported between instances of 'str' and 'int'.*max_new_tokens='5'"),
+    # Per-call arguments that differ between ranks: one small digest, before anything else is exchanged.
+    "forward: call kwargs differ between ranks": (
+        lambda _: _m()(**_ids(2, 9), output_hidden_states=bool(_rank())), ("ValueError",),
+        r"model inputs must be the same on every rank but output_hidden_states differs: output_hidden_states: rank 0: False; rank 1: True"),
+    "generate: generation config differs between ranks": (
+        lambda _: _m().generate(**_ids(2, 5), generation_config=__import__("transformers").GenerationConfig(max_new_tokens=2, top_k=5 + _rank())),
+        ("ValueError",), r"generate inputs must be the same on every rank but generation_config\.top_k differs: generation_config\.top_k: rank 0: 5; rank 1: 6"),
+    "generate: max_new_tokens differs between ranks": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2 + _rank()), ("ValueError",),
+        r"but kwargs\.max_new_tokens differs: kwargs\.max_new_tokens: rank 0: 2; rank 1: 3"),
+    "generate: seed differs between ranks": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, seed=_rank()), ("ValueError",), r"but seed differs: seed: rank 0: 0; rank 1: 1"),
 }
+
+
+def _bad_ids(batch: int, seq: int, value: int) -> torch.Tensor:
+    """Valid ids except one, at [batch - 1, seq // 2 - 1 or so]: the message must say where."""
+    ids = _ids(batch, seq)["input_ids"].clone()
+    ids[batch - 1, (seq - 1) // 2] = value
+    return ids
 
 
 def _call_job(llama: str, gpt2: str):
