@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import collective_errors
+from .options import parse_size
 from .weights import SAVE_STAGING_PATTERN, SAVE_STAGING_PREFIX
 
 __all__ = [
@@ -84,7 +85,6 @@ __all__ = [
     "is_complete_checkpoint",
     "latest_checkpoint",
     "load_training_state",
-    "parse_size",
     "save_pretrained",
 ]
 
@@ -112,21 +112,6 @@ save_phase_hook: Callable[[str], None] | None = None
 def _phase(name: str) -> None:
     if save_phase_hook is not None:
         save_phase_hook(name)
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes of ``"5GB"``, ``"500MB"``, ``"64KiB"`` or an int (transformers' ``max_shard_size`` forms)."""
-    if isinstance(size, int):
-        if size <= 0:
-            raise ValueError(f"max_shard_size must be positive, got {size}")
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if not m:
-        raise ValueError(f"max_shard_size {size!r} is not a size; use e.g. '5GB', '500MB' or a number of bytes")
-    unit = m.group(2)
-    base = 1024 if "I" in unit else 1000
-    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0] if unit != "B" else "B"]
-    return int(float(m.group(1)) * base**power)
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +358,7 @@ def save_pretrained(
         if final.exists() and not final.is_dir():
             raise FileExistsError(f"{final} exists and is not a directory; pass a directory path to save_pretrained")
         tensors = _my_tensors(model)
-        shards = _plan_shards(tensors, parse_size(max_shard_size))
+        shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
         opt_state = _optimizer_state(model, optimizer) if optimizer is not None and model.dp_rank == 0 else None
         my_plan = {
             "rank": ctx.rank,

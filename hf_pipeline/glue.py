@@ -3,8 +3,10 @@
 A stage holds some of a model's modules (embeddings, a run of blocks, final norm, head) under their
 original names. The glue calls them in the order the HF model's ``forward`` would, building the
 attention masks with transformers' own ``masking_utils`` and the position embeddings with the
-model's own rotary module, so numerics equal the unsplit model. Nothing from HF's modeling code is
-copied: each block is the HF block itself.
+model's own rotary module, so numerics equal the unsplit model. A whole block is the HF block
+itself; only where a stage boundary cuts a block between its attention and MLP halves does the
+glue repeat the few lines of that block's ``forward`` for each half (``block_half``; the tests check
+that both halves in a row equal the block).
 
 A glue sees ``received`` (the tensors sent by the previous stage, see the recipe's ``flows``) and
 ``inputs`` (the model inputs, which every stage of a pipelined call gets: ids, masks, position
@@ -24,7 +26,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, create_sliding_window_causal_mask
 from transformers.pytorch_utils import apply_chunking_to_forward
 
-__all__ = ["GLUES", "Glue", "attention_kinds", "get_glue"]
+__all__ = ["GLUES", "POOLS", "Glue", "attention_kinds", "get_glue"]
 
 
 def _layer_index(fqn: str) -> int:
@@ -33,6 +35,10 @@ def _layer_index(fqn: str) -> int:
 
 class Glue:
     """Base: embed on the first stage, run the owned blocks, finish and apply the head on the last."""
+
+    # Whether the glue can run half a block (a stage boundary between attention and MLP); a
+    # recipe may declare block halves only for such a glue.
+    runs_halves: bool = False
 
     def check(self, stage: Any) -> None:
         """Refuse, when the stage is built, a model whose forward this glue cannot reproduce (default: none)."""
@@ -62,6 +68,11 @@ class Glue:
         return out
 
 
+# How a head reduces the sequence, as recipes name it: "last_token" here (below); "pooler" is the
+# head's own pooler module (BERT), run as one of its modules.
+POOLS = ("last_token", "pooler")
+
+
 def _pool_last_token(logits: torch.Tensor, inputs: dict[str, Any], config) -> torch.Tensor:
     # As transformers' GenericForSequenceClassification: the rightmost token that is not padding.
     ids = inputs.get("input_ids")
@@ -76,6 +87,7 @@ def _pool_last_token(logits: torch.Tensor, inputs: dict[str, Any], config) -> to
 
 
 class _SingleStack(Glue):
+    runs_halves = True  # block_half: the block's own forward split at its residual boundary
     """Decoder-only and encoder-only models: one stack, ``hidden_states`` flows between stages."""
 
     def embed(self, stage, inputs):

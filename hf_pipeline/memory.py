@@ -141,7 +141,7 @@ class _StageRun:
 
 def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int, has_loss: bool) -> list[_StageRun]:
     """Run every stage once in training mode on fake tensors; measure what each saves and sends."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .compat import FakeTensorMode
 
     stages = [build_stage(skeleton, resolved, spec) for spec in plan.stages]  # deepcopy outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -397,7 +397,9 @@ def plan_report(
 
     stage_rows = []
     for s, run in zip(plan.stages, runs):
-        decoder_layers = sum(1 for b in s.attention_blocks if any(b in st.blocks for st in resolved.stacks if st.name == "decoder"))
+        # The stack that decodes, and so keeps a KV cache, is the last one in execution order (the only
+        # stack of a decoder-only model; an encoder-decoder's decoder); earlier stacks run once per request.
+        decoder_layers = sum(1 for b in s.attention_blocks if b in resolved.stacks[-1].blocks)
         kv = kv_cache_bytes_per_token(config, decoder_layers=decoder_layers, dtype=torch_dtype) if generative else 0
         stage_rows.append(StageMemory(
             index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,

@@ -62,7 +62,7 @@ def parse_size(size: int | str, *, what: str = "size") -> int:
     Decimal units are powers of 1000, binary ones (``KiB``, ``GiB``) of 1024.
 
     Raises:
-        InputError: for anything else, or a size below 1 byte.
+        InputError: for anything else, or a size below 1 byte ("... must be positive").
     """
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise InputError(f"cannot read the size {size!r} ({what}); write e.g. '500MB', '2GB' or a number of bytes")
@@ -77,7 +77,7 @@ def parse_size(size: int | str, *, what: str = "size") -> int:
         power = "KMGT".find(unit[:1]) + 1 if unit else 0
         value = int(float(m.group(1)) * base**power)
     if value < 1:
-        raise InputError(f"{what} must be at least 1 byte, got {size!r}")
+        raise InputError(f"{what} must be positive, got {size!r}")
     return value
 
 

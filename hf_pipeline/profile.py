@@ -36,9 +36,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import schedules as _torch_schedules
-from torch.distributed.pipelining import stage as _torch_stage
 
+from .compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
 from .plan import rank_of_stage
 from .schedules import ScheduleSpec, get_schedule
 
@@ -375,7 +374,7 @@ class Recorder:
 
     def _patch(self) -> None:
         rec = self
-        base = _torch_stage._PipelineStageBase
+        base = PipelineStageBase
 
         def stage_action(kind_of):
             def make(original):
@@ -416,7 +415,7 @@ class Recorder:
 
             return wrapper
 
-        self._wrap(_torch_schedules._PipelineSchedule, "_maybe_compute_loss", make_loss)
+        self._wrap(*PROFILED_METHODS[0], make_loss)
 
         def make_step(original):
             def wrapper(schedule, *args, **kwargs):
@@ -435,8 +434,8 @@ class Recorder:
 
             return wrapper
 
-        self._wrap(_torch_schedules.PipelineScheduleSingle, "step", make_step)
-        self._wrap(_torch_schedules.PipelineScheduleMulti, "step", make_step)
+        self._wrap(torch_schedules.PipelineScheduleSingle, "step", make_step)
+        self._wrap(torch_schedules.PipelineScheduleMulti, "step", make_step)
 
         # P2P: remember whether each batch of work holds sends or receives, time the waits on it.
         def make_batch(original):
@@ -462,8 +461,8 @@ class Recorder:
 
             return wrapper
 
-        self._wrap(_torch_schedules, "_batch_p2p", make_batch)
-        self._wrap(_torch_schedules, "_wait_batch_p2p", make_wait)
+        self._wrap(*PROFILED_METHODS[1], make_batch)
+        self._wrap(*PROFILED_METHODS[2], make_wait)
 
         # Stage calls outside torch's schedules (world size 1, decode loops): time the stage module.
         from .stages import StageModule

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.resources
 import pathlib
@@ -22,21 +21,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import RecipeError
+from .glue import GLUES, POOLS
+from .losses import LOSSES
 
 __all__ = [
     "HeadSpec", "POSITION_KINDS", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe",
     "position_kind", "register_recipe",
 ]
 
-# Forward glue implementations a recipe may name (``hf_pipeline/glue.py``); kept here so that
-# validating a recipe needs no torch import.
-KNOWN_GLUES = ("llama", "gpt2", "bert", "t5")
-KNOWN_LOSSES = ("causal_lm", "masked_lm", "sequence_classification", "seq2seq_lm")
-KNOWN_POOLS = ("last_token", "pooler")
+# What a recipe may name, read from the registries that implement them (one list each).
+KNOWN_GLUES = tuple(GLUES)
+KNOWN_LOSSES = tuple(LOSSES)
+KNOWN_POOLS = POOLS
 # How a family encodes positions: a learned table (ends at max_position_embeddings), rotary or relative (no end).
 POSITION_KINDS = ("learned", "rotary", "relative")
 # Glues that can run a block's two halves on different stages (``Glue.block_half``).
-HALF_GLUES = ("llama", "gpt2", "bert")
+HALF_GLUES = tuple(name for name, cls in GLUES.items() if cls.runs_halves)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,6 +282,3 @@ def position_kind(config) -> str:
     recipe = list_recipes().get(getattr(config, "model_type", None))
     return recipe.positions if recipe is not None else "learned"
 
-
-def replace(recipe: Recipe, **changes: Any) -> Recipe:
-    return dataclasses.replace(recipe, **changes)

@@ -42,6 +42,7 @@ from typing import Any, Callable
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from .compat import Action, ComputationType, PipelineScheduleRuntime
 from .errors import ScheduleError
 
 __all__ = [
@@ -337,7 +338,7 @@ def validate_schedule(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, 
     check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
 
 
-class ScheduleForwardInOrder(pp.schedules._PipelineScheduleRuntime):
+class ScheduleForwardInOrder(PipelineScheduleRuntime):
     """Forward-only schedule for any stage placement, looped or V-shaped.
 
     Torch's multi-stage schedules are training schedules: the V-shaped ones cannot run forward
@@ -349,11 +350,11 @@ class ScheduleForwardInOrder(pp.schedules._PipelineScheduleRuntime):
     def __init__(self, stages, n_microbatches: int, *, stage_to_rank: dict[int, int], **kwargs):
         self._stage_to_rank = dict(stage_to_rank)
         super().__init__(stages=stages, n_microbatches=n_microbatches, **kwargs)
-        forward = pp.schedules._ComputationType.FORWARD
+        forward = ComputationType.FORWARD
         actions: dict[int, list] = {r: [] for r in sorted(set(stage_to_rank.values()))}
         for stage in sorted(stage_to_rank):
             for mb in range(n_microbatches):
-                actions[stage_to_rank[stage]].append(pp.schedules._Action(stage, forward, mb))
+                actions[stage_to_rank[stage]].append(Action(stage, forward, mb))
         self._prepare_schedule_with_comms(actions)
 
     def _prepare_schedule_with_comms(self, actions, format="compute_only") -> None:

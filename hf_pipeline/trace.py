@@ -55,9 +55,9 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
-from torch.utils import _pytree as pytree
 
 from .errors import TraceError
+from .compat import pytree
 from .glue import Glue
 from .options import PipelineOptions
 from .plan import ResolvedRecipe, ResolvedStack, StageSpec, module_stats, make_plan

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .compat import flatten_dense_tensors, stage_backward_weight, unflatten_dense_tensors
 from .dist import fingerprint, raise_on_any_rank
 from .losses import LossFunction, PipelineLoss, get_loss
 from .runtime import signature
@@ -290,8 +291,6 @@ def _sync_gradients(state: _TrainState) -> None:
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """In-place sum over ``group``, in flat buckets (one collective per bucket, not per tensor)."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -303,9 +302,9 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
             bucket.append(t)
             size += t.numel() * t.element_size()
             if size >= _BUCKET_BYTES or i == len(items) - 1:
-                flat = _flatten_dense_tensors(bucket)
+                flat = flatten_dense_tensors(bucket)
                 dist.all_reduce(flat, group=group)
-                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                for dst, src in zip(bucket, unflatten_dense_tensors(flat, bucket)):
                     dst.copy_(src)
                 bucket, size = [], 0
 
@@ -328,8 +327,6 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
 def _retain_graph_in_weight_pass(pstage) -> None:
     if getattr(pstage, "_hf_pipeline_retains_w", False):
         return
-    from torch.distributed.pipelining._backward import stage_backward_weight
-
     def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
         if backward_type == "weight" and isinstance(pstage.submod, StageModule):  # not wrapped in DDP / FSDP
             return stage_backward_weight(pstage.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None

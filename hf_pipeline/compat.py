@@ -1,0 +1,118 @@
+"""Every private torch and transformers API the package relies on, in one place.
+
+Each name here reaches into another library's internals because the public API lacks what the
+package needs; the comment beside it says which public API is missing. Nothing else in the
+package imports a private torch or transformers name: when a torch or transformers release moves
+one, this is the only file to change, and ``pyproject.toml`` bounds the versions it was tested
+with (torch 2.13, transformers 5.24-5.25).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules as torch_schedules
+
+__all__ = [
+    "Action",
+    "ComputationType",
+    "FakeTensorMode",
+    "PROFILED_METHODS",
+    "PipelineScheduleRuntime",
+    "PipelineStageBase",
+    "abort_process_group",
+    "decoder_start_token_tensor",
+    "default_store",
+    "flatten_dense_tensors",
+    "generation_helper",
+    "pad_token_tensor",
+    "pytree",
+    "stage_backward_weight",
+    "torch_schedules",
+    "unflatten_dense_tensors",
+]
+
+# --- torch.distributed -------------------------------------------------------------------------
+def default_store() -> Any:
+    """The default process group's TCP store (no public accessor: ``dist.get_default_store`` does not exist)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def abort_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """Abort a process group so blocked collectives return (public ``abort`` exists only on some backends' objects)."""
+    dist.distributed_c10d._abort_process_group(group)
+
+
+# --- torch.distributed.pipelining ---------------------------------------------------------------
+# A schedule built from an explicit action list: torch exposes the runtime that executes action
+# lists (used by its own CSV schedules) only under this private name.
+PipelineScheduleRuntime = torch_schedules._PipelineScheduleRuntime
+# The action records (stage, computation, microbatch) such a runtime takes: no public constructor.
+Action = torch_schedules._Action
+ComputationType = torch_schedules._ComputationType
+
+
+# What the profiler wraps to time every action: the methods torch's schedules run each action
+# and P2P wait through (there is no public hook or callback per action).
+from torch.distributed.pipelining import stage as _torch_stage  # noqa: E402
+
+PipelineStageBase = _torch_stage._PipelineStageBase
+PROFILED_METHODS = (
+    (torch_schedules._PipelineSchedule, "_maybe_compute_loss"),
+    (torch_schedules, "_batch_p2p"),
+    (torch_schedules, "_wait_batch_p2p"),
+)
+
+
+def stage_backward_weight(*args: Any, **kwargs: Any):
+    """torch's zero-bubble weight-gradient pass (no public name; needed to pass ``retain_graph``)."""
+    from torch.distributed.pipelining._backward import stage_backward_weight as fn
+
+    return fn(*args, **kwargs)
+
+
+# --- torch utilities ---------------------------------------------------------------------------
+# Flat buckets for gradient all-reduce, as DDP builds them (no public flatten/unflatten pair).
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: E402
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors  # noqa: E402
+# Output structure of a traced graph: torch.utils.pytree is public only from later releases.
+from torch.utils import _pytree as pytree  # noqa: E402
+
+
+def FakeTensorMode(*args: Any, **kwargs: Any):  # noqa: N802 - a class in torch
+    """Shapes-and-dtypes-only tensors for the memory planner (torch has no public fake-tensor mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode as cls
+
+    return cls(*args, **kwargs)
+
+
+# --- transformers GenerationMixin --------------------------------------------------------------
+# Pipelined generate must prepare the generation config, special tokens, lengths and logits
+# processors exactly as ``GenerationMixin.generate`` does, so that sampling is identical; those
+# steps exist only as private methods of the mixin.
+_GENERATION_HELPERS = (
+    "_prepare_generation_config",
+    "_prepare_special_tokens",
+    "_prepare_attention_mask_for_generation",
+    "_prepare_generated_length",
+    "_get_logits_processor",
+)
+
+
+def generation_helper(model: Any, name: str):
+    """``model``'s GenerationMixin step ``name`` (one of the private helpers above), bound."""
+    if name not in _GENERATION_HELPERS:
+        raise KeyError(f"{name!r} is not a GenerationMixin helper this package uses")
+    return getattr(model, name)
+
+
+def pad_token_tensor(config: Any) -> torch.Tensor | None:
+    """The pad token tensor ``_prepare_special_tokens`` set on a GenerationConfig (no public attribute)."""
+    return config._pad_token_tensor
+
+
+def decoder_start_token_tensor(config: Any) -> torch.Tensor | None:
+    """The decoder start tensor ``_prepare_special_tokens`` set on a GenerationConfig (no public attribute)."""
+    return config._decoder_start_token_tensor
