@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pathlib
 import re
@@ -318,6 +319,10 @@ def build_pipeline(
     *,
     config=None,
     revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    subfolder: str = "",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
     device: str | torch.device | None = None,
     progress: bool | None = None,
     **option_kwargs: Any,
@@ -328,7 +333,13 @@ def build_pipeline(
         auto_class: the transformers (Auto) class the checkpoint is loaded as.
         path: a local HF checkpoint directory, or a hub id in the local cache.
         config: a config to use instead of the checkpoint's ``config.json``.
-        revision: hub revision of a cached id.
+        revision, cache_dir, subfolder: which cached hub snapshot, which cache, and the folder inside
+            the directory or snapshot that holds the checkpoint (see :func:`resolve_checkpoint`).
+        attn_implementation: ``"eager"``, ``"sdpa"``, ...: set on the config before the model is
+            built, so every stage's attention runs it; transformers checks it there, as in its own
+            ``from_pretrained``.
+        trust_remote_code: True is refused for a checkpoint with its own modelling code (stages are
+            built from transformers' classes only); for any other checkpoint it changes nothing.
         device: force a device ("cpu"); default ``cuda:LOCAL_RANK`` when available.
         progress: show a progress bar while reading (default: on the main process).
         **option_kwargs: the options of :meth:`PipelineOptions.resolve`.
@@ -338,9 +349,16 @@ def build_pipeline(
     """
     ctx = init_distributed(device=device)
     with collective_errors(ctx, "reading the checkpoint config"):
-        ckpt = resolve_checkpoint(path, revision=revision)
+        ckpt = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir, subfolder=subfolder)
+        if trust_remote_code:
+            _refuse_remote_code(ckpt, config)
         if config is None:
             config = AutoConfig.from_pretrained(ckpt)
+        elif attn_implementation is not None:
+            config = copy.deepcopy(config)  # as transformers: the caller's config is left as it was
+        if attn_implementation is not None:
+            # transformers' own setter (sub-configs too); the model's __init__ validates it when the meta model is built.
+            config._attn_implementation = attn_implementation
         options = PipelineOptions.resolve(config, ctx.world_size, auto_class=auto_class, **option_kwargs)
         check_dtype_supported(options.dtype, ctx.device)
     with collective_errors(ctx, "tracing the model" if options.traced else "planning the stages"):

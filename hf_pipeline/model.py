@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,15 @@ class PipelinedModel(nn.Module):
         ctx: the :class:`RankContext`.
         config: the transformers config.
         load_report: what this rank read from the checkpoint.
+        name_or_path: the path or hub id it was loaded from, as transformers'.
+
+    Of what code written for a ``PreTrainedModel`` uses, it has ``config``, ``generation_config``,
+    ``can_generate()``, ``num_parameters()``, ``get_input_embeddings()`` / ``get_output_embeddings()``
+    (on the rank whose stage holds them, None elsewhere), ``device``, ``dtype``, ``name_or_path``,
+    ``save_pretrained``, ``generate``, ``train()`` / ``eval()``. Absent, since each would have to change
+    the whole model from one rank: ``resize_token_embeddings``, ``set_input_embeddings`` /
+    ``set_output_embeddings``, ``tie_weights``, ``gradient_checkpointing_enable``, ``push_to_hub``.
+    ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
     """
 
     def __init__(self, built: BuiltPipeline, *, gather_output: bool = True):
@@ -68,6 +77,7 @@ class PipelinedModel(nn.Module):
         self.gather_output = gather_output
         self.checkpoint_dir: pathlib.Path | None = built.checkpoint_dir
         self.load_report: LoadReport = built.load_report
+        self.name_or_path = str(built.checkpoint_dir or "")
         # torch's stages and schedules per input shape (bounded), padding and gathering: runtime.py
         self.runtime = PipelineRuntime(
             stages=built.stages, plan=build.plan, schedule=built.options.schedule, n_microbatches=self.n_microbatches,
@@ -113,6 +123,85 @@ class PipelinedModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.plan.dtype
+
+    # ------------------------------------------------ what code written for a PreTrainedModel reads
+    # accelerate's own "nothing left to wrap" flag: ``accelerator.prepare(model, optimizer, ...)`` returns
+    # the model as it is instead of wrapping it in DDP (each rank holds different stages, and the
+    # pipeline syncs its gradients itself); the optimizer, scheduler and dataloader are prepared as usual.
+    _is_accelerate_prepared = True
+
+    @property
+    def generation_config(self):
+        """The default ``GenerationConfig``: the checkpoint's ``generation_config.json``, else derived from the
+        config (absent, an AttributeError, for a model that cannot generate), as in transformers. ``generate`` reads it, so changing
+        it (or assigning a new one) changes what ``generate`` does by default."""
+        from .generate import generation_config
+
+        return generation_config(self)
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        from .generate import generation_config
+
+        generation_config(self)  # read the checkpoint's file first, so it can never replace the value set here
+        self.skeleton.generation_config = value
+
+    def can_generate(self) -> bool:
+        """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
+        return bool(self.skeleton.can_generate()) and self.build.generate_refusal is None
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False) -> int:
+        """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once).
+
+        Args:
+            only_trainable: count parameters with ``requires_grad`` only. For the whole model that is
+                collective (each pipeline rank counts the tensors it owns, summed over the pipeline):
+                call it on every rank.
+            exclude_embeddings: leave out ``nn.Embedding`` weights, as transformers does.
+            local: count this rank's stages only (a tensor held by two of them once).
+        """
+        embeddings = {f"{n}.weight" for n, m in self.skeleton.named_modules() if isinstance(m, nn.Embedding)}
+        if not (local or only_trainable):
+            # The meta-device model has every parameter's shape: no communication, the same number everywhere.
+            return self.skeleton.num_parameters(exclude_embeddings=exclude_embeddings)
+        layout = self.param_layout
+        mine = {s.spec.index for s in self.stages}
+        total = 0
+        for name, p in self.checkpoint_named_parameters():
+            key = layout.key_of.get(name, name)
+            if exclude_embeddings and (name in embeddings or key in embeddings):
+                continue
+            if only_trainable and not p.requires_grad:
+                continue
+            if local or layout.owner_stage(key) in mine:
+                total += p.numel()
+        if local or self.plan.pp_size == 1:
+            return total
+        count = torch.tensor([total], dtype=torch.int64, device=self.device if self.ctx.backend == "nccl" else "cpu")
+        dist.all_reduce(count, group=self.pp_group)  # None: the pipeline is the whole world
+        return int(count.item())
+
+    def _local_module(self, module: nn.Module | None) -> nn.Module | None:
+        # The stage's copy of one of the meta model's modules, on the rank that holds its parameters.
+        if module is None:
+            return None
+        fqn = next((n for n, m in self.skeleton.named_modules() if m is module), None)
+        for stage in self.stages:
+            try:
+                found = stage.get_submodule(fqn) if fqn else None
+            except AttributeError:
+                continue
+            if found is not None and next(found.parameters(), None) is not None:
+                return found
+        return None
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The input embedding module on the rank whose stage holds it (the first stage's); None on other ranks."""
+        return self._local_module(self.skeleton.get_input_embeddings())
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and for models without one."""
+        return self._local_module(self.skeleton.get_output_embeddings())
 
     @property
     def is_first_stage_rank(self) -> bool:
@@ -186,10 +275,7 @@ class PipelinedModel(nn.Module):
             )
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
         validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels)
-        # Labels go through the glue's preparation too (T5 derives decoder_input_ids from them, as
-        # its forward does), then leave: the loss is computed from the gathered logits below.
-        inputs = self.prepare_inputs(given if labels is None else {**given, "labels": labels})
-        inputs.pop("labels", None)
+        inputs = self.prepare_inputs(given)
         batch = self.batch_size(inputs)
         if self.plan.pp_size > 1:
             validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
@@ -216,8 +302,13 @@ class PipelinedModel(nn.Module):
                 x = stage(*x, **inputs)
                 x = x if isinstance(x, tuple) else (x,)
             return x
-        # forward() checked batch >= n_microbatches on every rank (validate.check_microbatches).
-        inputs = pad_batch(inputs, batch, self.n_microbatches)
+        m = self.n_microbatches
+        if batch < m:
+            raise ValueError(
+                f"batch size {batch} is smaller than n_microbatches={m}; pass at least {m} sequences or load with a "
+                f"smaller n_microbatches"
+            )
+        inputs = pad_batch(inputs, batch, m)
         _, schedule = self.runtime.get(signature(inputs), training=False)
         for stage in self.stages:
             stage.eval()
@@ -291,11 +382,15 @@ def load_pipelined(
     num_stages: int | None = None,
     virtual_stages: int | None = None,
     schedule: str | None = None,
-    split: str | Sequence[str] = "auto",
+    split: str | Sequence[str] | Mapping[str, Any] = "auto",
     dtype: Any = None,
     device: str | torch.device | None = None,
     gather_output: bool = True,
     revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    subfolder: str = "",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
     progress: bool | None = None,
     config=None,
     split_method: str = "auto",
@@ -313,17 +408,25 @@ def load_pipelined(
             "interleaved-1f1b" with virtual_stages > 1).
         split: "auto" (cost balanced, cutting a block between its attention and MLP halves where
             the recipe allows and that balances better), "uniform" (whole blocks), or what starts
-            stages 1..S-1: block FQNs or a block's second half ("model.layers.4.post_attention_layernorm").
+            stages 1..S-1: block FQNs or a block's second half ("model.layers.4.post_attention_layernorm"),
+            or torch's ``split_spec`` form ``{"model.layers.4": SplitPoint.BEGINNING}`` (see
+            :func:`hf_pipeline.options.split_starts`).
         dtype: weights dtype ("auto" = the config's).
         device: force a device ("cpu"); default cuda:LOCAL_RANK when available.
         gather_output: give outputs to every rank (else only the last stage's rank).
+        revision, cache_dir, subfolder: as transformers' (a hub id is looked up in the local cache only).
+        attn_implementation: "eager", "sdpa", ...: the attention every stage runs, as transformers'.
+        trust_remote_code: refused (True) for a checkpoint with its own modelling code; see :func:`build_pipeline`.
         split_method: "recipe" (a recipe from ``model_recipes/`` must exist), "trace" (split with
             torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
             recipe for ``config.model_type`` when there is one, else the tracer.
     """
     built = build_pipeline(
-        auto_class, path, config=config, revision=revision, device=device, progress=progress,
+        auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
+        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
         split=split, dtype=dtype, split_method=split_method,
     )
-    return (TracedPipelinedModel if built.build.traced else PipelinedModel)(built, gather_output=gather_output)
+    model = (TracedPipelinedModel if built.build.traced else PipelinedModel)(built, gather_output=gather_output)
+    model.name_or_path = str(path)  # what was passed, as transformers' ``model.name_or_path``
+    return model

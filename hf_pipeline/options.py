@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import transformers
@@ -28,7 +28,7 @@ from .errors import CheckpointNotFoundError, InputError
 from .recipe import list_recipes
 from .schedules import ScheduleSpec, check_layout, default_schedule, get_schedule
 
-__all__ = ["SPLIT_METHODS", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size"]
+__all__ = ["SPLIT_METHODS", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts"]
 
 SPLIT_METHODS = ("auto", "recipe", "trace")
 
@@ -79,6 +79,47 @@ def parse_size(size: int | str, *, what: str = "size") -> int:
     if value < 1:
         raise InputError(f"{what} must be positive, got {size!r}")
     return value
+
+
+def split_starts(split: str | Sequence[str] | Mapping[str, Any]) -> str | tuple[str, ...]:
+    """``split`` in the form the planner takes: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
+
+    Besides those, takes the ``split_spec`` form of ``torch.distributed.pipelining`` (and PiPPy): a
+    dict of module names to torch's own ``SplitPoint``. ``SplitPoint.BEGINNING`` of X starts a stage
+    at X; ``SplitPoint.END`` of X starts one at the module after X, the next block of X's list
+    (``model.layers.9`` -> ``model.layers.10``). The entries keep their order, and the planner checks
+    the names exactly as it checks a list of them (same messages).
+
+    Example:
+        >>> split_starts({"model.layers.4": SplitPoint.BEGINNING, "model.layers.9": SplitPoint.END})
+        ('model.layers.4', 'model.layers.10')
+    """
+    if isinstance(split, str):
+        return split
+    if not isinstance(split, Mapping):
+        return tuple(split)
+    from torch.distributed.pipelining import SplitPoint
+
+    starts: list[str] = []
+    for name, point in split.items():
+        if not isinstance(name, str):
+            raise InputError(f"split keys must be module names (str), got {name!r}")
+        if point == SplitPoint.BEGINNING:
+            starts.append(name)
+        elif point == SplitPoint.END:
+            parent, _, index = name.rpartition(".")
+            if not (parent and index.isdigit()):
+                raise InputError(
+                    f"split: SplitPoint.END of {name!r} needs a block of a module list (a name ending in its index, "
+                    f"e.g. 'model.layers.9'); give the module that starts the next stage SplitPoint.BEGINNING instead"
+                )
+            starts.append(f"{parent}.{int(index) + 1}")
+        else:
+            raise InputError(
+                f"split: the value for {name!r} must be torch.distributed.pipelining.SplitPoint.BEGINNING or "
+                f"SplitPoint.END, got {point!r}"
+            )
+    return tuple(starts)
 
 
 def model_class_for(config, auto_class: str | type | None = None) -> type:
@@ -190,7 +231,7 @@ class PipelineOptions:
         num_stages: int | None = None,
         n_microbatches: int | None = None,
         dtype: Any = None,
-        split: str | Sequence[str] = "auto",
+        split: str | Sequence[str] | Mapping[str, Any] = "auto",
         split_method: str = "auto",
     ) -> "PipelineOptions":
         """Defaults and checks for the options of ``config``'s model, before anything is built.
@@ -205,7 +246,7 @@ class PipelineOptions:
             num_stages: stages per pipeline (default: ``world_size x virtual_stages``).
             n_microbatches: default: the number of stages.
             dtype: see :func:`parse_dtype`.
-            split: as ``from_pretrained``'s ``split``.
+            split: as ``from_pretrained``'s ``split`` (see :func:`split_starts`).
             split_method: "auto" (the recipe when ``config.model_type`` has one, else the tracer),
                 "recipe" or "trace".
 
@@ -239,10 +280,7 @@ class PipelineOptions:
         # Only what the placement needs: forward and generate run with any microbatch count, and a
         # training schedule's microbatch rules are checked when training starts (train.py).
         check_layout(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
-        if isinstance(split, str):
-            split_value: str | tuple[str, ...] = split
-        else:
-            split_value = tuple(split)
+        split_value = split_starts(split)
         return cls(
             model_class=model_class_for(config, auto_class),
             schedule=spec,

@@ -66,13 +66,17 @@ def _listing(names: Sequence[str]) -> str:
     return shown + (f", ... ({len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else "")
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None) -> pathlib.Path:
+def resolve_checkpoint(
+    path_or_id: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None, subfolder: str = "",
+) -> pathlib.Path:
     """The local directory of a checkpoint, never touching the network.
 
     Args:
         path_or_id: a local directory in Hugging Face layout, or a hub id ("org/name") that is already
             in the local huggingface_hub cache (``HF_HUB_CACHE`` / ``HF_HOME``).
         revision: branch, tag or commit of a hub id (default "main"); ignored for a local directory.
+        cache_dir: the huggingface_hub cache to look a hub id up in, as transformers' ``cache_dir``.
+        subfolder: the checkpoint's folder inside the directory or repository, as transformers' ``subfolder``.
 
     Returns:
         The directory holding ``config.json`` and the safetensors files.
@@ -82,7 +86,7 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
     """
     path = pathlib.Path(path_or_id).expanduser()
     if path.is_dir():
-        return path
+        return _subfolder(path, subfolder)
     if path.exists():
         raise CheckpointNotFoundError(f"{str(path)!r} is a file; pass the checkpoint directory that holds it ({path.parent})")
     import huggingface_hub  # local import: only hub ids need it
@@ -92,7 +96,7 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
     repo_id = str(path_or_id)
     try:
         # local_files_only: the cache is looked up on disk only; downloading is the user's choice, not ours.
-        return pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, local_files_only=True))
+        snapshot = pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except HFValidationError:
         raise CheckpointNotFoundError(
             f"{repo_id!r} is neither a local directory (no such path) nor a hub id ('org/name'); "
@@ -101,9 +105,19 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
     except Exception as e:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
         raise CheckpointNotFoundError(
             f"{repo_id!r} is not a local directory, and no snapshot of it (revision {revision or 'main'!r}) is in the local "
-            f"Hugging Face cache {constants.HF_HUB_CACHE} ({type(e).__name__}: {e}). Pass a checkpoint directory, or "
+            f"Hugging Face cache {cache_dir or constants.HF_HUB_CACHE} ({type(e).__name__}: {e}). Pass a checkpoint directory, or "
             f"download it first (e.g. `hf download {repo_id}`, with HF_HUB_CACHE / HF_HOME set as here); nothing is downloaded here"
         ) from None
+    return _subfolder(snapshot, subfolder)
+
+
+def _subfolder(directory: pathlib.Path, subfolder: str | None) -> pathlib.Path:
+    if not subfolder:
+        return directory
+    inner = directory / subfolder
+    if not inner.is_dir():
+        raise CheckpointNotFoundError(f"{str(directory)!r} has no subfolder {subfolder!r}; pass the folder that holds config.json")
+    return inner
 
 
 # safetensors dtype name -> (bits per element, torch dtype name or None where torch has no such type).
