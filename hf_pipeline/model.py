@@ -275,7 +275,10 @@ class PipelinedModel(nn.Module):
             )
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
         validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels)
-        inputs = self.prepare_inputs(given)
+        # Labels go through the glue's preparation too (T5 derives decoder_input_ids from them, as
+        # its forward does), then leave: the loss is computed from the gathered logits below.
+        inputs = self.prepare_inputs(given if labels is None else {**given, "labels": labels})
+        inputs.pop("labels", None)
         batch = self.batch_size(inputs)
         if self.plan.pp_size > 1:
             validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
@@ -302,13 +305,8 @@ class PipelinedModel(nn.Module):
                 x = stage(*x, **inputs)
                 x = x if isinstance(x, tuple) else (x,)
             return x
-        m = self.n_microbatches
-        if batch < m:
-            raise ValueError(
-                f"batch size {batch} is smaller than n_microbatches={m}; pass at least {m} sequences or load with a "
-                f"smaller n_microbatches"
-            )
-        inputs = pad_batch(inputs, batch, m)
+        # forward() checked batch >= n_microbatches on every rank (validate.check_microbatches).
+        inputs = pad_batch(inputs, batch, self.n_microbatches)
         _, schedule = self.runtime.get(signature(inputs), training=False)
         for stage in self.stages:
             stage.eval()
