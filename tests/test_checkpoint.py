@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 import tiny
 from harness import run_distributed
-from test_train import make_batch
+from tiny import make_batch
 
 TOL = 1e-5
 CASES = [

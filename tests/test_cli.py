@@ -227,11 +227,36 @@ def _reference_training(model_dir: pathlib.Path, data: pathlib.Path, task: str, 
     return losses, ref
 
 
+def _weight_distances(got: dict, want: dict, initial: dict) -> tuple[float, float]:
+    """(||got - want||, ||want - initial||): L2 over every tensor of the state dicts together."""
+    off = sum((got[k].double() - w.double()).pow(2).sum().item() for k, w in want.items()) ** 0.5
+    moved = sum((w.double() - initial[k].double()).pow(2).sum().item() for k, w in want.items()) ** 0.5
+    return off, moved
+
+
+# Saved weights against the reference training's, relative to how far that training moved them.
+# The max-abs check alone passes an untrained checkpoint (two AdamW steps of lr 1e-3 move no entry
+# by more than ~2e-3: measured 1.5e-3 for BERT and T5); this one does not.
+# Measured: BERT 0.1%, T5 0.5% of the move (near-zero gradient entries whose first Adam update,
+# about lr * sign(grad), flips with rounding-level differences); an untrained checkpoint: 100%.
+TRAINED_RTOL = 2e-2
+
+
+def _assert_trained_like_reference(arch: str, got: dict, want: dict, initial: dict) -> None:
+    """``got`` moved from ``initial`` as far as the reference ``want`` did, and landed on it."""
+    assert set(got) == set(want), (arch, sorted(set(got) ^ set(want)))
+    off, moved = _weight_distances(got, want, initial)
+    travelled, _ = _weight_distances(got, initial, initial)
+    # Two steps of ~lr per entry: the reference moved its weights well above float noise.
+    assert moved > 1e-3, f"{arch}: reference training moved the weights by only {moved:.3g}"
+    assert travelled >= (1 - TRAINED_RTOL) * moved, f"{arch}: saved weights moved {travelled:.3g} from the initial ones; the reference moved {moved:.3g}"
+    assert off <= TRAINED_RTOL * moved, f"{arch}: saved weights are {off:.3g} from the reference's trained ones ({off / moved:.3g} of its move {moved:.3g})"
+
+
 def test_train_masked_lm_and_seq2seq_under_torchrun_equal_transformers(tmp_path):
     from harness import free_port
-    from test_train_script import _text_file, _tokenizer
 
-    text = _text_file(tmp_path / "train.txt")
+    text = tiny.text_file(tmp_path / "train.txt")
     cases = [
         # arch, task the CLI must pick from the config, class to load the result with, block size, dropout off
         ("bert", "masked_lm", "AutoModelForMaskedLM", 16, {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
@@ -239,7 +264,7 @@ def test_train_masked_lm_and_seq2seq_under_torchrun_equal_transformers(tmp_path)
     ]
     for arch, task, auto, block, no_dropout in cases:
         model_dir = tiny.make_checkpoint(tmp_path / arch, arch, **no_dropout)
-        _tokenizer(text).save_pretrained(model_dir)
+        tiny.word_tokenizer(text).save_pretrained(model_dir)
         out, log = tmp_path / f"{arch}-out", tmp_path / f"{arch}.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", "hf_pipeline.cli", "train", "--model", str(model_dir), "--data", str(text),
@@ -263,6 +288,10 @@ def test_train_masked_lm_and_seq2seq_under_torchrun_equal_transformers(tmp_path)
         expected = ref.state_dict()
         worst = max((v - expected[k]).abs().max().item() for k, v in trained.state_dict().items())
         assert worst < 1e-3 * 2, (arch, worst)  # two AdamW steps of lr 1e-3 move a weight by at most ~2e-3
+        initial = getattr(transformers, auto).from_pretrained(model_dir).state_dict()
+        _assert_trained_like_reference(arch, trained.state_dict(), expected, initial)
+        with pytest.raises(AssertionError, match="moved 0 from the initial"):  # the check fails an untrained checkpoint
+            _assert_trained_like_reference(arch, initial, expected, initial)
 
 
 def test_user_mistake_inside_launched_processes_is_one_line(tmp_path):

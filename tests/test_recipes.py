@@ -103,14 +103,52 @@ def test_recipe_naming_a_missing_module_names_the_field(tmp_path):
 
 
 def test_a_new_architecture_is_a_new_recipe_file(tmp_path):
-    # Mistral through a copy of the llama recipe registered from outside the package.
-    text = (RECIPE_DIR / "llama.toml").read_text().replace('model_types = ["llama", "mistral", "qwen2"]', 'model_types = ["mistral"]')
-    path = tmp_path / "my_mistral.toml"
+    # Qwen3, which has no built-in recipe, through a copy of the llama recipe registered from
+    # outside the package: its decoder layers are LLaMA's module for module (q/k norms live inside
+    # self_attn), so the llama glue runs them. Before registering, "auto" falls back to the tracer
+    # and "recipe" is refused; after, the recipe's stages run and equal transformers.
+    import re
+
+    import transformers
+
+    import hf_pipeline
+    from hf_pipeline.model import TracedPipelinedModel
+    from hf_pipeline.options import PipelineOptions
+
+    config = tiny.config_for("qwen3")
+    assert config.model_type not in list_recipes(), "qwen3 has a built-in recipe now: pick a family without one"
+    checkpoint = tiny.make_checkpoint(tmp_path / "qwen3", "qwen3", auto="AutoModelForCausalLM")
+    assert PipelineOptions.resolve(config, 1, split_method="auto").traced
+    with pytest.raises(RecipeError, match="qwen3.*register_recipe"):
+        hf_pipeline.AutoModelForCausalLM.from_pretrained(checkpoint, pipeline=True, device="cpu", split_method="recipe")
+
+    text = (RECIPE_DIR / "llama.toml").read_text()
+    text, n = re.subn(r"^model_types = \[[^\]]*\]", 'model_types = ["qwen3"]', text, count=1, flags=re.M)
+    assert n == 1, "llama.toml has no model_types line to replace"
+    path = tmp_path / "my_qwen3.toml"
     path.write_text(text)
     recipe = register_recipe(path)
     try:
-        assert get_recipe("mistral") is recipe
-        resolve_recipe(meta_model(tiny.config_for("mistral"), "AutoModelForCausalLM"), recipe)
+        assert get_recipe("qwen3") is recipe
+        assert get_recipe("llama") is not recipe  # a new family, not a copy of the built-in one under its name
+        resolve_recipe(meta_model(config, "AutoModelForCausalLM"), recipe)
+        assert not PipelineOptions.resolve(config, 1, split_method="auto").traced
+        # World size 1, two stages of two layers each, run one after another by the schedule.
+        model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+            checkpoint, pipeline=True, device="cpu", schedule="interleaved-1f1b", virtual_stages=2, n_microbatches=2,
+        )
+        assert not isinstance(model, TracedPipelinedModel)
+        assert len(model.stages) == 2
+        ref = tiny.reference(checkpoint, "AutoModelForCausalLM")
+        assert type(ref) is transformers.Qwen3ForCausalLM
+        names = sorted(n for s in model.stages for n, _ in s.named_parameters())
+        assert names == sorted(n for n, _ in ref.named_parameters())
+        inputs = tiny.sample_inputs("qwen3")
+        with torch.no_grad():
+            got, want = model(**inputs).logits, ref(**inputs).logits
+        assert got.shape == want.shape
+        diff = (got - want).abs().max().item()
+        assert diff <= 1e-5, f"pipelined Qwen3 logits differ from transformers by {diff:.3g}"  # fp32, same kernels
     finally:
         from hf_pipeline import recipe as mod
 

@@ -58,7 +58,9 @@ def test_stages_in_sequence_equal_the_hf_model(arch, auto, num_stages):
         for stage in stages:
             x = stage(*x, **inputs)
             x = x if isinstance(x, tuple) else (x,)
-    for name, got in zip(plan and stages[-1].resolved.head.outputs, x):
+    outputs = stages[-1].resolved.head.outputs
+    assert len(x) == len(outputs), f"last stage returned {len(x)} tensors for the head's outputs {outputs}"
+    for name, got in zip(outputs, x, strict=True):
         want = getattr(expected, name)
         assert got.shape == want.shape, name
         assert (got - want).abs().max().item() <= 1e-5, name
@@ -96,7 +98,8 @@ def test_block_halves_on_separate_stages_equal_the_hf_model_and_its_gradients(ar
         x = stage(*x, **inputs)
         x = x if isinstance(x, tuple) else (x,)
     outputs = stages[-1].resolved.head.outputs
-    for name, got in zip(outputs, x):
+    assert len(x) == len(outputs), f"last stage returned {len(x)} tensors for the head's outputs {outputs}"
+    for name, got in zip(outputs, x, strict=True):
         assert (got - getattr(expected, name)).abs().max().item() <= 1e-5, name
     sum(t.float().pow(2).sum() for t in x).backward()
     sum(getattr(expected, n).float().pow(2).sum() for n in outputs).backward()

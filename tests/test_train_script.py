@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import transformers
 
 import tiny
@@ -25,39 +24,9 @@ from harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train.py"
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven small birds sing in the old green tree near "
-    "the quiet river and children play with a red ball under the warm summer sun"
-).split()
-
-
-def _text_file(path: pathlib.Path, lines: int = 60) -> pathlib.Path:
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(lines):
-        n = int(torch.randint(6, 16, (1,), generator=g))
-        rows.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g)))
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def _tokenizer(text: pathlib.Path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]", "[MASK]"]  # ids 0, 1, 2 match tiny's pad/bos/eos
-    tok.train([str(text)], trainers.WordLevelTrainer(vocab_size=tiny.VOCAB, special_tokens=specials))
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", mask_token="[MASK]",
-    )
-
-
 def _model_dir(root: pathlib.Path, arch: str, text: pathlib.Path) -> pathlib.Path:
-    from test_train import ARCHS
-
-    path = tiny.make_checkpoint(root / arch, arch, auto=dict(ARCHS)[arch])
-    _tokenizer(text).save_pretrained(path)
+    path = tiny.make_checkpoint(root / arch, arch, auto=tiny.AUTO[arch])
+    tiny.word_tokenizer(text).save_pretrained(path)
     return path
 
 
@@ -87,7 +56,7 @@ def _log(path: pathlib.Path) -> dict[int, float]:
 
 
 def test_torchrun_training_checkpoints_and_bitwise_resume(tmp_path):
-    text = _text_file(tmp_path / "train.txt")
+    text = tiny.text_file(tmp_path / "train.txt")
     model = _model_dir(tmp_path, "llama", text)
     out = tmp_path / "out"
     common = ["--model", str(model), "--data", str(text), "--output-dir", str(out), "--steps", "4", "--save-every", "2",
@@ -117,7 +86,7 @@ def test_torchrun_training_checkpoints_and_bitwise_resume(tmp_path):
 def test_accelerate_launch_multi_gpu_on_cpu_trains_t5(tmp_path):
     if shutil.which("accelerate") is None:
         pytest.skip("accelerate CLI not installed")
-    text = _text_file(tmp_path / "train.txt")
+    text = tiny.text_file(tmp_path / "train.txt")
     model = _model_dir(tmp_path, "t5", text)
     out = tmp_path / "out"
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",

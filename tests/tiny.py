@@ -13,7 +13,10 @@ import pathlib
 import torch
 import transformers
 
-__all__ = ["ARCHS", "AUTO", "config_for", "edit_checkpoint", "make_checkpoint", "reference", "sample_inputs", "save_pytorch_checkpoint"]
+__all__ = [
+    "ARCHS", "AUTO", "WORDS", "config_for", "edit_checkpoint", "make_batch", "make_checkpoint", "reference", "sample_inputs",
+    "save_pytorch_checkpoint", "text_file", "word_tokenizer",
+]
 
 ARCHS = ("llama", "gpt2", "bert", "t5")
 
@@ -164,3 +167,60 @@ def save_pytorch_checkpoint(model, directory: str | pathlib.Path, *, shards: int
         weight_map.update(dict.fromkeys(part, name))
     (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
+
+
+def make_batch(arch: str, rows: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A padded training batch with labels whose real-token counts differ between microbatches.
+
+    ``arch`` as for :func:`config_for`; a ``-cls`` suffix gives one class id per row (2 labels).
+    """
+    family = arch.split("-")[0]
+    inputs = sample_inputs(family, batch=rows, seq=9, seed=seed, pad_left=family != "bert")
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    g = torch.Generator().manual_seed(seed + 100)
+    if arch.endswith("-cls"):  # sequence classification: one class id per row (2 labels)
+        labels = torch.randint(0, 2, (rows,), generator=g)
+    elif family == "bert":
+        pick = (torch.rand(ids.shape, generator=g) < 0.3) & mask.bool()
+        pick[:, 1] = True  # at least one masked token per row
+        labels = ids.masked_fill(~pick, -100)
+        inputs["input_ids"] = ids.masked_fill(pick, 4)  # the "[MASK]" id of the tiny vocab
+    elif family == "t5":
+        labels = inputs.pop("decoder_input_ids")
+        for b in range(rows):
+            if b % 3:
+                labels[b, -(b % 3):] = -100
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+    inputs["labels"] = labels
+    return inputs
+
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven small birds sing in the old green tree near "
+    "the quiet river and children play with a red ball under the warm summer sun"
+).split()
+
+
+def text_file(path: pathlib.Path, lines: int = 60) -> pathlib.Path:
+    """Write ``lines`` seeded lines of 6-15 words from :data:`WORDS` to ``path``; return it."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(lines):
+        n = int(torch.randint(6, 16, (1,), generator=g))
+        rows.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g)))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def word_tokenizer(text: pathlib.Path):
+    """A word-level fast tokenizer trained on ``text`` (at most VOCAB ids; pad/bos/eos are ids 0, 1, 2 as in the configs)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]", "[MASK]"]  # ids 0, 1, 2 match tiny's pad/bos/eos
+    tok.train([str(text)], trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=specials))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", mask_token="[MASK]",
+    )
