@@ -19,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -29,14 +28,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from .dist import ParallelDims
-from .errors import InputError
+from .options import cache_size
 from .plan import StagePlan
 from .schedules import ScheduleSpec
 
-__all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "PipelineRuntime", "pad_batch", "signature"]
+__all__ = ["PipelineRuntime", "pad_batch", "signature"]
 
-DEFAULT_CACHE_SIZE = 8  # input shapes whose stages and schedules stay built
-CACHE_ENV = "HF_PIPELINE_RUNTIME_CACHE"
 
 
 def signature(inputs: dict[str, Any]) -> tuple:
@@ -60,19 +57,6 @@ def pad_batch(inputs: dict[str, Any], batch: int, multiple: int) -> dict[str, An
     }
 
 
-def _cache_size() -> int:
-    raw = os.environ.get(CACHE_ENV)
-    if raw is None:
-        return DEFAULT_CACHE_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise InputError(f"{CACHE_ENV}={raw!r} must be a positive integer (input shapes kept built)")
-    return size
-
-
 class PipelineRuntime:
     """This rank's torch pipeline objects, built per input signature and kept in a bounded LRU.
 
@@ -92,7 +76,7 @@ class PipelineRuntime:
         self.n_microbatches = n_microbatches
         self.dims = dims
         self.device = device
-        self.max_cached = _cache_size() if max_cached is None else max_cached
+        self.max_cached = cache_size() if max_cached is None else max_cached
         self.builds = 0
         self._cache: OrderedDict[Any, tuple[list[PipelineStage], Any]] = OrderedDict()
 

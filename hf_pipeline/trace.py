@@ -18,8 +18,8 @@ What this path can and cannot do:
 - No KV cache (the tracer fails with one), hence no pipelined ``generate()``: that needs a recipe.
 
 When a new trace is made. ``torch.export`` specializes on shapes, so a trace is made per key
-(train/eval mode, grad mode, and the name, shape and dtype of every tensor input) and cached for
-the life of the model, unbounded. The shapes are the ones one stage call sees:
+(train/eval mode, grad mode, and the name, shape and dtype of every tensor input) and kept in a
+small LRU (``HF_PIPELINE_RUNTIME_CACHE`` entries, 8 by default, as the runtime cache). The shapes are the ones one stage call sees:
 - ``model(**inputs)`` on several ranks: one microbatch. ``forward`` first pads the batch to a
   multiple of ``n_microbatches`` (repeating the last row), so the rows per microbatch are
   ``ceil(batch / n_microbatches)``: with ``n_microbatches=4``, batches of 5 to 8 rows of one
@@ -50,6 +50,7 @@ import copy
 import dataclasses
 import operator
 import re
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -59,7 +60,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from .errors import TraceError
 from .compat import pytree
 from .glue import Glue
-from .options import PipelineOptions
+from .options import PipelineOptions, cache_size
 from .plan import ResolvedRecipe, ResolvedStack, StageSpec, module_stats, make_plan
 from .recipe import HeadSpec, Recipe, StackSpec
 from .stages import StageBuild, meta_model, prune
@@ -368,7 +369,10 @@ class _Tracer:
         self.local = tuple(local)
         self.device = device
         self.holders: dict[int, TracedStage] = {}
-        self.traces: dict[Any, _Trace] = {}
+        # Bounded like the runtime cache (dynamic padding makes every batch a new shape): the oldest
+        # trace is dropped, and traced again if its shape comes back.
+        self.traces: OrderedDict[Any, _Trace] = OrderedDict()
+        self.max_traces = cache_size()
         self.output_class: type | None = None  # the HF output class (e.g. CausalLMOutputWithPast)
 
     def trace(self, example: dict[str, torch.Tensor], *, training: bool, install: bool = True) -> _Trace:
@@ -462,6 +466,10 @@ class _Tracer:
         if trace is None:
             trace = self.trace(example, training=training)  # under the caller's grad mode, part of the key
             self.traces[key] = trace
+            while len(self.traces) > max(1, self.max_traces):
+                self.traces.popitem(last=False)
+        else:
+            self.traces.move_to_end(key)
         return trace.runners[k]
 
 

@@ -17,8 +17,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
+from transformers.utils import logging
 
 from .errors import InputError
+from .recipe import position_kind
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -99,7 +103,10 @@ def max_positions(config) -> int | None:
 
 
 def check_sequence_length(config, length: int, *, what: str = "the input sequence", new_tokens: int = 0) -> None:
-    """Raise ValueError if ``length`` (+ ``new_tokens`` to generate) exceeds the model's maximum positions.
+    """Raise ValueError if ``length`` (+ ``new_tokens`` to generate) exceeds the model's learned position table.
+
+    Models whose recipe says their positions are rotary or relative (LLaMA, T5) run longer inputs
+    as transformers does; generation past ``max_position_embeddings`` logs transformers' reminder.
 
     Args:
         config: the transformers config.
@@ -111,6 +118,16 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
     if limit is None:
         return
     total = length + new_tokens
+    if position_kind(config) != "learned":
+        # Rotary and relative positions have no table to run off: transformers runs such models on
+        # longer inputs (its rope-scaling tests do), and its generate only reminds once.
+        if new_tokens and total > limit:
+            logger.warning_once(
+                f"This is a friendly reminder - the current text generation call will exceed the model's predefined "
+                f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance degradation, "
+                f"or nothing at all."
+            )
+        return
     if total > limit:
         grown = f" + {new_tokens} new tokens = {total}" if new_tokens else ""
         fixes = []

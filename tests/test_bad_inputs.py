@@ -281,12 +281,10 @@ CALL_CASES = {
     "train_step: batch not divisible by n_microbatches": (
         lambda _: _m().train_step(_with_labels(_ids(3, 9))), ("ValueError",),
         r"a training batch of 3 rows does not split into n_microbatches=2 equal microbatches"),
-    "forward: sequence longer than the maximum positions": (
-        lambda _: _m()(**_ids(2, 129)), ("ValueError",), r"input_ids has 129 tokens, more than the model's maximum of 128 positions"),
     "forward (GPT-2, learned positions): sequence too long": (
         lambda _: _MODEL["gpt2"](**_ids(2, 130)), ("ValueError",), r"input_ids has 130 tokens, more than the model's maximum of 128"),
-    "generate: prompt + max_new_tokens beyond the maximum positions": (
-        lambda _: _m().generate(**_ids(2, 120), max_new_tokens=16), ("ValueError",),
+    "generate (GPT-2, learned positions): prompt + max_new_tokens beyond the maximum positions": (
+        lambda _: _MODEL["gpt2"].generate(**_ids(2, 120), max_new_tokens=16), ("ValueError",),
         r"the prompt has 120 tokens \+ 16 new tokens = 136, more than the model's maximum of 128"),
     "generate: empty prompt batch": (
         lambda _: _m().generate(torch.empty(0, 5, dtype=torch.long), max_new_tokens=2), ("ValueError",), r"holds no prompts"),
@@ -356,8 +354,8 @@ CALL_CASES = {
         lambda _: _m().generate(input_ids=_ids(2, 5)["input_ids"][0], max_new_tokens=2), ("ValueError",), r"got shape \(5,\) \(1-D\)"),
     "generate: 3-D input_ids": (
         lambda _: _m().generate(input_ids=_ids(2, 5)["input_ids"][None], max_new_tokens=2), ("ValueError",), r"got shape \(1, 2, 5\) \(3-D\)"),
-    "generate: max_new_tokens far beyond the maximum positions": (
-        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=10**12), ("ValueError",),
+    "generate (GPT-2, learned positions): max_new_tokens far beyond the maximum positions": (
+        lambda _: _MODEL["gpt2"].generate(**_ids(2, 5), max_new_tokens=10**12), ("ValueError",),
         r"the prompt has 5 tokens \+ 1000000000000 new tokens = 1000000000005, more than the model's maximum of 128 positions "
         r"\(config\.max_position_embeddings\); generate at most 123 new tokens \(max_new_tokens=123\)$"),
     # Generation arguments transformers rejects: its own checks, on every rank, its exception type.
@@ -454,9 +452,11 @@ def test_validation_helpers():
 
     assert validate.max_positions(tiny.config_for("gpt2")) == 128  # n_positions, through attribute_map
     assert validate.max_positions(tiny.config_for("t5")) is None  # relative positions: no limit
-    validate.check_sequence_length(tiny.config_for("llama"), 128)
+    validate.check_sequence_length(tiny.config_for("gpt2"), 128)
     with pytest.raises(ValueError, match=r"has 100 tokens \+ 29 new tokens = 129"):
-        validate.check_sequence_length(tiny.config_for("llama"), 100, what="the prompt", new_tokens=29)
+        validate.check_sequence_length(tiny.config_for("gpt2"), 100, what="the prompt", new_tokens=29)
+    # Rotary positions (LLaMA) have no table to run off: longer inputs run, as in transformers.
+    validate.check_sequence_length(tiny.config_for("llama"), 100, what="the prompt", new_tokens=29)
     validate.check_microbatches(batch=6, n_microbatches=4, training=False)  # inference pads
     with pytest.raises(ValueError, match=r"e\.g\. 4 or 8"):
         validate.check_microbatches(batch=6, n_microbatches=4, training=True)
