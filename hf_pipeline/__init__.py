@@ -13,19 +13,32 @@ from .auto import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
 )
+from .checkpoint import latest_checkpoint, load_training_state
+from .dist import init_distributed
+from .errors import PipelineError
+from .memory import plan_report
+from .model import PipelinedModel
 from .recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
 
 __version__ = "0.1.0"
 
+# What users import. Everything else is reached through its module (hf_pipeline.schedules,
+# hf_pipeline.errors, ...), whose own __all__ lists what other modules use.
 __all__ = [
     "AutoModel",
     "AutoModelForCausalLM",
     "AutoModelForMaskedLM",
     "AutoModelForSeq2SeqLM",
     "AutoModelForSequenceClassification",
+    "PipelineError",
+    "PipelinedModel",
     "Recipe",
     "RecipeError",
     "get_recipe",
+    "init_distributed",
+    "latest_checkpoint",
     "list_recipes",
+    "load_training_state",
+    "plan_report",
     "register_recipe",
 ]

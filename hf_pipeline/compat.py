@@ -98,6 +98,7 @@ _GENERATION_HELPERS = (
     "_prepare_attention_mask_for_generation",
     "_prepare_generated_length",
     "_get_logits_processor",
+    "_get_stopping_criteria",
 )
 
 

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import pathlib
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,12 +69,16 @@ import torch.distributed as dist
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
+from .compat import decoder_start_token_tensor, generation_helper, pad_token_tensor
 from .dist import check_same_on_all_ranks
 from .errors import InputError
+from .log import get_logger
 from .validate import check_generate_inputs, check_sequence_length, check_token_ids, vocab_size
 from .sampling import left_padded_position_ids, microbatch_bounds, row_generators, select_tokens
 
 __all__ = ["GenerationStats", "cache_nbytes", "generate", "generation_config", "prepare_generation_config"]
+
+logger = get_logger(__name__)
 
 _SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
@@ -140,7 +143,7 @@ def prepare_generation_config(model, config: GenerationConfig | None = None, **k
         (the merged ``GenerationConfig``, the kwargs that are not generation parameters).
     """
     generation_config(model)
-    return model.skeleton._prepare_generation_config(config, **kwargs)
+    return generation_helper(model.skeleton, "_prepare_generation_config")(config, **kwargs)
 
 
 # --------------------------------------------------------------------------- request preparation
@@ -207,12 +210,12 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         raise ValueError("guidance_scale (classifier-free guidance) is not supported by pipelined generation")
 
     batch = input_ids.shape[0]
-    skel._prepare_special_tokens(gc, attention_mask is not None, device=device, batch_size=batch)
+    generation_helper(skel, "_prepare_special_tokens")(gc, attention_mask is not None, device=device, batch_size=batch)
     encoder_decoder = bool(model.config.is_encoder_decoder)
     if not encoder_decoder and attention_mask is None:
-        attention_mask = skel._prepare_attention_mask_for_generation(input_ids, gc, {})
+        attention_mask = generation_helper(skel, "_prepare_attention_mask_for_generation")(input_ids, gc, {})
     if not encoder_decoder and attention_mask is not None and batch > 1 and bool((attention_mask[:, -1] == 0).any()):
-        warnings.warn("right padding detected in a decoder-only batch; set tokenizer.padding_side = 'left' for correct results")
+        logger.warning("right padding detected in a decoder-only batch; set tokenizer.padding_side = 'left' for correct results")
     expand = gc.num_return_sequences or 1
     if expand > 1:
         if not gc.do_sample:
@@ -237,7 +240,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
     bounds = microbatch_bounds(rows, min(m, rows))
 
     if encoder_decoder:
-        start = gc._decoder_start_token_tensor.reshape(-1)[:1]
+        start = decoder_start_token_tensor(gc).reshape(-1)[:1]
         prompt = start.expand(rows, 1).to(device, torch.long).clone()  # (B, 1)
         positions, mask, enc_ids, enc_mask = None, None, input_ids, attention_mask
     else:
@@ -245,7 +248,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         positions = left_padded_position_ids(attention_mask, input_ids.shape[1], batch=rows).to(device)
         mask = None if all_ones else attention_mask
     cur_len = prompt.shape[1]
-    gc = skel._prepare_generated_length(
+    gc = generation_helper(skel, "_prepare_generated_length")(
         generation_config=gc, has_default_max_length=has_default_max_length, has_default_min_length=has_default_min_length,
         model_input_name="input_ids", input_ids_length=cur_len, inputs_tensor=input_ids,
     )
@@ -254,7 +257,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         raise ValueError(f"nothing to generate: max_length={gc.max_length} <= input length {cur_len}; raise max_new_tokens")
     if gc.do_sample and seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global stream: torch.manual_seed reproduces it
-    pad = gc._pad_token_tensor
+    pad = pad_token_tensor(gc)
     pad = int(pad.reshape(-1)[0].item()) if pad is not None else 0  # no pad and no EOS: no row finishes early
     _as_transformers_raises(kwargs, user_gc, lambda: _check_processors(
         model, gc, prompt=prompt, enc_ids=enc_ids, mask=mask, logits_processor=logits_processor,
@@ -298,7 +301,7 @@ def _check_processors(model, gc: GenerationConfig, *, prompt, enc_ids, mask, log
     skel = model.skeleton
     mask_key = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
     user = list(logits_processor or [])
-    processors = skel._get_logits_processor(
+    processors = generation_helper(skel, "_get_logits_processor")(
         generation_config=gc, input_ids_seq_length=prompt.shape[1],
         encoder_input_ids=(enc_ids if enc_ids is not None else prompt)[:1], logits_processor=LogitsProcessorList(user),
         device=prompt.device, model_kwargs={mask_key: mask[:1] if mask is not None else None},
@@ -307,7 +310,7 @@ def _check_processors(model, gc: GenerationConfig, *, prompt, enc_ids, mask, log
     own = LogitsProcessorList([p for p in processors if not any(p is u for u in user)])
     width = int(model.config.get_text_config(decoder=True).vocab_size)
     own(prompt[:1], torch.zeros(1, width, dtype=torch.float32, device=prompt.device))
-    skel._get_stopping_criteria(
+    generation_helper(skel, "_get_stopping_criteria")(
         generation_config=gc, stopping_criteria=StoppingCriteriaList(stopping_criteria or []), tokenizer=tokenizer,
     )
 
@@ -412,7 +415,7 @@ class _Ring:
         cur_len = req.prompt.shape[1]
         for i, (lo, hi) in enumerate(req.bounds):
             mask_key = "decoder_attention_mask" if req.encoder_decoder else "attention_mask"
-            processors = skel._get_logits_processor(
+            processors = generation_helper(skel, "_get_logits_processor")(
                 generation_config=req.config, input_ids_seq_length=cur_len,
                 encoder_input_ids=req.enc_ids[lo:hi] if req.enc_ids is not None else req.prompt[lo:hi],
                 logits_processor=LogitsProcessorList(req.logits_processor or []),
@@ -424,7 +427,7 @@ class _Ring:
                 ids=req.prompt[lo:hi].clone(), unfinished=torch.ones(n, dtype=torch.bool, device=self.device),
                 finished_at=torch.full((n,), -1, dtype=torch.long, device=self.device), processors=processors, generators=gens,
             )
-        self.stopping = skel._get_stopping_criteria(
+        self.stopping = generation_helper(skel, "_get_stopping_criteria")(
             generation_config=req.config, stopping_criteria=StoppingCriteriaList(req.stopping_criteria or []), tokenizer=req.tokenizer
         )
 
