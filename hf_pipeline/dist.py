@@ -411,7 +411,7 @@ def communication_failure(error: BaseException, timeout_s: float) -> str:
     text = str(error)
     if any(marker in text for marker in _TIMEOUT_MARKERS):
         return (
-            f"no answer within the collective timeout of {timeout_s:.0f} s: the process hangs, was stopped or is "
+            f"no answer before the collective timeout {timeout_s:.0f} s ran out: the process hangs, was stopped or is "
             f"far behind (set {TIMEOUT_ENV} to change the timeout)"
         )
     if any(marker in text for marker in _CLOSED_MARKERS):

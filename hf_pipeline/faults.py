@@ -243,22 +243,18 @@ def step_errors(
     except Exception as caught:
         if getattr(caught, "_hf_pipeline_handled", False) or isinstance(caught, PipelineBroken):
             raise  # an inner step_errors already told everyone
-        if getattr(caught, "_hf_pipeline_lost", False):
-            # An agreement inside the call found a peer gone (dist.lost_peer_error): every live rank
-            # found it too. Stop this rank's group so later calls fail at once, as after any lost peer.
-            _stop(groups)
-            _broken, _broken_world = str(caught).splitlines()[0], dist.group.WORLD
-            caught._hf_pipeline_handled = True
-            raise
-        error = _original(caught)
-        if error is not caught:
+        # An agreement inside the call that lost a peer (dist.lost_peer_error) is a lost peer of this
+        # call: reported below as one, naming the call, from the communication error underneath.
+        lost = getattr(caught, "_hf_pipeline_lost", False)
+        error = caught.__cause__ if lost and isinstance(caught.__cause__, Exception) else _original(caught)
+        if error is not caught and not lost:
             # Raise what the stage raised (a ValueError stays a ValueError); torch's wrapper says where.
             error.add_note(f"raised inside torch.distributed.pipelining: {str(caught).strip()[:500]}")
         me = ctx.rank
         label = describe(me) if describe is not None else ""
         others = [r for r in range(ctx.world_size) if r != me]
         store = _Store()
-        comm = is_communication_error(error)
+        comm = lost or is_communication_error(error)
         record = _record("lost" if comm else "error", me, error, label, what, call)
         store.set(_key(call, me), record)
         if not comm:

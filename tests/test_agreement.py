@@ -87,7 +87,7 @@ def test_peer_stopped_between_calls_is_a_rank_error_after_the_timeout(tmp_path):
         _lost_between_calls, 2, str(path), "stop", str(tmp_path), timeout=120, return_exceptions=True, env={"HF_PIPELINE_TIMEOUT": "5"},
     )
     first, later = results[0]
-    _check_lost(first, what="comparing model inputs across ranks", reason="no answer within the collective timeout of 5 s")
+    _check_lost(first, what="comparing model inputs across ranks", reason="no answer before the collective timeout 5 s ran out")
     assert later is not None
 
 
@@ -119,7 +119,7 @@ def test_peer_stopped_while_ranks_read_shards_is_a_rank_error_after_the_timeout(
     results = run_distributed(
         _lost_while_loading, 2, str(path), "stop", str(tmp_path), timeout=120, return_exceptions=True, env={"HF_PIPELINE_TIMEOUT": "5"},
     )
-    _check_lost(results[0], what="loading weights", reason="no answer within the collective timeout of 5 s")
+    _check_lost(results[0], what="loading weights", reason="no answer before the collective timeout 5 s ran out")
 
 
 def _same_files_elsewhere(paths: list[str]):
