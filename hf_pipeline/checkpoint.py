@@ -68,15 +68,17 @@ import random
 import re
 import shutil
 import uuid
-import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from .dist import collective_errors
+from .log import get_logger
 from .options import parse_size
 from .weights import SAVE_STAGING_PATTERN, SAVE_STAGING_PREFIX
+
+logger = get_logger(__name__)
 
 __all__ = [
     "INDEX_NAME",
@@ -618,10 +620,9 @@ def load_training_state(
             if state.get("world_size") == ctx.world_size and path.is_file():
                 _set_rng_state(torch.load(path, weights_only=False))
             else:
-                warnings.warn(
-                    f"not restoring RNG state: the checkpoint was written by {state.get('world_size')} ranks, this job has "
-                    f"{ctx.world_size}; a resumed run then draws different dropout masks than an uninterrupted one",
-                    stacklevel=2,
+                logger.warning(
+                    "not restoring RNG state: the checkpoint was written by %s ranks, this job has %s; a resumed run "
+                    "then draws different dropout masks than an uninterrupted one", state.get("world_size"), ctx.world_size,
                 )
     return state
 

@@ -24,7 +24,8 @@ import os
 import pathlib
 import shutil
 import tempfile
-import warnings
+
+from .log import get_logger
 
 __all__ = [
     "BUNDLED_MODEL_DIR",
@@ -93,10 +94,9 @@ def default_model_path() -> pathlib.Path:
     path = bundled_model_path()
     if path is not None:
         return path
-    warnings.warn(
-        f"the bundled default model is missing from {BUNDLED_MODEL_DIR}; using a small model with random weights "
-        "(its text is gibberish). Reinstall hf_pipeline, or pass a model path",
-        stacklevel=2,
+    get_logger(__name__).warning(
+        "the bundled default model is missing from %s; using a small model with random weights (its text is "
+        "gibberish). Reinstall hf_pipeline, or pass a model path", BUNDLED_MODEL_DIR,
     )
     return random_model_path()
 

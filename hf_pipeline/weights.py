@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping, Sequence
 
 import torch
-from tqdm.auto import tqdm
-
 from .errors import CheckpointError, CheckpointNotFoundError
+from .log import progress_bar
 
 __all__ = [
     "CheckpointError",
@@ -68,8 +67,13 @@ def _listing(names: Sequence[str]) -> str:
 
 def resolve_checkpoint(
     path_or_id: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None, subfolder: str = "",
+    download: bool = False,
 ) -> pathlib.Path:
-    """The local directory of a checkpoint, never touching the network.
+    """The local directory of a checkpoint: a directory as it is, a hub id from the local cache first.
+
+    A cached hub id resolves from disk alone (huggingface_hub's ``local_files_only``: no request,
+    no retries, whether or not the hub is reachable). Loaders then hand transformers this
+    directory, never the id, so they do not touch the network either.
 
     Args:
         path_or_id: a local directory in Hugging Face layout, or a hub id ("org/name") that is already
@@ -77,6 +81,8 @@ def resolve_checkpoint(
         revision: branch, tag or commit of a hub id (default "main"); ignored for a local directory.
         cache_dir: the huggingface_hub cache to look a hub id up in, as transformers' ``cache_dir``.
         subfolder: the checkpoint's folder inside the directory or repository, as transformers' ``subfolder``.
+        download: when the id is not cached, download it (``snapshot_download``) unless ``HF_HUB_OFFLINE``
+            is set; default False: nothing is downloaded and the error says how to.
 
     Returns:
         The directory holding ``config.json`` and the safetensors files.
@@ -94,8 +100,9 @@ def resolve_checkpoint(
     from huggingface_hub.errors import HFValidationError
 
     repo_id = str(path_or_id)
+    where = f"the local Hugging Face cache {cache_dir or constants.HF_HUB_CACHE}"
     try:
-        # local_files_only: the cache is looked up on disk only; downloading is the user's choice, not ours.
+        # local_files_only: the cache is looked up on disk only; downloading is the caller's choice.
         snapshot = pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except HFValidationError:
         raise CheckpointNotFoundError(
@@ -103,10 +110,13 @@ def resolve_checkpoint(
             "pass an existing checkpoint directory or the id of a model in the local Hugging Face cache"
         ) from None
     except Exception as e:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
+        if download and not constants.HF_HUB_OFFLINE and os.environ.get("HF_HUB_OFFLINE", "").upper() not in ("1", "ON", "YES", "TRUE"):
+            snapshot = pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir))
+            return _subfolder(snapshot, subfolder)
         raise CheckpointNotFoundError(
-            f"{repo_id!r} is not a local directory, and no snapshot of it (revision {revision or 'main'!r}) is in the local "
-            f"Hugging Face cache {cache_dir or constants.HF_HUB_CACHE} ({type(e).__name__}: {e}). Pass a checkpoint directory, or "
-            f"download it first (e.g. `hf download {repo_id}`, with HF_HUB_CACHE / HF_HOME set as here); nothing is downloaded here"
+            f"{repo_id!r} is not in {where} (revision {revision or 'main'!r}; {type(e).__name__}) and is not a local "
+            f"directory. Pass a checkpoint directory, or download it first (e.g. `hf download {repo_id}`, with "
+            "HF_HUB_CACHE / HF_HOME set as here); nothing is downloaded unless asked (download=True)"
         ) from None
     return _subfolder(snapshot, subfolder)
 
@@ -472,7 +482,8 @@ def load_tensors(
         expected_keys: every key the whole model may hold (all stages and aliases). Checkpoint keys
             outside it raise, checked from the index alone. None skips the check.
         ignore_unexpected: regex patterns (``re.search``) of checkpoint keys never reported as unexpected.
-        progress: show a tqdm bar over bytes (set it on one rank only).
+        progress: show a tqdm bar over bytes (set it on one rank only); ``transformers.logging.disable_progress_bar()``
+            and ``HF_HUB_DISABLE_PROGRESS_BARS`` hide it too.
         floating: names that must be stored as floating point (the model's float parameters): an
             integer or bool tensor for one of them raises, naming the key and the shard, instead of
             being kept in its stored dtype.
@@ -505,7 +516,7 @@ def load_tensors(
     out: dict[str, torch.Tensor] = {}
     reader = _TensorReader(device)
     total = sum(t.nbytes for plan in plans.values() for t in plan)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress)
+    bar = progress_bar(total=total, unit="B", unit_scale=True, desc="Loading weights", enabled=progress)
     with bar:
         for shard, plan in plans.items():
             path = index.directory / shard

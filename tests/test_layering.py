@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(hf_pipeline.__file__).parent
 
 # Lowest first. A module may import any module of an earlier layer, never of a later one.
 LAYERS: list[set[str]] = [
-    {"errors", "compat"},
+    {"errors", "compat", "log"},
     {"dist"},
     {"losses", "sampling", "glue"},
     {"recipe", "schedules"},
