@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive, default=10, help="print the loss every N steps (default 10)")
     p.add_argument("--log-file", default=None, help="also append one JSON line per step (step, loss, lr, grad_norm) to this file")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the saved checkpoint (default 2GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the --log-every loss lines still print)")
     _add_load(p)
     _add_launch(p)
 
@@ -211,15 +212,29 @@ def _auto_class_for(config, given: str | None) -> type:
     return model_class_for(config, given)
 
 
+def _local(path_or_id: str) -> str:
+    """A checkpoint directory or config.json file as given; a hub id resolved to its local snapshot, cache first.
+
+    transformers then reads the directory, never the id, so a cached id costs no network request
+    (and no retries while the hub is unreachable); an id that is not cached is a one-line error.
+    """
+    if pathlib.Path(path_or_id).expanduser().is_file():
+        return str(pathlib.Path(path_or_id).expanduser())
+    from .weights import resolve_checkpoint
+
+    return str(resolve_checkpoint(path_or_id))
+
+
 def _load_config(path: str):
     from .options import load_config
 
-    return load_config(path)
+    return load_config(_local(path))
 
 
 def _model_path(args) -> str:
+    """The local directory of ``--model`` (a hub id resolved from the cache), else the bundled default model."""
     if args.model is not None:
-        return args.model
+        return _local(args.model)
     from .default_model import default_model_path
 
     return str(default_model_path())
@@ -355,7 +370,7 @@ def cmd_generate(args) -> int:
             print(json.dumps({
                 "ids": ids.tolist(), "texts": texts, "new_tokens": stats.new_tokens, "seconds": stats.seconds,
                 "tokens_per_s": stats.tokens_per_s, "world_size": model.ctx.world_size, "num_stages": model.plan.num_stages,
-                "model": str(path),
+                "model": args.model or str(path),
             }))
         else:
             if not args.quiet:
@@ -374,12 +389,11 @@ def cmd_train(args) -> int:
     loss is the task (``causal_lm``, ``masked_lm`` or ``seq2seq_lm``), and ``hf_pipeline.data``
     makes the rows and batches for it, as for ``scripts/train.py``.
     """
-    import time
-
     import torch
     import transformers
 
     from .data import TASKS, Batches, build_dataset, load_rows
+    from .log import StepProgress
     from .model import load_pipelined
 
     path = _model_path(args)
@@ -410,21 +424,19 @@ def cmd_train(args) -> int:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps)
-    start = time.perf_counter()
-    for step in range(args.steps):
-        loss = float(model.train_step(batches(step)))  # the same batch on every rank
-        norm = float(model.clip_grad_norm_(args.max_grad_norm))
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if not ctx.is_main_process:
-            continue
-        if args.log_file:
-            with open(args.log_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}) + "\n")
-        if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step + 1:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - start:7.1f} s", flush=True)
+    progress = StepProgress(args.steps, log_every=args.log_every, enabled=ctx.is_main_process, bar=not args.no_progress)
+    with progress:
+        for step in range(args.steps):
+            loss = float(model.train_step(batches(step)))  # the same batch on every rank
+            norm = float(model.clip_grad_norm_(args.max_grad_norm))
+            lr = sched.get_last_lr()[0]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            progress.step(step + 1, loss=loss, lr=lr)
+            if ctx.is_main_process and args.log_file:
+                with open(args.log_file, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm}) + "\n")
     model.save_pretrained(args.output_dir, max_shard_size=args.max_shard_size, tokenizer=tok)
     if ctx.is_main_process:
         print(f"saved {args.output_dir}")
@@ -529,29 +541,34 @@ _USER_EXACT = (ValueError, FileExistsError)
 _USER_ANY = (FileNotFoundError, NotADirectoryError)
 
 
-def _user_error_names() -> set[str]:
-    """Type names of user mistakes, for errors raised on another rank (a RankError carries only the names)."""
-    names, todo = {c.__name__ for c in _USER_EXACT + _USER_ANY}, [PipelineError]
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
-        if cls not in (RankError, PipelineBroken):
-            names.add(cls.__name__)
-    return names
+def _named_type(name: str) -> type | None:
+    """The exception class a RankError names for another rank: the library's own (``hf_pipeline.errors``) or a builtin."""
+    import builtins
+
+    from . import errors
+
+    cls = getattr(errors, name, None) or getattr(builtins, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
+
+
+def _is_user_error_type(cls: type) -> bool:
+    """Every :class:`~hf_pipeline.errors.PipelineError` but the two that report a failure while running
+    (``RankError`` of a real fault, ``PipelineBroken``), and the builtins above."""
+    if issubclass(cls, (RankError, PipelineBroken)):
+        return False
+    return issubclass(cls, (PipelineError, *_USER_ANY)) or cls in _USER_EXACT
 
 
 def _is_user_error(e: BaseException) -> bool:
     """Errors the library raises for bad input (also when another rank raised one: a RankError naming it).
 
-    Decided by the library's exception types: every :class:`~hf_pipeline.errors.PipelineError`
-    but the two that report a failure while running (``RankError`` of a real fault, ``PipelineBroken``).
+    Decided by the library's exception types; a RankError carries each failing rank's type by
+    name, looked up as a class first (an unknown name is not a user mistake).
     """
     if isinstance(e, RankError):
-        names = _user_error_names()
-        return all(kind in names for kind, _, _ in e.failures.values())
-    if isinstance(e, PipelineBroken):
-        return False
-    return isinstance(e, (PipelineError, *_USER_ANY)) or type(e) in _USER_EXACT
+        kinds = [_named_type(kind) for kind, _, _ in e.failures.values()]
+        return all(cls is not None and _is_user_error_type(cls) for cls in kinds)
+    return _is_user_error_type(type(e))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

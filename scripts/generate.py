@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
         path = str(default_model_path())
     else:
-        path = args.model
+        from hf_pipeline.weights import resolve_checkpoint
+
+        path = str(resolve_checkpoint(args.model))  # a hub id from the local cache, no network; transformers reads the directory
     prompts = _prompts(args)
     if args.stream and len(prompts) != 1:
         raise SystemExit("--stream prints one sequence: pass exactly one prompt")

@@ -51,8 +51,8 @@ TASKS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + safetensors)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors) or cached hub id")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or cached hub id (default: --model)")
     p.add_argument("--data", required=True, help="training data: a .txt/.md file (one text per line), .json/.jsonl, .csv or .parquet")
     p.add_argument("--text-column", default="text")
     p.add_argument("--target-column", default=None, help="seq2seq: column with the target text (default: the text's continuation)")
@@ -78,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
     p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
     p.add_argument("--log-file", default=None, help="JSON lines of per-step metrics (default: <output-dir>/log.jsonl)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps, with or without the bar (default 10)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the --log-every loss lines still print)")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 1:
         p.error("--batch-size, --grad-accum and --steps must be >= 1")
@@ -102,26 +103,29 @@ def infer_task(model_dir: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
-    from tqdm.auto import tqdm
 
     import hf_pipeline
     from hf_pipeline.checkpoint import latest_checkpoint, load_training_state
     from hf_pipeline.data import Batches, build_dataset
+    from hf_pipeline.log import StepProgress
+    from hf_pipeline.weights import resolve_checkpoint
 
     out = pathlib.Path(args.output_dir)
     resume_from = args.resume_from
     if args.resume and resume_from is None:
         found = latest_checkpoint(out)
         resume_from = str(found) if found is not None else None  # nothing saved yet: start fresh
-    task = args.task or infer_task(args.model)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    # Hub ids resolve to their cached snapshot first: transformers then reads directories and never waits on the network.
+    model_dir = str(resolve_checkpoint(args.model))
+    task = args.task or infer_task(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint(args.tokenizer)) if args.tokenizer else model_dir)
     torch.manual_seed(args.seed)
 
     load = {k: v for k, v in {
         "n_microbatches": args.n_microbatches, "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "num_stages": args.num_stages, "device": args.device,
     }.items() if v is not None}
-    model = getattr(hf_pipeline, TASKS[task]).from_pretrained(resume_from or args.model, pipeline=True, dtype="float32", **load)
+    model = getattr(hf_pipeline, TASKS[task]).from_pretrained(resume_from or model_dir, pipeline=True, dtype="float32", **load)
     model.train()
     ctx = model.ctx
     if ctx.is_main_process:
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
     log_path = pathlib.Path(args.log_file) if args.log_file else out / "log.jsonl"
     if ctx.is_main_process:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=args.steps, initial=start, desc="train", disable=args.no_progress or not ctx.is_main_process, dynamic_ncols=True)
+    progress = StepProgress(args.steps, initial=start, log_every=args.log_every, enabled=ctx.is_main_process, bar=not args.no_progress)
     autocast = torch.bfloat16 if args.bf16 else None
     for step in range(start, args.steps):
         total = 0.0
@@ -155,9 +159,8 @@ def main(argv=None) -> int:
         sched.step()
         opt.zero_grad(set_to_none=True)
         mean = total / args.grad_accum
+        progress.step(step + 1, loss=mean, lr=lr)
         if ctx.is_main_process:
-            bar.update(1)
-            bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
             with open(log_path, "a") as f:
                 f.write(json.dumps({"step": step + 1, "loss": mean, "lr": lr, "grad_norm": norm}) + "\n")
             if not math.isfinite(mean):
@@ -166,8 +169,8 @@ def main(argv=None) -> int:
         if (args.save_every and done % args.save_every == 0) or done == args.steps:
             path = model.save_pretrained(out / f"checkpoint-{done}", optimizer=opt, scheduler=sched, step=done, tokenizer=tokenizer)
             if ctx.is_main_process:
-                bar.write(f"saved {path}")
-    bar.close()
+                progress.write(f"saved {path}")
+    progress.close()
     return 0
 
 
