@@ -35,11 +35,12 @@ import transformers
 from torch import nn
 from transformers import AutoConfig
 
-from .dist import ParallelDims, RankContext, collective_errors, init_distributed
+from .dist import ParallelDims, RankContext, check_same_on_all_ranks, collective_errors, init_distributed
 from .errors import InputError
 from .options import PipelineOptions
 from .plan import ResolvedRecipe
 from .stages import StageBuild, materialize
+from .validate import pipeline_identity
 from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
 
 __all__ = [
@@ -325,6 +326,7 @@ def build_pipeline(
     trust_remote_code: bool = False,
     device: str | torch.device | None = None,
     progress: bool | None = None,
+    agreed: dict[str, Any] | None = None,
     **option_kwargs: Any,
 ) -> BuiltPipeline:
     """Resolve the options, make this rank's stages and load their weights (collective).
@@ -342,6 +344,7 @@ def build_pipeline(
             built from transformers' classes only); for any other checkpoint it changes nothing.
         device: force a device ("cpu"); default ``cuda:LOCAL_RANK`` when available.
         progress: show a progress bar while reading (default: on the main process).
+        agreed: the caller's other arguments that must be the same on every rank (``gather_output``).
         **option_kwargs: the options of :meth:`PipelineOptions.resolve`.
 
     Every step that can fail on one rank only is wrapped in an agreement, so a failure anywhere
@@ -361,6 +364,13 @@ def build_pipeline(
             config._attn_implementation = attn_implementation
         options = PipelineOptions.resolve(config, ctx.world_size, auto_class=auto_class, **option_kwargs)
         check_dtype_supported(options.dtype, ctx.device)
+        identity = pipeline_identity(options, config, ckpt, device_type=ctx.device.type, arguments={
+            "split_method": option_kwargs.get("split_method", "auto"), "attn_implementation": attn_implementation,
+            "trust_remote_code": trust_remote_code, **(agreed or {}),
+        })
+    # The same pipeline from the same checkpoint everywhere, or a named error on every rank: a split,
+    # microbatch count or dtype of its own, or other files, on one rank would give wrong numbers or a hang.
+    check_same_on_all_ranks(ctx, "from_pretrained arguments and checkpoint", identity, hint=_AGREE_HINT)
     with collective_errors(ctx, "tracing the model" if options.traced else "planning the stages"):
         build = front_end(config, options, ctx.device)
     dims = ParallelDims.build(ctx, options.pp_size)
@@ -369,7 +379,11 @@ def build_pipeline(
     stages: list[nn.Module] = []
     report = LoadReport(files_opened=[], keys_read=[], bytes_read=0)
     rng_state = agreed_rng_state(ctx)  # weights missing from the checkpoint are drawn from it, as transformers does
-    with collective_errors(ctx, "loading weights"):
+    def stages_of(rank: int) -> str:  # a rank's role in messages about it ("stage 1", "stages 0, 2")
+        idx = [s.index for s in build.plan.stages_for_rank(rank % options.pp_size)]
+        return f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+
+    with collective_errors(ctx, "loading weights", describe=stages_of):
         index = CheckpointIndex.from_directory(ckpt)
         stages = build.make_stages(local)
         wanted, aliases, expected, ignore = wanted_tensors(build.skeleton, build.resolved, stages, index, options.dtype)

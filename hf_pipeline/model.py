@@ -204,10 +204,6 @@ class PipelinedModel(nn.Module):
         return self._local_module(self.skeleton.get_output_embeddings())
 
     @property
-    def is_first_stage_rank(self) -> bool:
-        return self.pp_rank == self.plan.first_rank
-
-    @property
     def is_last_stage_rank(self) -> bool:
         return self.pp_rank == self.plan.last_rank
 
@@ -290,7 +286,7 @@ class PipelinedModel(nn.Module):
         if labels is not None:
             from .losses import model_loss
 
-            result["loss"] = model_loss(self, result["logits"], labels.to(self.device))
+            result["loss"] = _forward_only(model_loss(self, result["logits"], labels.to(self.device)))
         return self._output_class()(**result)
 
     def _output_class(self) -> type:
@@ -298,6 +294,18 @@ class PipelinedModel(nn.Module):
         return self.build.output_class
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
+        # forward() is inference at every world size: the stages run in eval mode (no dropout),
+        # and go back to the mode the user set (model.train() / model.eval()) afterwards.
+        modes = [stage.training for stage in self.stages]
+        for stage in self.stages:
+            stage.eval()
+        try:
+            return self._run_forward_eval(inputs, batch)
+        finally:
+            for stage, mode in zip(self.stages, modes):
+                stage.train(mode)
+
+    def _run_forward_eval(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         if self.plan.pp_size == 1:
             # Every stage is local: run them one after another on the whole batch.
             x: tuple = ()
@@ -308,8 +316,6 @@ class PipelinedModel(nn.Module):
         # forward() checked batch >= n_microbatches on every rank (validate.check_microbatches).
         inputs = pad_batch(inputs, batch, self.n_microbatches)
         _, schedule = self.runtime.get(signature(inputs), training=False)
-        for stage in self.stages:
-            stage.eval()
         out = schedule.step(**inputs)
         if self.is_last_stage_rank:
             out = out if isinstance(out, tuple) else (out,)
@@ -362,6 +368,29 @@ class PipelinedModel(nn.Module):
 
     def __repr__(self) -> str:  # keep print(model) short: the plan says what matters
         return f"{type(self).__name__}({self.extra_repr()})\n{self.plan}"
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity whose backward says where training happens (the pipelined forward keeps no graph)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, guard: torch.Tensor) -> torch.Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            "the loss of a pipelined forward() cannot be backpropagated: forward runs the stages for inference "
+            "only, on different ranks, and keeps no graph. Train with loss = model.train_step(batch), which runs "
+            "forward and backward through the pipeline schedule, then optimizer.step()"
+        )
+
+
+def _forward_only(loss: torch.Tensor) -> torch.Tensor:
+    # A graph of one node, so that loss.backward() reaches _NoBackward's message instead of torch's
+    # "element 0 of tensors does not require grad".
+    with torch.enable_grad():
+        return _NoBackward.apply(loss.detach(), torch.zeros((), requires_grad=True))
 
 
 class TracedPipelinedModel(PipelinedModel):
@@ -423,7 +452,7 @@ def load_pipelined(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
-        split=split, dtype=dtype, split_method=split_method,
+        split=split, dtype=dtype, split_method=split_method, agreed={"gather_output": gather_output},
     )
     model = (TracedPipelinedModel if built.build.traced else PipelinedModel)(built, gather_output=gather_output)
     model.name_or_path = str(path)  # what was passed, as transformers' ``model.name_or_path``

@@ -236,6 +236,12 @@ def _check_label_range(loss: str, labels: torch.Tensor, *, vocab: int | None, nu
 
 def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None) -> None:
     """Token ids, sequence lengths and labels of one call's inputs (see the functions above)."""
+    for flag in ("output_hidden_states", "output_attentions"):
+        if inputs.get(flag):
+            raise InputError(
+                f"{flag}=True is not supported by the pipelined forward: each stage holds only its own layers, and "
+                f"only the head's outputs come back; run transformers' model on one device for per-layer outputs"
+            )
     vocab = vocab_size(config)
     for key in ("input_ids", "decoder_input_ids"):
         if inputs.get(key) is not None:
