@@ -139,9 +139,12 @@ class StepProgress:
         if not self.enabled:
             return
         self._bar.set_postfix({k: _short(v) for k, v in metrics.items()}, refresh=False)
-        self._bar.update(done - self._bar.n)
         if done >= self.total:
-            self.close()  # the bar's final state, once: a line written first would redraw it before close() drew it again
+            # The final state drawn once, by close(): update() would draw it too, and so would a line written before close().
+            self._bar.n = done
+            self.close()
+        else:
+            self._bar.update(done - self._bar.n)
         if done == self.total or (self.log_every and (done - self.initial == 1 or done % self.log_every == 0)):
             parts = [f"step {done:5d}"] + [f"{k} {_short(v)}" for k, v in metrics.items()]
             eta = self.eta(done)
