@@ -23,8 +23,11 @@ Run (2 processes, one pipeline of 2 stages; more processes than stages give data
 
 Every ``--save-every`` steps (and at the end) ``<output-dir>/checkpoint-<step>`` gets a normal
 transformers checkpoint (plus the tokenizer, optimizer, scheduler and RNG state): load it with
-``transformers.AutoModelFor*.from_pretrained`` or resume from it. Rank 0 shows a progress bar and
-appends one JSON line per step (step, loss, lr, grad_norm) to ``--log-file``.
+``transformers.AutoModelFor*.from_pretrained`` or resume from it. Rank 0 shows a progress bar (ETA,
+loss and lr in its postfix; ``--no-progress`` hides it), prints the loss every ``--log-every`` steps
+either way, and appends one JSON line per step (step, loss, lr, grad_norm) to ``--log-file``.
+``--model`` may be a hub id in the local cache: it is resolved to the cached snapshot first, so
+nothing waits on the network.
 """
 
 from __future__ import annotations
