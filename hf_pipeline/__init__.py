@@ -10,8 +10,10 @@ from .auto import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
 )
 from .checkpoint import latest_checkpoint, load_training_state
 from .dist import init_distributed
@@ -28,8 +30,10 @@ __all__ = [
     "AutoModel",
     "AutoModelForCausalLM",
     "AutoModelForMaskedLM",
+    "AutoModelForQuestionAnswering",
     "AutoModelForSeq2SeqLM",
     "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
     "PipelineError",
     "PipelinedModel",
     "Recipe",

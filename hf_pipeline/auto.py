@@ -8,7 +8,10 @@ import transformers
 
 from .errors import InputError
 
-__all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification"]
+__all__ = [
+    "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM",
+    "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+]
 
 _PIPELINE_KWARGS = (
     "n_microbatches", "num_stages", "virtual_stages", "schedule", "split", "dtype", "device", "gather_output",
@@ -94,3 +97,5 @@ AutoModelForCausalLM = _make("AutoModelForCausalLM")
 AutoModelForMaskedLM = _make("AutoModelForMaskedLM")
 AutoModelForSeq2SeqLM = _make("AutoModelForSeq2SeqLM")
 AutoModelForSequenceClassification = _make("AutoModelForSequenceClassification")
+AutoModelForTokenClassification = _make("AutoModelForTokenClassification")
+AutoModelForQuestionAnswering = _make("AutoModelForQuestionAnswering")

@@ -65,6 +65,9 @@ class Glue:
             out = m(out)
         if head.pool == "last_token":
             out = _pool_last_token(out, inputs, stage.config)
+        if head.split_last_dim:
+            # As transformers' QA heads: (B, T, n) -> n x (B, T), e.g. start_logits, end_logits
+            return tuple(t.squeeze(-1).contiguous() for t in out.split(1, dim=-1))
         return out
 
 

@@ -13,6 +13,7 @@ Semantics copied from transformers 5 (``transformers.loss.loss_utils`` and the m
   masked_lm, seq2seq_lm    no shift, -100 ignored (T5 builds decoder_input_ids from the labels)
   sequence_classification  regression (MSE), single-label (cross entropy, -100 ignored) or
                            multi-label (BCE with logits), picked like ``config.problem_type``
+  token_classification     one class per token, no shift, -100 ignored (``ForTokenClassification``)
 
 Example:
     >>> loss = model_loss(model, logits, labels)          # == hf_model(**batch, labels=labels).loss
@@ -122,6 +123,7 @@ LOSSES: dict[str, LossFunction] = {
     "masked_lm": LossFunction(name="masked_lm", sum=_token_loss_sum, count=_token_count, token_level=True),
     "seq2seq_lm": LossFunction(name="seq2seq_lm", sum=_token_loss_sum, count=_token_count, token_level=True),
     "sequence_classification": LossFunction(name="sequence_classification", sum=_cls_sum, count=_cls_count, token_level=False),
+    "token_classification": LossFunction(name="token_classification", sum=_token_loss_sum, count=_token_count, token_level=True),
 }
 
 
@@ -133,9 +135,10 @@ def get_loss(name: str | None, *, class_name: str = "this model") -> LossFunctio
     """
     if name is None:
         raise ValueError(
-            f"{class_name} has no training loss (it is a base model without a task head); load the checkpoint with "
-            "a head class, e.g. AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM or "
-            "AutoModelForSequenceClassification"
+            f"{class_name} has no pipelined training loss: it is a base model without a task head, or a head whose "
+            "recipe names no loss (question answering: its start/end-position loss is not implemented; forward "
+            "works). Train with a head that has one, e.g. AutoModelForCausalLM, AutoModelForMaskedLM, "
+            "AutoModelForSeq2SeqLM, AutoModelForSequenceClassification or AutoModelForTokenClassification"
         )
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; known losses: {sorted(LOSSES)}")

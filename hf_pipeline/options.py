@@ -264,7 +264,8 @@ class PipelineOptions:
             n_microbatches: default: the number of stages.
             dtype: see :func:`parse_dtype`.
             split: as ``from_pretrained``'s ``split`` (see :func:`split_starts`).
-            split_method: "auto" (the recipe when ``config.model_type`` has one, else the tracer),
+            split_method: "auto" (the recipe when ``config.model_type`` has one with a head for the
+                model class, else the tracer),
                 "recipe" or "trace".
 
         Raises:
@@ -272,7 +273,13 @@ class PipelineOptions:
         """
         if split_method not in SPLIT_METHODS:
             raise InputError(f"split_method must be one of {list(SPLIT_METHODS)}, got {split_method!r}")
-        traced = split_method == "trace" or (split_method == "auto" and config.model_type not in list_recipes())
+        model_class = model_class_for(config, auto_class)
+        # "auto" traces what no recipe can split: a family without a recipe, or a model class whose head
+        # the family's recipe lacks (GPT2ForMultipleChoice...); "recipe" lets planning raise naming the heads.
+        recipe = list_recipes().get(config.model_type)
+        traced = split_method == "trace" or (
+            split_method == "auto" and (recipe is None or recipe.match_head(model_class.__name__) is None)
+        )
         if virtual_stages is not None:
             _positive("virtual_stages", virtual_stages)
         if num_stages is not None:
@@ -299,7 +306,7 @@ class PipelineOptions:
         check_layout(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
         split_value = split_starts(split)
         return cls(
-            model_class=model_class_for(config, auto_class),
+            model_class=model_class,
             schedule=spec,
             virtual_stages=virtual_stages,
             num_stages=num_stages,

@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -117,14 +117,7 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
             )
         )
     head = recipe.head_for(class_name)
-    head = HeadSpec(
-        suffix=head.suffix,
-        modules=tuple(fill(p, f"heads.{head.suffix}.modules") for p in head.modules),
-        outputs=head.outputs,
-        output_class=head.output_class,
-        loss=head.loss,
-        pool=head.pool,
-    )
+    head = replace(head, modules=tuple(fill(p, f"heads.{head.suffix}.modules") for p in head.modules))
     # Tied groups: only the members this model has, and only where they really are one tensor
     # (LLaMA ties lm_head to the embedding only when config.tie_word_embeddings says so).
     by_id: dict[int, list[str]] = {}

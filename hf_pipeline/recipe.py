@@ -63,6 +63,10 @@ class HeadSpec:
     output_class: str
     loss: str | None = None
     pool: str | None = None
+    # The last module's output holds one slice of its last dim per output, in order, as
+    # transformers' question-answering heads split ``qa_outputs`` into start / end logits:
+    # (B, T, len(outputs)) -> len(outputs) x (B, T).
+    split_last_dim: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,15 +85,21 @@ class Recipe:
     # transformers runs longer inputs for them.
     positions: str = "learned"
 
-    def head_for(self, class_name: str) -> HeadSpec:
-        """The head whose suffix ends ``class_name`` (longest match wins: ``ForCausalLM`` over ``Model``)."""
+    def match_head(self, class_name: str) -> HeadSpec | None:
+        """The head whose suffix ends ``class_name`` (longest match wins: ``ForCausalLM`` over ``Model``), or None."""
         matches = [h for s, h in self.heads.items() if class_name.endswith(s)]
-        if not matches:
+        return max(matches, key=lambda h: len(h.suffix)) if matches else None
+
+    def head_for(self, class_name: str) -> HeadSpec:
+        """:meth:`match_head`, raising when the recipe has no head for ``class_name``."""
+        head = self.match_head(class_name)
+        if head is None:
             raise RecipeError(
                 f"{self.source}: no [heads.*] entry matches model class {class_name!r}; known heads: "
-                f"{sorted(self.heads)}. Add a [heads.<ClassSuffix>] table to the recipe."
+                f"{sorted(self.heads)}. Add a [heads.<ClassSuffix>] table to the recipe, or load with "
+                f"split_method='auto' or 'trace' to let torch.export split it (forward and training only)."
             )
-        return max(matches, key=lambda h: len(h.suffix))
+        return head
 
 
 def _expect(source: str, where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
@@ -171,7 +181,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     for suffix, raw in _expect(source, "heads", data["heads"], dict).items():
         where = f"heads.{suffix}"
         _expect(source, where, raw, dict)
-        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool"}
+        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim"}
         if extra:
             raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
         for key in ("modules", "outputs", "output_class"):
@@ -186,6 +196,12 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
         outputs = _str_list(source, f"{where}.outputs", raw["outputs"])
         if not outputs:
             raise RecipeError(f"{source}: field {where}.outputs must name at least one output")
+        split_last_dim = _expect(source, f"{where}.split_last_dim", raw.get("split_last_dim", False), bool)
+        if split_last_dim and len(outputs) < 2:
+            raise RecipeError(
+                f"{source}: field {where}.split_last_dim splits the head's last dim into its outputs, so "
+                f"{where}.outputs must name at least two (e.g. [\"start_logits\", \"end_logits\"]), got {list(outputs)}"
+            )
         heads[suffix] = HeadSpec(
             suffix=suffix,
             modules=_str_list(source, f"{where}.modules", raw["modules"]),
@@ -193,6 +209,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
             output_class=_expect(source, f"{where}.output_class", raw["output_class"], str),
             loss=loss,
             pool=pool,
+            split_last_dim=split_last_dim,
         )
 
     tied_raw = _expect(source, "tied", data.get("tied", {}), dict)
