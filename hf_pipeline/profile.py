@@ -25,8 +25,11 @@ Example (``torchrun --nproc_per_node 2 script.py``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import resource
 import pathlib
 import threading
 import time
@@ -43,6 +46,10 @@ from .schedules import ScheduleSpec, get_schedule
 
 __all__ = [
     "ActionRecord",
+    "host_peak_rss",
+    "host_rss",
+    "reset_host_peak",
+    "trim_host_heap",
     "Recorder",
     "Timeline",
     "expected_vs_recorded",
@@ -571,3 +578,46 @@ def expected_vs_recorded(timeline: Timeline, *, training: bool = True, step: int
     )
     return {rank: (expected[rank], timeline.actions(rank, step)) for rank in range(timeline.pp_size)}
 
+
+# ----------------------------------------------------------------------------- host memory
+# The figures the benchmark and the device check report for loading: this process's resident
+# memory and its high-water mark, read from Linux's /proc (psutil / getrusage elsewhere).
+def _status_bytes(field: str) -> int | None:
+    try:
+        m = re.search(rf"^{field}:\s+(\d+) kB", pathlib.Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None
+
+
+def host_rss() -> int:
+    """Bytes of this process's resident memory now."""
+    found = _status_bytes("VmRSS")
+    if found is not None:
+        return found
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def host_peak_rss() -> int:
+    """Bytes of this process's resident-memory high-water mark (since the last :func:`reset_host_peak`)."""
+    found = _status_bytes("VmHWM")
+    return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_host_peak() -> bool:
+    """Reset the high-water mark to the current RSS (Linux: ``5`` to ``clear_refs``); False where that is impossible."""
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def trim_host_heap() -> None:
+    """Give memory glibc keeps after frees back to the OS, so a later peak counts every byte it touches."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -35,7 +35,6 @@ import os
 import pathlib
 import platform
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from typing import Any
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
+from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2)]
 SECTIONS = ("load", "train", "generate", "bubble")
 
@@ -190,39 +190,6 @@ def _checkpoints(args, sizes: Sizes) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- memory readings
-def _status_kb(field: str) -> int | None:
-    try:
-        m = re.search(rf"^{field}:\s+(\d+) kB", pathlib.Path("/proc/self/status").read_text(), re.M)
-        return int(m.group(1)) if m else None
-    except OSError:
-        return None
-
-
-def _reset_peak() -> bool:
-    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
-    try:
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _rss() -> int:
-    kb = _status_kb("VmRSS")
-    if kb is not None:
-        return kb * 1024
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _peak_rss() -> int:
-    kb = _status_kb("VmHWM")
-    if kb is not None:
-        return kb * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _touch(params) -> None:
     # transformers maps same-dtype safetensors weights lazily (views of the file mapping): their pages
     # are read, and count as resident, only when first used. Reading every weight once, as the first
@@ -239,12 +206,12 @@ class _PeakMeter:
 
     def __enter__(self):
         gc.collect()
-        self.resettable = _reset_peak()
-        self.base = _rss()
+        self.resettable = reset_host_peak()
+        self.base = host_rss()
         return self
 
     def __exit__(self, *exc):
-        self.peak = _peak_rss() - self.base
+        self.peak = host_peak_rss() - self.base
 
 
 # ----------------------------------------------------------------------------- worker side

@@ -81,6 +81,7 @@ import torch.distributed as dist
 import transformers
 
 from hf_pipeline.dist import destroy_distributed, init_distributed
+from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak, trim_host_heap
 
 SECTIONS = ("env", "checkpoint", "load", "reference", "forward", "generate", "train")
 NEEDS = {"load": ("checkpoint",), "reference": ("checkpoint",), "forward": ("load", "reference"),
@@ -135,33 +136,6 @@ def _llama_config(size: Size, dtype: torch.dtype) -> transformers.LlamaConfig:
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=None,
         dtype=str(dtype).removeprefix("torch."),
     )
-
-
-# ----------------------------------------------------------------------------- host memory
-def _status_bytes(field: str) -> int | None:
-    try:
-        m = re.search(rf"^{field}:\s+(\d+) kB", pathlib.Path("/proc/self/status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) * 1024 if m else None
-
-
-def _trim_heap() -> None:
-    # Freed memory that glibc keeps (the checkpoint written in this process) would be reused by the
-    # load unseen by RSS; giving it back first makes the peak count every byte the load touches.
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak_rss() -> bool:
-    # Linux: writing 5 to clear_refs resets the high-water mark (VmHWM) to the current RSS.
-    try:
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 # ----------------------------------------------------------------------------- the run
@@ -489,14 +463,14 @@ class Sections:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
             dev_base = torch.cuda.memory_allocated(dev)
-        _trim_heap()
-        resettable = _reset_peak_rss()
-        host_base = _status_bytes("VmRSS") or 0
+        trim_host_heap()
+        resettable = reset_host_peak()
+        host_base = host_rss()
         t = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(root / "model", **self._load_kwargs())
         _sync(dev)
         seconds = time.perf_counter() - t
-        host_peak = (_status_bytes("VmHWM") or 0) - host_base
+        host_peak = host_peak_rss() - host_base
         mine: dict[str, Any] = {"rank": self.ctx.rank, "device": str(model.device), "seconds": round(seconds, 3),
                                 "host_peak_bytes": host_peak, "host_peak_resettable": resettable}
         if dev.type == "cuda":
