@@ -202,6 +202,14 @@ def cache_size() -> int:
     return size
 
 
+
+def _base_class_name(config) -> str | None:
+    """Name of the family's base model class for ``config`` (``BertModel``), if transformers has one."""
+    mapping = transformers.AutoModel._model_mapping
+    cls = mapping[type(config)] if type(config) in mapping else None
+    return cls.__name__ if cls is not None else None
+
+
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"{name} must be a positive integer, got {value!r}")
@@ -278,7 +286,7 @@ class PipelineOptions:
         # the family's recipe lacks (GPT2ForMultipleChoice...); "recipe" lets planning raise naming the heads.
         recipe = list_recipes().get(config.model_type)
         traced = split_method == "trace" or (
-            split_method == "auto" and (recipe is None or recipe.match_head(model_class.__name__) is None)
+            split_method == "auto" and (recipe is None or recipe.match_head(model_class.__name__, _base_class_name(config)) is None)
         )
         if virtual_stages is not None:
             _positive("virtual_stages", virtual_stages)

@@ -116,7 +116,7 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
                 every_stage=tuple(fill(p, f"stacks[{i}].every_stage") for p in stack.every_stage),
             )
         )
-    head = recipe.head_for(class_name)
+    head = recipe.head_for(class_name, type(getattr(model, "base_model", model)).__name__)
     head = replace(head, modules=tuple(fill(p, f"heads.{head.suffix}.modules") for p in head.modules))
     # Tied groups: only the members this model has, and only where they really are one tensor
     # (LLaMA ties lm_head to the embedding only when config.tie_word_embeddings says so).

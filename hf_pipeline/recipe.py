@@ -85,14 +85,23 @@ class Recipe:
     # transformers runs longer inputs for them.
     positions: str = "learned"
 
-    def match_head(self, class_name: str) -> HeadSpec | None:
-        """The head whose suffix ends ``class_name`` (longest match wins: ``ForCausalLM`` over ``Model``), or None."""
+    def match_head(self, class_name: str, base_class_name: str | None = None) -> HeadSpec | None:
+        """The head for model class ``class_name``, or None.
+
+        With the family's base model class (``BertModel``) the class must be its name stem plus a
+        head suffix exactly (``Bert`` + ``ForMaskedLM``), so ``BertLMHeadModel`` or
+        ``GPT2DoubleHeadsModel`` do not pass for the base model just because they end in ``Model``.
+        Without it, the longest suffix that ends ``class_name`` wins.
+        """
+        if base_class_name is not None and base_class_name.endswith("Model"):
+            stem = base_class_name[: -len("Model")]
+            return next((h for s, h in self.heads.items() if class_name == stem + s), None)
         matches = [h for s, h in self.heads.items() if class_name.endswith(s)]
         return max(matches, key=lambda h: len(h.suffix)) if matches else None
 
-    def head_for(self, class_name: str) -> HeadSpec:
+    def head_for(self, class_name: str, base_class_name: str | None = None) -> HeadSpec:
         """:meth:`match_head`, raising when the recipe has no head for ``class_name``."""
-        head = self.match_head(class_name)
+        head = self.match_head(class_name, base_class_name)
         if head is None:
             raise RecipeError(
                 f"{self.source}: no [heads.*] entry matches model class {class_name!r}; known heads: "

@@ -178,3 +178,22 @@ def test_t5_encoder_model_is_traced_under_auto(tmp_path):
         want = transformers.T5EncoderModel.from_pretrained(tmp_path).eval()(**inputs).last_hidden_state
     got = model(**inputs).last_hidden_state
     assert got.shape == want.shape and (got - want).abs().max().item() <= ATOL
+
+
+def test_classes_ending_in_model_are_not_taken_for_the_base_model():
+    # BertLMHeadModel (a causal LM head) and GPT2DoubleHeadsModel end in "Model" like the base
+    # models; the recipe's base head must not serve them (it would drop their heads silently).
+    import transformers
+
+    from hf_pipeline.options import PipelineOptions
+    from hf_pipeline.plan import resolve_recipe
+    from hf_pipeline.recipe import RecipeError, get_recipe
+    from hf_pipeline.stages import meta_model
+
+    for arch, cls in (("bert", "BertLMHeadModel"), ("gpt2", "GPT2DoubleHeadsModel")):
+        cfg = tiny.config_for(arch)
+        assert PipelineOptions.resolve(cfg, 1, auto_class=getattr(transformers, cls), num_stages=1).traced, cls
+        with pytest.raises(RecipeError, match=cls):
+            resolve_recipe(meta_model(cfg, cls), get_recipe(cfg.model_type))
+    for arch, cls in (("bert", "BertModel"), ("gpt2", "GPT2Model"), ("llama", "LlamaForCausalLM")):
+        assert not PipelineOptions.resolve(tiny.config_for(arch), 1, auto_class=cls, num_stages=1).traced, cls
