@@ -59,6 +59,7 @@ Example (``torchrun --nproc_per_node 2 script.py``):
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import time
 from dataclasses import dataclass, field
@@ -156,6 +157,7 @@ class _Request:
     prompt: torch.Tensor  # (B, T) decoder-only prompt, or (B, 1) decoder start ids
     mask: torch.Tensor | None  # decoder-only: prompt mask (None when all ones, as transformers drops it)
     positions: torch.Tensor | None  # decoder-only: (B, T) position ids
+    types: torch.Tensor | None  # decoder-only: (B, T) token_type_ids of the prompt (GPT-2), if given
     enc_ids: torch.Tensor | None  # encoder-decoder: (B, T_enc) encoder input
     enc_mask: torch.Tensor | None
     bounds: list[tuple[int, int]]  # microbatch row ranges
@@ -190,6 +192,16 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
     device = model.device
     input_ids = input_ids.to(device, torch.long)
     attention_mask = None if attention_mask is None else attention_mask.to(device, torch.long)
+    # token_type_ids is a model input, not a GenerationConfig field: carried like the mask, each new
+    # token taking the prompt's last type, as transformers' _update_model_kwargs_for_generation does.
+    kwargs = dict(kwargs)
+    types = kwargs.pop("token_type_ids", None)
+    if types is not None:
+        if model.config.is_encoder_decoder or "token_type_ids" not in inspect.signature(type(skel).forward).parameters:
+            raise TypeError(f"generate(..., token_type_ids=...): {type(skel).__name__} takes no token_type_ids")
+        if types.shape != input_ids.shape:
+            raise ValueError(f"token_type_ids shape {tuple(types.shape)} does not match input_ids {tuple(input_ids.shape)}")
+        types = types.to(device, torch.long)
 
     user_gc = config
     has_default_max_length = kwargs.get("max_length") is None and (user_gc is None or user_gc.max_length is None) and generation_config(model).max_length is None
@@ -222,6 +234,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
             raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy would repeat the same sequence)")
         input_ids = input_ids.repeat_interleave(expand, dim=0)
         attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(expand, dim=0)
+        types = None if types is None else types.repeat_interleave(expand, dim=0)
         batch *= expand
 
     # As transformers: a mask of all ones is dropped (same kernels, same numbers), decided for the whole batch.
@@ -232,6 +245,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
     lo, hi = microbatch_bounds(batch, model.dp_size)[model.dp_rank]
     input_ids = input_ids[lo:hi]
     attention_mask = None if attention_mask is None else attention_mask[lo:hi]
+    types = None if types is None else types[lo:hi]
     rows = hi - lo
 
     m = n_microbatches if n_microbatches is not None else max(model.n_microbatches, model.plan.num_stages)
@@ -264,7 +278,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     ))
     return _Request(
-        config=gc, encoder_decoder=encoder_decoder, prompt=prompt, mask=mask, positions=positions, enc_ids=enc_ids,
+        config=gc, encoder_decoder=encoder_decoder, prompt=prompt, mask=mask, positions=positions, types=types, enc_ids=enc_ids,
         enc_mask=enc_mask, bounds=bounds, row_offset=lo, max_new=max_new, do_sample=bool(gc.do_sample), seed=seed,
         pad=pad, streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     )
@@ -342,6 +356,7 @@ class _Slot:
     cache: Any
     mask: torch.Tensor | None = None  # (n, L) attention mask so far (decoder-only)
     pos: torch.Tensor | None = None  # (n, q) position ids of the last step (decoder-only)
+    types: torch.Tensor | None = None  # (n, q) token_type_ids of the last step (decoder-only, if given)
     enc: torch.Tensor | None = None  # (n, T_enc, H) encoder output (encoder-decoder)
     enc_mask: torch.Tensor | None = None
     done: bool = False
@@ -610,12 +625,16 @@ class _Ring:
             if t == 0:
                 slot.mask = req.mask[lo:hi] if req.mask is not None else None
                 slot.pos = req.positions[lo:hi]
+                slot.types = req.types[lo:hi] if req.types is not None else None
             else:
                 if slot.mask is not None:
                     slot.mask = torch.cat([slot.mask, slot.mask.new_ones(slot.mask.shape[0], 1)], dim=1)
                 slot.pos = slot.pos[:, -1:] + 1
+                slot.types = slot.types[:, -1:] if slot.types is not None else None
             inputs["attention_mask"] = slot.mask
             inputs["position_ids"] = slot.pos
+            if slot.types is not None:
+                inputs["token_type_ids"] = slot.types
         if first:
             inputs[ids_key] = req.prompt[lo:hi] if t == 0 else msg[live, 0].unsqueeze(1)
             received: tuple = ()
@@ -644,7 +663,7 @@ class _Ring:
         self._observe()
         keep = torch.searchsorted(slot.rows, live)
         slot.cache.batch_select_indices(keep)
-        for name in ("mask", "pos", "enc", "enc_mask"):
+        for name in ("mask", "pos", "types", "enc", "enc_mask"):
             value = getattr(slot, name)
             if value is not None:
                 setattr(slot, name, value[keep])

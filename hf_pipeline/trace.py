@@ -176,8 +176,24 @@ def _traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks
         for i in range(1, len(parts) + 1):
             under.setdefault(".".join(parts[:i]), set()).add(n)
     known = set(names)
+    # A tied tensor is held under all its names (BERT's word embeddings are also the MLM decoder's
+    # weight). An alias whose module the stage holds only in part (the decoder without its bias) is
+    # not named: a module in ``modules`` claims every tensor under it, and claiming the decoder's
+    # bias on this stage would make the gradient sync of this rank and the bias' real holders
+    # disagree on which tensors they reduce.
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for n, t in tensors.items():
+        aliases.setdefault(id(t), []).append(n)
+
+    def whole(name: str) -> bool:
+        owner, _ = _owner(name)
+        return any(owner == b or owner.startswith(b + ".") for b in blocks) or under.get(owner, {name}) <= held
+
     modules: dict[str, None] = {}
     for name in state:
+        if name in known and not whole(name) and any(a != name and a in held and whole(a) for a in aliases[id(tensors[name])]):
+            continue  # held, and named, through another alias
         owner, _ = _owner(name)
         if name not in known:
             continue  # a constant the trace lifted: it lives in the graph only
@@ -343,7 +359,11 @@ class _StageRunner(nn.Module):
                 raise TraceError(f"stage {self.index} would send {name} = {t!r} to the next stage; only tensors can cross stages")
         # A traced value may be a view (T5's position bias is an expanded slice); send and receive
         # buffers must be dense, and .contiguous() is a no-op (same tensor, same autograd) when it is.
-        return tuple(t.contiguous() for t in out)
+        # A value that is still a view after that (OPT's bool mask, an unsqueeze of the input mask) is
+        # cloned: torch's zero-bubble input-gradient pass detaches every stage output in place,
+        # which fails on a view.
+        out = tuple(t.contiguous() for t in out)
+        return tuple(t.clone() if t._base is not None else t for t in out)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -385,6 +405,12 @@ class _Tracer:
         hook = model.register_forward_hook(lambda mod, args, out: specs.append(pytree.tree_structure(out)))
         was_training = model.training
         model.train(training)
+        # Note: torch.export's unflatten loses a tied weight when its module is called more than once
+        # (GPT-2 with token_type_ids embeds them with wte, which is also the LM head): "InterpreterModule
+        # has no attribute 'weight'". A runtime trace is made with the ties broken on the meta model;
+        # the graphs are the same computation, and _install wires every name to the stage's one
+        # loaded Parameter, so the tie holds where the weights live.
+        untied = self._untie() if install else []
         try:
             example = {k: v.detach().cpu() for k, v in example.items()}  # values do not matter, shapes do
             try:
@@ -400,6 +426,8 @@ class _Tracer:
         finally:
             hook.remove()
             model.train(was_training)
+            for mod, attr, p in untied:
+                mod._parameters[attr] = p
             # pipeline() wraps each split module's forward in place; undo it so the skeleton can be traced again.
             for p in self.split_points:
                 mod = model.get_submodule(p)
@@ -428,23 +456,39 @@ class _Tracer:
                 runners[k] = _StageRunner(gm, flows[k], k)
         return _Trace(runners=runners, out_spec=specs[0], state=state)
 
+    def _untie(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """Give every alias of a tied skeleton parameter its own meta Parameter; returns what to restore."""
+        restore = []
+        for group in _tied_groups(self.skeleton):
+            for name in group[1:]:
+                owner, attr = _owner(name)
+                mod = self.skeleton.get_submodule(owner)
+                p = mod._parameters[attr]
+                restore.append((mod, attr, p))
+                mod._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        return restore
+
     def _install(self, gm: nn.Module, k: int) -> None:
         """Give a freshly traced stage graph this stage's loaded parameters and buffers, on the device."""
         holder = self.holders[k]
         params = dict(holder.named_parameters(remove_duplicate=False))
         buffers = dict(holder.named_buffers(remove_duplicate=False))
         for name, _ in list(gm.named_parameters(remove_duplicate=False)):
-            if name not in params:
+            # A module called twice (GPT-2's wte for the ids and for token_type_ids) is unflattened
+            # as a second copy, ``transformer.wte@1``: it is the same module, with the same weights.
+            loaded = re.sub(r"@\d+(?=\.|$)", "", name)
+            if loaded not in params:
                 raise TraceError(
                     f"a new trace of stage {k} uses parameter {name!r}, which this stage did not load (its parameters were "
                     f"found by tracing at load time with input_ids and attention_mask); pass the same kinds of inputs"
                 )
             owner, attr = _owner(name)
-            gm.get_submodule(owner)._parameters[attr] = params[name]
+            gm.get_submodule(owner)._parameters[attr] = params[loaded]
         for name, buf in list(gm.named_buffers(remove_duplicate=False)):
             owner, attr = _owner(name)
-            if name in buffers:
-                value = buffers[name]
+            loaded = re.sub(r"@\d+(?=\.|$)", "", name)
+            if loaded in buffers:
+                value = buffers[loaded]
             else:
                 value = buf.to(self.device)
             gm.get_submodule(owner)._buffers[attr] = value
