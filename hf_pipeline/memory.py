@@ -49,6 +49,7 @@ from .plan import ResolvedRecipe, StagePlan, compress_blocks
 from .profile import schedule_actions
 from .schedules import check_training
 from .stages import StageModule, build_stage, recipe_front_end
+from .weights import resolve_checkpoint
 
 __all__ = [
     "MemoryReport",
@@ -373,6 +374,8 @@ def plan_report(
     Returns:
         :class:`MemoryReport`.
     """
+    if isinstance(path_or_config, (str, os.PathLike)) and not pathlib.Path(path_or_config).expanduser().exists():
+        path_or_config = resolve_checkpoint(path_or_config)  # a hub id: its cached snapshot, never the network
     config = load_config(path_or_config)
     options = PipelineOptions.resolve(
         config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
