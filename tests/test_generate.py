@@ -66,7 +66,10 @@ def _live_memory() -> tuple[int, int]:
         if is_cache:
             caches += 1
         elif is_tensor and not obj.is_meta:
-            key = obj.untyped_storage().data_ptr()
+            try:
+                key = obj.untyped_storage().data_ptr()
+            except RuntimeError:
+                continue  # a fake tensor torch.export left behind in this process (an earlier traced model): no memory
             if key not in seen:
                 seen.add(key)
                 tensors += obj.untyped_storage().nbytes()
