@@ -66,6 +66,7 @@ def test_forward_is_inference_on_one_process(path):
     _check(_job(path), path, "1 process")
 
 
-def test_forward_is_inference_on_two_ranks(path):
-    for rank, res in enumerate(run_distributed(_job, 2, path, timeout=300)):
-        _check(res, path, f"rank {rank} of 2")
+@pytest.mark.parametrize("world", [2, 3])
+def test_forward_is_inference_across_ranks(path, world):
+    for rank, res in enumerate(run_distributed(_job, world, path, timeout=300)):
+        _check(res, path, f"rank {rank} of {world}")

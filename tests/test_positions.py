@@ -72,9 +72,10 @@ def test_rope_positions_past_max_position_embeddings_equal_transformers_on_one_p
     assert (default[:, -1] - dynamic[:, -1]).abs().max().item() > 10 * TOL
 
 
-def test_rope_positions_past_max_position_embeddings_equal_transformers_on_two_ranks(checkpoints):
+@pytest.mark.parametrize("world", [2, 3])
+def test_rope_positions_past_max_position_embeddings_equal_transformers_across_ranks(checkpoints, world):
     names = list(checkpoints)
-    per_rank = run_distributed(_job, 2, [checkpoints[n] for n in names], timeout=300)
+    per_rank = run_distributed(_job, world, [checkpoints[n] for n in names], timeout=300)
     for rank, results in enumerate(per_rank):
         for name, got in zip(names, results, strict=True):
-            _check(got, checkpoints[name], f"{name} rope, rank {rank} of 2")
+            _check(got, checkpoints[name], f"{name} rope, rank {rank} of {world}")
