@@ -338,3 +338,14 @@ def test_readme_accelerate_loop_at_2_ranks_equals_transformers(tmp_path):
     tied = hf.get_input_embeddings().weight.numel()
     assert sum(r[2]["local"] for r in results) == hf.num_parameters() + tied
     assert seen == {n for n, _ in hf.named_parameters()} | {"lm_head.weight"}
+
+
+def test_generate_use_cache_false_gives_transformers_tokens(tmp_path):
+    # The pipeline always decodes with per-stage KV caches; use_cache=False (which transformers
+    # honours by recomputing every step) must give the same tokens, not be an error.
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2)
+    ref = tiny.reference(path, "AutoModelForCausalLM")
+    inputs = tiny.sample_inputs("llama", batch=3, seq=7)
+    want = ref.generate(**inputs, max_new_tokens=8, do_sample=False, use_cache=False)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False, use_cache=False), want)
