@@ -35,6 +35,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig
 
+from .compat import set_attn_implementation
 from .dist import ParallelDims, RankContext, check_same_on_all_ranks, collective_errors, init_distributed
 from .errors import InputError
 from .options import PipelineOptions
@@ -361,7 +362,7 @@ def build_pipeline(
             config = copy.deepcopy(config)  # as transformers: the caller's config is left as it was
         if attn_implementation is not None:
             # transformers' own setter (sub-configs too); the model's __init__ validates it when the meta model is built.
-            config._attn_implementation = attn_implementation
+            set_attn_implementation(config, attn_implementation)
         options = PipelineOptions.resolve(config, ctx.world_size, auto_class=auto_class, **option_kwargs)
         check_dtype_supported(options.dtype, ctx.device)
         identity = pipeline_identity(options, config, ckpt, device_type=ctx.device.type, arguments={

@@ -22,13 +22,16 @@ __all__ = [
     "PROFILED_METHODS",
     "PipelineScheduleRuntime",
     "PipelineStageBase",
+    "ACCELERATE_PREPARED_FLAG",
     "abort_process_group",
+    "auto_model_mapping",
     "decoder_start_token_tensor",
     "default_store",
     "flatten_dense_tensors",
     "generation_helper",
     "pad_token_tensor",
     "pytree",
+    "set_attn_implementation",
     "stage_backward_weight",
     "torch_schedules",
     "unflatten_dense_tensors",
@@ -117,3 +120,21 @@ def pad_token_tensor(config: Any) -> torch.Tensor | None:
 def decoder_start_token_tensor(config: Any) -> torch.Tensor | None:
     """The decoder start tensor ``_prepare_special_tokens`` set on a GenerationConfig (no public attribute)."""
     return config._decoder_start_token_tensor
+
+
+# --- transformers Auto classes and configs -----------------------------------------------------
+def auto_model_mapping(auto_class: Any):
+    """An Auto class's config -> model class mapping, or None for a concrete class (transformers
+    exposes lookups by config only through this private attribute)."""
+    return getattr(auto_class, "_model_mapping", None)
+
+
+def set_attn_implementation(config: Any, name: str) -> None:
+    """Ask for an attention implementation on ``config`` before a model is built from it, validated as
+    ``from_pretrained(attn_implementation=...)`` validates it (the setter is the private attribute)."""
+    config._attn_implementation = name
+
+
+# accelerate's "already prepared" flag: accelerator.prepare returns a module carrying it as it is
+# instead of wrapping it in DDP (there is no public opt-out for a module that syncs its own gradients).
+ACCELERATE_PREPARED_FLAG = "_is_accelerate_prepared"

@@ -27,6 +27,7 @@ from torch import nn
 
 from . import validate
 from .build import BuiltPipeline, build_pipeline
+from .compat import ACCELERATE_PREPARED_FLAG
 from .dist import ParallelDims, RankContext, check_same_on_all_ranks
 from .errors import TraceError
 from .faults import raise_if_broken, step_errors
@@ -125,10 +126,6 @@ class PipelinedModel(nn.Module):
         return self.plan.dtype
 
     # ------------------------------------------------ what code written for a PreTrainedModel reads
-    # accelerate's own "nothing left to wrap" flag: ``accelerator.prepare(model, optimizer, ...)`` returns
-    # the model as it is instead of wrapping it in DDP (each rank holds different stages, and the
-    # pipeline syncs its gradients itself); the optimizer, scheduler and dataloader are prepared as usual.
-    _is_accelerate_prepared = True
 
     @property
     def generation_config(self):
@@ -368,6 +365,12 @@ class PipelinedModel(nn.Module):
 
     def __repr__(self) -> str:  # keep print(model) short: the plan says what matters
         return f"{type(self).__name__}({self.extra_repr()})\n{self.plan}"
+
+
+# accelerate's own "nothing left to wrap" flag (compat.py): ``accelerator.prepare(model, optimizer, ...)``
+# returns the model as it is instead of wrapping it in DDP (each rank holds different stages, and the
+# pipeline syncs its gradients itself); the optimizer, scheduler and dataloader are prepared as usual.
+setattr(PipelinedModel, ACCELERATE_PREPARED_FLAG, True)
 
 
 class _NoBackward(torch.autograd.Function):

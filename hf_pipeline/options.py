@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import transformers
 
+from .compat import auto_model_mapping
 from .errors import CheckpointNotFoundError, InputError
 from .recipe import list_recipes
 from .schedules import ScheduleSpec, check_layout, default_schedule, get_schedule
@@ -143,7 +144,7 @@ def model_class_for(config, auto_class: str | type | None = None) -> type:
             # An encoder with a masked-LM head (BERT) is planned as that; a decoder as a causal LM.
             if name == "AutoModelForMaskedLM" and getattr(config, "is_decoder", False):
                 continue
-            if type(config) in getattr(transformers, name)._model_mapping:
+            if type(config) in auto_model_mapping(getattr(transformers, name)):
                 auto_class = name
                 break
         else:
@@ -156,10 +157,11 @@ def model_class_for(config, auto_class: str | type | None = None) -> type:
                 f"AutoModelForSeq2SeqLM or AutoModel"
             )
         auto_class = found
-    if not hasattr(auto_class, "_model_mapping"):
+    mapping = auto_model_mapping(auto_class)
+    if mapping is None:
         return auto_class  # already a concrete class
     try:
-        return auto_class._model_mapping[type(config)]
+        return mapping[type(config)]
     except KeyError:
         raise InputError(
             f"{auto_class.__name__} has no model for config {type(config).__name__} (model_type {config.model_type!r}); "
@@ -205,7 +207,7 @@ def cache_size() -> int:
 
 def _base_class_name(config) -> str | None:
     """Name of the family's base model class for ``config`` (``BertModel``), if transformers has one."""
-    mapping = transformers.AutoModel._model_mapping
+    mapping = auto_model_mapping(transformers.AutoModel)
     cls = mapping[type(config)] if type(config) in mapping else None
     return cls.__name__ if cls is not None else None
 
