@@ -457,6 +457,6 @@ def load_pipelined(
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
         split=split, dtype=dtype, split_method=split_method, agreed={"gather_output": gather_output},
     )
-    model = (TracedPipelinedModel if built.build.traced else PipelinedModel)(built, gather_output=gather_output)
+    model = (TracedPipelinedModel if built.options.traced else PipelinedModel)(built, gather_output=gather_output)
     model.name_or_path = str(path)  # what was passed, as transformers' ``model.name_or_path``
     return model

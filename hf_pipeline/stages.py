@@ -218,7 +218,6 @@ class StageBuild:
     make_stages: Callable[[Sequence[StageSpec]], list[nn.Module]]
     on_loaded: Callable[[Sequence[nn.Module]], None] = field(default=lambda stages: None)
     generate_refusal: str | None = None
-    traced: bool = False
 
 
 def recipe_front_end(config, options: PipelineOptions) -> StageBuild:

@@ -652,7 +652,7 @@ def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -
 
     return StageBuild(
         config=config, plan=plan, resolved=resolved, skeleton=skeleton, output_class=type(out),
-        make_stages=make_stages, on_loaded=on_loaded, traced=True,
+        make_stages=make_stages, on_loaded=on_loaded,
         generate_refusal=(
             f"{plan.model_class} was split by torch.export tracing, which works without a KV cache only, so it cannot "
             f"generate. KV-cached pipelined generation needs a recipe; to generate with this model, {_RECIPE_HOWTO}"
