@@ -121,7 +121,7 @@ def _phase(name: str) -> None:
 # --------------------------------------------------------------------------------------------
 def _my_tensors(model) -> dict[str, torch.Tensor]:
     """checkpoint key -> tensor, for the keys whose first holding stage is on this rank (replica 0 only)."""
-    if model.dp_rank != 0:
+    if model.dims.dp_rank != 0:
         return {}  # replicas hold the same values: the first one writes
     layout = model.param_layout
     out: dict[str, torch.Tensor] = {}
@@ -361,12 +361,12 @@ def save_pretrained(
             raise FileExistsError(f"{final} exists and is not a directory; pass a directory path to save_pretrained")
         tensors = _my_tensors(model)
         shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
-        opt_state = _optimizer_state(model, optimizer) if optimizer is not None and model.dp_rank == 0 else None
+        opt_state = _optimizer_state(model, optimizer) if optimizer is not None and model.dims.dp_rank == 0 else None
         my_plan = {
             "rank": ctx.rank,
             "shards": [[(k, tensors[k].numel(), tensors[k].numel() * tensors[k].element_size()) for k in keys] for keys in shards],
             "optimizer_keys": sorted(opt_state["state"]) if opt_state is not None else None,
-            "pp_rank": model.pp_rank,
+            "pp_rank": model.dims.pp_rank,
         }
     plans = _gather(model, my_plan)
 
@@ -401,7 +401,7 @@ def save_pretrained(
                     _fsync(path)
                 _phase("shard")
             if opt_state is not None:
-                _save_torch(opt_state, staging / OPTIMIZER_DIR / f"pp-{model.pp_rank:05d}.pt")
+                _save_torch(opt_state, staging / OPTIMIZER_DIR / f"pp-{model.dims.pp_rank:05d}.pt")
             if with_state:
                 _save_torch(_rng_state(), staging / RNG_DIR / f"rank-{ctx.rank:05d}.pt")
             if ctx.is_main_process:
@@ -460,7 +460,7 @@ def _stage_main(model, staging: pathlib.Path, plans, names, layout, token: str, 
         _write_json(staging / TRAINER_STATE_NAME, {
             **(extra or {}),
             "format": _FORMAT, "step": step, "world_size": model.ctx.world_size, "pp_size": plan.pp_size,
-            "dp_size": model.dp_size, "num_stages": plan.num_stages, "virtual_stages": plan.virtual_stages,
+            "dp_size": model.dims.dp_size, "num_stages": plan.num_stages, "virtual_stages": plan.virtual_stages,
             "schedule": model.schedule.name, "n_microbatches": model.n_microbatches, "model_class": type(model.skeleton).__name__,
             "stage_blocks": [list(s.blocks) for s in plan.stages], SAVE_ID_KEY: token,
         })
@@ -667,7 +667,7 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path, layout) -> None:
     keys = [key_of_param.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     if any(k is None for k in keys):
         raise ValueError("the optimizer holds a parameter that is not one of this model's stage parameters; build it from model.parameters()")
-    own = f"pp-{model.pp_rank:05d}.pt"
+    own = f"pp-{model.dims.pp_rank:05d}.pt"
     needed = sorted({files[k] for k in keys if k in files} | ({own} if (directory / OPTIMIZER_DIR / own).is_file() else set()))
     saved: dict[str, dict] = {}
     for name in needed:

@@ -411,7 +411,7 @@ def cmd_train(args) -> int:
             f"pass --auto-class AutoModelForCausalLM, AutoModelForMaskedLM or AutoModelForSeq2SeqLM"
         )
     rows = build_dataset(raw, tok, task, block_size=args.block_size, text_column=args.text_column, target_column=args.target_column)
-    per_step = model.n_microbatches * model.dp_size
+    per_step = model.n_microbatches * model.dims.dp_size
     if args.batch_size % per_step:
         raise CLIError(f"--batch-size {args.batch_size} must be a multiple of n_microbatches x data-parallel replicas = {per_step}")
     batches = Batches(rows, batch_size=args.batch_size, seed=args.seed, task=task, tokenizer=tok, mlm_probability=args.mlm_probability)

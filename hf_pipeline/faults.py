@@ -29,7 +29,7 @@ on the other side). So a receive with a 1 ms timeout, on a tag nobody sends on, 
 NCCL groups are aborted with ``_abort_process_group``.
 
 Example (inside the library; ``describe`` names a rank's stages):
-    >>> with step_errors(ctx, "a training step", groups=(model.pp_group,), describe=stage_names):
+    >>> with step_errors(ctx, "a training step", groups=(model.dims.pp_group,), describe=stage_names):
     ...     loss = schedule.step(**inputs)
 """
 

@@ -240,9 +240,9 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
     # As transformers: a mask of all ones is dropped (same kernels, same numbers), decided for the whole batch.
     all_ones = attention_mask is None or bool((attention_mask == 1).all())
     # Data-parallel replicas each generate a contiguous share of the rows (gathered at the end).
-    if batch < model.dp_size:
-        raise ValueError(f"batch of {batch} rows is smaller than the {model.dp_size} data-parallel replicas; pass more prompts")
-    lo, hi = microbatch_bounds(batch, model.dp_size)[model.dp_rank]
+    if batch < model.dims.dp_size:
+        raise ValueError(f"batch of {batch} rows is smaller than the {model.dims.dp_size} data-parallel replicas; pass more prompts")
+    lo, hi = microbatch_bounds(batch, model.dims.dp_size)[model.dims.dp_rank]
     input_ids = input_ids[lo:hi]
     attention_mask = None if attention_mask is None else attention_mask[lo:hi]
     types = None if types is None else types[lo:hi]
@@ -393,7 +393,7 @@ class _Ring:
         self.nD = len(self.decode)
         self.m = len(req.bounds)
         self.M = max(self.m, self.nD)
-        self.me = model.pp_rank
+        self.me = model.dims.pp_rank
         self.local = {st.spec.index: st for st in model.stages}
         self.local_decode = [s for s in self.decode if s in self.local]
         text = model.config.get_text_config(decoder=True)
@@ -463,12 +463,12 @@ class _Ring:
             self.inbox[key] = tensor
             return
         tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=self.model.global_rank(rank), group=self.model.pp_group)
+        work = dist.isend(tensor, dst=self.model.dims.global_rank(rank), group=self.model.dims.pp_group)
         self.sends.append((work, tensor))  # the buffer must live until the send completes
 
     def _post(self, key: tuple, src_stage: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, src=self.model.global_rank(self._rank(src_stage)), group=self.model.pp_group)
+        work = dist.irecv(buf, src=self.model.dims.global_rank(self._rank(src_stage)), group=self.model.dims.pp_group)
         self.inbox[key] = (work, buf)
 
     def _take(self, key: tuple) -> torch.Tensor:
@@ -528,7 +528,7 @@ class _Ring:
                     self.enc_out[i] = out
                     out = out.contiguous()
                     for r in receivers:
-                        work = dist.isend(out, dst=self.model.global_rank(r), group=self.model.pp_group)
+                        work = dist.isend(out, dst=self.model.dims.global_rank(r), group=self.model.dims.pp_group)
                         self.sends.append((work, out))
             self._prune_sends()
         for i in range(self.m):
@@ -778,7 +778,7 @@ def generate(
     if model.plan.pp_size > 1:
         out = model.runtime.broadcast_from_last(out)
     ids, lengths = out
-    if model.dp_size > 1:
+    if model.dims.dp_size > 1:
         ids, lengths = _gather_replicas(model, ids, lengths, req.pad)
     if not return_stats:
         return ids
@@ -791,8 +791,8 @@ def generate(
 
 def _gather_replicas(model, ids: torch.Tensor, lengths: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate the data-parallel replicas' rows in order, padding to the longest."""
-    parts: list[Any] = [None] * model.dp_size
-    dist.all_gather_object(parts, (ids.cpu(), lengths.cpu()), group=model.dp_group)
+    parts: list[Any] = [None] * model.dims.dp_size
+    dist.all_gather_object(parts, (ids.cpu(), lengths.cpu()), group=model.dims.dp_group)
     width = max(p[0].shape[1] for p in parts)
     ids = torch.cat([torch.nn.functional.pad(p[0], (0, width - p[0].shape[1]), value=pad) for p in parts])
     return ids.to(model.device), torch.cat([p[1] for p in parts]).to(model.device)

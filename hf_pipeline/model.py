@@ -91,31 +91,6 @@ class PipelinedModel(nn.Module):
         """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.plan.param_layout`."""
         return param_layout(self.skeleton, self.plan, self.resolved.tied)
 
-    # Where this rank sits in the (dp, pp) layout; see :class:`~hf_pipeline.dist.ParallelDims`.
-    @property
-    def pp_rank(self) -> int:
-        return self.dims.pp_rank
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dims.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.dims.dp_size
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        return self.dims.pp_group
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.dims.dp_group
-
-    @property
-    def mesh(self) -> Any:
-        return self.dims.mesh
-
     # ----------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
@@ -175,7 +150,7 @@ class PipelinedModel(nn.Module):
         if local or self.plan.pp_size == 1:
             return total
         count = torch.tensor([total], dtype=torch.int64, device=self.device if self.ctx.backend == "nccl" else "cpu")
-        dist.all_reduce(count, group=self.pp_group)  # None: the pipeline is the whole world
+        dist.all_reduce(count, group=self.dims.pp_group)  # None: the pipeline is the whole world
         return int(count.item())
 
     def _local_module(self, module: nn.Module | None) -> nn.Module | None:
@@ -202,7 +177,7 @@ class PipelinedModel(nn.Module):
 
     @property
     def is_last_stage_rank(self) -> bool:
-        return self.pp_rank == self.plan.last_rank
+        return self.dims.pp_rank == self.plan.last_rank
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this rank's pipeline replica."""
@@ -213,11 +188,11 @@ class PipelinedModel(nn.Module):
         pp = self.plan.pp_size
         idx = [s.index for s in self.plan.stages_for_rank(rank % pp)]
         label = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
-        return label + (f" of replica {rank // pp}" if self.dp_size > 1 else "")
+        return label + (f" of replica {rank // pp}" if self.dims.dp_size > 1 else "")
 
     def _step_errors(self, what: str):
         # A failure inside a pipelined call reaches every rank with the failing rank's stage (faults.py).
-        return step_errors(self.ctx, what, groups=(self.pp_group, self.dp_group), describe=self.rank_label)
+        return step_errors(self.ctx, what, groups=(self.dims.pp_group, self.dims.dp_group), describe=self.rank_label)
 
     def checkpoint_named_parameters(self):
         """(checkpoint key, parameter) for this rank's parameters; tied copies within a stage once."""

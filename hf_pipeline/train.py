@@ -93,16 +93,16 @@ def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
 
 def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGroup | None:
     """The process group of these pipeline ranks in every data-parallel replica (None: nothing to reduce)."""
-    ctx, pp, dp = model.ctx, model.plan.pp_size, model.dp_size
+    ctx, pp, dp = model.ctx, model.plan.pp_size, model.dims.dp_size
     ranks = tuple(sorted(d * pp + r for d in range(dp) for r in pp_ranks))
     if len(ranks) == 1 or not ctx.is_distributed:
         return None
     if len(ranks) == ctx.world_size:
         return ctx.group
     if len(pp_ranks) == 1:
-        return model.dp_group  # one pipeline rank in every replica: the data-parallel group
+        return model.dims.dp_group  # one pipeline rank in every replica: the data-parallel group
     if dp == 1 and len(pp_ranks) == pp:
-        return model.pp_group or ctx.group
+        return model.dims.pp_group or ctx.group
     if ranks not in made:
         # Collective over the world: every rank creates every group, in the same (sorted) order.
         made[ranks] = dist.new_group(list(ranks))
@@ -140,7 +140,7 @@ def _train_state(model) -> _TrainState:
     groups = {s: _group_for(model, s, made) for s in all_sets}
     buckets = []
     for s in all_sets:
-        if model.pp_rank not in s:
+        if model.dims.pp_rank not in s:
             continue
         # Sorted by key: the flat buffers of all members of the group must line up.
         keys = sorted((e for e in local if layout.pp_ranks(e.key) == s), key=lambda e: e.key)
@@ -196,7 +196,7 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
     for k, v in batch.items():
         if v.dim() == 0 or v.shape[0] != rows:
             raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row per example")
-    dp, m = model.dp_size, model.n_microbatches
+    dp, m = model.dims.dp_size, model.n_microbatches
     if rows % dp:
         raise ValueError(
             f"a global batch of {rows} rows does not split over dp_size={dp} data-parallel replicas; pass a multiple of "
@@ -208,7 +208,7 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
     denominator = float(state.loss.count(labels, model.config))
     if dp > 1:
         share = rows // dp
-        lo, hi = model.dp_rank * share, (model.dp_rank + 1) * share
+        lo, hi = model.dims.dp_rank * share, (model.dims.dp_rank + 1) * share
         prepared = {k: v[lo:hi] if isinstance(v, torch.Tensor) else v for k, v in prepared.items()}
         labels = labels[lo:hi]
     return _Batch(inputs=prepared, labels=labels, denominator=denominator, digest=digest)
@@ -445,7 +445,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *, error_if_
         local = torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
     else:
         local = torch.zeros((), device=device)
-    group = model.pp_group if model.pp_group is not None else model.ctx.group
+    group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
     inf = norm_type == float("inf")
     if group is not None and dist.get_world_size(group) > 1:
         if inf:

@@ -237,7 +237,7 @@ def _task_load_ours(spec: dict, out: dict) -> None:
         peak_rss=meter.peak, resettable=meter.resettable, base_rss=meter.base,
         stage_bytes=sum(p.numel() * p.element_size() for _, p in model.checkpoint_named_parameters()),
         bytes_read=model.load_report.bytes_read, files_opened=len(model.load_report.files_opened),
-        stages=[s.spec.index for s in model.stages], pp_rank=model.pp_rank,
+        stages=[s.spec.index for s in model.stages], pp_rank=model.dims.pp_rank,
     )
     del model
     gc.collect()

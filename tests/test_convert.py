@@ -104,7 +104,7 @@ def _load_both(original, converted, auto, kwargs):
         out[name] = {
             "files": list(model.load_report.files_opened),
             "tensors": {k: p.detach().clone() for k, p in model.checkpoint_named_parameters()},
-            "pp_rank": model.pp_rank,
+            "pp_rank": model.dims.pp_rank,
         }
     return out
 

@@ -296,7 +296,7 @@ def _accelerate_rank(path: str):
         "whole": model.num_parameters(), "local": model.num_parameters(local=True),
         "trainable": model.num_parameters(only_trainable=True), "no_embeddings": model.num_parameters(exclude_embeddings=True),
         "input_embeddings": type(model.get_input_embeddings()).__name__, "output_embeddings": type(model.get_output_embeddings()).__name__,
-        "input_is_stage_module": model.get_input_embeddings() is (model.stages[0].model.embed_tokens if model.pp_rank == 0 else None),
+        "input_is_stage_module": model.get_input_embeddings() is (model.stages[0].model.embed_tokens if model.dims.pp_rank == 0 else None),
     }
     return params, accelerated, counts, scheduler.get_last_lr()
 

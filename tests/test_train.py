@@ -84,7 +84,7 @@ def _train_case(path, auto, arch, load_kwargs, steps=STEPS, rows=ROWS):
         losses.append(float(loss.detach()))
     return {
         "losses": losses, "norms": norms, "grads": grads, "params": _by_key(model, lambda p: p),
-        "local": [s.spec.index for s in model.stages], "pp_rank": model.pp_rank, "dp_rank": model.dp_rank,
+        "local": [s.spec.index for s in model.stages], "pp_rank": model.dims.pp_rank, "dp_rank": model.dims.dp_rank,
         "halves": [s.spec.halves for s in model.stages],
         "shared": {k: model.param_layout.pp_ranks(k) for k in model.param_layout.shared},
     }
