@@ -29,18 +29,7 @@ stage, shapes that change after the prefill and rows that finish at different ti
 schedule per token would pay the fill/drain bubble (p-1)/(m+p-1) on every token. So the ring below
 talks ``dist.isend`` / ``dist.irecv`` itself.
 
-Note (protocol): every rank computes the same timetable, so no shapes or metadata are exchanged.
-Decode stage k (0 = first decode stage) runs microbatch i of step t at tick ``t*M + i + k`` with
-``M = max(m, number of decode stages)``; ranks run their ops in tick order (ties: stage order) and,
-at each tick, first post the receives for the messages sent at that tick, in sender-stage order,
-which is the order the senders send them (so the pairing also holds on backends without tags).
-A message's shape follows from the microbatch size, the step (prompt length at step 0 of a
-decoder-only model, else 1) and the hidden size:
-  stage -> next stage   float ``(rows, q, hidden + 1)``: hidden states, last column 1 for rows still
-                        generating; all zeros once the microbatch is done (sent once, then nothing)
-  last -> first stage   int64 ``(rows, 2)``: next token, still-generating flag
-Sends never block (``isend``) and every receive waits only for a message sent at an earlier tick,
-so the ring cannot deadlock.
+Note (protocol): the ring's timetable, messages and shapes are described in :mod:`hf_pipeline.ring`.
 
 Note (seeded sampling): each row samples from its own generator seeded from ``seed`` and its row
 index (``sampling.row_seed``), so a seed gives the same tokens whatever the number of stages,
@@ -62,22 +51,23 @@ from __future__ import annotations
 import inspect
 import pathlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
 from .compat import decoder_start_token_tensor, generation_helper, pad_token_tensor
 from .dist import check_same_on_all_ranks
 from .errors import InputError
 from .log import get_logger
+from .ring import Request, Ring
 from .validate import check_generate_inputs, check_sequence_length, check_token_ids, vocab_size
-from .sampling import left_padded_position_ids, microbatch_bounds, row_generators, select_tokens
+from .sampling import left_padded_position_ids, microbatch_bounds
 
-__all__ = ["GenerationStats", "cache_nbytes", "generate", "generation_config", "prepare_generation_config"]
+__all__ = ["GenerationStats", "generate", "generation_config", "prepare_generation_config"]
 
 logger = get_logger(__name__)
 
@@ -107,21 +97,6 @@ class GenerationStats:
         return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def cache_nbytes(cache: Any) -> int:
-    """Bytes held by the key/value tensors of a transformers ``Cache`` (EncoderDecoderCache: both parts)."""
-    if cache is None:
-        return 0
-    parts = (cache.self_attention_cache, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (cache,)
-    total = 0
-    for part in parts:
-        for layer in getattr(part, "layers", ()):
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
-
-
 def generation_config(model) -> GenerationConfig:
     """The model's default ``GenerationConfig``: the checkpoint's ``generation_config.json`` if it has one.
 
@@ -148,31 +123,7 @@ def prepare_generation_config(model, config: GenerationConfig | None = None, **k
 
 
 # --------------------------------------------------------------------------- request preparation
-@dataclass(kw_only=True)
-class _Request:
-    """Everything every rank knows about one call, derived identically on each of them."""
-
-    config: GenerationConfig
-    encoder_decoder: bool
-    prompt: torch.Tensor  # (B, T) decoder-only prompt, or (B, 1) decoder start ids
-    mask: torch.Tensor | None  # decoder-only: prompt mask (None when all ones, as transformers drops it)
-    positions: torch.Tensor | None  # decoder-only: (B, T) position ids
-    types: torch.Tensor | None  # decoder-only: (B, T) token_type_ids of the prompt (GPT-2), if given
-    enc_ids: torch.Tensor | None  # encoder-decoder: (B, T_enc) encoder input
-    enc_mask: torch.Tensor | None
-    bounds: list[tuple[int, int]]  # microbatch row ranges
-    row_offset: int  # global index of this replica's first row (seeds)
-    max_new: int
-    do_sample: bool
-    seed: int | None
-    pad: int
-    streamer: Any
-    logits_processor: Any
-    stopping_criteria: Any
-    tokenizer: Any
-
-
-def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, seed, streamer, logits_processor, stopping_criteria, tokenizer) -> _Request:
+def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, seed, streamer, logits_processor, stopping_criteria, tokenizer) -> Request:
     skel = model.skeleton
     if not skel.can_generate():
         raise TypeError(
@@ -277,7 +228,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         model, gc, prompt=prompt, enc_ids=enc_ids, mask=mask, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     ))
-    return _Request(
+    return Request(
         config=gc, encoder_decoder=encoder_decoder, prompt=prompt, mask=mask, positions=positions, types=types, enc_ids=enc_ids,
         enc_mask=enc_mask, bounds=bounds, row_offset=lo, max_new=max_new, do_sample=bool(gc.do_sample), seed=seed,
         pad=pad, streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer,
@@ -344,377 +295,6 @@ def _agreed_arguments(input_ids, attention_mask, generation_config, kwargs, seed
     }
 
 
-# --------------------------------------------------------------------------- the ring
-@dataclass
-class _Slot:
-    """One (local stage, microbatch): its cache and the per-row state of the rows still generating."""
-
-    stage: Any
-    index: int
-    mb: int
-    rows: torch.Tensor  # microbatch-local indices of the rows in the cache, ascending
-    cache: Any
-    mask: torch.Tensor | None = None  # (n, L) attention mask so far (decoder-only)
-    pos: torch.Tensor | None = None  # (n, q) position ids of the last step (decoder-only)
-    types: torch.Tensor | None = None  # (n, q) token_type_ids of the last step (decoder-only, if given)
-    enc: torch.Tensor | None = None  # (n, T_enc, H) encoder output (encoder-decoder)
-    enc_mask: torch.Tensor | None = None
-    done: bool = False
-
-
-@dataclass
-class _Sampler:
-    """Last stage, one microbatch: the sequences so far and what decides the next token."""
-
-    ids: torch.Tensor  # (n, L) every row of the microbatch, finished rows padded
-    unfinished: torch.Tensor  # (n,) bool
-    finished_at: torch.Tensor  # (n,) step that finished the row, -1 while generating
-    processors: Any
-    generators: list[torch.Generator] = field(default_factory=list)
-    steps: int = 0
-
-
-class _Ring:
-    def __init__(self, model, req: _Request):
-        self.model, self.req = model, req
-        plan = model.plan
-        self.plan = plan
-        self.S = plan.num_stages
-        gen_stack = model.resolved.stacks[-1].name
-        # Decode stages hold blocks of the generating stack (all stages of a decoder-only model);
-        # context stages hold blocks of earlier stacks (T5's encoder). One stage may be both.
-        self.decode = [s.index for s in plan.stages if gen_stack in s.stacks]
-        self.context = [s.index for s in plan.stages if any(n != gen_stack for n in s.stacks)]
-        if self.decode != list(range(self.decode[0], self.S)):
-            raise RuntimeError(f"the generating stack {gen_stack!r} must occupy the last stages, got stages {self.decode}")
-        if bool(self.context) != req.encoder_decoder:
-            raise RuntimeError("pipelined generation supports decoder-only models and encoder-decoder models with two stacks")
-        self.d0 = self.decode[0]
-        self.nD = len(self.decode)
-        self.m = len(req.bounds)
-        self.M = max(self.m, self.nD)
-        self.me = model.dims.pp_rank
-        self.local = {st.spec.index: st for st in model.stages}
-        self.local_decode = [s for s in self.decode if s in self.local]
-        text = model.config.get_text_config(decoder=True)
-        self.H = int(text.hidden_size)
-        self.dtype, self.device = model.dtype, model.device
-        self.inbox: dict[tuple, Any] = {}
-        self.sends: list[tuple[Any, torch.Tensor]] = []
-        self.enc_out: dict[int, torch.Tensor] = {}
-        self.peak = 0
-        self.slots = {
-            (s, i): _Slot(stage=self.local[s], index=s, mb=i, rows=torch.arange(hi - lo, device=self.device), cache=self._new_cache())
-            for s in self.local_decode
-            for i, (lo, hi) in enumerate(req.bounds)
-        }
-        self.is_last = (self.S - 1) in self.local
-        self.samplers: dict[int, _Sampler] = {}
-        if self.is_last:
-            self._init_samplers()
-        self.pending_step: dict[int, torch.Tensor] = {}  # streamer: step -> (B,) tokens
-
-    # ------------------------------------------------------------ setup
-    def _new_cache(self):
-        # As transformers' generate: a DynamicCache built from the (decoder) config, so layer indices are the
-        # model's own and each layer has its kind's cache (sliding-window layers keep only the window, as
-        # DynamicSlidingWindowLayer); a stage only ever fills the layers it owns, and the glue sizes each
-        # layer's mask against the cache layer of its kind.
-        cfg = self.model.config.get_text_config(decoder=True)
-        if self.req.encoder_decoder:
-            return EncoderDecoderCache(DynamicCache(config=cfg), DynamicCache(config=cfg))
-        return DynamicCache(config=cfg)
-
-    def _init_samplers(self) -> None:
-        req, skel = self.req, self.model.skeleton
-        cur_len = req.prompt.shape[1]
-        for i, (lo, hi) in enumerate(req.bounds):
-            mask_key = "decoder_attention_mask" if req.encoder_decoder else "attention_mask"
-            processors = generation_helper(skel, "_get_logits_processor")(
-                generation_config=req.config, input_ids_seq_length=cur_len,
-                encoder_input_ids=req.enc_ids[lo:hi] if req.enc_ids is not None else req.prompt[lo:hi],
-                logits_processor=LogitsProcessorList(req.logits_processor or []),
-                device=self.device, model_kwargs={mask_key: req.mask[lo:hi] if req.mask is not None else None},
-            )
-            n = hi - lo
-            gens = row_generators(req.seed, range(req.row_offset + lo, req.row_offset + hi), self.device) if req.do_sample else []
-            self.samplers[i] = _Sampler(
-                ids=req.prompt[lo:hi].clone(), unfinished=torch.ones(n, dtype=torch.bool, device=self.device),
-                finished_at=torch.full((n,), -1, dtype=torch.long, device=self.device), processors=processors, generators=gens,
-            )
-        self.stopping = generation_helper(skel, "_get_stopping_criteria")(
-            generation_config=req.config, stopping_criteria=StoppingCriteriaList(req.stopping_criteria or []), tokenizer=req.tokenizer
-        )
-
-    # ------------------------------------------------------------ messages
-    def _rank(self, stage: int) -> int:
-        return self.plan.stages[stage].rank
-
-    def _q(self, t: int) -> int:
-        return self.req.prompt.shape[1] if t == 0 else 1
-
-    def _rows(self, i: int) -> int:
-        lo, hi = self.req.bounds[i]
-        return hi - lo
-
-    def _deliver(self, key: tuple, stage: int, tensor: torch.Tensor) -> None:
-        rank = self._rank(stage)
-        if rank == self.me:
-            self.inbox[key] = tensor
-            return
-        tensor = tensor.contiguous()
-        work = dist.isend(tensor, dst=self.model.dims.global_rank(rank), group=self.model.dims.pp_group)
-        self.sends.append((work, tensor))  # the buffer must live until the send completes
-
-    def _post(self, key: tuple, src_stage: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, src=self.model.dims.global_rank(self._rank(src_stage)), group=self.model.dims.pp_group)
-        self.inbox[key] = (work, buf)
-
-    def _take(self, key: tuple) -> torch.Tensor:
-        item = self.inbox.pop(key)
-        if isinstance(item, tuple):
-            work, buf = item
-            work.wait()
-            return buf
-        return item
-
-    def _prune_sends(self) -> None:
-        if len(self.sends) > 32:
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-
-    # ------------------------------------------------------------ memory
-    def _observe(self) -> None:
-        total = sum(cache_nbytes(s.cache) for s in self.slots.values() if s.cache is not None)
-        self.peak = max(self.peak, total)
-
-    def _release(self, slot: _Slot) -> None:
-        self._observe()
-        slot.cache = slot.mask = slot.pos = slot.enc = slot.enc_mask = None
-        slot.done = True
-
-    # ------------------------------------------------------------ encoder (once per request)
-    def encode(self) -> None:
-        """Run the context stages (T5's encoder) once, pipelined over the microbatches; tick of (s, i) = i + s."""
-        req = self.req
-        e = self.context[-1]
-        t_enc = req.enc_ids.shape[1]
-        # Ranks with decode stages other than the encoder's last stage get its output, once per microbatch.
-        receivers = sorted({self._rank(s) for s in self.decode} - {self._rank(e)})
-        mine = [s for s in self.context if s in self.local]
-        for tick in range(self.m + e):
-            for s in mine:  # receives first, in sender-stage order
-                i = tick - (s - 1)
-                if s > 0 and 0 <= i < self.m and self._rank(s - 1) != self.me:
-                    self._post(("enc", s, i), s - 1, (self._rows(i), t_enc, self.H), self.dtype)
-            i = tick - e
-            if self.me in receivers and 0 <= i < self.m:
-                self._post(("encout", i), e, (self._rows(i), t_enc, self.H), self.dtype)
-            for s in mine:
-                i = tick - s
-                if not 0 <= i < self.m:
-                    continue
-                lo, hi = req.bounds[i]
-                inputs = {"input_ids": req.enc_ids[lo:hi]}
-                if req.enc_mask is not None:
-                    inputs["attention_mask"] = req.enc_mask[lo:hi]
-                received = () if s == 0 else (self._take(("enc", s, i)),)
-                out = self.local[s](*received, **inputs)
-                out = (out[0] if isinstance(out, tuple) else out).to(self.dtype)
-                self._check(out, (hi - lo, t_enc, self.H), f"encoder stage {s}")
-                if s < e:
-                    self._deliver(("enc", s + 1, i), s + 1, out)
-                else:
-                    self.enc_out[i] = out
-                    out = out.contiguous()
-                    for r in receivers:
-                        work = dist.isend(out, dst=self.model.dims.global_rank(r), group=self.model.dims.pp_group)
-                        self.sends.append((work, out))
-            self._prune_sends()
-        for i in range(self.m):
-            if ("encout", i) in self.inbox:
-                self.enc_out[i] = self._take(("encout", i))
-        for (s, i), slot in self.slots.items():
-            lo, hi = req.bounds[i]
-            slot.enc = self.enc_out[i]
-            slot.enc_mask = req.enc_mask[lo:hi] if req.enc_mask is not None else None
-        self.enc_out.clear()
-
-    def _check(self, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
-        if tuple(t.shape) != shape:
-            raise RuntimeError(
-                f"{what} produced shape {tuple(t.shape)} but the ring protocol expects {shape} (hidden size "
-                f"{self.H} from the config); this model's stage outputs do not fit pipelined generation"
-            )
-
-    # ------------------------------------------------------------ decoding
-    def decode_loop(self) -> None:
-        if self.req.encoder_decoder:
-            self.encode()
-        if self.is_last and self.req.streamer is not None:
-            self.req.streamer.put(self.req.prompt.cpu())
-        limit = (self.req.max_new + 2) * self.M + self.nD  # every microbatch is done by then
-        tick = 0
-        while any(not slot.done for slot in self.slots.values()):
-            if tick > limit:
-                raise RuntimeError("pipelined generation did not finish in the expected number of ticks (protocol error)")
-            self._post_decode(tick)
-            for s in self.local_decode:
-                t, i = divmod(tick - (s - self.d0), self.M)
-                if tick - (s - self.d0) >= 0 and i < self.m and not self.slots[(s, i)].done:
-                    self._op(self.slots[(s, i)], t)
-            self._prune_sends()
-            tick += 1
-        self._observe()
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
-        if self.inbox:
-            raise RuntimeError(f"pipelined generation ended with unconsumed messages {sorted(self.inbox)} (protocol error)")
-        if self.is_last and self.req.streamer is not None:
-            self.req.streamer.end()
-
-    def _post_decode(self, tick: int) -> None:
-        # Receives for the messages sent at this tick, in sender-stage order (the order they are sent in).
-        for s in self.local_decode:
-            k = s - self.d0
-            if k == 0 or self._rank(s - 1) == self.me:
-                continue
-            t, i = divmod(tick - (k - 1), self.M)
-            if tick - (k - 1) >= 0 and i < self.m and not self.slots[(s, i)].done:
-                self._post(("h", s, i), s - 1, (self._rows(i), self._q(t), self.H + 1), self.dtype)
-        if self.d0 in self.local and self._rank(self.S - 1) != self.me:
-            t, i = divmod(tick - (self.nD - 1), self.M)
-            if tick - (self.nD - 1) >= 0 and i < self.m and not self.slots[(self.d0, i)].done:
-                self._post(("tok", i), self.S - 1, (self._rows(i), 2), torch.long)
-
-    def _op(self, slot: _Slot, t: int) -> None:
-        req, s, i = self.req, slot.index, slot.mb
-        lo, hi = req.bounds[i]
-        n = hi - lo
-        first, last = s == self.d0, s == self.S - 1
-        if first:
-            if t == 0:
-                msg, alive = None, torch.ones(n, dtype=torch.bool, device=self.device)
-            else:
-                msg = self._take(("tok", i))  # (n, 2): token, still generating
-                alive = msg[:, 1].bool()
-        else:
-            msg = self._take(("h", s, i))  # (n, q, H + 1)
-            alive = msg[:, 0, -1] > 0.5
-        if not bool(alive.any()):
-            # The microbatch is done: pass the news down the ring once, free the cache.
-            self._release(slot)
-            if not last:
-                self._deliver(("h", s + 1, i), s + 1, torch.zeros(n, self._q(t), self.H + 1, dtype=self.dtype, device=self.device))
-            else:
-                self._stream(i, t)
-            return
-        live = alive.nonzero()[:, 0]
-        if live.numel() < slot.rows.numel():
-            self._compact(slot, live)
-
-        inputs: dict[str, Any] = {"cache": slot.cache}
-        if req.encoder_decoder:
-            ids_key = "decoder_input_ids"
-            inputs["encoder_outputs"] = slot.enc
-            if slot.enc_mask is not None:
-                inputs["attention_mask"] = slot.enc_mask
-        else:
-            ids_key = "input_ids"
-            if t == 0:
-                slot.mask = req.mask[lo:hi] if req.mask is not None else None
-                slot.pos = req.positions[lo:hi]
-                slot.types = req.types[lo:hi] if req.types is not None else None
-            else:
-                if slot.mask is not None:
-                    slot.mask = torch.cat([slot.mask, slot.mask.new_ones(slot.mask.shape[0], 1)], dim=1)
-                slot.pos = slot.pos[:, -1:] + 1
-                slot.types = slot.types[:, -1:] if slot.types is not None else None
-            inputs["attention_mask"] = slot.mask
-            inputs["position_ids"] = slot.pos
-            if slot.types is not None:
-                inputs["token_type_ids"] = slot.types
-        if first:
-            inputs[ids_key] = req.prompt[lo:hi] if t == 0 else msg[live, 0].unsqueeze(1)
-            received: tuple = ()
-        else:
-            received = (msg[live, :, : self.H],)
-        if last:
-            inputs["logits_to_keep"] = 1
-        out = slot.stage(*received, **inputs)
-        # After every step: the rank's caches peak when its slowest stage has appended a step's
-        # keys and values while its other stages have not yet released theirs.
-        self._observe()
-        out = out[0] if isinstance(out, tuple) else out  # in decoding only the hidden state flows on
-        if last:
-            self._deliver(("tok", i), self.d0, self._choose(i, t, live, out[:, -1, :]))
-            self._stream(i, t)
-            return
-        q = self._q(t)
-        self._check(out, (live.numel(), q, self.H), f"stage {s}")
-        nxt = torch.zeros(n, q, self.H + 1, dtype=self.dtype, device=self.device)
-        nxt[live, :, : self.H] = out.to(self.dtype)
-        nxt[live, :, self.H] = 1
-        self._deliver(("h", s + 1, i), s + 1, nxt)
-
-    def _compact(self, slot: _Slot, live: torch.Tensor) -> None:
-        """Drop finished rows from this stage's cache and per-row inputs."""
-        self._observe()
-        keep = torch.searchsorted(slot.rows, live)
-        slot.cache.batch_select_indices(keep)
-        for name in ("mask", "pos", "types", "enc", "enc_mask"):
-            value = getattr(slot, name)
-            if value is not None:
-                setattr(slot, name, value[keep])
-        slot.rows = live
-
-    def _choose(self, i: int, t: int, live: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Last stage: processors + greedy/sampling + stopping criteria, in transformers' order."""
-        st, req = self.samplers[i], self.req
-        n = st.ids.shape[0]
-        # Processors see the microbatch in transformers' shape (finished rows included, as there).
-        scores = torch.zeros(n, logits.shape[-1], dtype=torch.float32, device=self.device)
-        scores[live] = logits.float()
-        scores = st.processors(st.ids, scores)
-        gens = [st.generators[j] for j in live.tolist()] if req.do_sample else None
-        chosen = select_tokens(scores[live], do_sample=req.do_sample, generators=gens)
-        tokens = torch.full((n,), req.pad, dtype=torch.long, device=self.device)
-        tokens[live] = chosen
-        st.ids = torch.cat([st.ids, tokens[:, None]], dim=1)
-        stop = self.stopping(st.ids, None).to(self.device)
-        st.finished_at[st.unfinished & stop] = t
-        st.unfinished &= ~stop
-        st.steps = t + 1
-        if req.streamer is not None:
-            lo, hi = req.bounds[i]
-            step = self.pending_step.setdefault(t, torch.full((req.prompt.shape[0],), req.pad, dtype=torch.long))
-            step[lo:hi] = tokens.cpu()
-        return torch.stack([tokens, st.unfinished.long()], dim=1)  # (n, 2)
-
-    def _stream(self, i: int, t: int) -> None:
-        # Flush step t once no microbatch after i can still add a token to it.
-        if self.req.streamer is None or t not in self.pending_step:
-            return
-        if any(not self.slots[(self.S - 1, j)].done for j in range(i + 1, self.m)):
-            return
-        self.req.streamer.put(self.pending_step.pop(t))
-
-    # ------------------------------------------------------------ result
-    def result(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Last stage's rank: (ids (B, L + steps), generated lengths (B,)); None elsewhere."""
-        if not self.is_last:
-            return None
-        steps = max(st.steps for st in self.samplers.values())
-        width = self.req.prompt.shape[1] + steps
-        ids, lengths = [], []
-        for st in self.samplers.values():
-            pad = width - st.ids.shape[1]
-            ids.append(torch.nn.functional.pad(st.ids, (0, pad), value=self.req.pad) if pad else st.ids)
-            lengths.append(torch.where(st.finished_at >= 0, st.finished_at + 1, torch.full_like(st.finished_at, st.steps)))
-        return torch.cat(ids), torch.cat(lengths)
-
-
 # --------------------------------------------------------------------------- entry point
 @torch.no_grad()
 def generate(
@@ -772,7 +352,7 @@ def generate(
         new = kwargs.get("max_new_tokens")
         check_sequence_length(model.config, input_ids.shape[1], what="the prompt", new_tokens=new if isinstance(new, int) and not isinstance(new, bool) else 0)
     req = _prepare(model, input_ids, attention_mask, generation_config, kwargs, n_microbatches, seed, streamer, logits_processor, stopping_criteria, tokenizer)
-    ring = _Ring(model, req)
+    ring = Ring(model, req)
     ring.decode_loop()
     out = ring.result()
     if model.plan.pp_size > 1:

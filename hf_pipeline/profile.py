@@ -340,7 +340,7 @@ class Recorder:
                 raise RuntimeError("a profile recording is already active in this process; leave it before starting another")
             _current = self
         try:
-            group = getattr(self.model, "pp_group", None)
+            group = self._pp_group()
             if dist.is_available() and dist.is_initialized():
                 dist.barrier(group=group)  # align the ranks' clocks: every rank starts its origin here
             self._t0 = time.perf_counter()
@@ -361,7 +361,12 @@ class Recorder:
     # ------------------------------------------------------------------ helpers
     @property
     def rank(self) -> int:
-        return int(getattr(self.model, "pp_rank", 0))
+        dims = getattr(self.model, "dims", None)  # a PipelinedModel's ParallelDims; 0 for anything else
+        return int(dims.pp_rank) if dims is not None else 0
+
+    def _pp_group(self):
+        dims = getattr(self.model, "dims", None)
+        return dims.pp_group if dims is not None else None
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -495,27 +500,24 @@ class Recorder:
 
         self._wrap(StageModule, "forward", make_module_forward)
 
-        # The decode ring of generate.py waits for its P2P messages in _Ring._take.
-        import sys
+        # The decode ring waits for its P2P messages in Mailbox.take (ring.py).
+        from .ring import Mailbox
 
-        ring = getattr(sys.modules.get(f"{__package__}.generate"), "_Ring", None)
-        if ring is not None and hasattr(ring, "_take"):
+        def make_take(original):
+            def wrapper(box, key, *args, **kwargs):
+                if box.dims is not getattr(rec.model, "dims", None):
+                    return original(box, key, *args, **kwargs)
+                start = rec._now()
+                try:
+                    return original(box, key, *args, **kwargs)
+                finally:
+                    end = rec._now()
+                    if end - start > 1e-6:
+                        rec._add(stage=None, microbatch=None, kind="recv_wait", start=start, end=end)
 
-            def make_take(original):
-                def wrapper(ring_self, key, *args, **kwargs):
-                    if ring_self.model is not rec.model:
-                        return original(ring_self, key, *args, **kwargs)
-                    start = rec._now()
-                    try:
-                        return original(ring_self, key, *args, **kwargs)
-                    finally:
-                        end = rec._now()
-                        if end - start > 1e-6:
-                            rec._add(stage=None, microbatch=None, kind="recv_wait", start=start, end=end)
+            return wrapper
 
-                return wrapper
-
-            self._wrap(ring, "_take", make_take)
+        self._wrap(Mailbox, "take", make_take)
 
     # ------------------------------------------------------------------ results
     def local_timeline(self, title: str = "") -> Timeline:
@@ -526,7 +528,7 @@ class Recorder:
         """Every rank's records (collective over the pipeline group: call it on every rank)."""
         records, steps = list(self.records), {self.rank: list(self.steps)}
         if dist.is_available() and dist.is_initialized():
-            group = getattr(self.model, "pp_group", None)
+            group = self._pp_group()
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, (self.rank, records, steps[self.rank]), group=group)
             records = [r for _, recs, _ in gathered for r in recs]

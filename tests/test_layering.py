@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"weights"},
     {"build"},
     {"runtime", "faults"},
+    {"ring"},
     {"train", "generate", "checkpoint", "profile", "data", "default_model"},
     {"memory", "convert"},
     {"model"},
