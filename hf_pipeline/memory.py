@@ -17,12 +17,17 @@ How the numbers are obtained:
     (the log-probabilities it saves in fp32). Assumes unpadded batches (``is_causal`` attention).
   * KV cache per token: from the config, 2 (K and V) x KV heads x head dim x itemsize per
     decoder layer (+ the cross-attention cache per encoder token of encoder-decoders).
+  * KV cache of a request: per decoder layer, the tokens the cache transformers' generate builds
+    (``DynamicCache(config=...)``) keeps for that layer's kind: all of them for full attention, at
+    most ``sliding_window`` for a sliding-window layer (:func:`kv_cache_tokens`).
   * in-flight microbatches: the rank's own action list from torch's schedule
     (:func:`hf_pipeline.profile.schedule_actions`): activations are live from F until B (or W).
   * training peak = weights + gradients (same dtype) + peak live activations + P2P receive buffers
     (torch allocates one activation and one gradient buffer per microbatch). Optimizer states are
     not included (Adam adds 2 x fp32 parameters); neither is transient per-op workspace.
-  * generation peak = weights + the KV cache for ``batch`` sequences of ``seq`` tokens.
+  * generation peak = weights + the KV cache for ``batch`` sequences of ``seq`` tokens while decoding.
+    Right after a prompt longer than a sliding window is prefilled, a sliding layer still holds the
+    whole prompt's keys and values, until its first decoding step; that moment is not included.
 
 Example:
     >>> report = plan_report("path/to/llama", stages=4, dtype="bf16", batch=8, seq=2048)
@@ -43,6 +48,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import transformers
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
 from .options import PipelineOptions, load_config
 from .plan import ResolvedRecipe, StagePlan, compress_blocks
@@ -55,7 +61,9 @@ __all__ = [
     "MemoryReport",
     "RankMemory",
     "StageMemory",
+    "kv_cache_bytes",
     "kv_cache_bytes_per_token",
+    "kv_cache_tokens",
     "measure_saved_bytes",
     "plan_report",
 ]
@@ -177,21 +185,62 @@ def _attr(config, *names: str, default=None):
     return default
 
 
+def _kv_bytes_per_layer_token(config, dtype: torch.dtype) -> int:
+    # 2 (K and V) x KV heads x head dim x itemsize: one token of one layer's self-attention cache
+    heads = int(_attr(config, "num_attention_heads", "n_head", "num_heads"))
+    kv_heads = int(_attr(config, "num_key_value_heads", default=heads) or heads)
+    hidden = int(_attr(config, "hidden_size", "n_embd", "d_model"))
+    head_dim = int(_attr(config, "head_dim", "d_kv", default=hidden // heads) or hidden // heads)
+    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def kv_cache_bytes_per_token(config, *, decoder_layers: int, dtype: torch.dtype) -> int:
     """KV-cache bytes one sequence adds per token over ``decoder_layers`` attention layers.
 
     2 (K and V) x KV heads x head dim x itemsize per layer; encoder-decoder models also cache the
     cross-attention K/V, counted here per encoder token with the encoder as long as the decoder.
+    Sliding-window layers add this only until the sequence fills their window (:func:`kv_cache_bytes`).
     """
-    heads = int(_attr(config, "num_attention_heads", "n_head", "num_heads"))
-    kv_heads = int(_attr(config, "num_key_value_heads", default=heads) or heads)
-    hidden = int(_attr(config, "hidden_size", "n_embd", "d_model"))
-    head_dim = int(_attr(config, "head_dim", "d_kv", default=hidden // heads) or hidden // heads)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * kv_heads * head_dim * itemsize
+    per_layer = _kv_bytes_per_layer_token(config, dtype)
     if getattr(config, "is_encoder_decoder", False):
         per_layer *= 2  # self-attention cache + cross-attention cache
     return decoder_layers * per_layer
+
+
+def kv_cache_tokens(config, *, seq: int) -> tuple[int, ...]:
+    """Tokens each decoder layer's KV cache keeps allocated for one sequence of ``seq`` tokens, by layer index.
+
+    Read from the cache transformers' ``generate`` (and the pipelined one) builds,
+    ``DynamicCache(config=...)``: a full-attention layer (``DynamicLayer``) keeps every token; a
+    sliding-window or chunked layer (``DynamicSlidingWindowLayer``) keeps ``min(seq, sliding_window)``.
+    Note: its ``keys`` / ``values`` are views of the last ``sliding_window - 1`` positions of the
+    past concatenated with the new token, so ``numel()`` shows one token less than the
+    ``sliding_window`` tokens that stay allocated (and, right after a prefill longer than the window,
+    the storage is the whole prompt's until the layer's next step).
+
+    Example:
+        >>> kv_cache_tokens(MistralConfig(num_hidden_layers=2, sliding_window=5), seq=12)
+        (5, 5)
+    """
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
+    return tuple(min(seq, int(layer.sliding_window)) if getattr(layer, "is_sliding", False) else seq for layer in cache.layers)
+
+
+def kv_cache_bytes(config, *, layers: Sequence[int], dtype: torch.dtype, batch: int, seq: int) -> int:
+    """KV-cache bytes the decoder layers ``layers`` (indices in the decoder stack) hold for ``batch`` x ``seq`` tokens.
+
+    Each layer holds :func:`kv_cache_tokens` tokens of its self-attention keys and values; an
+    encoder-decoder's layers also hold the cross-attention cache of ``seq`` encoder tokens.
+
+    Example:
+        >>> kv_cache_bytes(config, layers=range(config.num_hidden_layers), dtype=torch.bfloat16, batch=8, seq=4096)
+    """
+    per_token = _kv_bytes_per_layer_token(config, dtype)
+    tokens = kv_cache_tokens(config, seq=seq)
+    held = sum(tokens[i] for i in layers)
+    if getattr(config, "is_encoder_decoder", False):
+        held += seq * len(layers)  # cross-attention: every encoder token, never windowed
+    return batch * per_token * held
 
 
 # ----------------------------------------------------------------------------- report
@@ -223,7 +272,8 @@ class StageMemory:
     activation_bytes: int  # kept alive for backward by one microbatch (training)
     send_bytes: int  # sent to the next stage per microbatch
     recv_bytes: int  # received from the previous stage per microbatch
-    kv_bytes_per_token: int  # per sequence, over this stage's decoder layers
+    kv_bytes_per_token: int  # per sequence, over this stage's decoder layers (sliding ones: until the window is full)
+    kv_cache_bytes: int  # batch x seq tokens over this stage's decoder layers, sliding-window layers capped at the window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,15 +448,17 @@ def plan_report(
     runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=resolved.head.loss is not None)
     generative = bool(getattr(skeleton, "can_generate", lambda: False)())
 
+    decoder = resolved.stacks[-1].blocks
     stage_rows = []
     for s, run in zip(plan.stages, runs):
         # The stack that decodes, and so keeps a KV cache, is the last one in execution order (the only
         # stack of a decoder-only model; an encoder-decoder's decoder); earlier stacks run once per request.
-        decoder_layers = sum(1 for b in s.attention_blocks if b in resolved.stacks[-1].blocks)
-        kv = kv_cache_bytes_per_token(config, decoder_layers=decoder_layers, dtype=torch_dtype) if generative else 0
+        layers = [decoder.index(b) for b in s.attention_blocks if b in decoder] if generative else []
         stage_rows.append(StageMemory(
             index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,
-            activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes, kv_bytes_per_token=kv,
+            activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes,
+            kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=torch_dtype),
+            kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=torch_dtype, batch=batch, seq=seq),
         ))
 
     orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=m, virtual_stages=virtual_stages, training=True)
@@ -417,7 +469,7 @@ def plan_report(
         act, in_flight = _peak_in_flight(orders[r], {st.index: st.activation_bytes for st in mine})
         # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
         p2p = sum(m * (st.recv_bytes + st.send_bytes) for st in mine)
-        kv_cache = batch * seq * sum(st.kv_bytes_per_token for st in mine)
+        kv_cache = sum(st.kv_cache_bytes for st in mine)
         rank_rows.append(RankMemory(
             rank=r, stages=tuple(st.index for st in mine), weight_bytes=weights, grad_bytes=weights,
             in_flight=in_flight, activation_bytes=act, p2p_buffer_bytes=p2p,
@@ -433,6 +485,14 @@ def plan_report(
         notes.append("the model cannot generate: no KV cache")
     elif getattr(config, "is_encoder_decoder", False):
         notes.append("KV cache per token includes the cross-attention cache, with the encoder as long as the decoder")
+    if generative:
+        tokens = kv_cache_tokens(config, seq=seq)
+        capped = [i for i, n in enumerate(tokens) if n < seq]
+        if capped:
+            notes.append(
+                f"KV cache: {len(capped)} of {len(tokens)} decoder layers slide and hold {max(tokens[i] for i in capped)} of the {seq} "
+                f"tokens while decoding; right after a prefill longer than the window they hold the whole prompt until their next step"
+            )
     return MemoryReport(
         model=str(path_or_config) if not isinstance(path_or_config, (transformers.PretrainedConfig, dict)) else config.model_type,
         model_class=plan.model_class, dtype=str(torch_dtype).removeprefix("torch."), num_stages=plan.num_stages,

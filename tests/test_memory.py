@@ -3,7 +3,10 @@
 * weight bytes per rank: against the loader's tensors on each rank (2 gloo ranks);
 * activation bytes per microbatch: against the tensors autograd really saves when the stage runs
   on real weights (with transformers' own loss on the last stage), per family and dtype;
-* KV-cache bytes per token: against a transformers ``DynamicCache`` after a real prefill.
+* KV-cache bytes per token: against a transformers ``DynamicCache`` after a real prefill;
+* KV-cache bytes of a generate request with sliding-window layers (Mistral: all, Qwen2: some):
+  exactly the bytes the caches of a real 2-rank pipelined generate hold, rank by rank, and those of
+  transformers' own generate (a full-attention LLaMA is planned as before).
 """
 
 import json
@@ -14,7 +17,8 @@ import transformers
 
 import tiny
 from harness import run_distributed
-from hf_pipeline.memory import _peak_in_flight, kv_cache_bytes_per_token, measure_saved_bytes, plan_report
+from hf_pipeline.glue import attention_kinds
+from hf_pipeline.memory import _peak_in_flight, kv_cache_bytes_per_token, kv_cache_tokens, measure_saved_bytes, plan_report
 from hf_pipeline.plan import make_plan, resolve_recipe
 from hf_pipeline.recipe import get_recipe
 from hf_pipeline.stages import build_stage, materialize, meta_model
@@ -112,6 +116,117 @@ def test_encoder_decoder_kv_includes_the_cross_attention_cache():
     report = plan_report(cfg, stages=2, batch=2, seq=7, auto_class="AutoModelForSeq2SeqLM")
     # encoder stages hold no cache
     assert [s.kv_bytes_per_token > 0 for s in report.stages] == [any("decoder.block" in m for m in s.modules) for s in report.stages]
+
+
+# --------------------------------------------------------------------------- sliding-window KV caches
+WINDOW = 5
+# (prompt tokens, new tokens): the first request decodes well past the window, the second stays inside it
+REQUESTS = ((9, 6), (2, 2))
+GEN_ROWS = 5  # odd: the generate microbatches differ in size
+SLIDING = {
+    "mistral": lambda: tiny.sliding_config("mistral", window=WINDOW, layers=4),  # every layer slides
+    "qwen2": lambda: tiny.sliding_config("qwen2", window=WINDOW, layers=4, full_layers=1),  # stage 0: a full and a sliding layer
+    "llama": lambda: tiny.config_for("llama"),  # full attention: planned at full length, as before
+}
+
+
+def _storage_bytes(caches) -> tuple[int, int]:
+    """(bytes of the storages the caches' keys and values keep alive, bytes their numel() shows)."""
+    held, shown, seen = 0, 0, set()
+    for cache in caches:
+        for layer in cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                    continue
+                shown += t.numel() * t.element_size()
+                if t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    held += t.untyped_storage().nbytes()
+    return held, shown
+
+
+def _generate_cache_bytes(paths):
+    """Per model and request: (held, shown) bytes of this rank's caches once a pipelined generate has run.
+
+    Every ``DynamicCache`` built in this process is recorded (the generator drops its own references
+    when a microbatch finishes; the recorded ones keep their final contents).
+    """
+    from transformers.cache_utils import DynamicCache
+
+    import hf_pipeline
+
+    made: list = []
+    original = DynamicCache.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    DynamicCache.__init__ = recording
+    out = {}
+    try:
+        for arch, path in paths.items():
+            model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
+            for prompt, new in REQUESTS:
+                made.clear()
+                inputs = tiny.sample_inputs("llama", batch=GEN_ROWS, seq=prompt, seed=3)
+                model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+                out[arch, prompt, new] = _storage_bytes(made)
+    finally:
+        DynamicCache.__init__ = original
+    return out
+
+
+def test_sliding_window_kv_cache_equals_what_pipelined_generate_holds(tmp_path):
+    paths = {}
+    for arch, config in SLIDING.items():
+        torch.manual_seed(0)
+        ref = transformers.AutoModelForCausalLM.from_config(config())
+        ref.save_pretrained(tmp_path / arch)
+        paths[arch] = str(tmp_path / arch)
+    per_rank = run_distributed(_generate_cache_bytes, 2, paths, timeout=240)
+    for arch, path in paths.items():
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for prompt, new in REQUESTS:
+            what = f"{arch} prompt {prompt} + {new} new tokens"
+            seq = prompt + new - 1  # tokens a layer's cache has seen: the last new token is never fed back
+            report = plan_report(path, stages=2, batch=GEN_ROWS, seq=seq)
+            for rank in range(2):
+                held, shown = per_rank[rank][arch, prompt, new]
+                assert report.ranks[rank].kv_cache_bytes == held, f"{what} rank {rank}: planned {report.ranks[rank].kv_cache_bytes}, caches hold {held}"
+            # transformers' own generate keeps the same caches in one process
+            inputs = tiny.sample_inputs("llama", batch=GEN_ROWS, seq=prompt, seed=3)
+            with torch.no_grad():
+                cache = ref.generate(
+                    **inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                    return_dict_in_generate=True,
+                ).past_key_values
+            hf_held, hf_shown = _storage_bytes([cache])
+            assert sum(r.kv_cache_bytes for r in report.ranks) == hf_held, f"{what}: planned vs transformers' generate"
+            assert sum(per_rank[r][arch, prompt, new][1] for r in range(2)) == hf_shown, what
+            full_length = GEN_ROWS * seq * sum(s.kv_bytes_per_token for s in report.stages)  # the estimate before windows
+            sliding = attention_kinds(cfg).count("sliding_attention")
+            one = GEN_ROWS * kv_cache_bytes_per_token(cfg, decoder_layers=1, dtype=torch.float32)  # one token of one layer
+            if seq <= WINDOW or not sliding:
+                # the window is not full (or there is none): every layer holds every token, as planned before
+                assert hf_held == full_length, what
+            else:
+                # each sliding layer holds WINDOW tokens, not seq; they are the WINDOW-token concatenation of
+                # which its keys / values are views of the last WINDOW - 1
+                assert full_length - hf_held == sliding * one * (seq - WINDOW), what
+                assert hf_held - hf_shown == sliding * one, what
+
+
+def test_kv_cache_tokens_follow_the_layer_kinds():
+    full, window = 12, WINDOW
+    assert kv_cache_tokens(SLIDING["mistral"](), seq=full) == (window,) * 4
+    assert kv_cache_tokens(SLIDING["qwen2"](), seq=full) == (full,) + (window,) * 3
+    assert kv_cache_tokens(SLIDING["qwen2"](), seq=3) == (3,) * 4
+    assert kv_cache_tokens(SLIDING["llama"](), seq=full) == (full,) * 4
+    report = plan_report(SLIDING["mistral"](), stages=2, batch=2, seq=full)
+    assert any("4 of 4 decoder layers slide" in n for n in report.notes), report.notes
+    assert not any("slide" in n for n in plan_report(SLIDING["llama"](), stages=2, batch=2, seq=full).notes)
 
 
 def _loaded_weight_bytes(path, runs):

@@ -224,3 +224,26 @@ def word_tokenizer(text: pathlib.Path):
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", mask_token="[MASK]",
     )
+
+
+def sliding_config(arch: str, *, window: int = 5, layers: int = 6, full_layers: int = 3, **overrides) -> transformers.PretrainedConfig:
+    """A tiny LLaMA-family config with a ``window``-token sliding window, ``layers`` decoder layers.
+
+    ``"mistral"``: every layer slides (``sliding_window``); ``"qwen2"``: layers ``0 .. full_layers - 1``
+    full, the rest sliding (``use_sliding_window``, ``max_window_layers``: ``config.layer_types``).
+    """
+    common = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        return transformers.MistralConfig(**{"sliding_window": window, **common, **overrides})
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**{
+            "use_sliding_window": True, "sliding_window": window, "max_window_layers": full_layers, **common, **overrides,
+        })
+    raise ValueError(f"sliding_config: {arch!r} is not 'mistral' or 'qwen2'")
+
+
+__all__ += ["sliding_config"]
