@@ -16,7 +16,7 @@ The rules are checked at two times:
   rules (1F1B: at least one microbatch per stage; interleaved: a multiple of its rounds).
 
 Both read only options every rank has alike, so a bad combination fails on every rank before any
-communication, with a message that says what to change. :func:`validate_schedule` runs both.
+communication, with a message that says what to change. :func:`check_training` runs both.
 
 :func:`get_schedule` accepts this package's names (``"interleaved-1f1b"``; case, ``_`` / ``-``
 and a few aliases do not matter), torch's names (what ``torch.distributed.pipelining.schedules.
@@ -56,7 +56,6 @@ __all__ = [
     "check_training",
     "default_schedule",
     "get_schedule",
-    "validate_schedule",
 ]
 
 # Idle fraction of a training step at equal stage costs, by name: p ranks, m microbatches, v stages
@@ -327,15 +326,6 @@ def check_training(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_m
     raise ScheduleError(
         f"schedule {spec.name!r} {problem}; {', or '.join(fixes)} (forward and generate run with any n_microbatches)"
     )
-
-
-def validate_schedule(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_microbatches: int) -> None:
-    """Raise :class:`ScheduleError` if ``spec`` cannot place these stages or train with these microbatches.
-
-    :func:`check_layout` and :func:`check_training` together (what the memory planner, which plans
-    training, needs).
-    """
-    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
 
 
 class ScheduleForwardInOrder(PipelineScheduleRuntime):
