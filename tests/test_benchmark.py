@@ -92,6 +92,9 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert row["bytes_read_over_checkpoint"] == pytest.approx(1.0)
         assert row["hf_bytes_read_over_checkpoint"] == pytest.approx(int(p))
         assert all(x > 0 for x in row["ours_peak_rss"] + row["hf_peak_rss"]) and row["peak_resettable"]
+        # load time against plainly reading the same bytes, per rank, max over ranks
+        assert all(math.isfinite(x) and x > 0 for x in row["load_seconds"] + row["read_seconds"])
+        assert row["load_over_read"] == pytest.approx(max(a / b for a, b in zip(row["load_seconds"], row["read_seconds"])))
 
     # Generate: every ratio is this run's pipelined figure over this run's baseline, tokens equal.
     gen = res["generate"]
@@ -112,8 +115,13 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert bound["speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["stage_step_s"]))
     assert bound["concurrent_speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["concurrent_stage_step_s"]))
     assert "No 2-stage ring with 2 microbatches can beat" in md
+    # the 2-way limit: paired with the pipelined runs, one per timed run
+    assert len(gen["two_way_seconds"]) == len(gen["pipelined"]["seconds"]) == sizes["gen_reps"]
+    assert gen["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(gen["two_way_seconds"], gen["pipelined"]["seconds"])]))
+    assert gen["two_way_speedup"] == pytest.approx(statistics.median(gen["baseline"]["seconds"]) / statistics.median(gen["two_way_seconds"]))
+    assert _ratio(gen["two_way_speedup"], world) and _ratio(gen["fraction_of_two_way"], world)
 
-    # Train: each schedule's steps are paired with transformers steps run just before them, in its job.
+    # Train: each schedule's steps are paired with 2-way transformers steps run just before them, in its job.
     train = res["train"]
     assert train["tokens_per_step"] == sizes["batch"] * sizes["seq"]
     base = train["baseline"]
@@ -121,14 +129,23 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     theory = {"gpipe": (world - 1) / (m + world - 1), "1f1b": (world - 1) / (m + world - 1),
               "interleaved-1f1b": (world - 1) / (2 * m + world - 1)}  # (p-1)/(v*m+p-1)
     assert set(theory) <= set(train["schedules"])
+    # the microbatch cost: the same batch as microbatches one after another, paired with whole-batch steps
+    cost = base["microbatch_cost"]
+    assert len(base["microbatched_seconds"]) == len(base["step_seconds"]) == sizes["train_reps"]
+    assert cost == pytest.approx(statistics.median([mb / s for mb, s in zip(base["microbatched_seconds"], base["step_seconds"])]))
+    assert 0.2 < cost < 20, cost
+    limits = [w for row in train["schedules"].values() for w in row["two_way_seconds"]]
+    assert train["two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(limits))
+    assert train["perfect_overlap_speedup"] == pytest.approx(train["two_way_speedup"] / cost)
     for name, row in train["schedules"].items():
-        steps, paired = row["step_seconds"], row["paired_baseline_seconds"]
-        assert len(steps) == len(paired) == sizes["train_reps"], name
-        assert all(math.isfinite(t) and t > 0 for t in steps + paired), name
-        assert row["speedup"] == pytest.approx(statistics.median([b / s for b, s in zip(paired, steps)])), name
+        steps, two_way = row["step_seconds"], row["two_way_seconds"]
+        assert len(steps) == len(two_way) == sizes["train_reps"], name
+        assert all(math.isfinite(t) and t > 0 for t in steps + two_way), name
+        assert row["fraction_of_two_way"] == pytest.approx(statistics.median([w / s for w, s in zip(two_way, steps)])), name
+        assert row["fraction_of_perfect_overlap"] == pytest.approx(row["fraction_of_two_way"] * cost), name
         assert row["tokens_per_s"] == pytest.approx(train["tokens_per_step"] / statistics.median(steps)), name
         assert row["speedup_vs_separate_baseline"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"]), name
-        assert _ratio(row["speedup"], world) and _ratio(row["speedup_vs_separate_baseline"], world), (name, row["speedup"])
+        assert _ratio(row["speedup_vs_separate_baseline"], world) and _ratio(row["fraction_of_two_way"], world), name
         assert all(row["order_matches_schedule"].values()), name
         assert all(0 <= v < 1 for v in row["idle_fraction"].values()), name
         assert all(0 < row["busy_seconds"][r] <= row["profiled_wall_seconds"][r] for r in row["busy_seconds"]), name
