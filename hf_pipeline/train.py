@@ -162,7 +162,7 @@ def _train_state(model) -> _TrainState:
 class _Batch:
     inputs: dict[str, Any]  # this replica's rows, on the device, as every stage gets them
     labels: torch.Tensor  # this replica's labels
-    denominator: float  # items the global mean runs over (whole global batch)
+    denominator: float | tuple[float, ...]  # items the global mean runs over (whole global batch; one per mean)
     digest: int  # fingerprint of the global batch, compared across ranks
 
 
@@ -175,20 +175,32 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
     if not isinstance(batch, Mapping):
         raise TypeError(f"train_step takes a dict of tensors (as a transformers data collator makes it), got {type(batch).__name__}")
     batch = {k: v for k, v in batch.items() if v is not None}
-    if "labels" not in batch:
+    names = state.loss.targets  # ("labels",), or transformers' ("start_positions", "end_positions")
+    missing = [n for n in names if n not in batch]
+    if names == ("labels",) and missing:
         raise ValueError(
             f"the batch has no 'labels' (keys: {sorted(batch)}); a training step needs them — e.g. labels = input_ids "
             "for causal LM (the shift happens inside the loss), or use DataCollatorForLanguageModeling"
         )
+    if missing:
+        raise ValueError(
+            f"the batch has no {missing} (keys: {sorted(batch)}); {model.resolved.class_name} trains on {list(names)}, "
+            f"as its transformers forward takes them"
+        )
     for k, v in batch.items():
         if k in _NOT_FOR_TRAINING:
             raise ValueError(f"{k!r} is for generation and cannot be passed to train_step; remove it from the batch")
-        if k != "labels" and k not in state.accepted:
+        if k not in names and k not in state.accepted:
             raise ValueError(f"{type(model.skeleton).__name__}.forward takes no {k!r}; the batch may hold {sorted(state.accepted - set(_NOT_FOR_TRAINING))}")
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}; pass what a data collator returns (return_tensors='pt')")
     digest = _digest(batch) if model.check_inputs else 0
-    labels = batch.pop("labels")
+    given = {n: batch.pop(n) for n in names}
+    # One target tensor, which the schedule splits into microbatches with the inputs (question
+    # answering's start and end positions stacked as (B, 2)).
+    ids = batch.get("input_ids", batch.get("inputs_embeds"))
+    length = ids.shape[-1] if "input_ids" in batch else ids.shape[-2] if ids is not None else 0
+    labels = state.loss.make_targets(given, length)
     # Ids (dtype, shape, inside the vocabulary) and labels (shape, inside the vocabulary or -100) first:
     # the shapes below are only meaningful for (batch, length) ids.
     check_model_inputs(model.config, state.loss.name, batch, labels=labels)
@@ -205,7 +217,7 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
     check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
     prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
     labels = prepared.pop("labels")
-    denominator = float(state.loss.count(labels, model.config))
+    denominator = state.loss.denominator(labels, model.config)
     if dp > 1:
         share = rows // dp
         lo, hi = model.dims.dp_rank * share, (model.dims.dp_rank + 1) * share
@@ -351,8 +363,9 @@ def train_step(
 
     Args:
         model: the :class:`~hf_pipeline.model.PipelinedModel`.
-        batch: a dict as a transformers data collator makes it: input tensors plus ``labels``; its
-            rows must be a multiple of ``dp_size * n_microbatches``.
+        batch: a dict as a transformers data collator makes it: input tensors plus the targets under
+            transformers' names (``labels``; ``start_positions`` and ``end_positions`` for question
+            answering); its rows must be a multiple of ``dp_size * n_microbatches``.
         loss_scale: multiplies this step's gradients (``1/k`` for k accumulation steps); the returned
             loss is not scaled.
         autocast: e.g. ``torch.bfloat16``: run the step under ``torch.autocast`` on the model's device.

@@ -28,7 +28,7 @@ NO_DROPOUT = {
 }
 HEADS = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 CASES = [(arch, auto) for arch in ("bert", "gpt2", "llama") for auto in HEADS]
-# Heads trained through train_step (question answering has no pipelined loss: forward only).
+# Heads trained through train_step here (question answering and multiple choice: tests/test_qa_mc_heads.py).
 TRAINED = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
 
 
@@ -126,13 +126,15 @@ def test_every_head_at_world_2_equals_transformers(checkpoints, references):
             _compare(f"{arch} {auto} world 2 rank {rank}", got, references[arch, auto])
 
 
-def test_question_answering_train_step_names_the_head(checkpoints):
+def test_question_answering_train_step_without_positions_names_them(checkpoints):
+    # Question answering trains on transformers' start_positions / end_positions (tests/test_qa_mc_heads.py);
+    # a batch with neither says so before anything is sent.
     import hf_pipeline
 
     path = checkpoints["llama", "AutoModelForQuestionAnswering"]
     model = hf_pipeline.AutoModelForQuestionAnswering.from_pretrained(path, pipeline=True, device="cpu", progress=False)
     batch = _batch("llama", "AutoModelForQuestionAnswering")
-    with pytest.raises(ValueError, match="LlamaForQuestionAnswering has no pipelined training loss"):
+    with pytest.raises(ValueError, match=r"no \['start_positions', 'end_positions'\].*LlamaForQuestionAnswering trains on"):
         model.train_step({**batch, "labels": torch.zeros(4, dtype=torch.long)})
 
 
