@@ -115,8 +115,11 @@ class _SingleStack(Glue):
         raise NotImplementedError(f"{type(self).__name__} cannot run half a block")
 
     def forward(self, stage, received, inputs):
+        choices = None
+        if stage.resolved.head.choices:
+            inputs, choices = _flatten_choices(inputs)
         if stage.spec.is_first:
-            hidden = self.embed(stage, inputs)  # (B, T, H)
+            hidden = self.embed(stage, inputs)  # (B, T, H); (B * C, T, H) for a multiple-choice head
         else:
             (hidden,) = received
         # A stage that runs only the MLP half of a block needs no mask, positions or cache.
@@ -129,8 +132,27 @@ class _SingleStack(Glue):
         for m in stage.finals:
             hidden = m(hidden)
         if stage.spec.is_last:
-            return self.head(stage, hidden, inputs)
+            out = self.head(stage, hidden, inputs)
+            return out if choices is None else out.view(-1, choices)  # (B * C, 1) -> (B, C)
         return hidden
+
+
+# The inputs a multiple-choice head takes as (B, C, T) (inputs_embeds: (B, C, T, H)), as
+# transformers' ForMultipleChoice forwards flatten them before the base model.
+_CHOICE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+def _flatten_choices(inputs: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``inputs`` with the choices folded into the batch, and the number of choices C."""
+    ref = inputs.get("input_ids")
+    choices = ref.shape[1] if ref is not None else inputs["inputs_embeds"].shape[1]
+    flat = dict(inputs)
+    for k in _CHOICE_INPUTS:
+        v = inputs.get(k)
+        if isinstance(v, torch.Tensor):
+            keep = 2 if k == "inputs_embeds" else 1  # (T,) or (T, H) per row
+            flat[k] = v.reshape(-1, *v.shape[v.dim() - keep :])
+    return flat, choices
 
 
 def _positions(hidden: torch.Tensor, inputs: dict[str, Any], past: int) -> torch.Tensor:

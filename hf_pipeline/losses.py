@@ -21,6 +21,7 @@ or, where transformers has only a mean, from torch:
   token_classification     ForTokenClassification: one class per token, no shift, -100 ignored
   question_answering       (start_loss + end_loss) / 2, each a cross entropy over the positions;
                            targets ``start_positions`` / ``end_positions`` travel as one (B, 2) tensor
+  multiple_choice          cross entropy over the (B, num_choices) logits, -100 ignored
 
 Example:
     >>> loss = model_loss(model, logits, labels)          # == hf_model(**batch, labels=labels).loss
@@ -148,6 +149,13 @@ def _qa_targets(given: Mapping[str, torch.Tensor], length: int) -> torch.Tensor:
     return question_answering_targets(given["start_positions"], given["end_positions"], length)
 
 
+def _choice_share(outputs, labels, config, denominator):
+    # BertForMultipleChoice computes CrossEntropyLoss() on the (B, num_choices) logits itself (no
+    # LOSS_MAPPING entry); fixed_cross_entropy is that cross entropy summed / num_items_in_batch.
+    logits = outputs[0]
+    return fixed_cross_entropy(logits, labels.reshape(-1).to(logits.device), num_items_in_batch=denominator)
+
+
 def _labels(given: Mapping[str, torch.Tensor], length: int) -> torch.Tensor:
     return given["labels"]
 
@@ -199,6 +207,7 @@ LOSSES: dict[str, LossFunction] = {
         name="question_answering", share=_qa_share, count=_qa_count, token_level=False,
         targets=("start_positions", "end_positions"), make_targets=_qa_targets,
     ),
+    "multiple_choice": LossFunction(name="multiple_choice", share=_choice_share, count=_token_count, token_level=False),
 }
 
 
@@ -212,8 +221,8 @@ def get_loss(name: str | None, *, class_name: str = "this model") -> LossFunctio
         raise ValueError(
             f"{class_name} has no pipelined training loss: it is a base model without a task head (or a head whose "
             "recipe names no loss). Train with a head that has one, e.g. AutoModelForCausalLM, AutoModelForMaskedLM, "
-            "AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoModelForTokenClassification "
-            "or AutoModelForQuestionAnswering"
+            "AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, "
+            "AutoModelForQuestionAnswering or AutoModelForMultipleChoice"
         )
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; known losses: {sorted(LOSSES)}")

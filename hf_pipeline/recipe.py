@@ -67,6 +67,10 @@ class HeadSpec:
     # transformers' question-answering heads split ``qa_outputs`` into start / end logits:
     # (B, T, len(outputs)) -> len(outputs) x (B, T).
     split_last_dim: bool = False
+    # Inputs are (batch, num_choices, length), as transformers' multiple-choice heads take them:
+    # the stages run the batch x num_choices rows flattened, the head's (B * C, 1) logits come back
+    # as (B, C); microbatches hold whole examples (B rows).
+    choices: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,7 +194,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     for suffix, raw in _expect(source, "heads", data["heads"], dict).items():
         where = f"heads.{suffix}"
         _expect(source, where, raw, dict)
-        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim"}
+        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim", "choices"}
         if extra:
             raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
         for key in ("modules", "outputs", "output_class"):
@@ -211,6 +215,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
                 f"{source}: field {where}.split_last_dim splits the head's last dim into its outputs, so "
                 f"{where}.outputs must name at least two (e.g. [\"start_logits\", \"end_logits\"]), got {list(outputs)}"
             )
+        choices = _expect(source, f"{where}.choices", raw.get("choices", False), bool)
         heads[suffix] = HeadSpec(
             suffix=suffix,
             modules=_str_list(source, f"{where}.modules", raw["modules"]),
@@ -219,6 +224,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
             loss=loss,
             pool=pool,
             split_last_dim=split_last_dim,
+            choices=choices,
         )
 
     tied_raw = _expect(source, "tied", data.get("tied", {}), dict)

@@ -242,6 +242,18 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
                 f"{flag}=True is not supported by the pipelined forward: each stage holds only its own layers, and "
                 f"only the head's outputs come back; run transformers' model on one device for per-layer outputs"
             )
+    batch = None
+    if loss == "multiple_choice":
+        # (batch, num_choices, length), as transformers' ForMultipleChoice heads take them: the checks
+        # below see one (length,) row per choice, the labels one per example.
+        ids = inputs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() != 3:
+            raise InputError(f"input_ids of a multiple-choice head must be (batch, num_choices, length), got shape {tuple(ids.shape)}")
+        ref = ids if isinstance(ids, torch.Tensor) else inputs.get("inputs_embeds")
+        batch = ref.shape[0] if isinstance(ref, torch.Tensor) else None
+        inputs = {
+            k: v.flatten(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 3 and k != "labels" else v for k, v in inputs.items()
+        }
     vocab = vocab_size(config)
     for key in ("input_ids", "decoder_input_ids"):
         if inputs.get(key) is not None:
@@ -266,7 +278,7 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
         num_labels = getattr(config, "num_labels", None)
         check_labels(
             loss, labels, input_ids=inputs.get("input_ids"), decoder_input_ids=inputs.get("decoder_input_ids"),
-            vocab=vocab, num_labels=num_labels if isinstance(num_labels, int) else None,
+            batch=batch, vocab=vocab, num_labels=num_labels if isinstance(num_labels, int) else None,
         )
 
 
