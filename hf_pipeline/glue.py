@@ -410,6 +410,8 @@ class T5Glue(Glue):
                 if not is_decoder:
                     enc_out, hidden = hidden, None
         if stage.spec.is_last:
+            if hidden is None:
+                return self.head(stage, enc_out, inputs)  # a model of the encoder alone (T5EncoderModel)
             if stage.config.scale_decoder_outputs:
                 hidden = hidden * (stage.config.d_model**-0.5)
             return self.head(stage, hidden, inputs)

@@ -17,6 +17,7 @@ import functools
 import importlib.resources
 import pathlib
 import tomllib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,8 @@ class HeadSpec:
     # the stages run the batch x num_choices rows flattened, the head's (B * C, 1) logits come back
     # as (B, C); microbatches hold whole examples (B rows).
     choices: bool = False
+    # The stacks this head's model class has (T5EncoderModel: the encoder only); empty: all of them.
+    stacks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +98,13 @@ class Recipe:
         With the family's base model class (``BertModel``) the class must be its name stem plus a
         head suffix exactly (``Bert`` + ``ForMaskedLM``), so ``BertLMHeadModel`` or
         ``GPT2DoubleHeadsModel`` do not pass for the base model just because they end in ``Model``.
+        A class that is its own base model (``T5EncoderModel`` has no inner base model) takes the
+        longest head suffix ending in ``Model`` that ends its name (``EncoderModel`` before ``Model``).
         Without it, the longest suffix that ends ``class_name`` wins.
         """
+        if base_class_name is not None and base_class_name == class_name and class_name.endswith("Model"):
+            matches = [h for s, h in self.heads.items() if s.endswith("Model") and class_name.endswith(s)]
+            return max(matches, key=lambda h: len(h.suffix)) if matches else None
         if base_class_name is not None and base_class_name.endswith("Model"):
             stem = base_class_name[: -len("Model")]
             return next((h for s, h in self.heads.items() if class_name == stem + s), None)
@@ -113,6 +121,12 @@ class Recipe:
                 f"split_method='auto' or 'trace' to let torch.export split it (forward and training only)."
             )
         return head
+
+    def for_head(self, head: HeadSpec) -> "Recipe":
+        """This recipe with only the stacks ``head``'s model class has (itself when the head names none)."""
+        if not head.stacks:
+            return self
+        return dataclasses.replace(self, stacks=tuple(s for s in self.stacks if s.name in head.stacks))
 
 
 def _expect(source: str, where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
@@ -194,7 +208,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     for suffix, raw in _expect(source, "heads", data["heads"], dict).items():
         where = f"heads.{suffix}"
         _expect(source, where, raw, dict)
-        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim", "choices"}
+        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim", "choices", "stacks"}
         if extra:
             raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
         for key in ("modules", "outputs", "output_class"):
@@ -216,6 +230,13 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
                 f"{where}.outputs must name at least two (e.g. [\"start_logits\", \"end_logits\"]), got {list(outputs)}"
             )
         choices = _expect(source, f"{where}.choices", raw.get("choices", False), bool)
+        head_stacks = _str_list(source, f"{where}.stacks", raw.get("stacks", []))
+        unknown = sorted(set(head_stacks) - {st.name for st in stacks})
+        if unknown:
+            raise RecipeError(
+                f"{source}: field {where}.stacks names {unknown}, which are not stacks of this recipe; "
+                f"its stacks: {[st.name for st in stacks]}"
+            )
         heads[suffix] = HeadSpec(
             suffix=suffix,
             modules=_str_list(source, f"{where}.modules", raw["modules"]),
@@ -225,6 +246,7 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
             pool=pool,
             split_last_dim=split_last_dim,
             choices=choices,
+            stacks=head_stacks,
         )
 
     tied_raw = _expect(source, "tied", data.get("tied", {}), dict)

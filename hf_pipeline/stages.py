@@ -227,7 +227,11 @@ def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
     too, so they plan exactly what the loader builds.
     """
     skeleton = meta_model(config, options.model_class)
-    resolved = resolve_recipe(skeleton, get_recipe(config.model_type))
+    recipe = get_recipe(config.model_type)
+    # A model class that has only some of the recipe's stacks (T5EncoderModel: the encoder) is
+    # resolved against those alone.
+    head = recipe.match_head(type(skeleton).__name__, type(getattr(skeleton, "base_model", skeleton)).__name__)
+    resolved = resolve_recipe(skeleton, recipe.for_head(head) if head is not None else recipe)
     plan = make_plan(
         skeleton, resolved, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
         layout=options.schedule.layout, split=options.split, dtype=options.dtype,

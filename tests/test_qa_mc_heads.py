@@ -36,7 +36,7 @@ NO_DROPOUT = {
 QA = "AutoModelForQuestionAnswering"
 MC = "AutoModelForMultipleChoice"
 ENCODER = "T5EncoderModel"
-CASES = [("bert", QA), ("gpt2", QA), ("llama", QA), ("bert", MC)]
+CASES = [("bert", QA), ("gpt2", QA), ("llama", QA), ("bert", MC), ("t5", ENCODER)]
 
 
 def _inputs(arch: str, auto: str, rows: int) -> dict[str, torch.Tensor]:
