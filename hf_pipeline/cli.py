@@ -95,9 +95,15 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
                    help="torch threads per process (default: CPU cores / local processes)")
 
 
+def _add_download(p) -> None:
+    p.add_argument("--download", action="store_true",
+                   help="download a hub id that is not in the local Hugging Face cache (default: cache only, nothing downloaded)")
+
+
 def _add_load(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", type=_existing_path, default=None, help="checkpoint directory or cached hub id (default: the bundled model)")
+    _add_download(g)
     g.add_argument("--schedule", default=None, help="pipeline schedule (default 1f1b; interleaved-1f1b with --virtual-stages > 1)")
     g.add_argument("--virtual-stages", type=_positive, default=None, help="stages per process")
     g.add_argument("--n-microbatches", type=_positive, default=None, help="microbatches per pipelined call (default: number of stages)")
@@ -116,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", prog=f"{PROG} plan", help="show the stage plan and predicted memory of a checkpoint or config (no weights read)",
                        description="Split a model into pipeline stages from its config alone and predict every rank's memory.", formatter_class=fmt)
     p.add_argument("path", type=_existing_path, help="checkpoint directory, config.json file or cached hub id")
+    _add_download(p)
     p.add_argument("--stages", "--num-stages", dest="stages", type=_positive, default=2, help="total pipeline stages (default 2)")
     p.add_argument("--virtual-stages", type=_positive, default=None, help="stages per rank (default 1, or 2 for interleaved schedules)")
     p.add_argument("--schedule", default=None, help="schedule name (default 1f1b, or interleaved-1f1b with virtual stages)")
@@ -212,29 +219,34 @@ def _auto_class_for(config, given: str | None) -> type:
     return model_class_for(config, given)
 
 
-def _local(path_or_id: str) -> str:
+def _local(path_or_id: str, download: bool = False) -> str:
     """A checkpoint directory or config.json file as given; a hub id resolved to its local snapshot, cache first.
 
     transformers then reads the directory, never the id, so a cached id costs no network request
-    (and no retries while the hub is unreachable); an id that is not cached is a one-line error.
+    (and no retries while the hub is unreachable); an id that is not cached is downloaded with
+    ``--download`` (``download``), else a one-line error that names the flag.
     """
     if pathlib.Path(path_or_id).expanduser().is_file():
         return str(pathlib.Path(path_or_id).expanduser())
-    from .weights import resolve_checkpoint
+    from .weights import CheckpointNotFoundError, resolve_checkpoint
 
-    return str(resolve_checkpoint(path_or_id))
+    try:
+        return str(resolve_checkpoint(path_or_id, download=download))
+    except CheckpointNotFoundError as e:
+        # The library's message names its keyword; on the command line the flag is what to pass.
+        raise CheckpointNotFoundError(str(e).replace("(download=True)", "(pass --download)")) from None
 
 
-def _load_config(path: str):
+def _load_config(path: str, download: bool = False):
     from .options import load_config
 
-    return load_config(_local(path))
+    return load_config(_local(path, download))
 
 
 def _model_path(args) -> str:
     """The local directory of ``--model`` (a hub id resolved from the cache), else the bundled default model."""
     if args.model is not None:
-        return _local(args.model)
+        return _local(args.model, args.download)
     from .default_model import default_model_path
 
     return str(default_model_path())
@@ -286,9 +298,9 @@ def _launch(args, argv: Sequence[str]) -> int:
     if machines > 1 and (args.main_process_ip is None or args.main_process_port is None):
         raise CLIError("with --num-machines > 1 pass --main-process-ip and --main-process-port (machine 0's address and a free port)")
     if getattr(args, "model", None) is not None:
-        from .weights import resolve_checkpoint
-
-        resolve_checkpoint(args.model)  # a missing model fails here, once, not in every process
+        # A missing model fails here, once, not in every process; a download also happens once, here,
+        # and the processes then find it in the cache.
+        _local(args.model, args.download)
     local = n // machines
     port = args.main_process_port or get_free_port()
     # The processes inherit this environment: they import this very package, installed or from a checkout.
@@ -319,7 +331,7 @@ def _launch(args, argv: Sequence[str]) -> int:
 # ------------------------------------------------------------------------------------ commands
 def cmd_plan(args) -> int:
     """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone."""
-    config = _load_config(args.path)
+    config = _load_config(args.path, args.download)
     auto = _auto_class_for(config, args.auto_class)
     from .memory import plan_report
 

@@ -1,15 +1,25 @@
-"""Train the bundled default model: a small LLaMA on the Python standard library's docstrings.
+"""Train a bundled model: a small LLaMA, T5 or BERT on the Python standard library's docstrings.
 
-    torchrun --nproc_per_node 2 scripts/make_default_model.py --out hf_pipeline/default_model
+    torchrun --nproc_per_node 2 scripts/make_default_model.py --out hf_pipeline/assets/default-model
+    torchrun --nproc_per_node 2 scripts/make_default_model.py --arch t5 --out hf_pipeline/assets/default-t5
+    torchrun --nproc_per_node 2 scripts/make_default_model.py --arch bert --out hf_pipeline/assets/default-bert
 
 Everything it needs ships with Python and this package: the text is every module, class and function
 docstring of the standard library's ``.py`` files (read with ``ast``, nothing imported), the
-tokenizer is a byte-level BPE trained on that text with ``tokenizers``, and the model is trained
-with this package's own pipelined trainer (``model.train_step``, interleaved 1F1B over the launched
-ranks, 2 stages per rank) and written with ``model.save_pretrained`` as sharded safetensors. Rank 0
-then writes the tokenizer and a model card (``README.md``) with the command, the data, the
-configuration and the measured losses, so anyone can reproduce it. The output directory is
-replaced atomically; nothing else is touched.
+tokenizer is trained on that text with ``tokenizers``, and the model is trained with this package's
+own pipelined trainer (``model.train_step``, interleaved 1F1B over the launched ranks, 2 stages per
+rank) and written with ``model.save_pretrained`` as sharded safetensors. Rank 0 then writes the
+tokenizer and a model card (``README.md``) with the command, the data, the configuration and the
+measured losses, so anyone can reproduce it. The output directory is replaced atomically; nothing
+else is touched.
+
+``--arch`` picks the task (each architecture's pieces are one entry of ``ARCHS``):
+
+- ``llama`` (default): causal LM on the docstrings packed into 128-token rows, byte-level BPE.
+- ``t5``: extractive summaries, ``"summarize: " + docstring`` -> the docstring's first sentence, for
+  docstrings of two sentences or more; byte-level BPE whose encodings end with ``</s>``.
+- ``bert``: masked LM (15% of the tokens, as ``transformers.DataCollatorForLanguageModeling``) on the
+  docstrings' paragraphs; a lower-cased WordPiece tokenizer with ``[MASK]``.
 
 Run with ``--steps 3 --tiny`` for a smoke test (seconds).
 """
@@ -18,16 +28,19 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import os
 import pathlib
 import platform
+import re
 import shutil
 import sys
 import sysconfig
 import tempfile
 import time
+from typing import Any, Callable
 
 try:
     import hf_pipeline
@@ -41,32 +54,44 @@ import transformers
 from hf_pipeline.dist import destroy_distributed, init_distributed
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # Tests, demos and vendored tools are code-heavy or duplicated; the rest of the stdlib is the corpus.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__", "ensurepip"}
 SAMPLE_PROMPTS = ["Return the", "This module provides", "If the file does not exist,", "The default value is"]
+FILL_MASK_PROMPTS = ["Return the [MASK] of the file.", "Return a new [MASK] of the items.",
+                     "If the file does not [MASK], raise an error.", "This module provides [MASK] for working with sockets."]
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=704)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128, help="tokens per training sequence")
-    p.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (global batch)")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="which model to train (default llama)")
+    # None: the architecture's default, from ARCHS[arch].defaults.
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None, help="blocks (T5: in the encoder and in the decoder each)")
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None, help="LLaMA only")
+    p.add_argument("--seq", type=int, default=None, help="tokens per training sequence (T5: of the input)")
+    p.add_argument("--target-seq", type=int, default=None, help="T5 only: tokens per summary")
+    p.add_argument("--batch", type=int, default=None, help="sequences per optimizer step (global batch)")
     p.add_argument("--n-microbatches", type=int, default=4)
     p.add_argument("--schedule", default="interleaved-1f1b")
     p.add_argument("--virtual-stages", type=int, default=2)
-    p.add_argument("--steps", type=int, default=700)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-shard-size", default="4MB", help="shard size of the saved checkpoint")
+    p.add_argument("--max-shard-size", default=None, help="shard size of the saved checkpoint")
     p.add_argument("--tiny", action="store_true", help="tiny model and corpus, for smoke tests")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    arch = ARCHS[args.arch]
+    for key, value in {**arch.defaults, **(arch.tiny if args.tiny else {})}.items():
+        if args.tiny and key in arch.tiny or getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -100,6 +125,29 @@ def stdlib_docstrings(limit: int | None = None) -> list[str]:
     return docs
 
 
+def summary_pairs(docs: list[str]) -> list[tuple[str, str, int, int]]:
+    """Extractive summaries: ``("summarize: " + text, its first sentence, docstring index, sentence index)``.
+
+    For each docstring, the text from every sentence that can be a summary on to the end is one
+    pair (sentence index 0: the whole docstring, the summary task itself):
+    many more pairs than docstrings, and the only way to predict them all is to copy from the
+    input, not to remember docstrings. A summary sentence ends with a period, has 3 to 30 words,
+    lies inside one paragraph and is followed by more text.
+    """
+    pairs = []
+    for d, doc in enumerate(docs):
+        sentences = [s for para in doc.split("\n\n") for s in _SENTENCE_END.split(" ".join(para.split())) if s]
+        for k, first in enumerate(sentences[:-1]):
+            if first.endswith(".") and 3 <= len(first.split()) <= 30:
+                pairs.append(("summarize: " + " ".join(sentences[k:]), first, d, k))
+    return pairs
+
+
+def paragraphs(docs: list[str]) -> list[str]:
+    """The docstrings' paragraphs (split at blank lines, whitespace joined) of more than 40 characters."""
+    return [" ".join(p.split()) for doc in docs for p in doc.split("\n\n") if len(p.strip()) > 40]
+
+
 def train_tokenizer(docs: list[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (every byte encodable, so no unknown tokens) trained on ``docs``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -117,6 +165,42 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> transformers.PreTrained
     )
 
 
+def _t5_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.PreTrainedTokenizerFast:
+    # T5's own tokenizers end every encoding with </s>: inputs and labels alike.
+    from tokenizers import processors
+
+    tok = train_tokenizer(docs, args.vocab_size)
+    tok.model_max_length = args.seq  # truncation=True then cuts inputs where training did
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tok.eos_token_id)]
+    )
+    return tok
+
+
+def _bert_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.PreTrainedTokenizerFast:
+    """A lower-cased WordPiece tokenizer with BERT's specials and ``[CLS] ... [SEP]`` encodings."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tk.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tk.train_from_iterator(paragraphs(docs), trainer=trainers.WordPieceTrainer(
+        vocab_size=args.vocab_size, special_tokens=BERT_SPECIALS, show_progress=False))
+    cls, sep = tk.token_to_id("[CLS]"), tk.token_to_id("[SEP]")
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=args.seq, clean_up_tokenization_spaces=True,
+    )
+
+
+def _llama_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.PreTrainedTokenizerFast:
+    return train_tokenizer(docs, args.vocab_size)
+
+
 def pack(docs: list[str], tok, seq: int) -> torch.Tensor:
     """Tokenize ``docs``, join them with EOS and cut the stream into rows of ``seq`` tokens. (N, seq)"""
     ids: list[int] = []
@@ -127,7 +211,44 @@ def pack(docs: list[str], tok, seq: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq], dtype=torch.long).view(n, seq)  # (N, seq)
 
 
-def _config(args: argparse.Namespace, tok) -> transformers.LlamaConfig:
+# Each *_rows returns (tensors with one row per example, the examples' texts or None).
+def _llama_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
+    return {"input_ids": pack(docs, tok, args.seq)}, None
+
+
+def _t5_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
+    pairs = summary_pairs(docs)
+    enc = tok([s for s, *_ in pairs], padding="max_length", truncation=True, max_length=args.seq, return_tensors="pt")
+    labels = tok([t for _, t, *_ in pairs], padding="max_length", truncation=True, max_length=args.target_seq, return_tensors="pt")
+    # Padding is not a target: -100 is what transformers' T5 loss ignores.
+    enc["labels"] = labels["input_ids"].masked_fill(labels["attention_mask"] == 0, -100)  # (N, target_seq)
+    # "docstring": the generic split holds whole docstrings out, with every pair made from them.
+    return {k: enc[k] for k in ("input_ids", "attention_mask", "labels")} | {"docstring": torch.tensor([p[2] for p in pairs])}, pairs
+
+
+def _bert_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
+    texts = paragraphs(docs)
+    enc = tok(texts, padding="max_length", truncation=True, max_length=args.seq, return_tensors="pt")
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, texts  # (N, seq) each
+
+
+# Each *_batch turns selected rows into train_step's batch; ``seed`` fixes any randomness (the
+# same value on every rank, so every rank passes the same batch).
+def _llama_batch(rows: dict, tok, seed: int) -> dict:
+    return {"input_ids": rows["input_ids"], "labels": rows["input_ids"]}
+
+
+def _t5_batch(rows: dict, tok, seed: int) -> dict:
+    return {k: v for k, v in rows.items() if k != "docstring"}
+
+
+def _bert_batch(rows: dict, tok, seed: int) -> dict:
+    collator = transformers.DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=seed, return_tensors="pt")
+    examples = [{"input_ids": i, "attention_mask": m} for i, m in zip(rows["input_ids"].tolist(), rows["attention_mask"].tolist())]
+    return dict(collator(examples))  # input_ids with [MASK] / random / kept tokens, labels -100 elsewhere
+
+
+def _llama_config(args: argparse.Namespace, tok) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=512,
@@ -136,26 +257,123 @@ def _config(args: argparse.Namespace, tok) -> transformers.LlamaConfig:
     )
 
 
+def _t5_config(args: argparse.Namespace, tok) -> transformers.T5Config:
+    # No dropout: a few hundred steps on a small corpus underfit long before they overfit.
+    return transformers.T5Config(
+        vocab_size=len(tok), d_model=args.hidden, d_kv=args.hidden // args.heads, d_ff=args.intermediate,
+        num_layers=args.layers, num_decoder_layers=args.layers, num_heads=args.heads, dropout_rate=0.0,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id, dtype="float32",
+    )
+
+
+def _bert_config(args: argparse.Namespace, tok) -> transformers.BertConfig:
+    return transformers.BertConfig(
+        vocab_size=len(tok), hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        intermediate_size=args.intermediate, max_position_embeddings=max(128, args.seq), hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=tok.pad_token_id, dtype="float32",
+    )
+
+
+# Each *_samples shows what the trained (pipelined) model does, for the model card: {input: output}.
+def _llama_samples(model, tok, texts) -> dict[str, Any]:
+    prompts = SAMPLE_PROMPTS
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ids = model.generate(**enc, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+    return dict(zip(prompts, tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)))
+
+
+def _t5_samples(model, tok, texts) -> dict[str, Any]:
+    held_out = [(s, t) for s, t, _, start in texts if start == 0][:4]  # whole docstrings the model never saw
+    enc = tok([s for s, _ in held_out], return_tensors="pt", padding=True, truncation=True)
+    ids = model.generate(**enc, max_new_tokens=32, do_sample=False)
+    return {s: {"reference": t, "summary": o} for (s, t), o in zip(held_out, tok.batch_decode(ids, skip_special_tokens=True))}
+
+
+def _bert_samples(model, tok, texts) -> dict[str, Any]:
+    enc = tok(FILL_MASK_PROMPTS, return_tensors="pt", padding=True)
+    logits = model(**enc).logits  # (B, T, V)
+    at = enc["input_ids"] == tok.mask_token_id  # one [MASK] per prompt
+    top = logits[at].topk(5, dim=-1).indices  # (B, 5)
+    return {p: [tok.decode([t]) for t in row] for p, row in zip(FILL_MASK_PROMPTS, top.tolist())}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Arch:
+    """What differs between the bundled models; everything else in this script is shared."""
+
+    auto_class: str  # hf_pipeline's and transformers' auto class
+    model_class: str  # the transformers class the config builds
+    defaults: dict[str, Any]  # argparse values the command line leaves out
+    tiny: dict[str, Any]  # --tiny overrides
+    tokenizer: Callable[[list[str], argparse.Namespace], Any]
+    rows: Callable[[list[str], Any, argparse.Namespace], tuple[dict[str, torch.Tensor], list | None]]
+    batch: Callable[[dict, Any, int], dict]
+    config: Callable[[argparse.Namespace, Any], Any]
+    samples: Callable[[Any, Any, list | None], dict[str, Any]]
+
+
+_COMMON = dict(steps=700, warmup=30, max_shard_size="4MB")
+ARCHS: dict[str, Arch] = {
+    "llama": Arch(
+        auto_class="AutoModelForCausalLM", model_class="LlamaForCausalLM",
+        defaults=dict(_COMMON, vocab_size=2048, hidden=256, layers=4, intermediate=704, heads=4, kv_heads=2, seq=128, batch=16, lr=2e-3),
+        tiny=dict(vocab_size=320, hidden=32, layers=4, intermediate=64, heads=4, kv_heads=2, seq=32, batch=8),
+        tokenizer=_llama_tokenizer, rows=_llama_rows, batch=_llama_batch, config=_llama_config, samples=_llama_samples,
+    ),
+    "t5": Arch(
+        auto_class="AutoModelForSeq2SeqLM", model_class="T5ForConditionalGeneration",
+        defaults=dict(_COMMON, vocab_size=2048, hidden=192, layers=2, intermediate=512, heads=4, seq=64, target_seq=32, batch=32,
+                      lr=3e-3, steps=1400, warmup=50, max_shard_size="2MB"),
+        tiny=dict(vocab_size=320, hidden=32, layers=2, intermediate=64, heads=4, seq=32, target_seq=16, batch=8),
+        tokenizer=_t5_tokenizer, rows=_t5_rows, batch=_t5_batch, config=_t5_config, samples=_t5_samples,
+    ),
+    "bert": Arch(
+        auto_class="AutoModelForMaskedLM", model_class="BertForMaskedLM",
+        defaults=dict(_COMMON, vocab_size=4096, hidden=128, layers=4, intermediate=512, heads=4, seq=64, batch=32, lr=2e-3,
+                      steps=1200, max_shard_size="1MB"),
+        tiny=dict(vocab_size=320, hidden=32, layers=4, intermediate=64, heads=4, seq=32, batch=8),
+        tokenizer=_bert_tokenizer, rows=_bert_rows, batch=_bert_batch, config=_bert_config, samples=_bert_samples,
+    ),
+}
+
+
 def _prepare(args: argparse.Namespace, work: pathlib.Path) -> dict:
-    """Rank 0: corpus, tokenizer, packed data and the randomly initialised checkpoint in ``work``."""
+    """Rank 0: corpus, tokenizer, tokenized rows and the randomly initialised checkpoint in ``work``."""
+    arch = ARCHS[args.arch]
     start = time.perf_counter()
     docs = stdlib_docstrings(limit=40 if args.tiny else None)
-    tok = train_tokenizer(docs, args.vocab_size)
-    data = pack(docs, tok, args.seq)
+    tok = arch.tokenizer(docs, args)
+    rows, texts = arch.rows(docs, tok, args)
+    n = len(next(iter(rows.values())))
     g = torch.Generator().manual_seed(args.seed)
-    data = data[torch.randperm(len(data), generator=g)]
-    n_eval = max(args.batch, len(data) // 50)  # 2% held out, at least one batch
-    torch.save({"train": data[n_eval:], "eval": data[:n_eval]}, work / "data.pt")
+    order = torch.randperm(n, generator=g)
+    n_eval = max(args.batch, n // 50)  # 2% held out, at least one batch
+    if "docstring" in rows:  # rows made from one docstring stay together: held-out docstrings, 2% of the rows
+        held = torch.randperm(len(docs), generator=g)
+        rank = torch.empty_like(held)
+        rank[held] = torch.arange(len(docs))
+        order = order[torch.argsort(rank[rows["docstring"][order]], stable=True)]
+        cut = int(rank[rows["docstring"][order[n_eval - 1]]])
+        n_eval = int((rank[rows["docstring"]] <= cut).sum())  # up to the end of the last held-out docstring
+    rows = {k: v[order] for k, v in rows.items()}
+    texts = [texts[i] for i in order.tolist()] if texts is not None else None
+    torch.save({
+        "train": {k: v[n_eval:] for k, v in rows.items()}, "eval": {k: v[:n_eval] for k, v in rows.items()},
+        "eval_texts": texts[:n_eval] if texts is not None else None,
+    }, work / "data.pt")
     tok.save_pretrained(work / "tokenizer")
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(_config(args, tok))
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    model = getattr(transformers, arch.model_class)(arch.config(args, tok))
+    if model.can_generate():  # BERT's masked LM does not
+        model.generation_config = transformers.GenerationConfig(
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            decoder_start_token_id=getattr(model.config, "decoder_start_token_id", None),
+        )
     model.save_pretrained(work / "init")
     return {
-        "docs": len(docs), "chars": sum(len(d) for d in docs), "tokens": int(data.numel()), "train_rows": len(data) - n_eval,
-        "eval_rows": n_eval, "prepare_s": time.perf_counter() - start,
+        "docs": len(docs), "chars": sum(len(d) for d in docs), "tokens": int(rows["input_ids"].ne(tok.pad_token_id).sum()),
+        "train_rows": n - n_eval, "eval_rows": n_eval, "prepare_s": time.perf_counter() - start,
     }
 
 
@@ -168,25 +386,24 @@ def _lr(step: int, args: argparse.Namespace) -> float:
 
 
 @torch.no_grad()
-def _eval_loss(model, rows: torch.Tensor, batch: int) -> float:
-    """Mean token loss over ``rows`` (pipelined forward with labels), same value on every rank."""
+def _eval_loss(model, arch: Arch, tok, rows: dict, batch: int, seed: int) -> float:
+    """Mean loss over ``rows`` (pipelined forward with labels), same value on every rank."""
     model.eval()
     total, count = 0.0, 0
-    for i in range(0, len(rows) - batch + 1, batch):
-        x = rows[i : i + batch]
-        out = model(input_ids=x, labels=x)
-        total += float(out.loss) * x.shape[0]
-        count += x.shape[0]
+    n = len(rows["input_ids"])
+    for i in range(0, n - batch + 1, batch):
+        x = arch.batch({k: v[i : i + batch] for k, v in rows.items()}, tok, seed + i)
+        out = model(**x)
+        total += float(out.loss) * batch
+        count += batch
     model.train()
     return total / max(count, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train and write the default model; see the module docstring."""
+    """Train and write the model; see the module docstring."""
     args = _parse(argv)
-    if args.tiny:
-        args.vocab_size, args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads = 320, 32, 4, 64, 4, 2
-        args.seq, args.batch = 32, 8
+    arch = ARCHS[args.arch]
     ctx = init_distributed(device="cpu")
     out = pathlib.Path(args.out).resolve()
     # One work directory for every rank: rank 0 makes it and tells the others where it is.
@@ -202,25 +419,27 @@ def main(argv: list[str] | None = None) -> int:
         data = torch.load(work / "data.pt")
         tok = transformers.AutoTokenizer.from_pretrained(work / "tokenizer")
 
-        model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        model = getattr(hf_pipeline, arch.auto_class).from_pretrained(
             work / "init", pipeline=True, schedule=args.schedule, virtual_stages=args.virtual_stages,
             n_microbatches=args.n_microbatches, device="cpu", dtype=torch.float32, progress=False,
         )
         model.train()
         if ctx.is_main_process:
             print(model.plan, flush=True)
-            print(f"corpus: {info['docs']} docstrings, {info['chars']} characters, {info['tokens']} tokens", flush=True)
+            print(f"corpus: {info['docs']} docstrings, {info['chars']} characters, {info['train_rows']} training rows, "
+                  f"{info['tokens']} tokens", flush=True)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         g = torch.Generator().manual_seed(args.seed + 1)  # same batches on every rank
         train = data["train"]
+        n_train = len(train["input_ids"])
         start = time.perf_counter()
         load_start = os.getloadavg()  # the machine may be shared: the card says how busy it was
         recent: list[float] = []
         for step in range(args.steps):
             for group in opt.param_groups:
                 group["lr"] = _lr(step, args)
-            rows = train[torch.randint(len(train), (args.batch,), generator=g)]  # (B, seq)
-            loss = model.train_step({"input_ids": rows, "labels": rows})
+            pick = torch.randint(n_train, (args.batch,), generator=g)
+            loss = model.train_step(arch.batch({k: v[pick] for k, v in train.items()}, tok, args.seed + step))
             model.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -230,14 +449,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step {step:4d}  loss {float(loss):.3f}  lr {_lr(step, args):.2e}  {elapsed:6.0f} s", flush=True)
         train_s = time.perf_counter() - start
         final_train = sum(recent) / len(recent)
-        eval_loss = _eval_loss(model, data["eval"], args.batch)
+        # Held-out masks are drawn from seeds the training steps never used.
+        eval_loss = _eval_loss(model, arch, tok, data["eval"], args.batch, seed=args.seed + 10**6)
 
-        prompts = SAMPLE_PROMPTS
-        tok.padding_side = "left"
-        enc = tok(prompts, return_tensors="pt", padding=True)
         model.eval()
-        ids = model.generate(**enc, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
-        samples = tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        samples = arch.samples(model, tok, data["eval_texts"])
 
         staged = work / "model"
         model.save_pretrained(staged, max_shard_size=args.max_shard_size, tokenizer=tok)
@@ -250,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.chmod(0o644)
             stats = {
                 **info, "steps": args.steps, "train_s": round(train_s, 1), "final_train_loss": round(final_train, 4),
-                "eval_loss": round(eval_loss, 4), "python": platform.python_version(), "last_steps": len(recent), "world_size": ctx.world_size, "samples": dict(zip(prompts, samples)),
+                "eval_loss": round(eval_loss, 4), "python": platform.python_version(), "last_steps": len(recent), "world_size": ctx.world_size, "samples": samples,
                 "params": sum(s.params for s in model.plan.stages), "num_stages": model.plan.num_stages,
                 "load_average": [round(x, 1) for x in load_start + os.getloadavg()],
                 "command": _command(ctx.world_size, argv), "args": vars(args),
@@ -264,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             os.rename(staged, out)
             print(f"final train loss {final_train:.3f} (mean of the last {len(recent)} steps), eval loss {eval_loss:.3f} "
                   f"(perplexity {math.exp(eval_loss):.1f}), {train_s:.0f} s of training; wrote {out}")
-            for prompt, text in zip(prompts, samples):
-                print(f"  {prompt!r} -> {text!r}")
+            for prompt, text in samples.items():
+                print(f"  {prompt[:80]!r} -> {text!r}")
         ctx.barrier()
     finally:
         if ctx.is_main_process:
@@ -278,72 +494,165 @@ def _command(world_size: int, argv: list[str] | None) -> str:
     return f"torchrun --nproc_per_node {world_size} scripts/make_default_model.py {args}"
 
 
+def _stdlib_text(stats: dict) -> str:
+    return (f"the `.py` files of the Python {stats.get('python', platform.python_version())} standard library (tests, "
+            "idlelib, lib2to3, turtledemo and ensurepip excluded), read with `ast`")
+
+
+def _card_llama(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
+    samples = "\n".join(f"| `{p}` | `{' '.join(t.split())}` |" for p, t in stats["samples"].items())
+    return {
+        "tag": "text-generation", "name": "default model", "path_arg": "",
+        "what": f"""A {stats['params'] / 1e6:.1f}M-parameter LLaMA-architecture causal LM, the model `hf-pipeline generate`,
+`scripts/generate.py`, `scripts/quickstart.py` and the notebooks use when no model is given. It writes
+short docstring-like English; it is a demonstration model, not a useful assistant.""",
+        "usage": """tok = transformers.AutoTokenizer.from_pretrained(path)
+model = transformers.AutoModelForCausalLM.from_pretrained(path)
+print(tok.decode(model.generate(**tok("Return the", return_tensors="pt"), max_new_tokens=20)[0]))""",
+        "after_usage": '\nPipelined over 2 processes: `hf-pipeline generate --num-processes 2 "Return the"`.\n',
+        "data": f"""every module, class and function docstring longer than 40 characters in
+  {_stdlib_text(stats)}: {stats['docs']} docstrings, {stats['chars']:,} characters,
+  {stats['tokens']:,} tokens; joined with `</s>`, cut into sequences of {a.seq} tokens and shuffled
+  (seed {a.seed}); 2% ({stats['eval_rows']} sequences) held out.""",
+        "tokenizer": f"""byte-level BPE trained on the same text with `tokenizers`, {cfg.vocab_size} tokens
+  (specials `<pad>`, `<s>`, `</s>`, `<unk>`).""",
+        "model": f"""`LlamaForCausalLM`, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}
+  heads ({cfg.num_key_value_heads} key/value heads), MLP {cfg.intermediate_size}, untied embeddings, fp32.""",
+        "tokens": f"{a.steps} steps of {a.batch} x {a.seq} tokens ({a.steps * a.batch * a.seq:,} tokens)",
+        "loss": "training loss", "perplexity": True,
+        "samples": f"""Greedy continuations (24 new tokens):
+
+| prompt | continuation |
+|---|---|
+{samples}""",
+    }
+
+
+def _card_t5(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
+    rows = "\n".join(
+        f"| {s[len('summarize: '):][:70].replace('|', '/')}... | {v['reference'].replace('|', '/')} | {v['summary'].replace('|', '/')} |"
+        for s, v in stats["samples"].items()
+    )
+    return {
+        "tag": "summarization", "name": "T5 model", "path_arg": '"t5"',
+        "what": f"""A {stats['params'] / 1e6:.1f}M-parameter T5 (`T5ForConditionalGeneration`) that writes the one-sentence summary
+of a docstring: given `"summarize: " + docstring` it returns the docstring's first sentence (an
+extractive summary). Notebook 03 (T5 seq2seq, pipelined) fine-tunes and generates with it. It is a
+demonstration model: it has only ever seen Python docstrings.""",
+        "usage": """tok = transformers.AutoTokenizer.from_pretrained(path)
+model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path)
+enc = tok("summarize: Return the number of items in the queue. The count is approximate.", return_tensors="pt")
+print(tok.decode(model.generate(**enc, max_new_tokens=32)[0], skip_special_tokens=True))""",
+        "after_usage": "",
+        "data": f"""the docstrings longer than 40 characters in {_stdlib_text(stats)}
+  ({stats['docs']} docstrings). A summary sentence ends with a period, has 3 to 30 words, lies in one
+  paragraph and has more text after it; every one gives a pair: input `"summarize: "` + the docstring
+  from that sentence on (whitespace joined, truncated to {a.seq} tokens), target the sentence (at most
+  {a.target_seq} tokens). From the first sentence that is the summary task itself (*docstring -> its
+  first sentence*); the later starts make {stats['train_rows'] + stats['eval_rows']:,} pairs in all, so
+  the model learns to copy the summary out of its input rather than to remember docstrings. 2% of the
+  pairs ({stats['eval_rows']}), whole docstrings with every pair made from them, are held out (seed {a.seed}).""",
+        "tokenizer": f"""byte-level BPE trained on the docstrings with `tokenizers`, {cfg.vocab_size} tokens
+  (specials `<pad>`, `<s>`, `</s>`, `<unk>`); every encoding ends with `</s>`, as T5's do; `<pad>` starts the decoder.""",
+        "model": f"""`T5ForConditionalGeneration`, d_model {cfg.d_model}, {cfg.num_layers} encoder and {cfg.num_decoder_layers}
+  decoder blocks, {cfg.num_heads} heads of {cfg.d_kv}, feed-forward {cfg.d_ff} (ReLU), tied embeddings, no dropout, fp32.""",
+        "tokens": f"{a.steps} steps of {a.batch} pairs ({a.steps * a.batch:,} pairs, about {a.steps * a.batch / max(1, stats['train_rows']):.0f} epochs)",
+        "loss": "training loss (token cross-entropy of the summary)", "perplexity": False,
+        "samples": f"""Greedy summaries of held-out docstrings (32 new tokens at most):
+
+| docstring | first sentence | model |
+|---|---|---|
+{rows}""",
+    }
+
+
+def _card_bert(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
+    rows = "\n".join(f"| `{p}` | {', '.join(f'`{w}`' for w in top)} |" for p, top in stats["samples"].items())
+    return {
+        "tag": "fill-mask", "name": "BERT model", "path_arg": '"bert"',
+        "what": f"""A {stats['params'] / 1e6:.1f}M-parameter BERT masked LM (`BertForMaskedLM`) trained on Python docstrings: it fills
+`[MASK]` in docstring-like English ("Return the [MASK] of the file." -> name, size, path, ...).
+Notebook 04 (BERT embeddings and fill-mask, pipelined) uses it. It is a demonstration model.""",
+        "usage": """fill = transformers.pipeline("fill-mask", model=str(path))
+print([r["token_str"] for r in fill("Return the [MASK] of the file.")])""",
+        "after_usage": "",
+        "data": f"""the paragraphs (split at blank lines) longer than 40 characters of every module, class and function
+  docstring in {_stdlib_text(stats)}: {stats['train_rows'] + stats['eval_rows']} paragraphs from {stats['docs']}
+  docstrings, {stats['tokens']:,} tokens; each truncated to {a.seq} tokens; shuffled (seed {a.seed}), 2%
+  ({stats['eval_rows']} paragraphs) held out. 15% of the tokens are chosen for prediction with transformers'
+  `DataCollatorForLanguageModeling` (80% of them `[MASK]`, 10% a random token, 10% unchanged), seeded per step.""",
+        "tokenizer": f"""lower-cased WordPiece trained on the paragraphs with `tokenizers`, {cfg.vocab_size} tokens (specials
+  `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`); encodings are `[CLS] ... [SEP]`.""",
+        "model": f"""`BertForMaskedLM`, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads,
+  MLP {cfg.intermediate_size}, {cfg.max_position_embeddings} positions, tied input and output embeddings, no dropout, fp32.""",
+        "tokens": f"{a.steps} steps of {a.batch} paragraphs ({a.steps * a.batch:,} paragraphs, about {a.steps * a.batch / max(1, stats['train_rows']):.0f} epochs)",
+        "loss": "training loss (cross-entropy of the chosen tokens)", "perplexity": True,
+        "samples": f"""Top 5 for `[MASK]`:
+
+| text | top 5 |
+|---|---|
+{rows}""",
+    }
+
+
+_CARDS = {"llama": _card_llama, "t5": _card_t5, "bert": _card_bert}
+
+
 def model_card(stats: dict, cfg) -> str:
     """The model card (README.md) from the run's ``training_stats.json`` values and the model config."""
     a = argparse.Namespace(**stats["args"])
+    arch = getattr(a, "arch", "llama")
+    c = _CARDS[arch](stats, cfg, a)
     load = stats.get("load_average")
     busy = f" (load average {load[0]:g} at the start, {load[3]:g} at the end)" if load else stats.get("machine_note", "")
-    samples = "\n".join(f"| `{p}` | `{' '.join(t.split())}` |" for p, t in stats["samples"].items())
+    ppl = f" (perplexity {math.exp(stats['eval_loss']):.1f})" if c["perplexity"] else ""
     return f"""---
 license: psf-2.0
 library_name: transformers
-pipeline_tag: text-generation
-tags: [llama, hf_pipeline, tiny]
+pipeline_tag: {c['tag']}
+tags: [{cfg.model_type}, hf_pipeline, tiny]
 ---
 
-# hf_pipeline default model
+# hf_pipeline {c['name']}
 
-A {stats['params'] / 1e6:.1f}M-parameter LLaMA-architecture causal LM, the model `hf-pipeline generate`,
-`scripts/generate.py`, `scripts/quickstart.py` and the notebooks use when no model is given. It writes
-short docstring-like English; it is a demonstration model, not a useful assistant.
+{c['what']}
 
 ```python
 import transformers
 from hf_pipeline.default_model import default_model_path
 
-path = default_model_path()
-tok = transformers.AutoTokenizer.from_pretrained(path)
-model = transformers.AutoModelForCausalLM.from_pretrained(path)
-print(tok.decode(model.generate(**tok("Return the", return_tensors="pt"), max_new_tokens=20)[0]))
+path = default_model_path({c['path_arg']})
+{c['usage']}
 ```
-
-Pipelined over 2 processes: `hf-pipeline generate --num-processes 2 "Return the"`.
-
+{c['after_usage']}
 ## How it was made
 
 ```bash
 {stats['command']}
 ```
 
-- **Data**: every module, class and function docstring longer than 40 characters in the `.py` files of
-  the Python {stats.get('python', platform.python_version())} standard library (tests, idlelib, lib2to3,
-  turtledemo and ensurepip excluded), read with `ast`: {stats['docs']} docstrings, {stats['chars']:,} characters,
-  {stats['tokens']:,} tokens; joined with `</s>`, cut into sequences of {a.seq} tokens and shuffled
-  (seed {a.seed}); 2% ({stats['eval_rows']} sequences) held out.
-- **Tokenizer**: byte-level BPE trained on the same text with `tokenizers`, {cfg.vocab_size} tokens
-  (specials `<pad>`, `<s>`, `</s>`, `<unk>`).
-- **Model**: `LlamaForCausalLM`, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}
-  heads ({cfg.num_key_value_heads} key/value heads), MLP {cfg.intermediate_size}, untied embeddings, fp32.
+- **Data**: {c['data']}
+- **Tokenizer**: {c['tokenizer']}
+- **Model**: {c['model']}
 - **Training**: hf_pipeline's pipelined trainer (`model.train_step`), schedule `{a.schedule}` with
   {a.virtual_stages} stages per rank on {stats['world_size']} CPU processes ({stats['num_stages']} stages,
   {a.n_microbatches} microbatches); AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate
   {a.lr:g}, {a.warmup} warmup steps then cosine decay to a tenth; gradient clipping at 1.0;
-  {a.steps} steps of {a.batch} x {a.seq} tokens ({a.steps * a.batch * a.seq:,} tokens);
+  {c['tokens']};
   {stats['train_s']:.0f} s of training on a 2-core CPU{busy}.
-- **Result**: final training loss **{stats['final_train_loss']:.3f}** (mean of the last {stats['last_steps']} steps),
-  held-out loss **{stats['eval_loss']:.3f}** (perplexity {math.exp(stats['eval_loss']):.1f}).
+- **Result**: final {c['loss']} **{stats['final_train_loss']:.3f}** (mean of the last {stats['last_steps']} steps),
+  held-out loss **{stats['eval_loss']:.3f}**{ppl}.
 
-Greedy continuations (24 new tokens):
-
-| prompt | continuation |
-|---|---|
-{samples}
+{c['samples']}
 
 Saved by `model.save_pretrained` (each rank wrote its own stages' tensors) as sharded safetensors
-with an index; it loads with plain `transformers.AutoModelForCausalLM.from_pretrained(path)` too.
+with an index; it loads with plain `transformers.{_AUTO[arch]}.from_pretrained(path)` too.
 `training_stats.json` holds the numbers above. The training text is from CPython and is under the
 Python Software Foundation License.
 """
+
+
+_AUTO = {name: arch.auto_class for name, arch in ARCHS.items()}
 
 
 if __name__ == "__main__":

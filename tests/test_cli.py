@@ -132,6 +132,28 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys):
         assert "Traceback" not in err
 
 
+def test_an_uncached_hub_id_is_downloaded_only_with_download(monkeypatch, capsys):
+    from hf_pipeline import weights
+
+    argvs = (["generate", "--model", "nobody/not-cached-anywhere"], ["plan", "nobody/not-cached-anywhere"])
+    for argv in argvs:  # no flag: the real lookup (cache only, offline) and one line that names the flag
+        assert cli.main(argv) == 2, argv
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "is not in the local Hugging Face cache" in lines[0] and "--download" in lines[0], lines
+    calls = []
+
+    def resolve(path_or_id, **kw):
+        calls.append((path_or_id, kw.get("download", False)))
+        raise weights.CheckpointNotFoundError("stop here")  # nothing is fetched in a test
+
+    monkeypatch.setattr(weights, "resolve_checkpoint", resolve)
+    for argv in argvs:
+        cli.main(argv)
+        cli.main([*argv, "--download"])
+    capsys.readouterr()
+    assert calls == [("nobody/not-cached-anywhere", flag) for _ in argvs for flag in (False, True)]
+
+
 def test_user_mistake_in_a_fresh_process_prints_no_traceback(tmp_path):
     proc = _cli("plan", str(tmp_path / "missing"))
     assert proc.returncode == 2
