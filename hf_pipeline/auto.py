@@ -16,6 +16,7 @@ __all__ = [
 _PIPELINE_KWARGS = (
     "n_microbatches", "num_stages", "virtual_stages", "schedule", "split", "dtype", "device", "gather_output",
     "revision", "cache_dir", "subfolder", "attn_implementation", "trust_remote_code", "progress", "config", "split_method",
+    "tune_batch", "max_memory",
 )
 # transformers' from_pretrained arguments that change nothing here, and why.
 _NO_OPS = {
@@ -67,7 +68,7 @@ class _PipelineAuto:
             **kwargs: with ``pipeline=True``: n_microbatches, num_stages, virtual_stages, schedule, split,
                 dtype (or its alias torch_dtype), device, gather_output, revision, cache_dir, subfolder,
                 attn_implementation, trust_remote_code (refused for a checkpoint with its own code), progress,
-                config, split_method; low_cpu_mem_usage and local_files_only are accepted and change
+                config, split_method, tune_batch and max_memory (with schedule="auto" / n_microbatches="auto"); low_cpu_mem_usage and local_files_only are accepted and change
                 nothing; device_map is refused (the pipeline places stages itself). Otherwise transformers' own.
 
         Raises:

@@ -27,7 +27,7 @@ import os
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ class BuiltPipeline:
     stages: list[nn.Module]
     checkpoint_dir: pathlib.Path | None
     load_report: LoadReport
+    auto_choice: Any = None  # what schedule="auto" / n_microbatches="auto" chose (autotune.AutoChoice)
 
 
 def check_dtype_supported(dtype: torch.dtype, device: torch.device) -> None:
@@ -328,6 +329,7 @@ def build_pipeline(
     device: str | torch.device | None = None,
     progress: bool | None = None,
     agreed: dict[str, Any] | None = None,
+    choose: Callable[..., tuple[dict[str, Any], Any]] | None = None,
     **option_kwargs: Any,
 ) -> BuiltPipeline:
     """Resolve the options, make this rank's stages and load their weights (collective).
@@ -346,6 +348,9 @@ def build_pipeline(
         device: force a device ("cpu"); default ``cuda:LOCAL_RANK`` when available.
         progress: show a progress bar while reading (default: on the main process).
         agreed: the caller's other arguments that must be the same on every rank (``gather_output``).
+        choose: ``choose(config, world_size, device_type=..., **option_kwargs) -> (option_kwargs, choice)``:
+            replaces ``"auto"`` options before they are resolved (``autotune.choose``; the same
+            arithmetic on every rank, so every rank resolves the same options).
         **option_kwargs: the options of :meth:`PipelineOptions.resolve`.
 
     Every step that can fail on one rank only is wrapped in an agreement, so a failure anywhere
@@ -363,6 +368,10 @@ def build_pipeline(
         if attn_implementation is not None:
             # transformers' own setter (sub-configs too); the model's __init__ validates it when the meta model is built.
             set_attn_implementation(config, attn_implementation)
+        auto_choice = None
+        if choose is not None:
+            option_kwargs, auto_choice = choose(config, ctx.world_size, device_type=ctx.device.type, auto_class=auto_class, **option_kwargs)
+            option_kwargs.pop("auto_class", None)
         options = PipelineOptions.resolve(config, ctx.world_size, auto_class=auto_class, **option_kwargs)
         check_dtype_supported(options.dtype, ctx.device)
         identity = pipeline_identity(options, config, ckpt, device_type=ctx.device.type, arguments={
@@ -409,4 +418,5 @@ def build_pipeline(
         build.on_loaded(stages)
     return BuiltPipeline(
         options=options, build=build, ctx=ctx, dims=dims, stages=stages, checkpoint_dir=ckpt, load_report=report,
+        auto_choice=auto_choice,
     )

@@ -29,7 +29,7 @@ from . import validate
 from .build import BuiltPipeline, build_pipeline
 from .compat import ACCELERATE_PREPARED_FLAG
 from .dist import ParallelDims, RankContext, check_same_on_all_ranks
-from .errors import TraceError
+from .errors import InputError, TraceError
 from .faults import raise_if_broken, step_errors
 from .options import PipelineOptions
 from .plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
@@ -85,6 +85,8 @@ class PipelinedModel(nn.Module):
             dims=built.dims, device=built.ctx.device,
         )
         self.check_inputs = True
+        # What schedule="auto" / n_microbatches="auto" considered and chose (None when neither was asked).
+        self.auto_choice = built.auto_choice
 
     @functools.cached_property
     def param_layout(self) -> ParamLayout:
@@ -305,6 +307,28 @@ class PipelinedModel(nn.Module):
         with self._step_errors("a training step"):
             return train_step(self, batch, **kwargs)
 
+    def set_schedule(self, schedule: str | type, *, n_microbatches: int | None = None) -> None:
+        """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved
+        1F1B <-> looped BFS <-> interleaved zero bubble; ZBV <-> DualPipeV), and/or another microbatch
+        count. Same arguments on every rank. Built torch stages and schedules are dropped."""
+        from .autotune import with_schedule
+
+        options = with_schedule(self.options, schedule, self.n_microbatches if n_microbatches is None else n_microbatches)
+        check_same_on_all_ranks(self.ctx, "set_schedule arguments", {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}, describe=self.rank_label)
+        self.runtime.clear()
+        self.options, self.schedule, self.n_microbatches = options, options.schedule, options.n_microbatches
+        self.runtime = PipelineRuntime(
+            stages=list(self.stages), plan=self.plan, schedule=options.schedule, n_microbatches=options.n_microbatches,
+            dims=self.dims, device=self.ctx.device,
+        )
+
+    def tune(self, batch: dict[str, Any], **kwargs: Any):
+        """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count and
+        keep the fastest; returns the :class:`~hf_pipeline.autotune.AutoChoice`. Collective. See ``autotune.py``."""
+        from .autotune import tune
+
+        return tune(self, batch, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
         from .train import clip_grad_norm_
@@ -399,6 +423,8 @@ def load_pipelined(
     progress: bool | None = None,
     config=None,
     split_method: str = "auto",
+    tune_batch: tuple[int, int] | None = None,
+    max_memory: int | str | None = None,
 ) -> PipelinedModel:
     """Build this rank's stages of ``path`` and return the :class:`PipelinedModel` (collective).
 
@@ -425,12 +451,23 @@ def load_pipelined(
         split_method: "recipe" (a recipe from ``model_recipes/`` must exist), "trace" (split with
             torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
             recipe for ``config.model_type`` when there is one, else the tracer.
+        tune_batch, max_memory: with ``schedule="auto"`` and/or ``n_microbatches="auto"``: the ``(batch,
+            seq)`` of the training steps the choice plans for, and a per-rank memory budget (bytes or
+            "20GiB") for their predicted peak; see :func:`hf_pipeline.autotune.choose`. The choice is
+            kept as ``model.auto_choice``.
     """
+    choose = None
+    if schedule == "auto" or n_microbatches == "auto":
+        from .autotune import choose as auto_choose
+
+        choose = functools.partial(auto_choose, tune_batch=tune_batch, max_memory=max_memory)
+    elif tune_batch is not None or max_memory is not None:
+        raise InputError("tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'")
     built = build_pipeline(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
-        split=split, dtype=dtype, split_method=split_method, agreed={"gather_output": gather_output},
+        split=split, dtype=dtype, split_method=split_method, agreed={"gather_output": gather_output}, choose=choose,
     )
     model = (TracedPipelinedModel if built.options.traced else PipelinedModel)(built, gather_output=gather_output)
     model.name_or_path = str(path)  # what was passed, as transformers' ``model.name_or_path``

@@ -52,7 +52,8 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
 from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2)]
+# (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick).
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("auto", None)]
 SECTIONS = ("load", "train", "generate", "bubble")
 
 
@@ -419,10 +420,11 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     from hf_pipeline.profile import expected_vs_recorded
 
     sizes = spec["sizes"]
-    model = AutoModelForCausalLM.from_pretrained(
-        spec["path"], pipeline=True, device="cpu", dtype=torch.float32, schedule=spec["schedule"],
-        virtual_stages=spec["virtual_stages"], n_microbatches=sizes["n_microbatches"], progress=False,
-    )
+    if spec["schedule"] == "auto":
+        choice = dict(schedule="auto", n_microbatches="auto", tune_batch=(sizes["batch"], sizes["seq"]))
+    else:
+        choice = dict(schedule=spec["schedule"], virtual_stages=spec["virtual_stages"], n_microbatches=sizes["n_microbatches"])
+    model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, **choice)
     batch = _batch(sizes)
     # The 2-way limit runs in this job too, right before each pipelined step: every rank trains a
     # transformers model on its share of the batch at the same time. Both sides of each ratio are
@@ -447,7 +449,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     step_seconds = [max(ts[i] for ts in gathered) for i in range(1, len(times))]
     with model.profile() as prof:
         model.train_step(batch)
-    timeline = prof.timeline(title=f"{spec['schedule']}: {sizes['n_microbatches']} microbatches, {model.plan.pp_size} ranks x {model.plan.virtual_stages} stages")
+    timeline = prof.timeline(title=f"{spec['schedule']}: {model.n_microbatches} microbatches, {model.plan.pp_size} ranks x {model.plan.virtual_stages} stages")
     order = expected_vs_recorded(timeline, training=True)
     if model.ctx.is_main_process and spec.get("timeline_dir"):
         d = pathlib.Path(spec["timeline_dir"])
@@ -459,6 +461,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
         order_matches={r: e == got for r, (e, got) in order.items()},
         busy_seconds={r: timeline.busy_seconds(r) for r in timeline.ranks},
         profiled_wall_seconds={r: timeline.wall_seconds(r) for r in timeline.ranks},
+        picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages, "n_microbatches": model.n_microbatches},
     )
 
 
@@ -787,8 +790,12 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 "fraction_of_perfect_overlap": of_two_way * micro_cost if micro_cost else None,
                 "idle_fraction": r0["idle_fraction"], "theoretical_idle_fraction": r0["theoretical_idle_fraction"],
                 "order_matches_schedule": r0["order_matches"], "busy_seconds": r0["busy_seconds"],
-                "profiled_wall_seconds": r0["profiled_wall_seconds"],
+                "profiled_wall_seconds": r0["profiled_wall_seconds"], "picked": r0["picked"],
             }
+        fixed = [row for name, row in train["schedules"].items() if name != "auto" and "error" not in row]
+        if "auto" in train["schedules"] and "error" not in train["schedules"]["auto"] and fixed:
+            # auto against the best fixed choice of the same run (tokens/s)
+            train["auto_vs_best_fixed"] = train["schedules"]["auto"]["tokens_per_s"] / max(row["tokens_per_s"] for row in fixed)
         if train["baseline"] and limits:
             # Over every schedule's job: the 2-way limit and perfect overlap against the separate process.
             train["two_way_speedup"] = _median(base["step_seconds"]) / _median(limits)
@@ -937,10 +944,18 @@ def to_markdown(res: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {row['virtual_stages']} | error: {row['error'][:200]} | | | |")
                 continue
             sep = f"**{row['speedup_vs_separate_baseline']:.2f}x**" if row.get("speedup_vs_separate_baseline") else "-"
+            label = name
+            if name == "auto" and row.get("picked"):
+                pk = row["picked"]
+                label = f"auto: {pk['schedule']}, m={pk['n_microbatches']}"
             lines.append(
-                f"| {name} | {row['virtual_stages']} | {_median(row['step_seconds']):.3f} | {sep} | "
+                f"| {label} | {row['picked']['virtual_stages'] if row.get('picked') else row['virtual_stages']} | "
+                f"{_median(row['step_seconds']):.3f} | {sep} | "
                 f"{_pct(row.get('fraction_of_perfect_overlap'))} | {_pct(row.get('fraction_of_two_way'))} |"
             )
+        if tr.get("auto_vs_best_fixed"):
+            lines += ["", f"`schedule=\"auto\", n_microbatches=\"auto\"` (the cost model's pick at load) reaches "
+                      f"**{_pct(tr['auto_vs_best_fixed'])}** of the best fixed choice's tokens/s."]
         lines.append("")
     if "generate" in res:
         g = res["generate"]

@@ -137,6 +137,12 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     limits = [w for row in train["schedules"].values() for w in row["two_way_seconds"]]
     assert train["two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(limits))
     assert train["perfect_overlap_speedup"] == pytest.approx(train["two_way_speedup"] / cost)
+    # schedule="auto": measured beside the fixed choices, against the best of them
+    auto = train["schedules"]["auto"]
+    assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
+    best = max(row["tokens_per_s"] for name, row in train["schedules"].items() if name != "auto")
+    assert train["auto_vs_best_fixed"] == pytest.approx(auto["tokens_per_s"] / best)
+    assert f"auto: {auto['picked']['schedule']}, m={auto['picked']['n_microbatches']}" in md
     for name, row in train["schedules"].items():
         steps, two_way = row["step_seconds"], row["two_way_seconds"]
         assert len(steps) == len(two_way) == sizes["train_reps"], name

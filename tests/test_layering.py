@@ -31,6 +31,7 @@ LAYERS: list[set[str]] = [
     {"ring"},
     {"train", "generate", "checkpoint", "profile", "data", "default_model"},
     {"memory", "convert"},
+    {"autotune"},
     {"model"},
     {"auto"},
     {"__init__"},

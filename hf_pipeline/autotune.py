@@ -1,0 +1,362 @@
+"""Choosing the schedule, virtual stages and microbatch count: ``schedule="auto"``, ``n_microbatches="auto"``.
+
+At load (:func:`choose`), every candidate (schedule, virtual stages, microbatches) that can train
+the planned batch is costed by **simulating one training step**: each rank runs its actions in
+the order torch's schedule lists them (:func:`hf_pipeline.profile.schedule_actions`), an action
+starting when its rank is free and its input exists (a forward after the previous stage's
+forward, a backward after the next stage's backward, a weight-gradient pass after its input
+pass). An action costs its stage's FLOPs per token (the planner's model, :class:`StagePlan`) times
+the microbatch's tokens — forward 1x, full backward 2x, input and weight backward 1x each — plus a
+fixed overhead per action (Python, communication, a smaller matmul's lower FLOP rate), written as
+the compute of :data:`OVERHEAD_TOKENS` tokens of one rank's share of the model. The simulation
+sees what the bubble formulas do not: stage imbalance, the schedule's real order and the cost of
+many small microbatches. With ``max_memory``, candidates whose predicted training peak
+(:func:`hf_pipeline.memory.plan_report`) does not fit are left out. The choice is pure arithmetic
+on the config, so every rank makes the same one.
+
+:func:`tune` measures instead: on a loaded model and a real batch it times ``train_step`` for each
+schedule that keeps the loaded stage placement and each microbatch count that fits the batch, and
+switches the model to the fastest (collective; the step time is the slowest rank's).
+
+Example:
+    >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="auto", n_microbatches="auto",
+    ...                                              tune_batch=(16, 512))
+    >>> print(model.auto_choice)            # every candidate, its estimate, and the one chosen
+    >>> print(model.tune(batch))            # measured among the schedules of the loaded placement
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import InputError
+from .options import PipelineOptions, parse_size
+from .profile import schedule_actions
+from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
+
+__all__ = ["AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "choose", "simulate_step", "tune", "with_schedule"]
+
+AUTO = "auto"
+# Per-action overhead, as the compute of this many tokens of one rank's share of the model. CPU
+# (gloo): ~1-3 ms of Python and messaging per action against ~0.3 ms per token of a 6-layer
+# h384 share, and matmuls on 256-row microbatches ~10% slower than on 2048 rows (measured by the
+# benchmark's microbatch cost); CUDA: kernel launches and NCCL latency are worth more tokens.
+OVERHEAD_TOKENS = {"cpu": 24, "cuda": 256}
+_DEFAULT_OVERHEAD_TOKENS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    schedule: str
+    virtual_stages: int
+    n_microbatches: int
+
+    def __str__(self) -> str:
+        return f"{self.schedule} v={self.virtual_stages} m={self.n_microbatches}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """One candidate's cost.
+
+    Attributes:
+        relative_step: simulated step time over the ideal (all compute spread evenly over the ranks,
+            no bubble, no overhead); 1.0 is perfect overlap. None when the candidate was measured only.
+        idle: the simulated idle fraction of the busiest rank's step.
+        peak_bytes: predicted training peak of the fullest rank (with ``max_memory`` only).
+        measured_seconds: median measured step time (``tune`` only).
+        note: why the candidate was left out, if it was.
+    """
+
+    candidate: Candidate
+    relative_step: float | None = None
+    idle: float | None = None
+    peak_bytes: int | None = None
+    measured_seconds: float | None = None
+    note: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return not self.note
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoChoice:
+    """What an automatic choice considered and what it picked (printable)."""
+
+    chosen: Candidate
+    estimates: tuple[Estimate, ...]
+    basis: str  # "cost model" or "measured"
+    batch: int
+    seq: int
+
+    def __str__(self) -> str:
+        rows = [f"automatic schedule choice ({self.basis}; batch {self.batch} x {self.seq} tokens): {self.chosen}"]
+        key = (lambda e: e.measured_seconds) if self.basis == "measured" else (lambda e: e.relative_step)
+        for e in sorted(self.estimates, key=lambda e: (not e.usable, key(e) if key(e) is not None else float("inf"))):
+            mark = "*" if e.candidate == self.chosen else " "
+            figure = (f"{e.measured_seconds:.4f} s" if e.measured_seconds is not None else
+                      f"{e.relative_step:.3f}x ideal, idle {e.idle:.1%}" if e.relative_step is not None else "-")
+            mem = f", peak {e.peak_bytes / 2**20:.0f} MiB" if e.peak_bytes is not None else ""
+            rows.append(f" {mark} {str(e.candidate):<34} {figure}{mem}{'  (' + e.note + ')' if e.note else ''}")
+        return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- the simulation
+def simulate_step(
+    spec: ScheduleSpec | str, *, pp_size: int, virtual_stages: int, n_microbatches: int,
+    stage_cost: Sequence[float], overhead: float = 0.0,
+) -> tuple[float, dict[int, float]]:
+    """Simulated wall time of one training step, and each rank's busy time.
+
+    Args:
+        stage_cost: forward cost of one microbatch on each stage (any unit; a full backward costs 2x,
+            an input or weight backward 1x).
+        overhead: added to every action, in the same unit.
+    """
+    spec = get_schedule(spec) if isinstance(spec, str) else spec
+    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages, training=True)
+    last = len(stage_cost) - 1
+    done: dict[tuple[int, str, int], float] = {}
+    free = {r: 0.0 for r in orders}
+    busy = {r: 0.0 for r in orders}
+    pos = {r: 0 for r in orders}
+    weight = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+    def parse(action: str) -> tuple[int, str, int]:
+        for kind in weight:
+            if kind in action:
+                s, i = action.split(kind)
+                return int(s), kind, int(i)
+        raise ValueError(f"unknown action {action!r}")
+
+    def ready(s: int, kind: str, i: int) -> float | None:
+        if kind == "F":
+            deps = [(s - 1, "F", i)] if s > 0 else []
+        elif kind in ("B", "I"):
+            grad = [] if s == last else [(s + 1, "B", i) if (s + 1, "B", i) in done else (s + 1, "I", i)]
+            deps = [(s, "F", i)] + grad
+        else:
+            deps = [(s, "I", i)]
+        times = [done.get(d) for d in deps]
+        return None if any(t is None for t in times) else max(times, default=0.0)
+
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progressed = False
+        for r, order in orders.items():
+            while pos[r] < len(order):
+                s, kind, i = parse(order[pos[r]])
+                at = ready(s, kind, i)
+                if at is None:
+                    break
+                cost = weight[kind] * stage_cost[s] + overhead
+                end = max(free[r], at) + cost
+                done[(s, kind, i)] = end
+                free[r], busy[r] = end, busy[r] + cost
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {spec.name!r}: the simulated step deadlocks (an action waits for one that never runs)")
+    return max(free.values()), busy
+
+
+# ----------------------------------------------------------------------------- candidates
+def _microbatch_counts(rows: int, fixed: int | None) -> list[int]:
+    if fixed is not None:
+        return [fixed]
+    return [m for m in range(1, min(rows, 64) + 1) if rows % m == 0]
+
+
+def _candidates(
+    world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: int | None, rows: int,
+) -> list[Candidate]:
+    specs = list(SCHEDULES.values()) if schedule == AUTO else [get_schedule(schedule)]
+    out = []
+    for spec in specs:
+        vs = [virtual_stages] if virtual_stages is not None else [v for v in (1, 2) if spec.accepts_virtual(v)]
+        for v in vs:
+            stages = num_stages if num_stages is not None else world_size * v
+            if stages % v or world_size % (stages // v):
+                continue
+            pp = stages // v
+            for m in _microbatch_counts(rows // (world_size // pp), n_microbatches):
+                if spec.training_problem(pp_size=pp, virtual_stages=v, n_microbatches=m) is None:
+                    out.append(Candidate(schedule=spec.name, virtual_stages=v, n_microbatches=m))
+    return out
+
+
+def choose(
+    config, world_size: int, *, device_type: str, tune_batch: tuple[int, int] | None = None, max_memory: Any = None,
+    overhead_tokens: float | None = None, **option_kwargs: Any,
+) -> tuple[dict[str, Any], AutoChoice]:
+    """Replace ``schedule="auto"`` / ``n_microbatches="auto"`` in ``option_kwargs`` by the best candidate.
+
+    Args:
+        config: the model config.
+        world_size: processes in the job.
+        device_type: "cpu", "cuda", ...: picks the per-action overhead (:data:`OVERHEAD_TOKENS`).
+        tune_batch: ``(batch, seq)`` of the training steps to plan for (default ``(8 x world_size,
+            min(512, max positions))``).
+        max_memory: per-rank budget (bytes or "20GiB"): candidates whose predicted training peak is
+            larger are left out.
+        overhead_tokens: overrides the per-action overhead.
+        **option_kwargs: :meth:`PipelineOptions.resolve`'s arguments, ``"auto"`` where to choose.
+
+    Returns:
+        (the arguments with concrete values, the :class:`AutoChoice`).
+
+    Raises:
+        InputError: when no candidate can train ``tune_batch`` (within ``max_memory``), naming why.
+    """
+    from .stages import recipe_front_end
+
+    schedule, m_fixed = option_kwargs.get("schedule"), option_kwargs.get("n_microbatches")
+    if schedule is None:  # n_microbatches="auto" alone: for the default schedule
+        schedule = PipelineOptions.resolve(config, world_size, **{**option_kwargs, "n_microbatches": None}).schedule.name
+    max_pos = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512)
+    batch, seq = tune_batch if tune_batch is not None else (8 * world_size, min(512, max_pos))
+    if batch < 1 or seq < 1:
+        raise InputError(f"tune_batch must be (batch, seq) with both >= 1, got {tune_batch!r}")
+    budget = parse_size(max_memory, what="max_memory") if max_memory is not None else None
+    cands = _candidates(
+        world_size, schedule=schedule, virtual_stages=option_kwargs.get("virtual_stages"), num_stages=option_kwargs.get("num_stages"),
+        n_microbatches=None if m_fixed == AUTO else m_fixed, rows=batch,
+    )
+    if not cands:
+        raise InputError(
+            f"no schedule trains a batch of {batch} rows on {world_size} processes with these settings "
+            f"(schedule={schedule!r}, n_microbatches={m_fixed!r}); pass tune_batch=(batch, seq) with more rows, or fix the schedule"
+        )
+    tokens = overhead_tokens if overhead_tokens is not None else OVERHEAD_TOKENS.get(device_type, _DEFAULT_OVERHEAD_TOKENS)
+    plans: dict[tuple[int, str, int], Any] = {}
+    estimates = []
+    for c in cands:
+        spec = get_schedule(c.schedule)
+        opts = PipelineOptions.resolve(config, world_size, **{
+            **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages, "n_microbatches": c.n_microbatches,
+        })
+        check_layout(spec, pp_size=opts.pp_size, virtual_stages=opts.virtual_stages, n_microbatches=c.n_microbatches)
+        key = (opts.virtual_stages, spec.layout, opts.pp_size)
+        if key not in plans:
+            # The loader's own front end (the plan from_pretrained will build); the tracer's split is
+            # costed as balanced, since tracing every candidate would cost more than it tells.
+            plans[key] = None if opts.traced else recipe_front_end(config, opts).plan
+        plan = plans[key]
+        rows = batch // opts.dp_size
+        mb_tokens = rows * seq / c.n_microbatches
+        per_token = [s.flops_per_token for s in plan.stages] if plan is not None else [1.0] * opts.num_stages
+        total = sum(per_token)
+        share = total / opts.pp_size  # one rank's share of the model, per token
+        step, busy = simulate_step(
+            spec, pp_size=opts.pp_size, virtual_stages=opts.virtual_stages, n_microbatches=c.n_microbatches,
+            stage_cost=[f * mb_tokens for f in per_token], overhead=tokens * share,
+        )
+        ideal = 3 * total * rows * seq / opts.pp_size
+        peak, note = None, ""
+        if budget is not None:
+            from .memory import plan_report
+
+            report = plan_report(
+                config, stages=opts.num_stages, virtual_stages=opts.virtual_stages, schedule=c.schedule, dtype=opts.dtype,
+                batch=rows, seq=seq, n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
+            )
+            peak = max(r.train_peak_bytes for r in report.ranks)
+            if peak > budget:
+                note = f"predicted peak {peak / 2**20:.0f} MiB > max_memory {budget / 2**20:.0f} MiB"
+        estimates.append(Estimate(candidate=c, relative_step=step / ideal, idle=1 - max(busy.values()) / step, peak_bytes=peak, note=note))
+    usable = [e for e in estimates if e.usable]
+    if not usable:
+        raise InputError(
+            f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest predicted peak is "
+            f"{min(e.peak_bytes for e in estimates) / 2**20:.0f} MiB; use more stages, a smaller tune_batch or a larger budget"
+        )
+    # Ties: fewer microbatches (bigger matmuls), then fewer stages per rank (fewer messages).
+    best = min(usable, key=lambda e: (round(e.relative_step, 4), e.candidate.virtual_stages, e.candidate.n_microbatches))
+    chosen = best.candidate
+    kwargs = {**option_kwargs, "schedule": chosen.schedule, "virtual_stages": chosen.virtual_stages, "n_microbatches": chosen.n_microbatches}
+    return kwargs, AutoChoice(chosen=chosen, estimates=tuple(estimates), basis="cost model", batch=batch, seq=seq)
+
+
+# ----------------------------------------------------------------------------- measured
+def tune(
+    model: Any, batch: Mapping[str, Any], *, schedules: Sequence[str] | None = None, n_microbatches: Sequence[int] | None = None,
+    steps: int = 2,
+) -> AutoChoice:
+    """Time ``train_step`` on ``batch`` for each schedule of the loaded placement and microbatch
+    count, and switch the model to the fastest (collective: every rank passes the same batch).
+
+    Gradients are cleared afterwards (set to None); the weights are not changed.
+
+    Args:
+        model: a loaded :class:`~hf_pipeline.model.PipelinedModel`.
+        batch: a training batch, as for ``train_step``.
+        schedules: the schedules to try (default: every schedule that places the stages as loaded).
+        n_microbatches: the counts to try (default: every count that divides the batch's rows per
+            replica, 1..64, and that the schedule trains).
+        steps: timed steps per candidate, after one untimed.
+    """
+    import torch.distributed as dist
+
+    plan, dims = model.plan, model.dims
+    rows = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0])
+    here = model.schedule
+    names = list(schedules) if schedules is not None else [
+        s.name for s in SCHEDULES.values() if s.layout == here.layout and s.accepts_virtual(plan.virtual_stages) and s.multi == here.multi
+    ]
+    cands = []
+    for name in names:
+        spec = get_schedule(name)
+        if spec.layout != here.layout or not spec.accepts_virtual(plan.virtual_stages) or spec.multi != here.multi:
+            raise InputError(f"schedule {name!r} places stages differently from the loaded {here.name!r}; reload the model to use it")
+        for m in (list(n_microbatches) if n_microbatches is not None else _microbatch_counts(rows // dims.dp_size, None)):
+            if (rows // dims.dp_size) % m == 0 and spec.training_problem(pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m) is None:
+                cands.append(Candidate(schedule=spec.name, virtual_stages=plan.virtual_stages, n_microbatches=m))
+    if not cands:
+        raise InputError(f"no schedule of the loaded placement trains a batch of {rows} rows; pass n_microbatches= counts that divide it")
+    seq = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[-1])
+    before = (model.schedule.name, model.n_microbatches)
+    estimates = []
+    try:
+        for c in cands:
+            model.set_schedule(c.schedule, n_microbatches=c.n_microbatches)
+            times = []
+            for i in range(steps + 1):
+                t = time.perf_counter()
+                model.train_step(batch)
+                took = torch.tensor([time.perf_counter() - t])
+                if dist.is_initialized():
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the pipeline is as slow as its slowest rank
+                if i:
+                    times.append(float(took))
+            estimates.append(Estimate(candidate=c, measured_seconds=statistics.median(times)))
+    except BaseException:
+        model.set_schedule(before[0], n_microbatches=before[1])
+        raise
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    best = min(estimates, key=lambda e: e.measured_seconds)
+    model.set_schedule(best.candidate.schedule, n_microbatches=best.candidate.n_microbatches)
+    return AutoChoice(chosen=best.candidate, estimates=tuple(estimates), basis="measured", batch=rows, seq=seq)
+
+
+def with_schedule(options: PipelineOptions, schedule: str, n_microbatches: int) -> PipelineOptions:
+    """``options`` with another schedule of the same stage placement and another microbatch count."""
+    spec = get_schedule(schedule)
+    if spec.layout != options.schedule.layout or not spec.accepts_virtual(options.virtual_stages) or spec.multi != options.schedule.multi:
+        raise InputError(
+            f"schedule {spec.name!r} places stages differently from the loaded {options.schedule.name!r} "
+            f"({options.virtual_stages} per rank, {options.schedule.layout} layout); reload the model to use it"
+        )
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise InputError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+    check_layout(spec, pp_size=options.pp_size, virtual_stages=options.virtual_stages, n_microbatches=n_microbatches)
+    return dataclasses.replace(options, schedule=spec, n_microbatches=n_microbatches)
