@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
 
 __all__ = [
-    "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "get_loss", "model_loss", "problem_type", "question_answering_targets",
+    "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "get_loss", "model_loss", "output_loss", "problem_type",
+    "question_answering_targets",
 ]
 
 IGNORE_INDEX = -100  # transformers' label value for "no loss here" (padding, unmasked MLM tokens)
@@ -261,3 +262,20 @@ def model_loss(model, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """
     fn = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
     return fn.mean(logits, labels.to(logits.device), model.config)
+
+
+def output_loss(model, outputs: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The loss transformers' forward returns for the head's ``outputs`` and the targets in ``given``.
+
+    Like :func:`model_loss` for any head: ``given`` holds the loss's :attr:`LossFunction.targets`
+    under transformers' names (``labels``; ``start_positions`` / ``end_positions`` for question
+    answering, clamped to the length of ``start_logits`` as transformers does).
+
+    Example:
+        >>> output_loss(model, {"start_logits": s, "end_logits": e}, {"start_positions": sp, "end_positions": ep})
+    """
+    fn = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
+    head = tuple(outputs[name] for name in model.resolved.head.outputs)
+    length = head[0].shape[1] if head[0].dim() > 1 else 0
+    targets = fn.make_targets({k: v.to(head[0].device) for k, v in given.items()}, length)
+    return fn.mean(head, targets, model.config)

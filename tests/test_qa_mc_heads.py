@@ -3,10 +3,11 @@
 Every case loads a real checkpoint with the recipe at world 1 (all stages local), 2 and 3 (one
 spawned gloo job per world size runs every case) and is compared with transformers on one
 process: the outputs of a 13-row padded forward (fp32, within 1e-5: only summation order
-differs), and for the trained heads the loss of a 15-row training step (three microbatches whose
-real positions differ, so a mean of microbatch means would be off), every gradient by parameter
-name and every parameter after one SGD step. SGD, not Adam: a loss or gradient off by any factor
-moves the parameters by that factor too.
+differs), and for the trained heads the loss of those outputs (``losses.output_loss``, what
+transformers' forward returns with the targets), the loss of a 15-row training step (three
+microbatches whose real positions differ, so a mean of microbatch means would be off), every
+gradient by parameter name and every parameter after one SGD step. SGD, not Adam: a loss or
+gradient off by any factor moves the parameters by that factor too.
 
 Question answering's targets hold positions past the input (ignored, as transformers clamps them)
 in different rows for start and end, so the start and end means run over different counts; and a
@@ -53,7 +54,8 @@ def _targets(auto: str, rows: int) -> dict[str, torch.Tensor]:
     if auto == QA:
         start = torch.randint(0, SEQ, (rows,), generator=g)
         end = torch.randint(0, SEQ, (rows,), generator=g)
-        start[0], start[4], end[7] = 50, -3, SEQ  # ignored, clamped to 0, ignored (start and end counts differ)
+        # ignored, clamped to 0 (not ignored), ignored, ignored: one start and two end positions ignored
+        start[0], start[4], end[7], end[9] = 50, -3, SEQ, 100
         return {"start_positions": start, "end_positions": end[:, None]}  # (B,) and (B, 1), as transformers takes both
     labels = torch.randint(0, CHOICES, (rows,), generator=g)
     labels[2] = -100
@@ -73,6 +75,9 @@ def _case(path: str, arch: str, auto: str, load_kwargs: dict) -> dict:
     result = {"class": type(model).__name__, "outputs": {k: v.clone() for k, v in out.items() if torch.is_tensor(v)}}
     if auto == ENCODER:
         return result
+    from hf_pipeline.losses import output_loss
+
+    result["forward_loss"] = float(output_loss(model, out, _targets(auto, FORWARD_ROWS)))  # what forward(**targets).loss is
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     result["loss"] = float(model.train_step({**_inputs(arch, auto, TRAIN_ROWS), **_targets(auto, TRAIN_ROWS)}))
@@ -95,6 +100,8 @@ def _reference(path: str, arch: str, auto: str) -> dict:
     result = {"outputs": {k: v for k, v in out.items() if torch.is_tensor(v)}}
     if auto == ENCODER:
         return result
+    with torch.no_grad():
+        result["forward_loss"] = float(ref(**_inputs(arch, auto, FORWARD_ROWS), **_targets(auto, FORWARD_ROWS)).loss)
     ref.train()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     loss = ref(**_inputs(arch, auto, TRAIN_ROWS), **_targets(auto, TRAIN_ROWS)).loss
@@ -124,9 +131,10 @@ def _compare(what: str, per_rank: list[dict], want: dict) -> float:
             assert diff <= ATOL, f"{what} rank {rank}: {name} differs by {diff:.2e}"
         if "loss" not in want:
             continue
-        diff = abs(got["loss"] - want["loss"])
-        worst = max(worst, diff)
-        assert diff <= ATOL * max(1.0, abs(want["loss"])), f"{what} rank {rank}: loss {got['loss']} != {want['loss']}"
+        for kind in ("forward_loss", "loss"):
+            diff = abs(got[kind] - want[kind])
+            worst = max(worst, diff)
+            assert diff <= ATOL * max(1.0, abs(want[kind])), f"{what} rank {rank}: {kind} {got[kind]} != {want[kind]}"
         for kind in ("grads", "params"):
             for name, g in got[kind].items():
                 ok, diff = _close(g, want[kind][name])
@@ -136,6 +144,7 @@ def _compare(what: str, per_rank: list[dict], want: dict) -> float:
         # Every parameter with a gradient in transformers got one, on some rank (the stages cover the model).
         seen = {n for got in per_rank for n in got["grads"]}
         assert seen == set(want["grads"]), f"{what}: gradients of {sorted(set(want['grads']) ^ seen)} missing or extra"
+    print(f"{what}: largest difference {worst:.1e}")  # shown with pytest -s
     return worst
 
 
