@@ -247,3 +247,26 @@ def sliding_config(arch: str, *, window: int = 5, layers: int = 6, full_layers: 
 
 
 __all__ += ["sliding_config"]
+
+
+def padded_rows(
+    rows: int, seq: int, *, seed: int = 1, pad_left: bool = True, zero_rows: tuple[int, ...] = (), pad_id: int | None = 0,
+) -> dict[str, torch.Tensor]:
+    """Random ids and an attention mask in which row ``b`` has ``b % seq`` pads and each of ``zero_rows`` is all padding.
+
+    Pads are on the left (``pad_left``) or the right, with id ``pad_id`` (the configs' ``pad_token_id``),
+    or, with ``pad_id=None``, the random ids stay under the padding, so only the mask hides them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    for b in range(rows):
+        pad = seq if b in zero_rows else b % seq
+        if pad and pad_left:
+            mask[b, :pad] = 0
+        elif pad:
+            mask[b, seq - pad :] = 0
+    return {"input_ids": ids if pad_id is None else ids.masked_fill(mask == 0, pad_id), "attention_mask": mask}
+
+
+__all__ += ["padded_rows"]
