@@ -44,10 +44,7 @@ from .stages import StageBuild, materialize
 from .validate import pipeline_identity
 from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
 
-__all__ = [
-    "BuiltPipeline", "KeyPlan", "StageBuild", "agreed_rng_state", "build_pipeline", "check_dtype_supported", "front_end",
-    "initialize_missing", "key_plan", "log_load_report", "wanted_tensors",
-]
+__all__ = ["BuiltPipeline", "StageBuild", "build_pipeline", "wanted_tensors"]
 
 
 @dataclass(kw_only=True)

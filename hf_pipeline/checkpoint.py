@@ -82,7 +82,6 @@ logger = get_logger(__name__)
 
 __all__ = [
     "INDEX_NAME",
-    "TRAINER_STATE_NAME",
     "WEIGHT_FILE_PATTERN",
     "is_complete_checkpoint",
     "latest_checkpoint",

@@ -62,7 +62,6 @@ __all__ = [
     "ConvertError",
     "ConvertReport",
     "SHARED_FILE",
-    "UNUSED_FILE",
     "convert_to_stages",
     "merge_shards",
     "stage_file_name",

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["LIBRARY_LOGGER", "StepProgress", "get_logger", "progress_bar", "progress_enabled"]
+__all__ = ["StepProgress", "get_logger", "progress_bar", "progress_enabled"]
 
 LIBRARY_LOGGER = "hf_pipeline"
 _TRUE = {"1", "ON", "YES", "TRUE"}

@@ -43,7 +43,7 @@ from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, Lo
 from .compat import generation_helper
 from .sampling import row_generators, select_tokens
 
-__all__ = ["Mailbox", "Request", "Ring", "StepStreamer", "Timetable", "TokenChooser", "cache_nbytes"]
+__all__ = ["Mailbox", "Request", "Ring", "Timetable", "cache_nbytes"]
 
 
 def cache_nbytes(cache: Any) -> int:

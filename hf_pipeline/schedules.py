@@ -51,7 +51,6 @@ __all__ = [
     "ScheduleError",
     "ScheduleForwardInOrder",
     "ScheduleSpec",
-    "accepted_schedules",
     "check_layout",
     "check_training",
     "default_schedule",

@@ -65,7 +65,7 @@ from .plan import ResolvedRecipe, ResolvedStack, StageSpec, module_stats, make_p
 from .recipe import HeadSpec, Recipe, StackSpec
 from .stages import StageBuild, meta_model, prune
 
-__all__ = ["TraceError", "TracedStage", "find_blocks", "trace_front_end"]
+__all__ = ["TraceError", "find_blocks", "trace_front_end"]
 
 # HF's own ``model.loss_type`` -> the loss names of hf_pipeline.losses (same as the recipes' ``loss``).
 _LOSSES = {

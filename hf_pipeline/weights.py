@@ -38,7 +38,6 @@ __all__ = [
     "CheckpointNotFoundError",
     "LoadReport",
     "BIN_INDEX_NAME",
-    "BIN_NAME",
     "SAVE_STAGING_PATTERN",
     "SAVE_STAGING_PREFIX",
     "checkpoint_key_renames",
