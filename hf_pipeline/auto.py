@@ -9,7 +9,7 @@ import transformers
 from .errors import InputError
 
 __all__ = [
-    "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM",
+    "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM",
     "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
 ]
 
@@ -100,3 +100,4 @@ AutoModelForSeq2SeqLM = _make("AutoModelForSeq2SeqLM")
 AutoModelForSequenceClassification = _make("AutoModelForSequenceClassification")
 AutoModelForTokenClassification = _make("AutoModelForTokenClassification")
 AutoModelForQuestionAnswering = _make("AutoModelForQuestionAnswering")
+AutoModelForMultipleChoice = _make("AutoModelForMultipleChoice")

@@ -235,14 +235,18 @@ class PipelinedModel(nn.Module):
             batch's outputs, on every rank (or only on the last stage's rank with ``gather_output=False``;
             other ranks then get None).
         """
-        labels = kwargs.pop("labels", None)
+        from .losses import get_loss, output_loss
+
+        # The loss's targets under transformers' names: labels, or start/end positions (question answering).
+        names = get_loss(self.resolved.head.loss, class_name=self.resolved.class_name).targets if self.resolved.head.loss else ()
+        targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
+        targets = {k: v for k, v in targets.items() if v is not None}
+        labels = targets.get("labels")
         raise_if_broken("a forward pass")
         given = {k: v for k, v in dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs).items() if v is not None}
         if self.check_inputs:
             # Every argument (tensors by checksum) in one small digest, before anything else is exchanged.
-            check_same_on_all_ranks(
-                self.ctx, "model inputs", given if labels is None else {**given, "labels": labels}, describe=self.rank_label,
-            )
+            check_same_on_all_ranks(self.ctx, "model inputs", {**given, **targets}, describe=self.rank_label)
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
         validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels)
         # Labels go through the glue's preparation too (T5 derives decoder_input_ids from them, as
@@ -257,10 +261,9 @@ class PipelinedModel(nn.Module):
         if outputs is None:
             return None
         result = dict(zip(self.resolved.head.outputs, outputs))
-        if labels is not None:
-            from .losses import model_loss
-
-            result["loss"] = _forward_only(model_loss(self, result["logits"], labels.to(self.device)))
+        # As transformers: a loss when every target of the head's loss is given (QA: both positions).
+        if names and all(k in targets for k in names):
+            result["loss"] = _forward_only(output_loss(self, result, {k: targets[k] for k in names}))
         return self._output_class()(**result)
 
     def _output_class(self) -> type:

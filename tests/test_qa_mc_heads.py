@@ -75,9 +75,9 @@ def _case(path: str, arch: str, auto: str, load_kwargs: dict) -> dict:
     result = {"class": type(model).__name__, "outputs": {k: v.clone() for k, v in out.items() if torch.is_tensor(v)}}
     if auto == ENCODER:
         return result
-    from hf_pipeline.losses import output_loss
-
-    result["forward_loss"] = float(output_loss(model, out, _targets(auto, FORWARD_ROWS)))  # what forward(**targets).loss is
+    with_targets = model(**_inputs(arch, auto, FORWARD_ROWS), **_targets(auto, FORWARD_ROWS))
+    result["forward_loss"] = float(with_targets.loss)  # the pipelined forward's own loss, as transformers' forward
+    assert all(torch.equal(with_targets[k], v) for k, v in result["outputs"].items())
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     result["loss"] = float(model.train_step({**_inputs(arch, auto, TRAIN_ROWS), **_targets(auto, TRAIN_ROWS)}))
