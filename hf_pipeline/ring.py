@@ -47,18 +47,24 @@ __all__ = ["Mailbox", "Request", "Ring", "Timetable", "cache_nbytes"]
 
 
 def cache_nbytes(cache: Any) -> int:
-    """Bytes held by the key/value tensors of a transformers ``Cache`` (EncoderDecoderCache: both parts)."""
+    """Bytes allocated for the key/value tensors of a transformers ``Cache`` (EncoderDecoderCache: both parts).
+
+    Storage bytes, each storage once, not ``numel``: a sliding-window layer keeps a view of the last
+    ``window - 1`` positions into the ``window``-position tensor its update made, and the memory
+    held is the whole tensor's.
+    """
     if cache is None:
         return 0
     parts = (cache.self_attention_cache, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (cache,)
-    total = 0
+    seen: dict[int, int] = {}
     for part in parts:
         for layer in getattr(part, "layers", ()):
             for name in ("keys", "values"):
                 t = getattr(layer, name, None)
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+                if isinstance(t, torch.Tensor) and t.numel():
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 @dataclass(kw_only=True)
