@@ -72,6 +72,8 @@ _LOSSES = {
     "ForCausalLM": "causal_lm",
     "ForMaskedLM": "masked_lm",
     "ForSequenceClassification": "sequence_classification",
+    "ForTokenClassification": "token_classification",
+    "ForQuestionAnswering": "question_answering",
     "ForConditionalGeneration": "seq2seq_lm",
 }
 
