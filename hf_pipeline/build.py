@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -353,6 +354,7 @@ def build_pipeline(
     Every step that can fail on one rank only is wrapped in an agreement, so a failure anywhere
     raises on every rank (naming the failing rank) instead of leaving the others waiting.
     """
+    started = time.perf_counter()
     ctx = init_distributed(device=device)
     with collective_errors(ctx, "reading the checkpoint config"):
         ckpt = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir, subfolder=subfolder)
@@ -378,9 +380,11 @@ def build_pipeline(
     # The same pipeline from the same checkpoint everywhere, or a named error on every rank: a split,
     # microbatch count or dtype of its own, or other files, on one rank would give wrong numbers or a hang.
     check_same_on_all_ranks(ctx, "from_pretrained arguments and checkpoint", identity, hint=_AGREE_HINT)
+    agreed_at = time.perf_counter()
     with collective_errors(ctx, "tracing the model" if options.traced else "planning the stages"):
         build = front_end(config, options, ctx.device)
     dims = ParallelDims.build(ctx, options.pp_size)
+    planned_at = time.perf_counter()
 
     local = build.plan.stages_for_rank(dims.pp_rank)
     stages: list[nn.Module] = []
@@ -394,11 +398,13 @@ def build_pipeline(
         index = CheckpointIndex.from_directory(ckpt)
         stages = build.make_stages(local)
         wanted, aliases, expected, ignore = wanted_tensors(build.skeleton, build.resolved, stages, index, options.dtype)
+        staged_at = time.perf_counter()
         tensors, report = load_tensors(
             index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
             progress=ctx.is_main_process if progress is None else progress,
             floating=[n for n, (_, dt) in wanted.items() if dt.is_floating_point], unexpected_hint=_UNEXPECTED_HINT,
         )
+        read_at = time.perf_counter()
         keys = key_plan(build.skeleton, build.resolved, index)
         local_names = {n for stage in stages for n in stage.state_dict()}
         fresh = initialize_missing(build.skeleton, keys.initialized, dtype=options.dtype, rng_state=rng_state)
@@ -413,6 +419,12 @@ def build_pipeline(
             stage.eval()
         del tensors
         build.on_loaded(stages)
+    # Where a load's wall time goes, for the benchmark's load-vs-read comparison (this rank's clock).
+    report.seconds = {
+        "config, options, agreement": agreed_at - started, "plan, dims": planned_at - agreed_at,
+        "meta stages, wanted tensors": staged_at - planned_at, **report.seconds,
+        "initialise missing, materialise": time.perf_counter() - read_at,
+    }
     return BuiltPipeline(
         options=options, build=build, ctx=ctx, dims=dims, stages=stages, checkpoint_dir=ckpt, load_report=report,
         auto_choice=auto_choice,

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import pathlib
+import time
 import re
 import struct
 import warnings
@@ -417,6 +418,8 @@ class LoadReport:
     keys_read: list[str] = field(default_factory=list)  # checkpoint keys, each once
     bytes_read: int = 0  # stored bytes (before any dtype cast) of the tensors read
     initialized: list[str] = field(default_factory=list)  # names missing from the checkpoint, initialised as transformers does
+    # Wall seconds by phase of the load ("headers", "read" here; the loader adds its own phases).
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def resolve_keys(index: CheckpointIndex, wanted: Mapping, aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
@@ -505,8 +508,10 @@ def load_tensors(
         by_key.setdefault(key, []).append(name)
 
     # Pass 1, headers only: shapes, sizes, dtypes and stale indexes fail here, before gigabytes are read.
+    started = time.perf_counter()
     floating = set(floating)
     plans = {shard: _plan_shard(index, shard, keys, by_key, wanted, floating) for shard, keys in groups.items()}
+    headers_done = time.perf_counter()
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -540,6 +545,7 @@ def load_tensors(
                     f"shard {shard!r} in {index.directory} ended while reading {key!r} ({e}): the file was truncated "
                     "after its header was checked (is it being overwritten?); re-download or re-save it"
                 ) from None
+    report.seconds = {"headers": headers_done - started, "read": time.perf_counter() - headers_done}
     return out, report
 
 

@@ -95,6 +95,9 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         # load time against plainly reading the same bytes, per rank, max over ranks
         assert all(math.isfinite(x) and x > 0 for x in row["load_seconds"] + row["read_seconds"])
         assert row["load_over_read"] == pytest.approx(max(a / b for a, b in zip(row["load_seconds"], row["read_seconds"])))
+        # where each rank's load went, by phase: every phase timed, the reading among them
+        for phases in row["phases"]:
+            assert {"headers", "read", "initialise missing, materialise"} <= set(phases) and all(v >= 0 for v in phases.values())
 
     # Generate: every ratio is this run's pipelined figure over this run's baseline, tokens equal.
     gen = res["generate"]
