@@ -131,14 +131,14 @@ def summary_pairs(docs: list[str]) -> list[tuple[str, str, int, int]]:
     For each docstring, the text from every sentence that can be a summary on to the end is one
     pair (sentence index 0: the whole docstring, the summary task itself):
     many more pairs than docstrings, and the only way to predict them all is to copy from the
-    input, not to remember docstrings. A summary sentence ends with a period, has 3 to 30 words,
+    input, not to remember docstrings. A summary sentence ends with a period, has 3 to 20 words,
     lies inside one paragraph and is followed by more text.
     """
     pairs = []
     for d, doc in enumerate(docs):
         sentences = [s for para in doc.split("\n\n") for s in _SENTENCE_END.split(" ".join(para.split())) if s]
         for k, first in enumerate(sentences[:-1]):
-            if first.endswith(".") and 3 <= len(first.split()) <= 30:
+            if first.endswith(".") and 3 <= len(first.split()) <= 20:
                 pairs.append(("summarize: " + " ".join(sentences[k:]), first, d, k))
     return pairs
 
@@ -201,12 +201,13 @@ def _llama_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.
     return train_tokenizer(docs, args.vocab_size)
 
 
-def pack(docs: list[str], tok, seq: int) -> torch.Tensor:
-    """Tokenize ``docs``, join them with EOS and cut the stream into rows of ``seq`` tokens. (N, seq)"""
+def pack(docs: list[str], tok, seq: int, sep: int | None = None) -> torch.Tensor:
+    """Tokenize ``docs``, join them with ``sep`` (default EOS) and cut the stream into rows of ``seq`` tokens. (N, seq)"""
     ids: list[int] = []
+    sep = tok.eos_token_id if sep is None else sep
     # The backend tokenizer directly: documents longer than model_max_length are fine here.
     for enc in tok.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids += enc.ids + [tok.eos_token_id]
+        ids += enc.ids + [sep]
     n = len(ids) // seq
     return torch.tensor(ids[: n * seq], dtype=torch.long).view(n, seq)  # (N, seq)
 
@@ -227,9 +228,11 @@ def _t5_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
 
 
 def _bert_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
-    texts = paragraphs(docs)
-    enc = tok(texts, padding="max_length", truncation=True, max_length=args.seq, return_tensors="pt")
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, texts  # (N, seq) each
+    # Packed as BERT was: paragraphs joined with [SEP], rows of seq - 1 tokens after a [CLS]; no padding,
+    # so every row gives seq * 15% predictions.
+    rows = pack(paragraphs(docs), tok, args.seq - 1, sep=tok.sep_token_id)  # (N, seq - 1)
+    ids = torch.cat([torch.full((len(rows), 1), tok.cls_token_id), rows], dim=1)  # (N, seq)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, None
 
 
 # Each *_batch turns selected rows into train_step's batch; ``seed`` fixes any randomness (the
@@ -323,15 +326,15 @@ ARCHS: dict[str, Arch] = {
     ),
     "t5": Arch(
         auto_class="AutoModelForSeq2SeqLM", model_class="T5ForConditionalGeneration",
-        defaults=dict(_COMMON, vocab_size=2048, hidden=192, layers=2, intermediate=512, heads=4, seq=64, target_seq=32, batch=32,
-                      lr=3e-3, steps=1400, warmup=50, max_shard_size="2MB"),
+        defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=2, intermediate=512, heads=4, seq=48, target_seq=24, batch=32,
+                      lr=3e-3, steps=2000, warmup=50, max_shard_size="1MB"),
         tiny=dict(vocab_size=320, hidden=32, layers=2, intermediate=64, heads=4, seq=32, target_seq=16, batch=8),
         tokenizer=_t5_tokenizer, rows=_t5_rows, batch=_t5_batch, config=_t5_config, samples=_t5_samples,
     ),
     "bert": Arch(
         auto_class="AutoModelForMaskedLM", model_class="BertForMaskedLM",
-        defaults=dict(_COMMON, vocab_size=4096, hidden=128, layers=4, intermediate=512, heads=4, seq=64, batch=32, lr=2e-3,
-                      steps=1200, max_shard_size="1MB"),
+        defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=4, intermediate=512, heads=4, seq=32, batch=128, lr=2e-3,
+                      steps=1500, warmup=100, max_shard_size="1MB"),
         tiny=dict(vocab_size=320, hidden=32, layers=4, intermediate=64, heads=4, seq=32, batch=8),
         tokenizer=_bert_tokenizer, rows=_bert_rows, batch=_bert_batch, config=_bert_config, samples=_bert_samples,
     ),
@@ -467,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = {
                 **info, "steps": args.steps, "train_s": round(train_s, 1), "final_train_loss": round(final_train, 4),
                 "eval_loss": round(eval_loss, 4), "python": platform.python_version(), "last_steps": len(recent), "world_size": ctx.world_size, "samples": samples,
-                "params": sum(s.params for s in model.plan.stages), "num_stages": model.plan.num_stages,
+                "params": _params(arch, model.config), "num_stages": model.plan.num_stages,
                 "load_average": [round(x, 1) for x in load_start + os.getloadavg()],
                 "command": _command(ctx.world_size, argv), "args": vars(args),
             }
@@ -487,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.is_main_process:
             shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _params(arch: Arch, config) -> int:
+    """Parameters of the whole model, tied ones once (stages each hold their own copy of a tied embedding)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in getattr(transformers, arch.model_class)(config).parameters())
 
 
 def _command(world_size: int, argv: list[str] | None) -> str:
@@ -545,7 +554,7 @@ enc = tok("summarize: Return the number of items in the queue. The count is appr
 print(tok.decode(model.generate(**enc, max_new_tokens=32)[0], skip_special_tokens=True))""",
         "after_usage": "",
         "data": f"""the docstrings longer than 40 characters in {_stdlib_text(stats)}
-  ({stats['docs']} docstrings). A summary sentence ends with a period, has 3 to 30 words, lies in one
+  ({stats['docs']} docstrings). A summary sentence ends with a period, has 3 to 20 words, lies in one
   paragraph and has more text after it; every one gives a pair: input `"summarize: "` + the docstring
   from that sentence on (whitespace joined, truncated to {a.seq} tokens), target the sentence (at most
   {a.target_seq} tokens). From the first sentence that is the summary task itself (*docstring -> its
@@ -577,15 +586,16 @@ Notebook 04 (BERT embeddings and fill-mask, pipelined) uses it. It is a demonstr
 print([r["token_str"] for r in fill("Return the [MASK] of the file.")])""",
         "after_usage": "",
         "data": f"""the paragraphs (split at blank lines) longer than 40 characters of every module, class and function
-  docstring in {_stdlib_text(stats)}: {stats['train_rows'] + stats['eval_rows']} paragraphs from {stats['docs']}
-  docstrings, {stats['tokens']:,} tokens; each truncated to {a.seq} tokens; shuffled (seed {a.seed}), 2%
-  ({stats['eval_rows']} paragraphs) held out. 15% of the tokens are chosen for prediction with transformers'
-  `DataCollatorForLanguageModeling` (80% of them `[MASK]`, 10% a random token, 10% unchanged), seeded per step.""",
+  docstring in {_stdlib_text(stats)} ({stats['docs']} docstrings): {stats['tokens']:,} tokens, packed as BERT's
+  pre-training data is (paragraphs joined with `[SEP]`, rows of `[CLS]` + {a.seq - 1} tokens, no padding); shuffled
+  (seed {a.seed}), 2% ({stats['eval_rows']} rows) held out. 15% of the tokens are chosen for prediction with
+  transformers' `DataCollatorForLanguageModeling` (80% of them `[MASK]`, 10% a random token, 10% unchanged),
+  seeded per step (the held-out rows with seeds training never used).""",
         "tokenizer": f"""lower-cased WordPiece trained on the paragraphs with `tokenizers`, {cfg.vocab_size} tokens (specials
   `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`); encodings are `[CLS] ... [SEP]`.""",
         "model": f"""`BertForMaskedLM`, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads,
   MLP {cfg.intermediate_size}, {cfg.max_position_embeddings} positions, tied input and output embeddings, no dropout, fp32.""",
-        "tokens": f"{a.steps} steps of {a.batch} paragraphs ({a.steps * a.batch:,} paragraphs, about {a.steps * a.batch / max(1, stats['train_rows']):.0f} epochs)",
+        "tokens": f"{a.steps} steps of {a.batch} x {a.seq} tokens ({a.steps * a.batch * a.seq:,} tokens, about {a.steps * a.batch / max(1, stats['train_rows']):.0f} epochs)",
         "loss": "training loss (cross-entropy of the chosen tokens)", "perplexity": True,
         "samples": f"""Top 5 for `[MASK]`:
 
