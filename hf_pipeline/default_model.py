@@ -8,10 +8,10 @@ with the final loss:
 - ``default_model_path()`` (``"llama"``, ``hf_pipeline/assets/default-model``): a ~4M-parameter
   LLaMA that writes docstring-like English, by
   ``torchrun --nproc_per_node 2 scripts/make_default_model.py --out hf_pipeline/assets/default-model``.
-- ``default_model_path("t5")`` (``hf_pipeline/assets/default-t5``): a small T5 that summarises a
-  docstring (``"summarize: " + docstring`` -> its first sentence), by ``... --arch t5``.
-- ``default_model_path("bert")`` (``hf_pipeline/assets/default-bert``): a small BERT masked LM
-  (``[MASK]`` filling in docstring English), by ``... --arch bert``.
+- ``default_model_path("t5")`` (``hf_pipeline/assets/default-t5``): a ~1.2M-parameter T5 that
+  summarises a docstring (``"summarize: " + docstring`` -> its first sentence), by ``... --arch t5``.
+- ``default_model_path("bert")`` (``hf_pipeline/assets/default-bert``): a ~1.1M-parameter BERT
+  masked LM (``[MASK]`` filling in docstring English), by ``... --arch bert``.
 
 If the bundled files are missing (a trimmed install), :func:`default_model_path` falls back to a
 model with random weights (same architecture, gibberish output), built once in :func:`cache_dir`. Several ranks may build it at once: each builds into its own temporary

@@ -580,8 +580,8 @@ def _card_bert(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
     return {
         "tag": "fill-mask", "name": "BERT model", "path_arg": '"bert"',
         "what": f"""A {stats['params'] / 1e6:.1f}M-parameter BERT masked LM (`BertForMaskedLM`) trained on Python docstrings: it fills
-`[MASK]` in docstring-like English ("Return the [MASK] of the file." -> name, size, path, ...).
-Notebook 04 (BERT embeddings and fill-mask, pipelined) uses it. It is a demonstration model.""",
+`[MASK]` in docstring-like English (the table below has its top 5 for a few sentences). Notebook 04
+(BERT embeddings and fill-mask, pipelined) uses it. It is a demonstration model.""",
         "usage": """fill = transformers.pipeline("fill-mask", model=str(path))
 print([r["token_str"] for r in fill("Return the [MASK] of the file.")])""",
         "after_usage": "",

@@ -367,12 +367,13 @@ def test_regular_install_ships_recipes_default_model_and_the_console_script(tmp_
     shutil.rmtree(src)  # nothing may be read from the source tree
     code = (
         "import json, hf_pipeline; from hf_pipeline.default_model import bundled_model_path; "
-        "print(json.dumps({'file': hf_pipeline.__file__, 'model': str(bundled_model_path()), 'recipes': sorted(hf_pipeline.list_recipes())}))"
+        "print(json.dumps({'file': hf_pipeline.__file__, 'model': str(bundled_model_path()), 'recipes': sorted(hf_pipeline.list_recipes()), "
+        "'t5': str(bundled_model_path('t5')), 'bert': str(bundled_model_path('bert'))}))"
     )
     proc = subprocess.run([str(bin_dir / "python"), "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["file"].startswith(str(venv)) and info["model"].startswith(str(venv)), info
+    assert all(info[k].startswith(str(venv)) for k in ("file", "model", "t5", "bert")), info  # None if a file is missing
     assert set(tiny.ARCHS) <= set(info["recipes"])
     env_out = subprocess.run([str(bin_dir / "hf-pipeline"), "env", "--json"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert env_out.returncode == 0, env_out.stderr

@@ -49,3 +49,32 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     assert shown, "the timeline picture is displayed"
     text = "".join(o.get("text", "") for o in _outputs(nb, "stream"))
     assert "StagePlan" in text or "stage  rank" in text, "the plan is shown"
+
+
+def _saved_text(path) -> str:
+    nb = nbformat.read(path, as_version=4)
+    assert not _outputs(nb, "error")
+    return "".join(o.get("text", "") for o in _outputs(nb, "stream"))
+
+
+@pytest.mark.parametrize("stem", ["03_t5_seq2seq_pipelined", "04_bert_embeddings_fill_mask"])
+def test_saved_outputs_are_a_full_run_of_the_bundled_models(stem):
+    """The outputs stored in the notebook are a full-size run (every training step's loss printed) that makes sense."""
+    import re
+
+    path = ROOT / "notebooks" / f"{stem}.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    steps = int(re.search(r"STEPS = \d+ if TINY else (\d+)", nb.cells[1].source).group(1))
+    text = _saved_text(path)
+    losses = re.search(r"^(?:MLM )?loss: (.*)$", text, re.M).group(1).split()
+    assert len(losses) == steps, "saved from a NOTEBOOK_TINY run; execute the notebook at full size and save it"
+    if stem.startswith("03"):
+        # Each summary shares most of its words with the docstring's first sentence.
+        pairs = re.findall(r"first sentence: (.*)\n  model: +(.*)", text)
+        assert len(pairs) == 4
+        for want, got in pairs:
+            assert sum(w in got.split() for w in want.split()) >= 0.6 * len(want.split()), (want, got)
+    else:
+        tops = re.findall(r"top 5: (\[.*\])", text)
+        assert len(tops) == 4 and all(t.split("'")[1].strip() not in ("the", ",", ".") for t in tops), tops  # not just frequent words
+        assert any(w in tops[0] for w in ("name", "size", "path", "contents", "length", "mode")), tops[0]
