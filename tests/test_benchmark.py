@@ -161,3 +161,14 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         if name in theory:
             assert row["theoretical_idle_fraction"] == pytest.approx(theory[name]), name
         assert (out / "timelines" / f"train-{name}.png").is_file() and (out / "timelines" / f"train-{name}.trace.json").is_file()
+
+
+def test_readme_tables_are_the_committed_results():
+    # README's benchmark block is generated from bench_results/results.json; a new run that was not
+    # written back (python scripts/benchmark.py --update-readme) fails here instead of leaving stale figures.
+    bench = _bench()
+    res = json.loads((ROOT / "bench_results" / "results.json").read_text())
+    block = bench.readme_tables(res)
+    readme = (ROOT / "README.md").read_text()
+    assert block in readme, "README.md's benchmark tables differ from bench_results/results.json: run python scripts/benchmark.py --update-readme"
+    assert res["sizes"]["layers"] >= 12 and not res.get("quick")  # the committed results are a full run
