@@ -24,7 +24,7 @@ or, where transformers has only a mean, from torch:
   multiple_choice          cross entropy over the (B, num_choices) logits, -100 ignored
 
 Example:
-    >>> loss = model_loss(model, logits, labels)          # == hf_model(**batch, labels=labels).loss
+    >>> loss = output_loss(model, {"logits": logits}, {"labels": labels})   # == hf_model(**batch, labels=labels).loss
     >>> fn = get_loss("causal_lm")
     >>> fn.share((logits[:2],), labels[:2], config, denominator=fn.count(labels, config))   # one microbatch's share
 """
@@ -40,8 +40,7 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
 
 __all__ = [
-    "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "get_loss", "model_loss", "output_loss", "problem_type",
-    "question_answering_targets",
+    "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "get_loss", "output_loss",
 ]
 
 IGNORE_INDEX = -100  # transformers' label value for "no loss here" (padding, unmasked MLM tokens)
@@ -250,24 +249,10 @@ class PipelineLoss:
         return value if loss_scale == 1.0 else value * loss_scale
 
 
-def model_loss(model, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss transformers' own model computes from these logits and labels (used by ``forward(labels=...)``).
-
-    Args:
-        model: a :class:`~hf_pipeline.model.PipelinedModel` (its head names the loss).
-        logits: the full batch's logits.
-        labels: the labels as passed to transformers.
-    Returns:
-        A scalar tensor.
-    """
-    fn = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
-    return fn.mean(logits, labels.to(logits.device), model.config)
-
-
 def output_loss(model, outputs: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The loss transformers' forward returns for the head's ``outputs`` and the targets in ``given``.
 
-    Like :func:`model_loss` for any head: ``given`` holds the loss's :attr:`LossFunction.targets`
+    For any head: ``given`` holds the loss's :attr:`LossFunction.targets`
     under transformers' names (``labels``; ``start_positions`` / ``end_positions`` for question
     answering, clamped to the length of ``start_logits`` as transformers does).
 

@@ -26,7 +26,7 @@ from .glue import GLUES, POOLS
 from .losses import LOSSES
 
 __all__ = [
-    "HeadSpec", "POSITION_KINDS", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe",
+    "HeadSpec", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe",
     "position_kind", "register_recipe",
 ]
 

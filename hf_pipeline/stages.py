@@ -29,7 +29,7 @@ from .options import PipelineOptions, model_class_for
 from .plan import ResolvedRecipe, StagePlan, StageSpec, make_plan, resolve_recipe
 from .recipe import get_recipe
 
-__all__ = ["StageBuild", "StageModule", "StackRun", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
+__all__ = ["StageBuild", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
 
 
 def meta_model(config, model_class: str | type) -> nn.Module:

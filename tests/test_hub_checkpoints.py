@@ -286,17 +286,19 @@ def test_t5_forward_with_labels_only(t5):
     torch.testing.assert_close(got["forward"], want, rtol=1e-5, atol=1e-6)
 
 
-# --- two ranks: one spawned job runs every case ------------------------------------------------------
+# --- 2 and 3 ranks: one spawned job runs every case ------------------------------------------------------
 
 
-def _two_rank_job(jobs, int_path, t5_args):
-    return {"cases": _load_cases(jobs), "int": _load_error(int_path, "AutoModelForCausalLM"), "t5": _t5_losses(*t5_args, forward=True)}
+def _rank_job(jobs, int_path, t5_args):
+    return {"cases": _load_cases(jobs), "int": _load_error(int_path, "AutoModelForCausalLM"), "t5": _t5_losses(*t5_args, forward=True, n_microbatches=4)}  # 4 rows: 1F1B on 3 stages needs m >= 3
 
 
-def test_hub_checkpoints_on_two_ranks(hub, int_weight, t5):
+@pytest.mark.parametrize("world", [2, 3])
+def test_hub_checkpoints_on_two_and_three_ranks(hub, int_weight, t5, world):
     path, shard = int_weight
     t5_path, inputs, labels, want = t5
-    results = run_distributed(_two_rank_job, 2, _jobs(hub), path, (t5_path, inputs, labels), timeout=400)
+    results = run_distributed(_rank_job, world, _jobs(hub), path, (t5_path, inputs, labels), timeout=400)
+    assert len(results) == world
     _check(hub, [r["cases"] for r in results])
     # The norm is on the last stage: its rank names key and shard, the other quotes it.
     kinds = [r["int"][0] for r in results]

@@ -108,7 +108,7 @@ def _bad_batches(path, auto, arch):
             messages.append(None)
         except Exception as e:  # noqa: BLE001 - the message is what is tested
             messages.append(f"{type(e).__name__}: {e}")
-    forward_loss = float(model(**good).loss)  # forward(labels=...): losses.model_loss
+    forward_loss = float(model(**good).loss)  # forward(labels=...): losses.output_loss
     return messages, float(model.train_step(good)), forward_loss
 
 
