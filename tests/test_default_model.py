@@ -56,13 +56,18 @@ def _t5_summaries(model, tok, sources: list[str]) -> list[str]:
     return tok.batch_decode(ids, skip_special_tokens=True)
 
 
-def test_bundled_t5_writes_a_docstrings_first_sentence():
-    path = bundled_model_path("t5")
-    assert path is not None and default_model_path("t5") == path
+def _bundled(arch: str, auto: str):
+    """(card stats, tokenizer, transformers model) of a bundled model, checked against its card."""
+    path = bundled_model_path(arch)
+    assert path is not None and default_model_path(arch) == path
     stats = _card_stats(path)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = getattr(transformers, auto).from_pretrained(path, dtype=torch.float32).eval()
     assert sum(p.numel() for p in model.parameters()) == stats["params"]
+    return stats, transformers.AutoTokenizer.from_pretrained(path), model
+
+
+def test_bundled_t5_writes_a_docstrings_first_sentence():
+    stats, tok, model = _bundled("t5", "AutoModelForSeq2SeqLM")
     assert _t5_summaries(model, tok, list(stats["samples"])) == [v["summary"] for v in stats["samples"].values()]
     got = _t5_summaries(model, tok, ["summarize: " + doc for doc, _ in HELD_OUT_DOCSTRINGS])
     for (_, first), summary in zip(HELD_OUT_DOCSTRINGS, got):
@@ -72,12 +77,7 @@ def test_bundled_t5_writes_a_docstrings_first_sentence():
 
 
 def test_bundled_bert_fills_masks_with_sensible_words():
-    path = bundled_model_path("bert")
-    assert path is not None and default_model_path("bert") == path
-    stats = _card_stats(path)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForMaskedLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert sum(p.numel() for p in model.parameters()) == stats["params"]
+    stats, tok, model = _bundled("bert", "AutoModelForMaskedLM")
 
     def top5(texts: list[str]) -> list[list[str]]:
         enc = tok(texts, return_tensors="pt", padding=True)

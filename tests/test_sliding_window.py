@@ -94,17 +94,6 @@ def _gen_inputs():
 
 
 # --------------------------------------------------------------------------- every rank
-def _by_key(model, tensors_of) -> dict[str, list[torch.Tensor]]:
-    out: dict[str, list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for stage in model.stages:
-        for name, p in stage.named_parameters(remove_duplicate=False):
-            if id(p) not in seen and tensors_of(p) is not None:
-                seen.add(id(p))
-                out.setdefault(name, []).append(tensors_of(p).detach().clone())
-    return out
-
-
 def _case(path, load, eos):
     import hf_pipeline
 
@@ -116,9 +105,9 @@ def _case(path, load, eos):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     res["loss"] = float(model.train_step(_train_batch()).detach())
-    res["grads"] = _by_key(model, lambda p: p.grad)
+    res["grads"] = tiny.tensors_by_key(model, lambda p: p.grad)
     opt.step()
-    res["params"] = _by_key(model, lambda p: p)
+    res["params"] = tiny.tensors_by_key(model, lambda p: p)
     return res
 
 

@@ -82,18 +82,6 @@ GREEDY = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=
 
 
 # --------------------------------------------------------------------------- every rank
-def _by_key(model, tensors_of) -> dict[str, list[torch.Tensor]]:
-    """checkpoint key -> this rank's copies of ``tensors_of(parameter)``."""
-    out: dict[str, list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for stage in model.stages:
-        for name, p in stage.named_parameters(remove_duplicate=False):
-            if id(p) not in seen and tensors_of(p) is not None:
-                seen.add(id(p))
-                out.setdefault(model.param_layout.key_of.get(name, name), []).append(tensors_of(p).detach().clone())
-    return out
-
-
 def _case(name: str, path: str) -> dict:
     import hf_pipeline
 
@@ -115,9 +103,9 @@ def _case(name: str, path: str) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     res["loss"] = float(model.train_step(_train_batch(name)))
-    res["grads"] = _by_key(model, lambda p: p.grad)
+    res["grads"] = tiny.tensors_by_key(model, lambda p: p.grad)
     opt.step()
-    res["params"] = _by_key(model, lambda p: p)
+    res["params"] = tiny.tensors_by_key(model, lambda p: p)
     return res
 
 

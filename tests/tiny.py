@@ -14,8 +14,8 @@ import torch
 import transformers
 
 __all__ = [
-    "ARCHS", "AUTO", "WORDS", "config_for", "edit_checkpoint", "make_batch", "make_checkpoint", "reference", "sample_inputs",
-    "save_pytorch_checkpoint", "text_file", "word_tokenizer",
+    "ARCHS", "AUTO", "WORDS", "config_for", "edit_checkpoint", "make_batch", "make_checkpoint", "padded_rows", "reference",
+    "sample_inputs", "save_pytorch_checkpoint", "sliding_config", "tensors_by_key", "text_file", "word_tokenizer",
 ]
 
 ARCHS = ("llama", "gpt2", "bert", "t5")
@@ -246,8 +246,6 @@ def sliding_config(arch: str, *, window: int = 5, layers: int = 6, full_layers: 
     raise ValueError(f"sliding_config: {arch!r} is not 'mistral' or 'qwen2'")
 
 
-__all__ += ["sliding_config"]
-
 
 def padded_rows(
     rows: int, seq: int, *, seed: int = 1, pad_left: bool = True, zero_rows: tuple[int, ...] = (), pad_id: int | None = 0,
@@ -269,4 +267,14 @@ def padded_rows(
     return {"input_ids": ids if pad_id is None else ids.masked_fill(mask == 0, pad_id), "attention_mask": mask}
 
 
-__all__ += ["padded_rows"]
+def tensors_by_key(model, tensors_of) -> dict[str, list[torch.Tensor]]:
+    """Checkpoint key -> this rank's copies of ``tensors_of(parameter)`` (a gradient, the parameter), one per
+    distinct Parameter object, so a tied tensor held once appears once and one held twice appears twice."""
+    out: dict[str, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for stage in model.stages:
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            if id(p) not in seen and tensors_of(p) is not None:
+                seen.add(id(p))
+                out.setdefault(model.param_layout.key_of.get(name, name), []).append(tensors_of(p).detach().clone())
+    return out
