@@ -76,7 +76,7 @@ def _case(path: str, arch: str, auto: str, load_kwargs: dict) -> dict:
     if auto == ENCODER:
         return result
     with_targets = model(**_inputs(arch, auto, FORWARD_ROWS), **_targets(auto, FORWARD_ROWS))
-    result["forward_loss"] = float(with_targets.loss)  # the pipelined forward's own loss, as transformers' forward
+    result["forward_loss"] = float(with_targets.loss.detach())  # the pipelined forward's own loss, as transformers' forward
     assert all(torch.equal(with_targets[k], v) for k, v in result["outputs"].items())
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
