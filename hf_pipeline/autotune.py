@@ -176,8 +176,10 @@ def _microbatch_counts(rows: int, fixed: int | None) -> list[int]:
 
 
 def _candidates(
-    world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: int | None, rows: int,
+    world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: Any, rows: int,
 ) -> list[Candidate]:
+    # n_microbatches: AUTO (every count that divides the rows), None (the loader's default: one per
+    # stage) or a fixed count.
     specs = list(SCHEDULES.values()) if schedule == AUTO else [get_schedule(schedule)]
     out = []
     for spec in specs:
@@ -187,7 +189,8 @@ def _candidates(
             if stages % v or world_size % (stages // v):
                 continue
             pp = stages // v
-            for m in _microbatch_counts(rows // (world_size // pp), n_microbatches):
+            counts = [stages] if n_microbatches is None else _microbatch_counts(rows // (world_size // pp), None if n_microbatches == AUTO else n_microbatches)
+            for m in counts:
                 if spec.training_problem(pp_size=pp, virtual_stages=v, n_microbatches=m) is None:
                     out.append(Candidate(schedule=spec.name, virtual_stages=v, n_microbatches=m))
     return out
@@ -228,7 +231,7 @@ def choose(
     budget = parse_size(max_memory, what="max_memory") if max_memory is not None else None
     cands = _candidates(
         world_size, schedule=schedule, virtual_stages=option_kwargs.get("virtual_stages"), num_stages=option_kwargs.get("num_stages"),
-        n_microbatches=None if m_fixed == AUTO else m_fixed, rows=batch,
+        n_microbatches=m_fixed, rows=batch,
     )
     if not cands:
         raise InputError(

@@ -133,3 +133,10 @@ def test_auto_loaded_and_tuned_model_trains_as_transformers(tmp_path):
         assert res["grad_err"] < 1e-5 and res["grad_err_after_tune"] < 1e-5, res
         assert res["after"] == res["tuned"]  # the model now runs what tune measured fastest
         assert len(res["tried"]) >= 2 and all(t > 0 for t in res["times"])
+
+
+def test_auto_schedule_alone_keeps_the_default_microbatch_count():
+    # schedule="auto" without n_microbatches="auto": each candidate runs the loader's default, one per stage.
+    _, choice = choose(_llama(), 2, device_type="cpu", tune_batch=(16, 128), schedule="auto", auto_class="AutoModelForCausalLM")
+    assert {(e.candidate.virtual_stages, e.candidate.n_microbatches) for e in choice.estimates} <= {(1, 2), (2, 4)}
+    assert {"1f1b", "zbv-zero-bubble"} <= {e.candidate.schedule for e in choice.estimates}
