@@ -66,6 +66,8 @@ def _checkpoint(directory: pathlib.Path, arch: str) -> str:
     """``save_pretrained`` of a seeded random model in >= 3 safetensors shards."""
     if arch in ("llama", "llama-tied"):
         return str(tiny.make_checkpoint(directory, arch))
+    if arch == "llama-tied6":  # enough blocks for 6 traced stages (3 ranks x 2 in a V)
+        return str(tiny.make_checkpoint(directory, "llama-tied", num_hidden_layers=6))
     if arch == "t5":
         return str(tiny.make_checkpoint(directory, arch, dropout_rate=0.0))  # dropout off for exact gradients
     torch.manual_seed(0)
@@ -81,7 +83,7 @@ def _checkpoint(directory: pathlib.Path, arch: str) -> str:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("traced")
-    return {arch: _checkpoint(root / arch, arch) for arch in ("opt", "phi", "bloom", "llama", "llama-tied", "t5")}
+    return {arch: _checkpoint(root / arch, arch) for arch in ("opt", "phi", "bloom", "llama", "llama-tied", "llama-tied6", "t5")}
 
 
 def _reference(path: str, batch: int = 6, seq: int = 9) -> torch.Tensor:
@@ -346,8 +348,16 @@ def test_world_size_2_forward_and_training_through_every_schedule_kind_equal_tra
 
 def test_world_size_3_carries_values_past_a_stage(checkpoints):
     cases = [("opt", {"n_microbatches": 3}), ("phi", {"n_microbatches": 3})]
-    per_rank = run_distributed(_job, 3, [(checkpoints[a], kw) for a, kw in cases], [], timeout=600)
+    # A tied LLaMA traced into a V of 6 stages on 3 ranks: the embedding (stage 0) and the tied LM head
+    # (stage 5) share rank 0, as one Parameter stepped once.
+    train = [("llama-tied6", {"split_method": "trace", "schedule": "zbv-zero-bubble", "virtual_stages": 2, "n_microbatches": 8})]
+    per_rank = run_distributed(_job, 3, [(checkpoints[a], kw) for a, kw in cases], [(checkpoints[a], a, kw) for a, kw in train], timeout=600)
     for i, (arch, kw) in enumerate(cases):
         results = [r["forward"][i] for r in per_rank]
         _check_forward(results, checkpoints[arch], 3, arch)
         assert [len(b) for _, _, b, _ in results[0]["plan"]] in ([1, 2, 1], [2, 1, 1], [1, 1, 2])
+    for i, (arch, kw) in enumerate(train):
+        _check_training([r["train"][i] for r in per_rank], checkpoints[arch], arch, f"{arch} zbv at 3 ranks")
+        assert [r["train"][i]["local"] for r in per_rank] == [[(0, 0), (5, 0)], [(1, 1), (4, 1)], [(2, 2), (3, 2)]]
+        tied = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert len(tied & set(per_rank[0]["train"][i]["params"])) == 1, sorted(per_rank[0]["train"][i]["params"])
