@@ -242,11 +242,10 @@ def choose(
     plans: dict[tuple[int, str, int], Any] = {}
     estimates = []
     for c in cands:
-        spec = get_schedule(c.schedule)
-        opts = PipelineOptions.resolve(config, world_size, **{
+        opts = PipelineOptions.resolve(config, world_size, **{  # the layout checks of loading, too
             **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages, "n_microbatches": c.n_microbatches,
         })
-        check_layout(spec, pp_size=opts.pp_size, virtual_stages=opts.virtual_stages, n_microbatches=c.n_microbatches)
+        spec = opts.schedule
         key = (opts.virtual_stages, spec.layout, opts.pp_size)
         if key not in plans:
             # The loader's own front end (the plan from_pretrained will build); the tracer's split is
@@ -309,22 +308,18 @@ def tune(
     import torch.distributed as dist
 
     plan, dims = model.plan, model.dims
-    rows = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0])
-    here = model.schedule
-    names = list(schedules) if schedules is not None else [
-        s.name for s in SCHEDULES.values() if s.layout == here.layout and s.accepts_virtual(plan.virtual_stages) and s.multi == here.multi
-    ]
+    first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
+    rows, seq = int(first.shape[0]), int(first.shape[-1])
+    names = list(schedules) if schedules is not None else [s.name for s in SCHEDULES.values() if _same_placement(s, model.options)]
     cands = []
     for name in names:
-        spec = get_schedule(name)
-        if spec.layout != here.layout or not spec.accepts_virtual(plan.virtual_stages) or spec.multi != here.multi:
-            raise InputError(f"schedule {name!r} places stages differently from the loaded {here.name!r}; reload the model to use it")
+        # Refused before any step when it would need other stages (the message of set_schedule).
+        spec = with_schedule(model.options, name, model.n_microbatches).schedule
         for m in (list(n_microbatches) if n_microbatches is not None else _microbatch_counts(rows // dims.dp_size, None)):
             if (rows // dims.dp_size) % m == 0 and spec.training_problem(pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m) is None:
                 cands.append(Candidate(schedule=spec.name, virtual_stages=plan.virtual_stages, n_microbatches=m))
     if not cands:
         raise InputError(f"no schedule of the loaded placement trains a batch of {rows} rows; pass n_microbatches= counts that divide it")
-    seq = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[-1])
     before = (model.schedule.name, model.n_microbatches)
     estimates = []
     try:
@@ -351,10 +346,16 @@ def tune(
     return AutoChoice(chosen=best.candidate, estimates=tuple(estimates), basis="measured", batch=rows, seq=seq)
 
 
+def _same_placement(spec: ScheduleSpec, options: PipelineOptions) -> bool:
+    """Whether ``spec`` runs the stages ``options`` placed, as they are (same layout and count per rank)."""
+    here = options.schedule
+    return spec.layout == here.layout and spec.multi == here.multi and spec.accepts_virtual(options.virtual_stages)
+
+
 def with_schedule(options: PipelineOptions, schedule: str, n_microbatches: int) -> PipelineOptions:
     """``options`` with another schedule of the same stage placement and another microbatch count."""
     spec = get_schedule(schedule)
-    if spec.layout != options.schedule.layout or not spec.accepts_virtual(options.virtual_stages) or spec.multi != options.schedule.multi:
+    if not _same_placement(spec, options):
         raise InputError(
             f"schedule {spec.name!r} places stages differently from the loaded {options.schedule.name!r} "
             f"({options.virtual_stages} per rank, {options.schedule.layout} layout); reload the model to use it"

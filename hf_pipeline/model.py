@@ -79,11 +79,7 @@ class PipelinedModel(nn.Module):
         self.checkpoint_dir: pathlib.Path | None = built.checkpoint_dir
         self.load_report: LoadReport = built.load_report
         self.name_or_path = str(built.checkpoint_dir or "")
-        # torch's stages and schedules per input shape (bounded), padding and gathering: runtime.py
-        self.runtime = PipelineRuntime(
-            stages=built.stages, plan=build.plan, schedule=built.options.schedule, n_microbatches=self.n_microbatches,
-            dims=built.dims, device=built.ctx.device,
-        )
+        self.runtime = self._new_runtime()
         self.check_inputs = True
         # What schedule="auto" / n_microbatches="auto" considered and chose (None when neither was asked).
         self.auto_choice = built.auto_choice
@@ -320,8 +316,12 @@ class PipelinedModel(nn.Module):
         check_same_on_all_ranks(self.ctx, "set_schedule arguments", {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}, describe=self.rank_label)
         self.runtime.clear()
         self.options, self.schedule, self.n_microbatches = options, options.schedule, options.n_microbatches
-        self.runtime = PipelineRuntime(
-            stages=list(self.stages), plan=self.plan, schedule=options.schedule, n_microbatches=options.n_microbatches,
+        self.runtime = self._new_runtime()
+
+    def _new_runtime(self) -> PipelineRuntime:
+        # torch's stages and schedules per input shape (bounded), padding and gathering: runtime.py
+        return PipelineRuntime(
+            stages=list(self.stages), plan=self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             dims=self.dims, device=self.ctx.device,
         )
 
