@@ -24,11 +24,14 @@ Environment:
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import hashlib
 import itertools
 import os
 import pickle
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -74,6 +77,8 @@ _CLOSED_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "Conn
 _CONTEXT: RankContext | None = None  # the context created last (get_rank_context)
 _OWNS_GROUP = False  # True when init_distributed created the default group (destroy_distributed may destroy it)
 _AGREEMENTS = itertools.count()  # agreements this process entered: the same sequence on every rank
+_EXIT_HOOKED = False  # the exit handler (_settle_at_exit) is registered
+_SETTLE_TIMEOUT_S = 5.0  # at exit: the longest wait for the groups' worker threads to go idle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,9 +234,12 @@ def init_distributed(
         >>> ctx = init_distributed(device="cpu")     # under torchrun --nproc-per-node 2
         >>> ctx.rank, ctx.world_size, ctx.backend     # (1, 2, 'gloo') on the second process
     """
-    global _CONTEXT, _OWNS_GROUP
+    global _CONTEXT, _OWNS_GROUP, _EXIT_HOOKED
     _apply_threads()
     resolved_timeout = _resolve_timeout(timeout)
+    if not _EXIT_HOOKED:
+        atexit.register(_settle_at_exit)
+        _EXIT_HOOKED = True
 
     if dist.is_available() and dist.is_initialized():
         # Someone (accelerate, the user, an earlier call) already made the group: join it as it is.
@@ -381,6 +389,55 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
     _OWNS_GROUP = False
     _CONTEXT = None
+    # A destroyed group's worker threads stop only when its last reference goes; references held in
+    # reference cycles (a model that went out of scope) go at the next collection. Collect now, while
+    # the interpreter can still run what those threads release (see _settle_at_exit).
+    gc.collect()
+    _settle_threads()
+
+
+def _settle_at_exit() -> None:
+    """At interpreter exit, before finalization: destroy our group and let its threads go idle.
+
+    A gloo worker thread releases each collective's tensors after the caller's ``wait`` has
+    returned, and releasing a tensor Python has seen takes the GIL. If the interpreter is already
+    finalizing at that moment (a script that ends right after ``generate``'s final broadcast), the
+    thread is killed inside a destructor and the process aborts with "terminate called without an
+    active exception". torch cannot wait for this itself while the group may still be referenced,
+    so the exit handler waits, with the GIL released, until no other thread of the process runs.
+    """
+    try:
+        destroy_distributed()
+    except Exception:  # exiting: a failed destroy must not hide the program's own result
+        _settle_threads()
+
+
+def _settle_threads(timeout: float = _SETTLE_TIMEOUT_S) -> None:
+    """Sleep until no thread of this process but the caller is running or runnable (Linux), at most ``timeout`` s.
+
+    An idle worker sleeps in a wait (state S); one still finishing a collective is running (R).
+    Two idle looks in a row, 1 ms apart, count as settled (an event loop waking for a moment is
+    not work in flight). Elsewhere: one short sleep.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        time.sleep(0.05)
+        return
+    me = str(threading.get_native_id())
+    deadline, idle = time.monotonic() + timeout, 0
+    while idle < 2 and time.monotonic() < deadline:
+        busy = False
+        for tid in os.listdir(tasks):
+            if tid == me:
+                continue
+            try:
+                with open(f"{tasks}/{tid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread ended meanwhile
+            busy = busy or state == b"R"
+        idle = 0 if busy else idle + 1
+        time.sleep(0.001)
 
 
 # ---------------------------------------------------------------------------------------------
