@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -385,15 +386,17 @@ def destroy_distributed() -> None:
     A group that existed before (made by accelerate or the user) is left alone. Safe to call twice.
     """
     global _CONTEXT, _OWNS_GROUP
-    if _OWNS_GROUP and dist.is_available() and dist.is_initialized():
+    destroyed = _OWNS_GROUP and dist.is_available() and dist.is_initialized()
+    if destroyed:
         dist.destroy_process_group()
     _OWNS_GROUP = False
     _CONTEXT = None
-    # A destroyed group's worker threads stop only when its last reference goes; references held in
-    # reference cycles (a model that went out of scope) go at the next collection. Collect now, while
-    # the interpreter can still run what those threads release (see _settle_at_exit).
-    gc.collect()
-    _settle_threads()
+    if destroyed:
+        # A destroyed group's worker threads stop only when its last reference goes; references held
+        # in reference cycles (a model that went out of scope) go at the next collection. Collect now,
+        # while the interpreter can still run what those threads release (see _settle_at_exit).
+        gc.collect()
+        _settle_threads()
 
 
 def _settle_at_exit() -> None:
@@ -406,10 +409,15 @@ def _settle_at_exit() -> None:
     active exception". torch cannot wait for this itself while the group may still be referenced,
     so the exit handler waits, with the GIL released, until no other thread of the process runs.
     """
-    try:
-        destroy_distributed()
-    except Exception:  # exiting: a failed destroy must not hide the program's own result
-        _settle_threads()
+    # After an uncaught exception a peer may be gone, and destroying a group with a dead peer can
+    # block on some backends: then only wait for the threads.
+    if getattr(sys, "last_value", None) is None:
+        try:
+            destroy_distributed()
+        except Exception:  # exiting: a failed destroy must not hide the program's own result
+            pass
+    gc.collect()
+    _settle_threads()
 
 
 def _settle_threads(timeout: float = _SETTLE_TIMEOUT_S) -> None:
