@@ -79,7 +79,7 @@ _CONTEXT: RankContext | None = None  # the context created last (get_rank_contex
 _OWNS_GROUP = False  # True when init_distributed created the default group (destroy_distributed may destroy it)
 _AGREEMENTS = itertools.count()  # agreements this process entered: the same sequence on every rank
 _EXIT_HOOKED = False  # the exit handler (_settle_at_exit) is registered
-_SETTLE_TIMEOUT_S = 5.0  # at exit: the longest wait for the groups' worker threads to go idle
+_SETTLE_TIMEOUT_S = 2.0  # at exit: the longest wait for the groups' worker threads to go idle
 
 
 @dataclass(frozen=True, kw_only=True)
