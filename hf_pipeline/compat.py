@@ -135,6 +135,15 @@ def set_attn_implementation(config: Any, name: str) -> None:
     config._attn_implementation = name
 
 
+def no_init_weights():
+    """transformers' context that skips weight initialisation while a model is built. On the meta
+    device that initialisation computes nothing and was most of the skeleton's build time; the
+    context lives in ``transformers.initialization`` with no documented public alias."""
+    from transformers.initialization import no_init_weights as _no_init_weights
+
+    return _no_init_weights()
+
+
 # accelerate's "already prepared" flag: accelerator.prepare returns a module carrying it as it is
 # instead of wrapping it in DDP (there is no public opt-out for a module that syncs its own gradients).
 ACCELERATE_PREPARED_FLAG = "_is_accelerate_prepared"

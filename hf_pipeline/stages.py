@@ -24,6 +24,7 @@ import transformers
 from accelerate import init_empty_weights
 from torch import nn
 
+from .compat import no_init_weights
 from .glue import Glue, get_glue
 from .options import PipelineOptions, model_class_for
 from .plan import ResolvedRecipe, StagePlan, StageSpec, make_plan, resolve_recipe
@@ -39,7 +40,9 @@ def meta_model(config, model_class: str | type) -> nn.Module:
     position id ranges), so a pruned stage only needs its parameters loaded.
     """
     cls = model_class_for(config, model_class)
-    with init_empty_weights(include_buffers=False):
+    # No initialisation: parameters are meta (nothing to fill) and the real values come from the
+    # checkpoint, or, for weights it lacks, from transformers' own init at load (see weights.py).
+    with no_init_weights(), init_empty_weights(include_buffers=False):
         model = cls._from_config(config)
     # init_empty_weights swaps parameters as they are registered, which undoes the ties that
     # post_init made; tie again so shared tensors are one Parameter, as in a real model.
@@ -157,10 +160,29 @@ class StageModule(nn.Module):
         return f"stage={self.spec.index}, rank={self.spec.rank}, blocks={len(self.spec.blocks)}{halves}"
 
 
+class _NotCopied(nn.Module):
+    """Stands in, during :func:`build_stage`'s copy, for a subtree the stage drops; prune deletes it."""
+
+
 def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> StageModule:
-    """A meta-device :class:`StageModule` for ``spec``, cut from a copy of ``full``."""
-    root = copy.deepcopy(full)
-    prune(root, set(spec.modules))
+    """A meta-device :class:`StageModule` for ``spec``, cut from a copy of ``full``.
+
+    Only what the stage keeps is copied: every module that the stage neither keeps, nor contains a
+    kept module, nor sits inside one (under any of its names: T5's shared embedding has two) is
+    mapped to one placeholder in the copy's memo, so a stage of one layer in 80 costs one layer's copy.
+    """
+    keep = set(spec.modules)
+
+    def needed(fqn: str) -> bool:
+        return not fqn or fqn in keep or any(k.startswith(fqn + ".") or fqn.startswith(k + ".") for k in keep)
+
+    names: dict[int, list[str]] = {}
+    for fqn, module in full.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(fqn)
+    placeholder = _NotCopied()
+    memo: dict[int, Any] = {i: placeholder for i, fqns in names.items() if not any(needed(f) for f in fqns)}
+    root = copy.deepcopy(full, memo)
+    prune(root, keep)
     return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue))
 
 

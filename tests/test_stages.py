@@ -1,5 +1,7 @@
 """Tier 2: in-process equivalence. Stages cut from the meta model, run one after another, equal HF."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -116,3 +118,37 @@ def test_block_halves_on_separate_stages_equal_the_hf_model_and_its_gradients(ar
     for name, want in ref.named_parameters():
         got = summed[id(want)]
         assert (got - want.grad).abs().max().item() <= 1e-5 * max(1.0, want.grad.abs().max().item()), name
+
+
+@pytest.mark.parametrize("arch, auto", [("llama-tied", "AutoModelForCausalLM"), ("t5", "AutoModelForSeq2SeqLM")])
+def test_a_stage_copies_only_the_modules_it_keeps(arch, auto, monkeypatch):
+    # T5's shared embedding is one module under two names; the tied LLaMA shares one weight between
+    # the embedding and the head: a stage must keep what it needs under either name, and copy nothing else.
+    cfg = tiny.config_for(arch)
+    meta = meta_model(cfg, auto)
+    resolved = resolve_recipe(meta, get_recipe(cfg.model_type))
+    plan = make_plan(meta, resolved, pp_size=2)
+    copied: list[str] = []
+    names = {id(m): n for n, m in meta.named_modules()}
+    originals = {}
+    for name, module in meta.named_modules():
+        if name.count(".") == 2 and name.split(".")[-1].isdigit():  # one block of a stack: model.layers.3, encoder.block.1
+            cls = type(module)
+            if cls not in originals:
+                originals[cls] = getattr(cls, "__deepcopy__", None)
+
+                def spy(self, memo, _cls=cls):
+                    copied.append(names[id(self)])
+                    clone = _cls.__new__(_cls)
+                    memo[id(self)] = clone
+                    for k, v in self.__dict__.items():
+                        clone.__dict__[k] = copy.deepcopy(v, memo)
+                    return clone
+
+                monkeypatch.setattr(cls, "__deepcopy__", spy, raising=False)
+    for spec in plan.stages:
+        copied.clear()
+        stage = build_stage(meta, resolved, spec)
+        assert sorted(copied) == sorted(spec.blocks), f"stage {spec.index} copied {copied}, keeps {list(spec.blocks)}"
+        kept = {n for n, _ in stage.named_parameters(remove_duplicate=False)}
+        assert kept and all(any(n == m or n.startswith(m + ".") for m in spec.modules) for n in kept)
