@@ -41,7 +41,7 @@ def meta_model(config, model_class: str | type) -> nn.Module:
     """
     cls = model_class_for(config, model_class)
     # No initialisation: parameters are meta (nothing to fill) and the real values come from the
-    # checkpoint, or, for weights it lacks, from transformers' own init at load (see weights.py).
+    # checkpoint, or, for weights it lacks, from transformers' own init at load (build.initialize_missing).
     with no_init_weights(), init_empty_weights(include_buffers=False):
         model = cls._from_config(config)
     # init_empty_weights swaps parameters as they are registered, which undoes the ties that
