@@ -368,10 +368,10 @@ def build_pipeline(
             # transformers' own setter (sub-configs too); the model's __init__ validates it when the meta model is built.
             set_attn_implementation(config, attn_implementation)
         auto_choice = None
-        if choose is not None:
-            option_kwargs, auto_choice = choose(config, ctx.world_size, device_type=ctx.device.type, auto_class=auto_class, **option_kwargs)
-            option_kwargs.pop("auto_class", None)
-        options = PipelineOptions.resolve(config, ctx.world_size, auto_class=auto_class, **option_kwargs)
+        resolve_kwargs = {**option_kwargs, "auto_class": auto_class}
+        if choose is not None:  # "auto" values replaced by concrete ones; the rest handed back as given
+            resolve_kwargs, auto_choice = choose(config, ctx.world_size, device_type=ctx.device.type, **resolve_kwargs)
+        options = PipelineOptions.resolve(config, ctx.world_size, **resolve_kwargs)
         check_dtype_supported(options.dtype, ctx.device)
         identity = pipeline_identity(options, config, ckpt, device_type=ctx.device.type, arguments={
             "split_method": option_kwargs.get("split_method", "auto"), "attn_implementation": attn_implementation,
