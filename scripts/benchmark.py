@@ -1107,114 +1107,6 @@ def to_markdown(res: dict[str, Any]) -> str:
                 ]
         lines.append("")
     if "train" in res:
-        tr = res["train"]
-        base = tr.get("baseline")
-        lines += [
-            "## Train: tokens/s against one transformers process, and against the machine's limit",
-            "",
-            f"LLaMA hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads ({s.get('kv_heads', s['heads'])} key/value), vocab "
-            f"{s['vocab']}, seq {s['seq']}, global batch {s['batch']}, {s['n_microbatches']} microbatches; forward + backward of "
-            f"the whole batch per step (medians of {s['train_reps']} steps after a warm-up). Pipelined: {s['world']} ranks x 1 "
-            "thread. **vs transformers**: one transformers process (1 thread, the whole batch), run on its own. References "
-            f"measured in the same run: the **2-way limit** ({s['world']} independent transformers processes at once, each "
-            "training on its share of the batch, run right before each pipelined step in the same job), the **microbatch "
-            "cost** (one process running the microbatches one after another, over its whole-batch step, alternating), and "
-            "**perfect overlap** = 2-way limit / microbatch cost: what a pipeline with no bubble and free communication "
-            "reaches at this microbatch size. Fractions are medians over back-to-back pairs.",
-            "",
-        ]
-        if base and tr.get("two_way_speedup"):
-            lines += [
-                f"2-way limit: **{tr['two_way_speedup']:.2f}x**; microbatch cost: {base['microbatch_cost']:.2f}x; perfect overlap: "
-                f"**{tr['perfect_overlap_speedup']:.2f}x**.",
-                "",
-            ]
-        lines += [
-            "| schedule | stages per rank | step (s) | vs transformers | fraction of perfect overlap | fraction of the 2-way limit |",
-            "|---|---|---|---|---|---|",
-        ]
-        if base:
-            lines.append(f"| transformers, one process | - | {_median(base['step_seconds']):.3f} | 1.00x | - | - |")
-        for name, row in tr["schedules"].items():
-            if "error" in row:
-                lines.append(f"| {name} | {row['virtual_stages']} | error: {row['error'][:200]} | | | |")
-                continue
-            sep = f"**{row['speedup_vs_separate_baseline']:.2f}x**" if row.get("speedup_vs_separate_baseline") else "-"
-            label = name
-            if name == "auto" and row.get("picked"):
-                pk = row["picked"]
-                label = f"auto: {pk['schedule']}, m={pk['n_microbatches']}"
-            lines.append(
-                f"| {label} | {row['picked']['virtual_stages'] if row.get('picked') else row['virtual_stages']} | "
-                f"{_median(row['step_seconds']):.3f} | {sep} | "
-                f"{_pct(row.get('fraction_of_perfect_overlap'))} | {_pct(row.get('fraction_of_two_way'))} |"
-            )
-        if tr.get("auto_vs_best_fixed"):
-            lines += ["", f"`schedule=\"auto\", n_microbatches=\"auto\"` (the cost model's pick at load) reaches "
-                      f"**{_pct(tr['auto_vs_best_fixed'])}** of the best fixed choice's tokens/s."]
-        lines.append("")
-    if "generate" in res:
-        g = res["generate"]
-        lines += [
-            "## Generate: tokens/s against transformers and a one-microbatch pipeline",
-            "",
-            f"{s['prompts']} prompts x {s['prompt_len']} tokens, {s['new_tokens']} new tokens, greedy (median of {s['gen_reps']} "
-            f"runs after a warm-up); pipelined on {s['world']} ranks x 1 thread.",
-            "",
-            "| run | microbatches | seconds | new tokens/s | vs transformers | tokens equal transformers |",
-            "|---|---|---|---|---|---|",
-        ]
-        b = g.get("baseline", {})
-        if "tokens_per_s" in b:
-            lines.append(f"| transformers generate, 1 process | - | {_median(b['seconds']):.2f} | {b['tokens_per_s']:.0f} | 1.00x | - |")
-        for label, name in (("pipelined", "pipelined generate"), ("one_microbatch", "pipelined, n_microbatches=1")):
-            if label in g:
-                r = g[label]
-                vs = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if "tokens_per_s" in b else "-"
-                lines.append(f"| {name} | {r['n_microbatches']} | {_median(r['seconds']):.2f} | {r['tokens_per_s']:.0f} | {vs} | {'yes' if r['tokens_equal_transformers'] else 'no'} |")
-        if "error" in g:
-            lines.append(f"| pipelined generate | error: {g['error'][:200]} | | | | |")
-        if "speedup_vs_one_microbatch" in g:
-            lines += ["", f"Pipelined vs one microbatch: {g['speedup_vs_one_microbatch']:.2f}x."]
-        if "speedup_vs_transformers" in g:
-            lines += ["", f"Pipelined vs transformers: **{g['speedup_vs_transformers']:.2f}x**."]
-        if "two_way_speedup" in g:
-            lines += [
-                "",
-                f"2-way limit ({s['world']} independent transformers processes at once, each generating for its share of the "
-                f"prompts, run right before each pipelined run): **{g['two_way_speedup']:.2f}x**; pipelined generate reaches "
-                f"**{_pct(g['fraction_of_two_way'])}** of it (median over back-to-back pairs).",
-            ]
-        if "bound" in g:
-            bd = g["bound"]
-            lines += [
-                "",
-                f"Bound on this machine, measured in the same run with transformers: one decode step of all {s['layers']} layers on "
-                f"{s['prompts']} rows takes {bd['full_step_s'] * 1e3:.1f} ms; the slowest stage ({-(-s['layers'] // s['world'])} layers + "
-                f"LM head) on {-(-s['prompts'] // bd['microbatches'])} rows takes {bd['stage_step_s'] * 1e3:.1f} ms, run "
-                f"{bd['microbatches']}x per token = {bd['ring_step_s'] * 1e3:.1f} ms. No {s['world']}-stage ring with "
-                f"{bd['microbatches']} microbatches can beat **{bd['speedup_bound']:.2f}x** here.",
-            ]
-            if "concurrent_stage_step_s" in bd:
-                lines += [
-                    "",
-                    f"With every rank running its stage step at the same time (the cores share caches and memory bandwidth), the "
-                    f"slowest stage step takes {bd['concurrent_stage_step_s'] * 1e3:.1f} ms: bound **{bd['concurrent_speedup_bound']:.2f}x**"
-                    + (f"; the measured ring reaches {g['speedup_vs_transformers'] / bd['concurrent_speedup_bound']:.0%} of it."
-                       if "speedup_vs_transformers" in g else "."),
-                ]
-            if "after_wait_stage_step_s" in bd:
-                lines += [
-                    "",
-                    f"Each step after a 1 ms sleep (a ring's rank blocks on its peer's message between its steps), the slowest "
-                    f"stage step takes {bd['after_wait_stage_step_s'] * 1e3:.1f} ms against {bd['median_stage_step_s'] * 1e3:.1f} ms "
-                    f"back to back (medians, alternating; {bd['after_wait_stage_step_s'] / bd['median_stage_step_s'] - 1:+.0%}): bound "
-                    f"**{bd['after_wait_speedup_bound']:.2f}x**"
-                    + (f"; the measured ring reaches {g['speedup_vs_transformers'] / bd['after_wait_speedup_bound']:.0%} of it."
-                       if "speedup_vs_transformers" in g else "."),
-                ]
-        lines.append("")
-    if "train" in res:
         lines += [
             "## Bubble: measured idle fraction per rank vs theory",
             "",
@@ -1335,13 +1227,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-ranks", default=None, help="world sizes of the load section (default 1,2,4; quick 1,2)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per launched job")
-    parser.add_argument("--update-readme", action="store_true", help="rewrite README.md's benchmark tables from bench_results/results.json and exit")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="rewrite README.md's benchmark tables and bench_results/results.md from bench_results/results.json and exit")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
     if args.update_readme:
-        update_readme(_ROOT / "README.md", json.loads((_ROOT / "bench_results" / "results.json").read_text()))
+        res = json.loads((_ROOT / "bench_results" / "results.json").read_text())
+        update_readme(_ROOT / "README.md", res)
+        (_ROOT / "bench_results" / "results.md").write_text(to_markdown(res))
         return 0
     if args.out is None:
         args.out = str(_ROOT / ("bench_out/quick" if args.quick else "bench_results"))

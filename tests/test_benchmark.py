@@ -174,3 +174,14 @@ def test_readme_tables_are_the_committed_results():
     readme = (ROOT / "README.md").read_text()
     assert block in readme, "README.md's benchmark tables differ from bench_results/results.json: run python scripts/benchmark.py --update-readme"
     assert res["sizes"]["layers"] >= 12 and not res.get("quick")  # the committed results are a full run
+
+
+def test_committed_results_md_renders_results_json_with_each_section_once():
+    bench = _bench()
+    res = json.loads((ROOT / "bench_results" / "results.json").read_text())
+    md = bench.to_markdown(res)
+    headers = [line for line in md.splitlines() if line.startswith("## ")]
+    assert len(headers) == len(set(headers)), f"a section is rendered twice: {headers}"
+    assert {"## Load: per-rank memory and bytes read", "## Bubble: measured idle fraction per rank vs theory"} <= set(headers)
+    assert (ROOT / "bench_results" / "results.md").read_text() == md, (
+        "bench_results/results.md differs from bench_results/results.json: run python scripts/benchmark.py --update-readme")
