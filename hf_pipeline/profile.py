@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
 from .plan import rank_of_stage
-from .schedules import ScheduleSpec, get_schedule
+from .schedules import ScheduleSpec, fuse_backward, get_schedule
 
 __all__ = [
     "ActionRecord",
@@ -154,6 +154,8 @@ def schedule_actions(
 
     local = [stand_in(i) for i in range(num_stages) if rank_of_stage(i, p, spec.layout) == 0]
     order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
+    if spec.zero_bubble:  # as the runtime runs it (PipelineRuntime.get)
+        order = fuse_backward(order, lambda s: rank_of_stage(s, p, spec.layout))
     return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in _ACTION_KINDS] for r in range(p)}
 
 

@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from .dist import ParallelDims
 from .options import cache_size
 from .plan import StagePlan
-from .schedules import ScheduleSpec
+from .schedules import ScheduleSpec, fuse_schedule_backward
 
 __all__ = ["PipelineRuntime", "pad_batch", "signature"]
 
@@ -109,6 +109,8 @@ class PipelineRuntime:
         kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
         if training:
             schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
+            if spec.zero_bubble:
+                fuse_schedule_backward(schedule)  # adjacent I + W as one backward where no rank waits between
         else:
             stage_to_rank = {s.index: s.rank for s in self.plan.stages}
             schedule = spec.forward_only(pstages, stage_to_rank=stage_to_rank, **kwargs)

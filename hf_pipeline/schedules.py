@@ -54,6 +54,8 @@ __all__ = [
     "check_layout",
     "check_training",
     "default_schedule",
+    "fuse_backward",
+    "fuse_schedule_backward",
     "get_schedule",
 ]
 
@@ -325,6 +327,57 @@ def check_training(spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_m
     raise ScheduleError(
         f"schedule {spec.name!r} {problem}; {', or '.join(fixes)} (forward and generate run with any n_microbatches)"
     )
+
+
+def fuse_backward(order: dict[int, list], stage_to_rank: Callable[[int], int]) -> dict[int, list]:
+    """``order`` with each input-gradient pass merged into the weight-gradient pass that follows it
+    where the split buys nothing, as one full backward (B).
+
+    Zero-bubble schedules split a stage's backward into the input gradient (I), which the previous
+    stage waits for, and the weight gradient (W), which fills a bubble later. The split has a
+    price: two autograd passes over the graph instead of one, ~5% more backward time measured on a
+    LLaMA block on CPU. Where a rank's list has ``I(s, i)`` immediately followed by ``W(s, i)`` and
+    no other rank waits for that input gradient (``s`` is the first stage, so there is none, or
+    stage ``s - 1`` is on the same rank, whose backward comes later in the same list anyway), one
+    full backward finishes at the same time with less work, and nothing else moves. Where the
+    gradient goes to another rank the pair stays split: merging would hold its send back by W.
+
+    Args:
+        order: rank -> compute actions (torch's ``pipeline_order``; ``None`` bubbles are dropped).
+        stage_to_rank: the rank of a stage index.
+    Returns:
+        rank -> the actions, merged pairs as one FULL_BACKWARD action each.
+    """
+    i_kind, w_kind, b_kind = ComputationType.BACKWARD_INPUT, ComputationType.BACKWARD_WEIGHT, ComputationType.FULL_BACKWARD
+    out: dict[int, list] = {}
+    for rank, actions in order.items():
+        acts = [a for a in actions if a is not None]
+        merged: list = []
+        k = 0
+        while k < len(acts):
+            a, nxt = acts[k], acts[k + 1] if k + 1 < len(acts) else None
+            if (
+                nxt is not None and a.computation_type == i_kind and nxt.computation_type == w_kind
+                and (a.stage_index, a.microbatch_index) == (nxt.stage_index, nxt.microbatch_index)
+                and (a.stage_index == 0 or stage_to_rank(a.stage_index - 1) == rank)
+            ):
+                merged.append(Action(a.stage_index, b_kind, a.microbatch_index))
+                k += 2
+            else:
+                merged.append(a)
+                k += 1
+        out[rank] = merged
+    return out
+
+
+def fuse_schedule_backward(schedule) -> None:
+    """Apply :func:`fuse_backward` to a built torch runtime schedule (zero-bubble ones) and lower it again."""
+    mapping = dict(schedule.stage_index_to_group_rank)
+    fused = fuse_backward(schedule.pipeline_order, mapping.__getitem__)
+    if all(len(fused[r]) == sum(a is not None for a in acts) for r, acts in schedule.pipeline_order.items()):
+        return  # nothing merged: torch's lowering stands as built
+    schedule.pipeline_order = fused
+    schedule._prepare_schedule_with_comms(fused)  # torch's own lowering: sends, receives, grad reduction
 
 
 class ScheduleForwardInOrder(PipelineScheduleRuntime):

@@ -11,6 +11,7 @@ import transformers
 import tiny
 from harness import run_distributed
 from hf_pipeline.autotune import choose, simulate_step
+from hf_pipeline.profile import schedule_actions
 from hf_pipeline.errors import InputError
 from hf_pipeline.schedules import get_schedule
 
@@ -35,10 +36,15 @@ def test_simulation_sees_imbalance_and_overhead():
     even, _ = simulate_step("1f1b", pp_size=2, virtual_stages=1, n_microbatches=8, stage_cost=[1.0, 1.0])
     skew, _ = simulate_step("1f1b", pp_size=2, virtual_stages=1, n_microbatches=8, stage_cost=[1.0, 2.0])
     assert skew / even == pytest.approx(51 / 27)  # 8 x 3 x 2 on the slow rank + its fill and drain
-    # Overhead per action: zero-bubble schedules run 3 actions per microbatch instead of 2.
-    zb, _ = simulate_step("zbv-zero-bubble", pp_size=2, virtual_stages=2, n_microbatches=8, stage_cost=[0.5] * 4, overhead=0.5)
-    zb0, _ = simulate_step("zbv-zero-bubble", pp_size=2, virtual_stages=2, n_microbatches=8, stage_cost=[0.5] * 4, overhead=0.0)
-    assert zb - zb0 >= 0.5 * 3 * 8 * 2  # every one of the rank's 48 actions pays it
+    # Overhead per action: every action a rank runs pays it (zero-bubble schedules run up to 3 per
+    # microbatch and stage, fewer where I + W run fused as one backward).
+    zb, busy = simulate_step("zbv-zero-bubble", pp_size=2, virtual_stages=2, n_microbatches=8, stage_cost=[0.5] * 4, overhead=0.5)
+    zb0, busy0 = simulate_step("zbv-zero-bubble", pp_size=2, virtual_stages=2, n_microbatches=8, stage_cost=[0.5] * 4, overhead=0.0)
+    actions = schedule_actions("zbv-zero-bubble", pp_size=2, n_microbatches=8, virtual_stages=2)
+    assert 2 * 8 * 2 < len(actions[0]) < 3 * 8 * 2  # some pairs fused, not all
+    for r in (0, 1):
+        assert busy[r] - busy0[r] == pytest.approx(0.5 * len(actions[r]))
+        assert zb >= busy0[r] + 0.5 * len(actions[r])
 
 
 def test_auto_chooses_the_best_simulated_candidate_and_respects_fixed_values():

@@ -24,6 +24,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 import tiny
 from harness import run_distributed
+from hf_pipeline.compat import Action, ComputationType
 from hf_pipeline.profile import schedule_actions, theoretical_bubble
 from hf_pipeline.schedules import (
     SCHEDULES,
@@ -31,6 +32,7 @@ from hf_pipeline.schedules import (
     ScheduleSpec,
     check_layout,
     check_training,
+    fuse_backward,
     get_schedule,
 )
 
@@ -222,6 +224,67 @@ def test_forward_only_actions_follow_the_layout():
         else:
             assert got == {r: [f"{s}F{i}" for s in (r, 5 - r) for i in range(2)] for r in range(3)}, spec.name
         assert (spec.forward_as or spec.name) in SCHEDULES
+
+
+def _torch_order(spec, p: int, m: int) -> dict[int, list]:
+    """torch's own pipeline_order for a multi-stage schedule (stand-in stages, no process group)."""
+    from hf_pipeline.plan import rank_of_stage
+
+    n = p * 2
+
+    def stand_in(i):
+        return types.SimpleNamespace(stage_index=i, num_stages=n, group_size=p, group_rank=0, is_first=i == 0, is_last=i == n - 1, submod=torch.nn.Module())
+
+    local = [stand_in(i) for i in range(n) if rank_of_stage(i, p, spec.layout) == 0]
+    return spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
+
+
+@pytest.mark.parametrize("name", [s.name for s in SCHEDULES.values() if s.zero_bubble])
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8)])
+def test_fused_backward_merges_only_pairs_no_other_rank_waits_for(name, p, m):
+    # Each merged B stands where torch listed I(s, i) directly followed by W(s, i), and only where
+    # the input gradient stays on this rank (first stage, or stage s-1 on the same rank); every
+    # other action is torch's, in torch's order.
+    from hf_pipeline.plan import rank_of_stage
+
+    spec = SCHEDULES[name]
+    if spec.training_problem(pp_size=p, virtual_stages=2, n_microbatches=m) is not None:
+        pytest.skip(f"{name} does not train p={p} m={m}")
+    where = lambda s: rank_of_stage(s, p, spec.layout)  # noqa: E731
+    torch_order = _torch_order(spec, p, m)
+    fused = fuse_backward(torch_order, where)
+    merged_somewhere = False
+    for r, acts in torch_order.items():
+        acts = [a for a in acts if a is not None]
+        want, k = [], 0
+        while k < len(acts):
+            a = acts[k]
+            pair = k + 1 < len(acts) and str(a).endswith(f"I{a.microbatch_index}") and str(acts[k + 1]) == f"{a.stage_index}W{a.microbatch_index}"
+            if pair and (a.stage_index == 0 or where(a.stage_index - 1) == r):
+                want.append(f"{a.stage_index}B{a.microbatch_index}")
+                merged_somewhere = True
+                k += 2
+            else:
+                want.append(str(a))
+                k += 1
+        assert [str(a) for a in fused[r]] == want, (name, p, m, r)
+        for a in fused[r]:  # a remote consumer's gradient is never held back behind a weight pass
+            if str(a) == f"{a.stage_index}I{a.microbatch_index}" and a.stage_index > 0 and where(a.stage_index - 1) != r:
+                assert f"{a.stage_index}B{a.microbatch_index}" not in want
+    if name == "zbv-zero-bubble":
+        assert merged_somewhere  # stage 0's pairs at least (nothing to send)
+        assert all(f"0B{i}" in [str(a) for a in fused[0]] for i in range(m))
+
+
+def test_fused_backward_keeps_a_pair_whose_gradient_another_rank_waits_for():
+    A, C = ComputationType, Action
+    order = {0: [C(1, A.BACKWARD_INPUT, 0), C(1, A.BACKWARD_WEIGHT, 0), C(0, A.BACKWARD_INPUT, 0), None, C(0, A.BACKWARD_WEIGHT, 0)],
+             1: [C(2, A.BACKWARD_INPUT, 0), C(2, A.BACKWARD_WEIGHT, 0), C(3, A.BACKWARD_INPUT, 1), C(3, A.BACKWARD_WEIGHT, 0)]}
+    on = {0: 0, 1: 0, 2: 1, 3: 1}
+    got = {r: [str(a) for a in acts] for r, acts in fuse_backward(order, on.__getitem__).items()}
+    # stage 1 -> 0 on rank 0: merged; stage 0 (no consumer), across a bubble: merged;
+    # stage 2 -> 1 on rank 0: kept split; 3I1 then 3W0: different microbatches, kept
+    assert got == {0: ["1B0", "0B0"], 1: ["2I0", "2W0", "3I1", "3W0"]}
 
 
 # --------------------------------------------------------------------------- on 3 ranks, m < stages
