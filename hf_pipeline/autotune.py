@@ -2,7 +2,7 @@
 
 At load (:func:`choose`), every candidate (schedule, virtual stages, microbatches) that can train
 the planned batch is costed by **simulating one training step**: each rank runs its actions in
-the order torch's schedule lists them (:func:`hf_pipeline.profile.schedule_actions`), an action
+the order torch's schedule lists them (:func:`hf_pipeline.schedules.simulate_step`), an action
 starting when its rank is free and its input exists (a forward after the previous stage's
 forward, a backward after the next stage's backward, a weight-gradient pass after its input
 pass). An action costs its stage's FLOPs per token (the planner's model, :class:`StagePlan`) times
@@ -37,8 +37,7 @@ import torch
 
 from .errors import InputError
 from .options import PipelineOptions, parse_size
-from .profile import schedule_actions
-from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
+from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule, simulate_step
 
 __all__ = ["AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "choose", "simulate_step", "tune", "with_schedule"]
 
@@ -106,66 +105,6 @@ class AutoChoice:
             mem = f", peak {e.peak_bytes / 2**20:.0f} MiB" if e.peak_bytes is not None else ""
             rows.append(f" {mark} {str(e.candidate):<34} {figure}{mem}{'  (' + e.note + ')' if e.note else ''}")
         return "\n".join(rows)
-
-
-# ----------------------------------------------------------------------------- the simulation
-def simulate_step(
-    spec: ScheduleSpec | str, *, pp_size: int, virtual_stages: int, n_microbatches: int,
-    stage_cost: Sequence[float], overhead: float = 0.0,
-) -> tuple[float, dict[int, float]]:
-    """Simulated wall time of one training step, and each rank's busy time.
-
-    Args:
-        stage_cost: forward cost of one microbatch on each stage (any unit; a full backward costs 2x,
-            an input or weight backward 1x).
-        overhead: added to every action, in the same unit.
-    """
-    spec = get_schedule(spec) if isinstance(spec, str) else spec
-    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages, training=True)
-    last = len(stage_cost) - 1
-    done: dict[tuple[int, str, int], float] = {}
-    free = {r: 0.0 for r in orders}
-    busy = {r: 0.0 for r in orders}
-    pos = {r: 0 for r in orders}
-    weight = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
-    def parse(action: str) -> tuple[int, str, int]:
-        for kind in weight:
-            if kind in action:
-                s, i = action.split(kind)
-                return int(s), kind, int(i)
-        raise ValueError(f"unknown action {action!r}")
-
-    def ready(s: int, kind: str, i: int) -> float | None:
-        if kind == "F":
-            deps = [(s - 1, "F", i)] if s > 0 else []
-        elif kind in ("B", "I"):
-            grad = [] if s == last else [(s + 1, "B", i) if (s + 1, "B", i) in done else (s + 1, "I", i)]
-            deps = [(s, "F", i)] + grad
-        else:
-            deps = [(s, "I", i)]
-        times = [done.get(d) for d in deps]
-        return None if any(t is None for t in times) else max(times, default=0.0)
-
-    remaining = sum(len(o) for o in orders.values())
-    while remaining:
-        progressed = False
-        for r, order in orders.items():
-            while pos[r] < len(order):
-                s, kind, i = parse(order[pos[r]])
-                at = ready(s, kind, i)
-                if at is None:
-                    break
-                cost = weight[kind] * stage_cost[s] + overhead
-                end = max(free[r], at) + cost
-                done[(s, kind, i)] = end
-                free[r], busy[r] = end, busy[r] + cost
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {spec.name!r}: the simulated step deadlocks (an action waits for one that never runs)")
-    return max(free.values()), busy
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -246,7 +185,9 @@ def choose(
             **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages, "n_microbatches": c.n_microbatches,
         })
         spec = opts.schedule
-        key = (opts.virtual_stages, spec.layout, opts.pp_size)
+        # The split balances for the schedule and microbatch count (make_plan) when a rank holds
+        # several stages; with one stage per rank it is the same for every candidate.
+        key = (opts.virtual_stages, spec.layout, opts.pp_size) + ((spec.name, c.n_microbatches) if opts.virtual_stages > 1 else ())
         if key not in plans:
             # The loader's own front end (the plan from_pretrained will build); the tracer's split is
             # costed as balanced, since tracing every candidate would cost more than it tells.

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .errors import PlanError
 from .recipe import HeadSpec, Recipe, RecipeError
+from .schedules import SCHEDULES, ScheduleSpec, default_schedule, get_schedule, rank_of_stage, simulate_step
 
 __all__ = ["ParamLayout", "PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "param_layout", "resolve_recipe"]
 
 LAYOUTS = ("loop", "v")
-# ``split="auto"`` cuts a block in two only when that lowers the slowest stage's cost by more than this.
+# ``split="auto"`` cuts a block in two only when that lowers the busiest rank's cost by more than this.
 CUT_GAIN = 0.02
 
 
@@ -330,6 +331,71 @@ def _partition(costs: Sequence[float], parts: int) -> list[int]:
     return sorted(starts)
 
 
+def _stage_costs(costs: Sequence[float], starts: Sequence[int]) -> list[float]:
+    bounds = list(starts) + [len(costs)]
+    return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _split_score(ranks: Sequence[int], schedule: ScheduleSpec, n_microbatches: int) -> Callable[[Sequence[float]], tuple[float, ...]]:
+    """What ``split="auto"`` minimises when a rank holds several stages, given the stages' costs
+    (smaller is better, compared in order): the simulated training step of ``schedule``
+    (:func:`simulate_step`), then the busiest rank's total, then the costliest stage.
+
+    The min-max split of the stages alone (right for one stage per rank, where every microbatch
+    waits for the costliest stage) does not minimise the step here: its stages may all stay under
+    the costliest one (the LM head's) while one rank holds the heavier ones, and a first stage
+    lighter than the rest shortens the warm-up. On the benchmark's 12-layer model at 2 stages per
+    rank the simulated step of interleaved 1F1B is 0.901 of perfect overlap with the min-max split,
+    0.956 with this one.
+    """
+    pp_size = len(set(ranks))
+    virtual = len(ranks) // pp_size
+
+    def score(stage: Sequence[float]) -> tuple[float, ...]:
+        total = float(sum(stage)) or 1.0
+        step, busy = simulate_step(schedule, pp_size=pp_size, virtual_stages=virtual, n_microbatches=n_microbatches, stage_cost=stage)
+        # relative and rounded: ties do not hang on float noise
+        return round(step / total, 9), round(max(busy.values()) / total, 9), round(max(stage) / total, 9)
+
+    return score
+
+
+def _balance(costs: Sequence[float], parts: int, score: Callable[[Sequence[float]], tuple[float, ...]]) -> list[int]:
+    """Start indices of ``parts`` contiguous non-empty groups of ``costs`` with the lowest ``score``.
+
+    Starts from the min-max split (:func:`_partition`) and from the split at equal shares of the
+    total; from each, boundaries move one or two units at a time (or two neighbouring boundaries
+    together) while that lowers the score; the better end wins.
+    """
+    minmax = _partition(costs, parts)
+    n, total = len(costs), float(sum(costs))
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # Equal shares: group k starts where the running total first reaches k/parts of the whole.
+    shares = [0] + [min(max(next(i for i in range(n + 1) if prefix[i] >= k * total / parts), k), n - parts + k) for k in range(1, parts)]
+    shares = shares if all(b > a for a, b in zip(shares, shares[1:])) else minmax
+
+    def key(starts: list[int]) -> tuple[float, ...]:
+        return score(_stage_costs(costs, starts))
+
+    def search(starts: list[int]) -> list[int]:
+        best = key(starts)
+        while True:
+            moves = [
+                starts[:k] + [starts[k] + d] + starts[k + 1:] for k in range(1, parts) for d in (-2, -1, 1, 2)
+            ] + [  # two neighbouring boundaries together: a group keeps its units and moves
+                starts[:k] + [starts[k] + d, starts[k + 1] + d] + starts[k + 2:] for k in range(1, parts - 1) for d in (-1, 1)
+            ]
+            scored = [(key(m), m) for m in moves if all(b > a for a, b in zip(m, m[1:])) and m[-1] < n]
+            found = min(scored, default=None)
+            if found is None or found[0] >= best:
+                return starts
+            best, starts = found
+
+    return min((search(minmax), search(shares)), key=key)
+
+
 @dataclass(frozen=True)
 class _Unit:
     """What the partitioner places: a whole block (``half`` None) or one half of it (0, 1)."""
@@ -339,12 +405,20 @@ class _Unit:
     half: int | None
 
 
-def rank_of_stage(stage: int, pp_size: int, layout: str) -> int:
-    if layout == "loop":
-        return stage % pp_size  # rank r owns stages r, r+p, r+2p, ...
-    # V shape: rank r owns stages r and 2p-1-r, so the last stage sits next to the first
-    wave, pos = divmod(stage, pp_size)
-    return pos if wave % 2 == 0 else pp_size - 1 - pos
+def _training_schedule(
+    schedule: ScheduleSpec | str | None, *, layout: str, pp_size: int, virtual_stages: int, n_microbatches: int | None,
+) -> tuple[ScheduleSpec, int]:
+    """The schedule and microbatch count a split is balanced for: the given ones where they train
+    these stages, else the layout's default schedule and one microbatch per stage (which always trains)."""
+    spec = get_schedule(schedule) if schedule is not None else None
+    if spec is None or spec.layout != layout or not spec.accepts_virtual(virtual_stages):
+        spec = get_schedule(default_schedule(virtual_stages))
+        if spec.layout != layout:
+            spec = next(s for s in SCHEDULES.values() if s.layout == layout and s.accepts_virtual(virtual_stages))
+    m = n_microbatches or pp_size * virtual_stages
+    if spec.training_problem(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m) is not None:
+        m = pp_size * virtual_stages
+    return spec, m
 
 
 def make_plan(
@@ -357,6 +431,8 @@ def make_plan(
     split: str | Sequence[str] = "auto",
     dtype: torch.dtype | None = None,
     seq_len: int = 256,
+    schedule: ScheduleSpec | str | None = None,
+    n_microbatches: int | None = None,
 ) -> StagePlan:
     """Split ``model`` (on the meta device) into ``pp_size * virtual_stages`` stages.
 
@@ -372,6 +448,9 @@ def make_plan(
             a block's second half (``["model.layers.4.post_attention_layernorm"]``).
         dtype: dtype the weights will be loaded in (for the byte counts); default: the model's.
         seq_len: sequence length used to cost attention.
+        schedule, n_microbatches: the training schedule and microbatch count the split is balanced
+            for when a rank holds several stages (``split="auto"``; default: the layout's default
+            schedule, one microbatch per stage).
     Returns:
         The :class:`StagePlan`.
     """
@@ -435,21 +514,25 @@ def make_plan(
             costs = [stats([u], i == len(units) - 1)[2] for i, u in enumerate(units)]
             block_costs = [sum(costs[a:b]) for a, b in zip(block_starts, block_starts[1:] + [len(units)])]
 
-            def slowest(starts: list[int], cs: list[float]) -> float:
-                return max(sum(cs[a:b]) for a, b in zip(starts, starts[1:] + [len(cs)]))
-
+            if virtual_stages == 1:  # every microbatch waits for the costliest stage: the min-max split
+                score = lambda stage: (max(stage),)  # noqa: E731
+                split_of = lambda cs: _partition(cs, num_stages)  # noqa: E731
+            else:  # the split with the shortest simulated step of the training schedule
+                score = _split_score([rank_of_stage(s, pp_size, layout) for s in range(num_stages)], *_training_schedule(
+                    schedule, layout=layout, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches))
+                split_of = lambda cs: _balance(cs, num_stages, score)  # noqa: E731
             starts = None
             if num_stages <= n_blocks:
-                whole = _partition(block_costs, num_stages)
+                whole = split_of(block_costs)
                 starts = [block_starts[i] for i in whole]
-                best = slowest(whole, block_costs)
+                best = score(_stage_costs(block_costs, whole))[0]
             if len(units) > n_blocks:
                 if num_stages > len(units):
                     raise too_many(len(units), "block halves")
-                cut = _partition(costs, num_stages)
-                # Cut a block only where that makes the slowest stage clearly faster: a whole-block
-                # plan is the simpler one to read, and equal cost is no reason to leave it.
-                if starts is None or slowest(cut, costs) < (1.0 - CUT_GAIN) * best:
+                cut = split_of(costs)
+                # Cut a block only where that makes the step clearly faster: a whole-block plan is
+                # the simpler one to read, and equal cost is no reason to leave it.
+                if starts is None or score(_stage_costs(costs, cut))[0] < (1.0 - CUT_GAIN) * best:
                     starts = cut
             if starts is None:
                 raise too_many(n_blocks, "blocks")

@@ -33,16 +33,13 @@ import resource
 import pathlib
 import threading
 import time
-import types
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
-from .plan import rank_of_stage
-from .schedules import ScheduleSpec, fuse_backward, get_schedule
+from .schedules import ScheduleSpec, get_schedule, schedule_actions
 
 __all__ = [
     "ActionRecord",
@@ -97,66 +94,6 @@ def theoretical_bubble(schedule: str | type | ScheduleSpec, *, pp_size: int, n_m
     """
     spec = get_schedule(schedule)
     return spec.theoretical_bubble(pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
-
-
-def _single_stage_actions(spec: ScheduleSpec, stage: int, num_stages: int, m: int) -> list[str]:
-    # What ScheduleGPipe / Schedule1F1B._step_microbatches execute: ``spec.warmup`` forwards, then
-    # one backward and one forward while forwards remain, then the remaining backwards. Note:
-    # torch 2.13's Schedule1F1B.pipeline_order numbers the last rank's forwards 1..m (off by one),
-    # so the order is derived from the step's own loops instead.
-    warmup = m if spec.warmup == "all" else min(m, num_stages - stage)
-    out = [f"{stage}F{i}" for i in range(warmup)]
-    fwd, bwd = warmup, 0
-    while fwd < m:
-        out += [f"{stage}B{bwd}", f"{stage}F{fwd}"]
-        bwd, fwd = bwd + 1, fwd + 1
-    out += [f"{stage}B{i}" for i in range(bwd, m)]
-    return out
-
-
-def _flatten(actions) -> Iterator[Any]:
-    for a in actions:
-        if a is None:
-            continue
-        if a.sub_actions:
-            yield from _flatten(a.sub_actions)
-        else:
-            yield a
-
-
-def schedule_actions(
-    schedule: str | ScheduleSpec, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1, training: bool = True
-) -> dict[int, list[str]]:
-    """The compute actions each pipeline rank runs in one step, in order (``["0F0", "0F1", "0B0", ...]``).
-
-    Multi-stage schedules: torch's own ``pipeline_order`` (built from stand-in stage objects, so no
-    process group is needed). Single-stage GPipe / 1F1B: the order their ``step`` executes.
-    ``training=False``: the forward actions only (what a forward-only step runs).
-    """
-    spec = get_schedule(schedule)
-    p, v, m = pp_size, virtual_stages, n_microbatches
-    if not training:
-        # A forward-only call runs every rank's stages in stage order, all microbatches of one
-        # stage before the next (GPipe's forward for one stage per rank, looped BFS's for looped
-        # stages, ScheduleForwardInOrder's for any layout): see ScheduleSpec.forward_only.
-        num_stages = p * (v if spec.multi else 1)
-        return {r: [f"{s}F{i}" for s in range(num_stages) if rank_of_stage(s, p, spec.layout) == r for i in range(m)] for r in range(p)}
-    if not spec.multi:
-        return {r: _single_stage_actions(spec, r, p, m) for r in range(p)}
-    num_stages = p * v
-
-    def stand_in(index: int) -> types.SimpleNamespace:
-        # The attributes PipelineScheduleMulti.__init__ reads from its stages.
-        return types.SimpleNamespace(
-            stage_index=index, num_stages=num_stages, group_size=p, group_rank=0,
-            is_first=index == 0, is_last=index == num_stages - 1, submod=torch.nn.Module(),
-        )
-
-    local = [stand_in(i) for i in range(num_stages) if rank_of_stage(i, p, spec.layout) == 0]
-    order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
-    if spec.zero_bubble:  # as the runtime runs it (PipelineRuntime.get)
-        order = fuse_backward(order, lambda s: rank_of_stage(s, p, spec.layout))
-    return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in _ACTION_KINDS] for r in range(p)}
 
 
 # ----------------------------------------------------------------------------- the timeline

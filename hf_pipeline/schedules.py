@@ -36,9 +36,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
+import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
+from torch import nn
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -46,6 +50,7 @@ from .compat import Action, ComputationType, PipelineScheduleRuntime
 from .errors import ScheduleError
 
 __all__ = [
+    "ACTION_WEIGHTS",
     "BUBBLE_FORMULAS",
     "SCHEDULES",
     "ScheduleError",
@@ -57,6 +62,9 @@ __all__ = [
     "fuse_backward",
     "fuse_schedule_backward",
     "get_schedule",
+    "rank_of_stage",
+    "schedule_actions",
+    "simulate_step",
 ]
 
 # Idle fraction of a training step at equal stage costs, by name: p ranks, m microbatches, v stages
@@ -378,6 +386,153 @@ def fuse_schedule_backward(schedule) -> None:
         return  # nothing merged: torch's lowering stands as built
     schedule.pipeline_order = fused
     schedule._prepare_schedule_with_comms(fused)  # torch's own lowering: sends, receives, grad reduction
+
+
+# ----------------------------------------------------------------------------- placement and action order
+def rank_of_stage(stage: int, pp_size: int, layout: str) -> int:
+    """The pipeline rank that runs ``stage``: looped (rank r owns r, r+p, ...) or V (r and 2p-1-r)."""
+    if layout == "loop":
+        return stage % pp_size  # rank r owns stages r, r+p, r+2p, ...
+    # V shape: rank r owns stages r and 2p-1-r, so the last stage sits next to the first
+    wave, pos = divmod(stage, pp_size)
+    return pos if wave % 2 == 0 else pp_size - 1 - pos
+
+
+_ACTION_KINDS = ("F", "B", "I", "W")  # a schedule's own compute actions (what pipeline_order lists)
+
+
+def _single_stage_actions(spec: ScheduleSpec, stage: int, num_stages: int, m: int) -> list[str]:
+    # What ScheduleGPipe / Schedule1F1B._step_microbatches execute: ``spec.warmup`` forwards, then
+    # one backward and one forward while forwards remain, then the remaining backwards. Note:
+    # torch 2.13's Schedule1F1B.pipeline_order numbers the last rank's forwards 1..m (off by one),
+    # so the order is derived from the step's own loops instead.
+    warmup = m if spec.warmup == "all" else min(m, num_stages - stage)
+    out = [f"{stage}F{i}" for i in range(warmup)]
+    fwd, bwd = warmup, 0
+    while fwd < m:
+        out += [f"{stage}B{bwd}", f"{stage}F{fwd}"]
+        bwd, fwd = bwd + 1, fwd + 1
+    out += [f"{stage}B{i}" for i in range(bwd, m)]
+    return out
+
+
+def _flatten(actions) -> Iterator[Any]:
+    for a in actions:
+        if a is None:
+            continue
+        if a.sub_actions:
+            yield from _flatten(a.sub_actions)
+        else:
+            yield a
+
+
+def schedule_actions(
+    schedule: str | ScheduleSpec, *, pp_size: int, n_microbatches: int, virtual_stages: int = 1, training: bool = True
+) -> dict[int, list[str]]:
+    """The compute actions each pipeline rank runs in one step, in order (``["0F0", "0F1", "0B0", ...]``).
+
+    Multi-stage schedules: torch's own ``pipeline_order`` (built from stand-in stage objects, so no
+    process group is needed), with the backward passes merged as the runtime runs them
+    (:func:`fuse_backward`). Single-stage GPipe / 1F1B: the order their ``step`` executes.
+    ``training=False``: the forward actions only (what a forward-only step runs).
+    """
+    spec = get_schedule(schedule)
+    p, v, m = pp_size, virtual_stages, n_microbatches
+    if not training:
+        # A forward-only call runs every rank's stages in stage order, all microbatches of one
+        # stage before the next (GPipe's forward for one stage per rank, looped BFS's for looped
+        # stages, ScheduleForwardInOrder's for any layout): see ScheduleSpec.forward_only.
+        num_stages = p * (v if spec.multi else 1)
+        return {r: [f"{s}F{i}" for s in range(num_stages) if rank_of_stage(s, p, spec.layout) == r for i in range(m)] for r in range(p)}
+    if not spec.multi:
+        return {r: _single_stage_actions(spec, r, p, m) for r in range(p)}
+    num_stages = p * v
+
+    def stand_in(index: int) -> types.SimpleNamespace:
+        # The attributes PipelineScheduleMulti.__init__ reads from its stages.
+        return types.SimpleNamespace(
+            stage_index=index, num_stages=num_stages, group_size=p, group_rank=0,
+            is_first=index == 0, is_last=index == num_stages - 1, submod=nn.Module(),
+        )
+
+    local = [stand_in(i) for i in range(num_stages) if rank_of_stage(i, p, spec.layout) == 0]
+    order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
+    if spec.zero_bubble:  # as the runtime runs it (PipelineRuntime.get)
+        order = fuse_backward(order, lambda s: rank_of_stage(s, p, spec.layout))
+    return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in _ACTION_KINDS] for r in range(p)}
+
+
+# ----------------------------------------------------------------------------- simulated steps
+# Cost of each kind of action in units of its stage's forward: a full backward does twice a
+# forward's matmuls, its input and weight halves one each.
+ACTION_WEIGHTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@functools.lru_cache(maxsize=256)
+def _step_graph(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microbatches: int) -> tuple[tuple[int, int, str, int], ...]:
+    """Every action of one training step as (rank, stage, kind, index of the action it waits for or -1), in an order
+    where each comes after what it waits for: the previous action of its rank (implicit, by order) and its data.
+
+    The graph depends on the schedule alone, so a simulation with any stage costs is one pass over it.
+    """
+    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages, training=True)
+    last = max(int(re.match(r"\d+", a).group()) for acts in orders.values() for a in acts)
+    parsed = {r: [(int(s), k, int(i)) for s, k, i in (re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups() for a in acts)] for r, acts in orders.items()}
+    kinds = {(s, k, i) for acts in parsed.values() for s, k, i in acts}
+    index: dict[tuple[int, str, int], int] = {}
+    graph: list[tuple[int, int, str, int]] = []
+    pos = {r: 0 for r in parsed}
+    remaining = sum(len(a) for a in parsed.values())
+    while remaining:
+        progressed = False
+        for r, acts in parsed.items():
+            while pos[r] < len(acts):
+                s, k, i = acts[pos[r]]
+                if k == "F":
+                    need = (s - 1, "F", i) if s > 0 else None
+                elif k in ("B", "I"):
+                    # the output gradient comes from the next stage's full or input-gradient backward
+                    need = None if s == last else ((s + 1, "B", i) if (s + 1, "B", i) in kinds else (s + 1, "I", i))
+                else:
+                    need = (s, "I", i)
+                if need is not None and need not in index:
+                    break
+                index[(s, k, i)] = len(graph)
+                graph.append((r, s, k, -1 if need is None else index[need]))
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(f"schedule {spec.name!r}: the simulated step deadlocks (an action waits for one that never runs)")
+    return tuple(graph)
+
+
+def simulate_step(
+    spec: ScheduleSpec | str, *, pp_size: int, virtual_stages: int, n_microbatches: int,
+    stage_cost: Sequence[float], overhead: float = 0.0,
+) -> tuple[float, dict[int, float]]:
+    """Simulated wall time of one training step, and each rank's busy time.
+
+    Each rank runs its actions in the order torch's schedule lists them; an action starts when its
+    rank is free and its input exists (a forward after the previous stage's forward, a backward
+    after the next stage's backward, a weight-gradient pass after its input pass). Messages are free.
+
+    Args:
+        stage_cost: forward cost of one microbatch on each stage (any unit; each kind of action costs
+            :data:`ACTION_WEIGHTS` times it).
+        overhead: added to every action, in the same unit.
+    """
+    spec = get_schedule(spec)
+    graph = _step_graph(spec, pp_size, virtual_stages, n_microbatches)
+    done = [0.0] * len(graph)
+    free = [0.0] * pp_size
+    busy = [0.0] * pp_size
+    for n, (r, s, k, need) in enumerate(graph):
+        cost = ACTION_WEIGHTS[k] * stage_cost[s] + overhead
+        start = free[r] if need < 0 or done[need] <= free[r] else done[need]
+        done[n] = free[r] = start + cost
+        busy[r] += cost
+    return max(free), dict(enumerate(busy))
 
 
 class ScheduleForwardInOrder(PipelineScheduleRuntime):

@@ -257,6 +257,7 @@ def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
     plan = make_plan(
         skeleton, resolved, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
         layout=options.schedule.layout, split=options.split, dtype=options.dtype,
+        schedule=options.schedule, n_microbatches=options.n_microbatches,
     )
     return StageBuild(
         config=config, plan=plan, resolved=resolved, skeleton=skeleton,

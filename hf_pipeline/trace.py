@@ -626,6 +626,7 @@ def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -
     plan = make_plan(
         skeleton, resolved, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
         layout=options.schedule.layout, split=options.split, dtype=options.dtype,
+        schedule=options.schedule, n_microbatches=options.n_microbatches,
     )
     tracer = _Tracer(skeleton, list(plan.split_points), plan.num_stages, (), device)
     first = tracer.trace(_load_example(config), training=False, install=False)

@@ -53,7 +53,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
 from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick).
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("auto", None)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("dualpipev", 2), ("auto", None)]
 SECTIONS = ("load", "train", "generate", "bubble")
 
 
