@@ -26,7 +26,8 @@ from .schedules import SCHEDULES, ScheduleSpec, default_schedule, get_schedule, 
 __all__ = ["ParamLayout", "PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "param_layout", "resolve_recipe"]
 
 LAYOUTS = ("loop", "v")
-# ``split="auto"`` cuts a block in two only when that lowers the busiest rank's cost by more than this.
+# ``split="auto"`` cuts a block in two only when that lowers what the split minimises (the costliest
+# stage; with several stages per rank, the simulated training step) by more than this.
 CUT_GAIN = 0.02
 
 
