@@ -134,11 +134,15 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     theory = {"gpipe": (world - 1) / (m + world - 1), "1f1b": (world - 1) / (m + world - 1),
               "interleaved-1f1b": (world - 1) / (2 * m + world - 1)}  # (p-1)/(v*m+p-1)
     assert set(theory) <= set(train["schedules"])
-    # the microbatch cost: the same batch as microbatches one after another, paired with whole-batch steps
+    # the microbatch cost: a rank's share of the batch (what each 2-way process trains in one piece) as the
+    # pipeline's microbatches one after another, paired with the share in one piece; and the same on the whole batch
     cost = base["microbatch_cost"]
-    assert len(base["microbatched_seconds"]) == len(base["step_seconds"]) == sizes["train_reps"]
-    assert cost == pytest.approx(statistics.median([mb / s for mb, s in zip(base["microbatched_seconds"], base["step_seconds"])]))
+    assert len(base["share_microbatched_seconds"]) == len(base["share_step_seconds"]) == sizes["train_reps"]
+    assert cost == pytest.approx(statistics.median([mb / s for mb, s in zip(base["share_microbatched_seconds"], base["share_step_seconds"])]))
     assert 0.2 < cost < 20, cost
+    assert len(base["microbatched_seconds"]) == len(base["step_seconds"]) == sizes["train_reps"]
+    assert base["whole_batch_microbatch_cost"] == pytest.approx(
+        statistics.median([mb / s for mb, s in zip(base["microbatched_seconds"], base["step_seconds"])]))
     limits = [w for row in train["schedules"].values() for w in row["two_way_seconds"]]
     assert train["two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(limits))
     assert train["perfect_overlap_speedup"] == pytest.approx(train["two_way_speedup"] / cost)
@@ -162,6 +166,13 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert all(0 < row["busy_seconds"][r] <= row["profiled_wall_seconds"][r] for r in row["busy_seconds"]), name
         if name in theory:
             assert row["theoretical_idle_fraction"] == pytest.approx(theory[name]), name
+        # where the step goes: factors whose product is the median step over the median 2-way step
+        gap = row["gap"]
+        assert gap["compute"] * gap["imbalance"] * gap["bubble"] * gap["rest"] == pytest.approx(
+            statistics.median(steps) / statistics.median(two_way)), name
+        busy = list(row["busy_seconds"].values())
+        assert gap["imbalance"] == pytest.approx(max(busy) / statistics.mean(busy)) and gap["imbalance"] >= 1, name
+        assert gap["bubble"] >= 1 and gap["compute"] > 0, name
         assert (out / "timelines" / f"train-{name}.png").is_file() and (out / "timelines" / f"train-{name}.trace.json").is_file()
 
 
