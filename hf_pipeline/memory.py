@@ -52,8 +52,7 @@ from transformers.cache_utils import DynamicCache
 
 from .options import PipelineOptions, load_config
 from .plan import ResolvedRecipe, StagePlan, compress_blocks
-from .schedules import schedule_actions
-from .schedules import check_training
+from .schedules import check_training, schedule_actions
 from .stages import StageModule, build_stage, recipe_front_end
 from .weights import resolve_checkpoint
 

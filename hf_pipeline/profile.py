@@ -39,7 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
-from .schedules import ScheduleSpec, get_schedule, schedule_actions
+from .schedules import ACTION_KINDS, ScheduleSpec, get_schedule, schedule_actions
 
 __all__ = [
     "ActionRecord",
@@ -58,7 +58,6 @@ __all__ = [
 # Kinds that keep a rank busy ("setup": stage calls torch makes outside the schedule's actions, e.g.
 # shape inference on a first step); "recv_wait" / "send_wait" (P2P waits) and gaps are idle time.
 COMPUTE_KINDS = ("F", "B", "I", "W", "loss", "setup")
-_ACTION_KINDS = ("F", "B", "I", "W")  # the schedule's own actions (what pipeline_order lists)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +115,7 @@ class Timeline:
     def actions(self, rank: int, step: int | None = None) -> list[str]:
         """The schedule actions (F/B/I/W) rank ``rank`` ran, in execution order, as ``"1B3"`` labels."""
         return [
-            r.label for r in sorted(self._of(rank, step), key=lambda r: r.start) if r.kind in _ACTION_KINDS
+            r.label for r in sorted(self._of(rank, step), key=lambda r: r.start) if r.kind in ACTION_KINDS
         ]
 
     def _of(self, rank: int, step: int | None) -> list[ActionRecord]:

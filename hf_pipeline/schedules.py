@@ -50,6 +50,7 @@ from .compat import Action, ComputationType, PipelineScheduleRuntime
 from .errors import ScheduleError
 
 __all__ = [
+    "ACTION_KINDS",
     "ACTION_WEIGHTS",
     "BUBBLE_FORMULAS",
     "SCHEDULES",
@@ -398,7 +399,7 @@ def rank_of_stage(stage: int, pp_size: int, layout: str) -> int:
     return pos if wave % 2 == 0 else pp_size - 1 - pos
 
 
-_ACTION_KINDS = ("F", "B", "I", "W")  # a schedule's own compute actions (what pipeline_order lists)
+ACTION_KINDS = ("F", "B", "I", "W")  # a schedule's own compute actions (what pipeline_order lists)
 
 
 def _single_stage_actions(spec: ScheduleSpec, stage: int, num_stages: int, m: int) -> list[str]:
@@ -459,7 +460,7 @@ def schedule_actions(
     order = spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
     if spec.zero_bubble:  # as the runtime runs it (PipelineRuntime.get)
         order = fuse_backward(order, lambda s: rank_of_stage(s, p, spec.layout))
-    return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in _ACTION_KINDS] for r in range(p)}
+    return {r: [str(a) for a in _flatten(order[r]) if a.computation_type.value in ACTION_KINDS] for r in range(p)}
 
 
 # ----------------------------------------------------------------------------- simulated steps
