@@ -384,49 +384,44 @@ def _prompts(sizes: dict, seed: int = 1):
     return ids, torch.ones_like(ids)
 
 
+def _whole_and_microbatched(model, batch: dict, n_microbatches: int, reps: int) -> tuple[list[float], list[float], float]:
+    """Seconds of forward + backward of ``batch`` in one piece and as ``n_microbatches`` one after
+    another, alternating (each pair sees the machine alike; the first pair warms up); and the loss."""
+    from hf_pipeline.sampling import microbatch_bounds
+
+    rows = next(iter(batch.values())).shape[0]
+    bounds = microbatch_bounds(rows, n_microbatches)
+    whole, micro = [], []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        whole.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        for lo, hi in bounds:
+            (model(**{k: v[lo:hi] for k, v in batch.items()}).loss * ((hi - lo) / rows)).backward()
+        micro.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    return whole[1:], micro[1:], float(loss)
+
+
 def _task_train_hf(spec: dict, out: dict) -> None:
     import torch
     import transformers
-
-    from hf_pipeline.sampling import microbatch_bounds
 
     sizes = spec["sizes"]
     model = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32)
     model.train()
     batch = _batch(sizes)
-    bounds = microbatch_bounds(sizes["batch"], sizes["n_microbatches"])
-    times, micro = [], []
-    # Alternating: a whole-batch step, then the same batch as the pipeline's microbatches one after
-    # another (what perfect overlap would spread over the ranks); each pair sees the machine alike.
-    for i in range(sizes["train_reps"] + 1):  # the first pair warms up
-        t = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        times.append(time.perf_counter() - t)
-        model.zero_grad(set_to_none=True)
-        t = time.perf_counter()
-        for lo, hi in bounds:
-            (model(**{k: v[lo:hi] for k, v in batch.items()}).loss * ((hi - lo) / sizes["batch"])).backward()
-        micro.append(time.perf_counter() - t)
-        model.zero_grad(set_to_none=True)
+    # The whole batch, and the pipeline's microbatches of it (what perfect overlap spreads over the ranks).
+    times, micro, loss = _whole_and_microbatched(model, batch, sizes["n_microbatches"], sizes["train_reps"])
     # The same on one rank's share of the batch, what each process of the 2-way limit trains: in one
     # piece, and as the microbatches a pipeline rank runs it in (the pipeline's microbatch size).
     rows = sizes["batch"] // sizes["world"]
     share = {k: v[:rows] for k, v in batch.items()}
-    share_bounds = microbatch_bounds(rows, max(1, sizes["n_microbatches"] // sizes["world"]))
-    share_times, share_micro = [], []
-    for i in range(sizes["train_reps"] + 1):
-        t = time.perf_counter()
-        model(**share).loss.backward()
-        share_times.append(time.perf_counter() - t)
-        model.zero_grad(set_to_none=True)
-        t = time.perf_counter()
-        for lo, hi in share_bounds:
-            (model(**{k: v[lo:hi] for k, v in share.items()}).loss * ((hi - lo) / rows)).backward()
-        share_micro.append(time.perf_counter() - t)
-        model.zero_grad(set_to_none=True)
-    out.update(step_seconds=times[1:], microbatched_seconds=micro[1:], loss=float(loss),
-               share_step_seconds=share_times[1:], share_microbatched_seconds=share_micro[1:])
+    share_times, share_micro, _ = _whole_and_microbatched(model, share, max(1, sizes["n_microbatches"] // sizes["world"]), sizes["train_reps"])
+    out.update(step_seconds=times, microbatched_seconds=micro, loss=loss, share_step_seconds=share_times, share_microbatched_seconds=share_micro)
 
 
 def _two_way_step(reference, batch: dict, sizes: dict) -> float:
