@@ -32,11 +32,8 @@ __all__ = [
     "pad_token_tensor",
     "pytree",
     "set_attn_implementation",
-    "stage_backward",
-    "stage_backward_weight",
     "torch_schedules",
     "unflatten_dense_tensors",
-    "weight_pass_groups",
 ]
 
 # --- torch.distributed -------------------------------------------------------------------------
@@ -69,33 +66,6 @@ PROFILED_METHODS = (
     (torch_schedules, "_batch_p2p"),
     (torch_schedules, "_wait_batch_p2p"),
 )
-
-
-def stage_backward_weight(*args: Any, **kwargs: Any):
-    """torch's zero-bubble weight-gradient pass (no public name; needed to pass ``retain_graph``)."""
-    from torch.distributed.pipelining._backward import stage_backward_weight as fn
-
-    return fn(*args, **kwargs)
-
-
-def stage_backward(*args: Any, **kwargs: Any):
-    """torch's full stage backward, what a non-split backward action runs (no public name)."""
-    from torch.distributed.pipelining._backward import stage_backward as fn
-
-    return fn(*args, **kwargs)
-
-
-def weight_pass_groups(outputs: list, inputs: list, weights: list) -> list[dict[str, Any]]:
-    """The parameter groups torch's input-gradient pass would make (``stage_backward_input``'s own
-    grouping, without running it): each group's ``intermediates`` are the graph nodes where its
-    weights' subgraph joins the part that depends on the stage inputs. No public API exposes them.
-    """
-    from torch.distributed.pipelining import _backward as b
-
-    out_fns = [f for f in map(b._get_grad_fn_or_grad_acc, [t for t in outputs if t.requires_grad or t.grad_fn is not None]) if f is not None]
-    in_fns = [f for f in (b._get_grad_fn_or_grad_acc(t) for t in inputs if isinstance(t, torch.Tensor)) if f is not None]
-    w_fns = [f for f in map(b._get_grad_fn_or_grad_acc, weights) if f is not None]
-    return b.get_param_groups(in_fns, w_fns, b.construct_reverse_graph(out_fns))
 
 
 # --- torch utilities ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from . import weight_pass
 from .dist import ParallelDims
 from .options import cache_size
 from .plan import StagePlan
@@ -101,11 +102,19 @@ class PipelineRuntime:
         if found is not None:
             self._cache.move_to_end(full_key)
             return found
+        spec = self.schedule
+        # Zero-bubble: W = the linears' deferred weight gradients (weight_pass.py), not torch's graph split.
+        deferred = training and spec.zero_bubble
         pstages = [
-            PipelineStage(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group)
+            PipelineStage(
+                stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group,
+                dw_builder=weight_pass.take if deferred else None,
+            )
             for stage in self.stages
         ]
-        spec = self.schedule
+        if deferred:
+            for pstage in pstages:
+                weight_pass.attach(pstage)
         kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
         if training:
             schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)

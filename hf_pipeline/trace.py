@@ -11,8 +11,8 @@ What this path can and cannot do:
 - Forward and training run through torch's own schedules, like recipe stages: every schedule of
   :data:`hf_pipeline.schedules.SCHEDULES`, one stage per rank (GPipe, 1F1B) or several, looped
   (interleaved 1F1B, looped BFS, interleaved zero-bubble) or V-shaped (ZBV zero-bubble,
-  DualPipeV). A traced stage graph is ordinary autograd, so the zero-bubble split of backward into
-  input and weight gradients works on it unchanged.
+  DualPipeV). The zero-bubble split of backward into input and weight gradients defers the
+  graph's ``aten.linear`` weight gradients to W, as for recipe stages (``weight_pass.py``).
 - Seq2seq models given ``labels`` and no decoder inputs get ``decoder_input_ids`` from the
   model's own ``prepare_decoder_input_ids_from_labels``, as transformers' forward does.
 - No KV cache (the tracer fails with one), hence no pipelined ``generate()``: that needs a recipe.
@@ -57,6 +57,7 @@ import torch
 from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
+from . import weight_pass
 from .errors import TraceError
 from .compat import pytree
 from .glue import Glue
@@ -495,6 +496,7 @@ class _Tracer:
                 value = buf.to(self.device)
             gm.get_submodule(owner)._buffers[attr] = value
         _retarget_devices(gm, self.device)
+        weight_pass.rewrite_graph(gm)  # zero-bubble steps defer the linears' weight gradients to W
 
     def runner(self, k: int, inputs: dict[str, Any], *, training: bool) -> _StageRunner:
         example: dict[str, torch.Tensor] = {}

@@ -47,12 +47,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .compat import flatten_dense_tensors, stage_backward, stage_backward_weight, unflatten_dense_tensors, weight_pass_groups
+from . import weight_pass
+from .compat import flatten_dense_tensors, unflatten_dense_tensors
 from .dist import fingerprint, raise_on_any_rank
 from .losses import LossFunction, PipelineLoss, get_loss
 from .runtime import signature
 from .schedules import check_training
-from .stages import StageModule
 from .validate import check_microbatches, check_model_inputs
 
 __all__ = ["clip_grad_norm_", "train_step"]
@@ -321,48 +321,6 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
                 bucket, size = [], 0
 
 
-# Note (zero-bubble weight gradients, torch 2.13): a zero-bubble schedule splits a stage's backward
-# into I (input gradients, ``stage_backward_input``) and W (weight gradients,
-# ``stage_backward_weight``). I groups the weights by the graph nodes where their subgraph joins
-# the part that depends on the stage input ("intermediates"), saves the gradients arriving there,
-# and W runs one ``autograd.grad`` per group from those nodes. That is exact when each group joins
-# at one node. A stage that also computes from inputs without gradient (the first decoder stage of
-# T5: the decoder stream starts from decoder_input_ids, the encoder output is the stage's only
-# gradient input) has groups joining at several nodes, one downstream of another, and there W's
-# result depends on the order the nodes come out of a set: the decoder's relative position bias
-# got a gradient 0.66-1.0x off (relative max error), differing from run to run, with 2+
-# microbatches in flight and with one. Such a stage runs the full backward in I instead (weight
-# gradients accumulate into ``.grad`` then, and W has nothing left to do): exact, at the cost of
-# sending its input gradient later. Which stages these are is decided once per built stage, from
-# torch's own grouping (their graph is the same for every microbatch of one input signature).
-# W runs each group's pass with ``retain_graph=True``: groups' passes may still run through a
-# node another group needs, and torch's own prehooks keep each intermediate's gradient from being
-# counted twice; the graph is freed when W drops its last reference.
-def _exact_zero_bubble_backward(pstage) -> None:
-    if getattr(pstage, "_hf_pipeline_exact_split", False):
-        return
-    verdict: list[bool] = []  # the split is exact for this stage (decided at its first input pass)
-
-    def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
-        if isinstance(pstage.submod, StageModule):  # not wrapped in DDP / FSDP
-            if backward_type == "input":
-                if not verdict:
-                    groups = weight_pass_groups(list(bwd_kwargs["stage_output"]), list(bwd_kwargs["input_values"]), list(pstage.submod.parameters()))
-                    verdict.append(all(len(g["intermediates"]) == 1 for g in groups))
-                if not verdict[0]:
-                    out, out_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
-                    if out_grads is None:  # the last stage: torch put its loss in a tuple for the input pass
-                        (out,) = out
-                    return stage_backward(out, out_grads, bwd_kwargs["input_values"]), []  # nothing left for W
-            elif backward_type == "weight":
-                return stage_backward_weight(pstage.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
-        # Looked up on the class at call time, so wrappers installed there (profile.py) still run.
-        return type(pstage).backward_maybe_with_nosync(pstage, backward_type, bwd_kwargs, last_backward=last_backward)
-
-    pstage.backward_maybe_with_nosync = backward_maybe_with_nosync
-    pstage._hf_pipeline_exact_split = True
-
-
 def train_step(
     model,
     batch: Mapping[str, Any],
@@ -423,11 +381,10 @@ def train_step(
                 _run_local(model, state, b, loss_kwargs, losses)
             else:
                 key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
-                pstages, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
-                if model.schedule.zero_bubble:
-                    for pstage in pstages:
-                        _exact_zero_bubble_backward(pstage)
-                schedule.step(**b.inputs, target=b.labels, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
+                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
+                # Zero-bubble: linears' weight gradients wait for the W actions (weight_pass.py).
+                with weight_pass.deferring() if model.schedule.zero_bubble else contextlib.nullcontext():
+                    schedule.step(**b.inputs, target=b.labels, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
     finally:
         for m, mode in modes:
             m.training = mode

@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(hf_pipeline.__file__).parent
 LAYERS: list[set[str]] = [
     {"errors", "compat", "log"},
     {"dist"},
-    {"losses", "sampling", "glue"},
+    {"losses", "sampling", "glue", "weight_pass"},
     {"recipe", "schedules"},
     {"options"},
     {"plan", "validate"},
