@@ -36,7 +36,6 @@ A plain attribute, not a thread-local: on CUDA, autograd runs backward in its ow
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -164,11 +163,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _layer_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # Bound to a layer as its instance ``forward`` (a bound method deep-copies with its module).
-    if _deferrable(self.weight):
-        return _DeferrableLinear.apply(x, self.weight, self.bias, not isinstance(self, nn.Linear))
-    return type(self).forward(self, x)
+class _LayerForward:
+    """A layer's instance ``forward``: deferrable during a zero-bubble step, its class's otherwise.
+
+    An object rather than a bound method so that the layer still pickles (``torch.save``) and
+    deep-copies: both rebuild it around the copy of its layer.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        if _deferrable(layer.weight):
+            return _DeferrableLinear.apply(x, layer.weight, layer.bias, not isinstance(layer, nn.Linear))
+        return type(layer).forward(layer, x)
+
+    def __reduce__(self):
+        return (_LayerForward, (self.layer,))
 
 
 def install(stage: nn.Module) -> None:
@@ -183,7 +195,7 @@ def install(stage: nn.Module) -> None:
 
     for module in stage.modules():
         if type(module) in (nn.Linear, Conv1D) and module.__dict__.get("forward") is None:
-            module.forward = types.MethodType(_layer_forward, module)
+            module.forward = _LayerForward(module)
 
 
 def attach(pstage: Any) -> None:

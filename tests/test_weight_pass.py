@@ -10,6 +10,7 @@ I + W is the full backward. Multi-rank equality of zero-bubble schedules with tr
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -145,17 +146,18 @@ def test_autocast_bfloat16_gradients_equal_autograds():
     assert (got[name] - ref[name]).abs().max() < 0.1 * (fp32[name] - ref[name]).abs().max()
 
 
-def test_traced_graph_linears_defer_and_install_survives_deepcopy():
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4, bias=False)
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4, bias=False)
 
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x)))
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
 
+
+def test_traced_graph_linears_defer_and_installed_layers_survive_deepcopy_and_pickle():
     torch.manual_seed(0)
-    net, x = Net(), torch.randn(3, 5, 8)
+    net, x = _Net(), torch.randn(3, 5, 8)
     net(x).square().sum().backward()
     ref = _grads(net)
     gm = torch.export.export(net, (x,)).module()
@@ -171,13 +173,16 @@ def test_traced_graph_linears_defer_and_install_survives_deepcopy():
     torch.testing.assert_close(gm.b.weight.grad, ref["b.weight"])
 
     weight_pass.install(net)
-    twin = copy.deepcopy(net)
-    assert twin.a.forward.__self__ is twin.a  # the copy's layers run the copy's weights
-    with weight_pass.deferring(), weight_pass.capturing():
-        twin(x).square().sum().backward()
-        assert twin.a.weight.grad is None
-        weight_pass.take()()
-    torch.testing.assert_close(twin.a.weight.grad, net.a.weight.grad)
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(net), torch.load(buf, weights_only=False)):
+        assert twin.a.forward.layer is twin.a  # the copy's layers run the copy's weights
+        with weight_pass.deferring(), weight_pass.capturing():
+            twin(x).square().sum().backward()
+            assert twin.a.weight.grad is None
+            weight_pass.take()()
+        torch.testing.assert_close(twin.a.weight.grad, net.a.weight.grad)
 
 
 def test_other_backwards_in_a_step_compute_weight_gradients_in_place_and_defer_nothing():
