@@ -362,11 +362,7 @@ class _StageRunner(nn.Module):
                 raise TraceError(f"stage {self.index} would send {name} = {t!r} to the next stage; only tensors can cross stages")
         # A traced value may be a view (T5's position bias is an expanded slice); send and receive
         # buffers must be dense, and .contiguous() is a no-op (same tensor, same autograd) when it is.
-        # A value that is still a view after that (OPT's bool mask, an unsqueeze of the input mask) is
-        # cloned: torch's zero-bubble input-gradient pass detaches every stage output in place,
-        # which fails on a view.
-        out = tuple(t.contiguous() for t in out)
-        return tuple(t.clone() if t._base is not None else t for t in out)
+        return tuple(t.contiguous() for t in out)
 
 
 @dataclasses.dataclass(kw_only=True)
