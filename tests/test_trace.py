@@ -223,6 +223,15 @@ def test_llama_can_be_forced_through_the_tracer_and_recipes_stay_the_default(che
     assert type(traced).__name__ == "TracedPipelinedModel"
     out = traced(**tiny.sample_inputs("llama", batch=6, seq=9))
     assert (out.logits - _reference(path)).abs().max().item() <= TOL
+    # Every linear of the traced graphs goes through weight_pass.linear, which zero-bubble steps
+    # make defer its weight gradient to W (the graph's own aten.linear could not).
+    from hf_pipeline import weight_pass
+
+    (trace,) = traced.stages[0]._tracer.traces.values()
+    graphs = [m.__dict__.get("graph") or getattr(m, "_graph", None) for r in trace.runners.values() for m in r.graph.modules()]
+    targets = [n.target for g in graphs if isinstance(g, torch.fx.Graph) for n in g.nodes]
+    assert targets.count(weight_pass.linear) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    assert torch.ops.aten.linear.default not in targets
     assert type(_load(path, num_stages=2, virtual_stages=2)) is PipelinedModel  # has a recipe
     with pytest.raises(RecipeError, match="split_method='trace'"):
         _load(checkpoints["opt"], split_method="recipe")
