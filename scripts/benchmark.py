@@ -279,10 +279,55 @@ def _drop_page_cache() -> bool:
         return False
 
 
-def _task_load_ours(spec: dict, out: dict) -> None:
+def _load_read_pairs(spec: dict, ranges, n: int, *, cold: bool) -> list[tuple[float, float]]:
+    """``n`` (load seconds, plain-read seconds) pairs of the same bytes, every rank at once; ``cold``:
+    the page cache dropped right before each (fewer pairs, none, where the machine does not allow it)."""
     import torch
     import torch.distributed as dist
 
+    from hf_pipeline import AutoModelForCausalLM
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def timed(fn) -> float | None:  # fn times itself (freeing what it read is not part of it)
+        _sync()
+        if cold:
+            flag = torch.tensor([1 if (_drop_page_cache() if rank == 0 else True) else 0])
+            if dist.is_initialized():
+                dist.broadcast(flag, 0)
+            if not int(flag):
+                return None
+            _sync()
+        return fn()
+
+    def load() -> float:
+        t = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", progress=False)
+        took = time.perf_counter() - t
+        del model
+        gc.collect()
+        return took
+
+    pairs = []
+    for _ in range(n):
+        read = timed(lambda: _plain_read(spec["path"], ranges))
+        took = timed(load) if read is not None else None
+        if took is None:
+            break
+        pairs.append((took, read))
+    return pairs
+
+
+def _pair_medians(pairs: list[tuple[float, float]], prefix: str) -> dict[str, float | None]:
+    """Median load and read seconds of ``pairs``, and the median of their ratios (None without pairs)."""
+    return {
+        f"{prefix}load_seconds": _median([p[0] for p in pairs]) if pairs else None,
+        f"{prefix}read_seconds": _median([p[1] for p in pairs]) if pairs else None,
+        f"{prefix}load_over_read": _median([p[0] / p[1] for p in pairs]) if pairs else None,
+    }
+
+
+def _task_load_ours(spec: dict, out: dict) -> None:
     from hf_pipeline import AutoModelForCausalLM
 
     # Warm-up on a tiny checkpoint of the same architecture: lazy imports and the process group
@@ -290,9 +335,7 @@ def _task_load_ours(spec: dict, out: dict) -> None:
     AutoModelForCausalLM.from_pretrained(spec["warmup"], pipeline=True, device="cpu", progress=False)
     _sync()
     with _PeakMeter() as meter:
-        t = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", progress=False)
-        load_seconds = time.perf_counter() - t
         _touch(model.parameters())
     out.update(
         peak_rss=meter.peak, resettable=meter.resettable, base_rss=meter.base,
@@ -301,62 +344,20 @@ def _task_load_ours(spec: dict, out: dict) -> None:
         stages=[s.spec.index for s in model.stages], pp_rank=model.dims.pp_rank,
     )
     # Load time against the read limit, in this process: the same byte ranges of the same files read
-    # plainly, warm (pages cached: the load above just read them) and cold (page cache dropped first,
-    # where allowed; every rank reads at once in both, as they load at once).
+    # plainly (every rank reads at once, as they load at once).
     phases = dict(model.load_report.seconds)
     ranges = _byte_ranges(spec["path"], model.load_report.keys_read)
     del model
     gc.collect()
     _sync()
-    # Warm: pairs of (plain read, load), interleaved, every rank at once; medians, and the median of
-    # the per-pair ratios (4 processes on 2 cores make single runs vary by 2x).
-    pairs = []
-    for _ in range(spec.get("warm_pairs", 3)):
-        _sync()
-        read = _plain_read(spec["path"], ranges)
-        _sync()
-        t = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", progress=False)
-        pairs.append((time.perf_counter() - t, read))
-        del model
-        gc.collect()
-    warm_load, warm_read = _median([p[0] for p in pairs]), _median([p[1] for p in pairs])
-    warm_ratio = _median([p[0] / p[1] for p in pairs])
-    # Cold: the same pairs, each read and each load right after the page cache is dropped (a cold
-    # read is the disk's and the kernel's readahead's: one pair varied 1.0-1.4x between runs here).
-    cold_pairs: list[tuple[float, float]] = []
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for _ in range(spec.get("cold_pairs", 3) if spec.get("cold") else 0):
-        pair = {}
-        for what in ("read", "load"):
-            _sync()
-            dropped = _drop_page_cache() if rank == 0 else True
-            flag = torch.tensor([1 if dropped else 0])
-            if dist.is_initialized():
-                dist.broadcast(flag, 0)
-            if not int(flag):
-                break
-            _sync()
-            t = time.perf_counter()
-            if what == "read":
-                _plain_read(spec["path"], ranges)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", progress=False)
-            pair[what] = time.perf_counter() - t
-            if what == "load":
-                del model
-                gc.collect()
-        if len(pair) < 2:
-            break
-        cold_pairs.append((pair["load"], pair["read"]))
-    out.update(
-        load_seconds=warm_load, read_seconds=warm_read, load_over_read=warm_ratio, phases=phases,
-        cold_load_seconds=_median([p[0] for p in cold_pairs]) if cold_pairs else None,
-        cold_read_seconds=_median([p[1] for p in cold_pairs]) if cold_pairs else None,
-        cold_load_over_read=_median([p[0] / p[1] for p in cold_pairs]) if cold_pairs else None,
-    )
+    # Pairs of (load, plain read), interleaved, every rank at once; medians, and the median of the
+    # per-pair ratios (4 processes on 2 cores make single runs vary by 2x). Warm: pages cached (the
+    # load above just read them). Cold: the page cache dropped before each read and each load (a
+    # cold read is the disk's and the kernel's readahead's: one pair varied 1.0-1.4x between runs).
+    warm = _load_read_pairs(spec, ranges, spec.get("warm_pairs", 3), cold=False)
+    cold = _load_read_pairs(spec, ranges, spec.get("cold_pairs", 3), cold=True) if spec.get("cold") else []
+    out.update(phases=phases, **_pair_medians(warm, ""), **_pair_medians(cold, "cold_"))
     _sync()
-    del torch
 
 
 def _task_load_hf(spec: dict, out: dict) -> None:
