@@ -304,6 +304,17 @@ def _flows(split_gm: fx.GraphModule, num_stages: int) -> list[_StageFlow]:
     return flows
 
 
+def _rewrite_graphs(root: nn.Module, rewrite) -> None:
+    """Call ``rewrite(graph)`` on every fx graph under ``root`` (unflattened stage modules keep one
+    each); recompile the modules whose graph it changed (it returns True then)."""
+    for mod in root.modules():
+        graph = mod.__dict__.get("graph") or getattr(mod, "_graph", None)
+        if isinstance(graph, fx.Graph) and rewrite(graph):
+            for gm in (mod, mod.__dict__.get("graph_module")):
+                if isinstance(gm, fx.GraphModule):
+                    gm.recompile()
+
+
 def _retarget_devices(root: nn.Module, device: torch.device) -> None:
     """Point every device the trace burned into the graphs (``arange(device=...)``, ``mask.to(weight.device)``) at ``device``.
 
@@ -312,26 +323,34 @@ def _retarget_devices(root: nn.Module, device: torch.device) -> None:
     the device positionally, so every ``torch.device`` argument is rewritten here.
     """
 
-    changed = False
-
-    def fix(a: Any) -> Any:
-        nonlocal changed
-        if isinstance(a, torch.device) and a != device:
-            changed = True
-            return device
-        return a
-
-    for mod in root.modules():
-        graph = mod.__dict__.get("graph") or getattr(mod, "_graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
+    def retarget(graph: fx.Graph) -> bool:
         changed = False
+
+        def fix(a: Any) -> Any:
+            nonlocal changed
+            if isinstance(a, torch.device) and a != device:
+                changed = True
+                return device
+            return a
+
         for node in graph.nodes:
             node.args, node.kwargs = fx.node.map_aggregate(node.args, fix), fx.node.map_aggregate(node.kwargs, fix)
-        if changed:
-            for gm in (mod, mod.__dict__.get("graph_module")):
-                if isinstance(gm, fx.GraphModule):
-                    gm.recompile()
+        return changed
+
+    _rewrite_graphs(root, retarget)
+
+
+def _defer_linears(root: nn.Module) -> None:
+    """Point the graphs' ``aten.linear`` calls at ``weight_pass.linear``: in zero-bubble steps it
+    defers the weight gradient to W, as recipe stages' linear layers do."""
+
+    def route(graph: fx.Graph) -> bool:
+        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+        for node in nodes:
+            node.target = weight_pass.linear
+        return bool(nodes)
+
+    _rewrite_graphs(root, route)
 
 
 class _StageRunner(nn.Module):
@@ -492,7 +511,7 @@ class _Tracer:
                 value = buf.to(self.device)
             gm.get_submodule(owner)._buffers[attr] = value
         _retarget_devices(gm, self.device)
-        weight_pass.rewrite_graph(gm)  # zero-bubble steps defer the linears' weight gradients to W
+        _defer_linears(gm)
 
     def runner(self, k: int, inputs: dict[str, Any], *, training: bool) -> _StageRunner:
         example: dict[str, torch.Tensor] = {}

@@ -22,7 +22,7 @@ gradients are the ones autograd computes: the same products, in the same dtypes.
 
 What is deferred: every linear whose weight is a trainable leaf tensor (``nn.Linear`` and
 transformers' ``Conv1D``, GPT-2's linear with a transposed weight, in recipe stages; the
-``aten.linear`` calls of a traced stage's graph), while a zero-bubble training step runs
+``aten.linear`` calls of a traced stage's graph, which ``trace.py`` points at :func:`linear`), while a zero-bubble training step runs
 (:func:`deferring`), and only in a stage's own backward actions (:func:`capturing`, set by
 :func:`attach`): any other backward computes the weight gradient in place, as autograd does. The
 linears hold nearly all of a transformer's weight FLOPs; the rest (norms, embeddings) is cheap.
@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
-__all__ = ["attach", "capturing", "deferring", "install", "linear", "rewrite_graph", "take"]
+__all__ = ["attach", "capturing", "deferring", "install", "linear", "take"]
 
 
 class _State:
@@ -89,26 +89,27 @@ def take() -> Callable[[], int]:
     return lambda: _accumulate(work)
 
 
-def _weight_grad(x: torch.Tensor, g: torch.Tensor, transposed: bool) -> torch.Tensor:
-    # weight (out, in): g^T x; Conv1D's weight (in, out): x^T g; the rows are every leading dim.
+def _factors(x: torch.Tensor, g: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) with the weight gradient = a @ b: weight (out, in): g^T x; Conv1D's weight (in, out):
+    x^T g; the rows are every leading dim of the layer's input and output gradient."""
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    return x2.t() @ g2 if transposed else g2.t() @ x2
+    return (x2.t(), g2) if transposed else (g2.t(), x2)
 
 
 def _accumulate(work: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]) -> int:
     """Add each deferred weight gradient into ``.grad``; returns how many it added."""
     with torch.no_grad():
         for weight, x, g, transposed in work:
+            a, b = _factors(x, g, transposed)
             grad = weight.grad
-            if grad is not None and grad.dtype == g.dtype and grad.layout == torch.strided:
+            if grad is None:
+                weight.grad = (a @ b).to(weight.dtype)
+            elif grad.dtype == g.dtype and grad.layout == torch.strided:
                 # Into the gradient in place: no temporary the size of the weight (an LM head's is
                 # tens of MB, and on CPU a fresh one is page-faulted in on every microbatch).
-                x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-                grad.addmm_(x2.t(), g2) if transposed else grad.addmm_(g2.t(), x2)
-            elif grad is None:
-                weight.grad = _weight_grad(x, g, transposed).to(weight.dtype)
+                grad.addmm_(a, b)
             else:
-                grad.add_(_weight_grad(x, g, transposed).to(weight.dtype))
+                grad.add_((a @ b).to(weight.dtype))
     return len(work)
 
 
@@ -148,7 +149,8 @@ class _DeferrableLinear(torch.autograd.Function):
             if _state.capturing:
                 _state.pending.append((ctx.weight, xc, g, ctx.transposed))
             else:  # any other backward: as autograd would
-                gw = _weight_grad(xc, g, ctx.transposed).to(w_dtype)
+                a, b = _factors(xc, g, ctx.transposed)
+                gw = (a @ b).to(w_dtype)
         return gx, gw, gb, None
 
 
@@ -215,18 +217,3 @@ def attach(pstage: Any) -> None:
             return type(pstage).backward_maybe_with_nosync(pstage, backward_type, bwd_kwargs, last_backward=last_backward)
 
     pstage.backward_maybe_with_nosync = backward_maybe_with_nosync
-
-
-def rewrite_graph(gm: nn.Module) -> None:
-    """Point a traced stage graph's ``aten.linear`` calls at :func:`linear` (every fx graph under ``gm``)."""
-    for mod in gm.modules():
-        graph = mod.__dict__.get("graph") or getattr(mod, "_graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
-        nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
-        for node in nodes:
-            node.target = linear
-        if nodes:
-            for gm_ in (mod, mod.__dict__.get("graph_module")):
-                if isinstance(gm_, fx.GraphModule):
-                    gm_.recompile()
