@@ -244,13 +244,24 @@ class TokenChooser:
         st, req = self.seqs[i], self.req
         n = st.ids.shape[0]
         # Processors see the microbatch in transformers' shape (finished rows included, as there).
-        scores = torch.zeros(n, logits.shape[-1], dtype=torch.float32, device=self.device)
-        scores[live] = logits.float()
+        # While every row generates (most steps), the logits are that shape already: a float32 copy
+        # as transformers' own, without the scatter into and gather out of a zero (n, vocab) block.
+        # This runs between the last stage's forward and the token's send, on the ring's critical
+        # path: the scatter/gather took a third of it (0.5 ms per call at 8 rows x 8192 vocab).
+        every = live.numel() == n
+        if every:
+            scores = logits.to(dtype=torch.float32, copy=True)
+        else:
+            scores = torch.zeros(n, logits.shape[-1], dtype=torch.float32, device=self.device)
+            scores[live] = logits.float()
         scores = st.processors(st.ids, scores)
         gens = [st.generators[j] for j in live.tolist()] if req.do_sample else None
-        chosen = select_tokens(scores[live], do_sample=req.do_sample, generators=gens)
-        tokens = torch.full((n,), req.pad, dtype=torch.long, device=self.device)
-        tokens[live] = chosen
+        chosen = select_tokens(scores if every else scores[live], do_sample=req.do_sample, generators=gens)
+        if every:
+            tokens = chosen
+        else:
+            tokens = torch.full((n,), req.pad, dtype=torch.long, device=self.device)
+            tokens[live] = chosen
         st.ids = torch.cat([st.ids, tokens[:, None]], dim=1)
         stop = self.stopping(st.ids, None).to(self.device)
         st.finished_at[st.unfinished & stop] = t
