@@ -587,29 +587,42 @@ def _torch_ring_step_seconds(model, rows: int, past: int, m: int, steps: int, *,
 
 
 def _decode_bound(model, sizes: dict) -> dict:
-    """The most a ``world``-stage decode ring with ``m = world`` microbatches can gain on this machine.
+    """One process's decode step, for the most a ``world``-stage decode ring with ``m = world``
+    microbatches can gain on this machine.
 
     In steady state each rank runs its stage once per microbatch per token, so a token costs the
-    slowest stage ``m * T(layers / world, rows / m)`` against ``T(layers, rows)`` for one process.
-    T is measured here with transformers itself (a model with the stage's layers, embedding and LM
-    head: the LM-head stage, the slowest), at the middle of the run's context length. On a CPU a
-    matmul with fewer rows runs at fewer FLOP/s, so this bound sits below ``world``x.
+    slowest stage ``m * T(stage, rows / m)`` against ``T(model, rows)`` for one process. T(model)
+    is measured here with transformers itself, at the middle of the run's context length; the
+    stages' T, on the pipelined run's ranks with the same layers (:func:`_stage_part`). On a CPU a
+    matmul with fewer rows runs at fewer FLOP/s, so the bound sits below ``world``x.
     """
-    import copy
-
     world, rows = sizes["world"], sizes["prompts"]
-    m = min(world, rows)
     past = sizes["prompt_len"] + sizes["new_tokens"] // 2
-    reps = 30 if sizes["new_tokens"] > 8 else 3
-    full = _decode_step_seconds(model, rows, past, reps)
+    return {"microbatches": min(world, rows), "full_step_s": _decode_step_seconds(model, rows, past, _decode_reps(sizes))}
+
+
+def _decode_reps(sizes: dict) -> int:
+    return 30 if sizes["new_tokens"] > 8 else 3
+
+
+def _stage_part(model, plan, rank: int):
+    """This rank's share of the pipelined model's split, built from transformers' own ``model``: its
+    layers (renumbered, as a transformers cache counts them) under the LM head when the rank holds
+    it, else under the base model (the embedding lookup and final norm it adds cost next to nothing).
+    Returns the part and what it holds, in words."""
+    import copy
+    import re
+
+    mods = [m for st in plan.stages if st.rank == rank for m in st.modules]
+    layers = sorted({int(x.group(1)) for x in (re.fullmatch(r"model\.layers\.(\d+)(\..*)?", m) for m in mods) if x})
+    head = "lm_head" in mods
     part = copy.deepcopy(model)
-    part.model.layers = part.model.layers[: -(-model.config.num_hidden_layers // world)]
+    part.model.layers = part.model.layers[layers[0]: layers[-1] + 1]
     part.config.num_hidden_layers = len(part.model.layers)
-    stage = _decode_step_seconds(part, -(-rows // m), past, reps)
-    return {
-        "microbatches": m, "full_step_s": full, "stage_step_s": stage,
-        "ring_step_s": m * stage, "speedup_bound": full / (m * stage),
-    }
+    for i, layer in enumerate(part.model.layers):
+        layer.self_attn.layer_idx = i
+    what = f"layers {layers[0]}-{layers[-1]}" + (" + LM head" if head else "")
+    return (part if head else part.model), what
 
 
 def _task_generate_pp(spec: dict, out: dict) -> None:
@@ -661,21 +674,29 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
         timeline.save_png(d / "generate.png")
         timeline.save_chrome_trace(d / "generate.trace.json")
     results["idle_fraction"] = timeline.idle_fraction()
-    # The same stage step as in _decode_bound, but on every rank at once: the cores share caches and
-    # memory bandwidth, so a stage runs slower beside a busy neighbour than alone.
-    hf.model.layers = hf.model.layers[: -(-hf.config.num_hidden_layers // sizes["world"])]
-    hf.config.num_hidden_layers = len(hf.model.layers)
-    m = min(sizes["world"], sizes["prompts"])
-    dist.barrier()
-    step = _decode_step_seconds(hf, -(-sizes["prompts"] // m), sizes["prompt_len"] + sizes["new_tokens"] // 2, 30 if sizes["new_tokens"] > 8 else 3)
-    worst = torch.tensor([step])
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    results["concurrent_stage_step_s"] = float(worst)
-    # The ring's pattern with transformers' own layers and torch's P2P alone (no hf_pipeline), and the
-    # same steps back to back without messages, alternating: what the pattern itself costs here.
+    # Each rank's stage rebuilt from transformers' layers by this model's split: its decode step alone
+    # (ranks in turn) and on every rank at once (the cores share caches and memory bandwidth).
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part, what = _stage_part(hf, model.plan, rank)
+    m = min(world, sizes["prompts"])
     rows, past = -(-sizes["prompts"] // m), sizes["prompt_len"] + sizes["new_tokens"] // 2
-    steps = max(sizes["new_tokens"] // 2, 4)
-    pairs = [(_torch_ring_step_seconds(hf, rows, past, m, steps, ring=False), _torch_ring_step_seconds(hf, rows, past, m, steps, ring=True)) for _ in range(3)]
+    alone = concurrent = 0.0
+    for r in range(world):
+        dist.barrier()
+        if r == rank:
+            alone = _decode_step_seconds(part, rows, past, _decode_reps(sizes))
+    dist.barrier()
+    concurrent = _decode_step_seconds(part, rows, past, _decode_reps(sizes))
+    steps = torch.zeros(2, world)
+    steps[:, rank] = torch.tensor([alone, concurrent])
+    dist.all_reduce(steps)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, what)
+    results["stage_parts"], results["stage_steps_s"], results["concurrent_stage_steps_s"] = parts, steps[0].tolist(), steps[1].tolist()
+    # The ring's pattern with these parts and torch's P2P alone (no hf_pipeline), and the same steps
+    # back to back without messages, alternating: what the pattern itself costs here.
+    n = max(sizes["new_tokens"] // 2, 4)
+    pairs = [(_torch_ring_step_seconds(part, rows, past, m, n, ring=False), _torch_ring_step_seconds(part, rows, past, m, n, ring=True)) for _ in range(3)]
     worst = torch.tensor([_median([p[0] for p in pairs]), _median([p[1] for p in pairs])])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     results["back_to_back_token_s"], results["torch_ring_token_s"] = float(worst[0]), float(worst[1])
@@ -930,8 +951,13 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
             gen["bound"] = dict(base["bound"])
             if pp.get("ok"):
                 bd = gen["bound"]
-                bd["concurrent_stage_step_s"] = pp["concurrent_stage_step_s"]
-                bd["concurrent_speedup_bound"] = bd["full_step_s"] / (bd["microbatches"] * pp["concurrent_stage_step_s"])
+                slowest = max(range(len(pp["stage_steps_s"])), key=pp["stage_steps_s"].__getitem__)
+                bd["stage_parts"], bd["stage_steps_s"], bd["slowest_stage"] = pp["stage_parts"], pp["stage_steps_s"], slowest
+                bd["stage_step_s"] = pp["stage_steps_s"][slowest]
+                bd["ring_step_s"] = bd["microbatches"] * bd["stage_step_s"]
+                bd["speedup_bound"] = bd["full_step_s"] / bd["ring_step_s"]
+                bd["concurrent_stage_step_s"] = max(pp["concurrent_stage_steps_s"])
+                bd["concurrent_speedup_bound"] = bd["full_step_s"] / (bd["microbatches"] * bd["concurrent_stage_step_s"])
                 bd["back_to_back_token_s"] = pp["back_to_back_token_s"]
                 bd["torch_ring_token_s"] = pp["torch_ring_token_s"]
         else:
@@ -1140,14 +1166,15 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"prompts, run right before each pipelined run): **{g['two_way_speedup']:.2f}x**; pipelined generate reaches "
                 f"**{_pct(g['fraction_of_two_way'])}** of it (median over back-to-back pairs).",
             ]
-        if "bound" in g:
+        if "speedup_bound" in g.get("bound", {}):
             bd = g["bound"]
+            stages = ", ".join(f"rank {r}: {what} {t * 1e3:.1f} ms" for r, (what, t) in enumerate(zip(bd["stage_parts"], bd["stage_steps_s"])))
             lines += [
                 "",
                 f"Bound on this machine, measured in the same run with transformers: one decode step of all {s['layers']} layers on "
-                f"{s['prompts']} rows takes {bd['full_step_s'] * 1e3:.1f} ms; the slowest stage ({-(-s['layers'] // s['world'])} layers + "
-                f"LM head) on {-(-s['prompts'] // bd['microbatches'])} rows takes {bd['stage_step_s'] * 1e3:.1f} ms, run "
-                f"{bd['microbatches']}x per token = {bd['ring_step_s'] * 1e3:.1f} ms. No {s['world']}-stage ring with "
+                f"{s['prompts']} rows takes {bd['full_step_s'] * 1e3:.1f} ms; the pipelined model's stages, rebuilt from "
+                f"transformers' layers with its split, on {-(-s['prompts'] // bd['microbatches'])} rows ({stages}; ranks in turn): "
+                f"the slowest, run {bd['microbatches']}x per token = {bd['ring_step_s'] * 1e3:.1f} ms. No {s['world']}-stage ring with "
                 f"{bd['microbatches']} microbatches can beat **{bd['speedup_bound']:.2f}x** here.",
             ]
             if "concurrent_stage_step_s" in bd:
@@ -1163,7 +1190,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                 lines += [
                     "",
                     f"The ring's pattern built from transformers' own model and torch's P2P alone (no hf_pipeline: each rank runs "
-                    f"a {-(-s['layers'] // s['world'])}-layer transformers model with its LM head on {bd['microbatches']} microbatches per token, waits for each "
+                    f"its stage's transformers layers as above on {bd['microbatches']} microbatches per token, waits for each "
                     f"microbatch from the previous rank, sends it on with `isend`, receives posted ahead): "
                     f"{bd['torch_ring_token_s'] * 1e3:.1f} ms per token, against {bd['back_to_back_token_s'] * 1e3:.1f} ms for the "
                     f"same steps back to back without messages ({bd['back_to_back_token_s'] / bd['torch_ring_token_s']:.0%}): "
