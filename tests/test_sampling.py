@@ -44,9 +44,20 @@ def test_row_seeds_are_deterministic_and_distinct():
     assert all(0 <= x < 2**63 for x in seeds)
 
 
-def test_greedy_is_argmax():
-    scores = torch.randn(5, 11)
-    assert torch.equal(select_tokens(scores, do_sample=False), scores.argmax(-1))
+def test_greedy_is_argmax_on_ties_nan_and_inf_rows():
+    # transformers' greedy pick is argmax; ours must give the same index wherever they could part:
+    # ties (the first maximum), a NaN in a row, a row of -inf, bf16-rounded scores, large vocabularies.
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        vocab = int(torch.randint(1, 40000, (1,), generator=g))
+        scores = torch.randint(-2, 3, (6, vocab), generator=g).float()  # few distinct values: many ties
+        if trial % 3 == 0:
+            scores[0, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+        if trial % 4 == 0:
+            scores[1] = float("-inf")
+        if trial % 5 == 0:
+            scores = scores + torch.randn(6, vocab, generator=g).to(torch.bfloat16).float()
+        assert torch.equal(select_tokens(scores, do_sample=False), scores.argmax(-1)), trial
 
 
 def test_sampling_does_not_depend_on_how_rows_are_grouped():
