@@ -120,6 +120,10 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert bound["speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["stage_step_s"]))
     assert bound["concurrent_speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["concurrent_stage_step_s"]))
     assert "No 2-stage ring with 2 microbatches can beat" in md
+    # the bound's stages are the pipelined model's own split: every layer once, the LM head on the last rank
+    assert len(bound["stage_parts"]) == len(bound["stage_steps_s"]) == world and bound["stage_step_s"] == max(bound["stage_steps_s"])
+    assert bound["stage_parts"][0].startswith("layers 0-") and bound["stage_parts"][-1].endswith(f"-{sizes['layers'] - 1} + LM head")
+    assert math.isfinite(bound["decode_token_s"]) and math.isfinite(bound["torch_ring_token_s"])
     # the 2-way limit: paired with the pipelined runs, one per timed run
     assert len(gen["two_way_seconds"]) == len(gen["pipelined"]["seconds"]) == sizes["gen_reps"]
     assert gen["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(gen["two_way_seconds"], gen["pipelined"]["seconds"])]))
