@@ -166,16 +166,30 @@ class Run:
     def write(self) -> None:
         if self.rank != 0:
             return
-        self.result["seconds"] = round(time.monotonic() - self.start, 2)
-        out = pathlib.Path(self.args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
         locked = self.lock.acquire(timeout=5)
         try:
-            tmp.write_text(json.dumps(self.result, indent=2, default=str))
+            self._write_locked()
         finally:
             if locked:
                 self.lock.release()
+
+    def _write_locked(self) -> None:
+        # Each writer (the main thread, the watchdog) fills its own temporary file and renames it over
+        # the output once complete, under the lock: with one shared temporary name the watchdog once
+        # renamed over the output the file the main thread had just truncated, and its exit left the
+        # JSON empty (a run at its budget on a loaded machine).
+        self.result["seconds"] = round(time.monotonic() - self.start, 2)
+        out = pathlib.Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.{threading.get_ident()}.tmp")
+        for attempt in range(3):
+            try:
+                text = json.dumps(self.result, indent=2, default=str)
+                break
+            except RuntimeError:  # the other thread changed a dict while it was being read: read again
+                if attempt == 2:
+                    raise
+        tmp.write_text(text)
         tmp.replace(out)
 
     def _watch(self) -> None:
@@ -187,10 +201,13 @@ class Run:
         with contextlib.suppress(Exception):
             self.log(f"time budget of {self.args.budget_s:.0f}s spent in section {self.current!r}; writing what there is", all_ranks=True)
             faulthandler.dump_traceback(all_threads=True)
+            # Held until the exit: no write of the main thread replaces these figures or is cut short.
+            self.lock.acquire(timeout=5)
             if self.current is not None:
                 self.result["sections"].setdefault(self.current, {})["status"] = "timed_out"
             self.result["timed_out"] = True
-            self.write()
+            if self.rank == 0:
+                self._write_locked()
             if self.rank == 0 and self.args.workdir is None and "root" in self.state:
                 shutil.rmtree(self.state["root"], ignore_errors=True)  # the temporary checkpoint
         os._exit(3)

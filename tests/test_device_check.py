@@ -154,11 +154,62 @@ def test_budget_watchdog_writes_the_figures_and_ends_the_run(tmp_path):
     assert result["sections"].get("train", {}).get("status") != "ok"  # cut short, not finished
 
 
-def test_first_divergences_measures_the_gap_at_the_first_differing_token():
+def _module():
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_json_is_never_seen_half_written_while_two_threads_write_it(tmp_path):
+    # The main thread and the budget's watchdog both write the JSON. Whatever their interleaving, a
+    # reader sees either no file or a whole one, and no temporary file stays behind. (With one
+    # temporary name shared by both, a rename published the file the other writer had just
+    # truncated: an empty JSON was read after a run ended at its budget.)
+    import argparse
+    import threading
+
+    mod = _module()
+    out = tmp_path / "device_check.json"
+    run = mod.Run(argparse.Namespace(out=str(out), budget_s=3600.0, reserve_s=0.0, workdir=None))
+    stop = threading.Event()
+    bad: list[str] = []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                text = out.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                json.loads(text)
+            except ValueError:
+                bad.append(text[:80])
+
+    def writer(tag):
+        try:
+            for i in range(400):
+                run.result["sections"][f"{tag}{i % 7}"] = {"status": "ok", "figures": {"i": i, "pad": "x" * 20000}}
+                run.write()
+        except Exception as e:  # a write that fails (its temporary file renamed away by the other) fails the test
+            bad.append(f"writer {tag}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=reader)] + [threading.Thread(target=writer, args=(t,)) for t in "abc"]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    run.done.set()
+    assert not bad, f"{len(bad)} partial reads or failed writes, e.g. {bad[0]!r}"
+    assert json.loads(out.read_text())["sections"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device_check.json"]
+
+
+def test_first_divergences_measures_the_gap_at_the_first_differing_token():
+    mod = _module()
     reference = torch.tensor([[5, 6, 7], [1, 2, 3], [4, 4, 4]])
     pipelined = torch.tensor([[5, 6, 7], [1, 9, 8], [0, 4, 4]])
     logits = [torch.zeros(3, 10) for _ in range(3)]
