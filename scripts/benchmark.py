@@ -1314,12 +1314,25 @@ def readme_tables(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _write_whole(path: pathlib.Path, text: str) -> None:
+    """Replace ``path`` with ``text`` all at once: a benchmark stopped while writing leaves the old
+    README / results, never half of them (a temporary file of its own beside it, renamed over it)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def update_readme(readme: pathlib.Path, res: dict[str, Any]) -> None:
     text = readme.read_text()
     a, b = text.find(README_START), text.find(README_END)
     if a < 0 or b < a:
         raise SystemExit(f"{readme} has no benchmark block ({README_START!r} ... {README_END!r})")
-    readme.write_text(text[:a] + readme_tables(res) + text[b + len(README_END):])
+    _write_whole(readme, text[:a] + readme_tables(res) + text[b + len(README_END):])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1342,7 +1355,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_readme:
         res = json.loads((_ROOT / "bench_results" / "results.json").read_text())
         update_readme(_ROOT / "README.md", res)
-        (_ROOT / "bench_results" / "results.md").write_text(to_markdown(res))
+        _write_whole(_ROOT / "bench_results" / "results.md", to_markdown(res))
         return 0
     if args.out is None:
         args.out = str(_ROOT / ("bench_out/quick" if args.quick else "bench_results"))
@@ -1354,8 +1367,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sections and json_path.is_file():
         res = _merge(json.loads(json_path.read_text()), res, args.sections.split(","))
         res["seconds"] = sum(r.get("seconds", 0) for r in res.get("runs", [])) or res.get("seconds", 0)
-    json_path.write_text(json.dumps(res, indent=2, default=str))
-    md_path.write_text(to_markdown(res))
+    _write_whole(json_path, json.dumps(res, indent=2, default=str))
+    _write_whole(md_path, to_markdown(res))
     print(md_path.read_text())
     return 1 if res.get("errors") else 0
 
