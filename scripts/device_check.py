@@ -181,7 +181,6 @@ class Run:
         self.result["seconds"] = round(time.monotonic() - self.start, 2)
         out = pathlib.Path(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f"{out.name}.{threading.get_ident()}.tmp")
         for attempt in range(3):
             try:
                 text = json.dumps(self.result, indent=2, default=str)
@@ -189,8 +188,14 @@ class Run:
             except RuntimeError:  # the other thread changed a dict while it was being read: read again
                 if attempt == 2:
                     raise
-        tmp.write_text(text)
-        tmp.replace(out)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, out)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
 
     def _watch(self) -> None:
         # The hard budget: whatever hangs (a collective, a kernel), the figures so far are written.
