@@ -67,6 +67,7 @@ import pathlib
 import random
 import re
 import shutil
+import tempfile
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -86,6 +87,7 @@ __all__ = [
     "is_complete_checkpoint",
     "latest_checkpoint",
     "load_training_state",
+    "replace_file",
     "save_pretrained",
 ]
 
@@ -275,6 +277,26 @@ def _writing(path: pathlib.Path) -> Iterator[None]:
         )
         error.errno = errno.ENOSPC
         raise error from e
+
+
+def replace_file(path: str | os.PathLike, text: str) -> None:
+    """Replace the file ``path`` with ``text`` all at once: a process stopped while writing leaves the
+    old file or the new one, never part of one.
+
+    The text goes to a temporary file of its own beside ``path`` (unique per call, so two threads
+    writing the same file never share one: with a shared name, one writer's rename can publish the
+    file the other has just truncated), renamed over ``path`` once complete and removed if the write
+    fails. A full disk is an ``OSError`` naming the disk.
+    """
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with _writing(path), os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _save_torch(obj: Any, path: pathlib.Path) -> None:

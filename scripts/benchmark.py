@@ -51,6 +51,7 @@ from typing import Any
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
+from hf_pipeline.checkpoint import replace_file  # noqa: E402
 from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick).
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("dualpipev", 2), ("auto", None)]
@@ -1314,25 +1315,12 @@ def readme_tables(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_whole(path: pathlib.Path, text: str) -> None:
-    """Replace ``path`` with ``text`` all at once: a benchmark stopped while writing leaves the old
-    README / results, never half of them (a temporary file of its own beside it, renamed over it)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def update_readme(readme: pathlib.Path, res: dict[str, Any]) -> None:
     text = readme.read_text()
     a, b = text.find(README_START), text.find(README_END)
     if a < 0 or b < a:
         raise SystemExit(f"{readme} has no benchmark block ({README_START!r} ... {README_END!r})")
-    _write_whole(readme, text[:a] + readme_tables(res) + text[b + len(README_END):])
+    replace_file(readme, text[:a] + readme_tables(res) + text[b + len(README_END):])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1355,7 +1343,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_readme:
         res = json.loads((_ROOT / "bench_results" / "results.json").read_text())
         update_readme(_ROOT / "README.md", res)
-        _write_whole(_ROOT / "bench_results" / "results.md", to_markdown(res))
+        replace_file(_ROOT / "bench_results" / "results.md", to_markdown(res))
         return 0
     if args.out is None:
         args.out = str(_ROOT / ("bench_out/quick" if args.quick else "bench_results"))
@@ -1367,8 +1355,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sections and json_path.is_file():
         res = _merge(json.loads(json_path.read_text()), res, args.sections.split(","))
         res["seconds"] = sum(r.get("seconds", 0) for r in res.get("runs", [])) or res.get("seconds", 0)
-    _write_whole(json_path, json.dumps(res, indent=2, default=str))
-    _write_whole(md_path, to_markdown(res))
+    replace_file(json_path, json.dumps(res, indent=2, default=str))
+    replace_file(md_path, to_markdown(res))
     print(md_path.read_text())
     return 1 if res.get("errors") else 0
 

@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from hf_pipeline.checkpoint import replace_file
 from hf_pipeline.dist import destroy_distributed, init_distributed
 from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak, trim_host_heap
 
@@ -174,10 +175,9 @@ class Run:
                 self.lock.release()
 
     def _write_locked(self) -> None:
-        # Each writer (the main thread, the watchdog) fills its own temporary file and renames it over
-        # the output once complete, under the lock: with one shared temporary name the watchdog once
-        # renamed over the output the file the main thread had just truncated, and its exit left the
-        # JSON empty (a run at its budget on a loaded machine).
+        # Each writer (the main thread, the watchdog) replaces the JSON whole, under the lock: with one
+        # temporary name shared by both, the watchdog once renamed over the output the file the main
+        # thread had just truncated, and its exit left the JSON empty (a run at its budget).
         self.result["seconds"] = round(time.monotonic() - self.start, 2)
         out = pathlib.Path(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -188,14 +188,7 @@ class Run:
             except RuntimeError:  # the other thread changed a dict while it was being read: read again
                 if attempt == 2:
                     raise
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, out)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_file(out, text)
 
     def _watch(self) -> None:
         # The hard budget: whatever hangs (a collective, a kernel), the figures so far are written.

@@ -200,37 +200,3 @@ def test_committed_results_md_renders_results_json_with_each_section_once():
     assert {"## Load: per-rank memory and bytes read", "## Bubble: measured idle fraction per rank vs theory"} <= set(headers)
     assert (ROOT / "bench_results" / "results.md").read_text() == md, (
         "bench_results/results.md differs from bench_results/results.json: run python scripts/benchmark.py --update-readme")
-
-
-def test_results_and_readme_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
-    bench = _bench()
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{bench.README_START}\nold tables\n{bench.README_END}\nrest\n")
-    before = readme.read_text()
-    real_fdopen = bench.os.fdopen
-
-    class Stopped(Exception):
-        pass
-
-    class HalfWriter:  # writes half the text, then the process "stops"
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            self.f.write(text[: len(text) // 2])
-            self.f.flush()
-            raise Stopped
-
-    monkeypatch.setattr(bench.os, "fdopen", lambda fd, mode: HalfWriter(real_fdopen(fd, mode)))
-    with pytest.raises(Stopped):
-        bench._write_whole(readme, "new text " * 1000)
-    assert readme.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
-    monkeypatch.setattr(bench.os, "fdopen", real_fdopen)
-    bench._write_whole(readme, "new text")
-    assert readme.read_text() == "new text" and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]

@@ -549,3 +549,39 @@ def test_full_disk_is_named_on_every_rank_and_leaves_nothing(tmp_path):
         assert sorted(str(p.relative_to(disk)) for p in disk.rglob("*")) == ["out", "out/README.md"]
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_replace_file_leaves_the_old_file_or_the_new_one(tmp_path, monkeypatch):
+    # What the benchmark's README/results and the device check's JSON are written with: a write cut
+    # short leaves the old file whole and no temporary file behind.
+    import hf_pipeline.checkpoint as ckpt
+
+    path = tmp_path / "results.json"
+    path.write_text("old")
+    real_fdopen = ckpt.os.fdopen
+
+    class Stopped(Exception):
+        pass
+
+    class HalfWriter:  # writes half the text, then the process "stops"
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise Stopped
+
+    monkeypatch.setattr(ckpt.os, "fdopen", lambda fd, mode: HalfWriter(real_fdopen(fd, mode)))
+    with pytest.raises(Stopped):
+        ckpt.replace_file(path, "new text " * 1000)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    monkeypatch.setattr(ckpt.os, "fdopen", real_fdopen)
+    ckpt.replace_file(path, "new text")
+    assert path.read_text() == "new text" and sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
