@@ -692,7 +692,7 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     part, what = _stage_part(hf, model.plan, rank)
     m = min(world, sizes["prompts"])
     rows, past = -(-sizes["prompts"] // m), sizes["prompt_len"] + sizes["new_tokens"] // 2
-    alone = concurrent = 0.0
+    alone = 0.0
     for r in range(world):
         dist.barrier()
         if r == rank:
@@ -963,9 +963,8 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
             gen["bound"] = dict(base["bound"])
             if pp.get("ok"):
                 bd = gen["bound"]
-                slowest = max(range(len(pp["stage_steps_s"])), key=pp["stage_steps_s"].__getitem__)
-                bd["stage_parts"], bd["stage_steps_s"], bd["slowest_stage"] = pp["stage_parts"], pp["stage_steps_s"], slowest
-                bd["stage_step_s"] = pp["stage_steps_s"][slowest]
+                bd["stage_parts"], bd["stage_steps_s"] = pp["stage_parts"], pp["stage_steps_s"]
+                bd["stage_step_s"] = max(pp["stage_steps_s"])
                 bd["ring_step_s"] = bd["microbatches"] * bd["stage_step_s"]
                 bd["speedup_bound"] = bd["full_step_s"] / bd["ring_step_s"]
                 bd["concurrent_stage_step_s"] = max(pp["concurrent_stage_steps_s"])
