@@ -332,6 +332,13 @@ class PipelinedModel(nn.Module):
 
         return tune(self, batch, **kwargs)
 
+    def measure_split(self, batch: dict[str, Any], **kwargs: Any):
+        """Time each stage on ``batch`` and return the split balanced on those times
+        (:class:`~hf_pipeline.autotune.SplitAdvice`; load with ``split=advice.split``). Collective. See ``autotune.py``."""
+        from .autotune import measure_split
+
+        return measure_split(self, batch, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
         from .train import clip_grad_norm_

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from .errors import PlanError
 from .recipe import HeadSpec, Recipe, RecipeError
 from .schedules import SCHEDULES, ScheduleSpec, default_schedule, get_schedule, rank_of_stage, simulate_step
 
-__all__ = ["ParamLayout", "PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "param_layout", "resolve_recipe"]
+__all__ = ["ParamLayout", "PlanError", "ResolvedRecipe", "StagePlan", "StageSpec", "make_plan", "param_layout", "resolve_recipe", "stage_flops_parts"]
 
 LAYOUTS = ("loop", "v")
 # ``split="auto"`` cuts a block in two only when that lowers what the split minimises (the costliest
@@ -434,6 +434,7 @@ def make_plan(
     seq_len: int = 256,
     schedule: ScheduleSpec | str | None = None,
     n_microbatches: int | None = None,
+    measured_flops: Mapping[str, float] | None = None,
 ) -> StagePlan:
     """Split ``model`` (on the meta device) into ``pp_size * virtual_stages`` stages.
 
@@ -452,6 +453,8 @@ def make_plan(
         schedule, n_microbatches: the training schedule and microbatch count the split is balanced
             for when a rank holds several stages (``split="auto"``; default: the layout's default
             schedule, one microbatch per stage).
+        measured_flops: per-token costs, in the FLOPs of a block, that replace the FLOP count of the
+            named modules (the head and loss as measured on the device: :func:`hf_pipeline.autotune.measure_split`).
     Returns:
         The :class:`StagePlan`.
     """
@@ -499,10 +502,19 @@ def make_plan(
             mods += resolved.head.modules
         return mods
 
+    measured = dict(measured_flops or {})
+    unknown = sorted(set(measured) - {m for st in resolved.stacks for m in st.embed + st.final + st.every_stage} - set(resolved.head.modules))
+    if unknown:
+        raise PlanError(f"measured_flops names {unknown}, which are not embeddings, final modules or the head of {resolved.class_name}")
+
     def stats(group: Sequence[_Unit], is_last: bool) -> tuple[int, int, float]:
         mods = [m for u in group for m in unit_modules(u)] + extra_modules(group, is_last)
         attention = sum(1 for u in group if u.half != 1)  # the attention scores run in the first half
-        return module_stats(model, mods, itemsize, seq_len, hidden, attention)
+        params, nbytes, flops = module_stats(model, mods, itemsize, seq_len, hidden, attention)
+        for m in mods:
+            if m in measured:  # a measured cost replaces the module's FLOP count
+                flops += measured[m] - module_stats(model, [m], itemsize, seq_len, hidden, 0)[2]
+        return params, nbytes, flops
 
     def too_many(available: int, what: str) -> PlanError:
         return PlanError(
@@ -609,6 +621,20 @@ def make_plan(
         total_params=total_params,
         total_bytes=total_params * itemsize,
         tied=resolved.tied,
+    )
+
+
+def stage_flops_parts(model: nn.Module, resolved: ResolvedRecipe, spec: StageSpec, *, seq_len: int) -> tuple[float, dict[str, float]]:
+    """A stage's FLOPs per token in two parts: its blocks (or block halves), and each other module it
+    holds (embeddings, final modules, the head, modules every stage runs), by name."""
+    extra = {m for st in resolved.stacks for m in st.embed + st.final + st.every_stage} | set(resolved.head.modules)
+    config = getattr(model, "config", None)
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
+    attention = len(spec.blocks) - sum(1 for _, half in spec.halves if half == 1)  # as make_plan counts them
+    blocks = [m for m in spec.modules if m not in extra]
+    return (
+        module_stats(model, blocks, 1, seq_len, hidden, attention)[2],
+        {m: module_stats(model, [m], 1, seq_len, hidden, 0)[2] for m in spec.modules if m in extra},
     )
 
 
