@@ -53,8 +53,13 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
 from hf_pipeline.checkpoint import replace_file  # noqa: E402
 from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
-# (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick).
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("dualpipev", 2), ("auto", None)]
+# (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
+# a name ending in MEASURED: that schedule loaded again with the split model.measure_split() advises.
+MEASURED = "+measured-split"
+SCHEDULES = [
+    ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("dualpipev", 2),
+    ("auto", None), ("zbv-zero-bubble" + MEASURED, 2),
+]
 SECTIONS = ("load", "train", "generate", "bubble")
 
 
@@ -460,12 +465,23 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     from hf_pipeline.profile import expected_vs_recorded
 
     sizes = spec["sizes"]
-    if spec["schedule"] == "auto":
+    schedule = spec["schedule"].removesuffix(MEASURED)
+    if schedule == "auto":
         choice = dict(schedule="auto", n_microbatches="auto", tune_batch=(sizes["batch"], sizes["seq"]))
     else:
-        choice = dict(schedule=spec["schedule"], virtual_stages=spec["virtual_stages"], n_microbatches=sizes["n_microbatches"])
+        choice = dict(schedule=schedule, virtual_stages=spec["virtual_stages"], n_microbatches=sizes["n_microbatches"])
     model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, **choice)
     batch = _batch(sizes)
+    if spec["schedule"].endswith(MEASURED):  # the planner's split measured, then loaded as advised
+        advice = model.measure_split(batch)
+        out["measured_split"] = {
+            "split": list(advice.split), "planned": list(advice.current), "text": str(advice),
+            "head_blocks": {m: f / advice.block_flops for m, f in advice.measured_flops.items()},
+            "head_blocks_by_flops": {m: f / advice.block_flops for m, f in advice.counted_flops.items()},
+        }
+        del model
+        model = AutoModelForCausalLM.from_pretrained(
+            spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, split=list(advice.split), **choice)
     # The 2-way limit runs in this job too, right before each pipelined step: every rank trains a
     # transformers model on its share of the batch at the same time. Both sides of each ratio are
     # measured within seconds of each other, so slow drifts of the machine's speed (other tenants
@@ -502,6 +518,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
         busy_seconds={r: timeline.busy_seconds(r) for r in timeline.ranks},
         profiled_wall_seconds={r: timeline.wall_seconds(r) for r in timeline.ranks},
         picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages, "n_microbatches": model.n_microbatches},
+        split=list(model.plan.split_points),
     )
 
 
@@ -943,12 +960,18 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 "idle_fraction": r0["idle_fraction"], "theoretical_idle_fraction": r0["theoretical_idle_fraction"],
                 "order_matches_schedule": r0["order_matches"], "busy_seconds": r0["busy_seconds"],
                 "profiled_wall_seconds": r0["profiled_wall_seconds"], "picked": r0["picked"],
-                "gap": _gap(r0, sizes.world),
+                "gap": _gap(r0, sizes.world), "split": r0["split"],
             }
-        fixed = [row for name, row in train["schedules"].items() if name != "auto" and "error" not in row]
+            if "measured_split" in r0:
+                train["schedules"][name]["measured_split"] = r0["measured_split"]
+        fixed = [row for name, row in train["schedules"].items() if name != "auto" and not name.endswith(MEASURED) and "error" not in row]
         if "auto" in train["schedules"] and "error" not in train["schedules"]["auto"] and fixed:
             # auto against the best fixed choice of the same run (tokens/s)
             train["auto_vs_best_fixed"] = train["schedules"]["auto"]["tokens_per_s"] / max(row["tokens_per_s"] for row in fixed)
+        for name, row in train["schedules"].items():  # each measured split against its schedule's planned split
+            planned = train["schedules"].get(name.removesuffix(MEASURED))
+            if name.endswith(MEASURED) and "error" not in row and planned and "error" not in planned:
+                row["vs_planned_split"] = row["tokens_per_s"] / planned["tokens_per_s"]
         if train["baseline"] and limits:
             # Over every schedule's job: the 2-way limit and perfect overlap against the separate process.
             train["two_way_speedup"] = _median(base["step_seconds"]) / _median(limits)
@@ -1125,6 +1148,14 @@ def to_markdown(res: dict[str, Any]) -> str:
         if tr.get("auto_vs_best_fixed"):
             lines += ["", f"`schedule=\"auto\", n_microbatches=\"auto\"` (the cost model's pick at load) reaches "
                       f"**{_pct(tr['auto_vs_best_fixed'])}** of the best fixed choice's tokens/s."]
+        for name, row in tr["schedules"].items():
+            ms = row.get("measured_split")
+            if ms and row.get("vs_planned_split"):
+                heads = "; ".join(f"{m} {b:.2f} blocks measured, {ms['head_blocks_by_flops'][m]:.2f} by FLOPs" for m, b in ms["head_blocks"].items())
+                lines += ["", f"`{name}`: `model.measure_split(batch)` on the planned split {ms['planned']} measured the head and loss apart "
+                          f"from the blocks ({heads}) and advised {ms['split']}"
+                          + (" (the same split)" if ms["split"] == ms["planned"] else "")
+                          + f"; loaded so, its tokens/s are **{_pct(row['vs_planned_split'])}** of the planned split's."]
         gaps = {name: row["gap"] for name, row in tr["schedules"].items() if "gap" in row}
         if gaps:
             share = f"{base['microbatch_cost']:.2f}x" if base else "-"

@@ -153,8 +153,16 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     # schedule="auto": measured beside the fixed choices, against the best of them
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
-    best = max(row["tokens_per_s"] for name, row in train["schedules"].items() if name != "auto")
+    MEASURED = _bench().MEASURED
+    best = max(row["tokens_per_s"] for name, row in train["schedules"].items() if name != "auto" and not name.endswith(MEASURED))
     assert train["auto_vs_best_fixed"] == pytest.approx(auto["tokens_per_s"] / best)
+    # a schedule loaded again with the split model.measure_split() advised, against its planned split
+    measured = train["schedules"]["zbv-zero-bubble" + MEASURED]
+    ms = measured["measured_split"]
+    assert ms["planned"] == train["schedules"]["zbv-zero-bubble"]["split"] and measured["split"] == ms["split"]
+    assert set(ms["head_blocks"]) == set(ms["head_blocks_by_flops"]) == {"lm_head"} and ms["head_blocks"]["lm_head"] > 0
+    assert measured["vs_planned_split"] == pytest.approx(measured["tokens_per_s"] / train["schedules"]["zbv-zero-bubble"]["tokens_per_s"])
+    assert "`model.measure_split(batch)` on the planned split" in md
     assert f"auto: {auto['picked']['schedule']}, m={auto['picked']['n_microbatches']}" in md
     for name, row in train["schedules"].items():
         steps, two_way = row["step_seconds"], row["two_way_seconds"]
