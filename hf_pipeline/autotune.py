@@ -421,10 +421,8 @@ def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> Sp
         raise InputError("measure_split balances the stages of a pipeline of 2 or more ranks; this model runs on one")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive integer, got {steps!r}")
-    first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
-    seq = int(first.shape[-1])
     try:
-        model.train_step(batch)  # untimed: torch builds its stages and schedule on a first step
+        model.train_step(batch)  # untimed (torch builds its stages and schedule on a first step); checks the batch
         with record(model) as prof:
             for _ in range(steps):
                 model.train_step(batch)
@@ -432,6 +430,7 @@ def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> Sp
     finally:
         for p in model.parameters():
             p.grad = None
+    seq = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[-1])  # attention's length, as the planner costs it
     # A stage's cost per microbatch: the median over microbatches (and steps) of all its work on one
     # microbatch (forward, loss, backward: whole or as input and weight halves). A median, as a
     # core's stall (another tenant, a page fault) lands on a few actions and would move a mean.
