@@ -138,6 +138,16 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
     return ResolvedRecipe(recipe=recipe, class_name=class_name, base=base, stacks=tuple(stacks), head=head, tied=tuple(tied))
 
 
+def _hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
+
+
+def _outside_blocks(resolved: ResolvedRecipe) -> set[str]:
+    """The modules a stage may hold besides its blocks: embeddings, final modules, modules every stage runs, the head."""
+    return {m for st in resolved.stacks for m in st.embed + st.final + st.every_stage} | set(resolved.head.modules)
+
+
 def module_stats(model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, attention: int) -> tuple[int, int, float]:
     """(params, bytes, FLOPs per token) of the given modules, ``attention`` of them attention layers; shared tensors count once."""
     seen: set[int] = set()
@@ -468,7 +478,7 @@ def make_plan(
         dtype = next(model.parameters()).dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     config = getattr(model, "config", None)
-    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
+    hidden = _hidden_size(model)
 
     # Units, in execution order across stacks: one per half of each block the recipe lets the
     # planner cut, one per other block. Embeddings go with the first unit of their stack, final
@@ -503,7 +513,7 @@ def make_plan(
         return mods
 
     measured = dict(measured_flops or {})
-    unknown = sorted(set(measured) - {m for st in resolved.stacks for m in st.embed + st.final + st.every_stage} - set(resolved.head.modules))
+    unknown = sorted(set(measured) - _outside_blocks(resolved))
     if unknown:
         raise PlanError(f"measured_flops names {unknown}, which are not embeddings, final modules or the head of {resolved.class_name}")
 
@@ -627,9 +637,8 @@ def make_plan(
 def stage_flops_parts(model: nn.Module, resolved: ResolvedRecipe, spec: StageSpec, *, seq_len: int) -> tuple[float, dict[str, float]]:
     """A stage's FLOPs per token in two parts: its blocks (or block halves), and each other module it
     holds (embeddings, final modules, the head, modules every stage runs), by name."""
-    extra = {m for st in resolved.stacks for m in st.embed + st.final + st.every_stage} | set(resolved.head.modules)
-    config = getattr(model, "config", None)
-    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 0)
+    extra = _outside_blocks(resolved)
+    hidden = _hidden_size(model)
     attention = len(spec.blocks) - sum(1 for _, half in spec.halves if half == 1)  # as make_plan counts them
     blocks = [m for m in spec.modules if m not in extra]
     return (
