@@ -198,14 +198,14 @@ def test_a_measured_head_moves_blocks_between_stages():
         make_plan(model, recipe, pp_size=2, measured_flops={"model.layers.0": 1.0})
 
 
-def _measure_with_slow_head(path, sleep_s):
+def _measure_with_slow_head(path, sleep_s, num_stages=None):
     import time
 
     from hf_pipeline import AutoModelForCausalLM
 
     torch.manual_seed(0)
     batch = tiny.make_batch("llama", rows=8)
-    model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", dtype=torch.float32, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", dtype=torch.float32, progress=False, num_stages=num_stages)
     model.train()
     before = {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}
     head = model.get_output_embeddings()
@@ -223,12 +223,13 @@ def _measure_with_slow_head(path, sleep_s):
     }
 
 
-def test_measured_split_relieves_a_slow_head_on_every_rank_alike(tmp_path):
+@pytest.mark.parametrize("world,num_stages", [(2, None), (4, 2)])  # 4: two pipeline replicas, their times averaged
+def test_measured_split_relieves_a_slow_head_on_every_rank_alike(tmp_path, world, num_stages):
     path = tiny.make_checkpoint(tmp_path / "ck", "llama")
     with torch.no_grad():
         ref_loss = float(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(**tiny.make_batch("llama", rows=8)).loss)
-    res = run_distributed(_measure_with_slow_head, 2, str(path), 0.05, timeout=240)
-    assert res[0]["text"] == res[1]["text"] and res[0]["split"] == res[1]["split"]  # one advice, agreed
+    res = run_distributed(_measure_with_slow_head, world, str(path), 0.05, num_stages, timeout=240)
+    assert all(r["text"] == res[0]["text"] and r["split"] == res[0]["split"] for r in res)  # one advice, agreed
     r = res[0]
     assert r["current"] == ("model.layers.2",)
     # 50 ms per microbatch on a head whose blocks take ~1 ms: measured at many blocks, where its FLOPs say < 1
