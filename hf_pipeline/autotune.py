@@ -417,10 +417,10 @@ def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> Sp
     from .profile import record
 
     plan, build = model.plan, model.build
-    if plan.pp_size < 2:
-        raise InputError("measure_split balances the stages of a pipeline of 2 or more ranks; this model runs on one")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive integer, got {steps!r}")
+    if plan.pp_size < 2:
+        raise InputError("measure_split balances the stages of a pipeline of 2 or more ranks; this model runs on one")
     try:
         model.train_step(batch)  # untimed (torch builds its stages and schedule on a first step); checks the batch
         with record(model) as prof:

@@ -242,3 +242,17 @@ def test_measured_split_relieves_a_slow_head_on_every_rank_alike(tmp_path, world
     assert max(r["predicted"]) / min(r["predicted"]) < max(r["ranks"]) / min(r["ranks"])
     assert r["unchanged"] and r["no_grads_left"]  # measuring trains no weights and leaves no gradients
     assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)  # and leaves the model as it was
+
+
+def test_measure_split_refuses_one_rank_and_bad_steps_by_name(tmp_path):
+    from hf_pipeline import AutoModelForCausalLM
+
+    path = tiny.make_checkpoint(tmp_path / "ck", "llama", shards=1)
+    model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", dtype=torch.float32, progress=False)
+    batch = tiny.make_batch("llama", rows=4)
+    with pytest.raises(InputError, match="pipeline of 2 or more ranks"):
+        model.measure_split(batch)
+    for steps in (0, 1.5, True):
+        with pytest.raises(InputError, match="steps must be a positive integer"):
+            model.measure_split(batch, steps=steps)
+    assert float(model.train_step(batch)) > 0  # still usable
