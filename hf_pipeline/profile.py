@@ -7,7 +7,10 @@ zero-bubble schedule), ``backward_weight_one_chunk`` (W) — plus the loss compu
 stage, the P2P waits (``_wait_batch_p2p``) and each schedule ``step``. Stage calls that do not go
 through a torch schedule (world size 1, a decode loop) are recorded from the stage module itself.
 Every record is (rank, stage, microbatch, kind, start, end) with ``time.perf_counter``; the clocks
-of the ranks are aligned by a barrier when recording starts.
+of the ranks are aligned by a barrier when recording starts. On CUDA a recorded action waits for
+its stream's queued work before it starts and before it ends (:func:`_settle`), so its duration is
+the device's time, not the host's time to queue kernels; recorded calls lose the host's run-ahead
+and run a little slower than unrecorded ones.
 
 ``Recorder.timeline()`` (collective) gathers every rank's records into a :class:`Timeline`:
 ``idle_fraction()`` = 1 - busy / step wall time per rank, ``actions(rank)`` = the executed action
@@ -36,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
@@ -81,6 +85,19 @@ class ActionRecord:
         """torch's action notation: ``1F3`` = stage 1, forward, microbatch 3."""
         mb = "" if self.microbatch is None else str(self.microbatch)
         return f"{'' if self.stage is None else self.stage}{self.kind}{mb}"
+
+
+def _settle(device: Any) -> None:
+    """On CUDA, wait for the work queued on ``device``'s current stream: a host timestamp taken next
+    marks where the device is. (CUDA events would time the device without stopping the host, but a
+    Gantt chart of host-side actions needs host times; the profiler is for looking, not for speed.)"""
+    if device is not None and getattr(device, "type", None) == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _module_device(module: Any) -> Any:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else None
 
 
 # ----------------------------------------------------------------------------- schedule theory
@@ -333,12 +350,14 @@ class Recorder:
                     # Without backward (forward-only steps) torch still calls backward_one_chunk; it returns at once.
                     if not rec._mine(stage.submod) or (kind != "F" and not stage.has_backward):
                         return original(stage, chunk_id, *args, **kwargs)
+                    _settle(stage.device)
                     start = rec._now()
                     rec._depth += 1
                     try:
                         return original(stage, chunk_id, *args, **kwargs)
                     finally:
                         rec._depth -= 1
+                        _settle(stage.device)
                         rec._add(stage=stage.stage_index, microbatch=chunk_id, kind=kind, start=start, end=rec._now())
 
                 return wrapper
@@ -357,10 +376,12 @@ class Recorder:
             def wrapper(schedule, stage, output, target_mbs, mb_index, *args, **kwargs):
                 if not (rec._mine(stage.submod) and stage.is_last and schedule._loss_fn is not None):
                     return original(schedule, stage, output, target_mbs, mb_index, *args, **kwargs)
+                _settle(stage.device)
                 start = rec._now()
                 try:
                     return original(schedule, stage, output, target_mbs, mb_index, *args, **kwargs)
                 finally:
+                    _settle(stage.device)
                     rec._add(stage=stage.stage_index, microbatch=mb_index, kind="loss", start=start, end=rec._now())
 
             return wrapper
@@ -427,11 +448,14 @@ class Recorder:
                 if cache is not None:
                     # One cache per (stage, microbatch): number the caches in order of first use.
                     mb = rec._caches.setdefault(key, sum(1 for s, _ in rec._caches if s == module.spec.index))
+                device = _module_device(module)
+                _settle(device)
                 start = rec._now()
                 kind = "setup" if rec._in_step else "F"  # inside a step but outside its actions: torch's own setup
                 try:
                     return original(module, *received, **inputs)
                 finally:
+                    _settle(device)
                     rec._add(stage=module.spec.index, microbatch=mb, kind=kind, start=start, end=rec._now())
 
             return wrapper

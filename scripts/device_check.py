@@ -24,7 +24,9 @@ section (each one timed, its failure recorded and the next section run anyway):
   generate    greedy pipelined ``generate`` against transformers' ``generate(do_sample=False)``:
               tokens equal (see the tolerance), and tokens/s of both.
   train       one ``model.train_step`` against transformers' forward + backward on the same batch:
-              loss and gradients (of rank 0's stages) within tolerance, and tokens/s of both.
+              loss and gradients (of rank 0's stages) within tolerance, and tokens/s of both; on
+              several ranks also each stage's device time per microbatch and the split balanced on
+              it (``model.measure_split``).
 
 Tolerances. fp32: the pipeline runs transformers' own modules, so it can differ only by the order
 of floating point sums (other batch shapes pick other kernels); fp32 keeps 24 bits, so logits agree
@@ -715,6 +717,11 @@ class Sections:
             _, s = _timed(lambda: model.train_step(batch), self.device)
             times.append(s)
             clear()
+        advice = None
+        if failure is None and model.plan.pp_size > 1:
+            # Each stage's device time per microbatch (the profiler settles the stream around each
+            # action) and the split balanced on it: what the planner's FLOP model misses on this GPU.
+            advice = model.measure_split(batch, steps=1)
         model.eval()
         ranks = _gather(mine)
         if failure is not None:
@@ -727,6 +734,14 @@ class Sections:
                    pipelined_tokens_per_s=tokens / statistics.median(times),
                    reference_tokens_per_s=tokens / statistics.median(fig["reference_seconds"]))
         fig["speedup"] = fig["pipelined_tokens_per_s"] / fig["reference_tokens_per_s"]
+        if advice is not None:
+            fig["measured_split"] = {
+                "planned": list(advice.current), "advised": list(advice.split), "stage_seconds": list(advice.stage_seconds),
+                "rank_seconds": list(advice.rank_seconds), "predicted_rank_seconds": list(advice.predicted_rank_seconds),
+                "head_blocks": {m: f / advice.block_flops for m, f in advice.measured_flops.items()},
+                "head_blocks_by_flops": {m: f / advice.block_flops for m, f in advice.counted_flops.items()},
+            }
+            self.run.log(str(advice))
         _check(checks, "loss_rel_diff", abs(fig["loss"] - fig["reference_loss"]) / abs(fig["reference_loss"]), hi=LOSS_RTOL[self.dtype],
                why="the pipelined loss = transformers' mean loss of the batch")
         _check(checks, "grad_rel_l2", fig["grad_rel_l2"], hi=GRAD_RTOL[self.dtype],

@@ -138,3 +138,31 @@ def test_world_size_1_records_every_stage_call(tmp_path):
     with model.profile():
         with pytest.raises(RuntimeError, match="already active"):
             model.profile().__enter__()
+
+
+def test_recorded_actions_wait_for_their_device_before_each_timestamp(tmp_path, monkeypatch):
+    # On CUDA a host timestamp after queuing kernels says nothing of the device: every recorded action
+    # settles its stage's device before it starts and before it ends. Checked on CPU through the hook,
+    # and the hook itself against a stand-in CUDA stream.
+    from hf_pipeline import AutoModelForCausalLM, profile
+
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu")
+    calls = []
+    original = profile._settle
+    monkeypatch.setattr(profile, "_settle", lambda device: calls.append(device) or original(device))
+    with model.profile() as prof:
+        model(**tiny.sample_inputs("llama", batch=2, seq=5))
+    assert len(prof.records) == 1 and calls == [torch.device("cpu")] * 2
+
+    synced = []
+
+    class Stream:
+        def synchronize(self):
+            synced.append(True)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream())
+    original(torch.device("cuda", 0))
+    original(torch.device("cpu"))
+    original(None)
+    assert synced == [True]
