@@ -342,6 +342,19 @@ class SplitAdvice:
     def changed(self) -> bool:
         return self.split != self.current
 
+    def head_blocks(self) -> dict[str, tuple[float, float]]:
+        """Each module measured apart, as (measured, by FLOPs) in blocks' worth of cost."""
+        return {m: (f / self.block_flops, self.counted_flops[m] / self.block_flops) for m, f in self.measured_flops.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures, for JSON (the benchmark's results, the device check's)."""
+        heads = self.head_blocks()
+        return {
+            "planned": list(self.current), "split": list(self.split), "stage_seconds": list(self.stage_seconds),
+            "rank_seconds": list(self.rank_seconds), "predicted_rank_seconds": list(self.predicted_rank_seconds),
+            "head_blocks": {m: b for m, (b, _) in heads.items()}, "head_blocks_by_flops": {m: c for m, (_, c) in heads.items()},
+        }
+
     def __str__(self) -> str:
         def ms(xs):
             return ", ".join(f"{x * 1e3:.1f}" for x in xs)
@@ -349,9 +362,7 @@ class SplitAdvice:
         def spread(xs):
             return max(xs) / (sum(xs) / len(xs))
 
-        head = ", ".join(
-            f"{m} {f / self.block_flops:.2f} blocks ({self.counted_flops[m] / self.block_flops:.2f} by FLOPs)" for m, f in self.measured_flops.items()
-        ) or "none"
+        head = ", ".join(f"{m} {b:.2f} blocks ({c:.2f} by FLOPs)" for m, (b, c) in self.head_blocks().items()) or "none"
         return "\n".join([
             f"measured split ({'a new split' if self.changed else 'the loaded split is balanced'}):",
             f"  loaded   {list(self.current)}: stages {ms(self.stage_seconds)} ms per microbatch; ranks {ms(self.rank_seconds)} ms "

@@ -474,11 +474,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     batch = _batch(sizes)
     if spec["schedule"].endswith(MEASURED):  # the planner's split measured, then loaded as advised
         advice = model.measure_split(batch)
-        out["measured_split"] = {
-            "split": list(advice.split), "planned": list(advice.current), "text": str(advice),
-            "head_blocks": {m: f / advice.block_flops for m, f in advice.measured_flops.items()},
-            "head_blocks_by_flops": {m: f / advice.block_flops for m, f in advice.counted_flops.items()},
-        }
+        out["measured_split"] = {**advice.to_dict(), "text": str(advice)}
         # Both splits stay loaded and take turns below: paired in one job, the machine's drifts fall on both.
         planned = model
         model = AutoModelForCausalLM.from_pretrained(

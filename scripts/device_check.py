@@ -735,12 +735,7 @@ class Sections:
                    reference_tokens_per_s=tokens / statistics.median(fig["reference_seconds"]))
         fig["speedup"] = fig["pipelined_tokens_per_s"] / fig["reference_tokens_per_s"]
         if advice is not None:
-            fig["measured_split"] = {
-                "planned": list(advice.current), "advised": list(advice.split), "stage_seconds": list(advice.stage_seconds),
-                "rank_seconds": list(advice.rank_seconds), "predicted_rank_seconds": list(advice.predicted_rank_seconds),
-                "head_blocks": {m: f / advice.block_flops for m, f in advice.measured_flops.items()},
-                "head_blocks_by_flops": {m: f / advice.block_flops for m, f in advice.counted_flops.items()},
-            }
+            fig["measured_split"] = advice.to_dict()
             self.run.log(str(advice))
         _check(checks, "loss_rel_diff", abs(fig["loss"] - fig["reference_loss"]) / abs(fig["reference_loss"]), hi=LOSS_RTOL[self.dtype],
                why="the pipelined loss = transformers' mean loss of the batch")

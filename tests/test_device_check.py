@@ -125,7 +125,7 @@ def test_torchrun_two_gloo_ranks(tmp_path):
     _assert_fp32_numerics(result)
     assert [r["rank"] for r in result["sections"]["train"]["figures"]["ranks"]] == [0, 1]
     ms = result["sections"]["train"]["figures"]["measured_split"]  # each stage timed, the split advised on it
-    assert len(ms["planned"]) == len(ms["advised"]) == 1 and ms["planned"][0].startswith("model.layers.")
+    assert len(ms["planned"]) == len(ms["split"]) == 1 and ms["planned"][0].startswith("model.layers.")
     assert len(ms["stage_seconds"]) == 2 and all(t > 0 for t in ms["stage_seconds"]) and set(ms["head_blocks"]) == {"lm_head"}
     # Without --workdir the checkpoint lives in a temporary directory that is removed at the end.
     assert not pathlib.Path(result["sections"]["checkpoint"]["figures"]["path"]).exists()
