@@ -14,8 +14,10 @@ and run a little slower than unrecorded ones.
 
 ``Recorder.timeline()`` (collective) gathers every rank's records into a :class:`Timeline`:
 ``idle_fraction()`` = 1 - busy / step wall time per rank, ``actions(rank)`` = the executed action
-order (compare it with :func:`schedule_actions`), ``save_png`` and ``save_chrome_trace``
-(load the JSON in https://ui.perfetto.dev or chrome://tracing).
+order (compare it with :func:`schedule_actions`), ``replayed_seconds()`` = the step replayed with
+every action at its recorded time and free messages (what the schedule's order costs, apart from
+the waits on messages), ``save_png`` and ``save_chrome_trace`` (load the JSON in
+https://ui.perfetto.dev or chrome://tracing).
 
 Example (``torchrun --nproc_per_node 2 script.py``):
     >>> with model.profile() as prof:
@@ -170,6 +172,76 @@ class Timeline:
             wall = self.wall_seconds(rank, step)
             out[rank] = 1.0 - self.busy_seconds(rank, step) / wall if wall > 0 else 0.0
         return out
+
+    def replayed_seconds(self, step: int | None = None, *, latency: float = 0.0) -> float:
+        """The step's wall time if every compute action took its recorded time and messages were free.
+
+        Each rank runs its recorded actions (F/B/I/W, the loss, setup calls) in the recorded order
+        from the step's start, an action starting when its rank is free and its input exists: a
+        forward after the previous stage's forward of its microbatch, the loss after the last
+        stage's forward, a backward after the next stage's backward (the last stage's after its
+        loss), a weight-gradient pass after its input-gradient pass. The result is the step as the
+        schedule's order allows with these action times; the profiled step over it is the time the
+        ranks waited beyond that (P2P latency, the runtime's work between actions). ``latency``:
+        seconds a message takes, added where an action waits for one of another rank (a measured
+        hop: what is left beyond that replay is the runtime's own time between actions). With
+        ``step=None`` the replays of every recorded step are added.
+        """
+        steps = sorted({r.step for r in self.records}) if step is None else [step]
+        return sum(self._replay(s, latency) for s in steps)
+
+    def _replay(self, step: int, latency: float = 0.0) -> float:
+        queues = {rank: sorted((r for r in self._of(rank, step) if r.kind in COMPUTE_KINDS), key=lambda r: r.start) for rank in self.ranks}
+        queues = {rank: q for rank, q in queues.items() if q}
+        if not queues:
+            return 0.0
+        staged = [r.stage for q in queues.values() for r in q if r.stage is not None]
+        last = max(staged) if staged else None
+        recorded = {(r.stage, r.kind, r.microbatch) for q in queues.values() for r in q}
+
+        def needs(r: ActionRecord) -> tuple[int | None, str, int | None] | None:
+            s, i = r.stage, r.microbatch
+            if s is None or i is None or r.kind == "setup":
+                want = None
+            elif r.kind == "F":
+                want = (s - 1, "F", i)
+            elif r.kind == "loss":
+                want = (s, "F", i)
+            elif r.kind in ("B", "I"):
+                if s == last:
+                    want = (s, "loss", i) if (s, "loss", i) in recorded else (s, "F", i)
+                else:
+                    want = (s + 1, "B", i) if (s + 1, "B", i) in recorded else (s + 1, "I", i)
+            else:  # W
+                want = (s, "I", i)
+            return want if want in recorded else None  # what was not recorded (another group's) is taken as ready
+
+        done: dict[tuple[int | None, str, int | None], float] = {}
+        where: dict[tuple[int | None, str, int | None], int] = {}  # the rank that ran each action
+        free = dict.fromkeys(queues, 0.0)
+        pos = dict.fromkeys(queues, 0)
+        remaining = sum(len(q) for q in queues.values())
+        while remaining:
+            progressed = False
+            for rank, q in queues.items():
+                while pos[rank] < len(q):
+                    r = q[pos[rank]]
+                    want = needs(r)
+                    if want is not None and want not in done:
+                        break
+                    ready = free[rank]
+                    if want is not None:
+                        ready = max(ready, done[want] + (latency if where[want] != rank else 0.0))
+                    key = (r.stage, r.kind, r.microbatch)
+                    free[rank] = done[key] = ready + r.duration
+                    where[key] = rank
+                    pos[rank] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = {rank: q[pos[rank]].label for rank, q in queues.items() if pos[rank] < len(q)}
+                raise ValueError(f"the recorded order of step {step} cannot be replayed: every rank waits ({stuck})")
+        return max(free.values())
 
     def theoretical_idle_fraction(self) -> float | None:
         if self.schedule is None or self.n_microbatches is None:

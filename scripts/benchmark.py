@@ -421,6 +421,68 @@ def _whole_and_microbatched(model, batch: dict, n_microbatches: int, reps: int) 
     return whole[1:], micro[1:], float(loss)
 
 
+def _split_backward_seconds(model, sizes: dict) -> dict[str, float]:
+    """One rank's share of the decoder layers (transformers' own) on one pipeline microbatch: the
+    seconds of its forward, its full backward, and a zero-bubble schedule's split backward, input
+    pass (I) then weight pass (W), two ways: hf_pipeline's (``weight_pass.py``: I is the full
+    backward with the linears' weight matmuls left out, W those matmuls) and torch's generic one
+    (``stage_backward_input`` / ``stage_backward_weight``). Alternating, medians. What the split
+    costs on this machine, apart from any pipeline."""
+    import torch
+    from torch.distributed.pipelining import _backward as torch_backward
+
+    from hf_pipeline import weight_pass
+
+    layers = model.model.layers[: max(1, sizes["layers"] // sizes["world"])]
+    weight_pass.install(layers)
+    params = [p for layer in layers for p in layer.parameters()]
+    rows = max(1, sizes["batch"] // sizes["n_microbatches"])
+    gen = torch.Generator().manual_seed(5)
+    x0 = torch.randn(rows, sizes["seq"], sizes["hidden"], generator=gen)
+    grad = torch.randn(rows, sizes["seq"], sizes["hidden"], generator=gen)
+    positions = torch.arange(sizes["seq"])[None].expand(rows, -1)
+    rope = tuple(t.detach() for t in model.model.rotary_emb(x0, positions))
+
+    def forward():
+        x = x0.clone().requires_grad_()
+        h = x
+        for layer in layers:
+            h = layer(h, position_embeddings=rope, attention_mask=None, position_ids=positions)
+            h = h[0] if isinstance(h, tuple) else h
+        return x, h
+
+    times: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "input", "weight", "torch_input", "torch_weight")}
+    for _ in range(6 if sizes["train_reps"] > 1 else 2):
+        t = time.perf_counter()
+        x, h = forward()
+        times["forward"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.autograd.backward(h, grad, inputs=[x, *params])
+        times["backward"].append(time.perf_counter() - t)
+        with weight_pass.deferring():
+            x, h = forward()
+            t = time.perf_counter()
+            with weight_pass.capturing():
+                torch.autograd.backward(h, grad, inputs=[x, *params])
+            w = weight_pass.take()
+            t1 = time.perf_counter()
+            w()
+            times["input"].append(t1 - t)
+            times["weight"].append(time.perf_counter() - t1)
+        x, h = forward()
+        t = time.perf_counter()
+        _, groups = torch_backward.stage_backward_input([h], [grad], [x], iter(params))
+        t1 = time.perf_counter()
+        torch_backward.stage_backward_weight(iter(params), groups)
+        times["torch_input"].append(t1 - t)
+        times["torch_weight"].append(time.perf_counter() - t1)
+        for p in params:
+            p.grad = None
+    got = {k: _median(v[1:]) for k, v in times.items()}
+    got["layers"], got["rows"] = len(layers), rows
+    return got
+
+
 def _task_train_hf(spec: dict, out: dict) -> None:
     import torch
     import transformers
@@ -436,21 +498,29 @@ def _task_train_hf(spec: dict, out: dict) -> None:
     rows = sizes["batch"] // sizes["world"]
     share = {k: v[:rows] for k, v in batch.items()}
     share_times, share_micro, _ = _whole_and_microbatched(model, share, max(1, sizes["n_microbatches"] // sizes["world"]), sizes["train_reps"])
-    out.update(step_seconds=times, microbatched_seconds=micro, loss=loss, share_step_seconds=share_times, share_microbatched_seconds=share_micro)
+    out.update(step_seconds=times, microbatched_seconds=micro, loss=loss, share_step_seconds=share_times, share_microbatched_seconds=share_micro,
+               split_backward=_split_backward_seconds(model, sizes))
 
 
-def _two_way_step(reference, batch: dict, sizes: dict) -> float:
+def _two_way_step(reference, batch: dict, sizes: dict, *, microbatched: bool = False) -> float:
     """One transformers step on this rank's share of the batch, every rank at once: the 2-way
-    limit (independent processes, no communication). Returns the slowest rank's time."""
+    limit (independent processes, no communication). With ``microbatched`` the share runs as the
+    pipeline's microbatches one after another (gradients accumulated): perfect overlap measured
+    directly, at the pipeline's microbatch size and with every core busy as in the pipeline.
+    Returns the slowest rank's time."""
     import torch
     import torch.distributed as dist
 
     from hf_pipeline.sampling import microbatch_bounds
 
     lo, hi = microbatch_bounds(sizes["batch"], dist.get_world_size())[dist.get_rank()]
+    pieces = [(lo, hi)]
+    if microbatched:
+        pieces = [(lo + a, lo + b) for a, b in microbatch_bounds(hi - lo, max(1, sizes["n_microbatches"] // dist.get_world_size()))]
     _sync()
     t = time.perf_counter()
-    reference(**{k: v[lo:hi] for k, v in batch.items()}).loss.backward()
+    for a, b in pieces:
+        (reference(**{k: v[a:b] for k, v in batch.items()}).loss * ((b - a) / (hi - lo))).backward()
     took = torch.tensor([time.perf_counter() - t])
     reference.zero_grad(set_to_none=True)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
@@ -488,7 +558,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     import transformers
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).train()
-    times, two_way, planned_times = [], [], []
+    times, two_way, two_way_micro, planned_times = [], [], [], []
 
     def timed_step(m) -> tuple[float, Any]:
         _sync()
@@ -501,6 +571,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
 
     for i in range(sizes["train_reps"] + 1):
         two_way.append(_two_way_step(reference, batch, sizes))
+        two_way_micro.append(_two_way_step(reference, batch, sizes, microbatched=True))
         took, loss = timed_step(model)
         times.append(took)
         if planned is not None:
@@ -520,12 +591,19 @@ def _task_train_pp(spec: dict, out: dict) -> None:
         model.train_step(batch)
     timeline = prof.timeline(title=f"{spec['schedule']}: {model.n_microbatches} microbatches, {model.plan.pp_size} ranks x {model.plan.virtual_stages} stages")
     order = expected_vs_recorded(timeline, training=True)
+    # One hop of a stage's activation (a microbatch's hidden states) between ranks, nothing else
+    # running: the replay with it on every cross-rank dependency is the step with this machine's
+    # message latency and no other time between actions.
+    rows = max(1, sizes["batch"] // model.n_microbatches // model.dims.dp_size)
+    hop = _median([_hop_seconds((rows, sizes["seq"], sizes["hidden"]), 20 if sizes["train_reps"] > 1 else 3) for _ in range(5)])
     if model.ctx.is_main_process and spec.get("timeline_dir"):
         d = pathlib.Path(spec["timeline_dir"])
         timeline.save_png(d / f"train-{spec['schedule']}.png")
         timeline.save_chrome_trace(d / f"train-{spec['schedule']}.trace.json")
     out.update(
-        step_seconds=step_seconds, two_way_seconds=two_way[1:], loss=float(loss), idle_fraction=timeline.idle_fraction(),
+        step_seconds=step_seconds, two_way_seconds=two_way[1:], two_way_microbatched_seconds=two_way_micro[1:], loss=float(loss),
+        idle_fraction=timeline.idle_fraction(), replayed_seconds=timeline.replayed_seconds(), activation_hop_s=hop,
+        replayed_with_hops_seconds=timeline.replayed_seconds(latency=hop),
         theoretical_idle_fraction=timeline.theoretical_idle_fraction(),
         order_matches={r: e == got for r, (e, got) in order.items()},
         busy_seconds={r: timeline.busy_seconds(r) for r in timeline.ranks},
@@ -617,6 +695,29 @@ def _torch_ring_step_seconds(model, rows: int, past: int, m: int, steps: int, *,
     return took / steps
 
 
+def _hop_seconds(shape: tuple[int, ...], rounds: int) -> float:
+    """Seconds of one hop of a message with no compute: a float32 tensor of ``shape`` passed around
+    every rank ``rounds`` times with the pipeline's own calls (``isend``, ``irecv`` waited on), per
+    round over the ranks. What a dependency between two ranks costs beyond the compute on either
+    side, on this machine and backend."""
+    import torch
+    import torch.distributed as dist
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    nxt, prev = (r + 1) % world, (r - 1) % world
+    buf = torch.zeros(shape)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if r == 0:
+            dist.isend(buf, nxt).wait()
+            dist.irecv(buf, prev).wait()
+        else:
+            dist.irecv(buf, prev).wait()
+            dist.isend(buf, nxt).wait()
+    return (time.perf_counter() - start) / (rounds * world)
+
+
 def _decode_bound(model, sizes: dict) -> dict:
     """One process's decode step, for the most a ``world``-stage decode ring with ``m = world``
     microbatches can gain on this machine.
@@ -682,7 +783,8 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
         return float(took)
 
     results = {}
-    for label, m in (("pipelined", None), ("one_microbatch", 1)):
+    # One more microbatch than ranks: what hiding the message's latency behind another microbatch costs.
+    for label, m in (("pipelined", None), ("one_microbatch", 1), ("more_microbatches", dist.get_world_size() + 1)):
         times, stats, tokens, limit = [], None, None, []
         for i in range(sizes["gen_reps"] + 1):
             if label == "pipelined":
@@ -742,6 +844,8 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     worst = torch.tensor([_median([p[0] for p in pairs]), _median([p[1] for p in pairs])])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     results["back_to_back_token_s"], results["torch_ring_token_s"] = float(worst[0]), float(worst[1])
+    # One hop of the ring's message with nothing else running (median of 5 runs of 50 rounds).
+    results["hop_s"] = _median([_hop_seconds((rows, 1, model.config.hidden_size + 1), 50 if sizes["new_tokens"] > 8 else 5) for _ in range(5)])
     out.update(results)
 
 
@@ -837,19 +941,42 @@ def _errors(rank_results: list[dict]) -> list[str]:
     return [f"{r.get('label') or r['task']}: {r['error']}" for r in rank_results if not r.get("ok")]
 
 
+def _share(part: float, whole: float) -> float | None:
+    """``part / whole`` for a positive ``whole`` (a cost and what it is a part of); None otherwise."""
+    return part / whole if whole > 0 else None
+
+
 def _gap(r0: dict, world: int) -> dict[str, float]:
     """Where a schedule's step goes against the 2-way limit, as factors whose product is the median
     step over the median 2-way step: the ranks' compute over the 2-way processes' compute (``compute``:
     small microbatches, per-stage work, the split backward), the busiest rank over the mean
     (``imbalance``), the profiled step over the busiest rank's compute (``bubble``: its idle), and the
-    timed step over the profiled one (``rest``: messages and the step's own work, and noise)."""
+    timed step over the profiled one (``rest``: messages and the step's own work, and noise).
+
+    Two factors are split further (their products are the factors above): ``compute`` into
+    ``microbatches`` (the 2-way processes running their shares as the pipeline's microbatches, over
+    in one piece, both measured in the job: small matmuls with every core busy) and ``stages`` (the
+    rest: the stages' own work, the split backward); ``bubble`` into ``schedule`` (the profiled
+    step replayed with free messages over the busiest rank's compute: the idle the schedule's order
+    leaves with these action times, :meth:`~hf_pipeline.profile.Timeline.replayed_seconds`) and
+    ``waits`` (the profiled step over its replay: P2P latency and the runtime between actions)."""
     busy = list(r0["busy_seconds"].values())
     wall = max(r0["profiled_wall_seconds"].values())
     two_way, step = _median(r0["two_way_seconds"]), _median(r0["step_seconds"])
-    return {
+    gap = {
         "compute": sum(busy) / (world * two_way), "imbalance": max(busy) * len(busy) / sum(busy),
         "bubble": wall / max(busy), "rest": step / wall,
     }
+    if r0.get("two_way_microbatched_seconds"):
+        gap["microbatches"] = _median(r0["two_way_microbatched_seconds"]) / two_way
+        gap["stages"] = gap["compute"] / gap["microbatches"]
+    if r0.get("replayed_seconds"):
+        gap["schedule"] = r0["replayed_seconds"] / max(busy)
+        gap["waits"] = wall / r0["replayed_seconds"]
+        if r0.get("replayed_with_hops_seconds"):
+            gap["messages"] = r0["replayed_with_hops_seconds"] / r0["replayed_seconds"]
+            gap["runtime"] = wall / r0["replayed_with_hops_seconds"]
+    return gap
 
 
 def run_benchmark(args, log=print) -> dict[str, Any]:
@@ -951,8 +1078,12 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 "microbatch_cost": micro_cost,
                 "microbatched_seconds": base["microbatched_seconds"],
                 "whole_batch_microbatch_cost": _median([mb / full for mb, full in zip(base["microbatched_seconds"], base["step_seconds"])]),
+                "split_backward": {**base["split_backward"],
+                                   "split_over_full": (base["split_backward"]["input"] + base["split_backward"]["weight"]) / base["split_backward"]["backward"],
+                                   "torch_split_over_full": (base["split_backward"]["torch_input"] + base["split_backward"]["torch_weight"])
+                                   / base["split_backward"]["backward"]},
             }
-        limits = []
+        limits, micro_limits = [], []
         for name, v in SCHEDULES:
             per_rank = find(sizes.world, f"train {name}")
             r0 = per_rank[0]
@@ -964,12 +1095,19 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
             limits.extend(two_way)
             # median over steps of (2-way step / pipelined step), each pair run back to back
             of_two_way = _median([w / p for w, p in zip(two_way, r0["step_seconds"])])
+            micro_way = r0.get("two_way_microbatched_seconds") or []
+            micro_limits.extend(micro_way)
             train["schedules"][name] = {
                 "virtual_stages": v, "step_seconds": r0["step_seconds"], "tokens_per_s": tps, "two_way_seconds": two_way,
                 "speedup_vs_separate_baseline": tps / train["baseline"]["tokens_per_s"] if train["baseline"] else None,
                 "fraction_of_two_way": of_two_way,
                 # perfect overlap = the 2-way limit paid the microbatch cost: 2-way time x cost
                 "fraction_of_perfect_overlap": of_two_way * micro_cost if micro_cost else None,
+                # perfect overlap measured: the 2-way processes running the pipeline's microbatches
+                "two_way_microbatched_seconds": micro_way,
+                "fraction_of_microbatched_two_way": _median([w / p for w, p in zip(micro_way, r0["step_seconds"])]) if micro_way else None,
+                "replayed_seconds": r0.get("replayed_seconds"), "replayed_with_hops_seconds": r0.get("replayed_with_hops_seconds"),
+                "activation_hop_s": r0.get("activation_hop_s"),
                 "idle_fraction": r0["idle_fraction"], "theoretical_idle_fraction": r0["theoretical_idle_fraction"],
                 "order_matches_schedule": r0["order_matches"], "busy_seconds": r0["busy_seconds"],
                 "profiled_wall_seconds": r0["profiled_wall_seconds"], "picked": r0["picked"],
@@ -988,6 +1126,8 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
             # Over every schedule's job: the 2-way limit and perfect overlap against the separate process.
             train["two_way_speedup"] = _median(base["step_seconds"]) / _median(limits)
             train["perfect_overlap_speedup"] = train["two_way_speedup"] / micro_cost
+            if micro_limits:
+                train["microbatched_two_way_speedup"] = _median(base["step_seconds"]) / _median(micro_limits)
         results["train"] = train
 
     if "generate" in sections:
@@ -1006,11 +1146,15 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 bd["concurrent_speedup_bound"] = bd["full_step_s"] / (bd["microbatches"] * bd["concurrent_stage_step_s"])
                 bd["back_to_back_token_s"] = pp["back_to_back_token_s"]
                 bd["torch_ring_token_s"] = pp["torch_ring_token_s"]
+                bd["hop_s"] = pp["hop_s"]
+                # A token's cycle runs every stage once and crosses every link once: with balanced stages
+                # the ring pays world hops per token beyond the same steps back to back.
+                bd["predicted_ring_token_s"] = bd["back_to_back_token_s"] + sizes.world * pp["hop_s"]
                 bd["decode_token_s"] = pp["decode_token_s"]
         else:
             gen["baseline"] = {"error": base["error"]}
         if pp.get("ok"):
-            for label in ("pipelined", "one_microbatch"):
+            for label in ("pipelined", "one_microbatch", "more_microbatches"):
                 r = pp[label]
                 gen[label] = {
                     "seconds": r["seconds"], "tokens_per_s": r["new_tokens"] / _median(r["seconds"]), "n_microbatches": r["n_microbatches"],
@@ -1134,18 +1278,21 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"2-way limit: **{tr['two_way_speedup']:.2f}x**; microbatch cost: {base['microbatch_cost']:.2f}x"
                 + (f" (on the whole batch, against the whole batch in one piece: {base['whole_batch_microbatch_cost']:.2f}x)"
                    if "whole_batch_microbatch_cost" in base else "")
-                + f"; perfect overlap: **{tr['perfect_overlap_speedup']:.2f}x**.",
+                + f"; perfect overlap: **{tr['perfect_overlap_speedup']:.2f}x**"
+                + (f"; perfect overlap measured ({s['world']} processes at once, each running its share as the pipeline's "
+                   f"microbatches): **{tr['microbatched_two_way_speedup']:.2f}x**" if tr.get("microbatched_two_way_speedup") else "")
+                + ".",
                 "",
             ]
         lines += [
-            "| schedule | stages per rank | step (s) | vs transformers | fraction of perfect overlap | fraction of the 2-way limit |",
-            "|---|---|---|---|---|---|",
+            "| schedule | stages per rank | step (s) | vs transformers | fraction of perfect overlap | fraction of perfect overlap, measured | fraction of the 2-way limit |",
+            "|---|---|---|---|---|---|---|",
         ]
         if base:
-            lines.append(f"| transformers, one process | - | {_median(base['step_seconds']):.3f} | 1.00x | - | - |")
+            lines.append(f"| transformers, one process | - | {_median(base['step_seconds']):.3f} | 1.00x | - | - | - |")
         for name, row in tr["schedules"].items():
             if "error" in row:
-                lines.append(f"| {name} | {row['virtual_stages']} | error: {row['error'][:200]} | | | |")
+                lines.append(f"| {name} | {row['virtual_stages']} | error: {row['error'][:200]} | | | | |")
                 continue
             sep = f"**{row['speedup_vs_separate_baseline']:.2f}x**" if row.get("speedup_vs_separate_baseline") else "-"
             label = name
@@ -1155,7 +1302,8 @@ def to_markdown(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {row['picked']['virtual_stages'] if row.get('picked') else row['virtual_stages']} | "
                 f"{_median(row['step_seconds']):.3f} | {sep} | "
-                f"{_pct(row.get('fraction_of_perfect_overlap'))} | {_pct(row.get('fraction_of_two_way'))} |"
+                f"{_pct(row.get('fraction_of_perfect_overlap'))} | {_pct(row.get('fraction_of_microbatched_two_way'))} | "
+                f"{_pct(row.get('fraction_of_two_way'))} |"
             )
         if tr.get("auto_vs_best_fixed"):
             lines += ["", f"`schedule=\"auto\", n_microbatches=\"auto\"` (the cost model's pick at load) reaches "
@@ -1181,14 +1329,46 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"share in one piece, takes **{share}** (this machine's matmuls on smaller microbatches); the rest is the "
                 "stages' own work (zero-bubble: the split backward). **imbalance** = the busiest rank's compute over the mean; "
                 "**bubble** = the profiled step over the busiest rank's compute (its idle time); **rest** = the timed step over "
-                "the profiled one (messages, the step's own work, noise).",
+                "the profiled one (messages, the step's own work, noise). Two factors split further: compute = "
+                "**microbatches** (the 2-way processes running their shares as the pipeline's microbatches over in one piece, "
+                "both measured in the schedule's job: small matmuls with every core busy) x **stages** (the rest: the stages' "
+                "own work, the split backward); bubble = **schedule** (the profiled step replayed with every action at its "
+                "recorded time and free messages, over the busiest rank's compute: the idle the schedule's order leaves with "
+                "these action times, `Timeline.replayed_seconds()`) x **waits** (the profiled step over its replay: P2P "
+                "latency and the runtime between actions), and waits = **messages** (the replay with one measured hop of a "
+                "microbatch's activations, nothing else running, on every dependency between ranks, over the replay without: "
+                "this machine's message latency) x **runtime** (the profiled step over that replay: the time between actions "
+                "that is not the message's flight).",
                 "",
-                "| schedule | compute | imbalance | bubble | rest | step / 2-way step |",
-                "|---|---|---|---|---|---|",
+                "| schedule | compute | = microbatches | x stages | imbalance | bubble | = schedule | x waits | = messages | x runtime | rest | step / 2-way step |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
+
+            def f(gp, key):
+                return f"{gp[key]:.3f}" if key in gp else "-"
+
             for name, gp in gaps.items():
                 total = gp["compute"] * gp["imbalance"] * gp["bubble"] * gp["rest"]
-                lines.append(f"| {name} | {gp['compute']:.3f} | {gp['imbalance']:.3f} | {gp['bubble']:.3f} | {gp['rest']:.3f} | {total:.3f} |")
+                lines.append(f"| {name} | {f(gp, 'compute')} | {f(gp, 'microbatches')} | {f(gp, 'stages')} | {f(gp, 'imbalance')} | "
+                             f"{f(gp, 'bubble')} | {f(gp, 'schedule')} | {f(gp, 'waits')} | {f(gp, 'messages')} | {f(gp, 'runtime')} | "
+                             f"{f(gp, 'rest')} | {total:.3f} |")
+            hops = [row["activation_hop_s"] for row in tr["schedules"].values() if row.get("activation_hop_s")]
+            if hops:
+                lines += ["", f"One hop of a microbatch's activations between ranks (measured in each schedule's job, nothing else "
+                          f"running): {min(hops) * 1e3:.2f}-{max(hops) * 1e3:.2f} ms."]
+            sb = (base or {}).get("split_backward")
+            if sb:
+                lines += [
+                    "",
+                    f"The zero-bubble schedules' split backward on this machine, apart from any pipeline (transformers' own "
+                    f"{sb['layers']} layers, one microbatch of {sb['rows']} rows, in the baseline's process; medians): forward "
+                    f"{sb['forward'] * 1e3:.1f} ms, full backward {sb['backward'] * 1e3:.1f} ms; hf_pipeline's split "
+                    f"(`weight_pass.py`: the linears' weight matmuls deferred to W) input pass {sb['input'] * 1e3:.1f} ms + weight "
+                    f"pass {sb['weight'] * 1e3:.1f} ms = **{sb['split_over_full']:.2f}x** the full backward; torch's generic split "
+                    f"(`stage_backward_input` / `stage_backward_weight`) {sb['torch_input'] * 1e3:.1f} + {sb['torch_weight'] * 1e3:.1f} "
+                    f"ms = {sb['torch_split_over_full']:.2f}x. Part of the zero-bubble schedules' **stages** factor above is this "
+                    "price, paid for their smaller **schedule** bubble.",
+                ]
         lines.append("")
     if "generate" in res:
         g = res["generate"]
@@ -1204,7 +1384,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         b = g.get("baseline", {})
         if "tokens_per_s" in b:
             lines.append(f"| transformers generate, 1 process | - | {_median(b['seconds']):.2f} | {b['tokens_per_s']:.0f} | 1.00x | - |")
-        for label, name in (("pipelined", "pipelined generate"), ("one_microbatch", "pipelined, n_microbatches=1")):
+        for label, name in (("pipelined", "pipelined generate"), ("one_microbatch", "pipelined, n_microbatches=1"),
+                            ("more_microbatches", f"pipelined, n_microbatches={s['world'] + 1}")):
             if label in g:
                 r = g[label]
                 vs = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if "tokens_per_s" in b else "-"
@@ -1254,6 +1435,19 @@ def to_markdown(res: dict[str, Any]) -> str:
                     + (f"; hf_pipeline's ring takes {per_token * 1e3:.1f} ms per token (the difference between calls for "
                        f"{s['new_tokens']} and {s['new_tokens'] // 2} new tokens, per token: prefill excluded), "
                        f"{bd['torch_ring_token_s'] / per_token:.0%} of that torch-only ring's speed." if per_token else "."),
+                ]
+            if "hop_s" in bd:
+                lines += [
+                    "",
+                    f"One hop of the ring's message between ranks with nothing else running (`isend`, the receiver's posted "
+                    f"receive waited on; gloo here): **{bd['hop_s'] * 1e3:.2f} ms**. A token's cycle runs every stage once and "
+                    f"crosses all {s['world']} links, so with balanced stages the messages' flight adds {s['world']} hops per token to "
+                    f"the steps back to back: {bd['back_to_back_token_s'] * 1e3:.1f} + {s['world']} x {bd['hop_s'] * 1e3:.2f} = "
+                    f"{bd['predicted_ring_token_s'] * 1e3:.1f} ms per token, against {bd['torch_ring_token_s'] * 1e3:.1f} ms measured "
+                    f"for the torch-only ring: the flight is "
+                    f"{_pct(_share(bd['predicted_ring_token_s'] - bd['back_to_back_token_s'], bd['torch_ring_token_s'] - bd['back_to_back_token_s']))} "
+                    "of what the ring's pattern adds; the rest is lost around the hand-offs while both ranks compute, which "
+                    "this measurement does not split further.",
                 ]
         lines.append("")
     if "train" in res:
@@ -1334,12 +1528,16 @@ def readme_tables(res: dict[str, Any]) -> str:
         if tr.get("two_way_speedup"):
             head += (f"; this machine's 2-way limit {tr['two_way_speedup']:.2f}x, microbatch cost "
                      f"{tr['baseline']['microbatch_cost']:.2f}x, perfect overlap {tr['perfect_overlap_speedup']:.2f}x")
-        lines += [head + ":", "", "| schedule | vs transformers (own process) | fraction of perfect overlap |", "|---|---|---|"]
+        if tr.get("microbatched_two_way_speedup"):
+            head += f", perfect overlap measured {tr['microbatched_two_way_speedup']:.2f}x"
+        lines += [head + ":", "", "| schedule | vs transformers (own process) | fraction of perfect overlap | fraction of perfect overlap, measured |",
+                  "|---|---|---|---|"]
         for name, row in tr["schedules"].items():
             if "error" in row:
                 continue
             label = name if name != "auto" else f"auto ({row['picked']['schedule']}, m={row['picked']['n_microbatches']})"
-            lines.append(f"| {label} | {row['speedup_vs_separate_baseline']:.2f}x | {_pct(row.get('fraction_of_perfect_overlap'))} |")
+            lines.append(f"| {label} | {row['speedup_vs_separate_baseline']:.2f}x | {_pct(row.get('fraction_of_perfect_overlap'))} | "
+                         f"{_pct(row.get('fraction_of_microbatched_two_way'))} |")
         lines.append("")
     if "generate" in res and "pipelined" in res["generate"]:
         g = res["generate"]

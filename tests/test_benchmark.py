@@ -105,6 +105,7 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     gen = res["generate"]
     assert gen["pipelined"]["tokens_equal_transformers"] and gen["one_microbatch"]["tokens_equal_transformers"]
     assert gen["pipelined"]["n_microbatches"] == 2 and gen["one_microbatch"]["n_microbatches"] == 1
+    assert gen["more_microbatches"]["n_microbatches"] == world + 1 and gen["more_microbatches"]["tokens_equal_transformers"]
     tps = {k: gen[k]["tokens_per_s"] for k in ("baseline", "pipelined", "one_microbatch")}
     assert all(math.isfinite(v) and v > 0 for v in tps.values()), tps
     assert gen["speedup_vs_transformers"] == pytest.approx(tps["pipelined"] / tps["baseline"])
@@ -124,6 +125,9 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert len(bound["stage_parts"]) == len(bound["stage_steps_s"]) == world and bound["stage_step_s"] == max(bound["stage_steps_s"])
     assert bound["stage_parts"][0].startswith("layers 0-") and bound["stage_parts"][-1].endswith(f"-{sizes['layers'] - 1} + LM head")
     assert math.isfinite(bound["decode_token_s"]) and math.isfinite(bound["torch_ring_token_s"])
+    # the message's hop and the ring it predicts: back to back plus one hop per rank
+    assert 0 < bound["hop_s"] < 1 and bound["predicted_ring_token_s"] == pytest.approx(bound["back_to_back_token_s"] + world * bound["hop_s"])
+    assert "One hop of the ring's message" in md
     # the 2-way limit: paired with the pipelined runs, one per timed run
     assert len(gen["two_way_seconds"]) == len(gen["pipelined"]["seconds"]) == sizes["gen_reps"]
     assert gen["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(gen["two_way_seconds"], gen["pipelined"]["seconds"])]))
@@ -147,9 +151,17 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert len(base["microbatched_seconds"]) == len(base["step_seconds"]) == sizes["train_reps"]
     assert base["whole_batch_microbatch_cost"] == pytest.approx(
         statistics.median([mb / s for mb, s in zip(base["microbatched_seconds"], base["step_seconds"])]))
+    sb = base["split_backward"]  # the split backward against the full one, on one rank's layers
+    assert all(math.isfinite(sb[k]) and sb[k] > 0 for k in ("forward", "backward", "input", "weight", "torch_input", "torch_weight"))
+    assert sb["split_over_full"] == pytest.approx((sb["input"] + sb["weight"]) / sb["backward"]) and 0.3 < sb["split_over_full"] < 10
+    assert sb["torch_split_over_full"] == pytest.approx((sb["torch_input"] + sb["torch_weight"]) / sb["backward"])
+    assert sb["layers"] == sizes["layers"] // world and "stage_backward_input" in md
     limits = [w for row in train["schedules"].values() for w in row["two_way_seconds"]]
     assert train["two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(limits))
     assert train["perfect_overlap_speedup"] == pytest.approx(train["two_way_speedup"] / cost)
+    micro_limits = [w for row in train["schedules"].values() for w in row["two_way_microbatched_seconds"]]
+    assert train["microbatched_two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(micro_limits))
+    assert "perfect overlap measured" in md and "= schedule" in md
     # schedule="auto": measured beside the fixed choices, against the best of them
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
@@ -186,6 +198,17 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         busy = list(row["busy_seconds"].values())
         assert gap["imbalance"] == pytest.approx(max(busy) / statistics.mean(busy)) and gap["imbalance"] >= 1, name
         assert gap["bubble"] >= 1 and gap["compute"] > 0, name
+        # the split factors: compute = microbatches (measured 2-way, microbatched / in one piece) x stages;
+        # bubble = the schedule's order with free messages (the replay) x the waits beyond it
+        micro = row["two_way_microbatched_seconds"]
+        assert len(micro) == sizes["train_reps"] and all(math.isfinite(t) and t > 0 for t in micro), name
+        assert gap["microbatches"] == pytest.approx(statistics.median(micro) / statistics.median(two_way)), name
+        assert gap["microbatches"] * gap["stages"] == pytest.approx(gap["compute"]), name
+        assert gap["schedule"] == pytest.approx(row["replayed_seconds"] / max(busy)) and gap["schedule"] >= 1 - 1e-9, name
+        assert gap["schedule"] * gap["waits"] == pytest.approx(gap["bubble"]), name
+        assert 0 < row["activation_hop_s"] < 1 and row["replayed_with_hops_seconds"] > row["replayed_seconds"], name
+        assert gap["messages"] * gap["runtime"] == pytest.approx(gap["waits"]) and gap["messages"] > 1, name
+        assert row["fraction_of_microbatched_two_way"] == pytest.approx(statistics.median([w / s for w, s in zip(micro, steps)])), name
         assert (out / "timelines" / f"train-{name}.png").is_file() and (out / "timelines" / f"train-{name}.trace.json").is_file()
 
 

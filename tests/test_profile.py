@@ -1,6 +1,7 @@
 """Per-action timelines: recorded actions follow the schedule's action list; PNG and Chrome trace are written."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ def _profile_training(path, out_dir):
             "records": [(r.rank, r.stage, r.microbatch, r.kind, r.start, r.end) for r in timeline.records],
             "steps": timeline.steps, "png": png, "trace": trace, "theory": timeline.theoretical_idle_fraction(),
             "local": [s.spec.index for s in model.stages],
+            "replayed": timeline.replayed_seconds(), "busy": [timeline.busy_seconds(r) for r in timeline.ranks],
+            "wall": [timeline.wall_seconds(r) for r in timeline.ranks],
         }
         if name == "interleaved-1f1b":
             # forward only (inference) of a looped model: the forward actions of looped BFS
@@ -68,6 +71,9 @@ def test_recorded_actions_follow_the_schedule(tmp_path):
             assert 0.0 <= res["idle"][rank] < 1.0
             start, end = res["steps"][rank][0]
             assert all(start <= r[4] <= r[5] <= end for r in res["records"] if r[0] == rank)
+        # the replay with free messages: at least the busiest rank's compute, at most the step as run
+        assert max(res["busy"]) <= res["replayed"] <= max(res["wall"]) + 1e-6
+        assert res["replayed"] == results[1][name]["replayed"]
         assert res["theory"] == pytest.approx(theoretical_bubble(name, pp_size=2, n_microbatches=4, virtual_stages=v))
         with open(res["png"], "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -122,6 +128,50 @@ def test_idle_fraction_and_outputs_from_records(tmp_path):
     assert x[2]["tid"] == -1 and x[2]["cat"] == "recv_wait"
     png = tl.save_png(tmp_path / "t.png")
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zbv-zero-bubble", 2), ("interleaved-zero-bubble", 2)])
+def test_replay_is_the_schedule_with_free_messages(name, v):
+    # Records of a step whose actions take unequal times and start late (each waits 0.7 s for a
+    # message): the replay drops the waits and keeps what the order needs, which is the planner's
+    # simulation of the same schedule with the same costs.
+    from hf_pipeline.schedules import ACTION_WEIGHTS, simulate_step
+
+    p, m = 2, 4
+    cost = [1.0, 1.6, 0.8, 1.3][: p * v]
+    orders = schedule_actions(name, pp_size=p, n_microbatches=m, virtual_stages=v)
+    last = p * v - 1
+    records = []
+    for rank, acts in orders.items():
+        t = 0.0
+        for a in acts:
+            s, k, i = re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups()
+            t += 0.7
+            records.append(_rec(rank, int(s), int(i), k, t, t + ACTION_WEIGHTS[k] * cost[int(s)]))
+            t = records[-1].end
+            if k == "F" and int(s) == last:  # the loss, right after the last stage's forward
+                records.append(_rec(rank, int(s), int(i), "loss", t, t))
+    wall = max(r.end for r in records)
+    tl = Timeline(records=records, steps={r: [(0.0, wall)] for r in orders}, pp_size=p, schedule=name, virtual_stages=v, n_microbatches=m)
+    expected, busy = simulate_step(name, pp_size=p, virtual_stages=v, n_microbatches=m, stage_cost=cost)
+    assert tl.replayed_seconds() == pytest.approx(expected)
+    assert max(busy.values()) <= expected < wall
+    if name == "gpipe":  # rank 1 cannot start before stage 0's first forward, nor finish before stage 0's last backward
+        assert expected >= max(busy.values()) + cost[0]
+    # a message's latency, added where an action waits for another rank's: GPipe on 2 ranks has one
+    # cross-rank hop before rank 1's first forward and one before rank 0's first backward on its critical path
+    with_latency = tl.replayed_seconds(latency=0.25)
+    assert expected < with_latency <= expected + 0.25 * 2 * m * p * v
+    if name == "gpipe":
+        assert with_latency == pytest.approx(expected + 2 * 0.25)
+
+
+def test_replay_refuses_an_order_that_deadlocks():
+    # rank 0 runs its backward before the forward rank 1 needs first: no order of the two ranks works
+    records = [_rec(0, 0, 0, "B", 0.0, 1.0), _rec(0, 0, 0, "F", 1.0, 2.0), _rec(1, 1, 0, "F", 2.0, 3.0), _rec(1, 1, 0, "B", 3.0, 4.0)]
+    tl = Timeline(records=records, steps={0: [(0.0, 4.0)], 1: [(0.0, 4.0)]}, pp_size=2)
+    with pytest.raises(ValueError, match="cannot be replayed"):
+        tl.replayed_seconds()
 
 
 def test_world_size_1_records_every_stage_call(tmp_path):
