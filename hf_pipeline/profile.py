@@ -197,7 +197,12 @@ class Timeline:
             return 0.0
         staged = [r.stage for q in queues.values() for r in q if r.stage is not None]
         last = max(staged) if staged else None
-        recorded = {(r.stage, r.kind, r.microbatch) for q in queues.values() for r in q}
+        keys = [(r.stage, r.kind, r.microbatch) for q in queues.values() for r in q if r.kind != "setup"]
+        recorded = set(keys)
+        if len(recorded) < len(keys):
+            # A decode loop runs each stage's forward once per token under the same microbatch index:
+            # its records are not one schedule step's action graph.
+            raise ValueError(f"step {step} repeats an action (stage, kind, microbatch): only a schedule's training or forward step can be replayed")
 
         def needs(r: ActionRecord) -> tuple[int | None, str, int | None] | None:
             s, i = r.stage, r.microbatch

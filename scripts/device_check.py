@@ -26,7 +26,9 @@ section (each one timed, its failure recorded and the next section run anyway):
   train       one ``model.train_step`` against transformers' forward + backward on the same batch:
               loss and gradients (of rank 0's stages) within tolerance, and tokens/s of both; on
               several ranks also each stage's device time per microbatch and the split balanced on
-              it (``model.measure_split``).
+              it (``model.measure_split``), and one profiled step split into the ranks' imbalance,
+              the schedule's own bubble (the step replayed with free messages) and the waits
+              around the messages.
 
 Tolerances. fp32: the pipeline runs transformers' own modules, so it can differ only by the order
 of floating point sums (other batch shapes pick other kernels); fp32 keeps 24 bits, so logits agree
@@ -717,11 +719,23 @@ class Sections:
             _, s = _timed(lambda: model.train_step(batch), self.device)
             times.append(s)
             clear()
-        advice = None
+        advice = breakdown = None
         if failure is None and model.plan.pp_size > 1:
             # Each stage's device time per microbatch (the profiler settles the stream around each
             # action) and the split balanced on it: what the planner's FLOP model misses on this GPU.
             advice = model.measure_split(batch, steps=1)
+            # One profiled step: each rank's compute, the step replayed with free messages, the step
+            # as run. Their ratios are the schedule's own bubble and the time lost around the
+            # messages (NCCL's latency and the hand-offs) on this machine.
+            with model.profile() as prof:
+                model.train_step(batch)
+            clear()
+            timeline = prof.timeline()
+            busy = [timeline.busy_seconds(r) for r in timeline.ranks]
+            wall = max(timeline.wall_seconds(r) for r in timeline.ranks)
+            replayed = timeline.replayed_seconds()
+            breakdown = {"busy_seconds": busy, "wall_seconds": wall, "replayed_seconds": replayed,
+                         "imbalance": max(busy) * len(busy) / sum(busy), "schedule": replayed / max(busy), "waits": wall / replayed}
         model.eval()
         ranks = _gather(mine)
         if failure is not None:
@@ -737,6 +751,10 @@ class Sections:
         if advice is not None:
             fig["measured_split"] = advice.to_dict()
             self.run.log(str(advice))
+        if breakdown is not None:
+            fig["step_breakdown"] = breakdown
+            self.run.log(f"train step: imbalance {breakdown['imbalance']:.3f}, schedule's bubble {breakdown['schedule']:.3f}, "
+                         f"waits around messages {breakdown['waits']:.3f} (profiled step {breakdown['wall_seconds'] * 1e3:.1f} ms)")
         _check(checks, "loss_rel_diff", abs(fig["loss"] - fig["reference_loss"]) / abs(fig["reference_loss"]), hi=LOSS_RTOL[self.dtype],
                why="the pipelined loss = transformers' mean loss of the batch")
         _check(checks, "grad_rel_l2", fig["grad_rel_l2"], hi=GRAD_RTOL[self.dtype],

@@ -127,6 +127,10 @@ def test_torchrun_two_gloo_ranks(tmp_path):
     ms = result["sections"]["train"]["figures"]["measured_split"]  # each stage timed, the split advised on it
     assert len(ms["planned"]) == len(ms["split"]) == 1 and ms["planned"][0].startswith("model.layers.")
     assert len(ms["stage_seconds"]) == 2 and all(t > 0 for t in ms["stage_seconds"]) and set(ms["head_blocks"]) == {"lm_head"}
+    # one profiled step split into the ranks' compute, the schedule's own bubble (the replay) and the waits
+    bd = result["sections"]["train"]["figures"]["step_breakdown"]
+    assert len(bd["busy_seconds"]) == 2 and max(bd["busy_seconds"]) <= bd["replayed_seconds"] <= bd["wall_seconds"] + 1e-6
+    assert bd["schedule"] * bd["waits"] == pytest.approx(bd["wall_seconds"] / max(bd["busy_seconds"])) and bd["imbalance"] >= 1
     # Without --workdir the checkpoint lives in a temporary directory that is removed at the end.
     assert not pathlib.Path(result["sections"]["checkpoint"]["figures"]["path"]).exists()
 

@@ -172,6 +172,10 @@ def test_replay_refuses_an_order_that_deadlocks():
     tl = Timeline(records=records, steps={0: [(0.0, 4.0)], 1: [(0.0, 4.0)]}, pp_size=2)
     with pytest.raises(ValueError, match="cannot be replayed"):
         tl.replayed_seconds()
+    # a decode loop: the same stage's forward of the same microbatch once per token
+    loop = Timeline(records=[_rec(0, 0, 0, "F", 0.0, 1.0), _rec(0, 0, 0, "F", 1.0, 2.0)], steps={0: []}, pp_size=1)
+    with pytest.raises(ValueError, match="repeats an action"):
+        loop.replayed_seconds()
 
 
 def test_world_size_1_records_every_stage_call(tmp_path):
