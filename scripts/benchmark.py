@@ -587,10 +587,17 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     step_seconds = slowest(times)
     if planned_times:
         out["measured_split"]["planned_step_seconds"] = slowest(planned_times)
+    # Several profiled steps; the figures below are the median one's (by wall time): a single step
+    # now and then holds a stall of the machine (a few ms between two actions) that the others do not.
     with model.profile() as prof:
-        model.train_step(batch)
+        for _ in range(3 if sizes["train_reps"] > 1 else 1):
+            model.train_step(batch)
+            for p in model.parameters():
+                p.grad = None
     timeline = prof.timeline(title=f"{spec['schedule']}: {model.n_microbatches} microbatches, {model.plan.pp_size} ranks x {model.plan.virtual_stages} stages")
-    order = expected_vs_recorded(timeline, training=True)
+    walls = {st: max(timeline.wall_seconds(r, st) for r in timeline.ranks) for st in sorted({x.step for x in timeline.records})}
+    step = sorted(walls, key=walls.get)[len(walls) // 2]
+    order = expected_vs_recorded(timeline, training=True, step=step)
     # One hop of a stage's activation (a microbatch's hidden states) between ranks, nothing else
     # running: the replay with it on every cross-rank dependency is the step with this machine's
     # message latency and no other time between actions.
@@ -598,16 +605,17 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     hop = _median([_hop_seconds((rows, sizes["seq"], sizes["hidden"]), 20 if sizes["train_reps"] > 1 else 3) for _ in range(5)])
     if model.ctx.is_main_process and spec.get("timeline_dir"):
         d = pathlib.Path(spec["timeline_dir"])
-        timeline.save_png(d / f"train-{spec['schedule']}.png")
+        timeline.save_png(d / f"train-{spec['schedule']}.png", step=step)
         timeline.save_chrome_trace(d / f"train-{spec['schedule']}.trace.json")
     out.update(
         step_seconds=step_seconds, two_way_seconds=two_way[1:], two_way_microbatched_seconds=two_way_micro[1:], loss=float(loss),
-        idle_fraction=timeline.idle_fraction(), replayed_seconds=timeline.replayed_seconds(), activation_hop_s=hop,
-        replayed_with_hops_seconds=timeline.replayed_seconds(latency=hop),
+        profiled_steps=len(walls), profiled_step=step, profiled_step_walls=list(walls.values()),
+        idle_fraction=timeline.idle_fraction(step), replayed_seconds=timeline.replayed_seconds(step), activation_hop_s=hop,
+        replayed_with_hops_seconds=timeline.replayed_seconds(step, latency=hop),
         theoretical_idle_fraction=timeline.theoretical_idle_fraction(),
         order_matches={r: e == got for r, (e, got) in order.items()},
-        busy_seconds={r: timeline.busy_seconds(r) for r in timeline.ranks},
-        profiled_wall_seconds={r: timeline.wall_seconds(r) for r in timeline.ranks},
+        busy_seconds={r: timeline.busy_seconds(r, step) for r in timeline.ranks},
+        profiled_wall_seconds={r: timeline.wall_seconds(r, step) for r in timeline.ranks},
         picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages, "n_microbatches": model.n_microbatches},
         split=list(model.plan.split_points),
     )
@@ -1110,6 +1118,7 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 "activation_hop_s": r0.get("activation_hop_s"),
                 "idle_fraction": r0["idle_fraction"], "theoretical_idle_fraction": r0["theoretical_idle_fraction"],
                 "order_matches_schedule": r0["order_matches"], "busy_seconds": r0["busy_seconds"],
+                "profiled_steps": r0["profiled_steps"], "profiled_step": r0["profiled_step"], "profiled_step_walls": r0["profiled_step_walls"],
                 "profiled_wall_seconds": r0["profiled_wall_seconds"], "picked": r0["picked"],
                 "gap": _gap(r0, sizes.world), "split": r0["split"],
             }
@@ -1323,7 +1332,8 @@ def to_markdown(res: dict[str, Any]) -> str:
             lines += [
                 "",
                 "Where each step goes against the 2-way limit (factors; their product is the step over the 2-way step): "
-                "**compute** = all ranks' compute (forward, backward, weight-gradient and loss actions of the profiled step) "
+                "**compute** = all ranks' compute (forward, backward, weight-gradient and loss actions of the profiled step: "
+                "the median by wall time of the schedule's 3 profiled steps) "
                 f"over {s['world']} x the 2-way step (each 2-way process trains its share of the batch in one piece): what "
                 f"running the model in small microbatches and stages costs more. Of it, one process running a rank's share of the batch as the pipeline's microbatches, against that "
                 f"share in one piece, takes **{share}** (this machine's matmuls on smaller microbatches); the rest is the "
@@ -1454,7 +1464,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         lines += [
             "## Bubble: measured idle fraction per rank vs theory",
             "",
-            "One profiled training step per schedule (`model.profile()`): idle = 1 - busy / step wall time on that rank, "
+            "Three profiled training steps per schedule (`model.profile()`), the median one by wall time shown: idle = 1 - busy / step wall time on that rank, "
             "busy = forward, backward, weight-gradient and loss actions. Theory: GPipe/1F1B (p-1)/(m+p-1), interleaved "
             "(p-1)/(v*m+p-1), ZB-H1 about a third of 1F1B's, ZBV about 0. The recorded action order is compared with the "
             "schedule's action list. Timelines: `timelines/train-<schedule>.png` and `.trace.json` (Perfetto / chrome://tracing).",

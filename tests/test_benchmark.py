@@ -187,6 +187,7 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert row["speedup_vs_separate_baseline"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"]), name
         assert _ratio(row["speedup_vs_separate_baseline"], world) and _ratio(row["fraction_of_two_way"], world), name
         assert all(row["order_matches_schedule"].values()), name
+        assert row["profiled_steps"] == 1 and row["profiled_step"] == 0, name  # --quick profiles one step (full runs: 3, the median shown)
         assert all(0 <= v < 1 for v in row["idle_fraction"].values()), name
         assert all(0 < row["busy_seconds"][r] <= row["profiled_wall_seconds"][r] for r in row["busy_seconds"]), name
         if name in theory:
