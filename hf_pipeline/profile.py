@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
-from .schedules import ACTION_KINDS, ScheduleSpec, get_schedule, schedule_actions
+from .schedules import ACTION_KINDS, ScheduleSpec, action_input, get_schedule, schedule_actions
 
 __all__ = [
     "ActionRecord",
@@ -190,6 +190,30 @@ class Timeline:
         steps = sorted({r.step for r in self.records}) if step is None else [step]
         return sum(self._replay(s, latency) for s in steps)
 
+    def breakdown(self, step: int | None = None, *, latency: float | None = None) -> dict[str, Any]:
+        """Where the step's wall time goes beyond the busiest rank's compute, as factors.
+
+        ``imbalance`` = the busiest rank's compute over the ranks' mean; ``bubble`` = the step's wall
+        time (the slowest rank's) over the busiest rank's compute, itself ``schedule`` (the replay with
+        free messages over that compute: the idle the schedule's order leaves with these action times)
+        x ``waits`` (the wall time over the replay). With ``latency`` (a measured message hop) also
+        ``waits`` = ``messages`` (the replay with that hop on every dependency between ranks, over the
+        replay without) x ``runtime`` (the wall time over it: the time between actions that is not
+        the messages' flight). The seconds each factor comes from are in the dict too.
+        """
+        busy = [self.busy_seconds(r, step) for r in self.ranks]
+        wall = max(self.wall_seconds(r, step) for r in self.ranks)
+        replayed = self.replayed_seconds(step)
+        out: dict[str, Any] = {
+            "busy_seconds": busy, "wall_seconds": wall, "replayed_seconds": replayed,
+            "imbalance": max(busy) * len(busy) / sum(busy), "bubble": wall / max(busy),
+            "schedule": replayed / max(busy), "waits": wall / replayed,
+        }
+        if latency is not None:
+            with_latency = self.replayed_seconds(step, latency=latency)
+            out.update(latency=latency, replayed_with_latency_seconds=with_latency, messages=with_latency / replayed, runtime=wall / with_latency)
+        return out
+
     def _replay(self, step: int, latency: float = 0.0) -> float:
         queues = {rank: sorted((r for r in self._of(rank, step) if r.kind in COMPUTE_KINDS), key=lambda r: r.start) for rank in self.ranks}
         queues = {rank: q for rank, q in queues.items() if q}
@@ -208,17 +232,12 @@ class Timeline:
             s, i = r.stage, r.microbatch
             if s is None or i is None or r.kind == "setup":
                 want = None
-            elif r.kind == "F":
-                want = (s - 1, "F", i)
             elif r.kind == "loss":
                 want = (s, "F", i)
-            elif r.kind in ("B", "I"):
-                if s == last:
-                    want = (s, "loss", i) if (s, "loss", i) in recorded else (s, "F", i)
-                else:
-                    want = (s + 1, "B", i) if (s + 1, "B", i) in recorded else (s + 1, "I", i)
-            else:  # W
-                want = (s, "I", i)
+            elif r.kind in ("B", "I") and s == last:  # the last stage's backward starts from its loss
+                want = (s, "loss", i) if (s, "loss", i) in recorded else (s, "F", i)
+            else:
+                want = action_input(s, r.kind, i, last_stage=last, exists=recorded.__contains__)
             return want if want in recorded else None  # what was not recorded (another group's) is taken as ready
 
         done: dict[tuple[int | None, str, int | None], float] = {}

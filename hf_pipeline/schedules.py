@@ -57,6 +57,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleForwardInOrder",
     "ScheduleSpec",
+    "action_input",
     "check_layout",
     "check_training",
     "default_schedule",
@@ -470,6 +471,26 @@ ACTION_WEIGHTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 @functools.lru_cache(maxsize=256)
+def action_input(stage: int, kind: str, microbatch: int, *, last_stage: int, exists: Callable[[tuple[int, str, int]], bool]) -> tuple[int, str, int] | None:
+    """The action whose output ``(stage, kind, microbatch)`` waits for, or None (a pipeline input,
+    or the last stage's backward, which starts from its own forward's loss).
+
+    A forward waits for the previous stage's forward of its microbatch; a full or input-gradient
+    backward for the next stage's full backward, or its input-gradient pass where that stage's
+    backward is split (``exists`` says which ran); a weight-gradient pass for its own input pass.
+    """
+    if kind == "F":
+        return (stage - 1, "F", microbatch) if stage > 0 else None
+    if kind in ("B", "I"):
+        if stage == last_stage:
+            return None
+        full = (stage + 1, "B", microbatch)
+        return full if exists(full) else (stage + 1, "I", microbatch)
+    if kind == "W":
+        return (stage, "I", microbatch)
+    raise ValueError(f"unknown action kind {kind!r}; expected one of {ACTION_KINDS}")
+
+
 def _step_graph(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microbatches: int) -> tuple[tuple[int, int, str, int], ...]:
     """Every action of one training step as (rank, stage, kind, index of the action it waits for or -1), in an order
     where each comes after what it waits for: the previous action of its rank (implicit, by order) and its data.
@@ -489,13 +510,7 @@ def _step_graph(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microba
         for r, acts in parsed.items():
             while pos[r] < len(acts):
                 s, k, i = acts[pos[r]]
-                if k == "F":
-                    need = (s - 1, "F", i) if s > 0 else None
-                elif k in ("B", "I"):
-                    # the output gradient comes from the next stage's full or input-gradient backward
-                    need = None if s == last else ((s + 1, "B", i) if (s + 1, "B", i) in kinds else (s + 1, "I", i))
-                else:
-                    need = (s, "I", i)
+                need = action_input(s, k, i, last_stage=last, exists=kinds.__contains__)
                 if need is not None and need not in index:
                     break
                 index[(s, k, i)] = len(graph)

@@ -610,8 +610,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     out.update(
         step_seconds=step_seconds, two_way_seconds=two_way[1:], two_way_microbatched_seconds=two_way_micro[1:], loss=float(loss),
         profiled_steps=len(walls), profiled_step=step, profiled_step_walls=list(walls.values()),
-        idle_fraction=timeline.idle_fraction(step), replayed_seconds=timeline.replayed_seconds(step), activation_hop_s=hop,
-        replayed_with_hops_seconds=timeline.replayed_seconds(step, latency=hop),
+        idle_fraction=timeline.idle_fraction(step), activation_hop_s=hop, breakdown=timeline.breakdown(step, latency=hop),
         theoretical_idle_fraction=timeline.theoretical_idle_fraction(),
         order_matches={r: e == got for r, (e, got) in order.items()},
         busy_seconds={r: timeline.busy_seconds(r, step) for r in timeline.ranks},
@@ -968,22 +967,12 @@ def _gap(r0: dict, world: int) -> dict[str, float]:
     step replayed with free messages over the busiest rank's compute: the idle the schedule's order
     leaves with these action times, :meth:`~hf_pipeline.profile.Timeline.replayed_seconds`) and
     ``waits`` (the profiled step over its replay: P2P latency and the runtime between actions)."""
-    busy = list(r0["busy_seconds"].values())
-    wall = max(r0["profiled_wall_seconds"].values())
+    bd = r0["breakdown"]  # Timeline.breakdown of the profiled step
     two_way, step = _median(r0["two_way_seconds"]), _median(r0["step_seconds"])
-    gap = {
-        "compute": sum(busy) / (world * two_way), "imbalance": max(busy) * len(busy) / sum(busy),
-        "bubble": wall / max(busy), "rest": step / wall,
-    }
-    if r0.get("two_way_microbatched_seconds"):
-        gap["microbatches"] = _median(r0["two_way_microbatched_seconds"]) / two_way
-        gap["stages"] = gap["compute"] / gap["microbatches"]
-    if r0.get("replayed_seconds"):
-        gap["schedule"] = r0["replayed_seconds"] / max(busy)
-        gap["waits"] = wall / r0["replayed_seconds"]
-        if r0.get("replayed_with_hops_seconds"):
-            gap["messages"] = r0["replayed_with_hops_seconds"] / r0["replayed_seconds"]
-            gap["runtime"] = wall / r0["replayed_with_hops_seconds"]
+    gap = {"compute": sum(bd["busy_seconds"]) / (world * two_way), "rest": step / bd["wall_seconds"]}
+    gap.update({k: bd[k] for k in ("imbalance", "bubble", "schedule", "waits", "messages", "runtime")})
+    gap["microbatches"] = _median(r0["two_way_microbatched_seconds"]) / two_way
+    gap["stages"] = gap["compute"] / gap["microbatches"]
     return gap
 
 
@@ -1114,8 +1103,7 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 # perfect overlap measured: the 2-way processes running the pipeline's microbatches
                 "two_way_microbatched_seconds": micro_way,
                 "fraction_of_microbatched_two_way": _median([w / p for w, p in zip(micro_way, r0["step_seconds"])]) if micro_way else None,
-                "replayed_seconds": r0.get("replayed_seconds"), "replayed_with_hops_seconds": r0.get("replayed_with_hops_seconds"),
-                "activation_hop_s": r0.get("activation_hop_s"),
+                "breakdown": r0["breakdown"], "activation_hop_s": r0["activation_hop_s"],
                 "idle_fraction": r0["idle_fraction"], "theoretical_idle_fraction": r0["theoretical_idle_fraction"],
                 "order_matches_schedule": r0["order_matches"], "busy_seconds": r0["busy_seconds"],
                 "profiled_steps": r0["profiled_steps"], "profiled_step": r0["profiled_step"], "profiled_step_walls": r0["profiled_step_walls"],

@@ -730,12 +730,7 @@ class Sections:
             with model.profile() as prof:
                 model.train_step(batch)
             clear()
-            timeline = prof.timeline()
-            busy = [timeline.busy_seconds(r) for r in timeline.ranks]
-            wall = max(timeline.wall_seconds(r) for r in timeline.ranks)
-            replayed = timeline.replayed_seconds()
-            breakdown = {"busy_seconds": busy, "wall_seconds": wall, "replayed_seconds": replayed,
-                         "imbalance": max(busy) * len(busy) / sum(busy), "schedule": replayed / max(busy), "waits": wall / replayed}
+            breakdown = prof.timeline().breakdown()
         model.eval()
         ranks = _gather(mine)
         if failure is not None:

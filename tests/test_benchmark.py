@@ -205,9 +205,12 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert len(micro) == sizes["train_reps"] and all(math.isfinite(t) and t > 0 for t in micro), name
         assert gap["microbatches"] == pytest.approx(statistics.median(micro) / statistics.median(two_way)), name
         assert gap["microbatches"] * gap["stages"] == pytest.approx(gap["compute"]), name
-        assert gap["schedule"] == pytest.approx(row["replayed_seconds"] / max(busy)) and gap["schedule"] >= 1 - 1e-9, name
+        bd = row["breakdown"]  # the profiled step's Timeline.breakdown, with the measured hop
+        assert bd["busy_seconds"] == busy and bd["wall_seconds"] == max(row["profiled_wall_seconds"].values()), name
+        assert gap["schedule"] == pytest.approx(bd["replayed_seconds"] / max(busy)) and gap["schedule"] >= 1 - 1e-9, name
         assert gap["schedule"] * gap["waits"] == pytest.approx(gap["bubble"]), name
-        assert 0 < row["activation_hop_s"] < 1 and row["replayed_with_hops_seconds"] > row["replayed_seconds"], name
+        assert 0 < row["activation_hop_s"] < 1 and bd["latency"] == row["activation_hop_s"], name
+        assert bd["replayed_with_latency_seconds"] > bd["replayed_seconds"], name
         assert gap["messages"] * gap["runtime"] == pytest.approx(gap["waits"]) and gap["messages"] > 1, name
         assert row["fraction_of_microbatched_two_way"] == pytest.approx(statistics.median([w / s for w, s in zip(micro, steps)])), name
         assert (out / "timelines" / f"train-{name}.png").is_file() and (out / "timelines" / f"train-{name}.trace.json").is_file()

@@ -164,6 +164,15 @@ def test_replay_is_the_schedule_with_free_messages(name, v):
     assert expected < with_latency <= expected + 0.25 * 2 * m * p * v
     if name == "gpipe":
         assert with_latency == pytest.approx(expected + 2 * 0.25)
+    # the breakdown: its factors multiply up to the wall time over the busiest rank's compute
+    bd = tl.breakdown(latency=0.25)
+    most = max(busy.values())
+    assert bd["busy_seconds"] == pytest.approx([busy[r] for r in sorted(busy)]) and bd["wall_seconds"] == wall
+    assert bd["imbalance"] == pytest.approx(most * p / sum(busy.values()))
+    assert bd["schedule"] == pytest.approx(expected / most) and bd["waits"] == pytest.approx(wall / expected)
+    assert bd["messages"] == pytest.approx(with_latency / expected) and bd["runtime"] == pytest.approx(wall / with_latency)
+    assert bd["schedule"] * bd["messages"] * bd["runtime"] == pytest.approx(bd["bubble"]) and bd["bubble"] == pytest.approx(wall / most)
+    assert "messages" not in tl.breakdown()
 
 
 def test_replay_refuses_an_order_that_deadlocks():
