@@ -620,6 +620,45 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     )
 
 
+def _task_train_paired(spec: dict, out: dict) -> None:
+    """Every fixed schedule loaded in one job, their steps taking turns with the microbatched 2-way
+    step (perfect overlap measured): the schedules compared on the same seconds of the machine, where
+    each schedule's own job (``_task_train_pp``) sees the machine at another time."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from hf_pipeline import AutoModelForCausalLM
+
+    sizes = spec["sizes"]
+    batch = _batch(sizes)
+    models = {
+        name: AutoModelForCausalLM.from_pretrained(
+            spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, schedule=name, virtual_stages=v,
+            n_microbatches=sizes["n_microbatches"])
+        for name, v in SCHEDULES if v is not None and not name.endswith(MEASURED)
+    }
+    reference = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).train()
+    times: dict[str, list[float]] = {name: [] for name in models}
+    limit = []
+    for i in range(sizes["train_reps"] + 1):
+        took = [_two_way_step(reference, batch, sizes, microbatched=True)]
+        for name, model in models.items():
+            _sync()
+            t = time.perf_counter()
+            model.train_step(batch)
+            took.append(time.perf_counter() - t)
+            for p in model.parameters():
+                p.grad = None
+        slowest = torch.tensor(took)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a pipeline step is as slow as its slowest rank
+        if i:
+            limit.append(float(slowest[0]))
+            for name, t in zip(models, slowest[1:].tolist()):
+                times[name].append(t)
+    out.update(step_seconds=times, two_way_microbatched_seconds=limit)
+
+
 def _task_generate_hf(spec: dict, out: dict) -> None:
     import torch
     import transformers
@@ -857,7 +896,7 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
 
 
 _TASKS = {
-    "load_ours": _task_load_ours, "load_hf": _task_load_hf, "train_hf": _task_train_hf, "train_pp": _task_train_pp,
+    "load_ours": _task_load_ours, "load_hf": _task_load_hf, "train_hf": _task_train_hf, "train_pp": _task_train_pp, "train_paired": _task_train_paired,
     "generate_hf": _task_generate_hf, "generate_pp": _task_generate_pp,
 }
 
@@ -1016,6 +1055,7 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 "task": "train_pp", "label": f"train {name}", "path": ckpts["train"], "sizes": sz, "schedule": name,
                 "virtual_stages": v, "timeline_dir": str(timeline_dir),
             })
+        launches[sizes.world].append({"task": "train_paired", "label": "train paired", "path": ckpts["train"], "sizes": sz})
     if "generate" in sections:
         launches.setdefault(1, []).append({"task": "generate_hf", "label": "generate transformers", "path": ckpts["train"], "sizes": sz})
         launches.setdefault(sizes.world, []).append({"task": "generate_pp", "label": "generate pipelined", "path": ckpts["train"], "sizes": sz, "timeline_dir": str(timeline_dir)})
@@ -1119,6 +1159,22 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
         for row in train["schedules"].values():  # a measured split against the planned one: steps paired in its job
             if "measured_split" in row:
                 row["vs_planned_split"] = _median([p / m for p, m in zip(row["measured_split"]["planned_step_seconds"], row["step_seconds"])])
+        paired = find(sizes.world, "train paired")[0]
+        if paired.get("ok"):
+            ref = paired["step_seconds"]["1f1b"]
+            train["paired"] = {
+                "two_way_microbatched_seconds": paired["two_way_microbatched_seconds"],
+                "schedules": {
+                    name: {
+                        "step_seconds": ts,
+                        "vs_1f1b": _median([r / t for r, t in zip(ref, ts)]),  # tokens/s over 1F1B's, per round
+                        "fraction_of_microbatched_two_way": _median([w / t for w, t in zip(paired["two_way_microbatched_seconds"], ts)]),
+                    }
+                    for name, ts in paired["step_seconds"].items()
+                },
+            }
+        else:
+            train["paired"] = {"error": paired.get("error", "not run")}
         if train["baseline"] and limits:
             # Over every schedule's job: the 2-way limit and perfect overlap against the separate process.
             train["two_way_speedup"] = _median(base["step_seconds"]) / _median(limits)
@@ -1302,6 +1358,18 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"{_pct(row.get('fraction_of_perfect_overlap'))} | {_pct(row.get('fraction_of_microbatched_two_way'))} | "
                 f"{_pct(row.get('fraction_of_two_way'))} |"
             )
+        pr = tr.get("paired", {})
+        if "schedules" in pr:
+            lines += [
+                "", "The fixed schedules again, all loaded in one job and their steps taking turns (each round: the "
+                "microbatched 2-way step, then one step of each schedule; medians over the rounds of the per-round ratios): "
+                "here each comparison is on the same seconds of the machine, where the rows above come from a job each.",
+                "", "| schedule | step (s) | tokens/s vs 1F1B, paired | fraction of perfect overlap, measured, paired |", "|---|---|---|---|",
+            ]
+            for name, row in pr["schedules"].items():
+                lines.append(f"| {name} | {_median(row['step_seconds']):.3f} | {_pct(row['vs_1f1b'])} | {_pct(row['fraction_of_microbatched_two_way'])} |")
+        elif "error" in pr:
+            lines += ["", f"Schedules paired in one job: error: {pr['error'][:200]}"]
         if tr.get("auto_vs_best_fixed"):
             lines += ["", f"`schedule=\"auto\", n_microbatches=\"auto\"` (the cost model's pick at load) reaches "
                       f"**{_pct(tr['auto_vs_best_fixed'])}** of the best fixed choice's tokens/s."]
@@ -1536,6 +1604,9 @@ def readme_tables(res: dict[str, Any]) -> str:
             label = name if name != "auto" else f"auto ({row['picked']['schedule']}, m={row['picked']['n_microbatches']})"
             lines.append(f"| {label} | {row['speedup_vs_separate_baseline']:.2f}x | {_pct(row.get('fraction_of_perfect_overlap'))} | "
                          f"{_pct(row.get('fraction_of_microbatched_two_way'))} |")
+        if "schedules" in tr.get("paired", {}):
+            vs = ", ".join(f"{name} {_pct(row['vs_1f1b'])}" for name, row in tr["paired"]["schedules"].items() if name != "1f1b")
+            lines += ["", f"The fixed schedules loaded in one job, their steps taking turns: tokens/s against 1F1B's {vs}."]
         lines.append("")
     if "generate" in res and "pipelined" in res["generate"]:
         g = res["generate"]

@@ -162,6 +162,17 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     micro_limits = [w for row in train["schedules"].values() for w in row["two_way_microbatched_seconds"]]
     assert train["microbatched_two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(micro_limits))
     assert "perfect overlap measured" in md and "= schedule" in md
+    # every fixed schedule in one job, steps taking turns: ratios against 1F1B and the measured perfect overlap, per round
+    paired = train["paired"]
+    fixed_names = [n for n in train["schedules"] if n != "auto" and not n.endswith(_bench().MEASURED)]
+    assert list(paired["schedules"]) == fixed_names and len(paired["two_way_microbatched_seconds"]) == sizes["train_reps"]
+    for name, row in paired["schedules"].items():
+        assert len(row["step_seconds"]) == sizes["train_reps"] and all(t > 0 for t in row["step_seconds"]), name
+        assert row["vs_1f1b"] == pytest.approx(statistics.median(
+            [r / t for r, t in zip(paired["schedules"]["1f1b"]["step_seconds"], row["step_seconds"])])), name
+        assert row["fraction_of_microbatched_two_way"] == pytest.approx(statistics.median(
+            [w / t for w, t in zip(paired["two_way_microbatched_seconds"], row["step_seconds"])])), name
+    assert paired["schedules"]["1f1b"]["vs_1f1b"] == 1.0 and "tokens/s vs 1F1B, paired" in md
     # schedule="auto": measured beside the fixed choices, against the best of them
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
