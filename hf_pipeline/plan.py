@@ -639,7 +639,7 @@ def stage_flops_parts(model: nn.Module, resolved: ResolvedRecipe, spec: StageSpe
     holds (embeddings, final modules, the head, modules every stage runs), by name."""
     extra = _outside_blocks(resolved)
     hidden = _hidden_size(model)
-    attention = len(spec.blocks) - sum(1 for _, half in spec.halves if half == 1)  # as make_plan counts them
+    attention = len(spec.attention_blocks)  # as make_plan counts them: a second half runs no attention
     blocks = [m for m in spec.modules if m not in extra]
     return (
         module_stats(model, blocks, 1, seq_len, hidden, attention)[2],

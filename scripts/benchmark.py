@@ -399,6 +399,14 @@ def _prompts(sizes: dict, seed: int = 1):
     return ids, torch.ones_like(ids)
 
 
+def _accumulate(model, batch: dict, bounds: list[tuple[int, int]]) -> None:
+    """Forward + backward of ``batch``'s rows ``bounds`` one piece after another, each loss weighted by
+    its share of their rows (the gradients of one step on all of them)."""
+    rows = bounds[-1][1] - bounds[0][0]
+    for lo, hi in bounds:
+        (model(**{k: v[lo:hi] for k, v in batch.items()}).loss * ((hi - lo) / rows)).backward()
+
+
 def _whole_and_microbatched(model, batch: dict, n_microbatches: int, reps: int) -> tuple[list[float], list[float], float]:
     """Seconds of forward + backward of ``batch`` in one piece and as ``n_microbatches`` one after
     another, alternating (each pair sees the machine alike; the first pair warms up); and the loss."""
@@ -414,8 +422,7 @@ def _whole_and_microbatched(model, batch: dict, n_microbatches: int, reps: int) 
         whole.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
         t = time.perf_counter()
-        for lo, hi in bounds:
-            (model(**{k: v[lo:hi] for k, v in batch.items()}).loss * ((hi - lo) / rows)).backward()
+        _accumulate(model, batch, bounds)
         micro.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
     return whole[1:], micro[1:], float(loss)
@@ -519,12 +526,22 @@ def _two_way_step(reference, batch: dict, sizes: dict, *, microbatched: bool = F
         pieces = [(lo + a, lo + b) for a, b in microbatch_bounds(hi - lo, max(1, sizes["n_microbatches"] // dist.get_world_size()))]
     _sync()
     t = time.perf_counter()
-    for a, b in pieces:
-        (reference(**{k: v[a:b] for k, v in batch.items()}).loss * ((b - a) / (hi - lo))).backward()
+    _accumulate(reference, batch, pieces)
     took = torch.tensor([time.perf_counter() - t])
     reference.zero_grad(set_to_none=True)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)
+
+
+def _timed_train_step(model, batch: dict) -> tuple[float, Any]:
+    """Seconds of one pipelined ``train_step`` on this rank (ranks start together), and its loss; gradients cleared."""
+    _sync()
+    t = time.perf_counter()
+    loss = model.train_step(batch)
+    took = time.perf_counter() - t
+    for p in model.parameters():
+        p.grad = None
+    return took, loss
 
 
 def _task_train_pp(spec: dict, out: dict) -> None:
@@ -559,23 +576,13 @@ def _task_train_pp(spec: dict, out: dict) -> None:
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).train()
     times, two_way, two_way_micro, planned_times = [], [], [], []
-
-    def timed_step(m) -> tuple[float, Any]:
-        _sync()
-        t = time.perf_counter()
-        loss = m.train_step(batch)
-        took = time.perf_counter() - t
-        for p in m.parameters():
-            p.grad = None
-        return took, loss
-
     for i in range(sizes["train_reps"] + 1):
         two_way.append(_two_way_step(reference, batch, sizes))
         two_way_micro.append(_two_way_step(reference, batch, sizes, microbatched=True))
-        took, loss = timed_step(model)
+        took, loss = _timed_train_step(model, batch)
         times.append(took)
         if planned is not None:
-            planned_times.append(timed_step(planned)[0])
+            planned_times.append(_timed_train_step(planned, batch)[0])
     del reference, planned
 
     # Every rank's step time: the pipeline's step is as slow as its slowest rank.
@@ -646,13 +653,8 @@ def _task_train_paired(spec: dict, out: dict) -> None:
     limit = []
     for i in range(sizes["train_reps"] + 1):
         took = [_two_way_step(reference, batch, sizes, microbatched=True)]
-        for name, model in models.items():
-            _sync()
-            t = time.perf_counter()
-            model.train_step(batch)
-            took.append(time.perf_counter() - t)
-            for p in model.parameters():
-                p.grad = None
+        for model in models.values():
+            took.append(_timed_train_step(model, batch)[0])
         slowest = torch.tensor(took)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a pipeline step is as slow as its slowest rank
         if i:
