@@ -627,13 +627,82 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     )
 
 
+def _torch_pipeline(reference, plan, schedule: str, n_microbatches: int):
+    """The pipeline of ``plan`` built from transformers' layers and torch's pipelining alone, no
+    hf_pipeline: each of this rank's stages is a plain module over copies of ``reference``'s
+    embedding, decoder layers, rotary embedding, final norm and LM head; torch's ``PipelineStage``;
+    the schedule's torch class, as torch's documentation shows it (for the zero-bubble schedules its
+    generic split backward). Returns ``step(batch) -> (seconds, loss)``: one forward + backward of the
+    batch, timed on this rank (ranks start together), gradients cleared; the loss (the microbatches'
+    mean token cross-entropy) on every rank.
+
+    hf_pipeline's step against this one, on the same split and the same seconds of the machine, is
+    what hf_pipeline adds (or saves) over torch's own runtime: its stage modules, its zero-bubble
+    weight pass, the step's own work (the ranks' agreement on the batch, the loss's reduction)."""
+    import copy
+    import re
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from hf_pipeline.schedules import get_schedule
+
+    class Stage(nn.Module):
+        def __init__(self, spec):
+            super().__init__()
+            if spec.halves:
+                raise ValueError(f"stage {spec.index} splits a layer ({dict(spec.halves)}): the torch-only pipeline takes whole layers")
+            base = reference.model
+            layers = sorted({int(x.group(1)) for x in (re.fullmatch(r"model\.layers\.(\d+)(\..*)?", m) for m in spec.modules) if x})
+            self.embed = copy.deepcopy(base.embed_tokens) if spec.is_first else None
+            self.layers = nn.ModuleList(copy.deepcopy(base.layers[i]) for i in layers)
+            self.rotary = copy.deepcopy(base.rotary_emb)
+            self.norm = copy.deepcopy(base.norm) if spec.is_last else None
+            self.head = copy.deepcopy(reference.lm_head) if spec.is_last else None
+
+        def forward(self, x):
+            h = self.embed(x) if self.embed is not None else x
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            rotary = self.rotary(h, positions)
+            for layer in self.layers:  # no mask: transformers' SDPA attention is causal without one
+                h = layer(h, position_ids=positions, position_embeddings=rotary)
+            return self.head(self.norm(h)) if self.head is not None else h
+
+    def loss_fn(logits, labels):
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+    rank = dist.get_rank()
+    mine = [s for s in plan.stages if s.rank == rank]
+    stages = [PipelineStage(Stage(s), s.index, plan.num_stages, torch.device("cpu")) for s in mine]
+    spec = get_schedule(schedule)
+    runner = spec.cls(stages if spec.multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    first, last = any(s.is_first for s in mine), any(s.is_last for s in mine)
+
+    def step(batch: dict) -> tuple[float, float]:
+        losses: list = []
+        _sync()
+        t = time.perf_counter()
+        runner.step(*((batch["input_ids"],) if first else ()), **({"target": batch["labels"], "losses": losses} if last else {}))
+        took = time.perf_counter() - t
+        for stage in stages:
+            stage.submod.zero_grad(set_to_none=True)
+        loss = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0])
+        dist.all_reduce(loss)  # one rank holds the last stage
+        return took, float(loss)
+
+    return step
+
+
 def _task_train_paired(spec: dict, out: dict) -> None:
     """Every fixed schedule loaded in one job, their steps taking turns with the microbatched 2-way
     step (perfect overlap measured): the schedules compared on the same seconds of the machine, where
-    each schedule's own job (``_task_train_pp``) sees the machine at another time. GPipe is left
-    out: it alone keeps every microbatch's activations alive at once, and in a process shared with
-    other models its step swung between 1.8 and 5.0 s (1.7 s in its own job), which would not
-    compare schedules."""
+    each schedule's own job (``_task_train_pp``) sees the machine at another time. Beside each, the
+    same split run by torch's own pipeline (:func:`_torch_pipeline`), its step right after
+    hf_pipeline's. GPipe is left out: it alone keeps every microbatch's activations alive at once,
+    and in a process shared with other models its step swung between 1.8 and 5.0 s (1.7 s in its
+    own job), which would not compare schedules."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -649,19 +718,36 @@ def _task_train_paired(spec: dict, out: dict) -> None:
         for name, v in SCHEDULES if v is not None and not name.endswith(MEASURED) and name != "gpipe"
     }
     reference = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).train()
+    torch_only, torch_only_errors = {}, {}
+    for name, model in models.items():
+        try:
+            torch_only[name] = _torch_pipeline(reference, model.plan, name, sizes["n_microbatches"])
+        except ValueError as e:  # a split inside a layer: that schedule has no torch-only twin
+            torch_only_errors[name] = str(e)
     times: dict[str, list[float]] = {name: [] for name in models}
+    torch_times: dict[str, list[float]] = {name: [] for name in torch_only}
+    losses: dict[str, list[float]] = {name: [] for name in torch_only}
     limit = []
     for i in range(sizes["train_reps"] + 1):
         took = [_two_way_step(reference, batch, sizes, microbatched=True)]
-        for model in models.values():
-            took.append(_timed_train_step(model, batch)[0])
+        for name, model in models.items():
+            seconds, loss = _timed_train_step(model, batch)
+            took.append(seconds)
+            if name in torch_only:
+                seconds, torch_loss = torch_only[name](batch)
+                took.append(seconds)
+                losses[name].append([float(loss), torch_loss])
         slowest = torch.tensor(took)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a pipeline step is as slow as its slowest rank
         if i:
-            limit.append(float(slowest[0]))
-            for name, t in zip(models, slowest[1:].tolist()):
-                times[name].append(t)
-    out.update(step_seconds=times, two_way_microbatched_seconds=limit)
+            steps = iter(slowest.tolist())
+            limit.append(next(steps))
+            for name in models:
+                times[name].append(next(steps))
+                if name in torch_only:
+                    torch_times[name].append(next(steps))
+    out.update(step_seconds=times, two_way_microbatched_seconds=limit, torch_only_step_seconds=torch_times,
+               torch_only_losses=losses, torch_only_errors=torch_only_errors)
 
 
 def _task_generate_hf(spec: dict, out: dict) -> None:
@@ -824,11 +910,11 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).eval()
     lo, hi = microbatch_bounds(sizes["prompts"], dist.get_world_size())[dist.get_rank()]
 
-    def two_way() -> float:
+    def two_way(new_tokens: int = sizes["new_tokens"]) -> float:
         # The 2-way limit: every rank runs transformers' generate on its share of the prompts at once.
         _sync()
         t = time.perf_counter()
-        hf.generate(input_ids=ids[lo:hi], attention_mask=mask[lo:hi], max_new_tokens=sizes["new_tokens"], min_new_tokens=sizes["new_tokens"], do_sample=False, pad_token_id=0)
+        hf.generate(input_ids=ids[lo:hi], attention_mask=mask[lo:hi], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         took = torch.tensor([time.perf_counter() - t])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
@@ -852,15 +938,19 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
             results["two_way_seconds"] = limit[1:]
     # The ring's time per decoded token without the prefill and the call's fixed costs: calls for all
     # the new tokens and for half of them, alternating; the difference of their medians per token.
+    # The same for the 2-way limit's processes (transformers' generate on each rank's share, both at once).
     half = sizes["new_tokens"] // 2
     calls: dict[int, list[float]] = {sizes["new_tokens"]: [], half: []}
+    two_way_calls: dict[int, list[float]] = {sizes["new_tokens"]: [], half: []}
     for _ in range(sizes["gen_reps"]):
         for n in calls:
             _sync()
             t = time.perf_counter()
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
             calls[n].append(time.perf_counter() - t)
+            two_way_calls[n].append(two_way(n))
     results["decode_token_s"] = (_median(calls[sizes["new_tokens"]]) - _median(calls[half])) / (sizes["new_tokens"] - half)
+    results["two_way_token_s"] = (_median(two_way_calls[sizes["new_tokens"]]) - _median(two_way_calls[half])) / (sizes["new_tokens"] - half)
     with model.profile() as prof:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=min(sizes["new_tokens"], 8), do_sample=False, pad_token_id=0)
     timeline = prof.timeline(title=f"generate: {sizes['prompts']} prompts, {model.plan.pp_size} ranks (first 8 tokens)")
@@ -890,11 +980,16 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     results["stage_parts"], results["stage_steps_s"], results["concurrent_stage_steps_s"] = parts, steps[0].tolist(), steps[1].tolist()
     # The ring's pattern with these parts and torch's P2P alone (no hf_pipeline), and the same steps
     # back to back without messages, alternating: what the pattern itself costs here.
+    # With them, transformers' whole model on each rank's share of the prompts (the 2-way limit's
+    # processes' decode steps without their generate loop), both ranks at once: what splitting the
+    # model into stages costs beside running it whole.
     n = max(sizes["new_tokens"] // 2, 4)
-    pairs = [(_torch_ring_step_seconds(part, rows, past, m, n, ring=False), _torch_ring_step_seconds(part, rows, past, m, n, ring=True)) for _ in range(3)]
-    worst = torch.tensor([_median([p[0] for p in pairs]), _median([p[1] for p in pairs])])
+    share = -(-sizes["prompts"] // world)
+    runs = [(_torch_ring_step_seconds(part, rows, past, m, n, ring=False), _torch_ring_step_seconds(part, rows, past, m, n, ring=True),
+             _torch_ring_step_seconds(hf, share, past, 1, n, ring=False)) for _ in range(3)]
+    worst = torch.tensor([_median([r[i] for r in runs]) for i in range(3)])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    results["back_to_back_token_s"], results["torch_ring_token_s"] = float(worst[0]), float(worst[1])
+    results["back_to_back_token_s"], results["torch_ring_token_s"], results["two_way_step_token_s"] = worst.tolist()
     # One hop of the ring's message with nothing else running (median of 5 runs of 50 rounds).
     results["hop_s"] = _median([_hop_seconds((rows, 1, model.config.hidden_size + 1), 50 if sizes["new_tokens"] > 8 else 5) for _ in range(5)])
     out.update(results)
@@ -1178,6 +1273,16 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                     for name, ts in paired["step_seconds"].items()
                 },
             }
+            for name, row in train["paired"]["schedules"].items():
+                if name in paired["torch_only_step_seconds"]:
+                    theirs = paired["torch_only_step_seconds"][name]
+                    row["torch_only"] = {
+                        "step_seconds": theirs,
+                        "vs_torch_only": _median([o / t for o, t in zip(theirs, row["step_seconds"])]),  # our tokens/s over theirs, per round
+                        "losses": paired["torch_only_losses"][name],  # (ours, torch-only) per step, the same weights and batch
+                    }
+                else:
+                    row["torch_only"] = {"error": paired["torch_only_errors"].get(name, "not run")}
         else:
             train["paired"] = {"error": paired.get("error", "not run")}
         if train["baseline"] and limits:
@@ -1209,6 +1314,21 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
                 # the ring pays world hops per token beyond the same steps back to back.
                 bd["predicted_ring_token_s"] = bd["back_to_back_token_s"] + sizes.world * pp["hop_s"]
                 bd["decode_token_s"] = pp["decode_token_s"]
+                # Per decoded token (prefill excluded), the ring against the 2-way limit's processes,
+                # as factors whose product is the ring's token time over theirs: the model's steps
+                # split into stages (``stages``: 2 stage steps per rank back to back over the whole
+                # model's step on a rank's share, both ranks at once), the ring's pattern with torch's
+                # P2P alone (``pattern``), hf_pipeline's ring over that torch-only ring (``ours``),
+                # and transformers' generate loop's own work per token beyond its model step
+                # (``generate_loop``, divided out: the 2-way processes pay it, the ring its own, in ``ours``).
+                bd["two_way_token_s"], bd["two_way_step_token_s"] = pp["two_way_token_s"], pp["two_way_step_token_s"]
+                bd["token_factors"] = {
+                    "stages": pp["back_to_back_token_s"] / pp["two_way_step_token_s"],
+                    "pattern": pp["torch_ring_token_s"] / pp["back_to_back_token_s"],
+                    "ours": pp["decode_token_s"] / pp["torch_ring_token_s"],
+                    "generate_loop": pp["two_way_token_s"] / pp["two_way_step_token_s"],
+                    "ring_over_two_way": pp["decode_token_s"] / pp["two_way_token_s"],
+                }
         else:
             gen["baseline"] = {"error": base["error"]}
         if pp.get("ok"):
@@ -1370,11 +1490,24 @@ def to_markdown(res: dict[str, Any]) -> str:
                 "microbatched 2-way step, then one step of each schedule; medians over the rounds of the per-round ratios): "
                 "here each comparison is on the same seconds of the machine, where the rows above come from a job each. "
                 "GPipe is left out: it alone keeps every microbatch's activations alive at once, and in a process shared "
-                "with other models its step time swings by 2-3x.",
-                "", "| schedule | step (s) | tokens/s vs 1F1B, paired | fraction of perfect overlap, measured, paired |", "|---|---|---|---|",
+                "with other models its step time swings by 2-3x. **torch's own pipeline**: the same split run without "
+                "hf_pipeline (each stage a plain module over transformers' embedding, layers, norm and LM head, torch's "
+                "`PipelineStage` and the schedule's torch class, for the zero-bubble schedules with torch's generic split "
+                "backward), its step right after hf_pipeline's in each round; the loss columns are both pipelines' losses "
+                "on the same weights and batch (the largest difference over the rounds).",
+                "", "| schedule | step (s) | tokens/s vs 1F1B, paired | fraction of perfect overlap, measured, paired "
+                "| torch's own pipeline: step (s) | hf_pipeline's tokens/s over torch's own, paired | loss: hf_pipeline, torch's own |",
+                "|---|---|---|---|---|---|---|",
             ]
             for name, row in pr["schedules"].items():
-                lines.append(f"| {name} | {_median(row['step_seconds']):.3f} | {_pct(row['vs_1f1b'])} | {_pct(row['fraction_of_microbatched_two_way'])} |")
+                to = row.get("torch_only", {})
+                if "step_seconds" in to:
+                    worst = max(to["losses"], key=lambda pair: abs(pair[0] - pair[1]))
+                    theirs = f"{_median(to['step_seconds']):.3f} | **{_pct(to['vs_torch_only'])}** | {worst[0]:.6f}, {worst[1]:.6f}"
+                else:
+                    theirs = f"- | {to.get('error', 'not run')[:120]} | -"
+                lines.append(f"| {name} | {_median(row['step_seconds']):.3f} | {_pct(row['vs_1f1b'])} | "
+                             f"{_pct(row['fraction_of_microbatched_two_way'])} | {theirs} |")
         elif "error" in pr:
             lines += ["", f"Schedules paired in one job: error: {pr['error'][:200]}"]
         if tr.get("auto_vs_best_fixed"):
@@ -1522,6 +1655,24 @@ def to_markdown(res: dict[str, Any]) -> str:
                     "of what the ring's pattern adds; the rest is lost around the hand-offs while both ranks compute, which "
                     "this measurement does not split further.",
                 ]
+            if "token_factors" in bd and bd.get("decode_token_s", 0) > 0 and bd.get("two_way_token_s", 0) > 0:
+                f = bd["token_factors"]
+                lines += [
+                    "",
+                    f"Per decoded token against the 2-way limit (prefill excluded: calls for {s['new_tokens']} and "
+                    f"{s['new_tokens'] // 2} new tokens, per token, on both sides): hf_pipeline's ring "
+                    f"{bd['decode_token_s'] * 1e3:.1f} ms, the 2-way processes' generate {bd['two_way_token_s'] * 1e3:.1f} ms "
+                    f"(the ring reaches **{_pct(1 / f['ring_over_two_way'])}** of the 2-way limit per token). As factors of "
+                    f"the ring's token time over theirs: "
+                    f"**stages** {f['stages']:.3f} (each rank's {bd['microbatches']} stage steps back to back, "
+                    f"{bd['back_to_back_token_s'] * 1e3:.1f} ms, over transformers' whole model on a rank's share of the prompts, "
+                    f"{bd['two_way_step_token_s'] * 1e3:.1f} ms, both ranks at once: the split's imbalance and each stage's own "
+                    f"work) x **pattern** {f['pattern']:.3f} (the torch-only ring over the same steps back to back: torch's P2P "
+                    f"and this machine) x **hf_pipeline** {f['ours']:.3f} (its ring over the torch-only ring: its stage modules, "
+                    f"caches, sampling and loop) / **generate loop** {f['generate_loop']:.3f} (transformers' generate per token "
+                    f"over its model's step alone: the 2-way processes' own loop, logits processing and cache work) = "
+                    f"{f['ring_over_two_way']:.3f}.",
+                ]
         lines.append("")
     if "train" in res:
         lines += [
@@ -1614,6 +1765,11 @@ def readme_tables(res: dict[str, Any]) -> str:
         if "schedules" in tr.get("paired", {}):
             vs = ", ".join(f"{name} {_pct(row['vs_1f1b'])}" for name, row in tr["paired"]["schedules"].items() if name != "1f1b")
             lines += ["", f"The fixed schedules loaded in one job, their steps taking turns: tokens/s against 1F1B's {vs}."]
+            theirs = ", ".join(f"{name} {_pct(row['torch_only']['vs_torch_only'])}" for name, row in tr["paired"]["schedules"].items()
+                               if "vs_torch_only" in row.get("torch_only", {}))
+            if theirs:
+                lines[-1] += (f" hf_pipeline's tokens/s over torch's own pipeline on the same split (transformers' layers, "
+                              f"torch's stages and schedule, no hf_pipeline), paired: {theirs}.")
         lines.append("")
     if "generate" in res and "pipelined" in res["generate"]:
         g = res["generate"]

@@ -128,6 +128,13 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     # the message's hop and the ring it predicts: back to back plus one hop per rank
     assert 0 < bound["hop_s"] < 1 and bound["predicted_ring_token_s"] == pytest.approx(bound["back_to_back_token_s"] + world * bound["hop_s"])
     assert "One hop of the ring's message" in md
+    # per decoded token against the 2-way processes: the factors multiply up to the measured ratio (the
+    # per-token times are differences of two calls' medians: in a tiny run they may be noise, even negative)
+    f = bound["token_factors"]
+    assert all(math.isfinite(v) for v in f.values()) and f["stages"] > 0 and f["pattern"] > 0, f
+    assert f["stages"] * f["pattern"] * f["ours"] / f["generate_loop"] == pytest.approx(f["ring_over_two_way"])
+    assert f["ring_over_two_way"] == pytest.approx(bound["decode_token_s"] / bound["two_way_token_s"])
+    assert f["stages"] == pytest.approx(bound["back_to_back_token_s"] / bound["two_way_step_token_s"])
     # the 2-way limit: paired with the pipelined runs, one per timed run
     assert len(gen["two_way_seconds"]) == len(gen["pipelined"]["seconds"]) == sizes["gen_reps"]
     assert gen["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(gen["two_way_seconds"], gen["pipelined"]["seconds"])]))
@@ -173,6 +180,17 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert row["fraction_of_microbatched_two_way"] == pytest.approx(statistics.median(
             [w / t for w, t in zip(paired["two_way_microbatched_seconds"], row["step_seconds"])])), name
     assert paired["schedules"]["1f1b"]["vs_1f1b"] == 1.0 and "tokens/s vs 1F1B, paired" in md
+    # beside each, torch's own pipeline on the same split: the same loss on the same weights (a missing
+    # layer, mask or head would move it by far more than the microbatches' summation order), steps paired
+    for name, row in paired["schedules"].items():
+        theirs = row["torch_only"]
+        assert len(theirs["step_seconds"]) == sizes["train_reps"] and all(t > 0 for t in theirs["step_seconds"]), name
+        assert theirs["vs_torch_only"] == pytest.approx(statistics.median(
+            [t / o for t, o in zip(theirs["step_seconds"], row["step_seconds"])])), name
+        assert len(theirs["losses"]) == sizes["train_reps"] + 1, name
+        for ours, torch_only in theirs["losses"]:
+            assert torch_only == pytest.approx(ours, rel=1e-5), name
+    assert "hf_pipeline's tokens/s over torch's own, paired" in md
     # schedule="auto": measured beside the fixed choices, against the best of them
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
