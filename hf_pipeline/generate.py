@@ -84,6 +84,9 @@ class GenerationStats:
         seconds: wall time of the call on this rank (prefill, decoding, final broadcast).
         n_microbatches: microbatches in flight.
         peak_cache_bytes: largest total size of this rank's KV cache tensors during the call.
+        prefill_steps: the ring's steps that fed the prompt: its chunks with ``prefill_chunk_size``
+            (transformers' chunked prefill; each microbatch's chunks follow each other down the
+            pipeline, so its prefill idles less), else 1.
     """
 
     new_tokens: int
@@ -91,6 +94,7 @@ class GenerationStats:
     seconds: float
     n_microbatches: int
     peak_cache_bytes: int
+    prefill_steps: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -171,6 +175,18 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         raise ValueError("return_dict_in_generate / output_scores / output_logits are not supported; generate returns the ids")
     if gc.guidance_scale not in (None, 1, 1.0):
         raise ValueError("guidance_scale (classifier-free guidance) is not supported by pipelined generation")
+    # Fields that change what transformers computes outside the logits processors and stopping
+    # criteria (those are transformers' own, built from the merged config on the last stage).
+    if gc.token_healing:
+        raise ValueError("token_healing is not supported by pipelined generation (it rewrites the prompt by generating with the model first)")
+    if gc.cache_implementation is not None and "quantized" in str(gc.cache_implementation):
+        raise ValueError(
+            f"cache_implementation={gc.cache_implementation!r} is not supported by pipelined generation: each stage keeps a "
+            f"DynamicCache (full precision); a quantized cache would change the results"
+        )
+    chunk = gc.prefill_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"prefill_chunk_size must be a positive number of positions or None, got {chunk!r}")
 
     batch = input_ids.shape[0]
     generation_helper(skel, "_prepare_special_tokens")(gc, attention_mask is not None, device=device, batch_size=batch)
@@ -229,7 +245,8 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     ))
     return Request(
-        config=gc, encoder_decoder=encoder_decoder, prompt=prompt, mask=mask, positions=positions, types=types, enc_ids=enc_ids,
+        config=gc, encoder_decoder=encoder_decoder, prompt=prompt, prefill_chunk=None if encoder_decoder else chunk,
+        mask=mask, positions=positions, types=types, enc_ids=enc_ids,
         enc_mask=enc_mask, bounds=bounds, row_offset=lo, max_new=max_new, do_sample=bool(gc.do_sample), seed=seed,
         pad=pad, streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     )
@@ -364,7 +381,7 @@ def generate(
         return ids
     stats = GenerationStats(
         new_tokens=int(lengths.sum().item()), steps=ids.shape[1] - req.prompt.shape[1], seconds=time.perf_counter() - start,
-        n_microbatches=len(req.bounds), peak_cache_bytes=ring.peak,
+        n_microbatches=len(req.bounds), peak_cache_bytes=ring.peak, prefill_steps=len(ring.times.chunks),
     )
     return ids, stats
 

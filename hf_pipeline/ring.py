@@ -17,8 +17,11 @@ Note (protocol): decode stage k (0 = first decode stage) runs microbatch i of st
 ``t*M + i + k`` with ``M = max(m, number of decode stages)``; ranks run their ops in tick order
 (ties: stage order) and, at each tick, first post the receives for the messages sent at that
 tick, in sender-stage order, which is the order the senders send them (so the pairing also holds
-on backends without tags). Message shapes follow from the microbatch size, the step (prompt
-length at step 0 of a decoder-only model, else 1) and the hidden size:
+on backends without tags). A decoder-only prompt may be fed in chunks (``prefill_chunk_size`` of
+the generation config, as transformers' chunked prefill): its C chunks are steps 0..C-1, the last
+of which chooses the first new token, so the ring fills with C x m units of work instead of m (a
+pipeline's prefill idles (p - 1) / (units + p - 1) of its time). Message shapes follow from the
+microbatch size, the step (a prompt chunk's length at a prefill step, else 1) and the hidden size:
   stage -> next stage   float ``(rows, q, hidden + 1)``: hidden states, last column 1 for rows still
                         generating; all zeros once the microbatch is done (sent once, then nothing)
   last -> first stage   int64 ``(rows, 2)``: next token, still-generating flag
@@ -74,6 +77,7 @@ class Request:
     config: GenerationConfig
     encoder_decoder: bool
     prompt: torch.Tensor  # (B, T) decoder-only prompt, or (B, 1) decoder start ids
+    prefill_chunk: int | None = None  # decoder-only: feed the prompt in chunks of this many positions
     mask: torch.Tensor | None  # decoder-only: prompt mask (None when all ones, as transformers drops it)
     positions: torch.Tensor | None  # decoder-only: (B, T) position ids
     types: torch.Tensor | None  # decoder-only: (B, T) token_type_ids of the prompt (GPT-2), if given
@@ -100,8 +104,10 @@ class Timetable:
         first_decode: index of the first decode stage (0 for decoder-only models).
         n_decode: number of decode stages (they are the last ones).
         bounds: microbatch row ranges.
-        prompt_len: decoder prompt length (step 0 sends ``prompt_len`` positions, later steps 1).
+        prompt_len: decoder prompt length.
         max_new: most new tokens any row may get.
+        prefill_chunk: the prompt's positions per prefill step (None: the whole prompt at step 0).
+            Prefill steps send their chunk's positions, later steps 1.
     """
 
     first_decode: int
@@ -109,6 +115,22 @@ class Timetable:
     bounds: tuple[tuple[int, int], ...]
     prompt_len: int
     max_new: int
+    prefill_chunk: int | None = None
+
+    def __post_init__(self):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 positions, got {self.prefill_chunk}")
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """The prompt's (start, end) positions fed at each prefill step, in order."""
+        size = self.prefill_chunk or self.prompt_len
+        return tuple((a, min(a + size, self.prompt_len)) for a in range(0, self.prompt_len, size))
+
+    @property
+    def first_token_step(self) -> int:
+        """The step that chooses the first new token: the last prefill step."""
+        return len(self.chunks) - 1
 
     @property
     def m(self) -> int:
@@ -123,7 +145,7 @@ class Timetable:
     @property
     def tick_limit(self) -> int:
         """A tick by which every microbatch has finished (past it, the protocol is broken)."""
-        return (self.max_new + 2) * self.period + self.n_decode
+        return (self.first_token_step + self.max_new + 2) * self.period + self.n_decode
 
     def decode_at(self, stage: int, tick: int) -> tuple[int, int] | None:
         """(step, microbatch) that decode stage ``stage`` runs at ``tick``, or None."""
@@ -143,8 +165,12 @@ class Timetable:
         return hi - lo
 
     def q(self, t: int) -> int:
-        """Positions a stage's message carries at step ``t``: the prompt at step 0, then one token."""
-        return self.prompt_len if t == 0 else 1
+        """Positions a stage's message carries at step ``t``: a prompt chunk's at a prefill step, then one token."""
+        chunks = self.chunks
+        if t < len(chunks):
+            a, b = chunks[t]
+            return b - a
+        return 1
 
 
 # --------------------------------------------------------------------------- messages
@@ -347,6 +373,7 @@ class Ring:
         self.d0 = self.decode[0]
         self.times = Timetable(
             first_decode=self.d0, n_decode=len(self.decode), bounds=tuple(req.bounds), prompt_len=req.prompt.shape[1], max_new=req.max_new,
+            prefill_chunk=req.prefill_chunk,
         )
         self.me = model.dims.pp_rank
         self.local = {st.spec.index: st for st in model.stages}
@@ -477,7 +504,8 @@ class Ring:
                 self.box.post(("h", s, i), s - 1, (times.rows(i), times.q(t), self.H + 1), self.dtype)
         if self.d0 in self.local and self._rank(self.S - 1) != self.me:
             at = times.decode_at(self.S - 1, tick)
-            if at is not None and not self.slots[(self.d0, at[1])].done:
+            # Prefill steps before the last chunk choose no token: nothing comes back from them.
+            if at is not None and at[0] >= times.first_token_step and not self.slots[(self.d0, at[1])].done:
                 self.box.post(("tok", at[1]), self.S - 1, (times.rows(at[1]), 2), torch.long)
 
     def _op(self, slot: _Slot, t: int) -> None:
@@ -486,8 +514,12 @@ class Ring:
         n = hi - lo
         q = self.times.q(t)
         first, last = s == self.d0, s == self.S - 1
+        chunks = self.times.chunks
+        prefill = t < len(chunks)  # this step feeds a chunk of the prompt (step 0: all of it, unchunked)
+        # The step's new token: step t chooses token t - first_token_step (prefill steps before it, none).
+        token_step = t - self.times.first_token_step
         if first:
-            if t == 0:
+            if prefill:
                 msg, alive = None, torch.ones(n, dtype=torch.bool, device=self.device)
             else:
                 msg = box.take(("tok", i))  # (n, 2): token, still generating
@@ -501,7 +533,7 @@ class Ring:
             if not last:
                 box.deliver(("h", s + 1, i), s + 1, torch.zeros(n, q, self.H + 1, dtype=self.dtype, device=self.device))
             else:
-                self._stream(i, t)
+                self._stream(i, token_step)
             return
         live = alive.nonzero()[:, 0]
         if live.numel() < slot.rows.numel():
@@ -515,10 +547,12 @@ class Ring:
                 inputs["attention_mask"] = slot.enc_mask
         else:
             ids_key = "input_ids"
-            if t == 0:
-                slot.mask = req.mask[lo:hi] if req.mask is not None else None
-                slot.pos = req.positions[lo:hi]
-                slot.types = req.types[lo:hi] if req.types is not None else None
+            if prefill:
+                # As transformers' chunked prefill: the mask up to the chunk's end, the chunk's positions.
+                a, b = chunks[t]
+                slot.mask = req.mask[lo:hi, :b] if req.mask is not None else None
+                slot.pos = req.positions[lo:hi, a:b]
+                slot.types = req.types[lo:hi, a:b] if req.types is not None else None
             else:
                 if slot.mask is not None:
                     slot.mask = torch.cat([slot.mask, slot.mask.new_ones(slot.mask.shape[0], 1)], dim=1)
@@ -529,7 +563,11 @@ class Ring:
             if slot.types is not None:
                 inputs["token_type_ids"] = slot.types
         if first:
-            inputs[ids_key] = req.prompt[lo:hi] if t == 0 else msg[live, 0].unsqueeze(1)
+            if not prefill:
+                inputs[ids_key] = msg[live, 0].unsqueeze(1)
+            else:
+                a, b = chunks[t]
+                inputs[ids_key] = req.prompt[lo:hi, a:b]
             received: tuple = ()
         else:
             received = (msg[live, :, : self.H],)
@@ -538,11 +576,13 @@ class Ring:
         out = slot.stage(*received, **inputs)
         out = out[0] if isinstance(out, tuple) else out  # in decoding only the hidden state flows on
         if last:
-            tokens = self.chooser.choose(i, t, live, out[:, -1, :])
+            if token_step < 0:
+                return  # a prompt chunk before the last: its cache is filled, no token yet
+            tokens = self.chooser.choose(i, token_step, live, out[:, -1, :])
             if self.streamer is not None:
-                self.streamer.record(t, lo, hi, tokens)
+                self.streamer.record(token_step, lo, hi, tokens)
             box.deliver(("tok", i), self.d0, torch.stack([tokens, self.chooser.unfinished(i).long()], dim=1))  # (n, 2)
-            self._stream(i, t)
+            self._stream(i, token_step)
             return
         self._check(out, (live.numel(), q, self.H), f"stage {s}")
         nxt = torch.zeros(n, q, self.H + 1, dtype=self.dtype, device=self.device)

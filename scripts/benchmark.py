@@ -90,6 +90,7 @@ class Sizes:
     train_reps: int = 6
     prompts: int = 16
     prompt_len: int = 32
+    prefill_chunk: int = 16  # the chunked-prefill run's prefill_chunk_size: 2 chunks of the prompt
     new_tokens: int = 64
     gen_reps: int = 3
     world: int = 2
@@ -99,7 +100,7 @@ class Sizes:
         return cls(
             load_hidden=64, load_intermediate=128, load_layers=4, load_heads=4, load_kv_heads=2, load_vocab=512,
             load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, vocab=256,
-            seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, new_tokens=8, gen_reps=1,
+            seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, prefill_chunk=2, new_tokens=8, gen_reps=1,
         )
 
 
@@ -763,6 +764,10 @@ def _task_generate_hf(spec: dict, out: dict) -> None:
         result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sizes["new_tokens"], min_new_tokens=sizes["new_tokens"], do_sample=False, pad_token_id=0)
         times.append(time.perf_counter() - t)
     out.update(seconds=times[1:], new_tokens=int((result.shape[1] - ids.shape[1]) * ids.shape[0]), tokens=result.tolist())
+    # transformers' own chunked prefill: the tokens the pipelined chunked run must equal
+    chunked = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sizes["new_tokens"], min_new_tokens=sizes["new_tokens"],
+                             do_sample=False, pad_token_id=0, prefill_chunk_size=sizes["prefill_chunk"])
+    out["chunked_tokens"] = chunked.tolist()
     out["bound"] = _decode_bound(model, sizes)
 
 
@@ -921,21 +926,40 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
 
     results = {}
     # One more microbatch than ranks: what hiding the message's latency behind another microbatch costs.
-    for label, m in (("pipelined", None), ("one_microbatch", 1), ("more_microbatches", dist.get_world_size() + 1)):
+    # Chunked prefill: the prompt fed in chunks (transformers' prefill_chunk_size), so the pipeline's
+    # prefill fills with chunks x microbatches units instead of microbatches.
+    runs = (("pipelined", None, None), ("chunked_prefill", None, sizes["prefill_chunk"]), ("one_microbatch", 1, None),
+            ("more_microbatches", dist.get_world_size() + 1, None))
+    for label, m, chunk in runs:
         times, stats, tokens, limit = [], None, None, []
         for i in range(sizes["gen_reps"] + 1):
-            if label == "pipelined":
+            if label in ("pipelined", "chunked_prefill"):
                 limit.append(two_way())
             _sync()
             t = time.perf_counter()
             tokens, stats = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=sizes["new_tokens"], do_sample=False,
-                n_microbatches=m, return_stats=True, pad_token_id=0,
+                n_microbatches=m, return_stats=True, pad_token_id=0, prefill_chunk_size=chunk,
             )
             times.append(time.perf_counter() - t)
-        results[label] = {"seconds": times[1:], "new_tokens": stats.new_tokens, "n_microbatches": stats.n_microbatches, "tokens": tokens.tolist()}
+        results[label] = {"seconds": times[1:], "new_tokens": stats.new_tokens, "n_microbatches": stats.n_microbatches, "tokens": tokens.tolist(),
+                          "prefill_steps": stats.prefill_steps}
         if limit:
-            results["two_way_seconds"] = limit[1:]
+            results[label]["two_way_seconds"] = limit[1:]
+    results["two_way_seconds"] = results["pipelined"]["two_way_seconds"]
+    # The prefill alone (calls for one new token, medians; alternating): unchunked, chunked, and the
+    # 2-way processes'. A pipeline's prefill over p stages with u units in flight idles (p - 1) / (u + p - 1).
+    prefill: dict[str, list[float]] = {"pipelined": [], "chunked_prefill": [], "two_way": []}
+    for _ in range(max(3, sizes["gen_reps"])):
+        for label, chunk in (("pipelined", None), ("chunked_prefill", sizes["prefill_chunk"])):
+            _sync()
+            t = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+            took = torch.tensor([time.perf_counter() - t])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            prefill[label].append(float(took))
+        prefill["two_way"].append(two_way(1))
+    results["prefill_seconds"] = prefill
     # The ring's time per decoded token without the prefill and the call's fixed costs: calls for all
     # the new tokens and for half of them, alternating; the difference of their medians per token.
     # The same for the 2-way limit's processes (transformers' generate on each rank's share, both at once).
@@ -1332,12 +1356,27 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
         else:
             gen["baseline"] = {"error": base["error"]}
         if pp.get("ok"):
-            for label in ("pipelined", "one_microbatch", "more_microbatches"):
+            for label in ("pipelined", "chunked_prefill", "one_microbatch", "more_microbatches"):
                 r = pp[label]
+                # the chunked run against transformers' own chunked prefill, the others against its default
+                want = base.get("chunked_tokens" if label == "chunked_prefill" else "tokens")
                 gen[label] = {
                     "seconds": r["seconds"], "tokens_per_s": r["new_tokens"] / _median(r["seconds"]), "n_microbatches": r["n_microbatches"],
-                    "tokens_equal_transformers": bool(base.get("ok")) and r["tokens"] == base["tokens"],
+                    "tokens_equal_transformers": bool(base.get("ok")) and r["tokens"] == want, "prefill_steps": r["prefill_steps"],
                 }
+                if "two_way_seconds" in r:
+                    gen[label]["two_way_seconds"] = r["two_way_seconds"]
+                    gen[label]["fraction_of_two_way"] = _median([w / t for w, t in zip(r["two_way_seconds"], r["seconds"])])
+            ps = pp["prefill_seconds"]
+            units = {"pipelined": gen["pipelined"]["n_microbatches"],
+                     "chunked_prefill": gen["chunked_prefill"]["n_microbatches"] * gen["chunked_prefill"]["prefill_steps"]}
+            gen["prefill"] = {
+                "seconds": ps,
+                # each pipelined prefill over the 2-way processes' (same pairs), and the fill's theory:
+                # units of work per stage u, p stages: (u + p - 1) / u of the work spread evenly
+                **{f"{label}_over_two_way": _median([a / b for a, b in zip(ps[label], ps["two_way"])]) for label in units},
+                **{f"{label}_fill_theory": (u + sizes.world - 1) / u for label, u in units.items()},
+            }
             gen["idle_fraction"] = pp["idle_fraction"]
             gen["two_way_seconds"] = pp["two_way_seconds"]
             # median over runs of (2-way time / pipelined time), each pair run back to back
@@ -1590,7 +1629,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         b = g.get("baseline", {})
         if "tokens_per_s" in b:
             lines.append(f"| transformers generate, 1 process | - | {_median(b['seconds']):.2f} | {b['tokens_per_s']:.0f} | 1.00x | - |")
-        for label, name in (("pipelined", "pipelined generate"), ("one_microbatch", "pipelined, n_microbatches=1"),
+        for label, name in (("pipelined", "pipelined generate"),
+                            ("chunked_prefill", f"pipelined, prefill_chunk_size={s.get('prefill_chunk')} (tokens against transformers' chunked prefill)"),
+                            ("one_microbatch", "pipelined, n_microbatches=1"),
                             ("more_microbatches", f"pipelined, n_microbatches={s['world'] + 1}")):
             if label in g:
                 r = g[label]
@@ -1608,6 +1649,20 @@ def to_markdown(res: dict[str, Any]) -> str:
                 f"2-way limit ({s['world']} independent transformers processes at once, each generating for its share of the "
                 f"prompts, run right before each pipelined run): **{g['two_way_speedup']:.2f}x**; pipelined generate reaches "
                 f"**{_pct(g['fraction_of_two_way'])}** of it (median over back-to-back pairs).",
+            ]
+        if "prefill" in g and "fraction_of_two_way" in g.get("chunked_prefill", {}):
+            pf, ch = g["prefill"], g["chunked_prefill"]
+            med = {k: _median(v) * 1e3 for k, v in pf["seconds"].items()}
+            lines += [
+                "",
+                f"With `prefill_chunk_size={s['prefill_chunk']}` (transformers' chunked prefill: the {s['prompt_len']}-token prompts in "
+                f"{ch['prefill_steps']} chunks, each microbatch's chunks following each other down the pipeline) pipelined generate "
+                f"reaches **{_pct(ch['fraction_of_two_way'])}** of the 2-way limit (its own back-to-back pairs). The prefill alone "
+                f"(calls for one new token, medians): {med['pipelined']:.1f} ms pipelined, {med['chunked_prefill']:.1f} ms chunked, "
+                f"{med['two_way']:.1f} ms for the 2-way processes; over theirs {pf['pipelined_over_two_way']:.2f}x and "
+                f"{pf['chunked_prefill_over_two_way']:.2f}x, where a {s['world']}-stage pipeline's fill alone costs "
+                f"{pf['pipelined_fill_theory']:.2f}x with {g['pipelined']['n_microbatches']} units of work per stage and "
+                f"{pf['chunked_prefill_fill_theory']:.2f}x with {ch['n_microbatches'] * ch['prefill_steps']}.",
             ]
         if "speedup_bound" in g.get("bound", {}):
             bd = g["bound"]
@@ -1777,6 +1832,8 @@ def readme_tables(res: dict[str, Any]) -> str:
         text += f"{g['speedup_vs_transformers']:.2f}x of one transformers process"
         if "two_way_speedup" in g:
             text += f"; 2-way limit {g['two_way_speedup']:.2f}x, of which the ring reaches {_pct(g['fraction_of_two_way'])}"
+            if "fraction_of_two_way" in g.get("chunked_prefill", {}):
+                text += f" ({_pct(g['chunked_prefill']['fraction_of_two_way'])} with `prefill_chunk_size={s['prefill_chunk']}`)"
         bd = g.get("bound", {})
         if "torch_ring_token_s" in bd and bd.get("decode_token_s", 0) > 0:
             per_token = bd["decode_token_s"]

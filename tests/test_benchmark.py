@@ -106,6 +106,17 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert gen["pipelined"]["tokens_equal_transformers"] and gen["one_microbatch"]["tokens_equal_transformers"]
     assert gen["pipelined"]["n_microbatches"] == 2 and gen["one_microbatch"]["n_microbatches"] == 1
     assert gen["more_microbatches"]["n_microbatches"] == world + 1 and gen["more_microbatches"]["tokens_equal_transformers"]
+    # chunked prefill: transformers' chunked tokens, in as many prefill steps as chunks, paired with the 2-way limit
+    ch = gen["chunked_prefill"]
+    assert ch["tokens_equal_transformers"] and ch["prefill_steps"] == -(-sizes["prompt_len"] // sizes["prefill_chunk"]) > 1
+    assert gen["pipelined"]["prefill_steps"] == 1
+    assert len(ch["two_way_seconds"]) == len(ch["seconds"]) == sizes["gen_reps"]
+    assert ch["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(ch["two_way_seconds"], ch["seconds"])]))
+    pf = gen["prefill"]
+    assert all(len(v) >= 3 and min(v) > 0 for v in pf["seconds"].values()), pf
+    assert pf["pipelined_fill_theory"] == pytest.approx((2 + world - 1) / 2)
+    assert pf["chunked_prefill_fill_theory"] == pytest.approx((2 * ch["prefill_steps"] + world - 1) / (2 * ch["prefill_steps"]))
+    assert "prefill_chunk_size=" in md
     tps = {k: gen[k]["tokens_per_s"] for k in ("baseline", "pipelined", "one_microbatch")}
     assert all(math.isfinite(v) and v > 0 for v in tps.values()), tps
     assert gen["speedup_vs_transformers"] == pytest.approx(tps["pipelined"] / tps["baseline"])

@@ -6,6 +6,8 @@ Every architecture that generates (GPT-2, LLaMA, T5) runs with 1 and 2 virtual s
     that some rows stop before others;
   * sampling with a fixed seed gives the same ids at every world size (the world-1 pipelined run is
     the reference: the per-row seeded stream is by design not transformers' global one);
+  * decoder-only models with ``prefill_chunk_size=3`` (chunks that cut through the left padding)
+    equal transformers' chunked prefill token for token, in as many prefill steps as chunks;
   * each rank's peak KV-cache bytes (from the Cache tensors) equal its share of transformers' cache
     for the same request, and the shares add up to it;
   * repeated calls leave no Cache object and no tensor memory behind.
@@ -25,6 +27,7 @@ import tiny
 from harness import run_distributed
 
 NEW = 10  # new tokens per request
+CHUNK = 3  # prefill_chunk_size of the chunked requests: 8-token prompts in 3 chunks
 TOL = 1e-5  # fp32 forward outputs: same kernels, only summation order may differ
 GEN_ARCHS = ("llama", "gpt2", "t5")
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=11)
@@ -84,7 +87,7 @@ def _run_generation(case):
     for label, inputs, kwargs in case["requests"]:
         streamer = _Collect() if label == "stream" else None
         ids, stats = model.generate(**inputs, **kwargs, streamer=streamer, return_stats=True)
-        res[label] = {"ids": ids, "peak": stats.peak_cache_bytes, "new_tokens": stats.new_tokens}
+        res[label] = {"ids": ids, "peak": stats.peak_cache_bytes, "new_tokens": stats.new_tokens, "prefill_steps": stats.prefill_steps}
         if streamer is not None:
             res[label]["puts"], res[label]["ended"] = streamer.puts, streamer.ended
     if case.get("repeat"):
@@ -179,6 +182,7 @@ def assets(tmp_path_factory):
         start = 1 if arch == "t5" else inputs["input_ids"].shape[1]
         eos = _pick_eos(ref, inputs, start)
         greedy = _greedy(ref, inputs, eos_token_id=eos)
+        chunked = _greedy(ref, inputs, eos_token_id=eos, prefill_chunk_size=CHUNK) if arch != "t5" else None
         with torch.no_grad():  # no early stop: the cache reaches its full size
             full = ref.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
         from hf_pipeline.ring import cache_nbytes
@@ -189,7 +193,7 @@ def assets(tmp_path_factory):
         sampled = model.generate(**inputs, **sample_kwargs)
         del model
         out["gen"][arch] = {
-            "path": str(path), "inputs": inputs, "eos": eos, "greedy": greedy, "full": full.sequences,
+            "path": str(path), "inputs": inputs, "eos": eos, "greedy": greedy, "chunked": chunked, "full": full.sequences,
             "cache_bytes": cache_nbytes(full.cache), "layers": ref.config.get_text_config(decoder=True).num_hidden_layers
             if arch != "t5" else ref.config.num_decoder_layers, "sampled": sampled, "sample_kwargs": sample_kwargs,
         }
@@ -220,6 +224,8 @@ def _gen_cases(assets, world: int):
         full_kwargs = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
         for virtual in (1, 2):
             requests = [("greedy", a["inputs"], greedy_kwargs), ("sampled", a["inputs"], a["sample_kwargs"])]
+            if a["chunked"] is not None:
+                requests.append(("chunked", a["inputs"], dict(greedy_kwargs, prefill_chunk_size=CHUNK)))
             case = {"arch": arch, "virtual": virtual, "path": a["path"], "auto": tiny.AUTO[arch], "load": {"virtual_stages": virtual}}
             if virtual == 1:
                 requests.append(("full", a["inputs"], full_kwargs))
@@ -245,7 +251,9 @@ def _gen_cases(assets, world: int):
                     "load": {"virtual_stages": virtual, "split": split},
                     "requests": [("greedy", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0)),
                                  ("sampled", a["inputs"], a["sample_kwargs"]),
-                                 ("full", a["inputs"], dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0))],
+                                 ("full", a["inputs"], dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)),
+                                 ("chunked", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0,
+                                                               prefill_chunk_size=CHUNK))],
                 })
         # two data-parallel replicas of a one-stage pipeline
         a = assets["gen"]["llama"]
@@ -291,6 +299,11 @@ def _check_generation(assets, cases, per_rank, world):
                 assert torch.equal(res["naive"]["ids"], a["greedy"]), f"{where}: n_microbatches=1 differs"
             if "full" in res:
                 assert torch.equal(res["full"]["ids"], a["full"]), f"{where}: min_new_tokens run differs"
+            assert res["greedy"]["prefill_steps"] == 1, where
+            if "chunked" in res:
+                assert torch.equal(res["chunked"]["ids"], a["chunked"]), f"{where}: chunked prefill differs from transformers'"
+                chunks = -(-a["inputs"]["input_ids"].shape[1] // CHUNK)
+                assert res["chunked"]["prefill_steps"] == chunks, f"{where}: {res['chunked']['prefill_steps']} prefill steps, not {chunks}"
         if "full" in results[0]:
             # Each rank holds the cache of its own layers only; together, the whole model's. A rank's
             # first stage may free a finished microbatch's cache while a later stage of the same
@@ -402,6 +415,17 @@ def test_unsupported_requests_fail_with_a_fix(tmp_path):
         model.generate(**inputs, num_beams=2, max_new_tokens=2)
     with pytest.raises(TypeError, match="not GenerationConfig fields"):
         model.generate(**inputs, max_new_tokens=2, not_a_field=3)
+    # GenerationConfig fields that would change the result and that the ring does not implement are
+    # refused by name, not ignored; a bad prefill_chunk_size likewise
+    with pytest.raises(ValueError, match="token_healing"):
+        model.generate(**inputs, max_new_tokens=2, token_healing=True)
+    with pytest.raises(ValueError, match="cache_implementation='quantized'"):
+        model.generate(**inputs, max_new_tokens=2, cache_implementation="quantized")
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="prefill_chunk_size"):
+            model.generate(**inputs, max_new_tokens=2, prefill_chunk_size=bad)
+    # the model stays usable: the same call without them runs
+    assert model.generate(**inputs, max_new_tokens=2, prefill_chunk_size=2).shape == (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] + 2)
     bert = tiny.make_checkpoint(tmp_path / "bert", "bert", shards=1)
     mlm = hf_pipeline.AutoModelForMaskedLM.from_pretrained(bert, pipeline=True, device="cpu", progress=False)
     with pytest.raises(TypeError, match="AutoModelForCausalLM"):

@@ -66,3 +66,34 @@ def test_message_shapes_and_encoder_ticks():
     assert [tt.rows(i) for i in range(3)] == [5, 4, 4]
     assert tt.q(0) == 7 and tt.q(1) == 1
     assert [tt.encode_at(1, tick) for tick in range(5)] == [None, 0, 1, 2, None]
+
+
+@pytest.mark.parametrize("chunk,n_decode,m", [(3, 2, 2), (1, 3, 2), (2, 2, 4), (7, 2, 2), (50, 3, 3)])
+def test_chunked_prefill_steps(chunk, n_decode, m):
+    # A 7-token prompt in chunks of `chunk`: the chunks are the first steps, the last of them chooses
+    # the first token; every op runs once before the tick limit, and only steps after the last chunk
+    # wait for a token from the last stage.
+    new = 4
+    tt = Timetable(first_decode=0, n_decode=n_decode, bounds=tuple(microbatch_bounds(9, m)), prompt_len=7, max_new=new, prefill_chunk=chunk)
+    size = min(chunk, 7)
+    assert tt.chunks == tuple((a, min(a + size, 7)) for a in range(0, 7, size))
+    assert [b - a for a, b in tt.chunks] == [tt.q(t) for t in range(len(tt.chunks))] and sum(tt.q(t) for t in range(len(tt.chunks))) == 7
+    assert tt.first_token_step == len(tt.chunks) - 1 and tt.q(len(tt.chunks)) == 1
+    steps = tt.first_token_step + new
+    ops = _ops(tt, steps)
+    assert len(ops) == n_decode * m * steps, "some op never runs before the tick limit"
+    last = n_decode - 1
+    for (s, t, i), tick in ops.items():
+        if s > 0:
+            assert ops[(s - 1, t, i)] < tick
+        if s == 0 and t > tt.first_token_step:
+            assert ops[(last, t - 1, i)] < tick, "a decode step runs before its token exists"
+    # The prefill fills the pipe: with m >= stages the first stage runs every chunk of every
+    # microbatch back to back, ticks 0 .. chunks x m - 1.
+    if m >= n_decode:
+        assert sorted(tick for (s, t, _), tick in ops.items() if s == 0 and t <= tt.first_token_step) == list(range(len(tt.chunks) * m))
+
+
+def test_prefill_chunk_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Timetable(first_decode=0, n_decode=2, bounds=((0, 2),), prompt_len=7, max_new=2, prefill_chunk=0)

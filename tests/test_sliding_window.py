@@ -11,7 +11,8 @@ with 1F1B, blocks cut between attention and MLP at world 2 and a stage holding a
 sliding layer at world 3; two stages per rank with interleaved 1F1B) and on every rank compares:
   * logits of a left-padded batch of 5 rows in 3 microbatches (the last one padded);
   * greedy ``generate`` ids, token for token, for 12-token prompts + 10 new tokens with an EOS that
-    stops some rows early (finished rows are dropped from the sliding caches too);
+    stops some rows early (finished rows are dropped from the sliding caches too), and again with
+    ``prefill_chunk_size=CHUNK`` against transformers' chunked prefill (the window spans chunks);
   * one ``train_step`` on 9 left-padded rows: loss, the gradient of every parameter by name, and
     every parameter after an AdamW step.
 Configs with attention kinds the family cannot compute are refused at load (single process).
@@ -33,6 +34,7 @@ WINDOW = 5
 LAYERS = 6
 SEQ = 16  # forward and training sequences
 PROMPT, NEW = 12, 10  # generation: prompt + new tokens = 22 > WINDOW
+CHUNK = 4  # chunked prefill: 3 chunks of the prompt, each shorter than the window
 ROWS_FWD, ROWS_GEN, ROWS_TRAIN = 5, 5, 9  # odd batches; forward pads 5 rows to 3 microbatches of 2
 M = 3
 TOL = 1e-5
@@ -102,6 +104,7 @@ def _case(path, load, eos):
     with torch.no_grad():
         res["logits"] = model(**_fwd_inputs()).logits
     res["ids"] = model.generate(**_gen_inputs(), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    res["chunked_ids"] = model.generate(**_gen_inputs(), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos, prefill_chunk_size=CHUNK)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     res["loss"] = float(model.train_step(_train_batch()).detach())
@@ -136,9 +139,9 @@ def _pick_eos(ref, inputs) -> int:
     raise AssertionError("no token ends some rows early; change the tiny model seed")
 
 
-def _greedy(ref, inputs, eos):
+def _greedy(ref, inputs, eos, **kwargs):
     with torch.no_grad():
-        return ref.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        return ref.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos, **kwargs)
 
 
 def _unwindowed(path):
@@ -163,6 +166,7 @@ def references(tmp_path_factory):
             logits = ref(**_fwd_inputs()).logits
         eos = _pick_eos(ref, _gen_inputs())
         ids = _greedy(ref, _gen_inputs(), eos)
+        chunked = _greedy(ref, _gen_inputs(), eos, prefill_chunk_size=CHUNK)
         # The window must matter for these inputs, else the comparisons below could not fail.
         full = _unwindowed(path)
         with torch.no_grad():
@@ -175,7 +179,7 @@ def references(tmp_path_factory):
         grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         opt.step()
         params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        out[arch] = {"path": path, "logits": logits, "eos": eos, "ids": ids, "loss": float(loss.detach()), "grads": grads, "params": params}
+        out[arch] = {"path": path, "logits": logits, "eos": eos, "ids": ids, "chunked_ids": chunked, "loss": float(loss.detach()), "grads": grads, "params": params}
     return out
 
 
@@ -184,6 +188,7 @@ def _check(what, results, ref):
         diff = (res["logits"] - ref["logits"]).abs().max().item()
         assert diff <= TOL, f"{what} rank {r}: logits max abs diff {diff:.3g}"
         assert torch.equal(res["ids"], ref["ids"]), f"{what} rank {r}: generated ids\n{res['ids']}\n!= transformers\n{ref['ids']}"
+        assert torch.equal(res["chunked_ids"], ref["chunked_ids"]), f"{what} rank {r}: chunked prefill ids\n{res['chunked_ids']}\n!= transformers\n{ref['chunked_ids']}"
         assert abs(res["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), f"{what} rank {r}: loss {res['loss']} != {ref['loss']}"
         for key, copies in res["grads"].items():
             want = ref["grads"][key]
