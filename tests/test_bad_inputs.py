@@ -298,6 +298,14 @@ CALL_CASES = {
         r"got a list of text prompts; pass tok\(prompts, return_tensors='pt', padding=True\)"),
     "generate: unsupported mode (beam search)": (
         lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, num_beams=2), ("ValueError",), r"is not supported by pipelined generation"),
+    "generate: token_healing": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, token_healing=True), ("ValueError",), r"token_healing is not supported"),
+    "generate: quantized KV cache": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, cache_implementation="quantized"), ("ValueError",),
+        r"cache_implementation='quantized' is not supported by pipelined generation"),
+    "generate: prefill_chunk_size of 0": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, prefill_chunk_size=0), ("ValueError",),
+        r"prefill_chunk_size must be a positive number of positions"),
     "forward: inputs differ between ranks": (
         lambda _: _m()(**_ids(2, 9, seed=1 + _rank())), ("ValueError",),
         r"model inputs must be the same on every rank but input_ids differs: input_ids: rank 0: Tensor\(.*\); rank 1: Tensor\("),
