@@ -316,10 +316,16 @@ def _load_read_pairs(spec: dict, ranges, n: int, *, cold: bool) -> list[tuple[fl
         return took
 
     pairs = []
-    for _ in range(n):
-        read = timed(lambda: _plain_read(spec["path"], ranges))
-        took = timed(load) if read is not None else None
-        if took is None:
+    for k in range(n):
+        # Which goes first alternates: what one leaves behind (freed pages, the allocator's state,
+        # the OS reclaiming memory) would otherwise always fall on the same side of the ratio.
+        if k % 2 == 0:
+            read = timed(lambda: _plain_read(spec["path"], ranges))
+            took = timed(load) if read is not None else None
+        else:
+            took = timed(load)
+            read = timed(lambda: _plain_read(spec["path"], ranges)) if took is not None else None
+        if took is None or read is None:
             break
         pairs.append((took, read))
     return pairs
@@ -361,8 +367,8 @@ def _task_load_ours(spec: dict, out: dict) -> None:
     # per-pair ratios (4 processes on 2 cores make single runs vary by 2x). Warm: pages cached (the
     # load above just read them). Cold: the page cache dropped before each read and each load (a
     # cold read is the disk's and the kernel's readahead's: one pair varied 1.0-1.4x between runs).
-    warm = _load_read_pairs(spec, ranges, spec.get("warm_pairs", 3), cold=False)
-    cold = _load_read_pairs(spec, ranges, spec.get("cold_pairs", 3), cold=True) if spec.get("cold") else []
+    warm = _load_read_pairs(spec, ranges, spec.get("warm_pairs", 7), cold=False)
+    cold = _load_read_pairs(spec, ranges, spec.get("cold_pairs", 5), cold=True) if spec.get("cold") else []
     out.update(phases=phases, **_pair_medians(warm, ""), **_pair_medians(cold, "cold_"))
     _sync()
 
@@ -1444,8 +1450,8 @@ def to_markdown(res: dict[str, Any]) -> str:
             "",
             "Load wall time per rank against plainly reading the same byte ranges of the same files into fresh memory "
             "(anonymous mappings, faulted in by the read as new tensors are), in the same process, every rank at once: "
-            "warm = pages in the OS cache (medians of 3 interleaved read/load pairs; the ratio is the median of the pairs' "
-            "ratios, the worst rank's shown), cold = page cache dropped just before each read and each load (where the machine allows it; medians of 3 pairs, likewise). "
+            "warm = pages in the OS cache (medians of 7 interleaved read/load pairs, which of the two goes first alternating; the ratio is the median of the pairs' "
+            "ratios, the worst rank's shown), cold = page cache dropped just before each read and each load (where the machine allows it; medians of 5 pairs, likewise). "
             "Target <= 1.2x.",
             "",
             "| ranks | load (s) | plain read (s) | load / read, warm (max) | cold load (s) | cold read (s) | load / read, cold (max) |",
