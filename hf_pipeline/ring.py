@@ -36,6 +36,7 @@ Example (inside ``generate``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -121,7 +122,7 @@ class Timetable:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 positions, got {self.prefill_chunk}")
 
-    @property
+    @functools.cached_property  # read at every op of the ring: computed once per request
     def chunks(self) -> tuple[tuple[int, int], ...]:
         """The prompt's (start, end) positions fed at each prefill step, in order."""
         size = self.prefill_chunk or self.prompt_len
@@ -515,7 +516,9 @@ class Ring:
         q = self.times.q(t)
         first, last = s == self.d0, s == self.S - 1
         chunks = self.times.chunks
-        prefill = t < len(chunks)  # this step feeds a chunk of the prompt (step 0: all of it, unchunked)
+        # The prompt's (start, end) positions this step feeds (step 0 unchunked: all of them), or None.
+        span = chunks[t] if t < len(chunks) else None
+        prefill = span is not None
         # The step's new token: step t chooses token t - first_token_step (prefill steps before it, none).
         token_step = t - self.times.first_token_step
         if first:
@@ -549,7 +552,7 @@ class Ring:
             ids_key = "input_ids"
             if prefill:
                 # As transformers' chunked prefill: the mask up to the chunk's end, the chunk's positions.
-                a, b = chunks[t]
+                a, b = span
                 slot.mask = req.mask[lo:hi, :b] if req.mask is not None else None
                 slot.pos = req.positions[lo:hi, a:b]
                 slot.types = req.types[lo:hi, a:b] if req.types is not None else None
@@ -563,11 +566,7 @@ class Ring:
             if slot.types is not None:
                 inputs["token_type_ids"] = slot.types
         if first:
-            if not prefill:
-                inputs[ids_key] = msg[live, 0].unsqueeze(1)
-            else:
-                a, b = chunks[t]
-                inputs[ids_key] = req.prompt[lo:hi, a:b]
+            inputs[ids_key] = req.prompt[lo:hi, span[0]: span[1]] if prefill else msg[live, 0].unsqueeze(1)
             received: tuple = ()
         else:
             received = (msg[live, :, : self.H],)

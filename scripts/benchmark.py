@@ -634,6 +634,11 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     )
 
 
+def _layer_indices(modules) -> list[int]:
+    """The LLaMA decoder layers (``model.layers.<i>`` or a module inside one) among a stage's module names, ascending."""
+    return sorted({int(x.group(1)) for x in (re.fullmatch(r"model\.layers\.(\d+)(\..*)?", m) for m in modules) if x})
+
+
 def _torch_pipeline(reference, plan, schedule: str, n_microbatches: int):
     """The pipeline of ``plan`` built from transformers' layers and torch's pipelining alone, no
     hf_pipeline: each of this rank's stages is a plain module over copies of ``reference``'s
@@ -647,7 +652,6 @@ def _torch_pipeline(reference, plan, schedule: str, n_microbatches: int):
     what hf_pipeline adds (or saves) over torch's own runtime: its stage modules, its zero-bubble
     weight pass, the step's own work (the ranks' agreement on the batch, the loss's reduction)."""
     import copy
-    import re
 
     import torch
     import torch.distributed as dist
@@ -662,7 +666,7 @@ def _torch_pipeline(reference, plan, schedule: str, n_microbatches: int):
             if spec.halves:
                 raise ValueError(f"stage {spec.index} splits a layer ({dict(spec.halves)}): the torch-only pipeline takes whole layers")
             base = reference.model
-            layers = sorted({int(x.group(1)) for x in (re.fullmatch(r"model\.layers\.(\d+)(\..*)?", m) for m in spec.modules) if x})
+            layers = _layer_indices(spec.modules)
             self.embed = copy.deepcopy(base.embed_tokens) if spec.is_first else None
             self.layers = nn.ModuleList(copy.deepcopy(base.layers[i]) for i in layers)
             self.rotary = copy.deepcopy(base.rotary_emb)
@@ -891,10 +895,9 @@ def _stage_part(model, plan, rank: int):
     it, else under the base model (the embedding lookup and final norm it adds cost next to nothing).
     Returns the part and what it holds, in words."""
     import copy
-    import re
 
     mods = [m for st in plan.stages if st.rank == rank for m in st.modules]
-    layers = sorted({int(x.group(1)) for x in (re.fullmatch(r"model\.layers\.(\d+)(\..*)?", m) for m in mods) if x})
+    layers = _layer_indices(mods)
     head = "lm_head" in mods
     part = copy.deepcopy(model)
     part.model.layers = part.model.layers[layers[0]: layers[-1] + 1]
