@@ -187,6 +187,14 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
     chunk = gc.prefill_chunk_size
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"prefill_chunk_size must be a positive number of positions or None, got {chunk!r}")
+    if chunk is not None and model.config.is_encoder_decoder:
+        # transformers' chunked prefill slices `attention_mask` to each chunk's length, which for an
+        # encoder-decoder model is the encoder's mask: its tokens then differ from its own unchunked
+        # generation on padded inputs. Neither matching that nor silently ignoring it is right.
+        raise ValueError(
+            f"prefill_chunk_size={chunk} is not supported for encoder-decoder models: the decoder's prompt is one start "
+            f"token, and transformers' chunked prefill cuts the encoder's attention mask to the chunk; pass prefill_chunk_size=None"
+        )
 
     batch = input_ids.shape[0]
     generation_helper(skel, "_prepare_special_tokens")(gc, attention_mask is not None, device=device, batch_size=batch)
@@ -245,7 +253,7 @@ def _prepare(model, input_ids, attention_mask, config, kwargs, n_microbatches, s
         stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     ))
     return Request(
-        config=gc, encoder_decoder=encoder_decoder, prompt=prompt, prefill_chunk=None if encoder_decoder else chunk,
+        config=gc, encoder_decoder=encoder_decoder, prompt=prompt, prefill_chunk=chunk,
         mask=mask, positions=positions, types=types, enc_ids=enc_ids,
         enc_mask=enc_mask, bounds=bounds, row_offset=lo, max_new=max_new, do_sample=bool(gc.do_sample), seed=seed,
         pad=pad, streamer=streamer, logits_processor=logits_processor, stopping_criteria=stopping_criteria, tokenizer=tokenizer,
