@@ -470,7 +470,6 @@ def schedule_actions(
 ACTION_WEIGHTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-@functools.lru_cache(maxsize=256)
 def action_input(stage: int, kind: str, microbatch: int, *, last_stage: int, exists: Callable[[tuple[int, str, int]], bool]) -> tuple[int, str, int] | None:
     """The action whose output ``(stage, kind, microbatch)`` waits for, or None (a pipeline input,
     or the last stage's backward, which starts from its own forward's loss).
@@ -491,6 +490,7 @@ def action_input(stage: int, kind: str, microbatch: int, *, last_stage: int, exi
     raise ValueError(f"unknown action kind {kind!r}; expected one of {ACTION_KINDS}")
 
 
+@functools.lru_cache(maxsize=256)
 def _step_graph(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microbatches: int) -> tuple[tuple[int, int, str, int], ...]:
     """Every action of one training step as (rank, stage, kind, index of the action it waits for or -1), in an order
     where each comes after what it waits for: the previous action of its rank (implicit, by order) and its data.
