@@ -933,6 +933,17 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
 
+    def pipelined(new_tokens: int, **kwargs) -> tuple[float, Any, Any]:
+        # One pipelined generate of every prompt, ranks starting together: the slowest rank's
+        # seconds (the call ends with the result's broadcast, so the ranks end together), ids, stats.
+        _sync()
+        t = time.perf_counter()
+        tokens, stats = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                       return_stats=True, **kwargs)
+        took = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took), tokens, stats
+
     results = {}
     # One more microbatch than ranks: what hiding the message's latency behind another microbatch costs.
     # Chunked prefill: the prompt fed in chunks (transformers' prefill_chunk_size), so the pipeline's
@@ -944,13 +955,8 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
         for i in range(sizes["gen_reps"] + 1):
             if label in ("pipelined", "chunked_prefill"):
                 limit.append(two_way())
-            _sync()
-            t = time.perf_counter()
-            tokens, stats = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=sizes["new_tokens"], do_sample=False,
-                n_microbatches=m, return_stats=True, pad_token_id=0, prefill_chunk_size=chunk,
-            )
-            times.append(time.perf_counter() - t)
+            took, tokens, stats = pipelined(sizes["new_tokens"], n_microbatches=m, prefill_chunk_size=chunk)
+            times.append(took)
         results[label] = {"seconds": times[1:], "new_tokens": stats.new_tokens, "n_microbatches": stats.n_microbatches, "tokens": tokens.tolist(),
                           "prefill_steps": stats.prefill_steps}
         if limit:
@@ -961,12 +967,7 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     prefill: dict[str, list[float]] = {"pipelined": [], "chunked_prefill": [], "two_way": []}
     for _ in range(max(3, sizes["gen_reps"])):
         for label, chunk in (("pipelined", None), ("chunked_prefill", sizes["prefill_chunk"])):
-            _sync()
-            t = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
-            took = torch.tensor([time.perf_counter() - t])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            prefill[label].append(float(took))
+            prefill[label].append(pipelined(1, prefill_chunk_size=chunk)[0])
         prefill["two_way"].append(two_way(1))
     results["prefill_seconds"] = prefill
     # The ring's time per decoded token without the prefill and the call's fixed costs: calls for all
@@ -977,10 +978,7 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     two_way_calls: dict[int, list[float]] = {sizes["new_tokens"]: [], half: []}
     for _ in range(sizes["gen_reps"]):
         for n in calls:
-            _sync()
-            t = time.perf_counter()
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
-            calls[n].append(time.perf_counter() - t)
+            calls[n].append(pipelined(n)[0])
             two_way_calls[n].append(two_way(n))
     results["decode_token_s"] = (_median(calls[sizes["new_tokens"]]) - _median(calls[half])) / (sizes["new_tokens"] - half)
     results["two_way_token_s"] = (_median(two_way_calls[sizes["new_tokens"]]) - _median(two_way_calls[half])) / (sizes["new_tokens"] - half)
