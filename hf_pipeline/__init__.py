@@ -16,16 +16,16 @@ from .auto import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
-from .checkpoint import latest_checkpoint, load_training_state
-from .dist import init_distributed
+from .training.checkpoint import latest_checkpoint, load_training_state
+from .distributed.context import init_distributed
 from .errors import PipelineError
-from .memory import plan_report
+from .tools.memory import plan_report
 from .model import PipelinedModel
-from .recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
+from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
 
 __version__ = "0.1.0"
 
-# What users import. Everything else is reached through its module (hf_pipeline.schedules,
+# What users import. Everything else is reached through its module (hf_pipeline.planning.schedules,
 # hf_pipeline.errors, ...), whose own __all__ lists what other modules use.
 __all__ = [
     "AutoModel",

@@ -214,7 +214,7 @@ def _split(text: str) -> str | list[str]:
 
 def _auto_class_for(config, given: str | None) -> type:
     """The class to plan/load ``config`` with: ``--auto-class`` if given, else the one the library picks."""
-    from .options import model_class_for
+    from .planning.options import model_class_for
 
     return model_class_for(config, given)
 
@@ -228,7 +228,7 @@ def _local(path_or_id: str, download: bool = False) -> str:
     """
     if pathlib.Path(path_or_id).expanduser().is_file():
         return str(pathlib.Path(path_or_id).expanduser())
-    from .weights import CheckpointNotFoundError, resolve_checkpoint
+    from .loading.weights import CheckpointNotFoundError, resolve_checkpoint
 
     try:
         return str(resolve_checkpoint(path_or_id, download=download))
@@ -238,7 +238,7 @@ def _local(path_or_id: str, download: bool = False) -> str:
 
 
 def _load_config(path: str, download: bool = False):
-    from .options import load_config
+    from .planning.options import load_config
 
     return load_config(_local(path, download))
 
@@ -247,7 +247,7 @@ def _model_path(args) -> str:
     """The local directory of ``--model`` (a hub id resolved from the cache), else the bundled default model."""
     if args.model is not None:
         return _local(args.model, args.download)
-    from .default_model import default_model_path
+    from .tools.default_model import default_model_path
 
     return str(default_model_path())
 
@@ -333,7 +333,7 @@ def cmd_plan(args) -> int:
     """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone."""
     config = _load_config(args.path, args.download)
     auto = _auto_class_for(config, args.auto_class)
-    from .memory import plan_report
+    from .tools.memory import plan_report
 
     report = plan_report(
         config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,
@@ -398,13 +398,13 @@ def cmd_train(args) -> int:
     """``hf-pipeline train``: fine-tune with ``model.train_step`` and ``save_pretrained`` the result.
 
     The class is the one ``plan`` picks from the config (``--auto-class`` to choose); its head's
-    loss is the task (``causal_lm``, ``masked_lm`` or ``seq2seq_lm``), and ``hf_pipeline.data``
+    loss is the task (``causal_lm``, ``masked_lm`` or ``seq2seq_lm``), and ``hf_pipeline.training.data``
     makes the rows and batches for it, as for ``scripts/train.py``.
     """
     import torch
     import transformers
 
-    from .data import TASKS, Batches, build_dataset, load_rows
+    from .training.data import TASKS, Batches, build_dataset, load_rows
     from .log import StepProgress
     from .model import load_pipelined
 
@@ -481,7 +481,7 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 def cmd_convert(args) -> int:
     """``hf-pipeline convert``: per-stage files (``--stages N``) or standard shards (``--merge``)."""
-    from .convert import convert_to_stages, merge_shards
+    from .tools.convert import convert_to_stages, merge_shards
 
     if args.merge:
         report = merge_shards(args.path, args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
@@ -505,7 +505,7 @@ def env_info() -> dict[str, Any]:
     import torch
     import transformers
 
-    from .recipe import list_recipes
+    from .families.recipe import list_recipes
 
     cuda = torch.cuda.is_available()
     info: dict[str, Any] = {
@@ -528,7 +528,7 @@ def env_info() -> dict[str, Any]:
     }
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS"):
         info[name] = os.environ.get(name, "not set")
-    from .default_model import bundled_model_path
+    from .tools.default_model import bundled_model_path
 
     bundled = bundled_model_path()
     info["default model"] = str(bundled) if bundled else "missing (a random-weights model is built in the cache)"
@@ -618,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         if os.environ.get("WORLD_SIZE"):
-            from .dist import destroy_distributed
+            from .distributed.context import destroy_distributed
 
             destroy_distributed()
 

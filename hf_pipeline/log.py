@@ -69,7 +69,7 @@ def get_logger(name: str = LIBRARY_LOGGER) -> logging.Logger:
     """A logger under ``"hf_pipeline"`` that follows transformers' verbosity.
 
     Args:
-        name: the module's ``__name__`` (``"hf_pipeline.weights"``, ...).
+        name: the module's ``__name__`` (``"hf_pipeline.loading.weights"``, ...).
     """
     _library_logger()
     return logging.getLogger(name)

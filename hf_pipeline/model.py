@@ -25,17 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import validate
-from .build import BuiltPipeline, build_pipeline
+from .runtime import checks as validate
+from .loading.loader import BuiltPipeline, build_pipeline
 from .compat import ACCELERATE_PREPARED_FLAG
-from .dist import ParallelDims, RankContext, check_same_on_all_ranks
+from .distributed.context import ParallelDims, RankContext, check_same_on_all_ranks
 from .errors import InputError, TraceError
-from .faults import raise_if_broken, step_errors
-from .options import PipelineOptions
-from .plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
-from .runtime import PipelineRuntime, pad_batch, signature
-from .schedules import ScheduleSpec
-from .weights import LoadReport
+from .distributed.faults import raise_if_broken, step_errors
+from .planning.options import PipelineOptions
+from .planning.plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
+from .runtime.cache import PipelineRuntime, pad_batch, signature
+from .planning.schedules import ScheduleSpec
+from .loading.weights import LoadReport
 
 __all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 
@@ -86,7 +86,7 @@ class PipelinedModel(nn.Module):
 
     @functools.cached_property
     def param_layout(self) -> ParamLayout:
-        """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.plan.param_layout`."""
+        """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.planning.plan.param_layout`."""
         return param_layout(self.skeleton, self.plan, self.resolved.tied)
 
     # ----------------------------------------------------------------- properties
@@ -105,13 +105,13 @@ class PipelinedModel(nn.Module):
         """The default ``GenerationConfig``: the checkpoint's ``generation_config.json``, else derived from the
         config (absent, an AttributeError, for a model that cannot generate), as in transformers. ``generate`` reads it, so changing
         it (or assigning a new one) changes what ``generate`` does by default."""
-        from .generate import generation_config
+        from .generation.generate import generation_config
 
         return generation_config(self)
 
     @generation_config.setter
     def generation_config(self, value) -> None:
-        from .generate import generation_config
+        from .generation.generate import generation_config
 
         generation_config(self)  # read the checkpoint's file first, so it can never replace the value set here
         self.skeleton.generation_config = value
@@ -231,7 +231,7 @@ class PipelinedModel(nn.Module):
             batch's outputs, on every rank (or only on the last stage's rank with ``gather_output=False``;
             other ranks then get None).
         """
-        from .losses import get_loss, output_loss
+        from .families.losses import get_loss, output_loss
 
         # The loss's targets under transformers' names: labels, or start/end positions (question answering).
         names = get_loss(self.resolved.head.loss, class_name=self.resolved.class_name).targets if self.resolved.head.loss else ()
@@ -301,7 +301,7 @@ class PipelinedModel(nn.Module):
     # Each lives in its own module; these methods are the user-facing entry points.
     def train_step(self, batch: dict[str, Any], **kwargs: Any) -> torch.Tensor:
         """Forward + backward of one global batch; returns the mean loss on every rank. See ``train.py``."""
-        from .train import train_step
+        from .training.step import train_step
 
         with self._step_errors("a training step"):
             return train_step(self, batch, **kwargs)
@@ -310,7 +310,7 @@ class PipelinedModel(nn.Module):
         """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved
         1F1B <-> looped BFS <-> interleaved zero bubble; ZBV <-> DualPipeV), and/or another microbatch
         count. Same arguments on every rank. Built torch stages and schedules are dropped."""
-        from .autotune import with_schedule
+        from .tools.autotune import with_schedule
 
         options = with_schedule(self.options, schedule, self.n_microbatches if n_microbatches is None else n_microbatches)
         check_same_on_all_ranks(self.ctx, "set_schedule arguments", {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}, describe=self.rank_label)
@@ -327,35 +327,35 @@ class PipelinedModel(nn.Module):
 
     def tune(self, batch: dict[str, Any], **kwargs: Any):
         """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count and
-        keep the fastest; returns the :class:`~hf_pipeline.autotune.AutoChoice`. Collective. See ``autotune.py``."""
-        from .autotune import tune
+        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See ``autotune.py``."""
+        from .tools.autotune import tune
 
         return tune(self, batch, **kwargs)
 
     def measure_split(self, batch: dict[str, Any], **kwargs: Any):
         """Time each stage on ``batch`` and return the split balanced on those times
-        (:class:`~hf_pipeline.autotune.SplitAdvice`; load with ``split=advice.split``). Collective. See ``autotune.py``."""
-        from .autotune import measure_split
+        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective. See ``autotune.py``."""
+        from .tools.autotune import measure_split
 
         return measure_split(self, batch, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
-        from .train import clip_grad_norm_
+        from .training.step import clip_grad_norm_
 
         with self._step_errors("clip_grad_norm_"):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpoint.py``."""
-        from .checkpoint import save_pretrained
+        from .training.checkpoint import save_pretrained
 
         with self._step_errors("save_pretrained"):
             return save_pretrained(self, save_directory, **kwargs)
 
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
-        from .generate import generate
+        from .generation.generate import generate
 
         if self.build.generate_refusal is not None:
             raise TraceError(self.build.generate_refusal)
@@ -365,7 +365,7 @@ class PipelinedModel(nn.Module):
 
     def profile(self):
         """Context manager timing every pipeline action on this rank; ``.timeline()`` after it. See ``profile.py``."""
-        from .profile import record
+        from .tools.profile import record
 
         return record(self)
 
@@ -445,13 +445,13 @@ def load_pipelined(
         num_stages: total stages (default world size x virtual_stages; fewer ranks per pipeline than
             the world size gives data-parallel replicas).
         virtual_stages: stages per rank (default: what the schedule needs, 1 or 2).
-        schedule: a name from :data:`hf_pipeline.schedules.SCHEDULES` (default "1f1b", or
+        schedule: a name from :data:`hf_pipeline.planning.schedules.SCHEDULES` (default "1f1b", or
             "interleaved-1f1b" with virtual_stages > 1).
         split: "auto" (cost balanced, cutting a block between its attention and MLP halves where
             the recipe allows and that balances better), "uniform" (whole blocks), or what starts
             stages 1..S-1: block FQNs or a block's second half ("model.layers.4.post_attention_layernorm"),
             or torch's ``split_spec`` form ``{"model.layers.4": SplitPoint.BEGINNING}`` (see
-            :func:`hf_pipeline.options.split_starts`).
+            :func:`hf_pipeline.planning.options.split_starts`).
         dtype: weights dtype ("auto" = the config's).
         device: force a device ("cpu"); default cuda:LOCAL_RANK when available.
         gather_output: give outputs to every rank (else only the last stage's rank).
@@ -463,12 +463,12 @@ def load_pipelined(
             recipe for ``config.model_type`` when there is one, else the tracer.
         tune_batch, max_memory: with ``schedule="auto"`` and/or ``n_microbatches="auto"``: the ``(batch,
             seq)`` of the training steps the choice plans for, and a per-rank memory budget (bytes or
-            "20GiB") for their predicted peak; see :func:`hf_pipeline.autotune.choose`. The choice is
+            "20GiB") for their predicted peak; see :func:`hf_pipeline.tools.autotune.choose`. The choice is
             kept as ``model.auto_choice``.
     """
     choose = None
     if schedule == "auto" or n_microbatches == "auto":
-        from .autotune import choose as auto_choose
+        from .tools.autotune import choose as auto_choose
 
         choose = functools.partial(auto_choose, tune_batch=tune_batch, max_memory=max_memory)
     elif tune_batch is not None or max_memory is not None:

@@ -21,7 +21,7 @@ baseline runs in the same invocation):
             on one process, against a one-microbatch pipeline, and against the 2-way limit
             (2 independent processes on half the prompts each); 16 prompts x 32 tokens, 64 new tokens.
   bubble    per-rank idle fraction of one profiled training step per schedule (from per-action
-            timings, hf_pipeline.profile) beside the schedule's theoretical bubble; Gantt PNGs and
+            timings, hf_pipeline.tools.profile) beside the schedule's theoretical bubble; Gantt PNGs and
             Chrome traces go to ``<out>/timelines/``.
 
 Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
@@ -51,8 +51,8 @@ from typing import Any
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
-from hf_pipeline.checkpoint import replace_file  # noqa: E402
-from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
+from hf_pipeline.training.checkpoint import replace_file  # noqa: E402
+from hf_pipeline.tools.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
 # a name ending in MEASURED: that schedule loaded again with the split model.measure_split() advises.
 MEASURED = "+measured-split"
@@ -126,7 +126,7 @@ def write_random_checkpoint(directory: pathlib.Path, config, *, shard_bytes: int
     import torch
     from safetensors.torch import save_file
 
-    from hf_pipeline.stages import meta_model
+    from hf_pipeline.loading.stages import meta_model
 
     directory = pathlib.Path(directory)
     if (directory / ".complete").is_file():
@@ -417,7 +417,7 @@ def _accumulate(model, batch: dict, bounds: list[tuple[int, int]]) -> None:
 def _whole_and_microbatched(model, batch: dict, n_microbatches: int, reps: int) -> tuple[list[float], list[float], float]:
     """Seconds of forward + backward of ``batch`` in one piece and as ``n_microbatches`` one after
     another, alternating (each pair sees the machine alike; the first pair warms up); and the loss."""
-    from hf_pipeline.sampling import microbatch_bounds
+    from hf_pipeline.generation.sampling import microbatch_bounds
 
     rows = next(iter(batch.values())).shape[0]
     bounds = microbatch_bounds(rows, n_microbatches)
@@ -445,7 +445,7 @@ def _split_backward_seconds(model, sizes: dict) -> dict[str, float]:
     import torch
     from torch.distributed.pipelining import _backward as torch_backward
 
-    from hf_pipeline import weight_pass
+    from hf_pipeline.runtime import weight_pass
 
     layers = model.model.layers[: max(1, sizes["layers"] // sizes["world"])]
     weight_pass.install(layers)
@@ -525,7 +525,7 @@ def _two_way_step(reference, batch: dict, sizes: dict, *, microbatched: bool = F
     import torch
     import torch.distributed as dist
 
-    from hf_pipeline.sampling import microbatch_bounds
+    from hf_pipeline.generation.sampling import microbatch_bounds
 
     lo, hi = microbatch_bounds(sizes["batch"], dist.get_world_size())[dist.get_rank()]
     pieces = [(lo, hi)]
@@ -556,7 +556,7 @@ def _task_train_pp(spec: dict, out: dict) -> None:
     import torch.distributed as dist
 
     from hf_pipeline import AutoModelForCausalLM
-    from hf_pipeline.profile import expected_vs_recorded
+    from hf_pipeline.tools.profile import expected_vs_recorded
 
     sizes = spec["sizes"]
     schedule = spec["schedule"].removesuffix(MEASURED)
@@ -658,7 +658,7 @@ def _torch_pipeline(reference, plan, schedule: str, n_microbatches: int):
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
 
-    from hf_pipeline.schedules import get_schedule
+    from hf_pipeline.planning.schedules import get_schedule
 
     class Stage(nn.Module):
         def __init__(self, spec):
@@ -916,7 +916,7 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     import torch.distributed as dist
     import transformers
 
-    from hf_pipeline.sampling import microbatch_bounds
+    from hf_pipeline.generation.sampling import microbatch_bounds
 
     sizes = spec["sizes"]
     model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False)
@@ -1135,7 +1135,7 @@ def _gap(r0: dict, world: int) -> dict[str, float]:
     in one piece, both measured in the job: small matmuls with every core busy) and ``stages`` (the
     rest: the stages' own work, the split backward); ``bubble`` into ``schedule`` (the profiled
     step replayed with free messages over the busiest rank's compute: the idle the schedule's order
-    leaves with these action times, :meth:`~hf_pipeline.profile.Timeline.replayed_seconds`) and
+    leaves with these action times, :meth:`~hf_pipeline.tools.profile.Timeline.replayed_seconds`) and
     ``waits`` (the profiled step over its replay: P2P latency and the runtime between actions)."""
     bd = r0["breakdown"]  # Timeline.breakdown of the profiled step
     two_way, step = _median(r0["two_way_seconds"]), _median(r0["step_seconds"])
@@ -1199,7 +1199,7 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
     def find(world: int, label: str) -> list[dict]:
         return [next(t for t in rr if t["label"] == label) for rr in raw.get(world, [])]
 
-    from hf_pipeline.weights import CheckpointIndex, checkpoint_nbytes
+    from hf_pipeline.loading.weights import CheckpointIndex, checkpoint_nbytes
 
     if "load" in sections:
         ckpt_bytes = checkpoint_nbytes(CheckpointIndex.from_directory(ckpts["load"]))

@@ -84,9 +84,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from hf_pipeline.checkpoint import replace_file
-from hf_pipeline.dist import destroy_distributed, init_distributed
-from hf_pipeline.profile import host_peak_rss, host_rss, reset_host_peak, trim_host_heap
+from hf_pipeline.training.checkpoint import replace_file
+from hf_pipeline.distributed.context import destroy_distributed, init_distributed
+from hf_pipeline.tools.profile import host_peak_rss, host_rss, reset_host_peak, trim_host_heap
 
 SECTIONS = ("env", "checkpoint", "load", "reference", "forward", "generate", "train")
 NEEDS = {"load": ("checkpoint",), "reference": ("checkpoint",), "forward": ("load", "reference"),

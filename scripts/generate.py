@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 scripts/generate.py --model /path/to/llama --do-sample --top-p 0.9 --seed 0
     python scripts/generate.py --prompt "Hello"          # one process: every stage local
 
-Without ``--model`` it uses the default model (``hf_pipeline.default_model.default_model_path()``: the
+Without ``--model`` it uses the default model (``hf_pipeline.tools.default_model.default_model_path()``: the
 small LLaMA bundled with the package, trained on the Python standard library's docstrings; a
 random-weights stand-in is built in the cache only if the bundled files are missing). Every
 rank loads only its stages; ``model.generate`` is collective and returns the same ids everywhere;
@@ -64,11 +64,11 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.model is None:
-        from hf_pipeline.default_model import default_model_path
+        from hf_pipeline.tools.default_model import default_model_path
 
         path = str(default_model_path())
     else:
-        from hf_pipeline.weights import resolve_checkpoint
+        from hf_pipeline.loading.weights import resolve_checkpoint
 
         path = str(resolve_checkpoint(args.model))  # a hub id from the local cache, no network; transformers reads the directory
     prompts = _prompts(args)
@@ -120,7 +120,7 @@ if __name__ == "__main__":
     try:
         code = main()
     finally:
-        from hf_pipeline.dist import destroy_distributed
+        from hf_pipeline.distributed.context import destroy_distributed
 
         destroy_distributed()  # leave no process group behind for the interpreter's exit to trip over
     sys.exit(code)

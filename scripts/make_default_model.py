@@ -51,7 +51,7 @@ except ImportError:  # run from a checkout without installing the package
 import torch
 import transformers
 
-from hf_pipeline.dist import destroy_distributed, init_distributed
+from hf_pipeline.distributed.context import destroy_distributed, init_distributed
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -629,7 +629,7 @@ tags: [{cfg.model_type}, hf_pipeline, tiny]
 
 ```python
 import transformers
-from hf_pipeline.default_model import default_model_path
+from hf_pipeline.tools.default_model import default_model_path
 
 path = default_model_path({c['path_arg']})
 {c['usage']}

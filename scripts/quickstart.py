@@ -22,7 +22,7 @@ import hf_pipeline
 
 
 def _default_path() -> str:
-    from hf_pipeline.default_model import default_model_path
+    from hf_pipeline.tools.default_model import default_model_path
 
     return str(default_model_path())
 

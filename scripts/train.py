@@ -3,7 +3,7 @@
 Causal LM (LLaMA, GPT-2, ...), masked LM (BERT) or seq2seq (T5), picked from the checkpoint's
 architecture. The data file (.txt/.md one text per line, .json/.jsonl, .csv, .parquet) is read
 with ``datasets``, tokenised with the model's tokenizer and cut into fixed-length blocks (one input
-shape: the pipeline's communication buffers are sized once; see ``hf_pipeline/data.py``, shared
+shape: the pipeline's communication buffers are sized once; see ``hf_pipeline/training/data.py``, shared
 with ``hf-pipeline train``). Every rank reads the same data in the same seeded order and passes
 the same global batch; each pipeline replica takes its share.
 
@@ -108,10 +108,10 @@ def main(argv=None) -> int:
     import transformers
 
     import hf_pipeline
-    from hf_pipeline.checkpoint import latest_checkpoint, load_training_state
-    from hf_pipeline.data import Batches, build_dataset
+    from hf_pipeline.training.checkpoint import latest_checkpoint, load_training_state
+    from hf_pipeline.training.data import Batches, build_dataset
     from hf_pipeline.log import StepProgress
-    from hf_pipeline.weights import resolve_checkpoint
+    from hf_pipeline.loading.weights import resolve_checkpoint
 
     out = pathlib.Path(args.output_dir)
     resume_from = args.resume_from

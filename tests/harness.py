@@ -17,7 +17,7 @@ harness itself imports only torch in the children, never transformers.
 
 Example:
     >>> def _ranks():
-    ...     from hf_pipeline.dist import init_distributed
+    ...     from hf_pipeline.distributed.context import init_distributed
     ...     return init_distributed().rank
     >>> run_distributed(_ranks, 2)
     [0, 1]
@@ -52,6 +52,9 @@ _JOIN_S = 10.0  # time a finished child gets to exit (destroying its process gro
 # ``timeout`` starts: seconds when idle, ten times that on a busy 2-core machine. Only a rank stuck
 # in start-up ever waits this long; one that crashes is seen at once by its exit code.
 STARTUP_TIMEOUT_S = 300.0
+# Set by tests/conftest.py around each test: the node id of a test *not* marked ``dist`` (which must not
+# spawn ranks: ``-m unit`` would run it), None otherwise or outside pytest.
+SPAWN_GUARD: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,8 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if SPAWN_GUARD is not None:
+        raise AssertionError(f"{SPAWN_GUARD} starts ranks: mark it @pytest.mark.dist (tests/conftest.py, tiers)")
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as e:  # noqa: BLE001 - turned into a message that says what to change

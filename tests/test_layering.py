@@ -1,9 +1,10 @@
 """The package's import graph: one direction only, no cycles, no reach into another module's privates.
 
-Parsed from the source (every ``from . import`` / ``from .x import``, at module level or inside
-functions), so it checks what the code says, not what one import order happens to load. The
-layers are the package's own design (README "Architecture"): a module may import only modules of
-lower layers or of its own layer's listed peers.
+Parsed from the source (every relative import, at module level or inside functions), so it checks
+what the code says, not what one import order happens to load. The package is a stack of rooms:
+the base modules (errors, compat, log), then one subpackage per concern, then the model facade,
+the Auto classes and the command line. A module may import modules of its own room (without a
+cycle) and of lower rooms, never of a higher one.
 """
 
 from __future__ import annotations
@@ -15,64 +16,88 @@ import hf_pipeline
 
 PACKAGE = pathlib.Path(hf_pipeline.__file__).parent
 
-# Lowest first. A module may import any module of an earlier layer, never of a later one.
+# Lowest first: each entry is a top-level module or a subpackage (all the modules under it).
 LAYERS: list[set[str]] = [
     {"errors", "compat", "log"},
-    {"dist"},
-    {"losses", "sampling", "glue", "weight_pass"},
-    {"recipe", "schedules"},
-    {"options"},
-    {"plan", "validate"},
-    {"stages"},
-    {"trace"},
-    {"weights"},
-    {"build"},
-    {"runtime", "faults"},
-    {"ring"},
-    {"train", "generate", "checkpoint", "profile", "data", "default_model"},
-    {"memory", "convert"},
-    {"autotune"},
+    {"distributed"},
+    {"families"},
+    {"planning"},
+    {"runtime"},
+    {"loading"},
+    {"generation"},
+    {"training"},
+    {"tools"},
     {"model"},
     {"auto"},
     {"__init__"},
     {"cli"},
 ]
-# Same-layer imports that are part of the design (a peer's public helper).
-PEERS = {("memory", "convert"): False, ("checkpoint", "generate"): True, ("profile", "stages"): True}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Dotted module name below hf_pipeline ("loading.weights", "errors", "training") -> file."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _resolve(module: str, level: int, target: str | None) -> str:
+    """The dotted name (below hf_pipeline) a relative import in ``module`` refers to."""
+    path = _modules()[module]
+    package = list(path.relative_to(PACKAGE).parent.parts)
+    base = package[: len(package) - (level - 1)] if level > 1 else package
+    return ".".join(base + (target.split(".") if target else [])) or "__init__"
 
 
 def _imports() -> dict[str, list[tuple[str, list[str], int]]]:
     """module -> [(imported module, names, line)] for every relative import in the package."""
+    modules = _modules()
     found: dict[str, list[tuple[str, list[str], int]]] = {}
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    for path in PACKAGE.glob("*.py"):
+    for module, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.level != 1:
+            if not isinstance(node, ast.ImportFrom) or node.level == 0:
                 continue
             names = [a.name for a in node.names]
-            if node.module is None:  # from . import validate: submodules (or package names)
+            target = _resolve(module, node.level, node.module)
+            if node.module is None or target in modules and all(f"{target}.{n}" in modules for n in names):
+                # from . import x / from ..runtime import weight_pass: submodules (or package names)
                 for n in names:
-                    found.setdefault(path.stem, []).append((n if n in modules else "__init__", [], node.lineno))
+                    sub = f"{target}.{n}" if target != "__init__" else n
+                    found.setdefault(module, []).append((sub if sub in modules else target, [], node.lineno))
             else:
-                found.setdefault(path.stem, []).append((node.module.split(".")[0], names, node.lineno))
+                found.setdefault(module, []).append((target, names, node.lineno))
     return found
+
+
+def _room(module: str) -> str:
+    return module.split(".")[0]
 
 
 def _layer(module: str) -> int:
     for i, layer in enumerate(LAYERS):
-        if module in layer:
+        if _room(module) in layer:
             return i
-    raise AssertionError(f"hf_pipeline/{module}.py is in no layer of tests/test_layering.py: add it where it belongs")
+    raise AssertionError(f"hf_pipeline/{module.replace('.', '/')} is in no layer of tests/test_layering.py: add it where it belongs")
 
 
 def test_every_module_has_a_layer():
-    for path in PACKAGE.glob("*.py"):
-        _layer(path.stem)
+    for module in _modules():
+        _layer(module)
+
+
+def test_every_subpackage_says_what_lives_there_and_what_it_may_import():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.split()) >= 20 and "import" in doc, f"{init}: the docstring should say what lives here and what it may import"
 
 
 def test_no_module_imports_another_modules_private_names():
     bad = [
-        f"{m}.py:{line} imports {target}.{n}"
+        f"{m}:{line} imports {target}.{n}"
         for m, items in _imports().items() for target, names, line in items for n in names
         if n.startswith("_") and n != "__version__"
     ]
@@ -84,15 +109,15 @@ def test_imports_run_one_way():
     for m, items in _imports().items():
         for target, _, line in items:
             lm, lt = _layer(m), _layer(target)
-            if lt > lm or (lt == lm and target != m and not PEERS.get((m, target))):
-                bad.append(f"{m}.py:{line} imports {target} (layer {lt} >= {lm})")
+            if lt > lm or (lt == lm and _room(target) != _room(m)):
+                bad.append(f"{m}:{line} imports {target} (layer {lt} >= {lm})")
     assert not bad, "\n".join(bad)
 
 
 def test_import_graph_has_no_cycle():
     graph: dict[str, set[str]] = {}
     for m, items in _imports().items():
-        graph.setdefault(m, set()).update(t for t, _, _ in items if t != m)
+        graph.setdefault(m, set()).update(t for t, _, _ in items if t != m and t != _room(m))
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:

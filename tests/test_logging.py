@@ -70,7 +70,7 @@ def test_library_messages_do_not_reach_the_root_logger_twice(capsys, verbosity):
 def test_informational_messages_are_log_records_not_python_warnings(tmp_path, monkeypatch, capsys, verbosity):
     import warnings
 
-    from hf_pipeline import default_model
+    from hf_pipeline.tools import default_model
 
     monkeypatch.setattr(default_model, "BUNDLED_MODEL_DIR", tmp_path / "missing")
     monkeypatch.setattr(default_model, "random_model_path", lambda: tmp_path / "random")
@@ -100,7 +100,7 @@ def test_weight_loading_bar_is_hidden_by_transformers_switch(tmp_path, capsys, b
     import tiny
     import torch
 
-    from hf_pipeline.weights import CheckpointIndex, load_tensors
+    from hf_pipeline.loading.weights import CheckpointIndex, load_tensors
 
     index = CheckpointIndex.from_directory(tiny.make_checkpoint(tmp_path / "ckpt", "llama"))
     wanted = {k: (tuple(h["shape"]), torch.float32) for k, h in _headers(index, sorted(index.keys())[:2]).items()}
@@ -113,7 +113,7 @@ def test_weight_loading_bar_is_hidden_by_transformers_switch(tmp_path, capsys, b
 
 
 def _headers(index, keys):
-    from hf_pipeline.weights import read_header
+    from hf_pipeline.loading.weights import read_header
 
     out = {}
     for shard, names in index.shards_for(keys).items():
@@ -172,6 +172,7 @@ def _train(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("no_progress", [False, True], ids=["bar", "no-progress"])
 def test_cli_train_prints_loss_lines_with_or_without_the_bar(tmp_path, no_progress):
     proc = _train(tmp_path, *(["--no-progress"] if no_progress else []))

@@ -1,0 +1,321 @@
+"""Failures in the middle of a pipelined call: every rank gets an error that names the culprit, none hangs.
+
+Errors found *before* communication are agreed through collectives (``dist.collective_errors``).
+Inside a pipelined call that is not possible: when one stage raises (a bad label shape on the
+last stage, an out-of-memory on one GPU) or its process dies (SIGKILL, segfault), its neighbours
+sit in a receive that will never complete, and ranks further away sit behind them.
+:func:`step_errors` wraps one collective call (forward, training step, generate, save) on every
+rank and turns any failure into an error on all of them:
+
+* A rank whose own code raised writes what happened (type, message, stage) to the job's
+  rendezvous store, the one channel that still works when the process group is stuck. If every
+  rank raised in the same call (the same bad argument seen everywhere) nobody waits for anyone and
+  each rank just raises its own error; the process group stays usable.
+* Otherwise it *stops the process group* on this rank (see the Note), so that its peers' pending
+  receives fail at once instead of after the timeout, and re-raises its own exception.
+* A rank whose communication failed (a peer closed the connection, or the collective timeout of
+  ``HF_PIPELINE_TIMEOUT`` seconds passed) stops its group too, so the failure travels down the
+  pipeline, then reads the store: if a peer recorded an error it raises :class:`RankError` with the
+  peer's original message; if not, the peers that never answered (killed, crashed, hung) are named
+  as having stopped answering, with their stages.
+
+After such a failure the process group of that rank is stopped: later calls raise at once, and the
+job has to be restarted (torchrun ``--max-restarts`` or your scheduler can do it).
+
+Note (stopping a gloo group): ``ProcessGroup.abort()`` does not wake a gloo receive, neither here
+nor on the peer. What does is gloo's own timeout handling: when a receive times out, gloo signals
+the failure to every connection of that communicator and closes them ("Connection closed by peer"
+on the other side). So a receive with a 1 ms timeout, on a tag nobody sends on, stops the group.
+NCCL groups are aborted with ``_abort_process_group``.
+
+Example (inside the library; ``describe`` names a rank's stages):
+    >>> with step_errors(ctx, "a training step", groups=(model.dims.pp_group,), describe=stage_names):
+    ...     loss = schedule.step(**inputs)
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import pickle
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..compat import abort_process_group, default_store
+from ..errors import PipelineBroken
+from .context import RankContext, RankError, communication_failure
+
+__all__ = ["PipelineBroken", "is_communication_error", "raise_if_broken", "step_errors"]
+
+_PREFIX = "hf_pipeline/faults"
+_POISON_TAG = 0x7A11  # a tag no pipeline traffic uses: the receive on it can only time out
+_POISON_CONTEXTS = 4  # gloo picks one communicator per tag (tag % number of devices); cover several
+_AGREE_S = 2.0  # how long a failed rank waits to see whether every rank failed the same way
+_IDENTIFY_S = 3.0  # how long a rank that lost contact waits for the peers' records
+_POLL_S = 0.02
+_MAX_MESSAGE = 2000
+# Substrings of the errors gloo / NCCL / the store raise when a peer is gone or too slow.
+_COMM_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+    "timed out", "Socket Timeout", "ProcessGroupGloo", "gloo/transport", "NCCL", "Connection refused",
+)
+
+_calls = itertools.count()  # collective calls made under step_errors by this process (same on every rank)
+_broken: str | None = None  # set once this process stopped its group: later calls fail at once
+_broken_world: object = None  # ... that group: a job that destroys it and makes a new one may go on
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """True for errors of the communication layer (a peer died, hung or closed the connection).
+
+    torch raises ``DistError`` subclasses for some of them and plain ``RuntimeError`` with gloo's
+    message for others (torch 2.13), so the message is looked at too.
+    """
+    if isinstance(error, RankError):
+        return False  # already agreed (``collective_errors``) or already explained by a peer's record
+    if isinstance(error, (dist.DistError, PipelineBroken)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _COMM_MARKERS)
+
+
+def _original(error: BaseException) -> BaseException:
+    """The stage's own exception inside torch's "[Stage i] failed to run forward/backward" wrapper."""
+    while (
+        isinstance(error, RuntimeError) and isinstance(error.__cause__, Exception)
+        and "[Stage " in str(error) and "failed to run" in str(error)
+    ):
+        error = error.__cause__
+    return error
+
+
+def raise_if_broken(what: str) -> None:
+    """Raise :class:`PipelineBroken` if an earlier failure stopped this rank's process group."""
+    global _broken, _broken_world
+    if _broken is not None and (not dist.is_initialized() or dist.group.WORLD is not _broken_world):
+        _broken = _broken_world = None  # the stopped group is gone; a new one works
+    if _broken is not None:
+        raise PipelineBroken(f"cannot run {what}: {_broken} This rank's process group was stopped then; restart the job")
+
+
+def _record(kind: str, rank: int, error: BaseException, label: str, what: str, call: int) -> bytes:
+    message = str(error)
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + f"... ({len(message) - _MAX_MESSAGE} more characters)"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return pickle.dumps({"kind": kind, "rank": rank, "type": type(error).__name__, "message": message, "label": label, "what": what, "where": where, "call": call})
+
+
+class _Store:
+    """The rendezvous store, tolerant of its own death (it lives in rank 0 under plain env:// init)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        try:
+            self.store = default_store()
+        except Exception as e:  # noqa: BLE001 - no default group / store
+            self.store, self.error = None, f"{type(e).__name__}: {e}"
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(key, value)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+
+    def get(self, key: str) -> dict | None:
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([key]):
+                return None
+            return pickle.loads(self.store.get(key))
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+            self.store = None  # unreachable: stop trying (each try may block)
+            return None
+
+    def first_failure(self, record: bytes) -> None:
+        """Keep the first one-sided failure of the job, for ranks that only see its consequences later."""
+        if self.store is None:
+            return
+        try:
+            if self.store.add(f"{_PREFIX}/first/count", 1) == 1:
+                self.store.set(f"{_PREFIX}/first", record)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+
+
+def _key(call: int, rank: int) -> str:
+    return f"{_PREFIX}/call{call}/rank{rank}"
+
+
+def _wait_records(store: _Store, call: int, ranks: Sequence[int], seconds: float, done: Callable[[dict[int, dict]], bool]) -> dict[int, dict]:
+    records: dict[int, dict] = {}
+    deadline = time.monotonic() + seconds
+    while True:
+        for r in ranks:
+            if r not in records:
+                rec = store.get(_key(call, r))
+                if rec is not None:
+                    records[r] = rec
+        if done(records) or time.monotonic() >= deadline or store.store is None:
+            return records
+        time.sleep(_POLL_S)
+
+
+def _stop(groups: Sequence[dist.ProcessGroup | None]) -> None:
+    """Stop this rank's communicators so that peers waiting on it fail now (see the module Note)."""
+    seen: set[int] = set()
+    for group in [*groups, dist.group.WORLD]:
+        if group is None or id(group) in seen or not dist.is_initialized():
+            continue
+        seen.add(id(group))
+        try:
+            size = dist.get_world_size(group)
+            me = dist.get_rank(group)
+        except Exception:  # noqa: BLE001 - not a member, or already destroyed
+            continue
+        if size < 2 or me < 0:
+            continue
+        backend = str(dist.get_backend(group))
+        if "nccl" in backend:
+            try:
+                abort_process_group(group)
+            except Exception:  # noqa: BLE001 - best effort: the timeout still bounds the wait
+                pass
+        if "gloo" not in backend:
+            continue
+        peer = dist.get_global_rank(group, 1 if me == 0 else 0)
+        for i in range(_POISON_CONTEXTS):
+            try:
+                work = dist.irecv(torch.empty(1), src=peer, group=group, tag=_POISON_TAG + i)
+                work.wait(timeout=datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the expected outcome: the timeout closes the connections
+                pass
+
+
+def _name(rank: int, describe: Callable[[int], str] | None) -> str:
+    label = describe(rank) if describe is not None else ""
+    return f"rank {rank}" + (f" ({label})" if label else "")
+
+
+@contextmanager
+def step_errors(
+    ctx: RankContext,
+    what: str,
+    *,
+    groups: Sequence[dist.ProcessGroup | None] = (),
+    describe: Callable[[int], str] | None = None,
+) -> Iterator[None]:
+    """Run one collective pipelined call; if it fails anywhere, fail everywhere (see the module docstring).
+
+    Every rank of the job must enter it for the same call (calls are counted to match records).
+
+    Args:
+        ctx: the rank context.
+        what: the call, for messages ("a training step", "generate").
+        groups: the process groups the call communicates in (pipeline, data parallel); the world
+            group is always included.
+        describe: global rank -> its role (``"stage 1"``), for messages.
+
+    Raises:
+        The local exception (on the rank that raised); :class:`RankError` on the others (its
+        ``failures`` map the failing rank to (type, message, label)); :class:`PipelineBroken` for
+        calls after a failure stopped this rank's group.
+    """
+    global _broken, _broken_world
+    raise_if_broken(what)
+    if not ctx.is_distributed:
+        yield
+        return
+    call = next(_calls)
+    try:
+        yield
+    except Exception as caught:
+        if getattr(caught, "_hf_pipeline_handled", False) or isinstance(caught, PipelineBroken):
+            raise  # an inner step_errors already told everyone
+        # An agreement inside the call that lost a peer (dist.lost_peer_error) is a lost peer of this
+        # call: reported below as one, naming the call, from the communication error underneath.
+        lost = getattr(caught, "_hf_pipeline_lost", False)
+        error = caught.__cause__ if lost and isinstance(caught.__cause__, Exception) else _original(caught)
+        if error is not caught and not lost:
+            # Raise what the stage raised (a ValueError stays a ValueError); torch's wrapper says where.
+            error.add_note(f"raised inside torch.distributed.pipelining: {str(caught).strip()[:500]}")
+        me = ctx.rank
+        label = describe(me) if describe is not None else ""
+        others = [r for r in range(ctx.world_size) if r != me]
+        store = _Store()
+        comm = lost or is_communication_error(error)
+        record = _record("lost" if comm else "error", me, error, label, what, call)
+        store.set(_key(call, me), record)
+        if not comm:
+            # The same bad argument raises on every rank at about the same time: then nobody is blocked.
+            seen = _wait_records(store, call, others, _AGREE_S, lambda recs: len(recs) == len(others))
+            if len(seen) == len(others) and all(rec["kind"] == "error" for rec in seen.values()):
+                error._hf_pipeline_handled = True
+                raise error
+            store.first_failure(record)
+            _stop(groups)
+            _broken_world = dist.group.WORLD
+            _broken = f"{_name(me, describe)} failed during {what}: {type(error).__name__}: {str(error)[:300]}."
+            error.add_note(
+                f"hf_pipeline: {_name(me, describe)} raised during {what} while other ranks were waiting for it; they "
+                "were told and raise RankError. This rank's process group is stopped: restart the job"
+            )
+            error._hf_pipeline_handled = True
+            raise error
+        _stop(groups)
+        # Who caused it? A peer that raised has left a record (at the latest right before it stopped
+        # its group, which is what woke us); a peer that died or hangs never will.
+        records = _wait_records(
+            store, call, others, _IDENTIFY_S,
+            lambda recs: any(rec["kind"] == "error" for rec in recs.values()) or len(recs) >= len(others) - 1,
+        )
+        culprits = {r: rec for r, rec in records.items() if rec["kind"] == "error"}
+        if not culprits:
+            earlier = store.get(f"{_PREFIX}/first")  # a failure in an earlier call that this rank did not wait on
+            if earlier is not None:
+                culprits = {earlier["rank"]: earlier}
+        timeout_s = ctx.timeout.total_seconds()
+        if culprits:
+            failures = {}
+            lines = []
+            for r, rec in sorted(culprits.items()):
+                where = f" [at {rec['where']}]" if rec["where"] else ""
+                who = f"rank {r}" + (f" ({rec['label']})" if rec["label"] else "")
+                lines.append(f"{who} failed during {rec['what']}: {rec['type']}: {rec['message']}{where}")
+                failures[r] = (rec["type"], rec["message"], rec["label"] or None)
+            message = "\n".join(lines)
+        else:
+            silent = [r for r in others if r not in records]
+            if silent:
+                names = ", ".join(_name(r, describe) for r in silent)
+                message = (
+                    f"{names} stopped answering during {what}: {_name(me, describe)} lost contact, "
+                    f"{communication_failure(error, timeout_s)}; check its log"
+                )
+                failures = {r: ("ConnectionError", f"stopped answering during {what}", describe(r) if describe else None) for r in silent}
+            else:
+                message = (
+                    f"{_name(me, describe)} lost contact with its peers during {what}: "
+                    f"{communication_failure(error, timeout_s)}"
+                )
+                failures = {me: (type(error).__name__, str(error)[:_MAX_MESSAGE], label or None)}
+            if store.error is not None:
+                message += (
+                    f". The rendezvous store is unreachable too ({store.error[:200]}): the process hosting it (rank 0, "
+                    "or torchrun's agent on the first node) has probably died"
+                )
+        _broken, _broken_world = message.splitlines()[0], dist.group.WORLD
+        raised = RankError(message, failures=failures)
+        raised._hf_pipeline_handled = True
+        raise raised from error

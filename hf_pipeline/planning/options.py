@@ -1,0 +1,329 @@
+"""The one place where the options of a pipelined model get their defaults and checks.
+
+Every entry point — ``from_pretrained(..., pipeline=True)``, the memory planner, the converter,
+the CLI and the scripts — turns what the user passed into a :class:`PipelineOptions` with
+:meth:`PipelineOptions.resolve`, so one checkpoint planned by ``hf-pipeline plan``, converted by
+``hf-pipeline convert`` and loaded by the library is split the same way, with the same model
+class, dtype, schedule and stage counts. The small parsers every entry point needs (dtypes,
+sizes, model classes) live here too, once.
+
+Example:
+    >>> opts = PipelineOptions.resolve(config, world_size=4, auto_class="AutoModelForCausalLM", virtual_stages=2)
+    >>> opts.schedule.name, opts.num_stages, opts.pp_size, opts.n_microbatches
+    ('interleaved-1f1b', 8, 4, 8)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import transformers
+
+from ..compat import auto_model_mapping
+from ..errors import CheckpointNotFoundError, InputError
+from ..families.recipe import list_recipes
+from .schedules import ScheduleSpec, check_layout, default_schedule, get_schedule
+
+__all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "SPLIT_METHODS", "cache_size", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts"]
+
+SPLIT_METHODS = ("auto", "recipe", "trace")
+DEFAULT_CACHE_SIZE = 8  # input shapes whose built stages, schedules (and traces) are kept
+CACHE_ENV = "HF_PIPELINE_RUNTIME_CACHE"
+
+# Short names users write for dtypes (``--dtype bf16``), beside torch's own attribute names.
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def parse_dtype(dtype: Any, config=None) -> torch.dtype:
+    """The floating point torch dtype for ``dtype``.
+
+    ``None`` or ``"auto"`` mean what transformers' ``dtype="auto"`` means: the config's dtype,
+    else the default float dtype. Strings may be torch's names (``"bfloat16"``, ``"torch.float16"``)
+    or the short ones (``"bf16"``, ``"fp32"``, ``"half"``).
+    """
+    if dtype is None or dtype == "auto":
+        dtype = (getattr(config, "dtype", None) if config is not None else None) or torch.get_default_dtype()
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        name = _DTYPE_ALIASES.get(name, name)
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise InputError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32', 'bfloat16' (or 'bf16') or torch.float16")
+        dtype = getattr(torch, name)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"dtype must be a floating point torch dtype (e.g. torch.bfloat16 or 'bf16'), got {dtype!r}")
+    return dtype
+
+
+def parse_size(size: int | str, *, what: str = "size") -> int:
+    """Bytes in ``size``: an int, or ``"500MB"``, ``"2GB"``, ``"1.5GiB"``, ``"64KiB"`` (transformers' ``max_shard_size`` forms).
+
+    Decimal units are powers of 1000, binary ones (``KiB``, ``GiB``) of 1024.
+
+    Raises:
+        InputError: for anything else, or a size below 1 byte ("... must be positive").
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise InputError(f"cannot read the size {size!r} ({what}); write e.g. '500MB', '2GB' or a number of bytes")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", size.upper())
+        if not m:
+            raise InputError(f"cannot read the size {size!r} ({what}); write e.g. '500MB', '2GB' or a number of bytes")
+        unit = m.group(2).rstrip("B")
+        base = 1024 if unit.endswith("I") else 1000
+        power = "KMGT".find(unit[:1]) + 1 if unit else 0
+        value = int(float(m.group(1)) * base**power)
+    if value < 1:
+        raise InputError(f"{what} must be positive, got {size!r}")
+    return value
+
+
+def split_starts(split: str | Sequence[str] | Mapping[str, Any]) -> str | tuple[str, ...]:
+    """``split`` in the form the planner takes: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
+
+    Besides those, takes the ``split_spec`` form of ``torch.distributed.pipelining`` (and PiPPy): a
+    dict of module names to torch's own ``SplitPoint``. ``SplitPoint.BEGINNING`` of X starts a stage
+    at X; ``SplitPoint.END`` of X starts one at the module after X, the next block of X's list
+    (``model.layers.9`` -> ``model.layers.10``). The entries keep their order, and the planner checks
+    the names exactly as it checks a list of them (same messages).
+
+    Example:
+        >>> split_starts({"model.layers.4": SplitPoint.BEGINNING, "model.layers.9": SplitPoint.END})
+        ('model.layers.4', 'model.layers.10')
+    """
+    if isinstance(split, str):
+        return split
+    if not isinstance(split, Mapping):
+        return tuple(split)
+    from torch.distributed.pipelining import SplitPoint
+
+    starts: list[str] = []
+    for name, point in split.items():
+        if not isinstance(name, str):
+            raise InputError(f"split keys must be module names (str), got {name!r}")
+        if point == SplitPoint.BEGINNING:
+            starts.append(name)
+        elif point == SplitPoint.END:
+            parent, _, index = name.rpartition(".")
+            if not (parent and index.isdigit()):
+                raise InputError(
+                    f"split: SplitPoint.END of {name!r} needs a block of a module list (a name ending in its index, "
+                    f"e.g. 'model.layers.9'); give the module that starts the next stage SplitPoint.BEGINNING instead"
+                )
+            starts.append(f"{parent}.{int(index) + 1}")
+        else:
+            raise InputError(
+                f"split: the value for {name!r} must be torch.distributed.pipelining.SplitPoint.BEGINNING or "
+                f"SplitPoint.END, got {point!r}"
+            )
+    return tuple(starts)
+
+
+def model_class_for(config, auto_class: str | type | None = None) -> type:
+    """The concrete transformers class a checkpoint with ``config`` is loaded as.
+
+    ``auto_class`` may be an Auto class or its name (mapped through its model mapping, as
+    transformers does: ``AutoModelForCausalLM`` + a LLaMA config -> ``LlamaForCausalLM``) or a
+    concrete class (or its name). Without one: the config's ``architectures`` (what the checkpoint
+    was saved as), else the head its kind suggests (seq2seq LM for encoder-decoders, masked LM for
+    encoders, causal LM for decoders), else the base model.
+    """
+    if auto_class is None:
+        for arch in getattr(config, "architectures", None) or ():
+            if isinstance(getattr(transformers, arch, None), type):
+                return getattr(transformers, arch)
+        order = ("AutoModelForSeq2SeqLM",) if config.is_encoder_decoder else ("AutoModelForMaskedLM", "AutoModelForCausalLM")
+        for name in order + ("AutoModel",):
+            # An encoder with a masked-LM head (BERT) is planned as that; a decoder as a causal LM.
+            if name == "AutoModelForMaskedLM" and getattr(config, "is_decoder", False):
+                continue
+            if type(config) in auto_model_mapping(getattr(transformers, name)):
+                auto_class = name
+                break
+        else:
+            raise InputError(f"transformers has no model class for config {type(config).__name__}; pass auto_class")
+    if isinstance(auto_class, str):
+        found = getattr(transformers, auto_class, None)
+        if not isinstance(found, type):
+            raise InputError(
+                f"transformers has no class {auto_class!r}; use e.g. AutoModelForCausalLM, AutoModelForMaskedLM, "
+                f"AutoModelForSeq2SeqLM or AutoModel"
+            )
+        auto_class = found
+    mapping = auto_model_mapping(auto_class)
+    if mapping is None:
+        return auto_class  # already a concrete class
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise InputError(
+            f"{auto_class.__name__} has no model for config {type(config).__name__} (model_type {config.model_type!r}); "
+            f"pick the Auto class that matches the checkpoint"
+        ) from None
+
+
+def load_config(path_or_config: Any):
+    """A transformers config from a config object, a dict, a config.json file or a checkpoint directory."""
+    if isinstance(path_or_config, transformers.PretrainedConfig):
+        return path_or_config
+    if isinstance(path_or_config, dict):
+        d = dict(path_or_config)
+        if "model_type" not in d:
+            raise InputError("a config dict needs a 'model_type' key (e.g. 'llama')")
+        return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    path = pathlib.Path(path_or_config).expanduser()
+    if path.is_file():
+        d = json.loads(path.read_text())
+        if "model_type" not in d:
+            raise InputError(f"{path} has no 'model_type'; pass the checkpoint directory or a transformers config.json")
+        return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise CheckpointNotFoundError(f"{path} has no config.json; pass a checkpoint directory, a config.json file or a config object")
+    # A directory, or a hub id already in the local cache: only config.json is read.
+    return transformers.AutoConfig.from_pretrained(str(path_or_config))
+
+
+def cache_size() -> int:
+    """How many input shapes keep their built pipeline (runtime.py) and trace (trace.py): ``$HF_PIPELINE_RUNTIME_CACHE`` or 8."""
+    raw = os.environ.get(CACHE_ENV)
+    if raw is None:
+        return DEFAULT_CACHE_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise InputError(f"{CACHE_ENV}={raw!r} must be a positive integer (input shapes kept built)")
+    return size
+
+
+
+def _base_class_name(config) -> str | None:
+    """Name of the family's base model class for ``config`` (``BertModel``), if transformers has one."""
+    mapping = auto_model_mapping(transformers.AutoModel)
+    cls = mapping[type(config)] if type(config) in mapping else None
+    return cls.__name__ if cls is not None else None
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """How one model is pipelined; the same on every rank.
+
+    Attributes:
+        model_class: the concrete transformers class (``LlamaForCausalLM``).
+        schedule: the training schedule (its layout also places the stages).
+        virtual_stages: stages per rank.
+        num_stages: stages in one pipeline.
+        pp_size: ranks in one pipeline (``num_stages / virtual_stages``).
+        dp_size: pipeline replicas (``world_size / pp_size``; 1 when planning without a world).
+        n_microbatches: microbatches per pipelined call.
+        dtype: the weights' dtype.
+        split: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
+        traced: True when the stages come from the torch.export tracer instead of a recipe.
+    """
+
+    model_class: type
+    schedule: ScheduleSpec
+    virtual_stages: int
+    num_stages: int
+    pp_size: int
+    dp_size: int
+    n_microbatches: int
+    dtype: torch.dtype
+    split: str | tuple[str, ...]
+    traced: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        config,
+        world_size: int | None = None,
+        *,
+        auto_class: str | type | None = None,
+        schedule: str | None = None,
+        virtual_stages: int | None = None,
+        num_stages: int | None = None,
+        n_microbatches: int | None = None,
+        dtype: Any = None,
+        split: str | Sequence[str] | Mapping[str, Any] = "auto",
+        split_method: str = "auto",
+    ) -> "PipelineOptions":
+        """Defaults and checks for the options of ``config``'s model, before anything is built.
+
+        Args:
+            config: the transformers config.
+            world_size: processes in the job; ``None`` when planning or converting without a job (then
+                ``num_stages`` is taken as given, one pipeline, no data-parallel replicas).
+            auto_class: see :func:`model_class_for`.
+            schedule: a schedule name (default "1f1b", or "interleaved-1f1b" with virtual stages > 1).
+            virtual_stages: stages per rank (default: what the schedule needs, 1 or 2).
+            num_stages: stages per pipeline (default: ``world_size x virtual_stages``).
+            n_microbatches: default: the number of stages.
+            dtype: see :func:`parse_dtype`.
+            split: as ``from_pretrained``'s ``split`` (see :func:`split_starts`).
+            split_method: "auto" (the recipe when ``config.model_type`` has one with a head for the
+                model class, else the tracer),
+                "recipe" or "trace".
+
+        Raises:
+            InputError, ScheduleError: naming the option and what to change.
+        """
+        if split_method not in SPLIT_METHODS:
+            raise InputError(f"split_method must be one of {list(SPLIT_METHODS)}, got {split_method!r}")
+        model_class = model_class_for(config, auto_class)
+        # "auto" traces what no recipe can split: a family without a recipe, or a model class whose head
+        # the family's recipe lacks (GPT2ForMultipleChoice...); "recipe" lets planning raise naming the heads.
+        recipe = list_recipes().get(config.model_type)
+        traced = split_method == "trace" or (
+            split_method == "auto" and (recipe is None or recipe.match_head(model_class.__name__, _base_class_name(config)) is None)
+        )
+        if virtual_stages is not None:
+            _positive("virtual_stages", virtual_stages)
+        if num_stages is not None:
+            _positive("num_stages", num_stages)
+        if n_microbatches is not None:
+            _positive("n_microbatches", n_microbatches)
+        spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
+        if virtual_stages is None:
+            virtual_stages = spec.default_virtual_stages()
+        if num_stages is None:
+            num_stages = (world_size or 1) * virtual_stages
+        if num_stages % virtual_stages:
+            raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
+        pp_size = num_stages // virtual_stages
+        if world_size is not None and world_size % pp_size:
+            raise InputError(
+                f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} processes, "
+                f"but the world size is {world_size}; launch {pp_size} (or k x {pp_size}) processes or change num_stages"
+            )
+        if n_microbatches is None:
+            n_microbatches = num_stages
+        # Only what the placement needs: forward and generate run with any microbatch count, and a
+        # training schedule's microbatch rules are checked when training starts (train.py).
+        check_layout(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
+        split_value = split_starts(split)
+        return cls(
+            model_class=model_class,
+            schedule=spec,
+            virtual_stages=virtual_stages,
+            num_stages=num_stages,
+            pp_size=pp_size,
+            dp_size=(world_size or pp_size) // pp_size,
+            n_microbatches=n_microbatches,
+            dtype=parse_dtype(dtype, config),
+            split=split_value,
+            traced=traced,
+        )

@@ -1,0 +1,143 @@
+"""What every pipelined call shares: torch's stages and schedules per input shape, padding, gathering.
+
+Torch's ``PipelineStage`` fixes its P2P buffers to the shapes of the first microbatch it runs,
+so a pipelined call needs one set of ``PipelineStage`` objects and one schedule per input
+signature (names, shapes and dtypes of the inputs, training or not). :class:`PipelineRuntime`
+keeps them in a small LRU cache: dynamic padding makes every batch a new shape, and an unbounded
+cache grows by the P2P buffers of every shape ever seen. The oldest entry is dropped when the
+cache is full; a later call with its shape builds it again (cheap next to the step itself).
+
+It also holds the call plumbing that forward, training and generation share: the input
+signature, padding a batch to a multiple of the microbatch count (repeating the last row) and
+giving the last stage's outputs to every rank of the pipeline.
+
+Example:
+    >>> runtime = PipelineRuntime(stages=stages, plan=plan, schedule=spec, n_microbatches=4, dims=dims, device=device)
+    >>> pstages, schedule = runtime.get(runtime.signature(inputs), training=False)
+    >>> out = schedule.step(**inputs)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from . import weight_pass
+from ..distributed.context import ParallelDims
+from ..planning.options import cache_size
+from ..planning.plan import StagePlan
+from ..planning.schedules import ScheduleSpec, fuse_schedule_backward
+
+__all__ = ["PipelineRuntime", "pad_batch", "signature"]
+
+
+
+def signature(inputs: dict[str, Any]) -> tuple:
+    """A hashable key for the inputs' names, shapes and dtypes (non-tensors by value)."""
+    return tuple(
+        (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)) for k, v in sorted(inputs.items())
+    )
+
+
+def pad_batch(inputs: dict[str, Any], batch: int, multiple: int) -> dict[str, Any]:
+    """``inputs`` with every batch-major tensor padded to a multiple of ``multiple`` rows by repeating its last row.
+
+    Torch's schedules need equal microbatches; the caller drops the padded rows' outputs.
+    """
+    pad = (-batch) % multiple
+    if not pad:
+        return inputs
+    return {
+        k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
+        for k, v in inputs.items()
+    }
+
+
+class PipelineRuntime:
+    """This rank's torch pipeline objects, built per input signature and kept in a bounded LRU.
+
+    Attributes:
+        max_cached: how many signatures stay built (default 8, or ``$HF_PIPELINE_RUNTIME_CACHE``);
+            may be changed at any time (the next call trims the cache).
+        builds: how many times stages and a schedule were built (for tests and profiling).
+    """
+
+    def __init__(
+        self, *, stages: Sequence[nn.Module], plan: StagePlan, schedule: ScheduleSpec, n_microbatches: int,
+        dims: ParallelDims, device: torch.device, max_cached: int | None = None,
+    ):
+        self.stages = list(stages)
+        self.plan = plan
+        self.schedule = schedule
+        self.n_microbatches = n_microbatches
+        self.dims = dims
+        self.device = device
+        self.max_cached = cache_size() if max_cached is None else max_cached
+        self.builds = 0
+        self._cache: OrderedDict[Any, tuple[list[PipelineStage], Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def clear(self) -> None:
+        """Drop every built stage and schedule (their P2P buffers with them)."""
+        self._cache.clear()
+
+    def get(self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True) -> tuple[list[PipelineStage], Any]:
+        """``PipelineStage`` objects and the torch schedule for one input signature (built on first use).
+
+        Args:
+            key: the input signature (:func:`signature`, plus anything else that changes the graph).
+            training: the training schedule (with ``loss_fn``) instead of the forward-only one.
+            scale_grads: False: torch does not divide gradients by n_microbatches (the loss
+                already is each microbatch's share of the global mean, see ``train.py``).
+        """
+        full_key = (key, training, scale_grads)
+        found = self._cache.get(full_key)
+        if found is not None:
+            self._cache.move_to_end(full_key)
+            return found
+        spec = self.schedule
+        # Zero-bubble: W = the linears' deferred weight gradients (weight_pass.py), not torch's graph split.
+        deferred = training and spec.zero_bubble
+        pstages = [
+            PipelineStage(
+                stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group,
+                dw_builder=weight_pass.take if deferred else None,
+            )
+            for stage in self.stages
+        ]
+        if deferred:
+            for pstage in pstages:
+                weight_pass.attach(pstage)
+        kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
+        if training:
+            schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
+            if spec.zero_bubble:
+                fuse_schedule_backward(schedule)  # adjacent I + W as one backward where no rank waits between
+        else:
+            stage_to_rank = {s.index: s.rank for s in self.plan.stages}
+            schedule = spec.forward_only(pstages, stage_to_rank=stage_to_rank, **kwargs)
+        self._cache[full_key] = (pstages, schedule)
+        self.builds += 1
+        while len(self._cache) > max(1, self.max_cached):
+            self._cache.popitem(last=False)
+        return pstages, schedule
+
+    def broadcast_from_last(self, tensors: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+        """The last stage's output tensors on every rank of this pipeline (``None`` on the others)."""
+        src = self.dims.global_rank(self.plan.last_rank)
+        meta = [None if tensors is None else [(tuple(t.shape), t.dtype) for t in tensors]]
+        dist.broadcast_object_list(meta, src=src, group=self.dims.pp_group)
+        if tensors is None:
+            tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0])
+        else:
+            tensors = tuple(t.contiguous() for t in tensors)
+        for t in tensors:
+            dist.broadcast(t, src=src, group=self.dims.pp_group)
+        return tensors

@@ -1,0 +1,501 @@
+"""Memory planner: what each pipeline rank will hold, predicted from the config without reading weights.
+
+For a checkpoint directory (only ``config.json`` is read), a config file or a config object, and a
+split (``stages``, ``virtual_stages``, ``schedule``), :func:`plan_report` gives per stage: the
+modules, parameters and weight bytes (from the meta-device model, as the loader will allocate
+them), the activation bytes one microbatch keeps alive for backward, the tensor sent to the next
+stage, and the KV-cache bytes per token; and per rank the predicted peak for training and for
+generation.
+
+How the numbers are obtained:
+  * weights: parameter shapes x dtype, the same stage modules the loader materialises.
+  * activations per microbatch: the stage modules are run once in training mode on *fake* tensors
+    (``torch._subclasses.FakeTensorMode``: shapes and dtypes only, nothing allocated) and every
+    tensor autograd saves for backward is summed, de-duplicated by storage, parameters excluded.
+    That is exactly what the real forward keeps (the same HF code runs), for every family and
+    dtype (bf16 RMSNorm upcasts included). The last stage adds the cross entropy over its outputs
+    (the log-probabilities it saves in fp32). Assumes unpadded batches (``is_causal`` attention).
+  * KV cache per token: from the config, 2 (K and V) x KV heads x head dim x itemsize per
+    decoder layer (+ the cross-attention cache per encoder token of encoder-decoders).
+  * KV cache of a request: per decoder layer, the tokens the cache transformers' generate builds
+    (``DynamicCache(config=...)``) keeps for that layer's kind: all of them for full attention, at
+    most ``sliding_window`` for a sliding-window layer (:func:`kv_cache_tokens`).
+  * in-flight microbatches: the rank's own action list from torch's schedule
+    (:func:`hf_pipeline.planning.schedules.schedule_actions`): activations are live from F until B (or W).
+  * training peak = weights + gradients (same dtype) + peak live activations + P2P receive buffers
+    (torch allocates one activation and one gradient buffer per microbatch). Optimizer states are
+    not included (Adam adds 2 x fp32 parameters); neither is transient per-op workspace.
+  * generation peak = weights + the KV cache for ``batch`` sequences of ``seq`` tokens while decoding.
+    Right after a prompt longer than a sliding window is prefilled, a sliding layer still holds the
+    whole prompt's keys and values, until its first decoding step; that moment is not included.
+
+Example:
+    >>> report = plan_report("path/to/llama", stages=4, dtype="bf16", batch=8, seq=2048)
+    >>> print(report)                 # the stage table and the per-rank peaks
+    >>> report.to_json()              # the same, for machines
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import transformers
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from ..planning.options import PipelineOptions, load_config
+from ..planning.plan import ResolvedRecipe, StagePlan, compress_blocks
+from ..planning.schedules import check_training, schedule_actions
+from ..loading.stages import StageModule, build_stage, recipe_front_end
+from ..loading.weights import resolve_checkpoint
+
+__all__ = [
+    "MemoryReport",
+    "RankMemory",
+    "StageMemory",
+    "kv_cache_bytes",
+    "kv_cache_bytes_per_token",
+    "kv_cache_tokens",
+    "measure_saved_bytes",
+    "plan_report",
+]
+
+# ----------------------------------------------------------------------------- measurements
+def measure_saved_bytes(fn, params: Sequence[torch.Tensor] = ()) -> tuple[int, Any]:
+    """(bytes of the tensors autograd saves for backward while ``fn()`` runs, fn's result).
+
+    Tensors sharing storage count once; storages of ``params`` are not counted (they are weights,
+    not activations). Works on real and on fake tensors.
+    """
+    owned = {p.untyped_storage()._cdata for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in owned and key not in seen:
+            seen[key] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def _loss_saved_bytes(out: torch.Tensor, params=()) -> int:
+    # The cross entropy a head's loss computes: transformers' losses upcast to fp32 and keep the
+    # log-probabilities (same shape as the logits) for backward.
+    logits = out.float().reshape(-1, out.shape[-1])
+    target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    nbytes, _ = measure_saved_bytes(lambda: nn.functional.cross_entropy(logits, target), params)
+    return nbytes
+
+
+@contextlib.contextmanager
+def _eager_decisions() -> Iterator[None]:
+    # Under fake tensors transformers takes its tracing branch: it cannot read the position ids, so
+    # it assumes packed sequences and builds a full float mask instead of using is_causal attention.
+    # The planner's position ids are a plain arange (no packing), which the eager run detects; say so.
+    import transformers.masking_utils as masking
+
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _fake_stage(stage: StageModule, mode, dtype: torch.dtype) -> None:
+    """Give a meta stage fake CPU parameters (ties kept) and fake copies of its buffers."""
+    made: dict[int, nn.Parameter] = {}
+    for name, p in list(stage.named_parameters(remove_duplicate=False)):
+        owner_name, _, attr = name.rpartition(".")
+        owner = stage.get_submodule(owner_name)
+        if id(p) not in made:
+            with mode:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype), requires_grad=p.requires_grad)
+        owner._parameters[attr] = made[id(p)]
+    for name, b in list(stage.named_buffers()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = stage.get_submodule(owner_name)
+        owner._buffers[attr] = mode.from_tensor(b if not b.is_meta else torch.zeros(b.shape, dtype=b.dtype))
+
+
+def _dummy_inputs(config, microbatch: int, seq: int) -> dict[str, torch.Tensor]:
+    inputs = {"input_ids": torch.zeros((microbatch, seq), dtype=torch.long)}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = torch.zeros((microbatch, seq), dtype=torch.long)
+    return inputs
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StageRun:
+    activation_bytes: int  # saved for backward by one microbatch (loss included on the last stage)
+    loss_bytes: int
+    send_bytes: int  # tensors sent to the next stage per microbatch
+    recv_bytes: int  # tensors received from the previous stage per microbatch
+
+
+def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int, has_loss: bool) -> list[_StageRun]:
+    """Run every stage once in training mode on fake tensors; measure what each saves and sends."""
+    from ..compat import FakeTensorMode
+
+    stages = [build_stage(skeleton, resolved, spec) for spec in plan.stages]  # deepcopy outside the fake mode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    results: list[_StageRun] = []
+    with _eager_decisions():
+        for stage in stages:
+            _fake_stage(stage, mode, plan.dtype)
+            stage.train()
+        with mode:
+            inputs = stages[0].glue.prepare_inputs(skeleton, _dummy_inputs(skeleton.config, microbatch, seq))
+            received: tuple[torch.Tensor, ...] = ()
+            for stage in stages:
+                params = list(stage.parameters())
+                nbytes, out = measure_saved_bytes(lambda: stage(*received, **inputs), params)
+                outs = out if isinstance(out, tuple) else (out,)
+                loss = 0
+                if stage.spec.is_last and has_loss and outs[0].is_floating_point():
+                    loss = _loss_saved_bytes(outs[0], params)
+                send = 0 if stage.spec.is_last else sum(t.numel() * t.element_size() for t in outs)
+                recv = sum(t.numel() * t.element_size() for t in received)
+                results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send, recv_bytes=recv))
+                # as torch's PipelineStage does: the next stage gets detached leaves that require grad
+                received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
+    return results
+
+
+def _attr(config, *names: str, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _kv_bytes_per_layer_token(config, dtype: torch.dtype) -> int:
+    # 2 (K and V) x KV heads x head dim x itemsize: one token of one layer's self-attention cache
+    heads = int(_attr(config, "num_attention_heads", "n_head", "num_heads"))
+    kv_heads = int(_attr(config, "num_key_value_heads", default=heads) or heads)
+    hidden = int(_attr(config, "hidden_size", "n_embd", "d_model"))
+    head_dim = int(_attr(config, "head_dim", "d_kv", default=hidden // heads) or hidden // heads)
+    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_cache_bytes_per_token(config, *, decoder_layers: int, dtype: torch.dtype) -> int:
+    """KV-cache bytes one sequence adds per token over ``decoder_layers`` attention layers.
+
+    2 (K and V) x KV heads x head dim x itemsize per layer; encoder-decoder models also cache the
+    cross-attention K/V, counted here per encoder token with the encoder as long as the decoder.
+    Sliding-window layers add this only until the sequence fills their window (:func:`kv_cache_bytes`).
+    """
+    per_layer = _kv_bytes_per_layer_token(config, dtype)
+    if getattr(config, "is_encoder_decoder", False):
+        per_layer *= 2  # self-attention cache + cross-attention cache
+    return decoder_layers * per_layer
+
+
+def kv_cache_tokens(config, *, seq: int) -> tuple[int, ...]:
+    """Tokens each decoder layer's KV cache keeps allocated for one sequence of ``seq`` tokens, by layer index.
+
+    Read from the cache transformers' ``generate`` (and the pipelined one) builds,
+    ``DynamicCache(config=...)``: a full-attention layer (``DynamicLayer``) keeps every token; a
+    sliding-window or chunked layer (``DynamicSlidingWindowLayer``) keeps ``min(seq, sliding_window)``.
+    Note: its ``keys`` / ``values`` are views of the last ``sliding_window - 1`` positions of the
+    past concatenated with the new token, so ``numel()`` shows one token less than the
+    ``sliding_window`` tokens that stay allocated (and, right after a prefill longer than the window,
+    the storage is the whole prompt's until the layer's next step).
+
+    Example:
+        >>> kv_cache_tokens(MistralConfig(num_hidden_layers=2, sliding_window=5), seq=12)
+        (5, 5)
+    """
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
+    return tuple(min(seq, int(layer.sliding_window)) if getattr(layer, "is_sliding", False) else seq for layer in cache.layers)
+
+
+def kv_cache_bytes(config, *, layers: Sequence[int], dtype: torch.dtype, batch: int, seq: int) -> int:
+    """KV-cache bytes the decoder layers ``layers`` (indices in the decoder stack) hold for ``batch`` x ``seq`` tokens.
+
+    Each layer holds :func:`kv_cache_tokens` tokens of its self-attention keys and values; an
+    encoder-decoder's layers also hold the cross-attention cache of ``seq`` encoder tokens.
+
+    Example:
+        >>> kv_cache_bytes(config, layers=range(config.num_hidden_layers), dtype=torch.bfloat16, batch=8, seq=4096)
+    """
+    per_token = _kv_bytes_per_layer_token(config, dtype)
+    tokens = kv_cache_tokens(config, seq=seq)
+    held = sum(tokens[i] for i in layers)
+    if getattr(config, "is_encoder_decoder", False):
+        held += seq * len(layers)  # cross-attention: every encoder token, never windowed
+    return batch * per_token * held
+
+
+# ----------------------------------------------------------------------------- report
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _count(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Predicted memory of one stage."""
+
+    index: int
+    rank: int
+    modules: tuple[str, ...]
+    params: int
+    weight_bytes: int
+    activation_bytes: int  # kept alive for backward by one microbatch (training)
+    send_bytes: int  # sent to the next stage per microbatch
+    recv_bytes: int  # received from the previous stage per microbatch
+    kv_bytes_per_token: int  # per sequence, over this stage's decoder layers (sliding ones: until the window is full)
+    kv_cache_bytes: int  # batch x seq tokens over this stage's decoder layers, sliding-window layers capped at the window
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """Predicted peaks of one pipeline rank."""
+
+    rank: int
+    stages: tuple[int, ...]
+    weight_bytes: int
+    grad_bytes: int
+    in_flight: dict[int, int]  # stage -> microbatches whose activations are alive at the peak
+    activation_bytes: int  # peak live activations
+    p2p_buffer_bytes: int
+    train_peak_bytes: int
+    kv_cache_bytes: int  # batch x seq tokens
+    generate_peak_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    """The planner's answer: a stage table and per-rank peaks. ``str()`` / ``to_markdown()`` / ``to_json()``."""
+
+    model: str
+    model_class: str
+    dtype: str
+    num_stages: int
+    pp_size: int
+    virtual_stages: int
+    schedule: str
+    batch: int
+    seq: int
+    n_microbatches: int
+    microbatch_size: int
+    stages: tuple[StageMemory, ...]
+    ranks: tuple[RankMemory, ...]
+    total_params: int
+    total_weight_bytes: int
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for r in d["ranks"]:
+            r["in_flight"] = {str(k): v for k, v in r["in_flight"].items()}
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
+
+    def _header(self) -> str:
+        return (
+            f"{self.model} ({self.model_class}), {self.dtype}: {self.num_stages} stages on {self.pp_size} rank(s) "
+            f"({self.virtual_stages} per rank), schedule {self.schedule}, batch {self.batch} x seq {self.seq} in "
+            f"{self.n_microbatches} microbatches of {self.microbatch_size}; {_count(self.total_params)} params, "
+            f"{_human(self.total_weight_bytes)} of weights"
+        )
+
+    def _tables(self) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+        stage_rows = [("stage", "rank", "modules", "params", "weights", "activations / microbatch", "sent / microbatch", "KV cache / token")]
+        for s in self.stages:
+            stage_rows.append((
+                str(s.index), str(s.rank), _compress_modules(s.modules), _count(s.params), _human(s.weight_bytes),
+                _human(s.activation_bytes), _human(s.send_bytes), _human(s.kv_bytes_per_token),
+            ))
+        rank_rows = [("rank", "stages", "weights", "grads", "activations (in flight)", "P2P buffers", "train peak", f"KV cache ({self.batch}x{self.seq})", "generate peak")]
+        for r in self.ranks:
+            flight = ", ".join(f"s{k}:{v}" for k, v in r.in_flight.items())
+            rank_rows.append((
+                str(r.rank), ",".join(map(str, r.stages)), _human(r.weight_bytes), _human(r.grad_bytes),
+                f"{_human(r.activation_bytes)} ({flight})", _human(r.p2p_buffer_bytes), _human(r.train_peak_bytes),
+                _human(r.kv_cache_bytes), _human(r.generate_peak_bytes),
+            ))
+        return stage_rows, rank_rows
+
+    def __str__(self) -> str:
+        def table(rows):
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+        stage_rows, rank_rows = self._tables()
+        parts = [self._header(), table(stage_rows), "", "Predicted peak per rank:", table(rank_rows)]
+        parts += [f"note: {n}" for n in self.notes]
+        return "\n".join(parts)
+
+    def to_markdown(self) -> str:
+        def table(rows):
+            out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+            out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows[1:]]
+            return "\n".join(out)
+
+        stage_rows, rank_rows = self._tables()
+        parts = [self._header(), "", table(stage_rows), "", "Predicted peak per rank:", "", table(rank_rows)]
+        if self.notes:
+            parts += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(parts) + "\n"
+
+
+def _compress_modules(modules: Sequence[str]) -> str:
+    blocks = [m for m in modules if m.rpartition(".")[2].isdigit()]
+    others = [m for m in modules if m not in blocks]
+    return ", ".join(([compress_blocks(blocks)] if blocks else []) + others)
+
+
+def _peak_in_flight(actions: Sequence[str], act: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """Walk a rank's action list: activations live from F to B (or to W for split backward)."""
+    live: dict[int, set[int]] = {s: set() for s in act}
+    peak, at_peak = 0, {s: 0 for s in act}
+    for label in actions:
+        i = next(j for j, c in enumerate(label) if c.isalpha())
+        stage, kind, mb = int(label[:i]), label[i], int(label[i + 1 :])
+        if kind == "F":
+            live[stage].add(mb)
+        elif kind in ("B", "W"):
+            live[stage].discard(mb)
+        total = sum(len(v) * act[s] for s, v in live.items())
+        if total > peak:
+            peak, at_peak = total, {s: len(v) for s, v in live.items()}
+    return peak, at_peak
+
+
+def plan_report(
+    path_or_config: Any,
+    *,
+    stages: int = 2,
+    virtual_stages: int | None = None,
+    schedule: str | None = None,
+    dtype: Any = None,
+    batch: int = 1,
+    seq: int | None = None,
+    n_microbatches: int | None = None,
+    auto_class: str | type = "AutoModelForCausalLM",
+    split: str | Sequence[str] = "auto",
+) -> MemoryReport:
+    """Predict per-stage and per-rank memory without reading any weights.
+
+    Args:
+        path_or_config: a checkpoint directory (only config.json is read), a config.json file, a
+            config dict (with ``model_type``) or a transformers config.
+        stages: total number of pipeline stages (as ``num_stages`` of ``from_pretrained``).
+        virtual_stages: stages per rank (default: 1, or 2 for schedules that need several).
+        schedule: schedule name (default "1f1b", or "interleaved-1f1b" with virtual stages).
+        dtype: weights dtype ("bf16", "fp32", ...; default the config's).
+        batch: global batch (sequences) per step; for generation, sequences decoded together.
+        seq: tokens per sequence (default min(max positions, 2048)); for generation, prompt + new tokens.
+        n_microbatches: microbatches per step (default: the number of stages, as the loader).
+        auto_class: transformers Auto class the model is loaded as.
+        split: as ``from_pretrained``'s ``split``.
+
+    Returns:
+        :class:`MemoryReport`.
+    """
+    if isinstance(path_or_config, (str, os.PathLike)) and not pathlib.Path(path_or_config).expanduser().exists():
+        path_or_config = resolve_checkpoint(path_or_config)  # a hub id: its cached snapshot, never the network
+    config = load_config(path_or_config)
+    options = PipelineOptions.resolve(
+        config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
+        n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
+    )
+    spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
+    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m)  # the planner plans training
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if seq is None:
+        seq = int(min(_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
+    torch_dtype = options.dtype
+    # The loader's own front end: the planner predicts the stages from_pretrained builds.
+    build = recipe_front_end(config, options)
+    skeleton, resolved, plan = build.skeleton, build.resolved, build.plan
+
+    # Microbatches: torch splits the (padded) batch into m equal chunks; a batch smaller than m
+    # still runs one sequence per microbatch at most.
+    microbatch = max(1, math.ceil(batch / m))
+    runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=resolved.head.loss is not None)
+    generative = bool(getattr(skeleton, "can_generate", lambda: False)())
+
+    decoder = resolved.stacks[-1].blocks
+    stage_rows = []
+    for s, run in zip(plan.stages, runs):
+        # The stack that decodes, and so keeps a KV cache, is the last one in execution order (the only
+        # stack of a decoder-only model; an encoder-decoder's decoder); earlier stacks run once per request.
+        layers = [decoder.index(b) for b in s.attention_blocks if b in decoder] if generative else []
+        stage_rows.append(StageMemory(
+            index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,
+            activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes,
+            kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=torch_dtype),
+            kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=torch_dtype, batch=batch, seq=seq),
+        ))
+
+    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=m, virtual_stages=virtual_stages, training=True)
+    rank_rows = []
+    for r in range(pp_size):
+        mine = [st for st in stage_rows if st.rank == r]
+        weights = sum(st.weight_bytes for st in mine)
+        act, in_flight = _peak_in_flight(orders[r], {st.index: st.activation_bytes for st in mine})
+        # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
+        p2p = sum(m * (st.recv_bytes + st.send_bytes) for st in mine)
+        kv_cache = sum(st.kv_cache_bytes for st in mine)
+        rank_rows.append(RankMemory(
+            rank=r, stages=tuple(st.index for st in mine), weight_bytes=weights, grad_bytes=weights,
+            in_flight=in_flight, activation_bytes=act, p2p_buffer_bytes=p2p,
+            train_peak_bytes=2 * weights + act + p2p, kv_cache_bytes=kv_cache, generate_peak_bytes=weights + kv_cache,
+        ))
+    notes = [
+        "training peak = weights + gradients + live activations + P2P buffers; optimizer states are extra "
+        "(Adam: 2 x fp32 copies of the rank's parameters)",
+        "activations: what autograd saves for backward, measured by running the stage on fake tensors "
+        "(unpadded batches); the last stage includes the fp32 log-probabilities of the cross entropy",
+    ]
+    if not generative:
+        notes.append("the model cannot generate: no KV cache")
+    elif getattr(config, "is_encoder_decoder", False):
+        notes.append("KV cache per token includes the cross-attention cache, with the encoder as long as the decoder")
+    if generative:
+        tokens = kv_cache_tokens(config, seq=seq)
+        capped = [i for i, n in enumerate(tokens) if n < seq]
+        if capped:
+            notes.append(
+                f"KV cache: {len(capped)} of {len(tokens)} decoder layers slide and hold {max(tokens[i] for i in capped)} of the {seq} "
+                f"tokens while decoding; right after a prefill longer than the window they hold the whole prompt until their next step"
+            )
+    return MemoryReport(
+        model=str(path_or_config) if not isinstance(path_or_config, (transformers.PretrainedConfig, dict)) else config.model_type,
+        model_class=plan.model_class, dtype=str(torch_dtype).removeprefix("torch."), num_stages=plan.num_stages,
+        pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
+        microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
+        total_weight_bytes=plan.total_bytes, notes=tuple(notes),
+    )

@@ -1,0 +1,452 @@
+"""Pipelined training: one global batch forward + backward through torch's schedules, gradients synced.
+
+``model.train_step(batch)`` runs torch.distributed.pipelining's schedule (GPipe, 1F1B,
+interleaved 1F1B, looped BFS, the zero-bubble schedules) over this rank's stages and leaves in
+every parameter's ``.grad`` exactly the gradient transformers would compute on one process for
+the same batch. What it adds around the schedule:
+
+* **The loss.** Each microbatch's loss is its summed loss divided by the number of real items
+  (tokens not labelled -100, or rows) of the WHOLE global batch, counted from the labels before
+  the step on every rank; torch backpropagates it unscaled (``scale_grads=False``). The
+  microbatch losses then add up to the global mean, whatever the token counts per microbatch
+  (see ``losses.py``). The last stage's rank sums them; one all-reduce gives it to every rank.
+* **Keys held by several stages.** A tied embedding / LM head on different stages, or T5's
+  relative position bias replicated on stages that start mid-stack, are one tensor in the model:
+  their gradients are summed over every stage that holds them (locally when one rank holds both)
+  so the copies see the same gradient and stay equal after any number of optimizer steps.
+* **Data parallelism.** With ``world = pp x dp`` each replica takes rows
+  ``[dp_rank * B/dp, (dp_rank+1) * B/dp)`` of the global batch; since every loss is already
+  divided by the global item count, gradients are *summed* over replicas, which is the
+  token-weighted average — the gradient of the full batch on one pipeline.
+* **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added
+  back after the sync, so the sync never counts them twice; ``loss_scale=1/k`` scales a step's
+  gradients as ``(loss / k).backward()`` would.
+
+Every collective here has one fixed shape per model: the sync buckets follow the stage plan,
+which every rank computes alike, so no metadata is exchanged per step.
+
+Example (``torchrun --nproc_per_node 2 train.py``):
+    >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="interleaved-1f1b", n_microbatches=8)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    >>> for batch in loader:
+    ...     loss = model.train_step(batch)          # same value on every rank
+    ...     model.clip_grad_norm_(1.0)
+    ...     opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime import weight_pass
+from ..compat import flatten_dense_tensors, unflatten_dense_tensors
+from ..distributed.context import fingerprint, raise_on_any_rank
+from ..families.losses import LossFunction, PipelineLoss, get_loss
+from ..runtime.cache import signature
+from ..planning.schedules import check_training
+from ..runtime.checks import check_microbatches, check_model_inputs
+
+__all__ = ["clip_grad_norm_", "train_step"]
+
+_BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of at most this size
+# Inputs a training step cannot take: caches and precomputed encoder outputs belong to generation.
+_NOT_FOR_TRAINING = ("past_key_values", "encoder_outputs", "cache_position", "use_cache", "logits_to_keep")
+
+
+# --------------------------------------------------------------------------------------------
+# Per-model training state: loss function, sync buckets, process groups
+# --------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class _LocalKey:
+    key: str
+    params: list[nn.Parameter]  # this rank's distinct Parameters for the key, in stage order
+    shared: bool  # held by more than one stage (always synced, zeros for a missing grad)
+
+
+@dataclass(kw_only=True)
+class _TrainState:
+    loss: LossFunction
+    loss_fn: PipelineLoss
+    accepted: frozenset[str]  # input names the model's forward takes
+    local: list[_LocalKey]
+    # one sync bucket per set of pipeline ranks holding its keys: (group or None, keys)
+    buckets: list[tuple[dist.ProcessGroup | None, list[_LocalKey]]]
+    norm_params: list[nn.Parameter]  # counted once in the global gradient norm
+    params: list[nn.Parameter] = field(default_factory=list)  # every distinct local Parameter
+
+
+def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
+    sig = inspect.signature(type(skeleton).forward)
+    return frozenset(
+        n for n, p in sig.parameters.items() if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    )
+
+
+def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGroup | None:
+    """The process group of these pipeline ranks in every data-parallel replica (None: nothing to reduce)."""
+    ctx, pp, dp = model.ctx, model.plan.pp_size, model.dims.dp_size
+    ranks = tuple(sorted(d * pp + r for d in range(dp) for r in pp_ranks))
+    if len(ranks) == 1 or not ctx.is_distributed:
+        return None
+    if len(ranks) == ctx.world_size:
+        return ctx.group
+    if len(pp_ranks) == 1:
+        return model.dims.dp_group  # one pipeline rank in every replica: the data-parallel group
+    if dp == 1 and len(pp_ranks) == pp:
+        return model.dims.pp_group or ctx.group
+    if ranks not in made:
+        # Collective over the world: every rank creates every group, in the same (sorted) order.
+        made[ranks] = dist.new_group(list(ranks))
+        if isinstance(made[ranks], dist.ProcessGroup):  # non-members get a placeholder
+            ctx.apply_timeout(made[ranks])
+    return made[ranks]
+
+
+# Per-model training state, owned here (not stored on the model), dropped with the model.
+_STATES: "weakref.WeakKeyDictionary[Any, _TrainState]" = weakref.WeakKeyDictionary()
+
+
+def _train_state(model) -> _TrainState:
+    state = _STATES.get(model)
+    if state is not None:
+        return state
+    loss = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
+    layout = model.param_layout
+    local_stages = {s.spec.index for s in model.stages}
+    by_key: dict[str, _LocalKey] = {}
+    seen: set[int] = set()
+    for stage in model.stages:
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = layout.key_of.get(name, name)
+            entry = by_key.setdefault(key, _LocalKey(key=key, params=[], shared=len(layout.holders.get(key, ())) > 1))
+            entry.params.append(p)
+    local = list(by_key.values())
+    # Buckets: keys grouped by the set of pipeline ranks holding them. The set of all such rank
+    # sets is derived from the plan alone, so every rank creates the same groups in the same order.
+    all_sets = sorted({layout.pp_ranks(k) for k in layout.holders if k in layout.parameters})
+    made: dict = {}
+    groups = {s: _group_for(model, s, made) for s in all_sets}
+    buckets = []
+    for s in all_sets:
+        if model.dims.pp_rank not in s:
+            continue
+        # Sorted by key: the flat buffers of all members of the group must line up.
+        keys = sorted((e for e in local if layout.pp_ranks(e.key) == s), key=lambda e: e.key)
+        if keys:
+            buckets.append((groups[s], keys))
+    norm_params = [e.params[0] for e in local if layout.owner_stage(e.key) in local_stages]
+    state = _TrainState(
+        loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),
+        local=local, buckets=buckets, norm_params=norm_params, params=[p for e in local for p in e.params],
+    )
+    _STATES[model] = state
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# The batch
+# --------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class _Batch:
+    inputs: dict[str, Any]  # this replica's rows, on the device, as every stage gets them
+    labels: torch.Tensor  # this replica's labels
+    denominator: float | tuple[float, ...]  # items the global mean runs over (whole global batch; one per mean)
+    digest: int  # fingerprint of the global batch, compared across ranks
+
+
+def _digest(batch: Mapping[str, Any]) -> int:
+    material, _ = fingerprint({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    return int.from_bytes(hashlib.blake2b(material.encode(), digest_size=8).digest(), "little") & ((1 << 62) - 1)
+
+
+def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batch:
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"train_step takes a dict of tensors (as a transformers data collator makes it), got {type(batch).__name__}")
+    batch = {k: v for k, v in batch.items() if v is not None}
+    names = state.loss.targets  # ("labels",), or transformers' ("start_positions", "end_positions")
+    missing = [n for n in names if n not in batch]
+    if names == ("labels",) and missing:
+        raise ValueError(
+            f"the batch has no 'labels' (keys: {sorted(batch)}); a training step needs them — e.g. labels = input_ids "
+            "for causal LM (the shift happens inside the loss), or use DataCollatorForLanguageModeling"
+        )
+    if missing:
+        raise ValueError(
+            f"the batch has no {missing} (keys: {sorted(batch)}); {model.resolved.class_name} trains on {list(names)}, "
+            f"as its transformers forward takes them"
+        )
+    for k, v in batch.items():
+        if k in _NOT_FOR_TRAINING:
+            raise ValueError(f"{k!r} is for generation and cannot be passed to train_step; remove it from the batch")
+        if k not in names and k not in state.accepted:
+            raise ValueError(f"{type(model.skeleton).__name__}.forward takes no {k!r}; the batch may hold {sorted(state.accepted - set(_NOT_FOR_TRAINING))}")
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}; pass what a data collator returns (return_tensors='pt')")
+    digest = _digest(batch) if model.check_inputs else 0
+    given = {n: batch.pop(n) for n in names}
+    # One target tensor, which the schedule splits into microbatches with the inputs (question
+    # answering's start and end positions stacked as (B, 2)).
+    ids = batch.get("input_ids", batch.get("inputs_embeds"))
+    length = ids.shape[-1] if "input_ids" in batch else ids.shape[-2] if ids is not None else 0
+    labels = state.loss.make_targets(given, length)
+    # Ids (dtype, shape, inside the vocabulary) and labels (shape, inside the vocabulary or -100) first:
+    # the shapes below are only meaningful for (batch, length) ids.
+    check_model_inputs(model.config, state.loss.name, batch, labels=labels)
+    rows = model.batch_size(batch)
+    for k, v in batch.items():
+        if v.dim() == 0 or v.shape[0] != rows:
+            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row per example")
+    dp, m = model.dims.dp_size, model.n_microbatches
+    if rows % dp:
+        raise ValueError(
+            f"a global batch of {rows} rows does not split over dp_size={dp} data-parallel replicas; pass a multiple of "
+            f"dp_size x n_microbatches = {dp * m} rows"
+        )
+    check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
+    prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
+    labels = prepared.pop("labels")
+    denominator = state.loss.denominator(labels, model.config)
+    if dp > 1:
+        share = rows // dp
+        lo, hi = model.dims.dp_rank * share, (model.dims.dp_rank + 1) * share
+        prepared = {k: v[lo:hi] if isinstance(v, torch.Tensor) else v for k, v in prepared.items()}
+        labels = labels[lo:hi]
+    return _Batch(inputs=prepared, labels=labels, denominator=denominator, digest=digest)
+
+
+def _agree(model, error: BaseException | None, digest: int) -> None:
+    """One small all-reduce: did any rank fail to prepare the batch, and is the batch the same everywhere?
+
+    Cheaper than gathering objects every step; the full error exchange only runs when a rank failed.
+    """
+    ctx = model.ctx
+    if not ctx.is_distributed:
+        if error is not None:
+            raise error
+        return
+    hi, lo = digest >> 31, digest & ((1 << 31) - 1)
+    flags = torch.tensor([int(error is not None), hi, lo, -hi, -lo], dtype=torch.int64)
+    if ctx.backend == "nccl":
+        flags = flags.to(ctx.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group)
+    failed, max_hi, max_lo, neg_min_hi, neg_min_lo = flags.tolist()
+    if failed:
+        raise_on_any_rank(ctx, error, what="checking the training batch", describe=getattr(model, "rank_label", None))
+    if model.check_inputs and (max_hi != -neg_min_hi or max_lo != -neg_min_lo):
+        raise ValueError(
+            "the training batch differs across ranks; every rank must pass the same global batch to train_step "
+            "(same data order and seed everywhere; each data-parallel replica takes its share itself)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------------
+def _autocast(model, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    device_type = model.device.type
+    if not torch.amp.is_autocast_available(device_type):
+        raise ValueError(f"autocast is not available on {device_type}; pass autocast=None")
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _run_local(model, state: _TrainState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]) -> None:
+    # All stages on this rank (pipeline size 1): microbatch by microbatch, as the schedules would.
+    m = model.n_microbatches
+    chunks = {k: torch.tensor_split(v, m) if isinstance(v, torch.Tensor) else [v] * m for k, v in b.inputs.items()}
+    targets = torch.tensor_split(b.labels, m)
+    for i in range(m):
+        inputs = {k: c[i] for k, c in chunks.items()}
+        x: tuple = ()
+        for stage in model.stages:
+            x = stage(*x, **inputs)
+            x = x if isinstance(x, tuple) else (x,)
+        loss = state.loss_fn(x if len(x) > 1 else x[0], targets[i], **loss_kwargs)
+        loss.backward()
+        losses.append(loss.detach())
+
+
+def _sync_gradients(state: _TrainState) -> None:
+    """Sum each key's gradient over its local copies, then over the ranks (and replicas) holding it."""
+    for group, keys in state.buckets:
+        entries: list[tuple[_LocalKey, torch.Tensor]] = []
+        for e in keys:
+            grads = [p.grad for p in e.params if p.grad is not None]
+            if not grads:
+                if not e.shared:
+                    continue  # unused here, hence unused in every replica: nothing to reduce
+                grads = [torch.zeros_like(e.params[0])]  # another holder may have a gradient
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            entries.append((e, total))
+        if group is not None:
+            _all_reduce_flat([t for _, t in entries], group)
+        for e, total in entries:
+            for p in e.params:
+                if p.grad is None:
+                    p.grad = total.clone()
+                elif p.grad is not total:
+                    p.grad.copy_(total)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """In-place sum over ``group``, in flat buckets (one collective per bucket, not per tensor)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        bucket: list[torch.Tensor] = []
+        size = 0
+        items = by_dtype[dtype]
+        for i, t in enumerate(items):
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+            if size >= _BUCKET_BYTES or i == len(items) - 1:
+                flat = flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                for dst, src in zip(bucket, unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(src)
+                bucket, size = [], 0
+
+
+def train_step(
+    model,
+    batch: Mapping[str, Any],
+    *,
+    loss_scale: float = 1.0,
+    autocast: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Forward + backward of one global batch through the pipeline. Collective: every rank passes the same batch.
+
+    Gradients are accumulated into ``.grad`` as ``loss.backward()`` does (call ``optimizer.zero_grad()``
+    between optimizer steps); stages run in ``model.training`` mode (``model.train()`` / ``model.eval()``).
+
+    Args:
+        model: the :class:`~hf_pipeline.model.PipelinedModel`.
+        batch: a dict as a transformers data collator makes it: input tensors plus the targets under
+            transformers' names (``labels``; ``start_positions`` and ``end_positions`` for question
+            answering); its rows must be a multiple of ``dp_size * n_microbatches``.
+        loss_scale: multiplies this step's gradients (``1/k`` for k accumulation steps); the returned
+            loss is not scaled.
+        autocast: e.g. ``torch.bfloat16``: run the step under ``torch.autocast`` on the model's device.
+
+    Returns:
+        The mean loss over the real items of the global batch (what transformers reports for it),
+        a detached fp32 scalar on every rank.
+
+    Example:
+        >>> loss = model.train_step({"input_ids": ids, "attention_mask": mask, "labels": ids})
+    """
+    if not loss_scale or loss_scale != loss_scale:
+        raise ValueError(f"loss_scale must be a non-zero number, got {loss_scale}")
+    # The training schedule's microbatch rules (loading checked only the layout: forward and
+    # generate run with any n_microbatches). Same settings on every rank: raised on every rank.
+    check_training(model.schedule, pp_size=model.plan.pp_size, virtual_stages=model.plan.virtual_stages, n_microbatches=model.n_microbatches)
+    state = _train_state(model)
+    error: BaseException | None = None
+    b: _Batch | None = None
+    try:
+        b = _prepare_batch(model, state, batch)
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks below, then raised everywhere
+        error = e
+    _agree(model, error, b.digest if b is not None else 0)
+    assert b is not None
+
+    # The step runs in model.training mode (model.train() / model.eval()); each stage's own mode
+    # is put back afterwards, so a later forward sees the modes it saw before.
+    modes = [(m, m.training) for stage in model.stages for m in stage.modules()]
+    for stage in model.stages:
+        stage.train(model.training)
+    # Gradients of earlier steps (accumulation) sit aside so the sync below only sums this step's.
+    stash = [(p, p.grad) for p in state.params if p.grad is not None]
+    for p, _ in stash:
+        p.grad = None
+    loss_kwargs = {"denominator": b.denominator, "loss_scale": float(loss_scale)}
+    losses: list[torch.Tensor] = []
+    try:
+        with _autocast(model, autocast):
+            if model.plan.pp_size == 1:
+                _run_local(model, state, b, loss_kwargs, losses)
+            else:
+                key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
+                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
+                # Zero-bubble: linears' weight gradients wait for the W actions (weight_pass.py).
+                with weight_pass.deferring() if model.schedule.zero_bubble else contextlib.nullcontext():
+                    schedule.step(**b.inputs, target=b.labels, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    _sync_gradients(state)
+    for p, old in stash:
+        p.grad = old if p.grad is None else old.add_(p.grad)
+
+    # The last stage's rank of each replica holds its share of the global mean; the rest add 0.
+    total = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=model.device)
+    total = total.to(model.device)
+    if loss_scale != 1.0:
+        total = total / loss_scale
+    if model.ctx.is_distributed:
+        dist.all_reduce(total, group=model.ctx.group)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient clipping
+# --------------------------------------------------------------------------------------------
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip every gradient by the global norm over all stages (keys held by several stages counted once).
+
+    Collective over the pipeline; data-parallel replicas hold the same (synced) gradients, so each
+    replica computes the same norm. Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the
+    unsplit model.
+
+    Args:
+        model: the :class:`~hf_pipeline.model.PipelinedModel`, after ``train_step``.
+        max_norm: the largest allowed norm.
+        norm_type: p of the p-norm (``float("inf")`` for the max norm).
+        error_if_nonfinite: raise if the total norm is nan or inf.
+
+    Returns:
+        The total norm before clipping (a scalar tensor, the same on every rank).
+    """
+    state = _train_state(model)
+    norm_type = float(norm_type)
+    grads = [p.grad for p in state.norm_params if p.grad is not None]
+    device = model.device
+    if grads:
+        local = torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
+    else:
+        local = torch.zeros((), device=device)
+    group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
+    inf = norm_type == float("inf")
+    if group is not None and dist.get_world_size(group) > 1:
+        if inf:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            total = local
+        else:
+            powered = local**norm_type
+            dist.all_reduce(powered, group=group)
+            total = powered ** (1.0 / norm_type)
+    else:
+        total = local
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); lower the learning "
+            "rate or use bf16 autocast with care, or pass error_if_nonfinite=False"
+        )
+    params = [p for p in state.params if p.grad is not None]
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
