@@ -16,12 +16,12 @@ from .auto import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
-from .training.checkpoint import latest_checkpoint, load_training_state
 from .distributed.context import init_distributed
 from .errors import PipelineError
-from .tools.memory import plan_report
-from .model import PipelinedModel
 from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
+from .model import PipelinedModel
+from .tools.memory import plan_report
+from .training.checkpoint import latest_checkpoint, load_training_state
 
 __version__ = "0.1.0"
 

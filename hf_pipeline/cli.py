@@ -404,9 +404,9 @@ def cmd_train(args) -> int:
     import torch
     import transformers
 
-    from .training.data import TASKS, Batches, build_dataset, load_rows
     from .log import StepProgress
     from .model import load_pipelined
+    from .training.data import TASKS, Batches, build_dataset, load_rows
 
     path = _model_path(args)
     auto = _auto_class_for(_load_config(path), args.auto_class)

@@ -72,6 +72,7 @@ PROFILED_METHODS = (
 # Flat buckets for gradient all-reduce, as DDP builds them (no public flatten/unflatten pair).
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: E402
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors  # noqa: E402
+
 # Output structure of a traced graph: torch.utils.pytree is public only from later releases.
 from torch.utils import _pytree as pytree  # noqa: E402
 

@@ -16,9 +16,12 @@ from typing import Mapping
 __all__ = [
     "CLIError",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ConvertError",
     "InputError",
+    "InputTypeError",
+    "InternalError",
     "PipelineBroken",
     "PipelineError",
     "PlanError",
@@ -26,6 +29,9 @@ __all__ = [
     "RecipeError",
     "ScheduleError",
     "TraceError",
+    "TrainingError",
+    "UsageError",
+    "is_user_error",
 ]
 
 
@@ -35,6 +41,10 @@ class PipelineError(Exception):
 
 class InputError(PipelineError, ValueError):
     """A bad argument or input value (an option of ``from_pretrained``, a call's inputs)."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An argument of the wrong type (``except TypeError`` and ``except ValueError`` both catch it)."""
 
 
 class RecipeError(PipelineError, ValueError):
@@ -55,6 +65,10 @@ class CheckpointError(PipelineError, ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint at the given path (nor in the local hub cache)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save target that is something else (a file where a checkpoint folder should go)."""
 
 
 class ConvertError(PipelineError, ValueError):
@@ -92,6 +106,28 @@ def _rebuild_rank_error(message: str, failures: Mapping[int, tuple[str, str, str
 
 class PipelineBroken(PipelineError, RuntimeError):
     """The process group can no longer be used after a failure inside a pipelined call."""
+
+
+class UsageError(PipelineError, RuntimeError):
+    """A call that cannot run in the model's or the process's current state (say, a second profile
+    recording while one is active, or backpropagating a forward() that ran for inference)."""
+
+
+class TrainingError(PipelineError, RuntimeError):
+    """A training step produced something it cannot go on from (a non-finite gradient norm)."""
+
+
+class InternalError(PipelineError, RuntimeError):
+    """An invariant of hf_pipeline itself broke: a bug in the library, not a mistake of the caller.
+
+    It derives from :class:`PipelineError` so that every deliberate raise is the library's own, but
+    the command line reports it with its traceback (see :func:`is_user_error`).
+    """
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether ``error`` is a mistake of the caller the library refused on purpose (one line for the CLI)."""
+    return isinstance(error, PipelineError) and not isinstance(error, InternalError)
 
 
 class CLIError(PipelineError):

@@ -25,17 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .runtime import checks as validate
-from .loading.loader import BuiltPipeline, build_pipeline
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.context import ParallelDims, RankContext, check_same_on_all_ranks
-from .errors import InputError, TraceError
 from .distributed.faults import raise_if_broken, step_errors
+from .errors import InputError, TraceError
+from .loading.loader import BuiltPipeline, build_pipeline
+from .loading.weights import LoadReport
 from .planning.options import PipelineOptions
 from .planning.plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
-from .runtime.cache import PipelineRuntime, pad_batch, signature
 from .planning.schedules import ScheduleSpec
-from .loading.weights import LoadReport
+from .runtime import checks as validate
+from .runtime.cache import PipelineRuntime, pad_batch, signature
 
 __all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 

@@ -51,8 +51,9 @@ from typing import Any
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
-from hf_pipeline.training.checkpoint import replace_file  # noqa: E402
 from hf_pipeline.tools.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
+from hf_pipeline.training.checkpoint import replace_file  # noqa: E402
+
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
 # a name ending in MEASURED: that schedule loaded again with the split model.measure_split() advises.
 MEASURED = "+measured-split"
@@ -910,12 +911,10 @@ def _stage_part(model, plan, rank: int):
 
 def _task_generate_pp(spec: dict, out: dict) -> None:
     import torch
-
-    from hf_pipeline import AutoModelForCausalLM
-
     import torch.distributed as dist
     import transformers
 
+    from hf_pipeline import AutoModelForCausalLM
     from hf_pipeline.generation.sampling import microbatch_bounds
 
     sizes = spec["sizes"]

@@ -63,7 +63,6 @@ import math
 import os
 import pathlib
 import platform
-import re
 import shutil
 import statistics
 import sys
@@ -84,9 +83,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from hf_pipeline.training.checkpoint import replace_file
 from hf_pipeline.distributed.context import destroy_distributed, init_distributed
 from hf_pipeline.tools.profile import host_peak_rss, host_rss, reset_host_peak, trim_host_heap
+from hf_pipeline.training.checkpoint import replace_file
 
 SECTIONS = ("env", "checkpoint", "load", "reference", "forward", "generate", "train")
 NEEDS = {"load": ("checkpoint",), "reference": ("checkpoint",), "forward": ("load", "reference"),

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pathlib
 import sys
 
@@ -108,10 +107,10 @@ def main(argv=None) -> int:
     import transformers
 
     import hf_pipeline
+    from hf_pipeline.loading.weights import resolve_checkpoint
+    from hf_pipeline.log import StepProgress
     from hf_pipeline.training.checkpoint import latest_checkpoint, load_training_state
     from hf_pipeline.training.data import Batches, build_dataset
-    from hf_pipeline.log import StepProgress
-    from hf_pipeline.loading.weights import resolve_checkpoint
 
     out = pathlib.Path(args.output_dir)
     resume_from = args.resume_from

@@ -13,13 +13,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 import pathlib
-import tomllib
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+import tomllib
 
 from ..errors import RecipeError
 from .glue import GLUES, POOLS

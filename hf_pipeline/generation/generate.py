@@ -63,8 +63,8 @@ from ..compat import decoder_start_token_tensor, generation_helper, pad_token_te
 from ..distributed.context import check_same_on_all_ranks
 from ..errors import InputError
 from ..log import get_logger
-from .ring import Request, Ring
 from ..runtime.checks import check_generate_inputs, check_sequence_length, check_token_ids, vocab_size
+from .ring import Request, Ring
 from .sampling import left_padded_position_ids, microbatch_bounds
 
 __all__ = ["GenerationStats", "generate", "generation_config", "prepare_generation_config"]

@@ -37,12 +37,18 @@ from torch import nn
 from transformers import AutoConfig
 
 from ..compat import set_attn_implementation
-from ..distributed.context import ParallelDims, RankContext, check_same_on_all_ranks, collective_errors, init_distributed
+from ..distributed.context import (
+    ParallelDims,
+    RankContext,
+    check_same_on_all_ranks,
+    collective_errors,
+    init_distributed,
+)
 from ..errors import InputError
 from ..planning.options import PipelineOptions
 from ..planning.plan import ResolvedRecipe
-from .stages import StageBuild, materialize
 from ..runtime.checks import pipeline_identity
+from .stages import StageBuild, materialize
 from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
 
 __all__ = ["BuiltPipeline", "StageBuild", "build_pipeline", "wanted_tensors"]

@@ -57,13 +57,13 @@ import torch
 from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from ..runtime import weight_pass
-from ..errors import TraceError
 from ..compat import pytree
+from ..errors import TraceError
 from ..families.glue import Glue
-from ..planning.options import PipelineOptions, cache_size
-from ..planning.plan import ResolvedRecipe, ResolvedStack, StageSpec, module_stats, make_plan
 from ..families.recipe import HeadSpec, Recipe, StackSpec
+from ..planning.options import PipelineOptions, cache_size
+from ..planning.plan import ResolvedRecipe, ResolvedStack, StageSpec, make_plan, module_stats
+from ..runtime import weight_pass
 from .stages import StageBuild, meta_model, prune
 
 __all__ = ["TraceError", "find_blocks", "trace_front_end"]

@@ -20,16 +20,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import pathlib
-import time
 import re
 import struct
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Collection, Iterable, Mapping, Sequence
 
 import torch
+
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..log import progress_bar
 

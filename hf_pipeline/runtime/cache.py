@@ -27,11 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from . import weight_pass
 from ..distributed.context import ParallelDims
 from ..planning.options import cache_size
 from ..planning.plan import StagePlan
 from ..planning.schedules import ScheduleSpec, fuse_schedule_backward
+from . import weight_pass
 
 __all__ = ["PipelineRuntime", "pad_batch", "signature"]
 

@@ -39,11 +39,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..loading.loader import wanted_tensors
 from ..errors import ConvertError, InputError
-from ..planning.options import PipelineOptions, parse_size
-from ..planning.plan import StagePlan
 from ..families.recipe import list_recipes
+from ..loading.loader import wanted_tensors
 from ..loading.stages import recipe_front_end
 from ..loading.weights import (
     BIN_INDEX_NAME,
@@ -57,6 +55,8 @@ from ..loading.weights import (
     resolve_checkpoint,
     resolve_keys,
 )
+from ..planning.options import PipelineOptions, parse_size
+from ..planning.plan import StagePlan
 
 __all__ = [
     "ConvertError",

@@ -50,11 +50,11 @@ import transformers
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from ..loading.stages import StageModule, build_stage, recipe_front_end
+from ..loading.weights import resolve_checkpoint
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import ResolvedRecipe, StagePlan, compress_blocks
 from ..planning.schedules import check_training, schedule_actions
-from ..loading.stages import StageModule, build_stage, recipe_front_end
-from ..loading.weights import resolve_checkpoint
 
 __all__ = [
     "MemoryReport",

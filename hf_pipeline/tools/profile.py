@@ -33,9 +33,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import re
 import resource
-import pathlib
 import threading
 import time
 from dataclasses import asdict, dataclass, field

@@ -75,9 +75,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.context import collective_errors
+from ..loading.weights import SAVE_STAGING_PATTERN, SAVE_STAGING_PREFIX
 from ..log import get_logger
 from ..planning.options import parse_size
-from ..loading.weights import SAVE_STAGING_PATTERN, SAVE_STAGING_PREFIX
 
 logger = get_logger(__name__)
 

@@ -47,12 +47,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import weight_pass
 from ..compat import flatten_dense_tensors, unflatten_dense_tensors
 from ..distributed.context import fingerprint, raise_on_any_rank
 from ..families.losses import LossFunction, PipelineLoss, get_loss
-from ..runtime.cache import signature
 from ..planning.schedules import check_training
+from ..runtime import weight_pass
+from ..runtime.cache import signature
 from ..runtime.checks import check_microbatches, check_model_inputs
 
 __all__ = ["clip_grad_norm_", "train_step"]

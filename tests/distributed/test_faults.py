@@ -18,9 +18,8 @@ import signal
 import time
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 # Far above what detection takes (< 5 s) and far below the harness timeout: a survivor that only

@@ -17,7 +17,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import ChildFailed, expect_errors, last_run_timing, run_distributed
 
 DEFAULT_TIMEOUT_S = 300.0  # the documented default (hf_pipeline.distributed.context.DEFAULT_TIMEOUT_S, checked below)
@@ -68,7 +67,12 @@ def test_single_process_context(single_process):
 
 
 def test_single_process_helpers_are_noops(single_process):
-    from hf_pipeline.distributed.context import check_same_on_all_ranks, collective_errors, init_distributed, raise_on_any_rank
+    from hf_pipeline.distributed.context import (
+        check_same_on_all_ranks,
+        collective_errors,
+        init_distributed,
+        raise_on_any_rank,
+    )
 
     ctx = init_distributed(device="cpu")
     raise_on_any_rank(ctx, None, what="nothing")

@@ -19,7 +19,6 @@ import sys
 
 import pytest
 import torch
-
 from harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -14,7 +14,6 @@ import subprocess
 
 import pytest
 import torch
-
 from harness import free_port
 
 pytestmark = pytest.mark.dist  # every test here starts other processes

@@ -17,9 +17,8 @@ import subprocess
 import sys
 
 import pytest
-import transformers
-
 import tiny
+import transformers
 from harness import free_port
 
 pytestmark = pytest.mark.dist  # every test here starts other processes

@@ -11,11 +11,11 @@ under ``split_method="auto"`` and is refused under ``"recipe"``.
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
+
 from hf_pipeline.errors import RecipeError
 
 ATOL = 1e-5
@@ -148,8 +148,8 @@ def test_gpt2_sequence_classification_auto_uses_the_recipe(checkpoints):
 
 
 def test_head_without_recipe_entry_falls_back_to_the_tracer_under_auto(tmp_path):
-    from hf_pipeline.model import TracedPipelinedModel, load_pipelined
     from hf_pipeline.families.recipe import get_recipe
+    from hf_pipeline.model import TracedPipelinedModel, load_pipelined
 
     auto = "AutoModelForNextSentencePrediction"
     assert get_recipe("bert").match_head("BertForNextSentencePrediction") is None  # still uncovered by the recipe
@@ -182,10 +182,10 @@ def test_classes_ending_in_model_are_not_taken_for_the_base_model():
     # models; the recipe's base head must not serve them (it would drop their heads silently).
     import transformers
 
-    from hf_pipeline.planning.options import PipelineOptions
-    from hf_pipeline.planning.plan import resolve_recipe
     from hf_pipeline.families.recipe import RecipeError, get_recipe
     from hf_pipeline.loading.stages import meta_model
+    from hf_pipeline.planning.options import PipelineOptions
+    from hf_pipeline.planning.plan import resolve_recipe
 
     for arch, cls in (("bert", "BertLMHeadModel"), ("gpt2", "GPT2DoubleHeadsModel")):
         cfg = tiny.config_for(arch)

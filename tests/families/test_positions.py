@@ -9,9 +9,8 @@ there; GPT-2 and BERT (learned position tables) cannot, and are refused (``test_
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 TOL = 1e-5

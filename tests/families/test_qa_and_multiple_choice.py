@@ -17,10 +17,9 @@ negative position (clamped to 0, not ignored).
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
 
 ATOL = 1e-5  # fp32 outputs and losses: summation order only

@@ -25,9 +25,8 @@ reference entry, parameters after AdamW 1e-5 absolute (``EPS`` as there).
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 WINDOW = 5

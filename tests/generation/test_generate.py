@@ -21,9 +21,8 @@ import gc
 import warnings
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 NEW = 10  # new tokens per request
@@ -392,7 +391,6 @@ def test_generation_config_json_is_merged_like_transformers(tmp_path):
 
 def test_stop_strings_and_several_eos_equal_transformers(tmp_path):
     import hf_pipeline
-
     from hf_pipeline.tools.default_model import byte_level_tokenizer
 
     tok = byte_level_tokenizer()  # stop strings need a tokenizer that decodes text faithfully

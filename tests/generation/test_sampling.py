@@ -7,7 +7,13 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.logits_process import TopKLogitsWarper
 
-from hf_pipeline.generation.sampling import left_padded_position_ids, microbatch_bounds, row_generators, row_seed, select_tokens
+from hf_pipeline.generation.sampling import (
+    left_padded_position_ids,
+    microbatch_bounds,
+    row_generators,
+    row_seed,
+    select_tokens,
+)
 
 
 @pytest.mark.parametrize("batch,n", [(1, 1), (7, 3), (16, 4), (5, 5)])

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import io
 import logging
-import pathlib
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
 
 from hf_pipeline.loading.weights import CheckpointError, CheckpointIndex

@@ -19,9 +19,9 @@ import threading
 
 import pytest
 
-from hf_pipeline.tools.default_model import BUNDLED_MODEL_DIR
 from hf_pipeline.errors import CheckpointNotFoundError, InputError, RankError
 from hf_pipeline.loading.weights import resolve_checkpoint
+from hf_pipeline.tools.default_model import BUNDLED_MODEL_DIR
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REPO, MISSING = "org/name", "org/not-downloaded"

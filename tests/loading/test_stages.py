@@ -3,14 +3,13 @@
 import copy
 
 import pytest
+import tiny
 import torch
 import transformers
 
-from hf_pipeline.planning.plan import make_plan, resolve_recipe
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import build_stage, materialize, meta_model
-
-import tiny
+from hf_pipeline.planning.plan import make_plan, resolve_recipe
 
 CASES = [
     ("llama", "AutoModelForCausalLM"),

@@ -23,14 +23,13 @@ One spawned job per world size.
 from __future__ import annotations
 
 import json
-import re
 import pathlib
+import re
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
 
 TOL = 1e-5  # fp32: the same aten kernels on the same inputs; only summation order could differ
@@ -216,8 +215,8 @@ def test_world_size_1_runs_traced_stages_in_sequence_and_retraces_without_reload
 
 
 def test_llama_can_be_forced_through_the_tracer_and_recipes_stay_the_default(checkpoints):
-    from hf_pipeline.model import PipelinedModel
     from hf_pipeline.families.recipe import RecipeError
+    from hf_pipeline.model import PipelinedModel
 
     path = checkpoints["llama"]
     traced = _load(path, num_stages=2, virtual_stages=2, split_method="trace")

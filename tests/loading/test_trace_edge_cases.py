@@ -15,10 +15,9 @@ greedy tokens (generate). One spawned job per world size.
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
 
 TOL = 1e-5  # fp32, the same kernels; only summation order differs

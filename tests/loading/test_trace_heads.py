@@ -5,10 +5,9 @@ equal to transformers on one process."""
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
 
 pytestmark = pytest.mark.dist  # every test here starts other processes

@@ -15,12 +15,11 @@ import sys
 
 import psutil
 import pytest
+import tiny
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
-
-import tiny
 from harness import run_distributed
+from safetensors.torch import load_file, save_file
 
 from hf_pipeline.loading import weights
 from hf_pipeline.loading.weights import (

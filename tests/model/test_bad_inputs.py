@@ -21,9 +21,8 @@ import shutil
 import time
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 _FAST_S = 10.0  # per case, on every rank; the collective timeout (300 s) is far away

@@ -22,12 +22,12 @@ import re
 import shutil
 
 import pytest
+import tiny
 import torch
 import transformers
+from harness import run_distributed
 from torch.distributed.pipelining import SplitPoint
 
-import tiny
-from harness import run_distributed
 from hf_pipeline import AutoModelForCausalLM
 from hf_pipeline.errors import CheckpointNotFoundError, InputError, PlanError
 from hf_pipeline.planning.options import PipelineOptions

@@ -32,11 +32,10 @@ biases) get a floor of fp32 epsilon x the model's largest gradient.
 
 from __future__ import annotations
 
-import torch
-
-import tiny
-from harness import last_run_timing, run_distributed
 import pytest
+import tiny
+import torch
+from harness import last_run_timing, run_distributed
 
 pytestmark = pytest.mark.dist  # every test here starts other processes
 

@@ -1,13 +1,12 @@
 """Tier 1: stage plans from the config alone (meta device, nothing read)."""
 
 import pytest
+import tiny
 import torch
 
-from hf_pipeline.planning.plan import CUT_GAIN, PlanError, make_plan, resolve_recipe
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import meta_model
-
-import tiny
+from hf_pipeline.planning.plan import CUT_GAIN, PlanError, make_plan
 
 
 def _plan(arch="llama", auto="AutoModelForCausalLM", **kw):

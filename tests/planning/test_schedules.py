@@ -18,14 +18,13 @@ import re
 import types
 
 import pytest
+import tiny
 import torch
+from harness import run_distributed
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-import tiny
-from harness import run_distributed
 from hf_pipeline.compat import Action, ComputationType
-from hf_pipeline.tools.profile import schedule_actions, theoretical_bubble
 from hf_pipeline.planning.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -35,6 +34,7 @@ from hf_pipeline.planning.schedules import (
     fuse_backward,
     get_schedule,
 )
+from hf_pipeline.tools.profile import schedule_actions, theoretical_bubble
 
 TOL = 1e-5  # fp32 logits: the same kernels on the same inputs; only summation order may differ
 LOSS_RTOL = 1e-5

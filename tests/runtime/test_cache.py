@@ -13,11 +13,10 @@ import gc
 import os
 
 import psutil
-import torch
-
-import tiny
-from harness import run_distributed
 import pytest
+import tiny
+import torch
+from harness import run_distributed
 
 pytestmark = pytest.mark.dist  # every test here starts other processes
 

@@ -6,9 +6,8 @@ with the reference loaded by plain transformers in the parent process.
 """
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 TOL = 1e-5  # fp32: the same kernels on the same inputs; only summation order could differ

@@ -8,9 +8,8 @@ logits of transformers at 1 and at 2 ranks alike, and leave the stages in the mo
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 
 TOL = 1e-5

@@ -15,12 +15,11 @@ import io
 import pytest
 import torch
 import transformers
+from tiny import config_for, make_batch
 from torch import nn
 
-from hf_pipeline.runtime import weight_pass
 from hf_pipeline.loading.trace import _defer_linears
-
-from tiny import config_for, make_batch
+from hf_pipeline.runtime import weight_pass
 
 
 def _model(arch: str, seed: int = 0):

@@ -7,18 +7,18 @@ that the measured split relieves."""
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
+
+from hf_pipeline.errors import InputError
+from hf_pipeline.families.recipe import get_recipe
+from hf_pipeline.loading.stages import meta_model
+from hf_pipeline.planning.plan import PlanError, make_plan
+from hf_pipeline.planning.schedules import get_schedule
 from hf_pipeline.tools.autotune import choose, fit_stage_costs, simulate_step
 from hf_pipeline.tools.profile import schedule_actions
-from hf_pipeline.errors import InputError
-from hf_pipeline.planning.plan import PlanError, make_plan
-from hf_pipeline.families.recipe import get_recipe
-from hf_pipeline.planning.schedules import get_schedule
-from hf_pipeline.loading.stages import meta_model
 
 
 def _llama(layers: int = 12):

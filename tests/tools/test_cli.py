@@ -15,10 +15,10 @@ import subprocess
 import sys
 
 import pytest
+import tiny
 import torch
 import transformers
 
-import tiny
 from hf_pipeline import cli
 from hf_pipeline.tools.default_model import default_model_path
 

@@ -7,11 +7,14 @@ import json
 import pathlib
 
 import pytest
+import tiny
 import torch
+from harness import run_distributed
 from safetensors import safe_open
 
-import tiny
-from harness import run_distributed
+from hf_pipeline.errors import InputError
+from hf_pipeline.loading.weights import INDEX_NAME, CheckpointIndex
+from hf_pipeline.planning.options import parse_size
 from hf_pipeline.tools.convert import (
     SHARED_FILE,
     ConvertError,
@@ -20,9 +23,6 @@ from hf_pipeline.tools.convert import (
     stage_file_name,
     stage_keys,
 )
-from hf_pipeline.errors import InputError
-from hf_pipeline.planning.options import parse_size
-from hf_pipeline.loading.weights import INDEX_NAME, CheckpointIndex
 
 
 def _digest(directory: pathlib.Path) -> dict[str, str]:

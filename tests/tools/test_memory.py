@@ -12,16 +12,22 @@
 import json
 
 import pytest
+import tiny
 import torch
 import transformers
-
-import tiny
 from harness import run_distributed
+
 from hf_pipeline.families.glue import attention_kinds
-from hf_pipeline.tools.memory import _peak_in_flight, kv_cache_bytes_per_token, kv_cache_tokens, measure_saved_bytes, plan_report
-from hf_pipeline.planning.plan import make_plan, resolve_recipe
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import build_stage, materialize, meta_model
+from hf_pipeline.planning.plan import make_plan, resolve_recipe
+from hf_pipeline.tools.memory import (
+    _peak_in_flight,
+    kv_cache_bytes_per_token,
+    kv_cache_tokens,
+    measure_saved_bytes,
+    plan_report,
+)
 
 TOL = 0.10
 

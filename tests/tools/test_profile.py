@@ -4,11 +4,11 @@ import json
 import re
 
 import pytest
-import torch
-
 import tiny
-from hf_pipeline.runtime.cache import signature
+import torch
 from harness import run_distributed
+
+from hf_pipeline.runtime.cache import signature
 from hf_pipeline.tools.profile import ActionRecord, Timeline, schedule_actions, theoretical_bubble
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2)]

@@ -23,12 +23,11 @@ import json
 import pathlib
 
 import pytest
+import tiny
 import torch
 import transformers
-from safetensors import safe_open
-
-import tiny
 from harness import run_distributed
+from safetensors import safe_open
 from tiny import make_batch
 
 TOL = 1e-5
@@ -466,8 +465,8 @@ def _kill_job(src: str, root: str, phase: str, victim: int, nth: int):
 def test_save_killed_at_each_phase_leaves_old_or_new_checkpoint(tmp_path, phase, victim, nth, expect):
     import warnings
 
-    from hf_pipeline.training.checkpoint import is_complete_checkpoint, latest_checkpoint
     from hf_pipeline.loading.weights import CheckpointIndex
+    from hf_pipeline.training.checkpoint import is_complete_checkpoint, latest_checkpoint
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")
     results = run_distributed(

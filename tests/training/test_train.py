@@ -21,9 +21,8 @@ updates; eps keeps round-off-level gradients from turning into lr-sized moves, s
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tiny
+import torch
 from harness import run_distributed
 from tiny import make_batch
 
