@@ -140,3 +140,25 @@ def no_init_weights():
 # accelerate's "already prepared" flag: accelerator.prepare returns a module carrying it as it is
 # instead of wrapping it in DDP (there is no public opt-out for a module that syncs its own gradients).
 ACCELERATE_PREPARED_FLAG = "_is_accelerate_prepared"
+
+
+# ------------------------------------------------------------------------------------------------
+# Below: one section per room of the package that needs a private API, each beside the public API
+# it stands in for. Each section lists its own names in an `__all__ += [...]` line of its own.
+
+# --- for distributed/ ----------------------------------------------------------------------------
+
+
+# --- for families/ and planning/ ------------------------------------------------------------------
+
+
+# --- for runtime/ and loading/ --------------------------------------------------------------------
+
+
+# --- for generation/ -------------------------------------------------------------------------------
+
+
+# --- for training/ and the model facade -------------------------------------------------------------
+
+
+# --- for tools/ and the command line ----------------------------------------------------------------
