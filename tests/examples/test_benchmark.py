@@ -27,7 +27,7 @@ def test_random_checkpoint_is_a_real_sharded_checkpoint(tmp_path):
     import transformers
 
     bench = _bench()
-    cfg = bench._llama_config(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=128, max_pos=64, dtype="bfloat16")
+    cfg = bench.llama_config(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=128, max_pos=64, dtype="bfloat16")
     path = bench.write_random_checkpoint(tmp_path / "ck", cfg, shard_bytes=12_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -46,7 +46,7 @@ def test_partial_rerun_replaces_only_its_sections():
     bench = _bench()
     old = {"load": {"x": 1}, "train": {"y": 2}, "generate": {"z": 3}, "command": "full", "quick": False, "sizes": {}, "errors": []}
     new = {"generate": {"z": 4}, "command": "rerun", "date": "d", "seconds": 5, "quick": False, "sizes": {}, "errors": [], "machine": {}}
-    merged = bench._merge(old, new, ["generate"])
+    merged = bench.merge(old, new, ["generate"])
     assert merged["load"] == {"x": 1} and merged["train"] == {"y": 2} and merged["generate"] == {"z": 4}
     assert merged["runs"][-1]["sections"] == ["generate"]
 

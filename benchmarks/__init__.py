@@ -1,0 +1,47 @@
+"""Benchmarks side by side: every figure is a ratio against a baseline measured in the same run.
+
+    python scripts/benchmark.py                      # the full run (several minutes), writes bench_results/
+    python scripts/benchmark.py --quick              # tiny sizes, every section, seconds (what CI runs),
+                                                     # writes bench_out/quick/
+    python scripts/benchmark.py --sections train,generate   # rerun some sections, merged into results.json
+    python -m benchmarks [same options]               # the same, from the repository root
+    hf-pipeline bench [same options]
+
+Sections (multi-rank parts run under ``torchrun``, 1 thread per rank, OMP_NUM_THREADS=1; each
+baseline runs in the same invocation):
+  load      a >= 1 GB LLaMA-architecture bf16 checkpoint in >= 4 safetensors shards (random weights,
+            written shard by shard and cached): per-rank peak RSS above the post-import baseline
+            (the OS's high-water mark, VmHWM, reset before each load) and bytes read, for p = 1, 2, 4,
+            against transformers ``from_pretrained`` on every rank (what accelerate's prepare_pippy needs);
+            each rank's load wall time against plainly reading the same byte ranges (warm and cold).
+  train     tokens/s of ``model.train_step`` per schedule on 2 ranks x 1 thread against one
+            transformers process x 1 thread, same global batch (LLaMA hidden 384, 12 layers, GQA,
+            vocab 8192, seq 128, batch 16, 8 microbatches); and as fractions of the machine's limit,
+            measured in the same run: 2 independent transformers processes on half the batch each,
+            paid the cost of small microbatches (perfect overlap).
+  generate  tokens/s of pipelined greedy ``generate`` (2 ranks) against transformers' ``generate``
+            on one process, against a one-microbatch pipeline, and against the 2-way limit
+            (2 independent processes on half the prompts each); 16 prompts x 32 tokens, 64 new tokens.
+  bubble    per-rank idle fraction of one profiled training step per schedule (from per-action
+            timings, hf_pipeline.tools.profile) beside the schedule's theoretical bubble; Gantt PNGs and
+            Chrome traces go to ``<out>/timelines/``.
+
+Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
+``--out`` defaults to ``bench_results/`` (committed) for full runs and to ``bench_out/quick/`` (ignored
+by git) for ``--quick``, whose tiny sizes make numbers that only show the script works.
+
+The package, by job: ``config`` (sizes, schedules, sections), ``checkpoints`` (the random
+checkpoints), ``meters`` (peak RSS, page cache, plain reads), ``timing`` (medians, inputs, one
+message's hop), ``torch_pipeline`` (the same pipelines without hf_pipeline), ``split_backward``;
+one module per section measuring (``load``, ``train``, ``generate``: the tasks each rank runs), its
+results (``<section>_results``: results.json's part) and its tables (``<section>_tables``);
+``processes`` (fresh processes per launch), ``run`` (one run), ``report`` (results.md and README's
+block, rendered once by ``tables.render``), ``cli`` (the command line).
+"""
+
+
+from benchmarks.cli import main
+from benchmarks.report import readme_tables, to_markdown, update_readme
+from benchmarks.run import merge, run_benchmark
+
+__all__ = ["main", "merge", "readme_tables", "run_benchmark", "to_markdown", "update_readme"]

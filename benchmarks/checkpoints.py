@@ -1,0 +1,127 @@
+"""The random checkpoints a run loads, trains and generates from: written once, then reused from a cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+from benchmarks.config import Sizes
+
+__all__ = ["cache_dir", "checkpoints", "llama_config", "write_random_checkpoint"]
+
+
+def llama_config(*, hidden, intermediate, layers, heads, kv_heads, vocab, max_pos, dtype):
+    """A ``transformers.LlamaConfig`` of these sizes (untied embeddings, no EOS: every run generates in full)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=max_pos, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None, dtype=dtype,
+    )
+
+
+def _shards(entries, itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """``entries`` (name, shape) in order, cut into shards of at most ``shard_bytes`` (a bigger tensor: alone)."""
+    import torch
+
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in entries:
+        nbytes = itemsize * (1 if not shape else int(torch.Size(shape).numel()))
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def write_random_checkpoint(directory: pathlib.Path, config, *, shard_bytes: int, seed: int = 0) -> pathlib.Path:
+    """A sharded safetensors checkpoint of ``config`` with random weights, written tensor by tensor.
+
+    Nothing close to the model's size is ever in memory: parameter names and shapes come from the
+    model on the meta device, each shard's tensors are drawn, written and dropped. The layout is
+    what ``save_pretrained(max_shard_size=...)`` writes (shards + index + config.json), and a
+    ``.complete`` marker makes the directory a cache: an existing complete directory is reused.
+
+    Args:
+        directory: where to write (created); returned as is when already complete.
+        config: a causal-LM config (its ``dtype`` is the weights' dtype).
+        shard_bytes: the most bytes of tensors per shard file.
+        seed: the weights' random seed.
+
+    Returns:
+        ``directory``.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    directory = pathlib.Path(directory)
+    if (directory / ".complete").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, str(config.dtype).removeprefix("torch."))
+    with torch.device("meta"):  # names and shapes only: no memory, no initialisation
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    entries = [(name, tuple(t.shape)) for name, t in meta.state_dict().items()]
+    shards = _shards(entries, torch.empty((), dtype=dtype).element_size(), shard_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+            tensors[name] = t
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(directory)
+    (directory / ".complete").write_text("ok\n")
+    return directory
+
+
+def cache_dir(args) -> pathlib.Path:
+    """``--cache-dir``, else ``$XDG_CACHE_HOME/hf_pipeline/bench`` (``~/.cache`` without it)."""
+    if args.cache_dir:
+        return pathlib.Path(args.cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "hf_pipeline" / "bench"
+
+
+def _load_config(sizes: Sizes):
+    return llama_config(
+        hidden=sizes.load_hidden, intermediate=sizes.load_intermediate, layers=sizes.load_layers,
+        heads=sizes.load_heads, kv_heads=sizes.load_kv_heads, vocab=sizes.load_vocab, max_pos=256, dtype="bfloat16",
+    )
+
+
+def checkpoints(args, sizes: Sizes) -> dict[str, str]:
+    """The run's checkpoints, written where missing: ``load`` (the >= 1 GB one), ``warmup`` (its tiny twin,
+    loaded first so lazy imports are not timed), ``train`` (the train/generate model, fp32); and
+    ``load_seconds``, the time the load checkpoint took to be ready."""
+    root = cache_dir(args)
+    quick = Sizes.quick()
+    warmup = write_random_checkpoint(root / "warmup", _load_config(quick), shard_bytes=quick.load_shard_bytes)
+    tag = f"load-h{sizes.load_hidden}-l{sizes.load_layers}-v{sizes.load_vocab}-s{sizes.load_shard_bytes}"
+    t = time.perf_counter()
+    load = write_random_checkpoint(root / tag, _load_config(sizes), shard_bytes=sizes.load_shard_bytes)
+    created = time.perf_counter() - t
+    train_cfg = llama_config(
+        hidden=sizes.hidden, intermediate=sizes.intermediate, layers=sizes.layers, heads=sizes.heads,
+        kv_heads=sizes.kv_heads, vocab=sizes.vocab, max_pos=max(256, sizes.seq, sizes.prompt_len + sizes.new_tokens),
+        dtype="float32",
+    )
+    train_tag = f"train-h{sizes.hidden}-l{sizes.layers}-kv{sizes.kv_heads}-v{sizes.vocab}"
+    train = write_random_checkpoint(root / train_tag, train_cfg, shard_bytes=16_000_000)
+    return {"load": str(load), "warmup": str(warmup), "train": str(train), "load_seconds": f"{created:.1f}"}

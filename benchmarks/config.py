@@ -1,0 +1,57 @@
+"""What a run measures and at which size: the schedules, the sections, and :class:`Sizes`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MEASURED", "SCHEDULES", "SECTIONS", "Sizes"]
+
+# (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
+# a name ending in MEASURED: that schedule loaded again with the split model.measure_split() advises.
+MEASURED = "+measured-split"
+SCHEDULES = [
+    ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2),
+    ("dualpipev", 2), ("auto", None), ("zbv-zero-bubble" + MEASURED, 2),
+]
+SECTIONS = ("load", "train", "generate", "bubble")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """Everything a run's size depends on; ``--quick`` swaps in tiny values."""
+
+    # load: the >= 1 GB checkpoint
+    load_hidden: int = 2048
+    load_intermediate: int = 5632
+    load_layers: int = 12
+    load_heads: int = 16
+    load_kv_heads: int = 4
+    load_vocab: int = 32000
+    load_shard_bytes: int = 100_000_000
+    load_ranks: tuple[int, ...] = (1, 2, 4)
+    # train / generate model: LLaMA-architecture, 12 layers, GQA
+    hidden: int = 384
+    intermediate: int = 1024  # ~8/3 x hidden, as LLaMA
+    layers: int = 12
+    heads: int = 6
+    kv_heads: int = 2
+    vocab: int = 8192
+    seq: int = 128
+    batch: int = 16
+    n_microbatches: int = 8
+    train_reps: int = 6
+    prompts: int = 16
+    prompt_len: int = 32
+    prefill_chunk: int = 16  # the chunked-prefill run's prefill_chunk_size: 2 chunks of the prompt
+    new_tokens: int = 64
+    gen_reps: int = 3
+    world: int = 2
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            load_hidden=64, load_intermediate=128, load_layers=4, load_heads=4, load_kv_heads=2, load_vocab=512,
+            load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
+            vocab=256, seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, prefill_chunk=2,
+            new_tokens=8, gen_reps=1,
+        )
