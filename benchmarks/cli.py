@@ -13,6 +13,7 @@ from benchmarks.config import SECTIONS
 from benchmarks.processes import ROOT, run_worker
 from benchmarks.report import to_markdown, update_readme
 from benchmarks.run import merge, run_benchmark
+from hf_pipeline.training.checkpoint import replace_file
 
 __all__ = ["main"]
 
@@ -43,8 +44,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _rewrite_from_committed() -> int:
     """``--update-readme``: README's block and results.md from the committed results.json."""
-    from hf_pipeline.training.checkpoint import replace_file
-
     res = json.loads((ROOT / "bench_results" / "results.json").read_text())
     update_readme(ROOT / "README.md", res)
     replace_file(ROOT / "bench_results" / "results.md", to_markdown(res))
@@ -60,8 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    from hf_pipeline.training.checkpoint import replace_file
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.worker:

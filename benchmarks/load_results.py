@@ -10,6 +10,7 @@ import pathlib
 from typing import Any
 
 from benchmarks.config import Sizes
+from hf_pipeline.loading.weights import CheckpointIndex, checkpoint_nbytes
 
 __all__ = ["summarize"]
 
@@ -42,8 +43,6 @@ def summarize(sizes: Sizes, ckpts: dict[str, str], find) -> dict[str, Any]:
 
     ``find(world, label)`` returns every rank's result of the task ``label`` in the launch of ``world``.
     """
-    from hf_pipeline.loading.weights import CheckpointIndex, checkpoint_nbytes
-
     ckpt_bytes = checkpoint_nbytes(CheckpointIndex.from_directory(ckpts["load"]))
     index = json.loads(pathlib.Path(ckpts["load"], "model.safetensors.index.json").read_text())
     tensor_bytes = index["metadata"]["total_size"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks import generate_tables, load_tables, train_tables
 from benchmarks.tables import render
+from hf_pipeline.training.checkpoint import replace_file
 
 __all__ = ["README_END", "README_START", "readme_tables", "to_markdown", "update_readme"]
 
@@ -86,8 +87,6 @@ def readme_tables(res: dict[str, Any]) -> str:
 
 def update_readme(readme: pathlib.Path, res: dict[str, Any]) -> None:
     """Replace the block between README_START and README_END in ``readme`` with :func:`readme_tables`."""
-    from hf_pipeline.training.checkpoint import replace_file
-
     text = readme.read_text()
     a, b = text.find(README_START), text.find(README_END)
     if a < 0 or b < a:

@@ -51,6 +51,18 @@ def test_partial_rerun_replaces_only_its_sections():
     assert merged["runs"][-1]["sections"] == ["generate"]
 
 
+def test_report_tables_are_data_rendered_once():
+    # Each section builds its tables as data; one renderer writes every table of results.md and the
+    # README block: a blank cell (None) as "| |", an empty string as "|  |", as the f-strings did.
+    from benchmarks.tables import Table, render
+
+    table = Table(["ranks", "peak", "read"])
+    table.add("2", "error: out of memory", None)
+    table.add("4", "", "1.00x")
+    assert render(["Load:", "", table, ""]) == (
+        "Load:\n\n| ranks | peak | read |\n|---|---|---|\n| 2 | error: out of memory | |\n| 4 |  | 1.00x |\n")
+
+
 def _files(root: pathlib.Path) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
