@@ -96,7 +96,7 @@ def _observed(results):
     ids=["train-3ranks-kill-middle", "generate-kill-first-stage"],
 )
 def test_killed_rank_is_named_by_every_survivor(tmp_path, what, world, victim, at_call):
-    from hf_pipeline.distributed.context import RankError
+    from hf_pipeline.errors import RankError
 
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     results = _observed(run_distributed(
@@ -304,13 +304,13 @@ def test_communication_errors_are_told_from_local_ones():
     assert _original(plain) is plain
 
 
-def test_step_errors_is_transparent_for_one_process():
+def test_spread_failures_is_transparent_for_one_process():
     from hf_pipeline.distributed.context import init_distributed
-    from hf_pipeline.distributed.faults import step_errors
+    from hf_pipeline.distributed.faults import spread_failures
 
     ctx = init_distributed(device="cpu")
     with pytest.raises(KeyError, match="no such layer"):
-        with step_errors(ctx, "a forward pass"):
+        with spread_failures(ctx, "a forward pass"):
             raise KeyError("no such layer")
-    with step_errors(ctx, "a forward pass"):
+    with spread_failures(ctx, "a forward pass"):
         pass

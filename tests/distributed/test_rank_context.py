@@ -1,4 +1,5 @@
-"""Rank context, error agreement and the shared harness (hf_pipeline/distributed/context.py, tests/harness.py).
+"""Rank context, error agreement and the shared harness (hf_pipeline/distributed/{context,agreement,shutdown}.py,
+tests/harness.py).
 
 Single-process tests run in this process; multi-rank ones go through ``run_distributed`` on gloo.
 Every spawned rank imports this module, so hf_pipeline (whose package import pulls in
@@ -33,7 +34,9 @@ def _fast() -> bool:
 
 
 def _group_timeout_s(group) -> float:
-    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    from hf_pipeline.compat import group_timeout
+
+    return group_timeout(group, torch.device("cpu")).total_seconds()
 
 
 def _rank() -> int:
@@ -67,12 +70,8 @@ def test_single_process_context(single_process):
 
 
 def test_single_process_helpers_are_noops(single_process):
-    from hf_pipeline.distributed.context import (
-        check_same_on_all_ranks,
-        collective_errors,
-        init_distributed,
-        raise_on_any_rank,
-    )
+    from hf_pipeline.distributed.agreement import check_same_on_all_ranks, collective_errors, raise_on_any_rank
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed(device="cpu")
     raise_on_any_rank(ctx, None, what="nothing")
@@ -108,7 +107,7 @@ def test_thread_env_and_bad_settings(single_process, monkeypatch):
 
 
 def test_fingerprint_sees_small_and_large_changes():
-    from hf_pipeline.distributed.context import fingerprint
+    from hf_pipeline.distributed.agreement import fingerprint
 
     fp = lambda v: fingerprint(v)[0]  # noqa: E731
     a = torch.arange(16, dtype=torch.int64).reshape(2, 8)
@@ -174,7 +173,8 @@ def _agreements():
     """Three collective steps; what each raised, per rank: rank 1 fails, nobody fails, everyone fails."""
     import traceback
 
-    from hf_pipeline.distributed.context import collective_errors, init_distributed, raise_on_any_rank
+    from hf_pipeline.distributed.agreement import collective_errors, raise_on_any_rank
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed()
     caught = {}
@@ -196,7 +196,7 @@ def _agreements():
 
 @pytest.mark.dist
 def test_errors_agreed_on_every_rank():
-    from hf_pipeline.distributed.context import RankError
+    from hf_pipeline.errors import RankError
 
     results = run_distributed(_agreements, 3)
     assert _fast(), last_run_timing()
@@ -216,7 +216,8 @@ def test_errors_agreed_on_every_rank():
 
 
 def _check_inputs(bad_rank: int):
-    from hf_pipeline.distributed.context import check_same_on_all_ranks, init_distributed
+    from hf_pipeline.distributed.agreement import check_same_on_all_ranks
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed()
     ids = torch.arange(12).reshape(2, 6)
@@ -228,17 +229,20 @@ def _check_inputs(bad_rank: int):
 
 @pytest.mark.dist
 def test_check_same_on_all_ranks_mismatch_raises_everywhere():
+    from hf_pipeline.errors import InputError
+
     errors = expect_errors(_check_inputs, 2, 1)
     assert _fast(), last_run_timing()
     for err in errors:
-        assert type(err) is ValueError
+        assert type(err) is InputError and isinstance(err, ValueError)  # the library's ValueError
         msg = str(err)
         assert msg.startswith("input_ids must be the same on every rank")
         assert "rank 0: Tensor(shape=(2, 6), dtype=torch.int64" in msg and "rank 1: Tensor" in msg
 
 
 def _dead_peer():
-    from hf_pipeline.distributed.context import collective_errors, init_distributed
+    from hf_pipeline.distributed.agreement import collective_errors
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed()
     ctx.barrier()
@@ -305,18 +309,18 @@ def test_harness_rejects_unpicklable_functions():
 def test_settle_waits_for_a_busy_thread_and_returns_at_once_when_idle():
     import threading
 
-    from hf_pipeline.distributed.context import _settle_threads
+    from hf_pipeline.distributed.shutdown import settle_threads
 
     stop = time.monotonic() + 0.4
     spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() < stop, False)])
     t = time.monotonic()
     spinner.start()
-    _settle_threads(timeout=5.0)
+    settle_threads(timeout=5.0)
     assert not spinner.is_alive() or time.monotonic() >= stop - 0.01  # it waited for the running thread
     assert time.monotonic() - t >= 0.3
     spinner.join()
     t = time.monotonic()
-    _settle_threads(timeout=5.0)
+    settle_threads(timeout=5.0)
     assert time.monotonic() - t < 0.25  # nothing runs: two idle looks, a few ms
 
 
