@@ -258,6 +258,7 @@ def _single_process(device: str | torch.device | None, timeout: datetime.timedel
 
 
 def _create_group(world_size: int, device: str | torch.device | None, timeout: datetime.timedelta) -> RankContext:
+    """The context of a default group this call creates from the launcher's env (``RANK``, ``MASTER_ADDR``, ...)."""
     rank = _env_int("RANK")
     if rank is None:
         raise InputError(
@@ -292,7 +293,7 @@ def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     for device in (torch.device("cpu"), torch.device("cuda")):
         try:
             return group_timeout(group, device)
-        except Exception:  # noqa: BLE001 - private API, backend not registered for this device
+        except Exception:  # noqa: BLE001 - no backend registered for this device
             continue
     return None
 

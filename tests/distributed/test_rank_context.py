@@ -22,7 +22,9 @@ from harness import ChildFailed, expect_errors, last_run_timing, run_distributed
 
 DEFAULT_TIMEOUT_S = 300.0  # the documented default (hf_pipeline.distributed.context.DEFAULT_TIMEOUT_S, checked below)
 
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HF_PIPELINE_TIMEOUT")
+_LAUNCH_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HF_PIPELINE_TIMEOUT",
+)
 _FAST = 15  # s: the call, far below the 300 s collective timeout; start-up is not counted (see _fast)
 
 
@@ -292,7 +294,8 @@ def _raise_on_rank0_sleep_on_rank1():
 def test_harness_shows_child_traceback_and_stops_peers_early():
     with pytest.raises(ChildFailed) as info:
         run_distributed(_raise_on_rank0_sleep_on_rank1, 2, timeout=60, failure_grace=2)
-    assert last_run_timing().run_s < 2 + 5, last_run_timing()  # not the 60 s timeout: the peer got 2 s after rank 0 failed
+    # not the 60 s timeout: the peer got 2 s after rank 0 failed
+    assert last_run_timing().run_s < 2 + 5, last_run_timing()
     msg = str(info.value)
     assert "rank 0 raised KeyError: 'no such layer: model.layers.9'" in msg
     assert "_a_distinctive_helper" in msg and "Traceback" in msg
@@ -346,9 +349,12 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly(tmp_path):
 
     script = tmp_path / "race.py"
     script.write_text(_EXIT_RACE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     for k in _LAUNCH_ENV:
         env.pop(k, None)
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script), str(get_free_port())], capture_output=True, text=True, env=env, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(get_free_port())], capture_output=True, text=True, env=env, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
