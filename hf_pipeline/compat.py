@@ -148,6 +148,17 @@ ACCELERATE_PREPARED_FLAG = "_is_accelerate_prepared"
 
 # --- for distributed/ ----------------------------------------------------------------------------
 
+import datetime  # noqa: E402
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:
+    """The timeout ``group``'s backend for ``device`` was created with. Stands in for a public getter:
+    ``ProcessGroup.set_timeout`` has no ``get_timeout``. Raises when no backend is registered for ``device``."""
+    return group._get_backend(device).options._timeout
+
+
+__all__ += ["group_timeout"]
+
 
 # --- for families/ and planning/ ------------------------------------------------------------------
 

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .compat import ACCELERATE_PREPARED_FLAG
-from .distributed.context import ParallelDims, RankContext, check_same_on_all_ranks
-from .distributed.faults import raise_if_broken, step_errors
+from .distributed.agreement import check_same_on_all_ranks
+from .distributed.context import RankContext
+from .distributed.dims import ParallelDims
+from .distributed.faults import raise_if_broken, spread_failures
 from .errors import InputError, TraceError
 from .loading.loader import BuiltPipeline, build_pipeline
 from .loading.weights import LoadReport
@@ -190,7 +192,9 @@ class PipelinedModel(nn.Module):
 
     def _step_errors(self, what: str):
         # A failure inside a pipelined call reaches every rank with the failing rank's stage (faults.py).
-        return step_errors(self.ctx, what, groups=(self.dims.pp_group, self.dims.dp_group), describe=self.rank_label)
+        return spread_failures(
+            self.ctx, what, groups=(self.dims.pp_group, self.dims.dp_group), describe=self.rank_label
+        )
 
     def checkpoint_named_parameters(self):
         """(checkpoint key, parameter) for this rank's parameters; tied copies within a stage once."""

@@ -1,8 +1,15 @@
 """Ranks and their agreement: the rank context, the process group, parallel dims, faults.
 
-Lives here: :mod:`.context` (``init_distributed``, ``RankContext``, ``ParallelDims``, error
-agreement across ranks, input fingerprints) and :mod:`.faults` (failures in the middle of a
-pipelined call: every rank gets an error naming the culprit, none hangs).
+Lives here, lowest first:
+
+- :mod:`.shutdown`: a clean interpreter exit (the group destroyed, its worker threads idle).
+- :mod:`.context`: ``init_distributed``, ``RankContext``, ``destroy_distributed``: the process
+  group, device and collective timeout from the launcher's environment.
+- :mod:`.dims`: ``ParallelDims``, how the ranks form ``dp_size`` replicas of a pipeline.
+- :mod:`.agreement`: error agreement across ranks (``collective_errors``, ``raise_on_any_rank``,
+  ``lost_peer_error``) and input fingerprints (``check_same_on_all_ranks``).
+- :mod:`.faults`: failures in the middle of a pipelined call (``spread_failures``): every rank gets
+  an error naming the culprit, none hangs.
 
 May import: the base modules (``errors``, ``compat``, ``log``) only. Everything above talks to the
 process group through this room.

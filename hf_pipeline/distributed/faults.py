@@ -4,7 +4,7 @@ Errors found *before* communication are agreed through collectives (``dist.colle
 Inside a pipelined call that is not possible: when one stage raises (a bad label shape on the
 last stage, an out-of-memory on one GPU) or its process dies (SIGKILL, segfault), its neighbours
 sit in a receive that will never complete, and ranks further away sit behind them.
-:func:`step_errors` wraps one collective call (forward, training step, generate, save) on every
+:func:`spread_failures` wraps one collective call (forward, training step, generate, save) on every
 rank and turns any failure into an error on all of them:
 
 * A rank whose own code raised writes what happened (type, message, stage) to the job's
@@ -29,7 +29,7 @@ on the other side). So a receive with a 1 ms timeout, on a tag nobody sends on, 
 NCCL groups are aborted with ``_abort_process_group``.
 
 Example (inside the library; ``describe`` names a rank's stages):
-    >>> with step_errors(ctx, "a training step", groups=(model.dims.pp_group,), describe=stage_names):
+    >>> with spread_failures(ctx, "a training step", groups=(model.dims.pp_group,), describe=stage_names):
     ...     loss = schedule.step(**inputs)
 """
 
@@ -37,21 +37,21 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
 import pickle
 import time
-import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..compat import abort_process_group, default_store
-from ..errors import PipelineBroken
-from .context import RankContext, RankError, communication_failure
+from ..errors import PipelineBroken, RankError
+from .agreement import communication_failure, describe_error, is_lost_peer_error, rank_name
+from .context import RankContext
 
-__all__ = ["PipelineBroken", "is_communication_error", "raise_if_broken", "step_errors"]
+__all__ = ["PipelineBroken", "is_communication_error", "raise_if_broken", "spread_failures"]
 
 _PREFIX = "hf_pipeline/faults"
 _POISON_TAG = 0x7A11  # a tag no pipeline traffic uses: the receive on it can only time out
@@ -65,10 +65,6 @@ _COMM_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
     "timed out", "Socket Timeout", "ProcessGroupGloo", "gloo/transport", "NCCL", "Connection refused",
 )
-
-_calls = itertools.count()  # collective calls made under step_errors by this process (same on every rank)
-_broken: str | None = None  # set once this process stopped its group: later calls fail at once
-_broken_world: object = None  # ... that group: a job that destroys it and makes a new one may go on
 
 
 def is_communication_error(error: BaseException) -> bool:
@@ -95,22 +91,13 @@ def _original(error: BaseException) -> BaseException:
     return error
 
 
-def raise_if_broken(what: str) -> None:
-    """Raise :class:`PipelineBroken` if an earlier failure stopped this rank's process group."""
-    global _broken, _broken_world
-    if _broken is not None and (not dist.is_initialized() or dist.group.WORLD is not _broken_world):
-        _broken = _broken_world = None  # the stopped group is gone; a new one works
-    if _broken is not None:
-        raise PipelineBroken(f"cannot run {what}: {_broken} This rank's process group was stopped then; restart the job")
-
-
 def _record(kind: str, rank: int, error: BaseException, label: str, what: str, call: int) -> bytes:
-    message = str(error)
-    if len(message) > _MAX_MESSAGE:
-        message = message[:_MAX_MESSAGE] + f"... ({len(message) - _MAX_MESSAGE} more characters)"
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-    return pickle.dumps({"kind": kind, "rank": rank, "type": type(error).__name__, "message": message, "label": label, "what": what, "where": where, "call": call})
+    """What this rank tells the others through the store: ``kind`` "error" (its own code raised) or "lost"."""
+    type_name, message, where = describe_error(error)
+    return pickle.dumps(
+        {"kind": kind, "rank": rank, "type": type_name, "message": message, "label": label, "what": what,
+         "where": where, "call": call}
+    )
 
 
 class _Store:
@@ -158,7 +145,10 @@ def _key(call: int, rank: int) -> str:
     return f"{_PREFIX}/call{call}/rank{rank}"
 
 
-def _wait_records(store: _Store, call: int, ranks: Sequence[int], seconds: float, done: Callable[[dict[int, dict]], bool]) -> dict[int, dict]:
+def _wait_records(
+    store: _Store, call: int, ranks: Sequence[int], seconds: float, done: Callable[[dict[int, dict]], bool]
+) -> dict[int, dict]:
+    """The records of ``ranks`` for call ``call`` that arrive within ``seconds`` (sooner once ``done`` says so)."""
     records: dict[int, dict] = {}
     deadline = time.monotonic() + seconds
     while True:
@@ -181,10 +171,10 @@ def _stop(groups: Sequence[dist.ProcessGroup | None]) -> None:
         seen.add(id(group))
         try:
             size = dist.get_world_size(group)
-            me = dist.get_rank(group)
+            own_rank = dist.get_rank(group)
         except Exception:  # noqa: BLE001 - not a member, or already destroyed
             continue
-        if size < 2 or me < 0:
+        if size < 2 or own_rank < 0:
             continue
         backend = str(dist.get_backend(group))
         if "nccl" in backend:
@@ -194,7 +184,7 @@ def _stop(groups: Sequence[dist.ProcessGroup | None]) -> None:
                 pass
         if "gloo" not in backend:
             continue
-        peer = dist.get_global_rank(group, 1 if me == 0 else 0)
+        peer = dist.get_global_rank(group, 1 if own_rank == 0 else 0)
         for i in range(_POISON_CONTEXTS):
             try:
                 work = dist.irecv(torch.empty(1), src=peer, group=group, tag=_POISON_TAG + i)
@@ -203,13 +193,45 @@ def _stop(groups: Sequence[dist.ProcessGroup | None]) -> None:
                 pass
 
 
-def _name(rank: int, describe: Callable[[int], str] | None) -> str:
-    label = describe(rank) if describe is not None else ""
-    return f"rank {rank}" + (f" ({label})" if label else "")
+@dataclass
+class _FaultState:
+    """What this process remembers between pipelined calls (one per process: ``_STATE``)."""
+
+    calls: Iterator[int] = field(default_factory=itertools.count)  # calls entered: the same on every rank
+    broken: str | None = None  # set once this process stopped its group: later calls fail at once
+    broken_world: object = None  # ... that group: a job that destroys it and makes a new one may go on
+    depth: int = 0  # calls running now (one may run inside another: generate's forward passes)
+    # Errors a call running now already told every rank about; an enclosing call re-raises them as
+    # they are. Held only while a call runs (builtin exceptions cannot be weakly referenced).
+    handled: list[BaseException] = field(default_factory=list)
+
+    def is_handled(self, error: BaseException) -> bool:
+        return any(error is seen for seen in self.handled)
+
+    def stop(self, reason: str) -> None:
+        """Remember that this rank's process group was stopped, and why."""
+        self.broken, self.broken_world = reason, dist.group.WORLD
+
+
+_STATE = _FaultState()
+
+
+def raise_if_broken(what: str) -> None:
+    """Raise :class:`PipelineBroken` if an earlier failure stopped this rank's process group.
+
+    Args:
+        what: the call about to run, for the message ("a forward pass").
+    """
+    if _STATE.broken is not None and (not dist.is_initialized() or dist.group.WORLD is not _STATE.broken_world):
+        _STATE.broken = _STATE.broken_world = None  # the stopped group is gone; a new one works
+    if _STATE.broken is not None:
+        raise PipelineBroken(
+            f"cannot run {what}: {_STATE.broken} This rank's process group was stopped then; restart the job"
+        )
 
 
 @contextmanager
-def step_errors(
+def spread_failures(
     ctx: RankContext,
     what: str,
     *,
@@ -232,90 +254,137 @@ def step_errors(
         ``failures`` map the failing rank to (type, message, label)); :class:`PipelineBroken` for
         calls after a failure stopped this rank's group.
     """
-    global _broken, _broken_world
     raise_if_broken(what)
     if not ctx.is_distributed:
         yield
         return
-    call = next(_calls)
+    call = next(_STATE.calls)
+    _STATE.depth += 1
     try:
         yield
     except Exception as caught:
-        if getattr(caught, "_hf_pipeline_handled", False) or isinstance(caught, PipelineBroken):
-            raise  # an inner step_errors already told everyone
-        # An agreement inside the call that lost a peer (dist.lost_peer_error) is a lost peer of this
-        # call: reported below as one, naming the call, from the communication error underneath.
-        lost = getattr(caught, "_hf_pipeline_lost", False)
-        error = caught.__cause__ if lost and isinstance(caught.__cause__, Exception) else _original(caught)
-        if error is not caught and not lost:
-            # Raise what the stage raised (a ValueError stays a ValueError); torch's wrapper says where.
-            error.add_note(f"raised inside torch.distributed.pipelining: {str(caught).strip()[:500]}")
-        me = ctx.rank
-        label = describe(me) if describe is not None else ""
-        others = [r for r in range(ctx.world_size) if r != me]
-        store = _Store()
-        comm = lost or is_communication_error(error)
-        record = _record("lost" if comm else "error", me, error, label, what, call)
-        store.set(_key(call, me), record)
-        if not comm:
-            # The same bad argument raises on every rank at about the same time: then nobody is blocked.
-            seen = _wait_records(store, call, others, _AGREE_S, lambda recs: len(recs) == len(others))
-            if len(seen) == len(others) and all(rec["kind"] == "error" for rec in seen.values()):
-                error._hf_pipeline_handled = True
-                raise error
-            store.first_failure(record)
-            _stop(groups)
-            _broken_world = dist.group.WORLD
-            _broken = f"{_name(me, describe)} failed during {what}: {type(error).__name__}: {str(error)[:300]}."
-            error.add_note(
-                f"hf_pipeline: {_name(me, describe)} raised during {what} while other ranks were waiting for it; they "
-                "were told and raise RankError. This rank's process group is stopped: restart the job"
+        if _STATE.is_handled(caught) or isinstance(caught, PipelineBroken):
+            raise  # an inner spread_failures already told everyone
+        raised, cause = _spread(ctx, caught, _Call(what=what, number=call, groups=tuple(groups), describe=describe))
+        _STATE.handled.append(raised)
+        if cause is None:
+            raise raised  # noqa: B904 - this rank's own error, with its own cause and context
+        raise raised from cause
+    finally:
+        _STATE.depth -= 1
+        if _STATE.depth == 0:
+            _STATE.handled.clear()  # the outermost call is over: nothing encloses it to re-raise into
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One pipelined call, as the failure handling below needs it."""
+
+    what: str
+    number: int
+    groups: tuple[dist.ProcessGroup | None, ...]
+    describe: Callable[[int], str] | None
+
+    def name(self, rank: int) -> str:
+        return rank_name(rank, self.describe)
+
+    def label(self, rank: int) -> str | None:
+        return self.describe(rank) if self.describe is not None else None
+
+
+def _spread(ctx: RankContext, caught: Exception, call: _Call) -> tuple[BaseException, BaseException | None]:
+    """The exception this rank raises for ``caught`` (and its cause, for a RankError), after telling (or hearing
+    from) the other ranks."""
+    # An agreement inside the call that lost a peer (agreement.lost_peer_error) is a lost peer of this
+    # call: reported below as one, naming the call, from the communication error underneath.
+    lost = is_lost_peer_error(caught)
+    error = caught.__cause__ if lost and isinstance(caught.__cause__, Exception) else _original(caught)
+    if error is not caught and not lost:
+        # Raise what the stage raised (a ValueError stays a ValueError); torch's wrapper says where.
+        error.add_note(f"raised inside torch.distributed.pipelining: {str(caught).strip()[:500]}")
+    store = _Store()
+    comm = lost or is_communication_error(error)
+    record = _record("lost" if comm else "error", ctx.rank, error, call.label(ctx.rank) or "", call.what, call.number)
+    store.set(_key(call.number, ctx.rank), record)
+    if not comm:
+        return _local_failure(ctx, error, call, store, record), None
+    return _lost_contact(ctx, error, call, store), error
+
+
+def _local_failure(ctx: RankContext, error: BaseException, call: _Call, store: _Store, record: bytes) -> BaseException:
+    """This rank's own code raised ``error``: unless every rank raised too, stop the group so the peers learn it."""
+    others = [r for r in range(ctx.world_size) if r != ctx.rank]
+    # The same bad argument raises on every rank at about the same time: then nobody is blocked.
+    seen = _wait_records(store, call.number, others, _AGREE_S, lambda recs: len(recs) == len(others))
+    if len(seen) == len(others) and all(rec["kind"] == "error" for rec in seen.values()):
+        return error
+    store.first_failure(record)
+    _stop(call.groups)
+    who = call.name(ctx.rank)
+    _STATE.stop(f"{who} failed during {call.what}: {type(error).__name__}: {str(error)[:300]}.")
+    error.add_note(
+        f"hf_pipeline: {who} raised during {call.what} while other ranks were waiting for it; they "
+        "were told and raise RankError. This rank's process group is stopped: restart the job"
+    )
+    return error
+
+
+def _lost_contact(ctx: RankContext, error: BaseException, call: _Call, store: _Store) -> RankError:
+    """This rank's communication failed: stop its group too, and name the peer that caused it.
+
+    The :class:`RankError` returned is raised from ``error``.
+    """
+    _stop(call.groups)
+    others = [r for r in range(ctx.world_size) if r != ctx.rank]
+    # Who caused it? A peer that raised has left a record (at the latest right before it stopped
+    # its group, which is what woke us); a peer that died or hangs never will.
+    records = _wait_records(
+        store, call.number, others, _IDENTIFY_S,
+        lambda recs: any(rec["kind"] == "error" for rec in recs.values()) or len(recs) >= len(others) - 1,
+    )
+    culprits = {r: rec for r, rec in records.items() if rec["kind"] == "error"}
+    if not culprits:
+        earlier = store.get(f"{_PREFIX}/first")  # a failure in an earlier call that this rank did not wait on
+        if earlier is not None:
+            culprits = {earlier["rank"]: earlier}
+    if culprits:
+        message, failures = _culprits_message(culprits)
+    else:
+        silent = [r for r in others if r not in records]
+        message, failures = _silence_message(ctx, error, call, silent)
+        if store.error is not None:
+            message += (
+                f". The rendezvous store is unreachable too ({store.error[:200]}): the process hosting it (rank 0, "
+                "or torchrun's agent on the first node) has probably died"
             )
-            error._hf_pipeline_handled = True
-            raise error
-        _stop(groups)
-        # Who caused it? A peer that raised has left a record (at the latest right before it stopped
-        # its group, which is what woke us); a peer that died or hangs never will.
-        records = _wait_records(
-            store, call, others, _IDENTIFY_S,
-            lambda recs: any(rec["kind"] == "error" for rec in recs.values()) or len(recs) >= len(others) - 1,
+    _STATE.stop(message.splitlines()[0])
+    return RankError(message, failures=failures)
+
+
+_Failures = dict[int, tuple[str, str, "str | None"]]
+
+
+def _culprits_message(culprits: dict[int, dict]) -> tuple[str, _Failures]:
+    """The message and ``RankError.failures`` for peers that recorded their own error."""
+    failures: _Failures = {}
+    lines = []
+    for r, rec in sorted(culprits.items()):
+        where = f" [at {rec['where']}]" if rec["where"] else ""
+        who = f"rank {r}" + (f" ({rec['label']})" if rec["label"] else "")
+        lines.append(f"{who} failed during {rec['what']}: {rec['type']}: {rec['message']}{where}")
+        failures[r] = (rec["type"], rec["message"], rec["label"] or None)
+    return "\n".join(lines), failures
+
+
+def _silence_message(ctx: RankContext, error: BaseException, call: _Call, silent: list[int]) -> tuple[str, _Failures]:
+    """The message and ``RankError.failures`` when no peer recorded an error: the ``silent`` ones never answered."""
+    reason = communication_failure(error, ctx.timeout.total_seconds())
+    if silent:
+        names = ", ".join(call.name(r) for r in silent)
+        message = (
+            f"{names} stopped answering during {call.what}: {call.name(ctx.rank)} lost contact, {reason}; check its log"
         )
-        culprits = {r: rec for r, rec in records.items() if rec["kind"] == "error"}
-        if not culprits:
-            earlier = store.get(f"{_PREFIX}/first")  # a failure in an earlier call that this rank did not wait on
-            if earlier is not None:
-                culprits = {earlier["rank"]: earlier}
-        timeout_s = ctx.timeout.total_seconds()
-        if culprits:
-            failures = {}
-            lines = []
-            for r, rec in sorted(culprits.items()):
-                where = f" [at {rec['where']}]" if rec["where"] else ""
-                who = f"rank {r}" + (f" ({rec['label']})" if rec["label"] else "")
-                lines.append(f"{who} failed during {rec['what']}: {rec['type']}: {rec['message']}{where}")
-                failures[r] = (rec["type"], rec["message"], rec["label"] or None)
-            message = "\n".join(lines)
-        else:
-            silent = [r for r in others if r not in records]
-            if silent:
-                names = ", ".join(_name(r, describe) for r in silent)
-                message = (
-                    f"{names} stopped answering during {what}: {_name(me, describe)} lost contact, "
-                    f"{communication_failure(error, timeout_s)}; check its log"
-                )
-                failures = {r: ("ConnectionError", f"stopped answering during {what}", describe(r) if describe else None) for r in silent}
-            else:
-                message = (
-                    f"{_name(me, describe)} lost contact with its peers during {what}: "
-                    f"{communication_failure(error, timeout_s)}"
-                )
-                failures = {me: (type(error).__name__, str(error)[:_MAX_MESSAGE], label or None)}
-            if store.error is not None:
-                message += (
-                    f". The rendezvous store is unreachable too ({store.error[:200]}): the process hosting it (rank 0, "
-                    "or torchrun's agent on the first node) has probably died"
-                )
-        _broken, _broken_world = message.splitlines()[0], dist.group.WORLD
-        raised = RankError(message, failures=failures)
-        raised._hf_pipeline_handled = True
-        raise raised from error
+        failures = {r: ("ConnectionError", f"stopped answering during {call.what}", call.label(r)) for r in silent}
+        return message, failures
+    message = f"{call.name(ctx.rank)} lost contact with its peers during {call.what}: {reason}"
+    return message, {ctx.rank: (type(error).__name__, str(error)[:_MAX_MESSAGE], call.label(ctx.rank) or None)}

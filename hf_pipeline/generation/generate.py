@@ -60,7 +60,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..compat import decoder_start_token_tensor, generation_helper, pad_token_tensor
-from ..distributed.context import check_same_on_all_ranks
+from ..distributed.agreement import check_same_on_all_ranks
 from ..errors import InputError
 from ..log import get_logger
 from ..runtime.checks import check_generate_inputs, check_sequence_length, check_token_ids, vocab_size

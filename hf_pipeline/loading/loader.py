@@ -37,13 +37,9 @@ from torch import nn
 from transformers import AutoConfig
 
 from ..compat import set_attn_implementation
-from ..distributed.context import (
-    ParallelDims,
-    RankContext,
-    check_same_on_all_ranks,
-    collective_errors,
-    init_distributed,
-)
+from ..distributed.agreement import check_same_on_all_ranks, collective_errors
+from ..distributed.context import RankContext, init_distributed
+from ..distributed.dims import ParallelDims
 from ..errors import InputError
 from ..planning.options import PipelineOptions
 from ..planning.plan import ResolvedRecipe

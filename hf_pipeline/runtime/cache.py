@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..distributed.context import ParallelDims
+from ..distributed.dims import ParallelDims
 from ..planning.options import cache_size
 from ..planning.plan import StagePlan
 from ..planning.schedules import ScheduleSpec, fuse_schedule_backward

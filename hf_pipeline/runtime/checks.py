@@ -347,7 +347,7 @@ def pipeline_identity(options, config, checkpoint_dir, *, device_type: str, argu
         arguments: the caller's arguments as given (``split_method``, ``gather_output``, ...).
 
     Returns:
-        A dict for :func:`hf_pipeline.distributed.context.check_same_on_all_ranks`: mismatches are named by key
+        A dict for :func:`hf_pipeline.distributed.agreement.check_same_on_all_ranks`: mismatches are named by key
         (``split``, ``config.hidden_size``, ``shard sizes.model-00002-of-00005.safetensors``).
     """
     import hashlib

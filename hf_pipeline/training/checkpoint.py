@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..distributed.context import collective_errors
+from ..distributed.agreement import collective_errors
 from ..loading.weights import SAVE_STAGING_PATTERN, SAVE_STAGING_PREFIX
 from ..log import get_logger
 from ..planning.options import parse_size

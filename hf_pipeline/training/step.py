@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat import flatten_dense_tensors, unflatten_dense_tensors
-from ..distributed.context import fingerprint, raise_on_any_rank
+from ..distributed.agreement import fingerprint, raise_on_any_rank
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..planning.schedules import check_training
 from ..runtime import weight_pass

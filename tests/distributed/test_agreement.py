@@ -73,11 +73,14 @@ def _check_lost(result, *, what: str, reason: str):
 @pytest.mark.dist
 def test_peer_exits_between_calls_is_a_rank_error_naming_it(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
-    results = run_distributed(_lost_between_calls, 2, str(path), "exit", str(tmp_path), timeout=120, return_exceptions=True)
+    results = run_distributed(
+        _lost_between_calls, 2, str(path), "exit", str(tmp_path), timeout=120, return_exceptions=True
+    )
     assert "died with exit code 7" in str(results[1])
     first, later = results[0]
     _check_lost(first, what="comparing model inputs across ranks", reason="its connection closed")
-    assert later is not None and later[0] in ("RankError", "PipelineBroken"), later  # and the next call says so too, at once
+    # and the next call says so too, at once
+    assert later is not None and later[0] in ("RankError", "PipelineBroken"), later
     assert last_run_timing().run_s < 60, last_run_timing()
 
 
@@ -85,10 +88,13 @@ def test_peer_exits_between_calls_is_a_rank_error_naming_it(tmp_path):
 def test_peer_stopped_between_calls_is_a_rank_error_after_the_timeout(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     results = run_distributed(
-        _lost_between_calls, 2, str(path), "stop", str(tmp_path), timeout=120, return_exceptions=True, env={"HF_PIPELINE_TIMEOUT": "5"},
+        _lost_between_calls, 2, str(path), "stop", str(tmp_path), timeout=120, return_exceptions=True,
+        env={"HF_PIPELINE_TIMEOUT": "5"},
     )
     first, later = results[0]
-    _check_lost(first, what="comparing model inputs across ranks", reason="no answer before the collective timeout 5 s ran out")
+    _check_lost(
+        first, what="comparing model inputs across ranks", reason="no answer before the collective timeout 5 s ran out"
+    )
     assert later is not None
 
 
@@ -112,7 +118,9 @@ def _lost_while_loading(path: str, how: str, tmp: str):
 @pytest.mark.dist
 def test_peer_exits_while_ranks_read_shards_is_a_rank_error_naming_it(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
-    results = run_distributed(_lost_while_loading, 2, str(path), "exit", str(tmp_path), timeout=120, return_exceptions=True)
+    results = run_distributed(
+        _lost_while_loading, 2, str(path), "exit", str(tmp_path), timeout=120, return_exceptions=True
+    )
     _check_lost(results[0], what="loading weights", reason="its connection closed")
 
 
@@ -120,7 +128,8 @@ def test_peer_exits_while_ranks_read_shards_is_a_rank_error_naming_it(tmp_path):
 def test_peer_stopped_while_ranks_read_shards_is_a_rank_error_after_the_timeout(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     results = run_distributed(
-        _lost_while_loading, 2, str(path), "stop", str(tmp_path), timeout=120, return_exceptions=True, env={"HF_PIPELINE_TIMEOUT": "5"},
+        _lost_while_loading, 2, str(path), "stop", str(tmp_path), timeout=120, return_exceptions=True,
+        env={"HF_PIPELINE_TIMEOUT": "5"},
     )
     _check_lost(results[0], what="loading weights", reason="no answer before the collective timeout 5 s ran out")
 
@@ -128,7 +137,8 @@ def test_peer_stopped_while_ranks_read_shards_is_a_rank_error_after_the_timeout(
 def _same_files_elsewhere(paths: list[str]):
     model = _load(paths[int(os.environ["RANK"])], n_microbatches=2)
     inputs = tiny.sample_inputs("llama", batch=2, seq=9)
-    return model(**inputs).logits, model.generate(**tiny.sample_inputs("llama", batch=2, seq=5), max_new_tokens=3, do_sample=False)
+    prompt = tiny.sample_inputs("llama", batch=2, seq=5)
+    return model(**inputs).logits, model.generate(**prompt, max_new_tokens=3, do_sample=False)
 
 
 @pytest.mark.dist

@@ -64,7 +64,9 @@ def _call(model, what: str):
 def _fault(path: str, what: str, victim: int, action: str, at_call: int):
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", n_microbatches=4, progress=False)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", n_microbatches=4, progress=False
+    )
     _call(model, what)  # cleanly once: the runtime exists, the fault hits a warm pipeline
     if model.ctx.rank == victim:
         _arm(model, action, at_call)
@@ -96,7 +98,7 @@ def _observed(results):
     ids=["train-3ranks-kill-middle", "generate-kill-first-stage"],
 )
 def test_killed_rank_is_named_by_every_survivor(tmp_path, what, world, victim, at_call):
-    from hf_pipeline.distributed.context import RankError
+    from hf_pipeline.errors import RankError
 
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     results = _observed(run_distributed(
@@ -138,7 +140,8 @@ def test_rank_that_raises_mid_step_reaches_every_rank_with_its_message(tmp_path,
     for rank in (0, 1):
         res = results[rank]
         assert res["type"] == "RankError", res
-        assert res["message"].startswith(f"rank 2 (stage 2) failed during {label}: ValueError: {original}"), res["message"]
+        expected = f"rank 2 (stage 2) failed during {label}: ValueError: {original}"
+        assert res["message"].startswith(expected), res["message"]
         assert res["failures"] == {2: ("ValueError", original, "stage 2")}
     for rank, res in enumerate(results):
         assert res["elapsed"] < _FAST_S, f"rank {rank} took {res['elapsed']:.1f} s"
@@ -176,7 +179,9 @@ def _train_batch(step: int) -> dict[str, torch.Tensor]:
 def _new_run(path: str):
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", n_microbatches=2, progress=False)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", n_microbatches=2, progress=False
+    )
     model.train()  # attention dropout 0.1 in this checkpoint: the RNG state must survive the crash too
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -214,15 +219,21 @@ def _crashing_run(path: str, root: str):
     torch.manual_seed(0)
     model, opt, sched = _new_run(path)
     losses = _steps(model, opt, sched, range(1, _SAVED_AT + 1))
-    model.save_pretrained(pathlib.Path(root) / f"checkpoint-{_SAVED_AT}", optimizer=opt, scheduler=sched, step=_SAVED_AT)
+    model.save_pretrained(
+        pathlib.Path(root) / f"checkpoint-{_SAVED_AT}", optimizer=opt, scheduler=sched, step=_SAVED_AT
+    )
     losses += _steps(model, opt, sched, range(_SAVED_AT + 1, _STEPS))
     if model.ctx.rank == 1:
         safetensors.torch.save_file = _kill_while_saving(safetensors.torch, safetensors.torch.save_file)
     start = time.monotonic()
     try:
-        model.save_pretrained(pathlib.Path(root) / f"checkpoint-{_STEPS - 1}", optimizer=opt, scheduler=sched, step=_STEPS - 1)
+        model.save_pretrained(
+            pathlib.Path(root) / f"checkpoint-{_STEPS - 1}", optimizer=opt, scheduler=sched, step=_STEPS - 1
+        )
     except Exception as e:  # noqa: BLE001
-        raise Observed({"losses": losses, "type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}) from None
+        raise Observed(
+            {"losses": losses, "type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
+        ) from None
     return {"losses": losses, "type": None}
 
 
@@ -265,12 +276,15 @@ def test_killed_during_save_then_resume_gives_the_same_loss_curve(tmp_path):
     leftovers = [p.name for p in root.iterdir() if p.name != f"checkpoint-{_SAVED_AT}"]
     assert all(not is_complete_checkpoint(root / name) for name in leftovers), leftovers
     assert latest_checkpoint(root) == root / f"checkpoint-{_SAVED_AT}"
-    transformers.AutoModelForCausalLM.from_pretrained(root / f"checkpoint-{_SAVED_AT}")  # loads: no missing/corrupt shard
+    # loads: no missing/corrupt shard
+    transformers.AutoModelForCausalLM.from_pretrained(root / f"checkpoint-{_SAVED_AT}")
 
     resumed = run_distributed(_resume_run, 2, str(path), str(root), timeout=180)
     for rank, run in enumerate(resumed):
         assert run["latest"] == str(root / f"checkpoint-{_SAVED_AT}") and run["step"] == _SAVED_AT
-        assert run["uninterrupted"][: _STEPS - 1] == res["losses"], f"rank {rank}: the crashed run diverged before the crash"
+        assert run["uninterrupted"][: _STEPS - 1] == res["losses"], (
+            f"rank {rank}: the crashed run diverged before the crash"
+        )
         assert run["resumed"] == run["uninterrupted"][_SAVED_AT:], (
             f"rank {rank}: resumed losses {run['resumed']} != uninterrupted {run['uninterrupted'][_SAVED_AT:]}"
         )
@@ -283,9 +297,13 @@ def test_communication_errors_are_told_from_local_ones():
 
     from hf_pipeline.distributed.faults import PipelineBroken, _original, is_communication_error
 
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.250.0.2]:4021")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.250.0.2]:4021"
+    )
     assert is_communication_error(gloo)
-    assert is_communication_error(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"))
+    assert is_communication_error(
+        RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation")
+    )
     assert is_communication_error(dist.DistNetworkError("store"))
     assert is_communication_error(PipelineBroken("earlier failure"))
     assert not is_communication_error(ValueError("labels shape (2, 7) does not match input_ids (2, 9)"))
@@ -304,13 +322,13 @@ def test_communication_errors_are_told_from_local_ones():
     assert _original(plain) is plain
 
 
-def test_step_errors_is_transparent_for_one_process():
+def test_spread_failures_is_transparent_for_one_process():
     from hf_pipeline.distributed.context import init_distributed
-    from hf_pipeline.distributed.faults import step_errors
+    from hf_pipeline.distributed.faults import spread_failures
 
     ctx = init_distributed(device="cpu")
     with pytest.raises(KeyError, match="no such layer"):
-        with step_errors(ctx, "a forward pass"):
+        with spread_failures(ctx, "a forward pass"):
             raise KeyError("no such layer")
-    with step_errors(ctx, "a forward pass"):
+    with spread_failures(ctx, "a forward pass"):
         pass

@@ -49,7 +49,8 @@ def _why_no_namespaces() -> str | None:
 
 
 class _Hosts:
-    """Two namespaces joined by a veth pair; removed again by :meth:`close` (deleting a namespace deletes its veth end)."""
+    """Two namespaces joined by a veth pair; removed again by :meth:`close` (deleting a namespace deletes its
+    veth end)."""
 
     def __init__(self) -> None:
         tag = str(os.getpid())

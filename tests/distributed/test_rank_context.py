@@ -1,4 +1,5 @@
-"""Rank context, error agreement and the shared harness (hf_pipeline/distributed/context.py, tests/harness.py).
+"""Rank context, error agreement and the shared harness (hf_pipeline/distributed/{context,agreement,shutdown}.py,
+tests/harness.py).
 
 Single-process tests run in this process; multi-rank ones go through ``run_distributed`` on gloo.
 Every spawned rank imports this module, so hf_pipeline (whose package import pulls in
@@ -21,7 +22,9 @@ from harness import ChildFailed, expect_errors, last_run_timing, run_distributed
 
 DEFAULT_TIMEOUT_S = 300.0  # the documented default (hf_pipeline.distributed.context.DEFAULT_TIMEOUT_S, checked below)
 
-_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HF_PIPELINE_TIMEOUT")
+_LAUNCH_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HF_PIPELINE_TIMEOUT",
+)
 _FAST = 15  # s: the call, far below the 300 s collective timeout; start-up is not counted (see _fast)
 
 
@@ -33,7 +36,9 @@ def _fast() -> bool:
 
 
 def _group_timeout_s(group) -> float:
-    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    from hf_pipeline.compat import group_timeout
+
+    return group_timeout(group, torch.device("cpu")).total_seconds()
 
 
 def _rank() -> int:
@@ -67,12 +72,8 @@ def test_single_process_context(single_process):
 
 
 def test_single_process_helpers_are_noops(single_process):
-    from hf_pipeline.distributed.context import (
-        check_same_on_all_ranks,
-        collective_errors,
-        init_distributed,
-        raise_on_any_rank,
-    )
+    from hf_pipeline.distributed.agreement import check_same_on_all_ranks, collective_errors, raise_on_any_rank
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed(device="cpu")
     raise_on_any_rank(ctx, None, what="nothing")
@@ -108,7 +109,7 @@ def test_thread_env_and_bad_settings(single_process, monkeypatch):
 
 
 def test_fingerprint_sees_small_and_large_changes():
-    from hf_pipeline.distributed.context import fingerprint
+    from hf_pipeline.distributed.agreement import fingerprint
 
     fp = lambda v: fingerprint(v)[0]  # noqa: E731
     a = torch.arange(16, dtype=torch.int64).reshape(2, 8)
@@ -174,7 +175,8 @@ def _agreements():
     """Three collective steps; what each raised, per rank: rank 1 fails, nobody fails, everyone fails."""
     import traceback
 
-    from hf_pipeline.distributed.context import collective_errors, init_distributed, raise_on_any_rank
+    from hf_pipeline.distributed.agreement import collective_errors, raise_on_any_rank
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed()
     caught = {}
@@ -196,7 +198,7 @@ def _agreements():
 
 @pytest.mark.dist
 def test_errors_agreed_on_every_rank():
-    from hf_pipeline.distributed.context import RankError
+    from hf_pipeline.errors import RankError
 
     results = run_distributed(_agreements, 3)
     assert _fast(), last_run_timing()
@@ -216,7 +218,8 @@ def test_errors_agreed_on_every_rank():
 
 
 def _check_inputs(bad_rank: int):
-    from hf_pipeline.distributed.context import check_same_on_all_ranks, init_distributed
+    from hf_pipeline.distributed.agreement import check_same_on_all_ranks
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed()
     ids = torch.arange(12).reshape(2, 6)
@@ -228,17 +231,20 @@ def _check_inputs(bad_rank: int):
 
 @pytest.mark.dist
 def test_check_same_on_all_ranks_mismatch_raises_everywhere():
+    from hf_pipeline.errors import InputError
+
     errors = expect_errors(_check_inputs, 2, 1)
     assert _fast(), last_run_timing()
     for err in errors:
-        assert type(err) is ValueError
+        assert type(err) is InputError and isinstance(err, ValueError)  # the library's ValueError
         msg = str(err)
         assert msg.startswith("input_ids must be the same on every rank")
         assert "rank 0: Tensor(shape=(2, 6), dtype=torch.int64" in msg and "rank 1: Tensor" in msg
 
 
 def _dead_peer():
-    from hf_pipeline.distributed.context import collective_errors, init_distributed
+    from hf_pipeline.distributed.agreement import collective_errors
+    from hf_pipeline.distributed.context import init_distributed
 
     ctx = init_distributed()
     ctx.barrier()
@@ -288,7 +294,8 @@ def _raise_on_rank0_sleep_on_rank1():
 def test_harness_shows_child_traceback_and_stops_peers_early():
     with pytest.raises(ChildFailed) as info:
         run_distributed(_raise_on_rank0_sleep_on_rank1, 2, timeout=60, failure_grace=2)
-    assert last_run_timing().run_s < 2 + 5, last_run_timing()  # not the 60 s timeout: the peer got 2 s after rank 0 failed
+    # not the 60 s timeout: the peer got 2 s after rank 0 failed
+    assert last_run_timing().run_s < 2 + 5, last_run_timing()
     msg = str(info.value)
     assert "rank 0 raised KeyError: 'no such layer: model.layers.9'" in msg
     assert "_a_distinctive_helper" in msg and "Traceback" in msg
@@ -305,18 +312,18 @@ def test_harness_rejects_unpicklable_functions():
 def test_settle_waits_for_a_busy_thread_and_returns_at_once_when_idle():
     import threading
 
-    from hf_pipeline.distributed.context import _settle_threads
+    from hf_pipeline.distributed.shutdown import settle_threads
 
     stop = time.monotonic() + 0.4
     spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() < stop, False)])
     t = time.monotonic()
     spinner.start()
-    _settle_threads(timeout=5.0)
+    settle_threads(timeout=5.0)
     assert not spinner.is_alive() or time.monotonic() >= stop - 0.01  # it waited for the running thread
     assert time.monotonic() - t >= 0.3
     spinner.join()
     t = time.monotonic()
-    _settle_threads(timeout=5.0)
+    settle_threads(timeout=5.0)
     assert time.monotonic() - t < 0.25  # nothing runs: two idle looks, a few ms
 
 
@@ -342,9 +349,12 @@ def test_script_ending_with_collectives_in_flight_exits_cleanly(tmp_path):
 
     script = tmp_path / "race.py"
     script.write_text(_EXIT_RACE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     for k in _LAUNCH_ENV:
         env.pop(k, None)
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script), str(get_free_port())], capture_output=True, text=True, env=env, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(get_free_port())], capture_output=True, text=True, env=env, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
