@@ -418,7 +418,7 @@ def _accumulate(model, batch: dict, bounds: list[tuple[int, int]]) -> None:
 def _whole_and_microbatched(model, batch: dict, n_microbatches: int, reps: int) -> tuple[list[float], list[float], float]:
     """Seconds of forward + backward of ``batch`` in one piece and as ``n_microbatches`` one after
     another, alternating (each pair sees the machine alike; the first pair warms up); and the loss."""
-    from hf_pipeline.generation.sampling import microbatch_bounds
+    from hf_pipeline.generation.microbatches import microbatch_bounds
 
     rows = next(iter(batch.values())).shape[0]
     bounds = microbatch_bounds(rows, n_microbatches)
@@ -526,7 +526,7 @@ def _two_way_step(reference, batch: dict, sizes: dict, *, microbatched: bool = F
     import torch
     import torch.distributed as dist
 
-    from hf_pipeline.generation.sampling import microbatch_bounds
+    from hf_pipeline.generation.microbatches import microbatch_bounds
 
     lo, hi = microbatch_bounds(sizes["batch"], dist.get_world_size())[dist.get_rank()]
     pieces = [(lo, hi)]
@@ -915,7 +915,7 @@ def _task_generate_pp(spec: dict, out: dict) -> None:
     import transformers
 
     from hf_pipeline import AutoModelForCausalLM
-    from hf_pipeline.generation.sampling import microbatch_bounds
+    from hf_pipeline.generation.microbatches import microbatch_bounds
 
     sizes = spec["sizes"]
     model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False)

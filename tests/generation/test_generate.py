@@ -184,7 +184,7 @@ def assets(tmp_path_factory):
         chunked = _greedy(ref, inputs, eos_token_id=eos, prefill_chunk_size=CHUNK) if arch != "t5" else None
         with torch.no_grad():  # no early stop: the cache reaches its full size
             full = ref.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        from hf_pipeline.generation.ring import cache_nbytes
+        from hf_pipeline.generation.kv_cache import cache_nbytes
 
         # The sampling reference is the pipelined model on one process with one stage.
         model = getattr(hf_pipeline, tiny.AUTO[arch]).from_pretrained(path, pipeline=True, device="cpu", progress=False, num_stages=1)

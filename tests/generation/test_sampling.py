@@ -7,9 +7,9 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.logits_process import TopKLogitsWarper
 
+from hf_pipeline.generation.microbatches import microbatch_bounds
 from hf_pipeline.generation.sampling import (
     left_padded_position_ids,
-    microbatch_bounds,
     row_generators,
     row_seed,
     select_tokens,
