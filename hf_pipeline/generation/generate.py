@@ -29,8 +29,9 @@ stage, shapes that change after the prefill and rows that finish at different ti
 schedule per token would pay the fill/drain bubble (p-1)/(m+p-1) on every token. So the ring below
 talks ``dist.isend`` / ``dist.irecv`` itself.
 
-Note (protocol): the ring's timetable, messages and shapes are described in :mod:`hf_pipeline.generation.ring`;
-what a call may not ask for is the table of :mod:`hf_pipeline.generation.refusals`.
+Note (protocol): the ring's ticks, messages and shapes are described in :mod:`hf_pipeline.generation.timetable`,
+its parts in :mod:`hf_pipeline.generation.ring`; what a call may not ask for is the table of
+:mod:`hf_pipeline.generation.refusals`, checked as :mod:`hf_pipeline.generation.request` builds the request.
 
 Note (seeded sampling): each row samples from its own generator seeded from ``seed`` and its row
 index (``sampling.row_seed``), so a seed gives the same tokens whatever the number of stages,

@@ -109,35 +109,16 @@ def build_request(model, call: GenerateCall) -> Request:
         InputError / InputTypeError: a refused call (see :mod:`.refusals`), or transformers' own
             checks of the generation arguments, naming the arguments given.
     """
-    rows = _checked_inputs(model, call)
-    gc, has_default_max_length, has_default_min_length = _merged_config(model, call)
-    prefill_chunk = gc.prefill_chunk_size
     encoder_decoder = bool(model.config.is_encoder_decoder)
-    rows = _with_attention_mask(model, gc, rows, encoder_decoder)
-    copies = gc.num_return_sequences or 1
-    n_microbatches = (
-        call.n_microbatches if call.n_microbatches is not None else max(model.n_microbatches, model.plan.num_stages)
+    rows = _checked_inputs(model, call)
+    merged = _merged_config(model, call)
+    rows = _with_attention_mask(model, merged.config, rows, encoder_decoder)
+    share = _replica_share(model, merged.config, rows, call.n_microbatches)
+    tensors = _prompt_tensors(
+        model, merged.config, share.rows, encoder_decoder=encoder_decoder, all_ones=share.all_ones
     )
-    refuse(
-        "rows", copies=copies, do_sample=gc.do_sample, batch=rows.ids.shape[0] * copies,
-        dp_size=model.dims.dp_size, n_microbatches=n_microbatches,
-    )
-    if copies > 1:
-        rows = rows.select(lambda t: t.repeat_interleave(copies, dim=0))
-    # As transformers: a mask of all ones is dropped (same kernels, same numbers), decided for the whole batch.
-    all_ones = rows.mask is None or bool((rows.mask == 1).all())
-    # Data-parallel replicas each generate a contiguous share of the rows (gathered at the end).
-    lo, hi = microbatch_bounds(rows.ids.shape[0], model.dims.dp_size)[model.dims.dp_rank]
-    rows = rows.select(lambda t: t[lo:hi])
-    bounds = microbatch_bounds(hi - lo, min(n_microbatches, hi - lo))
-    tensors = _prompt_tensors(model, gc, rows, encoder_decoder=encoder_decoder, all_ones=all_ones)
     prompt_length = tensors["prompt"].shape[1]
-    gc = generation_helper(model.skeleton, "_prepare_generated_length")(
-        generation_config=gc, has_default_max_length=has_default_max_length,
-        has_default_min_length=has_default_min_length, model_input_name="input_ids",
-        input_ids_length=prompt_length, inputs_tensor=rows.ids,
-    )
-    refuse("length", max_length=gc.max_length, prompt_length=prompt_length)
+    gc = _with_generated_length(model, merged, share.rows, prompt_length)
     seed = call.seed
     if gc.do_sample and seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global stream: torch.manual_seed reproduces it
@@ -147,10 +128,10 @@ def build_request(model, call: GenerateCall) -> Request:
         call.generation_kwargs, call.config, lambda: _check_processors(model, gc, call, **tensors)
     )
     return Request(
-        config=gc, encoder_decoder=encoder_decoder, prefill_chunk=prefill_chunk, **tensors, bounds=bounds,
-        row_offset=lo, max_new=gc.max_length - prompt_length, do_sample=bool(gc.do_sample), seed=seed, pad=pad,
-        streamer=call.streamer, logits_processor=call.logits_processor, stopping_criteria=call.stopping_criteria,
-        tokenizer=call.tokenizer,
+        config=gc, encoder_decoder=encoder_decoder, prefill_chunk=merged.prefill_chunk, **tensors,
+        bounds=share.bounds, row_offset=share.row_offset, max_new=gc.max_length - prompt_length,
+        do_sample=bool(gc.do_sample), seed=seed, pad=pad, streamer=call.streamer,
+        logits_processor=call.logits_processor, stopping_criteria=call.stopping_criteria, tokenizer=call.tokenizer,
     )
 
 
@@ -172,9 +153,18 @@ def _checked_inputs(model, call: GenerateCall) -> _Rows:
     return rows.select(lambda t: t.to(model.device, torch.long))
 
 
-def _merged_config(model, call: GenerateCall) -> tuple[GenerationConfig, bool, bool]:
-    """The call's ``GenerationConfig`` merged as transformers merges it, refused where the ring cannot
-    run it; with whether max_length / min_length are the defaults (transformers sizes by them)."""
+@dataclass(frozen=True)
+class _Merged:
+    """The call's merged ``GenerationConfig``, and what transformers sizes the generation by."""
+
+    config: GenerationConfig
+    has_default_max_length: bool  # neither the call nor the model's config set max_length
+    has_default_min_length: bool
+    prefill_chunk: int | None  # as merged, before transformers' length preparation
+
+
+def _merged_config(model, call: GenerateCall) -> _Merged:
+    """The call's ``GenerationConfig`` merged as transformers merges it, refused where the ring cannot run it."""
     kwargs = call.generation_kwargs
     user_gc = call.config
     defaults = generation_config(model)
@@ -189,7 +179,10 @@ def _merged_config(model, call: GenerateCall) -> tuple[GenerationConfig, bool, b
     gc, extra = _as_transformers_raises(kwargs, user_gc, lambda: prepare_generation_config(model, user_gc, **kwargs))
     extra = {k: v for k, v in extra.items() if v is not None and k not in ("output_attentions", "output_hidden_states")}
     refuse("config", config=gc, extra=extra, encoder_decoder=bool(model.config.is_encoder_decoder))
-    return gc, has_default_max_length, has_default_min_length
+    return _Merged(
+        config=gc, has_default_max_length=has_default_max_length, has_default_min_length=has_default_min_length,
+        prefill_chunk=gc.prefill_chunk_size,
+    )
 
 
 def _with_attention_mask(model, gc: GenerationConfig, rows: _Rows, encoder_decoder: bool) -> _Rows:
@@ -204,6 +197,37 @@ def _with_attention_mask(model, gc: GenerationConfig, rows: _Rows, encoder_decod
             "right padding detected in a decoder-only batch; set tokenizer.padding_side = 'left' for correct results"
         )
     return _Rows(ids=rows.ids, mask=mask, types=rows.types)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """This data-parallel replica's rows, cut into the microbatches the ring keeps in flight."""
+
+    rows: _Rows
+    row_offset: int  # global index of the first row (seeds)
+    bounds: list[tuple[int, int]]  # microbatch row ranges
+    all_ones: bool  # the whole batch's mask is all ones (dropped, as transformers drops it)
+
+
+def _replica_share(model, gc: GenerationConfig, rows: _Rows, n_microbatches: int | None) -> _Share:
+    """Rows repeated for ``num_return_sequences``, this replica's contiguous share of them, its microbatches."""
+    copies = gc.num_return_sequences or 1
+    if n_microbatches is None:
+        n_microbatches = max(model.n_microbatches, model.plan.num_stages)
+    refuse(
+        "rows", copies=copies, do_sample=gc.do_sample, batch=rows.ids.shape[0] * copies,
+        dp_size=model.dims.dp_size, n_microbatches=n_microbatches,
+    )
+    if copies > 1:
+        rows = rows.select(lambda t: t.repeat_interleave(copies, dim=0))
+    # As transformers: a mask of all ones is dropped (same kernels, same numbers), decided for the whole batch.
+    all_ones = rows.mask is None or bool((rows.mask == 1).all())
+    # Data-parallel replicas each generate a contiguous share of the rows (gathered at the end).
+    lo, hi = microbatch_bounds(rows.ids.shape[0], model.dims.dp_size)[model.dims.dp_rank]
+    return _Share(
+        rows=rows.select(lambda t: t[lo:hi]), row_offset=lo,
+        bounds=microbatch_bounds(hi - lo, min(n_microbatches, hi - lo)), all_ones=all_ones,
+    )
 
 
 def _prompt_tensors(model, gc: GenerationConfig, rows: _Rows, *, encoder_decoder: bool, all_ones: bool) -> dict:
@@ -221,6 +245,18 @@ def _prompt_tensors(model, gc: GenerationConfig, rows: _Rows, *, encoder_decoder
         prompt=rows.ids, positions=positions, mask=None if all_ones else rows.mask, types=rows.types,
         enc_ids=None, enc_mask=None,
     )
+
+
+def _with_generated_length(model, merged: _Merged, rows: _Rows, prompt_length: int) -> GenerationConfig:
+    """The config with ``max_length`` / ``min_length`` as transformers sets them for this prompt; refused if
+    nothing is left to generate."""
+    gc = generation_helper(model.skeleton, "_prepare_generated_length")(
+        generation_config=merged.config, has_default_max_length=merged.has_default_max_length,
+        has_default_min_length=merged.has_default_min_length, model_input_name="input_ids",
+        input_ids_length=prompt_length, inputs_tensor=rows.ids,
+    )
+    refuse("length", max_length=gc.max_length, prompt_length=prompt_length)
+    return gc
 
 
 def _given(kwargs: dict[str, Any], config: GenerationConfig | None) -> str:
