@@ -252,7 +252,7 @@ def generate_pp(spec: dict, out: dict) -> None:
     import transformers
 
     from hf_pipeline import AutoModelForCausalLM
-    from hf_pipeline.generation.sampling import microbatch_bounds
+    from hf_pipeline.generation.microbatches import microbatch_bounds
 
     sizes = spec["sizes"]
     model = AutoModelForCausalLM.from_pretrained(

@@ -35,7 +35,7 @@ def _whole_and_microbatched(model, batch: dict, n_microbatches: int,
                             reps: int) -> tuple[list[float], list[float], float]:
     """Seconds of forward + backward of ``batch`` in one piece and as ``n_microbatches`` one after
     another, alternating (each pair sees the machine alike; the first pair warms up); and the loss."""
-    from hf_pipeline.generation.sampling import microbatch_bounds
+    from hf_pipeline.generation.microbatches import microbatch_bounds
 
     rows = next(iter(batch.values())).shape[0]
     bounds = microbatch_bounds(rows, n_microbatches)
@@ -83,7 +83,7 @@ def _two_way_step(reference, batch: dict, sizes: dict, *, microbatched: bool = F
     import torch
     import torch.distributed as dist
 
-    from hf_pipeline.generation.sampling import microbatch_bounds
+    from hf_pipeline.generation.microbatches import microbatch_bounds
 
     lo, hi = microbatch_bounds(sizes["batch"], dist.get_world_size())[dist.get_rank()]
     pieces = [(lo, hi)]

@@ -1,9 +1,11 @@
 """Pipelined generation: the ``generate`` surface, its request checks, the decode ring, sampling.
 
-Lives here: :mod:`.generate` (``model.generate``: transformers' ``GenerationConfig`` resolved,
-refusals, the request built the same on every rank), :mod:`.ring` (the decode ring: timetable,
-mailbox, per-stage KV caches, microbatches in flight) and :mod:`.sampling` (small pure helpers:
-microbatch bounds, positions, seeded per-row sampling).
+Lives here: :mod:`.generate` (``model.generate``, its stats), :mod:`.config` (the model's
+``GenerationConfig``, merged as transformers merges it), :mod:`.request` (a call made into the
+request every rank builds alike) with :mod:`.refusals` (what a call may not ask for, as a table),
+:mod:`.ring` (the decode loop) with its parts :mod:`.timetable`, :mod:`.mailbox`, :mod:`.chooser`,
+:mod:`.streaming` and :mod:`.kv_cache`, and the small pure helpers :mod:`.microbatches` (row
+ranges) and :mod:`.sampling` (positions, seeded per-row sampling).
 
 May import: the base modules and the rooms below it (``distributed`` up to ``loading``).
 """

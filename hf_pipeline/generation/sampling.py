@@ -1,7 +1,7 @@
-"""Small pure helpers of pipelined generation: microbatch split, positions, seeded per-row sampling.
+"""Small pure helpers of pipelined generation: positions, seeded per-row sampling.
 
-Everything here is a function of its arguments only, so it is tested alone (``tests/test_sampling.py``)
-and the decode ring in ``generate.py`` stays about communication and caches.
+Everything here is a function of its arguments only, so it is tested alone (``tests/generation/test_sampling.py``)
+and the decode ring in ``ring.py`` stays about communication and caches.
 
 Seeded sampling. transformers samples the whole batch with one ``torch.multinomial`` call on the
 global random stream, so which random numbers a row gets depends on the batch shape. A pipeline
@@ -23,9 +23,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..errors import InputError
+
 __all__ = [
     "left_padded_position_ids",
-    "microbatch_bounds",
     "row_generators",
     "row_seed",
     "select_tokens",
@@ -36,28 +37,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
-
-
-def microbatch_bounds(batch: int, n: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` row ranges of ``n`` microbatches (sizes differ by at most one).
-
-    Args:
-        batch: number of rows.
-        n: number of microbatches, ``1 <= n <= batch``.
-    Returns:
-        ``n`` ranges covering ``range(batch)`` in order, larger ones first (as ``torch.tensor_split``).
-    """
-    if batch < 1:
-        raise ValueError(f"cannot split an empty batch (batch={batch}) into microbatches; pass at least one sequence")
-    if not 1 <= n <= batch:
-        raise ValueError(f"n_microbatches must be in [1, batch={batch}], got {n}")
-    base, extra = divmod(batch, n)
-    bounds, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def left_padded_position_ids(attention_mask: torch.Tensor | None, length: int, *, batch: int = 1) -> torch.Tensor:
@@ -91,7 +70,9 @@ def row_generators(seed: int, rows: Iterable[int], device: str | torch.device = 
     return [torch.Generator(device=device).manual_seed(row_seed(seed, r)) for r in rows]
 
 
-def select_tokens(scores: torch.Tensor, *, do_sample: bool, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+def select_tokens(
+    scores: torch.Tensor, *, do_sample: bool, generators: Sequence[torch.Generator] | None = None
+) -> torch.Tensor:
     """Next token per row from processed scores: argmax, or a multinomial draw from each row's generator.
 
     Args:
@@ -107,7 +88,8 @@ def select_tokens(scores: torch.Tensor, *, do_sample: bool, generators: Sequence
         # (8 x 8192: 95 -> 32 us), and it runs on the decode ring's critical path.
         return scores.max(dim=-1).indices
     if generators is None or len(generators) != scores.shape[0]:
-        raise ValueError(f"sampling needs one generator per row: {scores.shape[0]} rows, got {0 if generators is None else len(generators)}")
+        got = 0 if generators is None else len(generators)
+        raise InputError(f"sampling needs one generator per row: {scores.shape[0]} rows, got {got}")
     probs = torch.softmax(scores.float(), dim=-1)  # (N, V)
     out = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
     for j, gen in enumerate(generators):

@@ -558,8 +558,8 @@ class Recorder:
 
         self._wrap(StageModule, "forward", make_module_forward)
 
-        # The decode ring waits for its P2P messages in Mailbox.take (ring.py).
-        from ..generation.ring import Mailbox
+        # The decode ring waits for its P2P messages in Mailbox.take (mailbox.py).
+        from ..generation.mailbox import Mailbox
 
         def make_take(original):
             def wrapper(box, key, *args, **kwargs):

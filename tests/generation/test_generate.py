@@ -81,12 +81,19 @@ def _live_memory() -> tuple[int, int]:
 def _run_generation(case):
     import hf_pipeline
 
-    model = getattr(hf_pipeline, case["auto"]).from_pretrained(case["path"], pipeline=True, device="cpu", progress=False, **case["load"])
+    model = getattr(hf_pipeline, case["auto"]).from_pretrained(
+        case["path"], pipeline=True, device="cpu", progress=False, **case["load"]
+    )
     res = {"blocks": _generating_blocks(model)}
     for label, inputs, kwargs in case["requests"]:
         streamer = _Collect() if label.endswith("stream") else None
         ids, stats = model.generate(**inputs, **kwargs, streamer=streamer, return_stats=True)
-        res[label] = {"ids": ids, "peak": stats.peak_cache_bytes, "new_tokens": stats.new_tokens, "prefill_steps": stats.prefill_steps}
+        res[label] = {
+            "ids": ids,
+            "peak": stats.peak_cache_bytes,
+            "new_tokens": stats.new_tokens,
+            "prefill_steps": stats.prefill_steps,
+        }
         if streamer is not None:
             res[label]["puts"], res[label]["ended"] = streamer.puts, streamer.ended
     if case.get("repeat"):
@@ -102,7 +109,9 @@ def _run_generation(case):
 def _run_inference(case):
     import hf_pipeline
 
-    model = getattr(hf_pipeline, case["auto"]).from_pretrained(case["path"], pipeline=True, device="cpu", progress=False, **case["load"])
+    model = getattr(hf_pipeline, case["auto"]).from_pretrained(
+        case["path"], pipeline=True, device="cpu", progress=False, **case["load"]
+    )
     out = model(**case["inputs"])
     return {name: getattr(out, name) for name in model.resolved.head.outputs}
 
@@ -145,13 +154,27 @@ def _tokenizer():
     vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(len(specials), tiny.VOCAB)])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+        tokenizer_object=tk,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
     )
 
 
-MASKED_TEXTS = ["w10 w11 [MASK] w12", "w20 [MASK] w30 w31 w32 w33 w34", "[MASK] w7", "w40 w41 w42 w43 [MASK]", "w50 [MASK] w51", "w9 w8 w7 w6 w5 [MASK] w60 w61"]
+MASKED_TEXTS = [
+    "w10 w11 [MASK] w12",
+    "w20 [MASK] w30 w31 w32 w33 w34",
+    "[MASK] w7",
+    "w40 w41 w42 w43 [MASK]",
+    "w50 [MASK] w51",
+    "w9 w8 w7 w6 w5 [MASK] w60 w61",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -183,18 +206,36 @@ def assets(tmp_path_factory):
         greedy = _greedy(ref, inputs, eos_token_id=eos)
         chunked = _greedy(ref, inputs, eos_token_id=eos, prefill_chunk_size=CHUNK) if arch != "t5" else None
         with torch.no_grad():  # no early stop: the cache reaches its full size
-            full = ref.generate(**inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-        from hf_pipeline.generation.ring import cache_nbytes
+            full = ref.generate(
+                **inputs,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+            )
+        from hf_pipeline.generation.kv_cache import cache_nbytes
 
         # The sampling reference is the pipelined model on one process with one stage.
-        model = getattr(hf_pipeline, tiny.AUTO[arch]).from_pretrained(path, pipeline=True, device="cpu", progress=False, num_stages=1)
+        model = getattr(hf_pipeline, tiny.AUTO[arch]).from_pretrained(
+            path, pipeline=True, device="cpu", progress=False, num_stages=1
+        )
         sample_kwargs = dict(SAMPLING, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
         sampled = model.generate(**inputs, **sample_kwargs)
         del model
         out["gen"][arch] = {
-            "path": str(path), "inputs": inputs, "eos": eos, "greedy": greedy, "chunked": chunked, "full": full.sequences,
-            "cache_bytes": cache_nbytes(full.cache), "layers": ref.config.get_text_config(decoder=True).num_hidden_layers
-            if arch != "t5" else ref.config.num_decoder_layers, "sampled": sampled, "sample_kwargs": sample_kwargs,
+            "path": str(path),
+            "inputs": inputs,
+            "eos": eos,
+            "greedy": greedy,
+            "chunked": chunked,
+            "full": full.sequences,
+            "cache_bytes": cache_nbytes(full.cache),
+            "layers": ref.config.get_text_config(decoder=True).num_hidden_layers
+            if arch != "t5"
+            else ref.config.num_decoder_layers,
+            "sampled": sampled,
+            "sample_kwargs": sample_kwargs,
         }
         assert not torch.equal(sampled[:, start:], greedy[:, start:]), f"{arch}: sampling should differ from greedy"
 
@@ -225,7 +266,13 @@ def _gen_cases(assets, world: int):
             requests = [("greedy", a["inputs"], greedy_kwargs), ("sampled", a["inputs"], a["sample_kwargs"])]
             if a["chunked"] is not None:
                 requests.append(("chunked", a["inputs"], dict(greedy_kwargs, prefill_chunk_size=CHUNK)))
-            case = {"arch": arch, "virtual": virtual, "path": a["path"], "auto": tiny.AUTO[arch], "load": {"virtual_stages": virtual}}
+            case = {
+                "arch": arch,
+                "virtual": virtual,
+                "path": a["path"],
+                "auto": tiny.AUTO[arch],
+                "load": {"virtual_stages": virtual},
+            }
             if virtual == 1:
                 requests.append(("full", a["inputs"], full_kwargs))
             if virtual == 1 and arch == "llama":
@@ -239,31 +286,82 @@ def _gen_cases(assets, world: int):
         # Layers cut between attention and MLP at stage boundaries: the attention half keeps the
         # layer's cache. v2 has a stage with an attention half alone (llama) or an MLP half first (gpt2).
         cuts = {
-            "llama": [["model.layers.2.post_attention_layernorm"],
-                      ["model.layers.1", "model.layers.1.post_attention_layernorm", "model.layers.3.post_attention_layernorm"]],
+            "llama": [
+                ["model.layers.2.post_attention_layernorm"],
+                [
+                    "model.layers.1",
+                    "model.layers.1.post_attention_layernorm",
+                    "model.layers.3.post_attention_layernorm",
+                ],
+            ],
             "gpt2": [["transformer.h.3.ln_2"], ["transformer.h.0.ln_2", "transformer.h.2", "transformer.h.2.ln_2"]],
         }
         for arch, splits in cuts.items():
             a = assets["gen"][arch]
             for virtual, split in zip((1, 2), splits):
-                cases.append({
-                    "arch": arch, "virtual": virtual, "path": a["path"], "auto": tiny.AUTO[arch],
-                    "load": {"virtual_stages": virtual, "split": split},
-                    "requests": [("greedy", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0)),
-                                 ("sampled", a["inputs"], a["sample_kwargs"]),
-                                 ("full", a["inputs"], dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)),
-                                 ("chunked", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0,
-                                                               prefill_chunk_size=CHUNK))],
-                })
+                cases.append(
+                    {
+                        "arch": arch,
+                        "virtual": virtual,
+                        "path": a["path"],
+                        "auto": tiny.AUTO[arch],
+                        "load": {"virtual_stages": virtual, "split": split},
+                        "requests": [
+                            (
+                                "greedy",
+                                a["inputs"],
+                                dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0),
+                            ),
+                            ("sampled", a["inputs"], a["sample_kwargs"]),
+                            (
+                                "full",
+                                a["inputs"],
+                                dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0),
+                            ),
+                            (
+                                "chunked",
+                                a["inputs"],
+                                dict(
+                                    max_new_tokens=NEW,
+                                    do_sample=False,
+                                    eos_token_id=a["eos"],
+                                    pad_token_id=0,
+                                    prefill_chunk_size=CHUNK,
+                                ),
+                            ),
+                        ],
+                    }
+                )
         # two data-parallel replicas of a one-stage pipeline
         a = assets["gen"]["llama"]
-        cases.append({
-            "arch": "llama", "virtual": 1, "path": a["path"], "auto": "AutoModelForCausalLM", "load": {"num_stages": 1},
-            "requests": [("greedy", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0)),
-                         ("sampled", a["inputs"], a["sample_kwargs"]),
-                         ("chunked", a["inputs"], dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0,
-                                                       prefill_chunk_size=CHUNK))],
-        })
+        cases.append(
+            {
+                "arch": "llama",
+                "virtual": 1,
+                "path": a["path"],
+                "auto": "AutoModelForCausalLM",
+                "load": {"num_stages": 1},
+                "requests": [
+                    (
+                        "greedy",
+                        a["inputs"],
+                        dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0),
+                    ),
+                    ("sampled", a["inputs"], a["sample_kwargs"]),
+                    (
+                        "chunked",
+                        a["inputs"],
+                        dict(
+                            max_new_tokens=NEW,
+                            do_sample=False,
+                            eos_token_id=a["eos"],
+                            pad_token_id=0,
+                            prefill_chunk_size=CHUNK,
+                        ),
+                    ),
+                ],
+            }
+        )
     return cases
 
 
@@ -295,17 +393,25 @@ def _check_generation(assets, cases, per_rank, world):
         results = [r[0][c] for r in per_rank]
         for rank, res in enumerate(results):
             got = res["greedy"]["ids"]
-            assert torch.equal(got, a["greedy"]), f"{where} rank {rank}: greedy ids differ from transformers\n{got}\n{a['greedy']}"
-            assert torch.equal(res["sampled"]["ids"], a["sampled"]), f"{where} rank {rank}: seeded sampling differs from the world-1 run"
+            assert torch.equal(got, a["greedy"]), (
+                f"{where} rank {rank}: greedy ids differ from transformers\n{got}\n{a['greedy']}"
+            )
+            assert torch.equal(res["sampled"]["ids"], a["sampled"]), (
+                f"{where} rank {rank}: seeded sampling differs from the world-1 run"
+            )
             if "naive" in res:
                 assert torch.equal(res["naive"]["ids"], a["greedy"]), f"{where}: n_microbatches=1 differs"
             if "full" in res:
                 assert torch.equal(res["full"]["ids"], a["full"]), f"{where}: min_new_tokens run differs"
             assert res["greedy"]["prefill_steps"] == 1, where
             if "chunked" in res:
-                assert torch.equal(res["chunked"]["ids"], a["chunked"]), f"{where}: chunked prefill differs from transformers'"
+                assert torch.equal(res["chunked"]["ids"], a["chunked"]), (
+                    f"{where}: chunked prefill differs from transformers'"
+                )
                 chunks = -(-a["inputs"]["input_ids"].shape[1] // CHUNK)
-                assert res["chunked"]["prefill_steps"] == chunks, f"{where}: {res['chunked']['prefill_steps']} prefill steps, not {chunks}"
+                assert res["chunked"]["prefill_steps"] == chunks, (
+                    f"{where}: {res['chunked']['prefill_steps']} prefill steps, not {chunks}"
+                )
         if "full" in results[0]:
             # Each rank holds the cache of its own layers only; together, the whole model's. A rank's
             # first stage may free a finished microbatch's cache while a later stage of the same
@@ -316,8 +422,12 @@ def _check_generation(assets, cases, per_rank, world):
             peaks = [res["full"]["peak"] for res in results]
             for rank, res in enumerate(results):
                 full, slack = per_layer * res["blocks"], per_layer * res["blocks"] // tokens
-                assert full - slack <= res["full"]["peak"] <= full, f"{where} rank {rank}: cache {peaks} vs {per_layer} x {res['blocks']} layers"
-            assert a["cache_bytes"] * (1 - 1 / tokens) <= sum(peaks) <= a["cache_bytes"], f"{where}: rank caches {peaks} do not add up to transformers' {a['cache_bytes']}"
+                assert full - slack <= res["full"]["peak"] <= full, (
+                    f"{where} rank {rank}: cache {peaks} vs {per_layer} x {res['blocks']} layers"
+                )
+            assert a["cache_bytes"] * (1 - 1 / tokens) <= sum(peaks) <= a["cache_bytes"], (
+                f"{where}: rank caches {peaks} do not add up to transformers' {a['cache_bytes']}"
+            )
         for label, want in (("stream", a["greedy"]), ("chunked_stream", a["chunked"])):
             if label not in results[0]:
                 continue
@@ -325,10 +435,14 @@ def _check_generation(assets, cases, per_rank, world):
             for rank, res in enumerate(results):
                 puts = res[label]["puts"]
                 if rank != world - 1:
-                    assert puts == [] and not res[label]["ended"], f"{where} {label}: only the last stage's rank streams"
+                    assert puts == [] and not res[label]["ended"], (
+                        f"{where} {label}: only the last stage's rank streams"
+                    )
                     continue
                 assert torch.equal(puts[0], a["inputs"]["input_ids"]) and res[label]["ended"]
-                assert torch.equal(torch.stack(puts[1:], dim=1), want[:, start:]), f"{where} {label}: streamed tokens differ"
+                assert torch.equal(torch.stack(puts[1:], dim=1), want[:, start:]), (
+                    f"{where} {label}: streamed tokens differ"
+                )
         if "memory" in results[0]:
             for rank, res in enumerate(results):
                 caches = [m[0] for m in res["memory"]]
@@ -351,7 +465,9 @@ def _check_inference(assets, cases, per_rank, world):
             if auto == "AutoModelForMaskedLM":
                 topk = _fill_mask_topk(got["logits"], assets["bert_inputs"]["input_ids"], assets["mask_id"])
                 for row, ((ids, scores), hf) in enumerate(zip(topk, entry["fill"])):
-                    assert ids == [h["token"] for h in hf], f"world={world} rank {rank} text {row}: fill-mask top-5 ids differ"
+                    assert ids == [h["token"] for h in hf], (
+                        f"world={world} rank {rank} text {row}: fill-mask top-5 ids differ"
+                    )
                     assert max(abs(s - h["score"]) for s, h in zip(scores, hf)) <= 1e-6
             if auto == "AutoModelForSequenceClassification":
                 assert torch.equal(got["logits"].argmax(-1), want.logits.argmax(-1))
@@ -380,7 +496,9 @@ def test_generation_config_json_is_merged_like_transformers(tmp_path):
     from hf_pipeline.generation.generate import prepare_generation_config
 
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
-    transformers.GenerationConfig(do_sample=True, temperature=0.55, top_k=7, eos_token_id=[2, 5], pad_token_id=0).save_pretrained(path)
+    transformers.GenerationConfig(
+        do_sample=True, temperature=0.55, top_k=7, eos_token_id=[2, 5], pad_token_id=0
+    ).save_pretrained(path)
     ref = tiny.reference(path, "AutoModelForCausalLM")
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
     ours, _ = prepare_generation_config(model, None, max_new_tokens=3, top_p=0.8)
@@ -400,8 +518,16 @@ def test_stop_strings_and_several_eos_equal_transformers(tmp_path):
     start = inputs["input_ids"].shape[1]
     free = _greedy(ref, inputs, eos_token_id=len(tok) + 5)[:, start:]
     stop = tok.decode(free[1, 2:4])  # a two-token string row 1 produces
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2)
-    kwargs = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=[int(free[0, 2]), int(free[4, 5])], stop_strings=[stop])
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2
+    )
+    kwargs = dict(
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=[int(free[0, 2]), int(free[4, 5])],
+        stop_strings=[stop],
+    )
     with torch.no_grad():
         want = ref.generate(**inputs, tokenizer=tok, **kwargs)
     got = model.generate(**inputs, tokenizer=tok, **kwargs)
@@ -429,7 +555,10 @@ def test_unsupported_requests_fail_with_a_fix(tmp_path):
         with pytest.raises(ValueError, match="prefill_chunk_size"):
             model.generate(**inputs, max_new_tokens=2, prefill_chunk_size=bad)
     # the model stays usable: the same call without them runs
-    assert model.generate(**inputs, max_new_tokens=2, prefill_chunk_size=2).shape == (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] + 2)
+    assert model.generate(**inputs, max_new_tokens=2, prefill_chunk_size=2).shape == (
+        inputs["input_ids"].shape[0],
+        inputs["input_ids"].shape[1] + 2,
+    )
     bert = tiny.make_checkpoint(tmp_path / "bert", "bert", shards=1)
     mlm = hf_pipeline.AutoModelForMaskedLM.from_pretrained(bert, pipeline=True, device="cpu", progress=False)
     with pytest.raises(TypeError, match="AutoModelForCausalLM"):

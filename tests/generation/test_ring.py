@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from hf_pipeline.generation.ring import Timetable
-from hf_pipeline.generation.sampling import microbatch_bounds
+from hf_pipeline.generation.microbatches import microbatch_bounds
+from hf_pipeline.generation.timetable import Timetable
 
 
 def _table(first: int, n_decode: int, m: int, steps: int, rows: int = 13) -> Timetable:
-    return Timetable(first_decode=first, n_decode=n_decode, bounds=tuple(microbatch_bounds(rows, m)), prompt_len=7, max_new=steps)
+    return Timetable(
+        first_decode=first, n_decode=n_decode, bounds=tuple(microbatch_bounds(rows, m)), prompt_len=7, max_new=steps
+    )
 
 
 def _ops(tt: Timetable, steps: int) -> dict[tuple[int, int, int], int]:
@@ -64,7 +66,7 @@ def test_fewer_microbatches_than_stages_wait_for_the_token():
 def test_message_shapes_and_encoder_ticks():
     tt = _table(0, 2, 3, 4, rows=13)
     assert [tt.rows(i) for i in range(3)] == [5, 4, 4]
-    assert tt.q(0) == 7 and tt.q(1) == 1
+    assert tt.message_positions(0) == 7 and tt.message_positions(1) == 1
     assert [tt.encode_at(1, tick) for tick in range(5)] == [None, 0, 1, 2, None]
 
 
@@ -74,11 +76,20 @@ def test_chunked_prefill_steps(chunk, n_decode, m):
     # the first token; every op runs once before the tick limit, and only steps after the last chunk
     # wait for a token from the last stage.
     new = 4
-    tt = Timetable(first_decode=0, n_decode=n_decode, bounds=tuple(microbatch_bounds(9, m)), prompt_len=7, max_new=new, prefill_chunk=chunk)
+    tt = Timetable(
+        first_decode=0,
+        n_decode=n_decode,
+        bounds=tuple(microbatch_bounds(9, m)),
+        prompt_len=7,
+        max_new=new,
+        prefill_chunk=chunk,
+    )
     size = min(chunk, 7)
     assert tt.chunks == tuple((a, min(a + size, 7)) for a in range(0, 7, size))
-    assert [b - a for a, b in tt.chunks] == [tt.q(t) for t in range(len(tt.chunks))] and sum(tt.q(t) for t in range(len(tt.chunks))) == 7
-    assert tt.first_token_step == len(tt.chunks) - 1 and tt.q(len(tt.chunks)) == 1
+    assert [b - a for a, b in tt.chunks] == [tt.message_positions(t) for t in range(len(tt.chunks))] and sum(
+        tt.message_positions(t) for t in range(len(tt.chunks))
+    ) == 7
+    assert tt.first_token_step == len(tt.chunks) - 1 and tt.message_positions(len(tt.chunks)) == 1
     steps = tt.first_token_step + new
     ops = _ops(tt, steps)
     assert len(ops) == n_decode * m * steps, "some op never runs before the tick limit"
@@ -91,7 +102,9 @@ def test_chunked_prefill_steps(chunk, n_decode, m):
     # The prefill fills the pipe: with m >= stages the first stage runs every chunk of every
     # microbatch back to back, ticks 0 .. chunks x m - 1.
     if m >= n_decode:
-        assert sorted(tick for (s, t, _), tick in ops.items() if s == 0 and t <= tt.first_token_step) == list(range(len(tt.chunks) * m))
+        assert sorted(tick for (s, t, _), tick in ops.items() if s == 0 and t <= tt.first_token_step) == list(
+            range(len(tt.chunks) * m)
+        )
 
 
 def test_prefill_chunk_must_be_positive():

@@ -7,9 +7,9 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.logits_process import TopKLogitsWarper
 
+from hf_pipeline.generation.microbatches import microbatch_bounds
 from hf_pipeline.generation.sampling import (
     left_padded_position_ids,
-    microbatch_bounds,
     row_generators,
     row_seed,
     select_tokens,
@@ -70,9 +70,12 @@ def test_sampling_does_not_depend_on_how_rows_are_grouped():
     # The property that makes seeded sampling identical at every world size: row r draws from its own stream.
     scores = torch.randn(8, 50)
     whole = select_tokens(scores, do_sample=True, generators=row_generators(123, range(8)))
-    parts = torch.cat([
-        select_tokens(scores[lo:hi], do_sample=True, generators=row_generators(123, range(lo, hi))) for lo, hi in [(0, 3), (3, 4), (4, 8)]
-    ])
+    parts = torch.cat(
+        [
+            select_tokens(scores[lo:hi], do_sample=True, generators=row_generators(123, range(lo, hi)))
+            for lo, hi in [(0, 3), (3, 4), (4, 8)]
+        ]
+    )
     assert torch.equal(whole, parts)
     other = select_tokens(scores, do_sample=True, generators=row_generators(124, range(8)))
     assert not torch.equal(whole, other), "another seed should change the draw"

@@ -231,8 +231,10 @@ def _check(cases: dict, per_rank: list[dict], table: list[tuple[str, str]]) -> N
                 problems.append(f"{name}: rank {rank} raised nothing")
                 continue
             kind, message, elapsed = got
-            # InputError is the library's ValueError for bad arguments: a case that expects ValueError accepts it.
+            # InputError is the library's ValueError for bad arguments: a case that expects ValueError accepts it
+            # (and InputTypeError, a TypeError too, a case that expects TypeError).
             ok_type = kind in types or (kind == "InputError" and "ValueError" in types)
+            ok_type = ok_type or (kind == "InputTypeError" and bool({"TypeError", "ValueError"} & set(types)))
             if not ok_type or not re.search(pattern, message, re.S):
                 problems.append(f"{name}: rank {rank} raised {kind}: {message[:400]}")
             if elapsed > _FAST_S:

@@ -1,0 +1,208 @@
+"""What pipelined ``generate`` refuses, as a table: when each refusal applies, its message, its error class.
+
+``request.py`` builds a request in steps and, after each, calls :func:`refuse` with the facts known by
+then (the call's arguments, the inputs' shapes, the merged ``GenerationConfig``, the rows, the length);
+the first row of that stage that applies raises. Every rank evaluates the same table on the same
+(agreed) arguments, so every rank refuses alike before any message is sent.
+
+Example:
+    >>> refuse("rows", copies=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4)   # passes
+    >>> refuse("rows", copies=1, do_sample=False, batch=1, dp_size=2, n_microbatches=4)
+    InputError: batch of 1 rows is smaller than the 2 data-parallel replicas; pass more prompts
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from transformers.generation.configuration_utils import GenerationMode
+
+from ..errors import InputError, InputTypeError, InternalError, PipelineError
+
+__all__ = ["REFUSALS", "Refusal", "SUPPORTED_MODES", "UNSUPPORTED_INPUTS", "refuse"]
+
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# generate() inputs of transformers that the ring has no use for (it feeds input_ids and keeps its own caches).
+UNSUPPORTED_INPUTS = (
+    "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds", "cache", "past_key_values", "assistant_model",
+)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One input pipelined ``generate`` refuses.
+
+    Attributes:
+        stage: when it is checked; the facts its row reads are known from then on: ``"call"`` (the
+            arguments as given), ``"inputs"`` (the prompt tensors), ``"config"`` (the merged
+            ``GenerationConfig``), ``"rows"`` (the batch and its microbatches), ``"length"``.
+        applies: whether the facts (a namespace of :func:`refuse`'s keywords) are refused.
+        message: what to change, a ``str.format`` template over the facts (``{f.name}``).
+        error: the library class raised (its builtin base is the one the refusal always had).
+    """
+
+    stage: str
+    applies: Callable[[Any], bool]
+    message: str
+    error: type[PipelineError] = InputError
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
+
+
+def _bad_chunk(chunk) -> bool:
+    return chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1)
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    # ---- the call as given (facts: skeleton, kwargs, input_ids)
+    Refusal(
+        "call", lambda f: not f.skeleton.can_generate(),
+        "{f.model_name} has no generation head; load the checkpoint with AutoModelForCausalLM or "
+        "AutoModelForSeq2SeqLM to generate (call the model for its other outputs)",
+        InputTypeError,
+    ),
+    *(
+        Refusal(
+            "call", lambda f, key=key: f.kwargs.get(key) is not None,
+            f"generate(..., {key}=...) is not supported by pipelined generation; pass input_ids (and attention_mask)",
+            InputTypeError,
+        )
+        for key in UNSUPPORTED_INPUTS
+    ),
+    Refusal("call", lambda f: f.input_ids is None, "pass input_ids (B, T) to generate: the same tensor on every rank"),
+    # ---- the prompt tensors, after their ids are checked against the vocabulary
+    # (facts: input_ids, attention_mask, token_type_ids, skeleton, encoder_decoder)
+    Refusal(
+        "inputs", lambda f: f.attention_mask is not None and f.attention_mask.shape != f.input_ids.shape,
+        "attention_mask shape {f.mask_shape} does not match input_ids {f.ids_shape}",
+    ),
+    Refusal(
+        "inputs", lambda f: f.token_type_ids is not None and not f.takes_token_type_ids,
+        "generate(..., token_type_ids=...): {f.model_name} takes no token_type_ids",
+        InputTypeError,
+    ),
+    Refusal(
+        "inputs", lambda f: f.token_type_ids is not None and f.token_type_ids.shape != f.input_ids.shape,
+        "token_type_ids shape {f.types_shape} does not match input_ids {f.ids_shape}",
+    ),
+    # ---- the merged GenerationConfig (facts: config, extra, encoder_decoder)
+    Refusal(
+        "config", lambda f: bool(f.extra),
+        "unexpected generate() argument(s) {f.extra_names}: not GenerationConfig fields nor supported inputs",
+        InputTypeError,
+    ),
+    Refusal(
+        "config", lambda f: f.mode not in SUPPORTED_MODES,
+        "generation mode {f.mode.value!r} is not supported by pipelined generation; use greedy (do_sample=False) "
+        "or sampling (do_sample=True) with num_beams=1",
+    ),
+    Refusal(
+        "config", lambda f: bool(f.config.return_dict_in_generate or f.config.output_scores or f.config.output_logits),
+        "return_dict_in_generate / output_scores / output_logits are not supported; generate returns the ids",
+    ),
+    Refusal(
+        "config", lambda f: f.config.guidance_scale not in (None, 1, 1.0),
+        "guidance_scale (classifier-free guidance) is not supported by pipelined generation",
+    ),
+    # Fields that change what transformers computes outside the logits processors and stopping
+    # criteria (those are transformers' own, built from the merged config on the last stage).
+    Refusal(
+        "config", lambda f: bool(f.config.token_healing),
+        "token_healing is not supported by pipelined generation (it rewrites the prompt by generating with the "
+        "model first)",
+    ),
+    Refusal(
+        "config",
+        lambda f: f.config.cache_implementation is not None and "quantized" in str(f.config.cache_implementation),
+        "cache_implementation={f.config.cache_implementation!r} is not supported by pipelined generation: each "
+        "stage keeps a DynamicCache (full precision); a quantized cache would change the results",
+    ),
+    Refusal(
+        "config", lambda f: _bad_chunk(f.config.prefill_chunk_size),
+        "prefill_chunk_size must be a positive number of positions or None, got {f.config.prefill_chunk_size!r}",
+    ),
+    # transformers' chunked prefill slices `attention_mask` to each chunk's length, which for an
+    # encoder-decoder model is the encoder's mask: its tokens then differ from its own unchunked
+    # generation on padded inputs. Neither matching that nor silently ignoring it is right.
+    Refusal(
+        "config", lambda f: f.config.prefill_chunk_size is not None and f.encoder_decoder,
+        "prefill_chunk_size={f.config.prefill_chunk_size} is not supported for encoder-decoder models: the "
+        "decoder's prompt is one start token, and transformers' chunked prefill cuts the encoder's attention "
+        "mask to the chunk; pass prefill_chunk_size=None",
+    ),
+    # ---- the rows (facts: copies, do_sample, batch (after the copies), dp_size, n_microbatches)
+    Refusal(
+        "rows", lambda f: f.copies > 1 and not f.do_sample,
+        "num_return_sequences > 1 needs do_sample=True (greedy would repeat the same sequence)",
+    ),
+    Refusal(
+        "rows", lambda f: f.batch < f.dp_size,
+        "batch of {f.batch} rows is smaller than the {f.dp_size} data-parallel replicas; pass more prompts",
+    ),
+    Refusal("rows", lambda f: f.n_microbatches < 1, "n_microbatches must be >= 1, got {f.n_microbatches}"),
+    # ---- the length (facts: max_length, prompt_length)
+    Refusal(
+        "length", lambda f: f.max_length - f.prompt_length < 1,
+        "nothing to generate: max_length={f.max_length} <= input length {f.prompt_length}; raise max_new_tokens",
+    ),
+)
+
+_STAGES = ("call", "inputs", "config", "rows", "length")
+
+
+class _Facts(SimpleNamespace):
+    """The facts of one stage, with the derived values the rows read (each computed when first read)."""
+
+    @property
+    def model_name(self):
+        return type(self.skeleton).__name__
+
+    @property
+    def takes_token_type_ids(self):
+        # token_type_ids is a model input, not a GenerationConfig field: only a decoder-only model
+        # whose forward takes it can carry it along (as transformers does).
+        forward = inspect.signature(type(self.skeleton).forward)
+        return not self.encoder_decoder and "token_type_ids" in forward.parameters
+
+    @property
+    def ids_shape(self):
+        return _shape(self.input_ids)
+
+    @property
+    def mask_shape(self):
+        return _shape(self.attention_mask)
+
+    @property
+    def types_shape(self):
+        return _shape(self.token_type_ids)
+
+    @property
+    def extra_names(self):
+        return sorted(self.extra)
+
+    @functools.cached_property  # read by the row and by its message: asked of transformers once
+    def mode(self):
+        return self.config.get_generation_mode()
+
+
+def refuse(stage: str, **facts: Any) -> None:
+    """Raise the first refusal of ``stage`` (in table order) that applies to ``facts``.
+
+    Args:
+        stage: one of the table's stages (see :class:`Refusal`).
+        **facts: what that stage's rows read, by name.
+    Raises:
+        the row's error class, with its message filled from the facts.
+    """
+    if stage not in _STAGES:
+        raise InternalError(f"unknown refusal stage {stage!r}; one of {_STAGES}")
+    found = _Facts(**facts)
+    for rule in REFUSALS:
+        if rule.stage == stage and rule.applies(found):
+            raise rule.error(rule.message.format(f=found))

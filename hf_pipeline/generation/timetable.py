@@ -1,0 +1,112 @@
+"""When each stage of the decode ring runs what: pure arithmetic, identical on every rank.
+
+No rank ever sends metadata: the (step, microbatch) a decode stage runs at a tick, the encoder's
+ticks and every message's shape follow from the :class:`Timetable` alone.
+
+Note (protocol): decode stage k (0 = first decode stage) runs microbatch i of step t at tick
+``t*M + i + k`` with ``M = max(m, number of decode stages)``; ranks run their ops in tick order
+(ties: stage order) and, at each tick, first post the receives for the messages sent at that
+tick, in sender-stage order, which is the order the senders send them (so the pairing also holds
+on backends without tags). A decoder-only prompt may be fed in chunks (``prefill_chunk_size`` of
+the generation config, as transformers' chunked prefill): its C chunks are steps 0..C-1, the last
+of which chooses the first new token, so the ring fills with C x m units of work instead of m (a
+pipeline's prefill idles (p - 1) / (units + p - 1) of its time). Message shapes follow from the
+microbatch size, the step (a prompt chunk's length at a prefill step, else 1) and the hidden size:
+  stage -> next stage   float ``(rows, q, hidden + 1)``: hidden states, last column 1 for rows still
+                        generating; all zeros once the microbatch is done (sent once, then nothing)
+  last -> first stage   int64 ``(rows, 2)``: next token, still-generating flag
+Sends never block (``isend``) and every receive waits only for a message sent at an earlier tick,
+so the ring cannot deadlock.
+
+Example:
+    >>> tt = Timetable(first_decode=0, n_decode=2, bounds=((0, 3), (3, 5)), prompt_len=7, max_new=4)
+    >>> tt.decode_at(1, 1)          # stage 1 runs (step 0, microbatch 0) at tick 1
+    (0, 0)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..errors import InputError
+
+__all__ = ["Timetable"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timetable:
+    """When each stage runs what, the same on every rank.
+
+    Attributes:
+        first_decode: index of the first decode stage (0 for decoder-only models).
+        n_decode: number of decode stages (they are the last ones).
+        bounds: microbatch row ranges.
+        prompt_len: decoder prompt length.
+        max_new: most new tokens any row may get.
+        prefill_chunk: the prompt's positions per prefill step (None: the whole prompt at step 0).
+            Prefill steps send their chunk's positions, later steps 1.
+    """
+
+    first_decode: int
+    n_decode: int
+    bounds: tuple[tuple[int, int], ...]
+    prompt_len: int
+    max_new: int
+    prefill_chunk: int | None = None
+
+    def __post_init__(self):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be >= 1 positions, got {self.prefill_chunk}")
+
+    @functools.cached_property  # read at every op of the ring: computed once per request
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """The prompt's (start, end) positions fed at each prefill step, in order."""
+        size = self.prefill_chunk or self.prompt_len
+        return tuple((a, min(a + size, self.prompt_len)) for a in range(0, self.prompt_len, size))
+
+    @property
+    def first_token_step(self) -> int:
+        """The step that chooses the first new token: the last prefill step."""
+        return len(self.chunks) - 1
+
+    @property
+    def n_microbatches(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def period(self) -> int:
+        """Ticks per decoding step, ``M = max(m, decode stages)``: with fewer microbatches than
+        stages the ring waits for a token to come round before the next step."""
+        return max(self.n_microbatches, self.n_decode)
+
+    @property
+    def tick_limit(self) -> int:
+        """A tick by which every microbatch has finished (past it, the protocol is broken)."""
+        return (self.first_token_step + self.max_new + 2) * self.period + self.n_decode
+
+    def decode_at(self, stage: int, tick: int) -> tuple[int, int] | None:
+        """(step, microbatch) that decode stage ``stage`` runs at ``tick``, or None."""
+        since_start = tick - (stage - self.first_decode)  # stage k starts k ticks after the first decode stage
+        if since_start < 0:
+            return None
+        step, microbatch = divmod(since_start, self.period)
+        return (step, microbatch) if microbatch < self.n_microbatches else None
+
+    def encode_at(self, stage: int, tick: int) -> int | None:
+        """Microbatch that encoder stage ``stage`` runs at encoder tick ``tick`` (tick = i + stage), or None."""
+        microbatch = tick - stage
+        return microbatch if 0 <= microbatch < self.n_microbatches else None
+
+    def rows(self, microbatch: int) -> int:
+        """Rows of microbatch ``microbatch`` (the first dimension of its messages)."""
+        lo, hi = self.bounds[microbatch]
+        return hi - lo
+
+    def message_positions(self, step: int) -> int:
+        """Positions a stage's message carries at ``step``: a prompt chunk's at a prefill step, then one token."""
+        chunks = self.chunks
+        if step < len(chunks):
+            start, end = chunks[step]
+            return end - start
+        return 1

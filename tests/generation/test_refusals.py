@@ -1,0 +1,52 @@
+"""Tier 1: the refusal table of pipelined generate alone (no model, no processes).
+
+The end-to-end cases (each refusal raised on every rank, with its message) are in
+``tests/model/test_bad_inputs.py``; here, the table's own rules: stages known, first row wins,
+every message fills from its stage's facts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from hf_pipeline.errors import InputError, InputTypeError, InternalError
+from hf_pipeline.generation.refusals import REFUSALS, refuse
+
+_ROWS_OK = dict(copies=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4)
+
+
+def test_rows_refusals_in_table_order():
+    refuse("rows", **_ROWS_OK)  # nothing to refuse
+    with pytest.raises(InputError, match=r"^batch of 1 rows is smaller than the 2 data-parallel replicas; pass more"):
+        refuse("rows", **dict(_ROWS_OK, batch=1))
+    # Two rows apply: the first in the table is the one raised.
+    with pytest.raises(InputError, match=r"^num_return_sequences > 1 needs do_sample=True"):
+        refuse("rows", **dict(_ROWS_OK, copies=2, batch=1, n_microbatches=0))
+    with pytest.raises(InputError, match=r"^n_microbatches must be >= 1, got 0$"):
+        refuse("rows", **dict(_ROWS_OK, n_microbatches=0))
+
+
+def test_config_refusals_keep_their_builtin_bases():
+    with pytest.raises(TypeError, match=r"unexpected generate\(\) argument\(s\) \['a', 'b'\]") as caught:
+        refuse("config", config=GenerationConfig(), extra={"b": 1, "a": 2}, encoder_decoder=False)
+    assert isinstance(caught.value, InputTypeError)
+    with pytest.raises(ValueError, match=r"^prefill_chunk_size=4 is not supported for encoder-decoder models"):
+        refuse("config", config=GenerationConfig(prefill_chunk_size=4), extra={}, encoder_decoder=True)
+    with pytest.raises(ValueError, match=r"^generation mode 'beam_search' is not supported"):
+        refuse("config", config=GenerationConfig(num_beams=2), extra={}, encoder_decoder=False)
+
+
+def test_input_shapes_are_named():
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(InputError, match=r"^attention_mask shape \(2, 4\) does not match input_ids \(2, 5\)$"):
+        refuse("inputs", input_ids=ids, attention_mask=torch.ones(2, 4), token_type_ids=None, skeleton=None,
+               encoder_decoder=False)
+
+
+def test_every_row_has_a_known_stage_and_a_library_class():
+    assert {rule.stage for rule in REFUSALS} == {"call", "inputs", "config", "rows", "length"}
+    assert all(issubclass(rule.error, InputError) for rule in REFUSALS)
+    with pytest.raises(InternalError, match="unknown refusal stage"):
+        refuse("nonsense")
