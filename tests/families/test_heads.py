@@ -185,7 +185,7 @@ def test_classes_ending_in_model_are_not_taken_for_the_base_model():
     from hf_pipeline.families.recipe import RecipeError, get_recipe
     from hf_pipeline.loading.stages import meta_model
     from hf_pipeline.planning.options import PipelineOptions
-    from hf_pipeline.planning.plan import resolve_recipe
+    from hf_pipeline.planning.resolve import resolve_recipe
 
     for arch, cls in (("bert", "BertLMHeadModel"), ("gpt2", "GPT2DoubleHeadsModel")):
         cfg = tiny.config_for(arch)

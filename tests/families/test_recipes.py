@@ -8,7 +8,7 @@ import torch
 
 from hf_pipeline.families.recipe import RecipeError, get_recipe, list_recipes, load_recipe, register_recipe
 from hf_pipeline.loading.stages import meta_model
-from hf_pipeline.planning.plan import resolve_recipe
+from hf_pipeline.planning.resolve import resolve_recipe
 
 RECIPE_DIR = pathlib.Path(__file__).resolve().parents[2] / "model_recipes"
 RECIPE_FILES = sorted(RECIPE_DIR.glob("*.toml"))

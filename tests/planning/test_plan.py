@@ -6,7 +6,8 @@ import torch
 
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import meta_model
-from hf_pipeline.planning.plan import CUT_GAIN, PlanError, make_plan
+from hf_pipeline.planning.partition import CUT_GAIN
+from hf_pipeline.planning.plan import PlanError, make_plan
 
 
 def _plan(arch="llama", auto="AutoModelForCausalLM", **kw):
@@ -139,7 +140,7 @@ def test_plan_prints_a_readable_table_and_dtype_bytes():
 
 
 def _simulated_step(plan, schedule, m):
-    from hf_pipeline.planning.schedules import simulate_step
+    from hf_pipeline.planning.simulate import simulate_step
 
     costs = [s.flops_per_token for s in plan.stages]
     step, _ = simulate_step(schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m, stage_cost=costs)

@@ -25,13 +25,13 @@ from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hf_pipeline.compat import Action, ComputationType
+from hf_pipeline.planning.actions import fuse_backward
 from hf_pipeline.planning.schedules import (
     SCHEDULES,
     ScheduleError,
     ScheduleSpec,
     check_layout,
     check_training,
-    fuse_backward,
     get_schedule,
 )
 from hf_pipeline.tools.profile import schedule_actions, theoretical_bubble
@@ -228,7 +228,7 @@ def test_forward_only_actions_follow_the_layout():
 
 def _torch_order(spec, p: int, m: int) -> dict[int, list]:
     """torch's own pipeline_order for a multi-stage schedule (stand-in stages, no process group)."""
-    from hf_pipeline.planning.plan import rank_of_stage
+    from hf_pipeline.planning.schedules import rank_of_stage
 
     n = p * 2
 
@@ -245,7 +245,7 @@ def test_fused_backward_merges_only_pairs_no_other_rank_waits_for(name, p, m):
     # Each merged B stands where torch listed I(s, i) directly followed by W(s, i), and only where
     # the input gradient stays on this rank (first stage, or stage s-1 on the same rank); every
     # other action is torch's, in torch's order.
-    from hf_pipeline.planning.plan import rank_of_stage
+    from hf_pipeline.planning.schedules import rank_of_stage
 
     spec = SCHEDULES[name]
     if spec.training_problem(pp_size=p, virtual_stages=2, n_microbatches=m) is not None:
