@@ -223,12 +223,8 @@ def test_bubble_formulas_equal_the_documented_formulas():
         spec = SCHEDULES[name]
         for p, v, m in _settings(spec):
             want = formula(p, m, v) if p > 1 else 0.0
-            assert spec.theoretical_bubble(pp_size=p, n_microbatches=m, virtual_stages=v) == pytest.approx(want), (
-                name,
-                p,
-                v,
-                m,
-            )
+            got = spec.theoretical_bubble(pp_size=p, n_microbatches=m, virtual_stages=v)
+            assert got == pytest.approx(want), (name, p, v, m)
             assert theoretical_bubble(name, pp_size=p, n_microbatches=m, virtual_stages=v) == pytest.approx(want)
     assert SCHEDULES["1f1b"].bubble_formula == "(p-1)/(m+p-1)"
     assert SCHEDULES["interleaved-1f1b"].bubble_formula == "(p-1)/(v*m+p-1)"
