@@ -161,6 +161,36 @@ __all__ += ["group_timeout"]
 
 
 # --- for families/ and planning/ ------------------------------------------------------------------
+# A torch runtime schedule's action lists lowered again after a rewrite (fuse_backward): torch
+# lowers compute actions to sends, receives and gradient reduction only inside its schedules'
+# constructors and ``_PipelineScheduleRuntime._load_csv`` (no public "set pipeline_order" API).
+def prepare_schedule_with_comms(schedule: Any, actions: dict[int, list]) -> None:
+    """Lower ``actions`` (rank -> compute actions) into ``schedule.pipeline_order_with_comms``, as torch does."""
+    schedule._prepare_schedule_with_comms(actions)
+
+
+# torch's lowering passes on their own, for a schedule whose placement is set by the caller
+# (runtime.forward_schedule): the public entry above validates that every forward has a backward.
+def lower_compute_actions(
+    actions: dict[int, list], *, stage_to_rank: dict[int, int], num_stages: int, n_microbatches: int
+) -> dict[int, list]:
+    """``actions`` (rank -> compute actions) with torch's unshard/reshard, grad-reduce, send and receive actions."""
+    lowered = {
+        rank: torch_schedules._add_reduce_grad(torch_schedules._add_unshard_reshard(acts), n_microbatches)
+        for rank, acts in actions.items()
+    }
+    return torch_schedules._add_send_recv(lowered, stage_to_rank=stage_to_rank.__getitem__, num_stages=num_stages)
+
+
+# The decoder inputs an encoder-decoder model builds from labels (labels shifted right, the decoder
+# start token first): transformers' public ``prepare_decoder_input_ids_from_labels`` wraps this
+# private method and exists on the ForConditionalGeneration classes only.
+def shift_right(model: Any, labels: Any) -> Any:
+    """``model._shift_right(labels)``: the decoder input ids transformers makes from ``labels``."""
+    return model._shift_right(labels)
+
+
+__all__ += ["lower_compute_actions", "prepare_schedule_with_comms", "shift_right"]
 
 
 # --- for runtime/ and loading/ --------------------------------------------------------------------

@@ -33,8 +33,10 @@ from .distributed.faults import raise_if_broken, spread_failures
 from .errors import InputError, TraceError
 from .loading.loader import BuiltPipeline, build_pipeline
 from .loading.weights import LoadReport
+from .planning.layout import ParamLayout, param_layout
 from .planning.options import PipelineOptions
-from .planning.plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
+from .planning.plan import StagePlan
+from .planning.resolve import ResolvedRecipe
 from .planning.schedules import ScheduleSpec
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
@@ -88,7 +90,7 @@ class PipelinedModel(nn.Module):
 
     @functools.cached_property
     def param_layout(self) -> ParamLayout:
-        """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.planning.plan.param_layout`."""
+        """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.planning.layout.param_layout`."""
         return param_layout(self.skeleton, self.plan, self.resolved.tied)
 
     # ----------------------------------------------------------------- properties

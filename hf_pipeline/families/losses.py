@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
 
+from ..errors import InputError
+
 __all__ = [
     "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "get_loss", "output_loss",
 ]
@@ -94,11 +96,18 @@ def _cls_share(outputs, labels, config, denominator):
     # with no num_items_in_batch: a microbatch's share of the global mean needs its sum, computed here.
     if kind == "regression":
         # MSELoss on squeezed tensors when num_labels == 1, as transformers does
-        pred, target = (logits.squeeze(-1), labels.reshape(labels.shape[0], -1).squeeze(-1)) if config.num_labels == 1 else (logits, labels)
+        pred, target = (
+            (logits.squeeze(-1), labels.reshape(labels.shape[0], -1).squeeze(-1))
+            if config.num_labels == 1
+            else (logits, labels)
+        )
         return F.mse_loss(pred.float(), target.float(), reduction="sum") / denominator
     if kind == "multi_label_classification":
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum") / denominator
-    raise ValueError(f"unknown problem_type {kind!r}; use 'regression', 'single_label_classification' or 'multi_label_classification'")
+    raise InputError(
+        f"unknown problem_type {kind!r}; use 'regression', 'single_label_classification' or "
+        "'multi_label_classification'"
+    )
 
 
 def _cls_count(labels, config):
@@ -122,11 +131,16 @@ def question_answering_targets(start_positions: torch.Tensor, end_positions: tor
         if t.dim() > 1:
             t = t.squeeze(-1)
         if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be (batch,) integer positions, got shape {tuple(t.shape)} and dtype {t.dtype}")
+            raise InputError(
+                f"{name} must be (batch,) integer positions, got shape {tuple(t.shape)} and dtype {t.dtype}"
+            )
         t = t.clamp(0, length)
         cols.append(t.masked_fill(t == length, IGNORE_INDEX))
     if cols[0].shape != cols[1].shape:
-        raise ValueError(f"start_positions has {cols[0].shape[0]} rows but end_positions {cols[1].shape[0]}; pass one of each per row")
+        raise InputError(
+            f"start_positions has {cols[0].shape[0]} rows but end_positions {cols[1].shape[0]}; "
+            "pass one of each per row"
+        )
     return torch.stack(cols, dim=-1)  # (B, 2)
 
 
@@ -136,7 +150,9 @@ def _qa_share(outputs, targets, config, denominator):
     # is ignored and its end position is not: each half goes through fixed_cross_entropy with its own.
     start_logits, end_logits = outputs[:2]
     targets = targets.to(start_logits.device)
-    start = fixed_cross_entropy(start_logits, targets[:, 0], num_items_in_batch=denominator[0], ignore_index=IGNORE_INDEX)
+    start = fixed_cross_entropy(
+        start_logits, targets[:, 0], num_items_in_batch=denominator[0], ignore_index=IGNORE_INDEX
+    )
     end = fixed_cross_entropy(end_logits, targets[:, 1], num_items_in_batch=denominator[1], ignore_index=IGNORE_INDEX)
     return (start + end) / 2
 
@@ -195,17 +211,29 @@ class LossFunction:
 
 
 LOSSES: dict[str, LossFunction] = {
-    "causal_lm": LossFunction(name="causal_lm", share=_vocab_loss("ForCausalLM"), count=_causal_count, token_level=True),
+    "causal_lm": LossFunction(
+        name="causal_lm", share=_vocab_loss("ForCausalLM"), count=_causal_count, token_level=True
+    ),
     "masked_lm": LossFunction(name="masked_lm", share=_vocab_loss("ForMaskedLM"), count=_token_count, token_level=True),
     # LOSS_MAPPING's "ForConditionalGeneration" is the shifted causal loss; T5ForConditionalGeneration
     # computes an unshifted cross entropy itself (its decoder inputs are the labels shifted right),
     # which is ForMaskedLMLoss.
-    "seq2seq_lm": LossFunction(name="seq2seq_lm", share=_vocab_loss("ForMaskedLM"), count=_token_count, token_level=True),
-    "sequence_classification": LossFunction(name="sequence_classification", share=_cls_share, count=_cls_count, token_level=False),
-    "token_classification": LossFunction(name="token_classification", share=_token_cls_share, count=_token_count, token_level=True),
+    "seq2seq_lm": LossFunction(
+        name="seq2seq_lm", share=_vocab_loss("ForMaskedLM"), count=_token_count, token_level=True
+    ),
+    "sequence_classification": LossFunction(
+        name="sequence_classification", share=_cls_share, count=_cls_count, token_level=False
+    ),
+    "token_classification": LossFunction(
+        name="token_classification", share=_token_cls_share, count=_token_count, token_level=True
+    ),
     "question_answering": LossFunction(
-        name="question_answering", share=_qa_share, count=_qa_count, token_level=False,
-        targets=("start_positions", "end_positions"), make_targets=_qa_targets,
+        name="question_answering",
+        share=_qa_share,
+        count=_qa_count,
+        token_level=False,
+        targets=("start_positions", "end_positions"),
+        make_targets=_qa_targets,
     ),
     "multiple_choice": LossFunction(name="multiple_choice", share=_choice_share, count=_token_count, token_level=False),
 }
@@ -215,17 +243,17 @@ def get_loss(name: str | None, *, class_name: str = "this model") -> LossFunctio
     """The :class:`LossFunction` a recipe head names.
 
     Raises:
-        ValueError: the head has no loss (a base model such as ``LlamaModel``).
+        InputError: the head has no loss (a base model such as ``LlamaModel``), or ``name`` is no known loss.
     """
     if name is None:
-        raise ValueError(
+        raise InputError(
             f"{class_name} has no pipelined training loss: it is a base model without a task head (or a head whose "
             "recipe names no loss). Train with a head that has one, e.g. AutoModelForCausalLM, AutoModelForMaskedLM, "
             "AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, "
             "AutoModelForQuestionAnswering or AutoModelForMultipleChoice"
         )
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; known losses: {sorted(LOSSES)}")
+        raise InputError(f"unknown loss {name!r}; known losses: {sorted(LOSSES)}")
     return LOSSES[name]
 
 
@@ -243,7 +271,9 @@ class PipelineLoss:
         self.loss = loss
         self.config = config
 
-    def __call__(self, output, target: torch.Tensor, *, denominator: Denominator, loss_scale: float = 1.0) -> torch.Tensor:
+    def __call__(
+        self, output, target: torch.Tensor, *, denominator: Denominator, loss_scale: float = 1.0
+    ) -> torch.Tensor:
         outputs = tuple(output) if isinstance(output, (tuple, list)) else (output,)
         value = self.loss.share(outputs, target, self.config, denominator)
         return value if loss_scale == 1.0 else value * loss_scale

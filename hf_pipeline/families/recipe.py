@@ -149,7 +149,9 @@ def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, 
     if not value:
         return ()
     if len(value) != 2:
-        raise RecipeError(f"{source}: field {where!r} must list exactly two halves (attention, then MLP), got {len(value)}")
+        raise RecipeError(
+            f"{source}: field {where!r} must list exactly two halves (attention, then MLP), got {len(value)}"
+        )
     halves = tuple(_str_list(source, f"{where}[{i}]", h) for i, h in enumerate(value))
     if not all(halves):
         raise RecipeError(f"{source}: field {where!r}: each half must name at least one child module of the block")
@@ -163,12 +165,31 @@ def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, 
     return halves
 
 
-def _parse(data: dict[str, Any], source: str) -> Recipe:
-    allowed = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions"}
+# Fields of a recipe, by TOML section: the top level, each [[stacks]] table, each [heads.<Suffix>] table.
+_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions"}
+_TOP_REQUIRED = ("model_types", "glue", "stacks", "heads")
+_STACK_FIELDS = {"name", "blocks", "embed", "final", "every_stage", "halves"}
+_STACK_REQUIRED = ("name", "blocks")
+_HEAD_FIELDS = {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim", "choices", "stacks"}
+_HEAD_REQUIRED = ("modules", "outputs", "output_class")
+
+
+def _check_table(source: str, where: str, raw: dict[str, Any], allowed: set[str], required: tuple[str, ...]) -> None:
+    """Refuse unknown and missing fields of one table of a recipe (``where``: its path in the TOML)."""
+    extra = set(raw) - allowed
+    if extra:
+        raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
+    for key in required:
+        if key not in raw:
+            raise RecipeError(f"{source}: missing required field {where}.{key}")
+
+
+def _parse_top(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The top-level fields: model_types, glue, flows and positions."""
     for key in data:
-        if key not in allowed:
-            raise RecipeError(f"{source}: unknown field {key!r}; allowed fields: {sorted(allowed)}")
-    for key in ("model_types", "glue", "stacks", "heads"):
+        if key not in _TOP_FIELDS:
+            raise RecipeError(f"{source}: unknown field {key!r}; allowed fields: {sorted(_TOP_FIELDS)}")
+    for key in _TOP_REQUIRED:
         if key not in data:
             raise RecipeError(f"{source}: missing required field {key!r}")
     model_types = _str_list(source, "model_types", data["model_types"])
@@ -181,83 +202,85 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
     positions = _expect(source, "positions", data.get("positions", "learned"), str)
     if positions not in POSITION_KINDS:
         raise RecipeError(f"{source}: field 'positions' is {positions!r}; it must be one of {list(POSITION_KINDS)}")
+    return {"model_types": model_types, "glue": glue, "flows": flows, "positions": positions}
 
-    stacks = []
-    for i, raw in enumerate(_expect(source, "stacks", data["stacks"], list)):
-        where = f"stacks[{i}]"
-        _expect(source, where, raw, dict)
-        extra = set(raw) - {"name", "blocks", "embed", "final", "every_stage", "halves"}
-        if extra:
-            raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
-        for key in ("name", "blocks"):
-            if key not in raw:
-                raise RecipeError(f"{source}: missing required field {where}.{key}")
-        stacks.append(
-            StackSpec(
-                name=_expect(source, f"{where}.name", raw["name"], str),
-                blocks=_expect(source, f"{where}.blocks", raw["blocks"], str),
-                embed=_str_list(source, f"{where}.embed", raw.get("embed", [])),
-                final=_str_list(source, f"{where}.final", raw.get("final", [])),
-                every_stage=_str_list(source, f"{where}.every_stage", raw.get("every_stage", [])),
-                halves=_halves(source, f"{where}.halves", raw.get("halves", []), glue),
-            )
+
+def _parse_stack(source: str, index: int, raw: Any, glue: str) -> StackSpec:
+    """One ``[[stacks]]`` table."""
+    where = f"stacks[{index}]"
+    _expect(source, where, raw, dict)
+    _check_table(source, where, raw, _STACK_FIELDS, _STACK_REQUIRED)
+    return StackSpec(
+        name=_expect(source, f"{where}.name", raw["name"], str),
+        blocks=_expect(source, f"{where}.blocks", raw["blocks"], str),
+        embed=_str_list(source, f"{where}.embed", raw.get("embed", [])),
+        final=_str_list(source, f"{where}.final", raw.get("final", [])),
+        every_stage=_str_list(source, f"{where}.every_stage", raw.get("every_stage", [])),
+        halves=_halves(source, f"{where}.halves", raw.get("halves", []), glue),
+    )
+
+
+def _parse_head(source: str, suffix: str, raw: Any, stack_names: list[str]) -> HeadSpec:
+    """One ``[heads.<ClassSuffix>]`` table (``stack_names``: the recipe's stacks, which it may narrow to)."""
+    where = f"heads.{suffix}"
+    _expect(source, where, raw, dict)
+    _check_table(source, where, raw, _HEAD_FIELDS, _HEAD_REQUIRED)
+    loss = raw.get("loss")
+    if loss is not None and loss not in KNOWN_LOSSES:
+        raise RecipeError(f"{source}: field {where}.loss is {loss!r}; it must be one of {list(KNOWN_LOSSES)}")
+    pool = raw.get("pool")
+    if pool is not None and pool not in KNOWN_POOLS:
+        raise RecipeError(f"{source}: field {where}.pool is {pool!r}; it must be one of {list(KNOWN_POOLS)}")
+    outputs = _str_list(source, f"{where}.outputs", raw["outputs"])
+    if not outputs:
+        raise RecipeError(f"{source}: field {where}.outputs must name at least one output")
+    split_last_dim = _expect(source, f"{where}.split_last_dim", raw.get("split_last_dim", False), bool)
+    if split_last_dim and len(outputs) < 2:
+        raise RecipeError(
+            f"{source}: field {where}.split_last_dim splits the head's last dim into its outputs, so "
+            f"{where}.outputs must name at least two (e.g. [\"start_logits\", \"end_logits\"]), got {list(outputs)}"
         )
-    if not stacks:
-        raise RecipeError(f"{source}: field 'stacks' must list at least one stack of blocks")
-
-    heads = {}
-    for suffix, raw in _expect(source, "heads", data["heads"], dict).items():
-        where = f"heads.{suffix}"
-        _expect(source, where, raw, dict)
-        extra = set(raw) - {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim", "choices", "stacks"}
-        if extra:
-            raise RecipeError(f"{source}: unknown field(s) {sorted(extra)} in {where}")
-        for key in ("modules", "outputs", "output_class"):
-            if key not in raw:
-                raise RecipeError(f"{source}: missing required field {where}.{key}")
-        loss = raw.get("loss")
-        if loss is not None and loss not in KNOWN_LOSSES:
-            raise RecipeError(f"{source}: field {where}.loss is {loss!r}; it must be one of {list(KNOWN_LOSSES)}")
-        pool = raw.get("pool")
-        if pool is not None and pool not in KNOWN_POOLS:
-            raise RecipeError(f"{source}: field {where}.pool is {pool!r}; it must be one of {list(KNOWN_POOLS)}")
-        outputs = _str_list(source, f"{where}.outputs", raw["outputs"])
-        if not outputs:
-            raise RecipeError(f"{source}: field {where}.outputs must name at least one output")
-        split_last_dim = _expect(source, f"{where}.split_last_dim", raw.get("split_last_dim", False), bool)
-        if split_last_dim and len(outputs) < 2:
-            raise RecipeError(
-                f"{source}: field {where}.split_last_dim splits the head's last dim into its outputs, so "
-                f"{where}.outputs must name at least two (e.g. [\"start_logits\", \"end_logits\"]), got {list(outputs)}"
-            )
-        choices = _expect(source, f"{where}.choices", raw.get("choices", False), bool)
-        head_stacks = _str_list(source, f"{where}.stacks", raw.get("stacks", []))
-        unknown = sorted(set(head_stacks) - {st.name for st in stacks})
-        if unknown:
-            raise RecipeError(
-                f"{source}: field {where}.stacks names {unknown}, which are not stacks of this recipe; "
-                f"its stacks: {[st.name for st in stacks]}"
-            )
-        heads[suffix] = HeadSpec(
-            suffix=suffix,
-            modules=_str_list(source, f"{where}.modules", raw["modules"]),
-            outputs=outputs,
-            output_class=_expect(source, f"{where}.output_class", raw["output_class"], str),
-            loss=loss,
-            pool=pool,
-            split_last_dim=split_last_dim,
-            choices=choices,
-            stacks=head_stacks,
+    choices = _expect(source, f"{where}.choices", raw.get("choices", False), bool)
+    head_stacks = _str_list(source, f"{where}.stacks", raw.get("stacks", []))
+    unknown = sorted(set(head_stacks) - set(stack_names))
+    if unknown:
+        raise RecipeError(
+            f"{source}: field {where}.stacks names {unknown}, which are not stacks of this recipe; "
+            f"its stacks: {stack_names}"
         )
+    return HeadSpec(
+        suffix=suffix,
+        modules=_str_list(source, f"{where}.modules", raw["modules"]),
+        outputs=outputs,
+        output_class=_expect(source, f"{where}.output_class", raw["output_class"], str),
+        loss=loss,
+        pool=pool,
+        split_last_dim=split_last_dim,
+        choices=choices,
+        stacks=head_stacks,
+    )
 
+
+def _parse_tied(data: dict[str, Any], source: str) -> tuple[tuple[str, ...], ...]:
+    """The ``[tied]`` table: groups of parameter names that are one tensor."""
     tied_raw = _expect(source, "tied", data.get("tied", {}), dict)
     groups = tied_raw.get("groups", [])
     _expect(source, "tied.groups", groups, list)
-    tied = tuple(_str_list(source, f"tied.groups[{i}]", g) for i, g in enumerate(groups))
-    return Recipe(
-        source=source, model_types=model_types, glue=glue, flows=flows, stacks=tuple(stacks), heads=heads, tied=tied,
-        positions=positions,
-    )
+    return tuple(_str_list(source, f"tied.groups[{i}]", g) for i, g in enumerate(groups))
+
+
+def _parse(data: dict[str, Any], source: str) -> Recipe:
+    top = _parse_top(data, source)
+    raw_stacks = _expect(source, "stacks", data["stacks"], list)
+    stacks = tuple(_parse_stack(source, i, raw, top["glue"]) for i, raw in enumerate(raw_stacks))
+    if not stacks:
+        raise RecipeError(f"{source}: field 'stacks' must list at least one stack of blocks")
+    stack_names = [st.name for st in stacks]
+    heads = {
+        suffix: _parse_head(source, suffix, raw, stack_names)
+        for suffix, raw in _expect(source, "heads", data["heads"], dict).items()
+    }
+    return Recipe(source=source, stacks=stacks, heads=heads, tied=_parse_tied(data, source), **top)
 
 
 def load_recipe(path: str | pathlib.Path) -> Recipe:

@@ -34,15 +34,14 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
-from transformers import AutoConfig
 
 from ..compat import set_attn_implementation
 from ..distributed.agreement import check_same_on_all_ranks, collective_errors
 from ..distributed.context import RankContext, init_distributed
 from ..distributed.dims import ParallelDims
 from ..errors import InputError
-from ..planning.options import PipelineOptions
-from ..planning.plan import ResolvedRecipe
+from ..planning.options import PipelineOptions, load_config
+from ..planning.resolve import ResolvedRecipe
 from ..runtime.checks import pipeline_identity
 from .stages import StageBuild, materialize
 from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
@@ -363,7 +362,7 @@ def build_pipeline(
         if trust_remote_code:
             _refuse_remote_code(ckpt, config)
         if config is None:
-            config = AutoConfig.from_pretrained(ckpt)
+            config = load_config(ckpt)  # the one config loader (a checkpoint directory: its config.json)
         elif attn_implementation is not None:
             config = copy.deepcopy(config)  # as transformers: the caller's config is left as it was
         if attn_implementation is not None:

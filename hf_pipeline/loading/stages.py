@@ -28,7 +28,8 @@ from ..compat import no_init_weights
 from ..families.glue import Glue, get_glue
 from ..families.recipe import get_recipe
 from ..planning.options import PipelineOptions, model_class_for
-from ..planning.plan import ResolvedRecipe, StagePlan, StageSpec, make_plan, resolve_recipe
+from ..planning.plan import StagePlan, StageSpec, make_plan
+from ..planning.resolve import ResolvedRecipe, resolve_recipe
 
 __all__ = ["StageBuild", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
 

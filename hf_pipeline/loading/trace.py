@@ -62,7 +62,8 @@ from ..errors import TraceError
 from ..families.glue import Glue
 from ..families.recipe import HeadSpec, Recipe, StackSpec
 from ..planning.options import PipelineOptions, cache_size
-from ..planning.plan import ResolvedRecipe, ResolvedStack, StageSpec, make_plan, module_stats
+from ..planning.plan import StageSpec, make_plan
+from ..planning.resolve import ResolvedRecipe, ResolvedStack, module_stats
 from ..runtime import weight_pass
 from .stages import StageBuild, meta_model, prune
 
@@ -80,7 +81,7 @@ _LOSSES = {
 
 _RECIPE_HOWTO = (
     "write a recipe: a TOML file like model_recipes/llama.toml naming the embeddings, the block list, the final "
-    "modules and the heads (a new family also needs its few lines of forward glue in hf_pipeline/families/glue.py, which "
+    "modules and the heads (a new family also needs its few lines of forward glue in hf_pipeline/families/glue/, which "
     "run the blocks with a transformers Cache), register it with hf_pipeline.register_recipe(path) and load with "
     "split_method='recipe' or 'auto'"
 )

@@ -1,9 +1,11 @@
 """Deciding before anything is loaded: options, schedules, the stage plan and the split.
 
 Lives here: :mod:`.options` (the one place defaults and checks of a pipelined model's options
-live), :mod:`.schedules` (torch's schedules as validated data, their action lists and the step
-simulator) and :mod:`.plan` (resolving a recipe on the meta model, costing blocks, the
-partitioner, the stage plan, the parameter layout).
+live), :mod:`.schedules` (torch's schedules as validated data and their rules), :mod:`.actions`
+(each rank's action list, the backward-fusing rewrite), :mod:`.simulate` (the step simulator),
+:mod:`.resolve` (a recipe resolved on the meta model, module costs), :mod:`.partition` (where to
+cut a row of costs), :mod:`.plan` (the stage plan and ``make_plan``) and :mod:`.layout` (where
+every checkpoint key lives under a plan).
 
 May import: the base modules, :mod:`hf_pipeline.distributed` and :mod:`hf_pipeline.families`.
 Nothing here reads weights or communicates.

@@ -30,7 +30,10 @@ from ..errors import CheckpointNotFoundError, InputError
 from ..families.recipe import list_recipes
 from .schedules import ScheduleSpec, check_layout, default_schedule, get_schedule
 
-__all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "SPLIT_METHODS", "cache_size", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts"]
+__all__ = [
+    "CACHE_ENV", "DEFAULT_CACHE_SIZE", "SPLIT_METHODS", "cache_size", "PipelineOptions", "load_config",
+    "model_class_for", "parse_dtype", "parse_size", "split_starts",
+]
 
 SPLIT_METHODS = ("auto", "recipe", "trace")
 DEFAULT_CACHE_SIZE = 8  # input shapes whose built stages, schedules (and traces) are kept
@@ -53,7 +56,9 @@ def parse_dtype(dtype: Any, config=None) -> torch.dtype:
         name = dtype.removeprefix("torch.")
         name = _DTYPE_ALIASES.get(name, name)
         if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise InputError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32', 'bfloat16' (or 'bf16') or torch.float16")
+            raise InputError(
+                f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32', 'bfloat16' (or 'bf16') or torch.float16"
+            )
         dtype = getattr(torch, name)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(f"dtype must be a floating point torch dtype (e.g. torch.bfloat16 or 'bf16'), got {dtype!r}")
@@ -61,7 +66,8 @@ def parse_dtype(dtype: Any, config=None) -> torch.dtype:
 
 
 def parse_size(size: int | str, *, what: str = "size") -> int:
-    """Bytes in ``size``: an int, or ``"500MB"``, ``"2GB"``, ``"1.5GiB"``, ``"64KiB"`` (transformers' ``max_shard_size`` forms).
+    """Bytes in ``size``: an int, or ``"500MB"``, ``"2GB"``, ``"1.5GiB"``, ``"64KiB"``
+    (transformers' ``max_shard_size`` forms).
 
     Decimal units are powers of 1000, binary ones (``KiB``, ``GiB``) of 1024.
 
@@ -139,7 +145,11 @@ def model_class_for(config, auto_class: str | type | None = None) -> type:
         for arch in getattr(config, "architectures", None) or ():
             if isinstance(getattr(transformers, arch, None), type):
                 return getattr(transformers, arch)
-        order = ("AutoModelForSeq2SeqLM",) if config.is_encoder_decoder else ("AutoModelForMaskedLM", "AutoModelForCausalLM")
+        order = (
+            ("AutoModelForSeq2SeqLM",)
+            if config.is_encoder_decoder
+            else ("AutoModelForMaskedLM", "AutoModelForCausalLM")
+        )
         for name in order + ("AutoModel",):
             # An encoder with a masked-LM head (BERT) is planned as that; a decoder as a causal LM.
             if name == "AutoModelForMaskedLM" and getattr(config, "is_decoder", False):
@@ -164,7 +174,8 @@ def model_class_for(config, auto_class: str | type | None = None) -> type:
         return mapping[type(config)]
     except KeyError:
         raise InputError(
-            f"{auto_class.__name__} has no model for config {type(config).__name__} (model_type {config.model_type!r}); "
+            f"{auto_class.__name__} has no model for config {type(config).__name__} "
+            f"(model_type {config.model_type!r}); "
             f"pick the Auto class that matches the checkpoint"
         ) from None
 
@@ -185,13 +196,16 @@ def load_config(path_or_config: Any):
             raise InputError(f"{path} has no 'model_type'; pass the checkpoint directory or a transformers config.json")
         return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     if path.is_dir() and not (path / "config.json").is_file():
-        raise CheckpointNotFoundError(f"{path} has no config.json; pass a checkpoint directory, a config.json file or a config object")
+        raise CheckpointNotFoundError(
+            f"{path} has no config.json; pass a checkpoint directory, a config.json file or a config object"
+        )
     # A directory, or a hub id already in the local cache: only config.json is read.
     return transformers.AutoConfig.from_pretrained(str(path_or_config))
 
 
 def cache_size() -> int:
-    """How many input shapes keep their built pipeline (runtime.py) and trace (trace.py): ``$HF_PIPELINE_RUNTIME_CACHE`` or 8."""
+    """How many input shapes keep their built pipeline (runtime.py) and trace (trace.py):
+    ``$HF_PIPELINE_RUNTIME_CACHE`` or 8."""
     raw = os.environ.get(CACHE_ENV)
     if raw is None:
         return DEFAULT_CACHE_SIZE
@@ -246,6 +260,19 @@ class PipelineOptions:
     split: str | tuple[str, ...]
     traced: bool
 
+    def __post_init__(self) -> None:
+        # Here, not in resolve, so options made with dataclasses.replace (autotune.with_schedule) are
+        # checked too. Only what the placement needs: forward and generate run with any microbatch
+        # count, and a training schedule's microbatch rules are checked when training starts (train.py).
+        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches"):
+            _positive(name, getattr(self, name))
+        if self.num_stages != self.pp_size * self.virtual_stages:
+            raise InputError(
+                f"num_stages={self.num_stages} must be pp_size x virtual_stages = "
+                f"{self.pp_size} x {self.virtual_stages}"
+            )
+        check_layout(self.schedule, pp_size=self.pp_size, virtual_stages=self.virtual_stages)
+
     @classmethod
     def resolve(
         cls,
@@ -288,14 +315,13 @@ class PipelineOptions:
         # the family's recipe lacks (GPT2ForMultipleChoice...); "recipe" lets planning raise naming the heads.
         recipe = list_recipes().get(config.model_type)
         traced = split_method == "trace" or (
-            split_method == "auto" and (recipe is None or recipe.match_head(model_class.__name__, _base_class_name(config)) is None)
+            split_method == "auto"
+            and (recipe is None or recipe.match_head(model_class.__name__, _base_class_name(config)) is None)
         )
         if virtual_stages is not None:
             _positive("virtual_stages", virtual_stages)
         if num_stages is not None:
             _positive("num_stages", num_stages)
-        if n_microbatches is not None:
-            _positive("n_microbatches", n_microbatches)
         spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
         if virtual_stages is None:
             virtual_stages = spec.default_virtual_stages()
@@ -306,16 +332,14 @@ class PipelineOptions:
         pp_size = num_stages // virtual_stages
         if world_size is not None and world_size % pp_size:
             raise InputError(
-                f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} processes, "
-                f"but the world size is {world_size}; launch {pp_size} (or k x {pp_size}) processes or change num_stages"
+                f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} "
+                f"processes, but the world size is {world_size}; launch {pp_size} (or k x {pp_size}) processes or "
+                "change num_stages"
             )
         if n_microbatches is None:
             n_microbatches = num_stages
-        # Only what the placement needs: forward and generate run with any microbatch count, and a
-        # training schedule's microbatch rules are checked when training starts (train.py).
-        check_layout(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
         split_value = split_starts(split)
-        return cls(
+        return cls(  # checks the placement and n_microbatches (__post_init__)
             model_class=model_class,
             schedule=spec,
             virtual_stages=virtual_stages,

@@ -28,10 +28,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..distributed.dims import ParallelDims
+from ..planning.actions import fuse_schedule_backward
 from ..planning.options import cache_size
 from ..planning.plan import StagePlan
-from ..planning.schedules import ScheduleSpec, fuse_schedule_backward
+from ..planning.schedules import ScheduleSpec
 from . import weight_pass
+from .forward_schedule import forward_schedule
 
 __all__ = ["PipelineRuntime", "pad_batch", "signature"]
 
@@ -122,7 +124,7 @@ class PipelineRuntime:
                 fuse_schedule_backward(schedule)  # adjacent I + W as one backward where no rank waits between
         else:
             stage_to_rank = {s.index: s.rank for s in self.plan.stages}
-            schedule = spec.forward_only(pstages, stage_to_rank=stage_to_rank, **kwargs)
+            schedule = forward_schedule(spec, pstages, stage_to_rank=stage_to_rank, **kwargs)
         self._cache[full_key] = (pstages, schedule)
         self.builds += 1
         while len(self._cache) > max(1, self.max_cached):

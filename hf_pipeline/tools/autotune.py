@@ -2,7 +2,7 @@
 
 At load (:func:`choose`), every candidate (schedule, virtual stages, microbatches) that can train
 the planned batch is costed by **simulating one training step**: each rank runs its actions in
-the order torch's schedule lists them (:func:`hf_pipeline.planning.schedules.simulate_step`), an action
+the order torch's schedule lists them (:func:`hf_pipeline.planning.simulate.simulate_step`), an action
 starting when its rank is free and its input exists (a forward after the previous stage's
 forward, a backward after the next stage's backward, a weight-gradient pass after its input
 pass). An action costs its stage's FLOPs per token (the planner's model, :class:`StagePlan`) times
@@ -37,7 +37,8 @@ import torch
 
 from ..errors import InputError
 from ..planning.options import PipelineOptions, parse_size
-from ..planning.schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule, simulate_step
+from ..planning.schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
+from ..planning.simulate import simulate_step
 
 __all__ = [
     "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "SplitAdvice", "choose", "fit_stage_costs", "measure_split",

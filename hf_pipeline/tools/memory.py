@@ -21,7 +21,7 @@ How the numbers are obtained:
     (``DynamicCache(config=...)``) keeps for that layer's kind: all of them for full attention, at
     most ``sliding_window`` for a sliding-window layer (:func:`kv_cache_tokens`).
   * in-flight microbatches: the rank's own action list from torch's schedule
-    (:func:`hf_pipeline.planning.schedules.schedule_actions`): activations are live from F until B (or W).
+    (:func:`hf_pipeline.planning.actions.schedule_actions`): activations are live from F until B (or W).
   * training peak = weights + gradients (same dtype) + peak live activations + P2P receive buffers
     (torch allocates one activation and one gradient buffer per microbatch). Optimizer states are
     not included (Adam adds 2 x fp32 parameters); neither is transient per-op workspace.
@@ -52,9 +52,11 @@ from transformers.cache_utils import DynamicCache
 
 from ..loading.stages import StageModule, build_stage, recipe_front_end
 from ..loading.weights import resolve_checkpoint
+from ..planning.actions import schedule_actions
 from ..planning.options import PipelineOptions, load_config
-from ..planning.plan import ResolvedRecipe, StagePlan, compress_blocks
-from ..planning.schedules import check_training, schedule_actions
+from ..planning.plan import StagePlan, compress_blocks
+from ..planning.resolve import ResolvedRecipe
+from ..planning.schedules import check_training
 
 __all__ = [
     "MemoryReport",

@@ -45,7 +45,9 @@ import torch
 import torch.distributed as dist
 
 from ..compat import PROFILED_METHODS, PipelineStageBase, torch_schedules
-from ..planning.schedules import ACTION_KINDS, ScheduleSpec, action_input, get_schedule, schedule_actions
+from ..planning.actions import ACTION_KINDS, schedule_actions
+from ..planning.schedules import ScheduleSpec, get_schedule
+from ..planning.simulate import action_input
 
 __all__ = [
     "ActionRecord",

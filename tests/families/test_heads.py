@@ -23,7 +23,13 @@ LR = 0.1
 # Dropout off everywhere (the classifier's own included), so training-mode outputs are deterministic.
 NO_DROPOUT = {
     "llama": {"classifier_dropout": 0.0},
-    "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0, "classifier_dropout": 0.0},
+    "gpt2": {
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "summary_first_dropout": 0.0,
+        "classifier_dropout": 0.0,
+    },
     "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout": 0.0},
 }
 HEADS = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
@@ -38,7 +44,9 @@ def _batch(arch: str, auto: str, rows: int = 4) -> dict[str, torch.Tensor]:
     if auto == "AutoModelForSequenceClassification":
         inputs["labels"] = torch.randint(0, 2, (rows,), generator=g)
     elif auto == "AutoModelForTokenClassification":
-        inputs["labels"] = torch.randint(0, 2, inputs["input_ids"].shape, generator=g).masked_fill(inputs["attention_mask"] == 0, -100)
+        inputs["labels"] = torch.randint(0, 2, inputs["input_ids"].shape, generator=g).masked_fill(
+            inputs["attention_mask"] == 0, -100
+        )
     return inputs
 
 
@@ -85,13 +93,17 @@ def _reference(path, arch, auto):
 
 
 def _compare(what, got, want):
-    assert set(got["outputs"]) == set(want["outputs"]), f"{what}: output fields {sorted(got['outputs'])} != {sorted(want['outputs'])}"
+    assert set(got["outputs"]) == set(want["outputs"]), (
+        f"{what}: output fields {sorted(got['outputs'])} != {sorted(want['outputs'])}"
+    )
     for name, w in want["outputs"].items():
         g = got["outputs"][name]
         assert g.shape == w.shape, f"{what}: {name} shape {tuple(g.shape)} != {tuple(w.shape)}"
         assert (g - w).abs().max().item() <= ATOL, f"{what}: {name} differs by {(g - w).abs().max().item():.2e}"
     if "loss" in want:
-        assert abs(got["loss"] - want["loss"]) <= ATOL * max(1.0, abs(want["loss"])), f"{what}: loss {got['loss']} != {want['loss']}"
+        assert abs(got["loss"] - want["loss"]) <= ATOL * max(1.0, abs(want["loss"])), (
+            f"{what}: loss {got['loss']} != {want['loss']}"
+        )
         for name, p in got["params"].items():
             diff = (p - want["params"][name]).abs().max().item()
             assert diff <= ATOL, f"{what}: parameter {name} after one SGD step differs by {diff:.2e}"
@@ -123,7 +135,7 @@ def test_every_head_at_world_2_equals_transformers(checkpoints, references):
     cases = [(checkpoints[c], *c, {}) for c in CASES]
     per_rank = run_distributed(_job, 2, cases, timeout=600)
     for rank, results in enumerate(per_rank):
-        for (path, arch, auto, _), got in zip(cases, results, strict=True):
+        for (_path, arch, auto, _), got in zip(cases, results, strict=True):
             _compare(f"{arch} {auto} world 2 rank {rank}", got, references[arch, auto])
 
 
@@ -135,7 +147,9 @@ def test_question_answering_train_step_without_positions_names_them(checkpoints)
     path = checkpoints["llama", "AutoModelForQuestionAnswering"]
     model = hf_pipeline.AutoModelForQuestionAnswering.from_pretrained(path, pipeline=True, device="cpu", progress=False)
     batch = _batch("llama", "AutoModelForQuestionAnswering")
-    with pytest.raises(ValueError, match=r"no \['start_positions', 'end_positions'\].*LlamaForQuestionAnswering trains on"):
+    with pytest.raises(
+        ValueError, match=r"no \['start_positions', 'end_positions'\].*LlamaForQuestionAnswering trains on"
+    ):
         model.train_step({**batch, "labels": torch.zeros(4, dtype=torch.long)})
 
 
@@ -143,7 +157,9 @@ def test_gpt2_sequence_classification_auto_uses_the_recipe(checkpoints):
     import hf_pipeline
 
     path = checkpoints["gpt2", "AutoModelForSequenceClassification"]
-    model = hf_pipeline.AutoModelForSequenceClassification.from_pretrained(path, pipeline=True, device="cpu", progress=False, split_method="auto")
+    model = hf_pipeline.AutoModelForSequenceClassification.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, split_method="auto"
+    )
     assert type(model).__name__ == "PipelinedModel" and model.resolved.head.suffix == "ForSequenceClassification"
 
 
@@ -164,7 +180,9 @@ def test_head_without_recipe_entry_falls_back_to_the_tracer_under_auto(tmp_path)
     got = model(**inputs).logits
     assert got.shape == want.shape and (got - want).abs().max().item() <= ATOL
     with pytest.raises(RecipeError, match=r"BertForNextSentencePrediction.*ForQuestionAnswering"):
-        load_pipelined(transformers.AutoModelForNextSentencePrediction, path, device="cpu", progress=False, split_method="recipe")
+        load_pipelined(
+            transformers.AutoModelForNextSentencePrediction, path, device="cpu", progress=False, split_method="recipe"
+        )
 
 
 def test_t5_encoder_model_uses_the_recipe_and_t5_model_the_tracer():
@@ -185,7 +203,7 @@ def test_classes_ending_in_model_are_not_taken_for_the_base_model():
     from hf_pipeline.families.recipe import RecipeError, get_recipe
     from hf_pipeline.loading.stages import meta_model
     from hf_pipeline.planning.options import PipelineOptions
-    from hf_pipeline.planning.plan import resolve_recipe
+    from hf_pipeline.planning.resolve import resolve_recipe
 
     for arch, cls in (("bert", "BertLMHeadModel"), ("gpt2", "GPT2DoubleHeadsModel")):
         cfg = tiny.config_for(arch)

@@ -40,7 +40,9 @@ def _reference(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _pipelined(path: str) -> dict:
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, n_microbatches=2)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, n_microbatches=2
+    )
     inputs = tiny.sample_inputs("llama", batch=4, seq=LONG)
     prompts = tiny.sample_inputs("llama", batch=4, seq=120, seed=2)
     return {

@@ -75,7 +75,9 @@ def _case(path: str, arch: str, auto: str, load_kwargs: dict) -> dict:
     if auto == ENCODER:
         return result
     with_targets = model(**_inputs(arch, auto, FORWARD_ROWS), **_targets(auto, FORWARD_ROWS))
-    result["forward_loss"] = float(with_targets.loss.detach())  # the pipelined forward's own loss, as transformers' forward
+    result["forward_loss"] = float(
+        with_targets.loss.detach()
+    )  # the pipelined forward's own loss, as transformers' forward
     assert all(torch.equal(with_targets[k], v) for k, v in result["outputs"].items())
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -155,7 +157,9 @@ def checkpoints(tmp_path_factory):
         if auto == ENCODER:
             torch.manual_seed(0)
             path = root / "t5-encoder"
-            transformers.T5EncoderModel(tiny.config_for("t5", **NO_DROPOUT["t5"])).save_pretrained(path, max_shard_size="40KB")
+            transformers.T5EncoderModel(tiny.config_for("t5", **NO_DROPOUT["t5"])).save_pretrained(
+                path, max_shard_size="40KB"
+            )
             out[arch, auto] = str(path)
         else:
             out[arch, auto] = str(tiny.make_checkpoint(root / f"{arch}-{auto}", arch, auto=auto, **NO_DROPOUT[arch]))
@@ -198,15 +202,24 @@ def test_losses_add_up_to_transformers_loss_function_over_microbatches():
     cases = {
         "causal_lm": ((logits,), tokens, LOSS_MAPPING["ForCausalLM"](logits, tokens, vocab_size=7)),
         "masked_lm": ((logits,), tokens, LOSS_MAPPING["ForMaskedLM"](logits, tokens, vocab_size=7)),
-        "token_classification": ((logits[..., :3],), classes, LOSS_MAPPING["ForTokenClassification"](logits[..., :3], classes, cfg)),
+        "token_classification": (
+            (logits[..., :3],),
+            classes,
+            LOSS_MAPPING["ForTokenClassification"](logits[..., :3], classes, cfg),
+        ),
         "question_answering": (
-            (start, end), get_loss("question_answering").make_targets({"start_positions": sp, "end_positions": ep}, 5),
+            (start, end),
+            get_loss("question_answering").make_targets({"start_positions": sp, "end_positions": ep}, 5),
             LOSS_MAPPING["ForQuestionAnswering"](start, end, sp, ep),
         ),
     }
     for name, (outputs, targets, want) in cases.items():
         fn = get_loss(name)
         denominator = fn.denominator(targets, cfg)
-        parts = [fn.share(tuple(o[i : i + 2] for o in outputs), targets[i : i + 2], cfg, denominator) for i in range(0, 6, 2)]
+        parts = [
+            fn.share(tuple(o[i : i + 2] for o in outputs), targets[i : i + 2], cfg, denominator) for i in range(0, 6, 2)
+        ]
         got = torch.stack(parts).sum()
-        assert abs(got.item() - want.item()) <= 1e-6, f"{name}: microbatch shares add up to {got.item()} != {want.item()}"
+        assert abs(got.item() - want.item()) <= 1e-6, (
+            f"{name}: microbatch shares add up to {got.item()} != {want.item()}"
+        )

@@ -8,7 +8,7 @@ import torch
 
 from hf_pipeline.families.recipe import RecipeError, get_recipe, list_recipes, load_recipe, register_recipe
 from hf_pipeline.loading.stages import meta_model
-from hf_pipeline.planning.plan import resolve_recipe
+from hf_pipeline.planning.resolve import resolve_recipe
 
 RECIPE_DIR = pathlib.Path(__file__).resolve().parents[2] / "model_recipes"
 RECIPE_FILES = sorted(RECIPE_DIR.glob("*.toml"))
@@ -69,14 +69,34 @@ def test_unknown_model_type_lists_supported_and_says_how_to_add():
 
 BAD = {
     "not toml": ("model_types = [", "not valid TOML"),
-    "missing field": ('model_types = ["x"]\nglue = "llama"\n[heads.Model]\nmodules=[]\noutputs=["a"]\noutput_class="A"\n', "'stacks'"),
-    "bad glue": ('model_types = ["x"]\nglue = "nope"\nstacks=[{name="a", blocks="b"}]\n[heads.Model]\nmodules=[]\noutputs=["a"]\noutput_class="A"\n', "'glue'"),
+    "missing field": (
+        'model_types = ["x"]\nglue = "llama"\n[heads.Model]\nmodules=[]\noutputs=["a"]\noutput_class="A"\n',
+        "'stacks'",
+    ),
+    "bad glue": (
+        'model_types = ["x"]\nglue = "nope"\nstacks=[{name="a", blocks="b"}]\n'
+        '[heads.Model]\nmodules=[]\noutputs=["a"]\noutput_class="A"\n',
+        "'glue'",
+    ),
     "wrong type": ('model_types = "x"\nglue = "llama"\nstacks=[]\nheads={}\n', "'model_types'"),
-    "unknown field": ('model_types = ["x"]\nglue = "llama"\nstacks=[{name="a", blocks="b"}]\nheads={}\nfoo=1\n', "'foo'"),
+    "unknown field": (
+        'model_types = ["x"]\nglue = "llama"\nstacks=[{name="a", blocks="b"}]\nheads={}\nfoo=1\n',
+        "'foo'",
+    ),
     "stack field": ('model_types = ["x"]\nglue = "llama"\nstacks=[{name="a"}]\nheads={}\n', "stacks[0].blocks"),
-    "three halves": ('model_types = ["x"]\nglue = "llama"\nstacks=[{name="a", blocks="b", halves=[["x"], ["y"], ["z"]]}]\nheads={}\n', "exactly two halves"),
-    "overlapping halves": ('model_types = ["x"]\nglue = "llama"\nstacks=[{name="a", blocks="b", halves=[["x", "y"], ["y"]]}]\nheads={}\n', "both halves"),
-    "halves without a glue for them": ('model_types = ["x"]\nglue = "t5"\nstacks=[{name="a", blocks="b", halves=[["x"], ["y"]]}]\nheads={}\n', "cannot run half a block"),
+    "three halves": (
+        'model_types = ["x"]\nglue = "llama"\n'
+        'stacks=[{name="a", blocks="b", halves=[["x"], ["y"], ["z"]]}]\nheads={}\n',
+        "exactly two halves",
+    ),
+    "overlapping halves": (
+        'model_types = ["x"]\nglue = "llama"\nstacks=[{name="a", blocks="b", halves=[["x", "y"], ["y"]]}]\nheads={}\n',
+        "both halves",
+    ),
+    "halves without a glue for them": (
+        'model_types = ["x"]\nglue = "t5"\nstacks=[{name="a", blocks="b", halves=[["x"], ["y"]]}]\nheads={}\n',
+        "cannot run half a block",
+    ),
 }
 
 
@@ -155,10 +175,16 @@ def test_a_new_architecture_is_a_new_recipe_file(tmp_path):
 
 
 def test_halves_naming_a_missing_child_name_the_block(tmp_path):
-    text = (RECIPE_DIR / "llama.toml").read_text().replace('["post_attention_layernorm", "mlp"]', '["post_attention_layernorm", "feed_forward"]')
+    text = (
+        (RECIPE_DIR / "llama.toml")
+        .read_text()
+        .replace('["post_attention_layernorm", "mlp"]', '["post_attention_layernorm", "feed_forward"]')
+    )
     path = tmp_path / "llama_halves.toml"
     path.write_text(text)
     with pytest.raises(RecipeError) as e:
         resolve_recipe(meta_model(tiny.config_for("llama"), "AutoModelForCausalLM"), load_recipe(path))
     msg = str(e.value)
-    assert "llama_halves.toml" in msg and "stacks[0].halves" in msg and "feed_forward" in msg and "model.layers.0" in msg
+    assert (
+        "llama_halves.toml" in msg and "stacks[0].halves" in msg and "feed_forward" in msg and "model.layers.0" in msg
+    )

@@ -1,4 +1,5 @@
-"""Sliding-window attention in the LLaMA family equals transformers: forward, training, generation, at world sizes 1, 2, 3.
+"""Sliding-window attention in the LLaMA family equals transformers: forward, training, generation,
+at world sizes 1, 2, 3.
 
 Two tiny 6-layer models whose window (5) is shorter than every sequence, so the window changes the
 numbers (checked against transformers with the window switched off):
@@ -45,12 +46,17 @@ ARCHS = ("mistral", "qwen2")
 # world size -> (label, load options) run in that job; each model also trains with its schedule.
 LAYOUTS = {
     1: [("1f1b", {"schedule": "1f1b"}), ("interleaved", {"schedule": "interleaved-1f1b", "virtual_stages": 2})],
-    # stage 0 ends with layer 3's attention half (Qwen2: sliding after three full layers), stage 1 starts with its MLP half
-    2: [("1f1b-cut", {"schedule": "1f1b", "split": ["model.layers.3.post_attention_layernorm"]}),
-        ("interleaved", {"schedule": "interleaved-1f1b", "virtual_stages": 2})],
+    # stage 0 ends with layer 3's attention half (Qwen2: sliding after three full layers), stage 1
+    # starts with its MLP half
+    2: [
+        ("1f1b-cut", {"schedule": "1f1b", "split": ["model.layers.3.post_attention_layernorm"]}),
+        ("interleaved", {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    ],
     # stage 1 holds layers 2 (full) and 3 (sliding) in Qwen2
-    3: [("1f1b", {"schedule": "1f1b", "split": ["model.layers.2", "model.layers.4"]}),
-        ("interleaved", {"schedule": "interleaved-1f1b", "virtual_stages": 2})],
+    3: [
+        ("1f1b", {"schedule": "1f1b", "split": ["model.layers.2", "model.layers.4"]}),
+        ("interleaved", {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+    ],
 }
 
 
@@ -65,7 +71,9 @@ def _config(arch: str, **overrides):
     if arch == "mistral":
         return transformers.MistralConfig(**{"sliding_window": WINDOW, **common, **overrides})
     if arch == "qwen2":
-        return transformers.Qwen2Config(**{"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 3, **common, **overrides})
+        return transformers.Qwen2Config(
+            **{"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 3, **common, **overrides}
+        )
     if arch == "llama":
         return transformers.LlamaConfig(**{**common, **overrides})
     raise ValueError(arch)
@@ -98,12 +106,16 @@ def _gen_inputs():
 def _case(path, load, eos):
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, n_microbatches=M, **load)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, n_microbatches=M, **load
+    )
     res = {"halves": [s.spec.halves for s in model.stages], "blocks": [s.spec.blocks for s in model.stages]}
     with torch.no_grad():
         res["logits"] = model(**_fwd_inputs()).logits
     res["ids"] = model.generate(**_gen_inputs(), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos)
-    res["chunked_ids"] = model.generate(**_gen_inputs(), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos, prefill_chunk_size=CHUNK)
+    res["chunked_ids"] = model.generate(
+        **_gen_inputs(), max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos, prefill_chunk_size=CHUNK
+    )
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     res["loss"] = float(model.train_step(_train_batch()).detach())
@@ -169,8 +181,12 @@ def references(tmp_path_factory):
         # The window must matter for these inputs, else the comparisons below could not fail.
         full = _unwindowed(path)
         with torch.no_grad():
-            assert (full(**_fwd_inputs()).logits - logits).abs().max() > 1e-2, f"{arch}: the window does not change the logits"
-        assert not torch.equal(_greedy(full, _gen_inputs(), eos), ids), f"{arch}: the window does not change the generated ids"
+            assert (full(**_fwd_inputs()).logits - logits).abs().max() > 1e-2, (
+                f"{arch}: the window does not change the logits"
+            )
+        assert not torch.equal(_greedy(full, _gen_inputs(), eos), ids), (
+            f"{arch}: the window does not change the generated ids"
+        )
         ref.train()
         opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
         loss = ref(**_train_batch()).loss
@@ -178,7 +194,16 @@ def references(tmp_path_factory):
         grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         opt.step()
         params = {n: p.detach().clone() for n, p in ref.named_parameters()}
-        out[arch] = {"path": path, "logits": logits, "eos": eos, "ids": ids, "chunked_ids": chunked, "loss": float(loss.detach()), "grads": grads, "params": params}
+        out[arch] = {
+            "path": path,
+            "logits": logits,
+            "eos": eos,
+            "ids": ids,
+            "chunked_ids": chunked,
+            "loss": float(loss.detach()),
+            "grads": grads,
+            "params": params,
+        }
     return out
 
 
@@ -186,20 +211,32 @@ def _check(what, results, ref):
     for r, res in enumerate(results):
         diff = (res["logits"] - ref["logits"]).abs().max().item()
         assert diff <= TOL, f"{what} rank {r}: logits max abs diff {diff:.3g}"
-        assert torch.equal(res["ids"], ref["ids"]), f"{what} rank {r}: generated ids\n{res['ids']}\n!= transformers\n{ref['ids']}"
-        assert torch.equal(res["chunked_ids"], ref["chunked_ids"]), f"{what} rank {r}: chunked prefill ids\n{res['chunked_ids']}\n!= transformers\n{ref['chunked_ids']}"
-        assert abs(res["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), f"{what} rank {r}: loss {res['loss']} != {ref['loss']}"
+        assert torch.equal(res["ids"], ref["ids"]), (
+            f"{what} rank {r}: generated ids\n{res['ids']}\n!= transformers\n{ref['ids']}"
+        )
+        assert torch.equal(res["chunked_ids"], ref["chunked_ids"]), (
+            f"{what} rank {r}: chunked prefill ids\n{res['chunked_ids']}\n!= transformers\n{ref['chunked_ids']}"
+        )
+        assert abs(res["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), (
+            f"{what} rank {r}: loss {res['loss']} != {ref['loss']}"
+        )
         for key, copies in res["grads"].items():
             want = ref["grads"][key]
             for got in copies:
                 diff = (got - want).abs().max().item()
-                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, f"{what} rank {r}: gradient of {key}: max abs diff {diff:.3g}"
+                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, (
+                    f"{what} rank {r}: gradient of {key}: max abs diff {diff:.3g}"
+                )
         for key, copies in res["params"].items():
             for got in copies:
                 diff = (got - ref["params"][key]).abs().max().item()
-                assert diff <= PARAM_ATOL, f"{what} rank {r}: parameter {key} after an AdamW step: max abs diff {diff:.3g}"
+                assert diff <= PARAM_ATOL, (
+                    f"{what} rank {r}: parameter {key} after an AdamW step: max abs diff {diff:.3g}"
+                )
     covered = {k for res in results for k in res["grads"]}
-    assert covered == set(ref["grads"]), f"{what}: no rank returned a gradient for {sorted(set(ref['grads']) - covered)}"
+    assert covered == set(ref["grads"]), (
+        f"{what}: no rank returned a gradient for {sorted(set(ref['grads']) - covered)}"
+    )
 
 
 @pytest.mark.dist
@@ -241,8 +278,16 @@ def test_attention_kinds_follow_transformers():
     "arch,overrides,message",
     [
         ("qwen2", {"layer_types": ["chunked_attention", "full_attention"] * 3}, "chunked_attention"),
-        ("qwen2", {"use_sliding_window": False, "layer_types": ["sliding_attention", "full_attention"] * 3}, "sliding_window is None"),
-        ("llama", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 3}, "does not follow config.layer_types"),
+        (
+            "qwen2",
+            {"use_sliding_window": False, "layer_types": ["sliding_attention", "full_attention"] * 3},
+            "sliding_window is None",
+        ),
+        (
+            "llama",
+            {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 3},
+            "does not follow config.layer_types",
+        ),
     ],
     ids=["qwen2-chunked", "qwen2-sliding-without-window", "llama-layer-types"],
 )
@@ -251,4 +296,6 @@ def test_unsupported_attention_kinds_refused_at_load(tmp_path, arch, overrides, 
 
     path = _save(tmp_path / arch, _config(arch, **overrides))
     with pytest.raises(ValueError, match=message):
-        hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2)
+        hf_pipeline.AutoModelForCausalLM.from_pretrained(
+            path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2
+        )

@@ -9,7 +9,8 @@ import transformers
 
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import build_stage, materialize, meta_model
-from hf_pipeline.planning.plan import make_plan, resolve_recipe
+from hf_pipeline.planning.plan import make_plan
+from hf_pipeline.planning.resolve import resolve_recipe
 
 CASES = [
     ("llama", "AutoModelForCausalLM"),

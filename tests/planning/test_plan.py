@@ -6,7 +6,8 @@ import torch
 
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import meta_model
-from hf_pipeline.planning.plan import CUT_GAIN, PlanError, make_plan
+from hf_pipeline.planning.partition import CUT_GAIN
+from hf_pipeline.planning.plan import PlanError, make_plan
 
 
 def _plan(arch="llama", auto="AutoModelForCausalLM", **kw):
@@ -82,7 +83,9 @@ def test_auto_cuts_a_block_only_where_it_balances_better():
     # last stage 4.65 layers against 4; the attention half of layer 4 moves to stage 0.
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=4096)
+    cfg = transformers.LlamaConfig(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=4096
+    )
     model = meta_model(cfg, "AutoModelForCausalLM")
     cut = make_plan(model, get_recipe("llama"), pp_size=2, seq_len=128)
     whole = make_plan(model, get_recipe("llama"), pp_size=2, seq_len=128, split=["model.layers.4"])
@@ -100,7 +103,11 @@ def test_split_points_rebuild_the_plan_and_name_block_halves():
     model, plan = _plan(pp_size=3)
     again = make_plan(model, get_recipe("llama"), pp_size=3, split=list(plan.split_points))
     assert again.stages == plan.stages
-    _, explicit = _plan(pp_size=2, virtual_stages=2, split=["model.layers.1", "model.layers.1.post_attention_layernorm", "model.layers.2"])
+    _, explicit = _plan(
+        pp_size=2,
+        virtual_stages=2,
+        split=["model.layers.1", "model.layers.1.post_attention_layernorm", "model.layers.2"],
+    )
     assert [s.blocks for s in explicit.stages] == [
         ("model.layers.0",), ("model.layers.1",), ("model.layers.1",), ("model.layers.2", "model.layers.3"),
     ]
@@ -139,10 +146,12 @@ def test_plan_prints_a_readable_table_and_dtype_bytes():
 
 
 def _simulated_step(plan, schedule, m):
-    from hf_pipeline.planning.schedules import simulate_step
+    from hf_pipeline.planning.simulate import simulate_step
 
     costs = [s.flops_per_token for s in plan.stages]
-    step, _ = simulate_step(schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m, stage_cost=costs)
+    step, _ = simulate_step(
+        schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m, stage_cost=costs
+    )
     return step, 3 * sum(costs) * m / plan.pp_size  # the step, and perfect overlap (backward = 2x forward)
 
 

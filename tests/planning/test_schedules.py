@@ -25,13 +25,13 @@ from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from hf_pipeline.compat import Action, ComputationType
+from hf_pipeline.planning.actions import fuse_backward
 from hf_pipeline.planning.schedules import (
     SCHEDULES,
     ScheduleError,
     ScheduleSpec,
     check_layout,
     check_training,
-    fuse_backward,
     get_schedule,
 )
 from hf_pipeline.tools.profile import schedule_actions, theoretical_bubble
@@ -122,7 +122,18 @@ def test_a_subclass_of_a_torch_schedule_keeps_its_rules_and_runs_as_itself():
     assert {k: v for k, v in vars(spec).items() if k != "cls"} == {k: v for k, v in vars(base).items() if k != "cls"}
 
 
-@pytest.mark.parametrize("bad", ["2f2b", "PipelineScheduleSingle", "PipelineScheduleMulti", 3, None, pp.schedules.PipelineScheduleMulti, torch.nn.Linear])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "2f2b",
+        "PipelineScheduleSingle",
+        "PipelineScheduleMulti",
+        3,
+        None,
+        pp.schedules.PipelineScheduleMulti,
+        torch.nn.Linear,
+    ],
+)
 def test_unknown_schedules_list_what_is_accepted(bad):
     with pytest.raises(ScheduleError) as info:
         get_schedule(bad)
@@ -142,7 +153,9 @@ def test_layout_check_reads_the_virtual_stage_fields():
                 # any n_microbatches >= 1: forward and generate need no more than the layout
                 check_layout(spec, pp_size=3, virtual_stages=v, n_microbatches=1)
                 continue
-            with pytest.raises(ScheduleError, match=rf"schedule '{spec.name}' needs virtual_stages .* per rank, got {v}; use schedule=") as info:
+            with pytest.raises(
+                ScheduleError, match=rf"schedule '{spec.name}' needs virtual_stages .* per rank, got {v}; use schedule="
+            ) as info:
                 check_layout(spec, pp_size=3, virtual_stages=v)
             for other in re.findall(r"'([a-z0-9-]+)'", str(info.value).split("use schedule=")[1]):
                 check_layout(SCHEDULES[other], pp_size=3, virtual_stages=v)  # the named fix is a fix
@@ -156,7 +169,10 @@ def test_too_few_microbatches_names_the_fix():
     message = str(info.value)
     assert "needs n_microbatches >= the number of stages (3) to train, got 2" in message, message
     assert "n_microbatches=3" in message and "schedule='gpipe'" in message, message
-    with pytest.raises(ScheduleError, match=r"multiple of the number of rounds \(2 = n_microbatches // pp_size\).*n_microbatches=6 or 4"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"multiple of the number of rounds \(2 = n_microbatches // pp_size\).*n_microbatches=6 or 4",
+    ):
         check_training(get_schedule("Interleaved1F1B"), pp_size=2, virtual_stages=2, n_microbatches=5)
     with pytest.raises(ScheduleError, match=r"'zbv-zero-bubble' needs n_microbatches >= the number of stages \(6\)"):
         check_training(get_schedule("ZBVZeroBubble"), pp_size=3, virtual_stages=2, n_microbatches=2)
@@ -178,7 +194,11 @@ def test_every_fix_a_training_error_names_trains():
             assert counts, message
             for count in map(int, counts.group(1).split(" or ")):
                 check_training(spec, pp_size=p, virtual_stages=v, n_microbatches=count)
-            for other in re.findall(r"'([a-z0-9-]+)'", message.split("with schedule=")[1].split(", which")[0]) if "with schedule=" in message else ():
+            for other in (
+                re.findall(r"'([a-z0-9-]+)'", message.split("with schedule=")[1].split(", which")[0])
+                if "with schedule=" in message
+                else ()
+            ):
                 check_training(SCHEDULES[other], pp_size=p, virtual_stages=v, n_microbatches=m)
 
 
@@ -203,7 +223,8 @@ def test_bubble_formulas_equal_the_documented_formulas():
         spec = SCHEDULES[name]
         for p, v, m in _settings(spec):
             want = formula(p, m, v) if p > 1 else 0.0
-            assert spec.theoretical_bubble(pp_size=p, n_microbatches=m, virtual_stages=v) == pytest.approx(want), (name, p, v, m)
+            got = spec.theoretical_bubble(pp_size=p, n_microbatches=m, virtual_stages=v)
+            assert got == pytest.approx(want), (name, p, v, m)
             assert theoretical_bubble(name, pp_size=p, n_microbatches=m, virtual_stages=v) == pytest.approx(want)
     assert SCHEDULES["1f1b"].bubble_formula == "(p-1)/(m+p-1)"
     assert SCHEDULES["interleaved-1f1b"].bubble_formula == "(p-1)/(v*m+p-1)"
@@ -228,12 +249,20 @@ def test_forward_only_actions_follow_the_layout():
 
 def _torch_order(spec, p: int, m: int) -> dict[int, list]:
     """torch's own pipeline_order for a multi-stage schedule (stand-in stages, no process group)."""
-    from hf_pipeline.planning.plan import rank_of_stage
+    from hf_pipeline.planning.schedules import rank_of_stage
 
     n = p * 2
 
     def stand_in(i):
-        return types.SimpleNamespace(stage_index=i, num_stages=n, group_size=p, group_rank=0, is_first=i == 0, is_last=i == n - 1, submod=torch.nn.Module())
+        return types.SimpleNamespace(
+            stage_index=i,
+            num_stages=n,
+            group_size=p,
+            group_rank=0,
+            is_first=i == 0,
+            is_last=i == n - 1,
+            submod=torch.nn.Module(),
+        )
 
     local = [stand_in(i) for i in range(n) if rank_of_stage(i, p, spec.layout) == 0]
     return spec.cls(local, n_microbatches=m, loss_fn=lambda out, target: out).pipeline_order
@@ -245,7 +274,7 @@ def test_fused_backward_merges_only_pairs_no_other_rank_waits_for(name, p, m):
     # Each merged B stands where torch listed I(s, i) directly followed by W(s, i), and only where
     # the input gradient stays on this rank (first stage, or stage s-1 on the same rank); every
     # other action is torch's, in torch's order.
-    from hf_pipeline.planning.plan import rank_of_stage
+    from hf_pipeline.planning.schedules import rank_of_stage
 
     spec = SCHEDULES[name]
     if spec.training_problem(pp_size=p, virtual_stages=2, n_microbatches=m) is not None:
@@ -259,7 +288,11 @@ def test_fused_backward_merges_only_pairs_no_other_rank_waits_for(name, p, m):
         want, k = [], 0
         while k < len(acts):
             a = acts[k]
-            pair = k + 1 < len(acts) and str(a).endswith(f"I{a.microbatch_index}") and str(acts[k + 1]) == f"{a.stage_index}W{a.microbatch_index}"
+            pair = (
+                k + 1 < len(acts)
+                and str(a).endswith(f"I{a.microbatch_index}")
+                and str(acts[k + 1]) == f"{a.stage_index}W{a.microbatch_index}"
+            )
             if pair and (a.stage_index == 0 or where(a.stage_index - 1) == r):
                 want.append(f"{a.stage_index}B{a.microbatch_index}")
                 merged_somewhere = True
@@ -269,7 +302,11 @@ def test_fused_backward_merges_only_pairs_no_other_rank_waits_for(name, p, m):
                 k += 1
         assert [str(a) for a in fused[r]] == want, (name, p, m, r)
         for a in fused[r]:  # a remote consumer's gradient is never held back behind a weight pass
-            if str(a) == f"{a.stage_index}I{a.microbatch_index}" and a.stage_index > 0 and where(a.stage_index - 1) != r:
+            if (
+                str(a) == f"{a.stage_index}I{a.microbatch_index}"
+                and a.stage_index > 0
+                and where(a.stage_index - 1) != r
+            ):
                 assert f"{a.stage_index}B{a.microbatch_index}" not in want
     if name == "zbv-zero-bubble":
         assert merged_somewhere  # stage 0's pairs at least (nothing to send)
@@ -278,8 +315,21 @@ def test_fused_backward_merges_only_pairs_no_other_rank_waits_for(name, p, m):
 
 def test_fused_backward_keeps_a_pair_whose_gradient_another_rank_waits_for():
     A, C = ComputationType, Action
-    order = {0: [C(1, A.BACKWARD_INPUT, 0), C(1, A.BACKWARD_WEIGHT, 0), C(0, A.BACKWARD_INPUT, 0), None, C(0, A.BACKWARD_WEIGHT, 0)],
-             1: [C(2, A.BACKWARD_INPUT, 0), C(2, A.BACKWARD_WEIGHT, 0), C(3, A.BACKWARD_INPUT, 1), C(3, A.BACKWARD_WEIGHT, 0)]}
+    order = {
+        0: [
+            C(1, A.BACKWARD_INPUT, 0),
+            C(1, A.BACKWARD_WEIGHT, 0),
+            C(0, A.BACKWARD_INPUT, 0),
+            None,
+            C(0, A.BACKWARD_WEIGHT, 0),
+        ],
+        1: [
+            C(2, A.BACKWARD_INPUT, 0),
+            C(2, A.BACKWARD_WEIGHT, 0),
+            C(3, A.BACKWARD_INPUT, 1),
+            C(3, A.BACKWARD_WEIGHT, 0),
+        ],
+    }
     on = {0: 0, 1: 0, 2: 1, 3: 1}
     got = {r: [str(a) for a in acts] for r, acts in fuse_backward(order, on.__getitem__).items()}
     # stage 1 -> 0 on rank 0: merged; stage 0 (no consumer), across a bubble: merged;
@@ -299,7 +349,9 @@ def _few_microbatches_job(path: str):
 
     out = {}
     for name, v in (("1f1b", 1), ("zbv-zero-bubble", 2), ("interleaved-1f1b", 2)):
-        model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule=name, virtual_stages=v, n_microbatches=2)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, pipeline=True, device="cpu", schedule=name, virtual_stages=v, n_microbatches=2
+        )
         res = {"stages": model.plan.num_stages, "logits": model(**_ids(4, 9)).logits}
         res["greedy"] = model.generate(**_ids(4, 5), max_new_tokens=4, do_sample=False)
         batch = {**_ids(4, 9), "labels": _ids(4, 9)["input_ids"].clone()}
@@ -331,11 +383,17 @@ def test_fewer_microbatches_than_stages_forward_and_generate_run_training_names_
         for name in ("1f1b", "zbv-zero-bubble"):
             res, where = out[name], f"rank {rank} {name}"
             assert res.get("error", "").startswith("ScheduleError"), f"{where}: {res.get('error', res.get('loss'))}"
-            assert f"needs n_microbatches >= the number of stages ({res['stages']}) to train, got 2" in res["error"], where
-            assert f"n_microbatches={res['stages']}" in res["error"] and "schedule='" in res["error"], f"{where}: {res['error']}"
+            assert f"needs n_microbatches >= the number of stages ({res['stages']}) to train, got 2" in res["error"], (
+                where
+            )
+            assert f"n_microbatches={res['stages']}" in res["error"] and "schedule='" in res["error"], (
+                f"{where}: {res['error']}"
+            )
             assert (res["after"] - logits).abs().max().item() <= TOL, f"{where}: forward after the error"
         loss = out["interleaved-1f1b"].get("loss")
-        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL), f"rank {rank} interleaved-1f1b: {out['interleaved-1f1b'].get('error', loss)}"
+        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL), (
+            f"rank {rank} interleaved-1f1b: {out['interleaved-1f1b'].get('error', loss)}"
+        )
 
 
 # --------------------------------------------------------------------------- torch's names train alike
@@ -344,8 +402,14 @@ def _named_schedules_job(path: str):
     from hf_pipeline import AutoModelForCausalLM
 
     out = {}
-    for label, schedule in (("package", "interleaved-1f1b"), ("torch name", "Interleaved1F1B"), ("torch class", pp.ScheduleInterleaved1F1B)):
-        model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule=schedule, virtual_stages=2, n_microbatches=4)
+    for label, schedule in (
+        ("package", "interleaved-1f1b"),
+        ("torch name", "Interleaved1F1B"),
+        ("torch class", pp.ScheduleInterleaved1F1B),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, pipeline=True, device="cpu", schedule=schedule, virtual_stages=2, n_microbatches=4
+        )
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         batch = {**_ids(4, 9), "labels": _ids(4, 9)["input_ids"].clone()}
@@ -374,4 +438,6 @@ def test_torch_schedule_names_train_like_the_package_name(tmp_path):
             assert got["loss"] == want["loss"], f"rank {rank} {label}: loss {got['loss']} vs {want['loss']}"
             assert got["params"].keys() == want["params"].keys(), (rank, label)
             for name, p in want["params"].items():
-                assert torch.equal(got["params"][name], p), f"rank {rank} {label}: {name} differs after the optimizer step"
+                assert torch.equal(got["params"][name], p), (
+                    f"rank {rank} {label}: {name} differs after the optimizer step"
+                )

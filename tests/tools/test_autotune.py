@@ -263,10 +263,10 @@ def test_measure_split_refuses_one_rank_and_bad_steps_by_name(tmp_path):
 def test_step_graph_built_once_per_layout():
     # The cost model simulates many candidates and splits: one schedule layout's action graph is
     # built once and reused for any stage costs (the planner's load time depends on it).
-    from hf_pipeline.planning import schedules
+    from hf_pipeline.planning import simulate
 
-    schedules._step_graph.cache_clear()
+    simulate._step_graph.cache_clear()
     a, _ = simulate_step("interleaved-1f1b", pp_size=2, virtual_stages=2, n_microbatches=4, stage_cost=[1.0, 1.0, 1.0, 1.0])
     b, _ = simulate_step("interleaved-1f1b", pp_size=2, virtual_stages=2, n_microbatches=4, stage_cost=[1.0, 2.0, 1.0, 1.0])
-    info = schedules._step_graph.cache_info()
+    info = simulate._step_graph.cache_info()
     assert (info.misses, info.hits) == (1, 1) and b > a

@@ -20,7 +20,8 @@ from harness import run_distributed
 from hf_pipeline.families.glue import attention_kinds
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import build_stage, materialize, meta_model
-from hf_pipeline.planning.plan import make_plan, resolve_recipe
+from hf_pipeline.planning.plan import make_plan
+from hf_pipeline.planning.resolve import resolve_recipe
 from hf_pipeline.tools.memory import (
     _peak_in_flight,
     kv_cache_bytes_per_token,

@@ -65,7 +65,7 @@ def test_recorded_actions_follow_the_schedule(tmp_path):
         for rank in (0, 1):
             assert res["actions"][rank] == expected[rank], f"{name} rank {rank}: recorded {res['actions'][rank]} vs schedule {expected[rank]}"
             kinds = {a.lstrip("0123456789")[0] for a in expected[rank]}
-            # zero-bubble: split backward, merged into B where no other rank waits (schedules.fuse_backward)
+            # zero-bubble: split backward, merged into B where no other rank waits (actions.fuse_backward)
             assert ({"F", "I", "W"} <= kinds <= {"F", "B", "I", "W"}) if "zero-bubble" in name else kinds == {"F", "B"}, name
             # every recorded action belongs to a stage of that rank
             assert {r[1] for r in res["records"] if r[0] == rank and r[1] is not None} == set(results[rank][name]["local"])
@@ -136,7 +136,7 @@ def test_replay_is_the_schedule_with_free_messages(name, v):
     # Records of a step whose actions take unequal times and start late (each waits 0.7 s for a
     # message): the replay drops the waits and keeps what the order needs, which is the planner's
     # simulation of the same schedule with the same costs.
-    from hf_pipeline.planning.schedules import ACTION_WEIGHTS, simulate_step
+    from hf_pipeline.planning.simulate import ACTION_WEIGHTS, simulate_step
 
     p, m = 2, 4
     cost = [1.0, 1.6, 0.8, 1.3][: p * v]

@@ -1,0 +1,105 @@
+"""Where every checkpoint key lives under a stage plan: :class:`ParamLayout` and :func:`param_layout`.
+
+Training (gradient sync of tied and replicated tensors, the global norm) and checkpoints (who
+writes which key) read it; it is computed from the plan and the meta-device skeleton alone, so
+every rank computes the same one.
+
+Example:
+    >>> layout = param_layout(skeleton, plan, resolved.tied)
+    >>> layout.shared          # keys held by more than one stage -> their holders
+    {'model.embed_tokens.weight': (0, 1)}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .plan import StagePlan
+
+__all__ = ["ParamLayout", "param_layout"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamLayout:
+    """Where every checkpoint key of the model lives, computed from the plan alone (same on every rank).
+
+    Attributes:
+        key_of: every state-dict name of the model (tied aliases included) -> its checkpoint key,
+            the one name transformers' ``save_pretrained`` writes for that tensor.
+        holders: checkpoint key -> indices of the stages holding it, ascending (two or more for
+            tied weights split across stages and for replicas such as T5's relative bias).
+        stage_rank: stage index -> pipeline rank.
+        saved: the keys ``save_pretrained`` of the unsplit model writes.
+        parameters: the checkpoint keys that are parameters (the rest are persistent buffers).
+    """
+
+    key_of: dict[str, str]
+    holders: dict[str, tuple[int, ...]]
+    stage_rank: tuple[int, ...]
+    saved: frozenset[str]
+    parameters: frozenset[str]
+
+    def owner_stage(self, key: str) -> int:
+        """The stage that writes ``key`` to a checkpoint and counts it in the gradient norm: its first holder."""
+        return self.holders[key][0]
+
+    def pp_ranks(self, key: str) -> tuple[int, ...]:
+        """Pipeline ranks holding ``key``, ascending."""
+        return tuple(sorted({self.stage_rank[s] for s in self.holders[key]}))
+
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Keys held by more than one stage -> their holders."""
+        return {k: h for k, h in self.holders.items() if len(h) > 1}
+
+
+def _hf_saved_keys(skeleton: nn.Module) -> set[str]:
+    # Exactly what transformers' save_pretrained keeps: its own tie removal (which works on the
+    # meta-device skeleton, tied tensors being the same Parameter object), minus ignored keys.
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    kept = set(remove_tied_weights_from_state_dict(dict(skeleton.state_dict()), skeleton))
+    for key in getattr(skeleton, "_keys_to_ignore_on_save", None) or ():
+        kept.discard(key)
+    return kept
+
+
+def param_layout(skeleton: nn.Module, plan: StagePlan, tied: Sequence[Sequence[str]]) -> ParamLayout:
+    """Where every checkpoint key of ``skeleton`` lives under ``plan`` (``tied``: groups of names of one tensor).
+
+    Training (gradient sync of tied and replicated tensors, the global norm) and checkpoints (who
+    writes which key) read it; it depends on the plan alone, so it is the same on every rank.
+
+    Args:
+        skeleton: the whole model on the meta device.
+        plan: the stage plan.
+        tied: groups of state-dict names that are one tensor (``ResolvedRecipe.tied``).
+    Returns:
+        The :class:`ParamLayout`.
+    """
+    state_names = list(skeleton.state_dict(keep_vars=True).keys())
+    saved = _hf_saved_keys(skeleton)
+    key_of = {name: name for name in state_names}
+    for group in tied:
+        kept = sorted(n for n in group if n in saved)
+        key = kept[0] if kept else sorted(group)[0]
+        for name in group:
+            key_of[name] = key
+    holders: dict[str, set[int]] = {}
+    for name in state_names:
+        module = name.rpartition(".")[0]
+        for spec in plan.stages:
+            if any(module == m or module.startswith(m + ".") for m in spec.modules):
+                holders.setdefault(key_of[name], set()).add(spec.index)
+    param_names = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
+    return ParamLayout(
+        key_of=key_of,
+        holders={k: tuple(sorted(v)) for k, v in sorted(holders.items())},
+        stage_rank=tuple(s.rank for s in plan.stages),
+        saved=frozenset(saved),
+        parameters=frozenset(key_of[n] for n in param_names),
+    )
