@@ -51,7 +51,8 @@ from typing import Any
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
-from hf_pipeline.tools.profile import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/_common.py
+from _common import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
 from hf_pipeline.training.checkpoint import replace_file  # noqa: E402
 
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
