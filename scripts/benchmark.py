@@ -53,6 +53,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))  # run from a checkout without installing the package
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # scripts/_common.py
 from _common import host_peak_rss, host_rss, reset_host_peak  # noqa: E402
+
 from hf_pipeline.training.checkpoint import replace_file  # noqa: E402
 
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
