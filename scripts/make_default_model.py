@@ -27,22 +27,19 @@ Run with ``--steps 3 --tiny`` for a smoke test (seconds).
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
 import os
 import pathlib
 import platform
-import re
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _common.py, model_cards.py
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _common.py, docstring_corpus.py, model_cards.py
 try:
     import hf_pipeline
 except ImportError:  # run from a checkout without installing the package
@@ -52,20 +49,15 @@ except ImportError:  # run from a checkout without installing the package
 import torch
 import transformers
 from _common import broadcast_object, llama_config
+from docstring_corpus import BERT_SPECIALS, pack, paragraphs, stdlib_docstrings, summary_pairs, train_tokenizer
 from model_cards import model_card
 
 from hf_pipeline.distributed.context import destroy_distributed, init_distributed
 
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-# Tests, demos and vendored tools are code-heavy or duplicated; the rest of the stdlib is the corpus.
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__",
-              "ensurepip"}
 SAMPLE_PROMPTS = ["Return the", "This module provides", "If the file does not exist,", "The default value is"]
 FILL_MASK_PROMPTS = ["Return the [MASK] of the file.", "Return a new [MASK] of the items.",
                      "If the file does not [MASK], raise an error.",
                      "This module provides [MASK] for working with sockets."]
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -100,77 +92,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------- data
-def stdlib_docstrings(limit: int | None = None) -> list[str]:
-    """Every module, class and function docstring (> 40 characters) of the stdlib's ``.py`` files.
-
-    Files are read in sorted path order and parsed with ``ast`` (nothing is imported), so the
-    result depends only on the Python version.
-
-    Args:
-        limit: stop after this many files (for smoke tests).
-
-    Returns:
-        The docstrings, cleaned by ``ast.get_docstring`` (indentation removed).
-    """
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)
-    )
-    docs: list[str] = []
-    for path in files[:limit]:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue  # a few stdlib files are deliberately invalid (bad encodings, py2 syntax)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40:
-                    docs.append(doc)
-    return docs
-
-
-def summary_pairs(docs: list[str]) -> list[tuple[str, str, int, int]]:
-    """Extractive summaries: ``("summarize: " + text, its first sentence, docstring index, sentence index)``.
-
-    For each docstring, the text from every sentence that can be a summary on to the end is one
-    pair (sentence index 0: the whole docstring, the summary task itself):
-    many more pairs than docstrings, and the only way to predict them all is to copy from the
-    input, not to remember docstrings. A summary sentence ends with a period, has 3 to 20 words,
-    lies inside one paragraph and is followed by more text.
-    """
-    pairs = []
-    for d, doc in enumerate(docs):
-        sentences = [s for para in doc.split("\n\n") for s in _SENTENCE_END.split(" ".join(para.split())) if s]
-        for k, first in enumerate(sentences[:-1]):
-            if first.endswith(".") and 3 <= len(first.split()) <= 20:
-                pairs.append(("summarize: " + " ".join(sentences[k:]), first, d, k))
-    return pairs
-
-
-def paragraphs(docs: list[str]) -> list[str]:
-    """The docstrings' paragraphs (split at blank lines, whitespace joined) of more than 40 characters."""
-    return [" ".join(p.split()) for doc in docs for p in doc.split("\n\n") if len(p.strip()) > 40]
-
-
-def train_tokenizer(docs: list[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (every byte encodable, so no unknown tokens) trained on ``docs``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False
-    )
-    tk.train_from_iterator(docs, trainer=trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        model_max_length=512, clean_up_tokenization_spaces=False,
-    )
-
-
 def _t5_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.PreTrainedTokenizerFast:
     # T5's own tokenizers end every encoding with </s>: inputs and labels alike.
     from tokenizers import processors
@@ -207,18 +128,6 @@ def _llama_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.
     return train_tokenizer(docs, args.vocab_size)
 
 
-def pack(docs: list[str], tok, seq: int, sep: int | None = None) -> torch.Tensor:
-    """Tokenize ``docs``, join them with ``sep`` (default EOS) and cut the stream into rows of ``seq`` tokens. "
-    "(N, seq)"""
-    ids: list[int] = []
-    sep = tok.eos_token_id if sep is None else sep
-    # The backend tokenizer directly: documents longer than model_max_length are fine here.
-    for enc in tok.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids += enc.ids + [sep]
-    n = len(ids) // seq
-    return torch.tensor(ids[: n * seq], dtype=torch.long).view(n, seq)  # (N, seq)
-
-
 # Each *_rows returns (tensors with one row per example, the examples' texts or None).
 def _llama_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
     return {"input_ids": pack(docs, tok, args.seq)}, None
@@ -232,8 +141,8 @@ def _t5_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
     # Padding is not a target: -100 is what transformers' T5 loss ignores.
     enc["labels"] = labels["input_ids"].masked_fill(labels["attention_mask"] == 0, -100)  # (N, target_seq)
     # "docstring": the generic split holds whole docstrings out, with every pair made from them.
-    return {k: enc[k] for k in ("input_ids", "attention_mask",
-                                "labels")} | {"docstring": torch.tensor([p[2] for p in pairs])}, pairs
+    tensors = {k: enc[k] for k in ("input_ids", "attention_mask", "labels")}
+    return tensors | {"docstring": torch.tensor([p[2] for p in pairs])}, pairs
 
 
 def _bert_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
@@ -256,8 +165,10 @@ def _t5_batch(rows: dict, tok, seed: int) -> dict:
 
 def _bert_batch(rows: dict, tok, seed: int) -> dict:
     collator = transformers.DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=seed, return_tensors="pt")
-    examples = [{"input_ids": i, "attention_mask": m} for i,
-                m in zip(rows["input_ids"].tolist(), rows["attention_mask"].tolist())]
+    examples = [
+        {"input_ids": i, "attention_mask": m}
+        for i, m in zip(rows["input_ids"].tolist(), rows["attention_mask"].tolist())
+    ]
     return dict(collator(examples))  # input_ids with [MASK] / random / kept tokens, labels -100 elsewhere
 
 
@@ -300,8 +211,8 @@ def _t5_samples(model, tok, texts) -> dict[str, Any]:
     held_out = [(s, t) for s, t, _, start in texts if start == 0][:4]  # whole docstrings the model never saw
     enc = tok([s for s, _ in held_out], return_tensors="pt", padding=True, truncation=True)
     ids = model.generate(**enc, max_new_tokens=32, do_sample=False)
-    return {s: {"reference": t, "summary": o} for (s, t),
-            o in zip(held_out, tok.batch_decode(ids, skip_special_tokens=True))}
+    summaries = tok.batch_decode(ids, skip_special_tokens=True)
+    return {s: {"reference": t, "summary": o} for (s, t), o in zip(held_out, summaries)}
 
 
 def _bert_samples(model, tok, texts) -> dict[str, Any]:
@@ -339,16 +250,14 @@ ARCHS: dict[str, Arch] = {
     "t5": Arch(
         auto_class="AutoModelForSeq2SeqLM", model_class="T5ForConditionalGeneration",
         defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=2, intermediate=512, heads=4, seq=48, target_seq=24,
-                      batch=32,
-                      lr=3e-3, steps=2000, warmup=50, max_shard_size="1MB"),
+                      batch=32, lr=3e-3, steps=2000, warmup=50, max_shard_size="1MB"),
         tiny=dict(vocab_size=320, hidden=32, layers=2, intermediate=64, heads=4, seq=32, target_seq=16, batch=8),
         tokenizer=_t5_tokenizer, rows=_t5_rows, batch=_t5_batch, config=_t5_config, samples=_t5_samples,
     ),
     "bert": Arch(
         auto_class="AutoModelForMaskedLM", model_class="BertForMaskedLM",
         defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=4, intermediate=512, heads=4, seq=32, batch=128,
-                      lr=2e-3,
-                      steps=1500, warmup=100, max_shard_size="1MB"),
+                      lr=2e-3, steps=1500, warmup=100, max_shard_size="1MB"),
         tiny=dict(vocab_size=320, hidden=32, layers=4, intermediate=64, heads=4, seq=32, batch=8),
         tokenizer=_bert_tokenizer, rows=_bert_rows, batch=_bert_batch, config=_bert_config, samples=_bert_samples,
     ),
@@ -522,8 +431,6 @@ def _params(arch: Arch, config) -> int:
 def _command(world_size: int, argv: list[str] | None) -> str:
     args = " ".join(argv if argv is not None else sys.argv[1:])
     return f"torchrun --nproc_per_node {world_size} scripts/make_default_model.py {args}"
-
-
 
 
 if __name__ == "__main__":

@@ -390,8 +390,8 @@ class Timeline:
 def expected_vs_recorded(
     timeline: Timeline, *, training: bool = True, step: int = 0
 ) -> dict[int, tuple[list[str], list[str]]]:
-    """rank -> (the schedule's action list, the recorded order) for one step; equal when the run followed the "
-    "schedule."""
+    """rank -> (the schedule's action list, the recorded order) for one step; equal when the run followed
+    the schedule."""
     expected = schedule_actions(
         timeline.schedule,
         pp_size=timeline.pp_size,
