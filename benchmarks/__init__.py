@@ -39,9 +39,17 @@ results (``<section>_results``: results.json's part) and its tables (``<section>
 block, rendered once by ``tables.render``), ``cli`` (the command line).
 """
 
+import pathlib
+import sys
 
-from benchmarks.cli import main
-from benchmarks.report import readme_tables, to_markdown, update_readme
-from benchmarks.run import merge, run_benchmark
+# scripts/_common.py holds what the scripts share (host-memory figures, the random LLaMA config):
+# the benchmark is one of them, run as ``python scripts/benchmark.py`` or ``python -m benchmarks``.
+_SCRIPTS = str(pathlib.Path(__file__).resolve().parents[1] / "scripts")
+if _SCRIPTS not in sys.path:
+    sys.path.insert(0, _SCRIPTS)
+
+from benchmarks.cli import main  # noqa: E402
+from benchmarks.report import readme_tables, to_markdown, update_readme  # noqa: E402
+from benchmarks.run import merge, run_benchmark  # noqa: E402
 
 __all__ = ["main", "merge", "readme_tables", "run_benchmark", "to_markdown", "update_readme"]

@@ -7,20 +7,11 @@ import os
 import pathlib
 import time
 
+from _common import llama_config  # the scripts' one copy (scripts/_common.py)
+
 from benchmarks.config import Sizes
 
 __all__ = ["cache_dir", "checkpoints", "llama_config", "write_random_checkpoint"]
-
-
-def llama_config(*, hidden, intermediate, layers, heads, kv_heads, vocab, max_pos, dtype):
-    """A ``transformers.LlamaConfig`` of these sizes (untied embeddings, no EOS: every run generates in full)."""
-    import transformers
-
-    return transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=max_pos, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=None, dtype=dtype,
-    )
 
 
 def _shards(entries, itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:

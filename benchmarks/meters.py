@@ -13,7 +13,7 @@ import os
 import pathlib
 import time
 
-from hf_pipeline.tools.profile import host_peak_rss, host_rss, reset_host_peak
+from _common import host_peak_rss, host_rss, reset_host_peak  # scripts/_common.py, shared with the device check
 
 __all__ = ["PeakMeter", "byte_ranges", "drop_page_cache", "plain_read", "touch"]
 

@@ -145,7 +145,7 @@ def _slowest(per_rank: list[float]) -> list[float]:
 def _profiled_step(model, batch: dict, spec: dict, sizes: dict) -> dict[str, Any]:
     """Profiled steps of ``model``: the median one's (by wall time) idle, breakdown with one measured
     activation hop, per-rank busy and wall time, and whether the action order is the schedule's."""
-    from hf_pipeline.tools.profile import expected_vs_recorded
+    from hf_pipeline.tools.timeline import expected_vs_recorded
 
     # Several profiled steps; the figures below are the median one's (by wall time): a single step
     # now and then holds a stall of the machine (a few ms between two actions) that the others do not.

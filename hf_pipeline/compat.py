@@ -203,3 +203,24 @@ __all__ += ["lower_compute_actions", "prepare_schedule_with_comms", "shift_right
 
 
 # --- for tools/ and the command line ----------------------------------------------------------------
+# The profiler asks a torch schedule which stages it runs and whether it computes a loss: torch keeps
+# both in private attributes (``_stages`` of a multi-stage schedule, ``_stage`` of a single-stage one,
+# ``_loss_fn``); the public API has no accessor (a schedule's constructor arguments are not kept).
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The pipeline stages a torch schedule runs (``[None]`` when it exposes none)."""
+    return getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+
+
+def schedule_has_loss(schedule: Any) -> bool:
+    """Whether a torch schedule was built with a loss function (``loss_fn=`` of its constructor)."""
+    return schedule._loss_fn is not None
+
+
+# The memory report tells tensors sharing one storage apart by the storage's C object address:
+# ``untyped_storage().data_ptr()`` is 0 for every meta tensor, and there is no public identity.
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity of ``tensor``'s storage that also tells meta-device storages apart."""
+    return tensor.untyped_storage()._cdata
+
+
+__all__ += ["schedule_has_loss", "schedule_stages", "storage_key"]

@@ -34,7 +34,8 @@ DEFAULT_PROMPTS = ["The pipeline", "A model is split into stages", "def generate
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint directory or cached hub id (default: the built-in small LLaMA)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or cached hub id (default: the built-in small LLaMA)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="a text file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -44,7 +45,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same tokens at every world size)")
-    p.add_argument("--n-microbatches", type=int, default=None, help="microbatches in flight (default: number of stages)")
+    p.add_argument("--n-microbatches", type=int, default=None,
+                   help="microbatches in flight (default: number of stages)")
     p.add_argument("--virtual-stages", type=int, default=None, help="stages per rank")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's)")
     p.add_argument("--device", default=None, help="force a device type, e.g. cpu")
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from hf_pipeline.loading.weights import resolve_checkpoint
 
-        path = str(resolve_checkpoint(args.model))  # a hub id from the local cache, no network; transformers reads the directory
+        # A hub id from the local cache, no network; transformers reads the directory.
+        path = str(resolve_checkpoint(args.model))
     prompts = _prompts(args)
     if args.stream and len(prompts) != 1:
         raise SystemExit("--stream prints one sequence: pass exactly one prompt")

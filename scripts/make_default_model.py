@@ -27,21 +27,19 @@ Run with ``--steps 3 --tiny`` for a smoke test (seconds).
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
 import os
 import pathlib
 import platform
-import re
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
 from typing import Any, Callable
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _common.py, docstring_corpus.py, model_cards.py
 try:
     import hf_pipeline
 except ImportError:  # run from a checkout without installing the package
@@ -50,17 +48,16 @@ except ImportError:  # run from a checkout without installing the package
 
 import torch
 import transformers
+from _common import broadcast_object, llama_config
+from docstring_corpus import BERT_SPECIALS, pack, paragraphs, stdlib_docstrings, summary_pairs, train_tokenizer
+from model_cards import model_card
 
 from hf_pipeline.distributed.context import destroy_distributed, init_distributed
 
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-# Tests, demos and vendored tools are code-heavy or duplicated; the rest of the stdlib is the corpus.
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__", "ensurepip"}
 SAMPLE_PROMPTS = ["Return the", "This module provides", "If the file does not exist,", "The default value is"]
 FILL_MASK_PROMPTS = ["Return the [MASK] of the file.", "Return a new [MASK] of the items.",
-                     "If the file does not [MASK], raise an error.", "This module provides [MASK] for working with sockets."]
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s")
+                     "If the file does not [MASK], raise an error.",
+                     "This module provides [MASK] for working with sockets."]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -95,76 +92,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------- data
-def stdlib_docstrings(limit: int | None = None) -> list[str]:
-    """Every module, class and function docstring (> 40 characters) of the stdlib's ``.py`` files.
-
-    Files are read in sorted path order and parsed with ``ast`` (nothing is imported), so the
-    result depends only on the Python version.
-
-    Args:
-        limit: stop after this many files (for smoke tests).
-
-    Returns:
-        The docstrings, cleaned by ``ast.get_docstring`` (indentation removed).
-    """
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)
-    )
-    docs: list[str] = []
-    for path in files[:limit]:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue  # a few stdlib files are deliberately invalid (bad encodings, py2 syntax)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40:
-                    docs.append(doc)
-    return docs
-
-
-def summary_pairs(docs: list[str]) -> list[tuple[str, str, int, int]]:
-    """Extractive summaries: ``("summarize: " + text, its first sentence, docstring index, sentence index)``.
-
-    For each docstring, the text from every sentence that can be a summary on to the end is one
-    pair (sentence index 0: the whole docstring, the summary task itself):
-    many more pairs than docstrings, and the only way to predict them all is to copy from the
-    input, not to remember docstrings. A summary sentence ends with a period, has 3 to 20 words,
-    lies inside one paragraph and is followed by more text.
-    """
-    pairs = []
-    for d, doc in enumerate(docs):
-        sentences = [s for para in doc.split("\n\n") for s in _SENTENCE_END.split(" ".join(para.split())) if s]
-        for k, first in enumerate(sentences[:-1]):
-            if first.endswith(".") and 3 <= len(first.split()) <= 20:
-                pairs.append(("summarize: " + " ".join(sentences[k:]), first, d, k))
-    return pairs
-
-
-def paragraphs(docs: list[str]) -> list[str]:
-    """The docstrings' paragraphs (split at blank lines, whitespace joined) of more than 40 characters."""
-    return [" ".join(p.split()) for doc in docs for p in doc.split("\n\n") if len(p.strip()) > 40]
-
-
-def train_tokenizer(docs: list[str], vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (every byte encodable, so no unknown tokens) trained on ``docs``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tk.train_from_iterator(docs, trainer=trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        model_max_length=512, clean_up_tokenization_spaces=False,
-    )
-
-
 def _t5_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.PreTrainedTokenizerFast:
     # T5's own tokenizers end every encoding with </s>: inputs and labels alike.
     from tokenizers import processors
@@ -201,17 +128,6 @@ def _llama_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.
     return train_tokenizer(docs, args.vocab_size)
 
 
-def pack(docs: list[str], tok, seq: int, sep: int | None = None) -> torch.Tensor:
-    """Tokenize ``docs``, join them with ``sep`` (default EOS) and cut the stream into rows of ``seq`` tokens. (N, seq)"""
-    ids: list[int] = []
-    sep = tok.eos_token_id if sep is None else sep
-    # The backend tokenizer directly: documents longer than model_max_length are fine here.
-    for enc in tok.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids += enc.ids + [sep]
-    n = len(ids) // seq
-    return torch.tensor(ids[: n * seq], dtype=torch.long).view(n, seq)  # (N, seq)
-
-
 # Each *_rows returns (tensors with one row per example, the examples' texts or None).
 def _llama_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
     return {"input_ids": pack(docs, tok, args.seq)}, None
@@ -220,11 +136,13 @@ def _llama_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
 def _t5_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
     pairs = summary_pairs(docs)
     enc = tok([s for s, *_ in pairs], padding="max_length", truncation=True, max_length=args.seq, return_tensors="pt")
-    labels = tok([t for _, t, *_ in pairs], padding="max_length", truncation=True, max_length=args.target_seq, return_tensors="pt")
+    labels = tok([t for _, t, *_ in pairs], padding="max_length", truncation=True, max_length=args.target_seq,
+                 return_tensors="pt")
     # Padding is not a target: -100 is what transformers' T5 loss ignores.
     enc["labels"] = labels["input_ids"].masked_fill(labels["attention_mask"] == 0, -100)  # (N, target_seq)
     # "docstring": the generic split holds whole docstrings out, with every pair made from them.
-    return {k: enc[k] for k in ("input_ids", "attention_mask", "labels")} | {"docstring": torch.tensor([p[2] for p in pairs])}, pairs
+    tensors = {k: enc[k] for k in ("input_ids", "attention_mask", "labels")}
+    return tensors | {"docstring": torch.tensor([p[2] for p in pairs])}, pairs
 
 
 def _bert_rows(docs, tok, args) -> tuple[dict[str, torch.Tensor], list | None]:
@@ -247,16 +165,18 @@ def _t5_batch(rows: dict, tok, seed: int) -> dict:
 
 def _bert_batch(rows: dict, tok, seed: int) -> dict:
     collator = transformers.DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=seed, return_tensors="pt")
-    examples = [{"input_ids": i, "attention_mask": m} for i, m in zip(rows["input_ids"].tolist(), rows["attention_mask"].tolist())]
+    examples = [
+        {"input_ids": i, "attention_mask": m}
+        for i, m in zip(rows["input_ids"].tolist(), rows["attention_mask"].tolist())
+    ]
     return dict(collator(examples))  # input_ids with [MASK] / random / kept tokens, labels -100 elsewhere
 
 
 def _llama_config(args: argparse.Namespace, tok) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=512,
-        tie_word_embeddings=False, rms_norm_eps=1e-5, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, dtype="float32",
+    return llama_config(
+        hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, heads=args.heads,
+        kv_heads=args.kv_heads, vocab=len(tok), max_pos=512, dtype="float32", rms_norm_eps=1e-5,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
 
 
@@ -265,7 +185,8 @@ def _t5_config(args: argparse.Namespace, tok) -> transformers.T5Config:
     return transformers.T5Config(
         vocab_size=len(tok), d_model=args.hidden, d_kv=args.hidden // args.heads, d_ff=args.intermediate,
         num_layers=args.layers, num_decoder_layers=args.layers, num_heads=args.heads, dropout_rate=0.0,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id, dtype="float32",
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id,
+        dtype="float32",
     )
 
 
@@ -290,7 +211,8 @@ def _t5_samples(model, tok, texts) -> dict[str, Any]:
     held_out = [(s, t) for s, t, _, start in texts if start == 0][:4]  # whole docstrings the model never saw
     enc = tok([s for s, _ in held_out], return_tensors="pt", padding=True, truncation=True)
     ids = model.generate(**enc, max_new_tokens=32, do_sample=False)
-    return {s: {"reference": t, "summary": o} for (s, t), o in zip(held_out, tok.batch_decode(ids, skip_special_tokens=True))}
+    summaries = tok.batch_decode(ids, skip_special_tokens=True)
+    return {s: {"reference": t, "summary": o} for (s, t), o in zip(held_out, summaries)}
 
 
 def _bert_samples(model, tok, texts) -> dict[str, Any]:
@@ -320,21 +242,22 @@ _COMMON = dict(steps=700, warmup=30, max_shard_size="4MB")
 ARCHS: dict[str, Arch] = {
     "llama": Arch(
         auto_class="AutoModelForCausalLM", model_class="LlamaForCausalLM",
-        defaults=dict(_COMMON, vocab_size=2048, hidden=256, layers=4, intermediate=704, heads=4, kv_heads=2, seq=128, batch=16, lr=2e-3),
+        defaults=dict(_COMMON, vocab_size=2048, hidden=256, layers=4, intermediate=704, heads=4, kv_heads=2, seq=128,
+                      batch=16, lr=2e-3),
         tiny=dict(vocab_size=320, hidden=32, layers=4, intermediate=64, heads=4, kv_heads=2, seq=32, batch=8),
         tokenizer=_llama_tokenizer, rows=_llama_rows, batch=_llama_batch, config=_llama_config, samples=_llama_samples,
     ),
     "t5": Arch(
         auto_class="AutoModelForSeq2SeqLM", model_class="T5ForConditionalGeneration",
-        defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=2, intermediate=512, heads=4, seq=48, target_seq=24, batch=32,
-                      lr=3e-3, steps=2000, warmup=50, max_shard_size="1MB"),
+        defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=2, intermediate=512, heads=4, seq=48, target_seq=24,
+                      batch=32, lr=3e-3, steps=2000, warmup=50, max_shard_size="1MB"),
         tiny=dict(vocab_size=320, hidden=32, layers=2, intermediate=64, heads=4, seq=32, target_seq=16, batch=8),
         tokenizer=_t5_tokenizer, rows=_t5_rows, batch=_t5_batch, config=_t5_config, samples=_t5_samples,
     ),
     "bert": Arch(
         auto_class="AutoModelForMaskedLM", model_class="BertForMaskedLM",
-        defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=4, intermediate=512, heads=4, seq=32, batch=128, lr=2e-3,
-                      steps=1500, warmup=100, max_shard_size="1MB"),
+        defaults=dict(_COMMON, vocab_size=2048, hidden=128, layers=4, intermediate=512, heads=4, seq=32, batch=128,
+                      lr=2e-3, steps=1500, warmup=100, max_shard_size="1MB"),
         tiny=dict(vocab_size=320, hidden=32, layers=4, intermediate=64, heads=4, seq=32, batch=8),
         tokenizer=_bert_tokenizer, rows=_bert_rows, batch=_bert_batch, config=_bert_config, samples=_bert_samples,
     ),
@@ -375,7 +298,8 @@ def _prepare(args: argparse.Namespace, work: pathlib.Path) -> dict:
         )
     model.save_pretrained(work / "init")
     return {
-        "docs": len(docs), "chars": sum(len(d) for d in docs), "tokens": int(rows["input_ids"].ne(tok.pad_token_id).sum()),
+        "docs": len(docs), "chars": sum(len(d) for d in docs),
+        "tokens": int(rows["input_ids"].ne(tok.pad_token_id).sum()),
         "train_rows": n - n_eval, "eval_rows": n_eval, "prepare_s": time.perf_counter() - start,
     }
 
@@ -403,6 +327,45 @@ def _eval_loss(model, arch: Arch, tok, rows: dict, batch: int, seed: int) -> flo
     return total / max(count, 1)
 
 
+def _train(model, arch: Arch, tok, train: dict, args: argparse.Namespace, ctx) -> tuple[float, list[float]]:
+    """The training steps (random rows, the same on every rank); returns (seconds, the last 20 losses)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(args.seed + 1)  # same batches on every rank
+    n_train = len(train["input_ids"])
+    start = time.perf_counter()
+    recent: list[float] = []
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, args)
+        pick = torch.randint(n_train, (args.batch,), generator=g)
+        loss = model.train_step(arch.batch({k: v[pick] for k, v in train.items()}, tok, args.seed + step))
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        recent = (recent + [float(loss)])[-20:]
+        if ctx.is_main_process and (step % 25 == 0 or step == args.steps - 1):
+            elapsed = time.perf_counter() - start
+            print(f"step {step:4d}  loss {float(loss):.3f}  lr {_lr(step, args):.2e}  {elapsed:6.0f} s", flush=True)
+    return time.perf_counter() - start, recent
+
+
+def _publish(staged: pathlib.Path, out: pathlib.Path, work: pathlib.Path, stats: dict, model, arch: Arch) -> None:
+    """Rank 0: the card and figures into the saved model, then the model renamed into ``out`` atomically."""
+    # A published model needs no resume state: save_pretrained's RNG / trainer files are dropped.
+    shutil.rmtree(staged / "rng", ignore_errors=True)
+    (staged / "trainer_state.json").unlink(missing_ok=True)
+    for f in staged.iterdir():
+        f.chmod(0o644)
+    card = model_card(stats, model.config, auto_class=arch.auto_class)
+    (staged / "README.md").write_text(card, encoding="utf-8")
+    (staged / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    # Atomic replace: the old directory is moved aside, the new one renamed in, the old removed.
+    old = work / "previous"
+    if out.exists():
+        os.rename(out, old)
+    os.rename(staged, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train and write the model; see the module docstring."""
     args = _parse(argv)
@@ -410,15 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(device="cpu")
     out = pathlib.Path(args.out).resolve()
     # One work directory for every rank: rank 0 makes it and tells the others where it is.
-    work_box = [tempfile.mkdtemp(prefix=".make-default-", dir=out.parent) if ctx.is_main_process else None]
-    if ctx.is_distributed:
-        torch.distributed.broadcast_object_list(work_box, src=0)
-    work = pathlib.Path(work_box[0])
+    work = pathlib.Path(broadcast_object(
+        tempfile.mkdtemp(prefix=".make-default-", dir=out.parent) if ctx.is_main_process else None))
     try:
-        info = [_prepare(args, work) if ctx.is_main_process else None]
-        if ctx.is_distributed:
-            torch.distributed.broadcast_object_list(info, src=0)
-        info = info[0]
+        info = broadcast_object(_prepare(args, work) if ctx.is_main_process else None)
         data = torch.load(work / "data.pt")
         tok = transformers.AutoTokenizer.from_pretrained(work / "tokenizer")
 
@@ -429,28 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         model.train()
         if ctx.is_main_process:
             print(model.plan, flush=True)
-            print(f"corpus: {info['docs']} docstrings, {info['chars']} characters, {info['train_rows']} training rows, "
-                  f"{info['tokens']} tokens", flush=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        g = torch.Generator().manual_seed(args.seed + 1)  # same batches on every rank
-        train = data["train"]
-        n_train = len(train["input_ids"])
-        start = time.perf_counter()
+            print(f"corpus: {info['docs']} docstrings, {info['chars']} characters, {info['train_rows']} training "
+                  f"rows, {info['tokens']} tokens", flush=True)
         load_start = os.getloadavg()  # the machine may be shared: the card says how busy it was
-        recent: list[float] = []
-        for step in range(args.steps):
-            for group in opt.param_groups:
-                group["lr"] = _lr(step, args)
-            pick = torch.randint(n_train, (args.batch,), generator=g)
-            loss = model.train_step(arch.batch({k: v[pick] for k, v in train.items()}, tok, args.seed + step))
-            model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            recent = (recent + [float(loss)])[-20:]
-            if ctx.is_main_process and (step % 25 == 0 or step == args.steps - 1):
-                elapsed = time.perf_counter() - start
-                print(f"step {step:4d}  loss {float(loss):.3f}  lr {_lr(step, args):.2e}  {elapsed:6.0f} s", flush=True)
-        train_s = time.perf_counter() - start
+        train_s, recent = _train(model, arch, tok, data["train"], args, ctx)
         final_train = sum(recent) / len(recent)
         # Held-out masks are drawn from seeds the training steps never used.
         eval_loss = _eval_loss(model, arch, tok, data["eval"], args.batch, seed=args.seed + 10**6)
@@ -462,27 +402,17 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(staged, max_shard_size=args.max_shard_size, tokenizer=tok)
         ctx.barrier()
         if ctx.is_main_process:
-            # A published model needs no resume state: save_pretrained's RNG / trainer files are dropped.
-            shutil.rmtree(staged / "rng", ignore_errors=True)
-            (staged / "trainer_state.json").unlink(missing_ok=True)
-            for f in staged.iterdir():
-                f.chmod(0o644)
             stats = {
                 **info, "steps": args.steps, "train_s": round(train_s, 1), "final_train_loss": round(final_train, 4),
-                "eval_loss": round(eval_loss, 4), "python": platform.python_version(), "last_steps": len(recent), "world_size": ctx.world_size, "samples": samples,
+                "eval_loss": round(eval_loss, 4), "python": platform.python_version(), "last_steps": len(recent),
+                "world_size": ctx.world_size, "samples": samples,
                 "params": _params(arch, model.config), "num_stages": model.plan.num_stages,
                 "load_average": [round(x, 1) for x in load_start + os.getloadavg()],
                 "command": _command(ctx.world_size, argv), "args": vars(args),
             }
-            (staged / "README.md").write_text(model_card(stats, model.config), encoding="utf-8")
-            (staged / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
-            # Atomic replace: the old directory is moved aside, the new one renamed in, the old removed.
-            old = work / "previous"
-            if out.exists():
-                os.rename(out, old)
-            os.rename(staged, out)
-            print(f"final train loss {final_train:.3f} (mean of the last {len(recent)} steps), eval loss {eval_loss:.3f} "
-                  f"(perplexity {math.exp(eval_loss):.1f}), {train_s:.0f} s of training; wrote {out}")
+            _publish(staged, out, work, stats, model, arch)
+            print(f"final train loss {final_train:.3f} (mean of the last {len(recent)} steps), eval loss "
+                  f"{eval_loss:.3f} (perplexity {math.exp(eval_loss):.1f}), {train_s:.0f} s of training; wrote {out}")
             for prompt, text in samples.items():
                 print(f"  {prompt[:80]!r} -> {text!r}")
         ctx.barrier()
@@ -501,168 +431,6 @@ def _params(arch: Arch, config) -> int:
 def _command(world_size: int, argv: list[str] | None) -> str:
     args = " ".join(argv if argv is not None else sys.argv[1:])
     return f"torchrun --nproc_per_node {world_size} scripts/make_default_model.py {args}"
-
-
-def _stdlib_text(stats: dict) -> str:
-    return (f"the `.py` files of the Python {stats.get('python', platform.python_version())} standard library (tests, "
-            "idlelib, lib2to3, turtledemo and ensurepip excluded), read with `ast`")
-
-
-def _card_llama(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
-    samples = "\n".join(f"| `{p}` | `{' '.join(t.split())}` |" for p, t in stats["samples"].items())
-    return {
-        "tag": "text-generation", "name": "default model", "path_arg": "",
-        "what": f"""A {stats['params'] / 1e6:.1f}M-parameter LLaMA-architecture causal LM, the model `hf-pipeline generate`,
-`scripts/generate.py`, `scripts/quickstart.py` and the notebooks use when no model is given. It writes
-short docstring-like English; it is a demonstration model, not a useful assistant.""",
-        "usage": """tok = transformers.AutoTokenizer.from_pretrained(path)
-model = transformers.AutoModelForCausalLM.from_pretrained(path)
-print(tok.decode(model.generate(**tok("Return the", return_tensors="pt"), max_new_tokens=20)[0]))""",
-        "after_usage": '\nPipelined over 2 processes: `hf-pipeline generate --num-processes 2 "Return the"`.\n',
-        "data": f"""every module, class and function docstring longer than 40 characters in
-  {_stdlib_text(stats)}: {stats['docs']} docstrings, {stats['chars']:,} characters,
-  {stats['tokens']:,} tokens; joined with `</s>`, cut into sequences of {a.seq} tokens and shuffled
-  (seed {a.seed}); 2% ({stats['eval_rows']} sequences) held out.""",
-        "tokenizer": f"""byte-level BPE trained on the same text with `tokenizers`, {cfg.vocab_size} tokens
-  (specials `<pad>`, `<s>`, `</s>`, `<unk>`).""",
-        "model": f"""`LlamaForCausalLM`, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads}
-  heads ({cfg.num_key_value_heads} key/value heads), MLP {cfg.intermediate_size}, untied embeddings, fp32.""",
-        "tokens": f"{a.steps} steps of {a.batch} x {a.seq} tokens ({a.steps * a.batch * a.seq:,} tokens)",
-        "loss": "training loss", "perplexity": True,
-        "samples": f"""Greedy continuations (24 new tokens):
-
-| prompt | continuation |
-|---|---|
-{samples}""",
-    }
-
-
-def _card_t5(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
-    rows = "\n".join(
-        f"| {s[len('summarize: '):][:70].replace('|', '/')}... | {v['reference'].replace('|', '/')} | {v['summary'].replace('|', '/')} |"
-        for s, v in stats["samples"].items()
-    )
-    return {
-        "tag": "summarization", "name": "T5 model", "path_arg": '"t5"',
-        "what": f"""A {stats['params'] / 1e6:.1f}M-parameter T5 (`T5ForConditionalGeneration`) that writes the one-sentence summary
-of a docstring: given `"summarize: " + docstring` it returns the docstring's first sentence (an
-extractive summary). Notebook 03 (T5 seq2seq, pipelined) fine-tunes and generates with it. It is a
-demonstration model: it has only ever seen Python docstrings.""",
-        "usage": """tok = transformers.AutoTokenizer.from_pretrained(path)
-model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path)
-enc = tok("summarize: Return the number of items in the queue. The count is approximate.", return_tensors="pt")
-print(tok.decode(model.generate(**enc, max_new_tokens=32)[0], skip_special_tokens=True))""",
-        "after_usage": "",
-        "data": f"""the docstrings longer than 40 characters in {_stdlib_text(stats)}
-  ({stats['docs']} docstrings). A summary sentence ends with a period, has 3 to 20 words, lies in one
-  paragraph and has more text after it; every one gives a pair: input `"summarize: "` + the docstring
-  from that sentence on (whitespace joined, truncated to {a.seq} tokens), target the sentence (at most
-  {a.target_seq} tokens). From the first sentence that is the summary task itself (*docstring -> its
-  first sentence*); the later starts make {stats['train_rows'] + stats['eval_rows']:,} pairs in all, so
-  the model learns to copy the summary out of its input rather than to remember docstrings. 2% of the
-  pairs ({stats['eval_rows']}), whole docstrings with every pair made from them, are held out (seed {a.seed}).""",
-        "tokenizer": f"""byte-level BPE trained on the docstrings with `tokenizers`, {cfg.vocab_size} tokens
-  (specials `<pad>`, `<s>`, `</s>`, `<unk>`); every encoding ends with `</s>`, as T5's do; `<pad>` starts the decoder.""",
-        "model": f"""`T5ForConditionalGeneration`, d_model {cfg.d_model}, {cfg.num_layers} encoder and {cfg.num_decoder_layers}
-  decoder blocks, {cfg.num_heads} heads of {cfg.d_kv}, feed-forward {cfg.d_ff} (ReLU), tied embeddings, no dropout, fp32.""",
-        "tokens": f"{a.steps} steps of {a.batch} pairs ({a.steps * a.batch:,} pairs, about {a.steps * a.batch / max(1, stats['train_rows']):.0f} epochs)",
-        "loss": "training loss (token cross-entropy of the summary)", "perplexity": False,
-        "samples": f"""Greedy summaries of held-out docstrings (32 new tokens at most):
-
-| docstring | first sentence | model |
-|---|---|---|
-{rows}""",
-    }
-
-
-def _card_bert(stats: dict, cfg, a: argparse.Namespace) -> dict[str, str]:
-    rows = "\n".join(f"| `{p}` | {', '.join(f'`{w}`' for w in top)} |" for p, top in stats["samples"].items())
-    return {
-        "tag": "fill-mask", "name": "BERT model", "path_arg": '"bert"',
-        "what": f"""A {stats['params'] / 1e6:.1f}M-parameter BERT masked LM (`BertForMaskedLM`) trained on Python docstrings: it fills
-`[MASK]` in docstring-like English (the table below has its top 5 for a few sentences). Notebook 04
-(BERT embeddings and fill-mask, pipelined) uses it. It is a demonstration model.""",
-        "usage": """fill = transformers.pipeline("fill-mask", model=str(path))
-print([r["token_str"] for r in fill("Return the [MASK] of the file.")])""",
-        "after_usage": "",
-        "data": f"""the paragraphs (split at blank lines) longer than 40 characters of every module, class and function
-  docstring in {_stdlib_text(stats)} ({stats['docs']} docstrings): {stats['tokens']:,} tokens, packed as BERT's
-  pre-training data is (paragraphs joined with `[SEP]`, rows of `[CLS]` + {a.seq - 1} tokens, no padding); shuffled
-  (seed {a.seed}), 2% ({stats['eval_rows']} rows) held out. 15% of the tokens are chosen for prediction with
-  transformers' `DataCollatorForLanguageModeling` (80% of them `[MASK]`, 10% a random token, 10% unchanged),
-  seeded per step (the held-out rows with seeds training never used).""",
-        "tokenizer": f"""lower-cased WordPiece trained on the paragraphs with `tokenizers`, {cfg.vocab_size} tokens (specials
-  `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`); encodings are `[CLS] ... [SEP]`.""",
-        "model": f"""`BertForMaskedLM`, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads,
-  MLP {cfg.intermediate_size}, {cfg.max_position_embeddings} positions, tied input and output embeddings, no dropout, fp32.""",
-        "tokens": f"{a.steps} steps of {a.batch} x {a.seq} tokens ({a.steps * a.batch * a.seq:,} tokens, about {a.steps * a.batch / max(1, stats['train_rows']):.0f} epochs)",
-        "loss": "training loss (cross-entropy of the chosen tokens)", "perplexity": True,
-        "samples": f"""Top 5 for `[MASK]`:
-
-| text | top 5 |
-|---|---|
-{rows}""",
-    }
-
-
-_CARDS = {"llama": _card_llama, "t5": _card_t5, "bert": _card_bert}
-
-
-def model_card(stats: dict, cfg) -> str:
-    """The model card (README.md) from the run's ``training_stats.json`` values and the model config."""
-    a = argparse.Namespace(**stats["args"])
-    arch = getattr(a, "arch", "llama")
-    c = _CARDS[arch](stats, cfg, a)
-    load = stats.get("load_average")
-    busy = f" (load average {load[0]:g} at the start, {load[3]:g} at the end)" if load else stats.get("machine_note", "")
-    ppl = f" (perplexity {math.exp(stats['eval_loss']):.1f})" if c["perplexity"] else ""
-    return f"""---
-license: psf-2.0
-library_name: transformers
-pipeline_tag: {c['tag']}
-tags: [{cfg.model_type}, hf_pipeline, tiny]
----
-
-# hf_pipeline {c['name']}
-
-{c['what']}
-
-```python
-import transformers
-from hf_pipeline.tools.default_model import default_model_path
-
-path = default_model_path({c['path_arg']})
-{c['usage']}
-```
-{c['after_usage']}
-## How it was made
-
-```bash
-{stats['command']}
-```
-
-- **Data**: {c['data']}
-- **Tokenizer**: {c['tokenizer']}
-- **Model**: {c['model']}
-- **Training**: hf_pipeline's pipelined trainer (`model.train_step`), schedule `{a.schedule}` with
-  {a.virtual_stages} stages per rank on {stats['world_size']} CPU processes ({stats['num_stages']} stages,
-  {a.n_microbatches} microbatches); AdamW (betas 0.9/0.95, weight decay 0.1), peak learning rate
-  {a.lr:g}, {a.warmup} warmup steps then cosine decay to a tenth; gradient clipping at 1.0;
-  {c['tokens']};
-  {stats['train_s']:.0f} s of training on a 2-core CPU{busy}.
-- **Result**: final {c['loss']} **{stats['final_train_loss']:.3f}** (mean of the last {stats['last_steps']} steps),
-  held-out loss **{stats['eval_loss']:.3f}**{ppl}.
-
-{c['samples']}
-
-Saved by `model.save_pretrained` (each rank wrote its own stages' tensors) as sharded safetensors
-with an index; it loads with plain `transformers.{_AUTO[arch]}.from_pretrained(path)` too.
-`training_stats.json` holds the numbers above. The training text is from CPython and is under the
-Python Software Foundation License.
-"""
-
-
-_AUTO = {name: arch.auto_class for name, arch in ARCHS.items()}
 
 
 if __name__ == "__main__":

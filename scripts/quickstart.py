@@ -29,13 +29,15 @@ def _default_path() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint directory or cached hub id (default: the bundled model)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or cached hub id (default: the bundled model)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--prompt", action="append", default=None, help="prompt (repeatable)")
     args = parser.parse_args(argv)
 
     path = args.model or _default_path()
-    prompts = args.prompt or ["The function returns", "Return a new list of", "If the file does not exist,", "This module provides"]
+    prompts = args.prompt or ["The function returns", "Return a new list of", "If the file does not exist,",
+                              "This module provides"]
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, dtype=torch.float32)
     ctx = model.ctx
     tok = transformers.AutoTokenizer.from_pretrained(path)
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         want = ref(**enc).logits
-        want_ids = ref.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        want_ids = ref.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                pad_token_id=tok.pad_token_id)
     diff = (out.logits - want).abs().max().item()
     same_tokens = torch.equal(ids, want_ids)
     if ctx.is_main_process:
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipelined forward vs transformers on one process: max abs diff {diff:.2e}")
         print(f"pipelined greedy generate equals transformers generate: {same_tokens}")
         new = ids.shape[0] * args.max_new_tokens
-        print(f"generated {new} tokens in {seconds:.2f} s ({new / seconds:.1f} tokens/s) on {ctx.world_size} process(es)")
+        print(f"generated {new} tokens in {seconds:.2f} s ({new / seconds:.1f} tokens/s) on "
+              f"{ctx.world_size} process(es)")
         for text in tok.batch_decode(ids, skip_special_tokens=True):
             print("  >", text.replace("\n", " "))
     ok = diff <= 1e-4 and same_tokens

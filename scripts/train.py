@@ -33,8 +33,6 @@ nothing waits on the network.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import pathlib
 import sys
 
@@ -52,20 +50,36 @@ TASKS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors) or cached hub id")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or cached hub id (default: --model)")
-    p.add_argument("--data", required=True, help="training data: a .txt/.md file (one text per line), .json/.jsonl, .csv or .parquet")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="training data: a .txt/.md file (one text per line), .json/.jsonl, .csv or .parquet",
+    )
     p.add_argument("--text-column", default="text")
-    p.add_argument("--target-column", default=None, help="seq2seq: column with the target text (default: the text's continuation)")
+    p.add_argument(
+        "--target-column", default=None, help="seq2seq: column with the target text (default: the text's continuation)"
+    )
     p.add_argument("--task", choices=sorted(TASKS), default=None, help="default: from the checkpoint's architecture")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps to train for (in total, counting resumed ones)")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (rows) per train_step, all replicas together")
+    p.add_argument(
+        "--steps", type=int, required=True, help="optimizer steps to train for (in total, counting resumed ones)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="global batch (rows) per train_step, all replicas together"
+    )
     p.add_argument("--grad-accum", type=int, default=1, help="train_steps per optimizer step")
     p.add_argument("--block-size", type=int, default=128, help="tokens per row")
     p.add_argument("--n-microbatches", type=int, default=None)
-    p.add_argument("--schedule", default=None, help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, ...")
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help="gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble, zbv-zero-bubble, ...",
+    )
     p.add_argument("--virtual-stages", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None, help="total stages (default: world size x virtual stages)")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -76,12 +90,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     p.add_argument("--device", default=None, help="'cpu' to force CPU (default: cuda:LOCAL_RANK when available)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K optimizer steps (0: only at the end)")
+    p.add_argument(
+        "--save-every", type=int, default=0, help="save a checkpoint every K optimizer steps (0: only at the end)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --output-dir")
     p.add_argument("--resume-from", default=None, help="continue from this checkpoint directory")
     p.add_argument("--log-file", default=None, help="JSON lines of per-step metrics (default: <output-dir>/log.jsonl)")
-    p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps, with or without the bar (default 10)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (the --log-every loss lines still print)")
+    p.add_argument(
+        "--log-every", type=int, default=10, help="print the loss every N steps, with or without the bar (default 10)"
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (the --log-every loss lines still print)"
+    )
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 1:
         p.error("--batch-size, --grad-accum and --steps must be >= 1")
@@ -102,43 +122,70 @@ def infer_task(model_dir: str) -> str:
 
 
 # ----------------------------------------------------------------------------- training
+def _resume_from(args, out: pathlib.Path) -> str | None:
+    """``--resume-from``, else with ``--resume`` the latest complete checkpoint in ``out`` (None: start fresh)."""
+    from hf_pipeline.training.checkpoint import latest_checkpoint
+
+    if args.resume and args.resume_from is None:
+        found = latest_checkpoint(out)
+        return str(found) if found is not None else None  # nothing saved yet: start fresh
+    return args.resume_from
+
+
+def _load_model(args, task: str, source: str):
+    import hf_pipeline
+
+    options = {
+        "n_microbatches": args.n_microbatches, "schedule": args.schedule, "virtual_stages": args.virtual_stages,
+        "num_stages": args.num_stages, "device": args.device,
+    }
+    load = {k: v for k, v in options.items() if v is not None}
+    return getattr(hf_pipeline, TASKS[task]).from_pretrained(source, pipeline=True, dtype="float32", **load)
+
+
+def _batches(args, tokenizer, task: str):
+    from hf_pipeline.training.data import Batches, build_dataset
+
+    dataset = build_dataset(
+        args.data, tokenizer, task, block_size=args.block_size, text_column=args.text_column,
+        target_column=args.target_column,
+    )
+    return Batches(
+        dataset, batch_size=args.batch_size, seed=args.seed, task=task, tokenizer=tokenizer,
+        mlm_probability=args.mlm_probability,
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    import hf_pipeline
     from hf_pipeline.loading.weights import resolve_checkpoint
     from hf_pipeline.log import StepProgress
-    from hf_pipeline.training.checkpoint import latest_checkpoint, load_training_state
-    from hf_pipeline.training.data import Batches, build_dataset
+    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.training.loop import run_training
 
     out = pathlib.Path(args.output_dir)
-    resume_from = args.resume_from
-    if args.resume and resume_from is None:
-        found = latest_checkpoint(out)
-        resume_from = str(found) if found is not None else None  # nothing saved yet: start fresh
-    # Hub ids resolve to their cached snapshot first: transformers then reads directories and never waits on the network.
+    resume_from = _resume_from(args, out)
+    # Hub ids resolve to their cached snapshot first: transformers then reads directories and never
+    # waits on the network.
     model_dir = str(resolve_checkpoint(args.model))
     task = args.task or infer_task(model_dir)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolve_checkpoint(args.tokenizer)) if args.tokenizer else model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(resolve_checkpoint(args.tokenizer)) if args.tokenizer else model_dir
+    )
     torch.manual_seed(args.seed)
-
-    load = {k: v for k, v in {
-        "n_microbatches": args.n_microbatches, "schedule": args.schedule, "virtual_stages": args.virtual_stages,
-        "num_stages": args.num_stages, "device": args.device,
-    }.items() if v is not None}
-    model = getattr(hf_pipeline, TASKS[task]).from_pretrained(resume_from or model_dir, pipeline=True, dtype="float32", **load)
+    model = _load_model(args, task, resume_from or model_dir)
     model.train()
     ctx = model.ctx
     if ctx.is_main_process:
         print(model.plan, flush=True)
 
-    dataset = build_dataset(
-        args.data, tokenizer, task, block_size=args.block_size, text_column=args.text_column, target_column=args.target_column,
-    )
-    batches = Batches(dataset, batch_size=args.batch_size, seed=args.seed, task=task, tokenizer=tokenizer, mlm_probability=args.mlm_probability)
+    batches = _batches(args, tokenizer, task)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps)
+    sched = transformers.get_linear_schedule_with_warmup(
+        opt, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps
+    )
     start = 0
     if resume_from is not None:
         start = int(load_training_state(model, resume_from, optimizer=opt, scheduler=sched)["step"])
@@ -148,31 +195,22 @@ def main(argv=None) -> int:
     log_path = pathlib.Path(args.log_file) if args.log_file else out / "log.jsonl"
     if ctx.is_main_process:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-    progress = StepProgress(args.steps, initial=start, log_every=args.log_every, enabled=ctx.is_main_process, bar=not args.no_progress)
-    autocast = torch.bfloat16 if args.bf16 else None
-    for step in range(start, args.steps):
-        total = 0.0
-        for a in range(args.grad_accum):
-            loss = model.train_step(batches(step * args.grad_accum + a), loss_scale=1.0 / args.grad_accum, autocast=autocast)
-            total += float(loss)
-        norm = float(model.clip_grad_norm_(args.max_grad_norm)) if args.max_grad_norm > 0 else float("nan")
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        mean = total / args.grad_accum
-        progress.step(step + 1, loss=mean, lr=lr)
+    progress = StepProgress(
+        args.steps, initial=start, log_every=args.log_every, enabled=ctx.is_main_process, bar=not args.no_progress
+    )
+
+    def save(done: int) -> None:
+        path = model.save_pretrained(
+            out / f"checkpoint-{done}", optimizer=opt, scheduler=sched, step=done, tokenizer=tokenizer
+        )
         if ctx.is_main_process:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step + 1, "loss": mean, "lr": lr, "grad_norm": norm}) + "\n")
-            if not math.isfinite(mean):
-                print(f"step {step + 1}: loss is {mean}", file=sys.stderr, flush=True)
-        done = step + 1
-        if (args.save_every and done % args.save_every == 0) or done == args.steps:
-            path = model.save_pretrained(out / f"checkpoint-{done}", optimizer=opt, scheduler=sched, step=done, tokenizer=tokenizer)
-            if ctx.is_main_process:
-                progress.write(f"saved {path}")
-    progress.close()
+            progress.write(f"saved {path}")
+
+    run_training(
+        model, batches, opt, sched, steps=args.steps, start_step=start, grad_accum=args.grad_accum,
+        max_grad_norm=args.max_grad_norm, autocast=torch.bfloat16 if args.bf16 else None, progress=progress,
+        log_file=log_path, warn_non_finite=True, save_every=args.save_every, save=save,
+    )
     return 0
 
 

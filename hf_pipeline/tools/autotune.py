@@ -39,9 +39,11 @@ from ..errors import InputError
 from ..planning.options import PipelineOptions, parse_size
 from ..planning.schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
 from ..planning.simulate import simulate_step
+from .split_advice import SplitAdvice, fit_stage_costs, measure_split  # re-exported: their home before
 
 __all__ = [
-    "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "SplitAdvice", "choose", "fit_stage_costs", "measure_split",
+    "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "SplitAdvice", "choose", "fit_stage_costs",
+    "measure_split",
     "simulate_step", "tune", "with_schedule",
 ]
 
@@ -119,7 +121,8 @@ def _microbatch_counts(rows: int, fixed: int | None) -> list[int]:
 
 
 def _candidates(
-    world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: Any, rows: int,
+    world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: Any,
+    rows: int,
 ) -> list[Candidate]:
     # n_microbatches: AUTO (every count that divides the rows), None (the loader's default: one per
     # stage) or a fixed count.
@@ -132,7 +135,8 @@ def _candidates(
             if stages % v or world_size % (stages // v):
                 continue
             pp = stages // v
-            counts = [stages] if n_microbatches is None else _microbatch_counts(rows // (world_size // pp), None if n_microbatches == AUTO else n_microbatches)
+            fixed = None if n_microbatches == AUTO else n_microbatches
+            counts = [stages] if n_microbatches is None else _microbatch_counts(rows // (world_size // pp), fixed)
             for m in counts:
                 if spec.training_problem(pp_size=pp, virtual_stages=v, n_microbatches=m) is None:
                     out.append(Candidate(schedule=spec.name, virtual_stages=v, n_microbatches=m))
@@ -162,79 +166,107 @@ def choose(
     Raises:
         InputError: when no candidate can train ``tune_batch`` (within ``max_memory``), naming why.
     """
-    from ..loading.stages import recipe_front_end
-
     schedule, m_fixed = option_kwargs.get("schedule"), option_kwargs.get("n_microbatches")
     if schedule is None:  # n_microbatches="auto" alone: for the default schedule
-        schedule = PipelineOptions.resolve(config, world_size, **{**option_kwargs, "n_microbatches": None}).schedule.name
+        schedule = PipelineOptions.resolve(config, world_size,
+                                           **{**option_kwargs, "n_microbatches": None}).schedule.name
     max_pos = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512)
     batch, seq = tune_batch if tune_batch is not None else (8 * world_size, min(512, max_pos))
     if batch < 1 or seq < 1:
         raise InputError(f"tune_batch must be (batch, seq) with both >= 1, got {tune_batch!r}")
     budget = parse_size(max_memory, what="max_memory") if max_memory is not None else None
     cands = _candidates(
-        world_size, schedule=schedule, virtual_stages=option_kwargs.get("virtual_stages"), num_stages=option_kwargs.get("num_stages"),
+        world_size, schedule=schedule, virtual_stages=option_kwargs.get("virtual_stages"),
+        num_stages=option_kwargs.get("num_stages"),
         n_microbatches=m_fixed, rows=batch,
     )
     if not cands:
         raise InputError(
             f"no schedule trains a batch of {batch} rows on {world_size} processes with these settings "
-            f"(schedule={schedule!r}, n_microbatches={m_fixed!r}); pass tune_batch=(batch, seq) with more rows, or fix the schedule"
+            f"(schedule={schedule!r}, n_microbatches={m_fixed!r}); pass tune_batch=(batch, seq) with more rows, "
+            "or fix the schedule"
         )
-    tokens = overhead_tokens if overhead_tokens is not None else OVERHEAD_TOKENS.get(device_type, _DEFAULT_OVERHEAD_TOKENS)
-    plans: dict[tuple[int, str, int], Any] = {}
-    estimates = []
-    for c in cands:
-        opts = PipelineOptions.resolve(config, world_size, **{  # the layout checks of loading, too
-            **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages, "n_microbatches": c.n_microbatches,
-        })
-        spec = opts.schedule
-        # The split balances for the schedule and microbatch count (make_plan) when a rank holds
-        # several stages; with one stage per rank it is the same for every candidate.
-        key = (opts.virtual_stages, spec.layout, opts.pp_size) + ((spec.name, c.n_microbatches) if opts.virtual_stages > 1 else ())
-        if key not in plans:
-            # The loader's own front end (the plan from_pretrained will build); the tracer's split is
-            # costed as balanced, since tracing every candidate would cost more than it tells.
-            plans[key] = None if opts.traced else recipe_front_end(config, opts).plan
-        plan = plans[key]
-        rows = batch // opts.dp_size
-        mb_tokens = rows * seq / c.n_microbatches
-        per_token = [s.flops_per_token for s in plan.stages] if plan is not None else [1.0] * opts.num_stages
-        total = sum(per_token)
-        share = total / opts.pp_size  # one rank's share of the model, per token
-        step, busy = simulate_step(
-            spec, pp_size=opts.pp_size, virtual_stages=opts.virtual_stages, n_microbatches=c.n_microbatches,
-            stage_cost=[f * mb_tokens for f in per_token], overhead=tokens * share,
-        )
-        ideal = 3 * total * rows * seq / opts.pp_size
-        peak, note = None, ""
-        if budget is not None:
-            from .memory import plan_report
-
-            report = plan_report(
-                config, stages=opts.num_stages, virtual_stages=opts.virtual_stages, schedule=c.schedule, dtype=opts.dtype,
-                batch=rows, seq=seq, n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
-            )
-            peak = max(r.train_peak_bytes for r in report.ranks)
-            if peak > budget:
-                note = f"predicted peak {peak / 2**20:.0f} MiB > max_memory {budget / 2**20:.0f} MiB"
-        estimates.append(Estimate(candidate=c, relative_step=step / ideal, idle=1 - max(busy.values()) / step, peak_bytes=peak, note=note))
+    tokens = overhead_tokens
+    if tokens is None:
+        tokens = OVERHEAD_TOKENS.get(device_type, _DEFAULT_OVERHEAD_TOKENS)
+    plans: dict[tuple, Any] = {}  # one plan per distinct split (see _estimate)
+    estimates = [
+        _estimate(config, world_size, c, option_kwargs, plans, batch=batch, seq=seq, overhead_tokens=tokens,
+                  budget=budget)
+        for c in cands
+    ]
     usable = [e for e in estimates if e.usable]
     if not usable:
         raise InputError(
-            f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest predicted peak is "
-            f"{min(e.peak_bytes for e in estimates) / 2**20:.0f} MiB; use more stages, a smaller tune_batch or a larger budget"
+            f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest "
+            "predicted peak is "
+            f"{min(e.peak_bytes for e in estimates) / 2**20:.0f} MiB; use more stages, a smaller tune_batch or "
+            "a larger budget"
         )
     # Ties: fewer microbatches (bigger matmuls), then fewer stages per rank (fewer messages).
-    best = min(usable, key=lambda e: (round(e.relative_step, 4), e.candidate.virtual_stages, e.candidate.n_microbatches))
+    best = min(usable,
+               key=lambda e: (round(e.relative_step, 4), e.candidate.virtual_stages, e.candidate.n_microbatches))
     chosen = best.candidate
-    kwargs = {**option_kwargs, "schedule": chosen.schedule, "virtual_stages": chosen.virtual_stages, "n_microbatches": chosen.n_microbatches}
+    kwargs = {**option_kwargs, "schedule": chosen.schedule, "virtual_stages": chosen.virtual_stages,
+              "n_microbatches": chosen.n_microbatches}
     return kwargs, AutoChoice(chosen=chosen, estimates=tuple(estimates), basis="cost model", batch=batch, seq=seq)
+
+
+def _estimate(
+    config, world_size: int, c: Candidate, option_kwargs: dict[str, Any], plans: dict[tuple, Any], *, batch: int,
+    seq: int, overhead_tokens: float, budget: int | None,
+) -> Estimate:
+    """One candidate's simulated training step (and, with a memory budget, its predicted peak)."""
+    from ..loading.stages import recipe_front_end
+
+    opts = PipelineOptions.resolve(config, world_size, **{  # the layout checks of loading, too
+        **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+        "n_microbatches": c.n_microbatches,
+    })
+    spec = opts.schedule
+    # The split balances for the schedule and microbatch count (make_plan) when a rank holds
+    # several stages; with one stage per rank it is the same for every candidate.
+    key = (opts.virtual_stages, spec.layout, opts.pp_size)
+    key += (spec.name, c.n_microbatches) if opts.virtual_stages > 1 else ()
+    if key not in plans:
+        # The loader's own front end (the plan from_pretrained will build); the tracer's split is
+        # costed as balanced, since tracing every candidate would cost more than it tells.
+        plans[key] = None if opts.traced else recipe_front_end(config, opts).plan
+    plan = plans[key]
+    rows = batch // opts.dp_size
+    mb_tokens = rows * seq / c.n_microbatches
+    per_token = [s.flops_per_token for s in plan.stages] if plan is not None else [1.0] * opts.num_stages
+    total = sum(per_token)
+    share = total / opts.pp_size  # one rank's share of the model, per token
+    step, busy = simulate_step(
+        spec, pp_size=opts.pp_size, virtual_stages=opts.virtual_stages, n_microbatches=c.n_microbatches,
+        stage_cost=[f * mb_tokens for f in per_token], overhead=overhead_tokens * share,
+    )
+    ideal = 3 * total * rows * seq / opts.pp_size
+    peak, note = None, ""
+    if budget is not None:
+        peak = _predicted_peak(config, opts, c, rows=rows, seq=seq)
+        if peak > budget:
+            note = f"predicted peak {peak / 2**20:.0f} MiB > max_memory {budget / 2**20:.0f} MiB"
+    return Estimate(candidate=c, relative_step=step / ideal, idle=1 - max(busy.values()) / step, peak_bytes=peak,
+                    note=note)
+
+
+def _predicted_peak(config, opts: PipelineOptions, c: Candidate, *, rows: int, seq: int) -> int:
+    """The largest rank's predicted training peak for candidate ``c`` (:func:`.memory.plan_report`)."""
+    from .memory import plan_report
+
+    report = plan_report(
+        config, stages=opts.num_stages, virtual_stages=opts.virtual_stages, schedule=c.schedule, dtype=opts.dtype,
+        batch=rows, seq=seq, n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
+    )
+    return max(r.train_peak_bytes for r in report.ranks)
 
 
 # ----------------------------------------------------------------------------- measured
 def tune(
-    model: Any, batch: Mapping[str, Any], *, schedules: Sequence[str] | None = None, n_microbatches: Sequence[int] | None = None,
+    model: Any, batch: Mapping[str, Any], *, schedules: Sequence[str] | None = None,
+    n_microbatches: Sequence[int] | None = None,
     steps: int = 2,
 ) -> AutoChoice:
     """Time ``train_step`` on ``batch`` for each schedule of the loaded placement and microbatch
@@ -255,16 +287,24 @@ def tune(
     plan, dims = model.plan, model.dims
     first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
     rows, seq = int(first.shape[0]), int(first.shape[-1])
-    names = list(schedules) if schedules is not None else [s.name for s in SCHEDULES.values() if _same_placement(s, model.options)]
+    if schedules is not None:
+        names = list(schedules)
+    else:
+        names = [s.name for s in SCHEDULES.values() if _same_placement(s, model.options)]
     cands = []
     for name in names:
         # Refused before any step when it would need other stages (the message of set_schedule).
         spec = with_schedule(model.options, name, model.n_microbatches).schedule
-        for m in (list(n_microbatches) if n_microbatches is not None else _microbatch_counts(rows // dims.dp_size, None)):
-            if (rows // dims.dp_size) % m == 0 and spec.training_problem(pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m) is None:
+        local_rows = rows // dims.dp_size
+        for m in (list(n_microbatches) if n_microbatches is not None else _microbatch_counts(local_rows, None)):
+            problem = spec.training_problem(pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m)
+            if local_rows % m == 0 and problem is None:
                 cands.append(Candidate(schedule=spec.name, virtual_stages=plan.virtual_stages, n_microbatches=m))
     if not cands:
-        raise InputError(f"no schedule of the loaded placement trains a batch of {rows} rows; pass n_microbatches= counts that divide it")
+        raise InputError(
+            f"no schedule of the loaded placement trains a batch of {rows} rows; pass n_microbatches= counts "
+            "that divide it"
+        )
     before = (model.schedule.name, model.n_microbatches)
     estimates = []
     try:
@@ -309,173 +349,3 @@ def with_schedule(options: PipelineOptions, schedule: str, n_microbatches: int) 
         raise InputError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
     check_layout(spec, pp_size=options.pp_size, virtual_stages=options.virtual_stages, n_microbatches=n_microbatches)
     return dataclasses.replace(options, schedule=spec, n_microbatches=n_microbatches)
-
-
-# ----------------------------------------------------------------------------- measured split
-@dataclass(frozen=True, kw_only=True)
-class SplitAdvice:
-    """A split balanced on measured stage costs (:func:`measure_split`); pass ``split`` to ``from_pretrained``.
-
-    Attributes:
-        split: what starts stages 1..S-1 in the balanced split (``from_pretrained(split=...)``).
-        current: the same for the loaded split.
-        stage_seconds: measured compute per microbatch of each loaded stage (forward, backward, loss).
-        seconds_per_flop: the fitted cost of the blocks: seconds per microbatch per FLOP per token.
-        measured_flops: the modules whose cost was measured apart from the blocks' (the head and its
-            loss), as the FLOPs of a block per token that cost the same time.
-        counted_flops: the FLOP count of those modules, per token.
-        block_flops: one block's FLOPs per token (the mean over the loaded stages' blocks).
-        rank_seconds: measured compute per microbatch of each rank, as loaded.
-        predicted_rank_seconds: the same predicted for ``split``.
-    """
-
-    split: tuple[str, ...]
-    current: tuple[str, ...]
-    stage_seconds: tuple[float, ...]
-    seconds_per_flop: float
-    measured_flops: dict[str, float]
-    counted_flops: dict[str, float]
-    block_flops: float
-    rank_seconds: tuple[float, ...]
-    predicted_rank_seconds: tuple[float, ...]
-
-    @property
-    def changed(self) -> bool:
-        return self.split != self.current
-
-    def head_blocks(self) -> dict[str, tuple[float, float]]:
-        """Each module measured apart, as (measured, by FLOPs) in blocks' worth of cost."""
-        return {m: (f / self.block_flops, self.counted_flops[m] / self.block_flops) for m, f in self.measured_flops.items()}
-
-    def to_dict(self) -> dict[str, Any]:
-        """The figures, for JSON (the benchmark's results, the device check's)."""
-        heads = self.head_blocks()
-        return {
-            "planned": list(self.current), "split": list(self.split), "stage_seconds": list(self.stage_seconds),
-            "rank_seconds": list(self.rank_seconds), "predicted_rank_seconds": list(self.predicted_rank_seconds),
-            "head_blocks": {m: b for m, (b, _) in heads.items()}, "head_blocks_by_flops": {m: c for m, (_, c) in heads.items()},
-        }
-
-    def __str__(self) -> str:
-        def ms(xs):
-            return ", ".join(f"{x * 1e3:.1f}" for x in xs)
-
-        def spread(xs):
-            return max(xs) / (sum(xs) / len(xs))
-
-        head = ", ".join(f"{m} {b:.2f} blocks ({c:.2f} by FLOPs)" for m, (b, c) in self.head_blocks().items()) or "none"
-        return "\n".join([
-            f"measured split ({'a new split' if self.changed else 'the loaded split is balanced'}):",
-            f"  loaded   {list(self.current)}: stages {ms(self.stage_seconds)} ms per microbatch; ranks {ms(self.rank_seconds)} ms "
-            f"(busiest {spread(self.rank_seconds):.3f}x the mean)",
-            f"  balanced {list(self.split)}: ranks {ms(self.predicted_rank_seconds)} ms predicted "
-            f"(busiest {spread(self.predicted_rank_seconds):.3f}x the mean)",
-            f"  measured apart from the blocks: {head}",
-        ])
-
-
-def fit_stage_costs(block_flops: Sequence[float], extra_flops: Sequence[Mapping[str, float]], seconds: Sequence[float]) -> tuple[float, dict[str, float]]:
-    """Fit measured stage times to the planner's FLOP counts.
-
-    The blocks of every stage cost the same seconds per FLOP (``alpha``), fitted on the stages whose
-    other modules do no matmul (embedding lookups, norms: counted as free); what a stage with
-    matmul-doing extra modules (the LM head, its loss) takes beyond its blocks is measured for those
-    modules, shared among them by their FLOPs, and given back as the block FLOPs that cost as much.
-
-    Args:
-        block_flops: each stage's block FLOPs per token (:func:`hf_pipeline.planning.plan.stage_flops_parts`).
-        extra_flops: each stage's other modules, by name, with their FLOPs per token.
-        seconds: each stage's measured seconds per microbatch.
-
-    Returns:
-        (alpha, {module: FLOPs per token of a block that cost as much as the module measured}).
-    """
-    bearing = [{m: f for m, f in extra.items() if f > 0} for extra in extra_flops]
-    fit = [s for s in range(len(seconds)) if not bearing[s] and block_flops[s] > 0]
-    if not fit:
-        raise InputError("no stage runs blocks without a head: the blocks' cost cannot be told apart from the head's; use more stages")
-    alpha = sum(seconds[s] for s in fit) / sum(block_flops[s] for s in fit)
-    measured: dict[str, float] = {}
-    for s, mods in enumerate(bearing):
-        if mods:
-            rest = max(seconds[s] - alpha * block_flops[s], 0.0) / alpha
-            total = sum(mods.values())
-            for m, f in mods.items():
-                measured[m] = measured.get(m, 0.0) + rest * f / total
-    return alpha, measured
-
-
-def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> SplitAdvice:
-    """Time each stage's compute on ``batch`` and balance the split on those times.
-
-    The planner's split balances FLOPs, which rate an LM head and its loss against the blocks as a
-    matmul-bound device would; on a real device the blocks' non-matmul work (norms, rotary
-    embeddings, attention's softmax, elementwise products) and the loss's make the ratio differ. This
-    runs ``steps`` training steps (after one untimed) under :func:`hf_pipeline.tools.profile.record`, fits
-    the stages' times to their FLOPs (:func:`fit_stage_costs`) and plans the split again with the head's
-    measured cost, for the loaded schedule and microbatch count. Collective: every rank passes the same
-    batch and gets the same advice (data-parallel replicas' times are averaged). Gradients are cleared
-    afterwards; the weights are not changed and the loaded split stays: pass ``advice.split`` to
-    ``from_pretrained(split=...)`` when loading next.
-
-    Example:
-        >>> advice = model.measure_split(batch)
-        >>> print(advice)                  # measured and predicted per-rank times
-        >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="zbv-zero-bubble", split=advice.split)
-    """
-    import torch.distributed as dist
-
-    from ..planning.plan import make_plan, stage_flops_parts
-    from .profile import record
-
-    plan, build = model.plan, model.build
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InputError(f"steps must be a positive integer, got {steps!r}")
-    if plan.pp_size < 2:
-        raise InputError("measure_split balances the stages of a pipeline of 2 or more ranks; this model runs on one")
-    try:
-        model.train_step(batch)  # untimed (torch builds its stages and schedule on a first step); checks the batch
-        with record(model) as prof:
-            for _ in range(steps):
-                model.train_step(batch)
-        timeline = prof.timeline()  # collective over the pipeline group
-    finally:
-        for p in model.parameters():
-            p.grad = None
-    seq = int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[-1])  # attention's length, as the planner costs it
-    # A stage's cost per microbatch: the median over microbatches (and steps) of all its work on one
-    # microbatch (forward, loss, backward: whole or as input and weight halves). A median, as a
-    # core's stall (another tenant, a page fault) lands on a few actions and would move a mean.
-    work: dict[tuple[int, int, int], float] = {}
-    for r in timeline.records:
-        if r.stage is not None and r.microbatch is not None and r.kind in ("F", "B", "I", "W", "loss"):
-            key = (r.stage, r.step, r.microbatch)
-            work[key] = work.get(key, 0.0) + r.duration
-    seconds = torch.tensor(
-        [statistics.median(w for (s, _, _), w in work.items() if s == stage) for stage in range(plan.num_stages)], dtype=torch.float64,
-    )
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # Every rank of a replica holds its replica's figures: the sum over all ranks is pp_size x the
-        # sum over replicas, and its quotient by the world size the replicas' mean, the same on every rank.
-        dist.all_reduce(seconds)
-        seconds /= dist.get_world_size()
-    seconds_list = [float(x) for x in seconds]
-    parts = [stage_flops_parts(build.skeleton, build.resolved, s, seq_len=seq) for s in plan.stages]
-    alpha, measured = fit_stage_costs([b for b, _ in parts], [e for _, e in parts], seconds_list)
-    balanced = make_plan(
-        build.skeleton, build.resolved, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, layout=plan.layout,
-        split="auto", dtype=plan.dtype, seq_len=seq, schedule=model.schedule, n_microbatches=model.n_microbatches,
-        measured_flops=measured,
-    )
-
-    def per_rank(values: Sequence[float], p) -> tuple[float, ...]:
-        return tuple(sum(values[s.index] for s in p.stages if s.rank == r) for r in range(p.pp_size))
-
-    counted = {m: f for _, extra in parts for m, f in extra.items() if m in measured}
-    n_blocks = sum(len(s.blocks) - 0.5 * len(s.halves) for s in plan.stages)
-    return SplitAdvice(
-        split=balanced.split_points, current=plan.split_points, stage_seconds=tuple(seconds_list), seconds_per_flop=alpha,
-        measured_flops=measured, counted_flops=counted, block_flops=sum(b for b, _ in parts) / n_blocks,
-        rank_seconds=per_rank(seconds_list, plan),
-        predicted_rank_seconds=per_rank([alpha * s.flops_per_token for s in balanced.stages], balanced),
-    )

@@ -156,7 +156,10 @@ def _check_output(source: pathlib.Path, output: pathlib.Path, overwrite: bool) -
     if out == src or src in out.parents or out in src.parents:
         raise ConvertError(f"the output {output} must be a new directory outside the source checkpoint {source}")
     if out.exists() and not overwrite:
-        raise ConvertError(f"the output {output} already exists; remove it, pick another directory or pass overwrite=True (--overwrite)")
+        raise ConvertError(
+            f"the output {output} already exists; remove it, pick another directory or pass overwrite=True "
+            "(--overwrite)"
+        )
     if not out.parent.is_dir():
         raise ConvertError(f"the parent directory of the output, {out.parent}, does not exist; create it first")
 
@@ -200,7 +203,10 @@ class _Writer:
                 state = self._pytorch_file(shard)
                 for key in shard_keys:
                     if key not in state:
-                        raise CheckpointError(f"{self.index.directory / shard} does not hold {key!r}, which its index names; re-download it")
+                        raise CheckpointError(
+                            f"{self.index.directory / shard} does not hold {key!r}, which its index names; "
+                            "re-download it"
+                        )
                     tensors[key] = state[key]
                 continue
             try:
@@ -210,7 +216,9 @@ class _Writer:
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - SafetensorError / OSError: name the file
-                raise CheckpointError(f"cannot read shard {shard!r} of {self.index.directory}: {type(e).__name__}: {e}") from e
+                raise CheckpointError(
+                    f"cannot read shard {shard!r} of {self.index.directory}: {type(e).__name__}: {e}"
+                ) from e
         ordered = {}
         seen: set[int] = set()
         for k in keys:
@@ -225,7 +233,8 @@ class _Writer:
         self.bytes += sum(t.numel() * t.element_size() for t in ordered.values())
 
 
-def _finish(tmp: pathlib.Path, source: pathlib.Path, output: pathlib.Path, weight_map: dict[str, str] | None, total: int, extra: dict | None) -> None:
+def _finish(tmp: pathlib.Path, source: pathlib.Path, output: pathlib.Path, weight_map: dict[str, str] | None,
+            total: int, extra: dict | None) -> None:
     for item in source.iterdir():
         if _weight_file(item.name):
             continue
@@ -279,7 +288,8 @@ def convert_to_stages(
     source = resolve_checkpoint(path)
     output = pathlib.Path(output)
     _check_output(source, output, overwrite)
-    plan, keys = stage_keys(source, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule, split=split, auto_class=auto_class)
+    plan, keys = stage_keys(source, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
+                            split=split, auto_class=auto_class)
     index = CheckpointIndex.from_directory(source)
     holders: dict[str, list[int]] = {}
     for stage, stage_key_list in keys.items():
@@ -313,7 +323,8 @@ def convert_to_stages(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return ConvertReport(source=source, output=output, files=writer.files, stage_files=stage_files, bytes_written=writer.bytes)
+    return ConvertReport(source=source, output=output, files=writer.files, stage_files=stage_files,
+                         bytes_written=writer.bytes)
 
 
 def merge_shards(
@@ -389,7 +400,9 @@ def _tensor_sizes(index: CheckpointIndex) -> dict[str, int]:
                 sizes[key] = end - begin
     missing = [k for k in index.weight_map if k not in sizes]
     if missing:
-        raise CheckpointError(f"the index of {index.directory} names keys its shards do not hold: {missing[:5]}; re-save the checkpoint")
+        raise CheckpointError(
+            f"the index of {index.directory} names keys its shards do not hold: {missing[:5]}; re-save the checkpoint"
+        )
     return sizes
 
 
@@ -412,5 +425,8 @@ def _pytorch_tensors(index: CheckpointIndex) -> dict[str, torch.Tensor]:
         out.update({k: v for k, v in state.items() if index.weight_map.get(k) == shard})
     missing = [k for k in index.weight_map if k not in out]
     if missing:
-        raise CheckpointError(f"the index of {index.directory} names keys its .bin files do not hold: {missing[:5]}; re-save the checkpoint")
+        raise CheckpointError(
+            f"the index of {index.directory} names keys its .bin files do not hold: {missing[:5]}; "
+            "re-save the checkpoint"
+        )
     return out

@@ -14,9 +14,10 @@ with the final loss:
   masked LM (``[MASK]`` filling in docstring English), by ``... --arch bert``.
 
 If the bundled files are missing (a trimmed install), :func:`default_model_path` falls back to a
-model with random weights (same architecture, gibberish output), built once in :func:`cache_dir`. Several ranks may build it at once: each builds into its own temporary
-directory and renames it into place; the first rename wins and the others discard theirs (the
-build is deterministic, so every copy is the same).
+model with random weights (same architecture, gibberish output), built once in :func:`cache_dir`.
+Several ranks may build it at once: each builds into its own temporary directory and renames it
+into place; the first rename wins and the others discard theirs (the build is deterministic, so
+every copy is the same).
 
 Example:
     >>> path = default_model_path()        # .../site-packages/hf_pipeline/assets/default-model
@@ -31,6 +32,7 @@ import pathlib
 import shutil
 import tempfile
 
+from ..errors import InputError
 from ..log import get_logger
 
 __all__ = [
@@ -49,7 +51,8 @@ BUNDLED_MODEL_DIR = _ASSETS / "default-model"  # the default ("llama") model's
 DEFAULT_MODEL_NAME = "default-llama-v1"  # the random fallback's directory in the cache
 _DEFAULT_ARCH = "llama"
 # arch -> (bundled directory under assets/, the random fallback's directory in the cache)
-_BUNDLED = {"llama": ("default-model", DEFAULT_MODEL_NAME), "t5": ("default-t5", "default-t5-v1"), "bert": ("default-bert", "default-bert-v1")}
+_BUNDLED = {"llama": ("default-model", DEFAULT_MODEL_NAME), "t5": ("default-t5", "default-t5-v1"),
+            "bert": ("default-bert", "default-bert-v1")}
 BUNDLED_ARCHS = tuple(_BUNDLED)
 _REQUIRED = ("config.json", "tokenizer.json", "model.safetensors.index.json")
 
@@ -77,7 +80,7 @@ def cache_dir() -> pathlib.Path:
 
 def _check_arch(arch: str) -> None:
     if arch not in _BUNDLED:
-        raise ValueError(f"no bundled {arch!r} model; pass one of {', '.join(map(repr, BUNDLED_ARCHS))}")
+        raise InputError(f"no bundled {arch!r} model; pass one of {', '.join(map(repr, BUNDLED_ARCHS))}")
 
 
 def bundled_model_path(arch: str = _DEFAULT_ARCH) -> pathlib.Path | None:
@@ -143,10 +146,12 @@ def byte_level_tokenizer(vocab_size: int = 384):
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False
     )
     tk.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
 
 
 def _random_model(arch: str, tok):
@@ -164,7 +169,8 @@ def _random_model(arch: str, tok):
             max_position_embeddings=512, pad_token_id=tok.pad_token_id)
     return transformers.LlamaForCausalLM, transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tok.bos_token_id, **ids)
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+        **ids)
 
 
 def _build_random(directory: pathlib.Path, arch: str = _DEFAULT_ARCH) -> None:

@@ -48,8 +48,9 @@ from typing import Any, Iterator, Sequence
 import torch
 import transformers
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
+from ..compat import storage_key
+from ..errors import InputError
 from ..loading.stages import StageModule, build_stage, recipe_front_end
 from ..loading.weights import resolve_checkpoint
 from ..planning.actions import schedule_actions
@@ -57,6 +58,7 @@ from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan, compress_blocks
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
+from .kv_cache import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 
 __all__ = [
     "MemoryReport",
@@ -76,14 +78,13 @@ def measure_saved_bytes(fn, params: Sequence[torch.Tensor] = ()) -> tuple[int, A
     Tensors sharing storage count once; storages of ``params`` are not counted (they are weights,
     not activations). Works on real and on fake tensors.
     """
-    owned = {p.untyped_storage()._cdata for p in params}
+    owned = {storage_key(p) for p in params}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage._cdata
+        key = storage_key(t)
         if key not in owned and key not in seen:
-            seen[key] = storage.nbytes()
+            seen[key] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -126,12 +127,13 @@ def _fake_stage(stage: StageModule, mode, dtype: torch.dtype) -> None:
         owner = stage.get_submodule(owner_name)
         if id(p) not in made:
             with mode:
-                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype), requires_grad=p.requires_grad)
-        owner._parameters[attr] = made[id(p)]
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype),
+                                           requires_grad=p.requires_grad)
+        setattr(owner, attr, made[id(p)])  # nn.Module registers a Parameter (or replaces it)
     for name, b in list(stage.named_buffers()):
         owner_name, _, attr = name.rpartition(".")
         owner = stage.get_submodule(owner_name)
-        owner._buffers[attr] = mode.from_tensor(b if not b.is_meta else torch.zeros(b.shape, dtype=b.dtype))
+        setattr(owner, attr, mode.from_tensor(b if not b.is_meta else torch.zeros(b.shape, dtype=b.dtype)))
 
 
 def _dummy_inputs(config, microbatch: int, seq: int) -> dict[str, torch.Tensor]:
@@ -149,7 +151,8 @@ class _StageRun:
     recv_bytes: int  # tensors received from the previous stage per microbatch
 
 
-def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int, has_loss: bool) -> list[_StageRun]:
+def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int,
+                     has_loss: bool) -> list[_StageRun]:
     """Run every stage once in training mode on fake tensors; measure what each saves and sends."""
     from ..compat import FakeTensorMode
 
@@ -165,83 +168,22 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
             received: tuple[torch.Tensor, ...] = ()
             for stage in stages:
                 params = list(stage.parameters())
-                nbytes, out = measure_saved_bytes(lambda: stage(*received, **inputs), params)
+                # Bound now (defaults): the call runs inside measure_saved_bytes, before the loop moves on.
+                def run(stage=stage, received=received):
+                    return stage(*received, **inputs)
+
+                nbytes, out = measure_saved_bytes(run, params)
                 outs = out if isinstance(out, tuple) else (out,)
                 loss = 0
                 if stage.spec.is_last and has_loss and outs[0].is_floating_point():
                     loss = _loss_saved_bytes(outs[0], params)
                 send = 0 if stage.spec.is_last else sum(t.numel() * t.element_size() for t in outs)
                 recv = sum(t.numel() * t.element_size() for t in received)
-                results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send, recv_bytes=recv))
+                results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send,
+                                         recv_bytes=recv))
                 # as torch's PipelineStage does: the next stage gets detached leaves that require grad
                 received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
     return results
-
-
-def _attr(config, *names: str, default=None):
-    for n in names:
-        v = getattr(config, n, None)
-        if v is not None:
-            return v
-    return default
-
-
-def _kv_bytes_per_layer_token(config, dtype: torch.dtype) -> int:
-    # 2 (K and V) x KV heads x head dim x itemsize: one token of one layer's self-attention cache
-    heads = int(_attr(config, "num_attention_heads", "n_head", "num_heads"))
-    kv_heads = int(_attr(config, "num_key_value_heads", default=heads) or heads)
-    hidden = int(_attr(config, "hidden_size", "n_embd", "d_model"))
-    head_dim = int(_attr(config, "head_dim", "d_kv", default=hidden // heads) or hidden // heads)
-    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-def kv_cache_bytes_per_token(config, *, decoder_layers: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes one sequence adds per token over ``decoder_layers`` attention layers.
-
-    2 (K and V) x KV heads x head dim x itemsize per layer; encoder-decoder models also cache the
-    cross-attention K/V, counted here per encoder token with the encoder as long as the decoder.
-    Sliding-window layers add this only until the sequence fills their window (:func:`kv_cache_bytes`).
-    """
-    per_layer = _kv_bytes_per_layer_token(config, dtype)
-    if getattr(config, "is_encoder_decoder", False):
-        per_layer *= 2  # self-attention cache + cross-attention cache
-    return decoder_layers * per_layer
-
-
-def kv_cache_tokens(config, *, seq: int) -> tuple[int, ...]:
-    """Tokens each decoder layer's KV cache keeps allocated for one sequence of ``seq`` tokens, by layer index.
-
-    Read from the cache transformers' ``generate`` (and the pipelined one) builds,
-    ``DynamicCache(config=...)``: a full-attention layer (``DynamicLayer``) keeps every token; a
-    sliding-window or chunked layer (``DynamicSlidingWindowLayer``) keeps ``min(seq, sliding_window)``.
-    Note: its ``keys`` / ``values`` are views of the last ``sliding_window - 1`` positions of the
-    past concatenated with the new token, so ``numel()`` shows one token less than the
-    ``sliding_window`` tokens that stay allocated (and, right after a prefill longer than the window,
-    the storage is the whole prompt's until the layer's next step).
-
-    Example:
-        >>> kv_cache_tokens(MistralConfig(num_hidden_layers=2, sliding_window=5), seq=12)
-        (5, 5)
-    """
-    cache = DynamicCache(config=config.get_text_config(decoder=True))
-    return tuple(min(seq, int(layer.sliding_window)) if getattr(layer, "is_sliding", False) else seq for layer in cache.layers)
-
-
-def kv_cache_bytes(config, *, layers: Sequence[int], dtype: torch.dtype, batch: int, seq: int) -> int:
-    """KV-cache bytes the decoder layers ``layers`` (indices in the decoder stack) hold for ``batch`` x ``seq`` tokens.
-
-    Each layer holds :func:`kv_cache_tokens` tokens of its self-attention keys and values; an
-    encoder-decoder's layers also hold the cross-attention cache of ``seq`` encoder tokens.
-
-    Example:
-        >>> kv_cache_bytes(config, layers=range(config.num_hidden_layers), dtype=torch.bfloat16, batch=8, seq=4096)
-    """
-    per_token = _kv_bytes_per_layer_token(config, dtype)
-    tokens = kv_cache_tokens(config, seq=seq)
-    held = sum(tokens[i] for i in layers)
-    if getattr(config, "is_encoder_decoder", False):
-        held += seq * len(layers)  # cross-attention: every encoder token, never windowed
-    return batch * per_token * held
 
 
 # ----------------------------------------------------------------------------- report
@@ -273,8 +215,10 @@ class StageMemory:
     activation_bytes: int  # kept alive for backward by one microbatch (training)
     send_bytes: int  # sent to the next stage per microbatch
     recv_bytes: int  # received from the previous stage per microbatch
-    kv_bytes_per_token: int  # per sequence, over this stage's decoder layers (sliding ones: until the window is full)
-    kv_cache_bytes: int  # batch x seq tokens over this stage's decoder layers, sliding-window layers capped at the window
+    # per sequence, over this stage's decoder layers (sliding ones: until the window is full)
+    kv_bytes_per_token: int
+    # batch x seq tokens over this stage's decoder layers, sliding-window layers capped at the window
+    kv_cache_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,13 +276,15 @@ class MemoryReport:
         )
 
     def _tables(self) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
-        stage_rows = [("stage", "rank", "modules", "params", "weights", "activations / microbatch", "sent / microbatch", "KV cache / token")]
+        stage_rows = [("stage", "rank", "modules", "params", "weights", "activations / microbatch",
+                       "sent / microbatch", "KV cache / token")]
         for s in self.stages:
             stage_rows.append((
                 str(s.index), str(s.rank), _compress_modules(s.modules), _count(s.params), _human(s.weight_bytes),
                 _human(s.activation_bytes), _human(s.send_bytes), _human(s.kv_bytes_per_token),
             ))
-        rank_rows = [("rank", "stages", "weights", "grads", "activations (in flight)", "P2P buffers", "train peak", f"KV cache ({self.batch}x{self.seq})", "generate peak")]
+        rank_rows = [("rank", "stages", "weights", "grads", "activations (in flight)", "P2P buffers", "train peak",
+                      f"KV cache ({self.batch}x{self.seq})", "generate peak")]
         for r in self.ranks:
             flight = ", ".join(f"s{k}:{v}" for k, v in r.in_flight.items())
             rank_rows.append((
@@ -433,12 +379,12 @@ def plan_report(
         n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
     )
     spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
-    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m)  # the planner plans training
+    # The planner plans training.
+    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m)
     if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+        raise InputError(f"batch must be >= 1, got {batch}")
     if seq is None:
-        seq = int(min(_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
-    torch_dtype = options.dtype
+        seq = int(min(config_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
     # The loader's own front end: the planner predicts the stages from_pretrained builds.
     build = recipe_front_end(config, options)
     skeleton, resolved, plan = build.skeleton, build.resolved, build.plan
@@ -446,36 +392,59 @@ def plan_report(
     # Microbatches: torch splits the (padded) batch into m equal chunks; a batch smaller than m
     # still runs one sequence per microbatch at most.
     microbatch = max(1, math.ceil(batch / m))
-    runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=resolved.head.loss is not None)
+    has_loss = resolved.head.loss is not None
+    runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=has_loss)
     generative = bool(getattr(skeleton, "can_generate", lambda: False)())
+    stage_rows = _stage_rows(config, resolved, plan, runs, generative=generative, dtype=options.dtype, batch=batch,
+                             seq=seq)
+    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=m, virtual_stages=virtual_stages, training=True)
+    rank_rows = [_rank_row(rank, stage_rows, orders[rank], n_microbatches=m) for rank in range(pp_size)]
+    is_config = isinstance(path_or_config, (transformers.PretrainedConfig, dict))
+    return MemoryReport(
+        model=config.model_type if is_config else str(path_or_config),
+        model_class=plan.model_class, dtype=str(options.dtype).removeprefix("torch."), num_stages=plan.num_stages,
+        pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
+        microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
+        total_weight_bytes=plan.total_bytes, notes=tuple(_notes(config, generative=generative, seq=seq)),
+    )
 
+
+def _stage_rows(
+    config, resolved, plan, runs, *, generative: bool, dtype: torch.dtype, batch: int, seq: int
+) -> list[StageMemory]:
+    """One :class:`StageMemory` per stage: its plan entry, its fake run's activations and its KV cache."""
     decoder = resolved.stacks[-1].blocks
-    stage_rows = []
+    rows = []
     for s, run in zip(plan.stages, runs):
         # The stack that decodes, and so keeps a KV cache, is the last one in execution order (the only
         # stack of a decoder-only model; an encoder-decoder's decoder); earlier stacks run once per request.
         layers = [decoder.index(b) for b in s.attention_blocks if b in decoder] if generative else []
-        stage_rows.append(StageMemory(
+        rows.append(StageMemory(
             index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,
             activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes,
-            kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=torch_dtype),
-            kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=torch_dtype, batch=batch, seq=seq),
+            kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=dtype),
+            kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=dtype, batch=batch, seq=seq),
         ))
+    return rows
 
-    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=m, virtual_stages=virtual_stages, training=True)
-    rank_rows = []
-    for r in range(pp_size):
-        mine = [st for st in stage_rows if st.rank == r]
-        weights = sum(st.weight_bytes for st in mine)
-        act, in_flight = _peak_in_flight(orders[r], {st.index: st.activation_bytes for st in mine})
-        # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
-        p2p = sum(m * (st.recv_bytes + st.send_bytes) for st in mine)
-        kv_cache = sum(st.kv_cache_bytes for st in mine)
-        rank_rows.append(RankMemory(
-            rank=r, stages=tuple(st.index for st in mine), weight_bytes=weights, grad_bytes=weights,
-            in_flight=in_flight, activation_bytes=act, p2p_buffer_bytes=p2p,
-            train_peak_bytes=2 * weights + act + p2p, kv_cache_bytes=kv_cache, generate_peak_bytes=weights + kv_cache,
-        ))
+
+def _rank_row(rank: int, stage_rows: list[StageMemory], order: list[str], *, n_microbatches: int) -> RankMemory:
+    """Rank ``rank``'s totals: its stages' weights and gradients, its live activations under ``order``."""
+    mine = [st for st in stage_rows if st.rank == rank]
+    weights = sum(st.weight_bytes for st in mine)
+    act, in_flight = _peak_in_flight(order, {st.index: st.activation_bytes for st in mine})
+    # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
+    p2p = sum(n_microbatches * (st.recv_bytes + st.send_bytes) for st in mine)
+    kv_cache = sum(st.kv_cache_bytes for st in mine)
+    return RankMemory(
+        rank=rank, stages=tuple(st.index for st in mine), weight_bytes=weights, grad_bytes=weights,
+        in_flight=in_flight, activation_bytes=act, p2p_buffer_bytes=p2p,
+        train_peak_bytes=2 * weights + act + p2p, kv_cache_bytes=kv_cache, generate_peak_bytes=weights + kv_cache,
+    )
+
+
+def _notes(config, *, generative: bool, seq: int) -> list[str]:
+    """What the figures include and leave out, for this model."""
     notes = [
         "training peak = weights + gradients + live activations + P2P buffers; optimizer states are extra "
         "(Adam: 2 x fp32 copies of the rank's parameters)",
@@ -484,20 +453,15 @@ def plan_report(
     ]
     if not generative:
         notes.append("the model cannot generate: no KV cache")
-    elif getattr(config, "is_encoder_decoder", False):
+        return notes
+    if getattr(config, "is_encoder_decoder", False):
         notes.append("KV cache per token includes the cross-attention cache, with the encoder as long as the decoder")
-    if generative:
-        tokens = kv_cache_tokens(config, seq=seq)
-        capped = [i for i, n in enumerate(tokens) if n < seq]
-        if capped:
-            notes.append(
-                f"KV cache: {len(capped)} of {len(tokens)} decoder layers slide and hold {max(tokens[i] for i in capped)} of the {seq} "
-                f"tokens while decoding; right after a prefill longer than the window they hold the whole prompt until their next step"
-            )
-    return MemoryReport(
-        model=str(path_or_config) if not isinstance(path_or_config, (transformers.PretrainedConfig, dict)) else config.model_type,
-        model_class=plan.model_class, dtype=str(torch_dtype).removeprefix("torch."), num_stages=plan.num_stages,
-        pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
-        microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
-        total_weight_bytes=plan.total_bytes, notes=tuple(notes),
-    )
+    tokens = kv_cache_tokens(config, seq=seq)
+    capped = [i for i, n in enumerate(tokens) if n < seq]
+    if capped:
+        notes.append(
+            f"KV cache: {len(capped)} of {len(tokens)} decoder layers slide and hold "
+            f"{max(tokens[i] for i in capped)} of the {seq} tokens while decoding; right after a prefill longer "
+            "than the window they hold the whole prompt until their next step"
+        )
+    return notes

@@ -77,5 +77,6 @@ def test_saved_outputs_are_a_full_run_of_the_bundled_models(stem):
             assert sum(w in got.split() for w in want.split()) >= 0.6 * len(want.split()), (want, got)
     else:
         tops = re.findall(r"top 5: (\[.*\])", text)
-        assert len(tops) == 4 and all(t.split("'")[1].strip() not in ("the", ",", ".") for t in tops), tops  # not just frequent words
+        # not just frequent words
+        assert len(tops) == 4 and all(t.split("'")[1].strip() not in ("the", ",", ".") for t in tops), tops
         assert any(w in tops[0] for w in ("name", "size", "path", "contents", "length", "mode")), tops[0]

@@ -43,7 +43,9 @@ def _env() -> dict[str, str]:
 def _run(cmd: list[str], timeout: float = 240) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc.stdout + proc.stderr
 
 
@@ -90,7 +92,8 @@ def test_accelerate_launch_multi_gpu_on_cpu_trains_t5(tmp_path):
     text = tiny.text_file(tmp_path / "train.txt")
     model = _model_dir(tmp_path, "t5", text)
     out = tmp_path / "out"
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(SCRIPT),
            "--model", str(model), "--data", str(text), "--output-dir", str(out), "--steps", "2", "--batch-size", "4",
            "--n-microbatches", "2", "--block-size", "8", "--device", "cpu", "--no-progress"]

@@ -1,4 +1,5 @@
-"""The ``hf-pipeline`` command line: help, plan per architecture, generate / train across 2 processes, convert, env, errors.
+"""The ``hf-pipeline`` command line: help, plan per architecture, generate / train across 2 processes, convert, env,
+errors.
 
 ``train`` is tested on the three tasks: a causal LM (the default model, ``--num-processes 2``), and
 a tiny BERT (masked LM) and T5 (seq2seq) under ``torchrun`` with 2 processes, whose logged losses
@@ -39,7 +40,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _cli(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
     """``python -m hf_pipeline.cli ARGS`` (what the ``hf-pipeline`` console script runs) in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "hf_pipeline.cli", *args], env=_env(**env), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "hf_pipeline.cli", *args], env=_env(**env), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
 
 
 # ------------------------------------------------------------------------------------------ help
@@ -63,7 +65,8 @@ def test_help_for_every_command(capsys):
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
         out = capsys.readouterr().out
-        for flag in ("--num-processes", "--num_processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port"):
+        for flag in ("--num-processes", "--num_processes", "--num-machines", "--machine-rank", "--main-process-ip",
+                     "--main-process-port"):
             assert flag in out, (command, flag)
 
 
@@ -95,7 +98,8 @@ def test_plan_on_each_architecture_from_its_config(tmp_path, arch, capsys):
     assert [s["rank"] for s in report["stages"]] == [0, 1]
     assert report["model_class"] == type(model).__name__
 
-    assert cli.main(["plan", str(tmp_path / "config.json"), "--stages", "4", "--virtual-stages", "2", "--dtype", "bf16"]) == 0
+    assert cli.main(["plan", str(tmp_path / "config.json"), "--stages", "4", "--virtual-stages", "2", "--dtype",
+                     "bf16"]) == 0
     out = capsys.readouterr().out
     assert "4 stages on 2 rank(s)" in out and "bfloat16" in out
 
@@ -139,7 +143,8 @@ def test_an_uncached_hub_id_is_downloaded_only_with_download(monkeypatch, capsys
     for argv in argvs:  # no flag: the real lookup (cache only, offline) and one line that names the flag
         assert cli.main(argv) == 2, argv
         lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and "is not in the local Hugging Face cache" in lines[0] and "--download" in lines[0], lines
+        assert len(lines) == 1, lines
+        assert "is not in the local Hugging Face cache" in lines[0] and "--download" in lines[0], lines
     calls = []
 
     def resolve(path_or_id, **kw):
@@ -158,7 +163,9 @@ def test_an_uncached_hub_id_is_downloaded_only_with_download(monkeypatch, capsys
 def test_user_mistake_in_a_fresh_process_prints_no_traceback(tmp_path):
     proc = _cli("plan", str(tmp_path / "missing"))
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"hf-pipeline: error: argument path: {tmp_path / 'missing'} does not exist (see `hf-pipeline plan --help`)"]
+    assert proc.stderr.strip().splitlines() == [
+        f"hf-pipeline: error: argument path: {tmp_path / 'missing'} does not exist (see `hf-pipeline plan --help`)"
+    ]
 
 
 # ------------------------------------------------------------------------------------------ env
@@ -182,7 +189,8 @@ def test_convert_and_merge_from_the_command_line(tmp_path, capsys):
     assert cli.main(["convert", str(src), str(tmp_path / "staged"), "--stages", "2"]) == 0
     out = capsys.readouterr().out
     assert "stage 0 opens model-shared.safetensors, model-stage-00001-of-00002.safetensors" in out
-    assert cli.main(["convert", str(tmp_path / "staged"), str(tmp_path / "merged"), "--merge", "--max-shard-size", "50KB"]) == 0
+    assert cli.main(["convert", str(tmp_path / "staged"), str(tmp_path / "merged"), "--merge", "--max-shard-size",
+                     "50KB"]) == 0
     capsys.readouterr()
     a = tiny.reference(src, "AutoModelForCausalLM").state_dict()
     b = tiny.reference(tmp_path / "merged", "AutoModelForCausalLM").state_dict()
@@ -217,9 +225,11 @@ def test_generate_on_the_default_model_across_2_processes():
 def test_train_across_2_processes_saves_a_checkpoint_transformers_loads(tmp_path):
     path = default_model_path()
     data = tmp_path / "data.txt"
-    data.write_text("\n".join(["Return the sum of the items.", "Open the file for reading.", "Close the socket."] * 10), encoding="utf-8")
+    data.write_text("\n".join(["Return the sum of the items.", "Open the file for reading.",
+                               "Close the socket."] * 10), encoding="utf-8")
     out = tmp_path / "trained"
-    proc = _cli("train", "--num-processes", "2", "--data", str(data), "--output-dir", str(out), "--steps", "3", "--batch-size", "4",
+    proc = _cli("train", "--num-processes", "2", "--data", str(data), "--output-dir", str(out), "--steps", "3",
+                "--batch-size", "4",
                 "--block-size", "16", "--lr", "1e-3", "--log-every", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines() if line.startswith("step")]
@@ -231,12 +241,14 @@ def test_train_across_2_processes_saves_a_checkpoint_transformers_loads(tmp_path
     assert (out / "tokenizer.json").is_file()
 
 
-def _reference_training(model_dir: pathlib.Path, data: pathlib.Path, task: str, auto: str, *, steps: int, batch: int, block: int, lr: float):
+def _reference_training(model_dir: pathlib.Path, data: pathlib.Path, task: str, auto: str, *, steps: int, batch: int,
+                        block: int, lr: float):
     """Losses of single-process transformers on the CLI's batches, with the CLI's optimizer, schedule and clipping."""
     from hf_pipeline.training.data import Batches, build_dataset
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    batches = Batches(build_dataset(data, tok, task, block_size=block), batch_size=batch, seed=0, task=task, tokenizer=tok)
+    batches = Batches(build_dataset(data, tok, task, block_size=block), batch_size=batch, seed=0, task=task,
+                      tokenizer=tok)
     ref = getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32).train()
     opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=steps)
@@ -274,8 +286,13 @@ def _assert_trained_like_reference(arch: str, got: dict, want: dict, initial: di
     travelled, _ = _weight_distances(got, initial, initial)
     # Two steps of ~lr per entry: the reference moved its weights well above float noise.
     assert moved > 1e-3, f"{arch}: reference training moved the weights by only {moved:.3g}"
-    assert travelled >= (1 - TRAINED_RTOL) * moved, f"{arch}: saved weights moved {travelled:.3g} from the initial ones; the reference moved {moved:.3g}"
-    assert off <= TRAINED_RTOL * moved, f"{arch}: saved weights are {off:.3g} from the reference's trained ones ({off / moved:.3g} of its move {moved:.3g})"
+    assert travelled >= (1 - TRAINED_RTOL) * moved, (
+        f"{arch}: saved weights moved {travelled:.3g} from the initial ones; the reference moved {moved:.3g}"
+    )
+    assert off <= TRAINED_RTOL * moved, (
+        f"{arch}: saved weights are {off:.3g} from the reference's trained ones ({off / moved:.3g} of its move "
+        f"{moved:.3g})"
+    )
 
 
 @pytest.mark.dist
@@ -285,7 +302,8 @@ def test_train_masked_lm_and_seq2seq_under_torchrun_equal_transformers(tmp_path)
     text = tiny.text_file(tmp_path / "train.txt")
     cases = [
         # arch, task the CLI must pick from the config, class to load the result with, block size, dropout off
-        ("bert", "masked_lm", "AutoModelForMaskedLM", 16, {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
+        ("bert", "masked_lm", "AutoModelForMaskedLM", 16,
+         {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
         ("t5", "seq2seq_lm", "AutoModelForSeq2SeqLM", 8, {"dropout_rate": 0.0}),  # rows: 8 tokens in, the next 8 out
     ]
     for arch, task, auto, block, no_dropout in cases:
@@ -293,8 +311,10 @@ def test_train_masked_lm_and_seq2seq_under_torchrun_equal_transformers(tmp_path)
         tiny.word_tokenizer(text).save_pretrained(model_dir)
         out, log = tmp_path / f"{arch}-out", tmp_path / f"{arch}.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "-m", "hf_pipeline.cli", "train", "--model", str(model_dir), "--data", str(text),
-               "--output-dir", str(out), "--steps", "2", "--batch-size", "4", "--n-microbatches", "2", "--block-size", str(block),
+               "--master_port", str(free_port()), "-m", "hf_pipeline.cli", "train", "--model", str(model_dir),
+               "--data", str(text),
+               "--output-dir", str(out), "--steps", "2", "--batch-size", "4", "--n-microbatches", "2", "--block-size",
+               str(block),
                "--lr", "1e-3", "--log-every", "1", "--log-file", str(log), "--device", "cpu"]
         proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -324,7 +344,8 @@ def test_train_masked_lm_and_seq2seq_under_torchrun_equal_transformers(tmp_path)
 def test_user_mistake_inside_launched_processes_is_one_line(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("Tiny.\n", encoding="utf-8")
-    proc = _cli("train", "--num-processes", "2", "--data", str(data), "--output-dir", str(tmp_path / "o"), "--block-size", "4096")
+    proc = _cli("train", "--num-processes", "2", "--data", str(data), "--output-dir", str(tmp_path / "o"),
+                "--block-size", "4096")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hf-pipeline: error:")]
     assert len(errors) == 1 and "fewer than one row" in errors[0], proc.stderr[-3000:]
@@ -361,7 +382,8 @@ def test_regular_install_ships_recipes_default_model_and_the_console_script(tmp_
     ).stdout.strip()
     # Plain paths, not site dirs: their own .pth files (an editable hf_pipeline among them) stay unread.
     # pip's isolated build drops these paths again, since they come from the venv's own site-packages.
-    outer = dict.fromkeys(p for p in (*site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["purelib"])
+    outer = dict.fromkeys(p for p in (*site.getsitepackages(), site.getusersitepackages(),
+                                      sysconfig.get_paths()["purelib"])
                           if p in sys.path and os.path.isdir(p))
     (pathlib.Path(inner_site) / "_outer_site.pth").write_text("".join(f"{p}\n" for p in outer), encoding="utf-8")
     env = _env()
@@ -374,15 +396,19 @@ def test_regular_install_ships_recipes_default_model_and_the_console_script(tmp_
     shutil.rmtree(src)  # nothing may be read from the source tree
     code = (
         "import json, hf_pipeline; from hf_pipeline.tools.default_model import bundled_model_path; "
-        "print(json.dumps({'file': hf_pipeline.__file__, 'model': str(bundled_model_path()), 'recipes': sorted(hf_pipeline.list_recipes()), "
+        "print(json.dumps({'file': hf_pipeline.__file__, 'model': str(bundled_model_path()), "
+        "'recipes': sorted(hf_pipeline.list_recipes()), "
         "'t5': str(bundled_model_path('t5')), 'bert': str(bundled_model_path('bert'))}))"
     )
-    proc = subprocess.run([str(bin_dir / "python"), "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run([str(bin_dir / "python"), "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert all(info[k].startswith(str(venv)) for k in ("file", "model", "t5", "bert")), info  # None if a file is missing
+    # None if a file is missing
+    assert all(info[k].startswith(str(venv)) for k in ("file", "model", "t5", "bert")), info
     assert set(tiny.ARCHS) <= set(info["recipes"])
-    env_out = subprocess.run([str(bin_dir / "hf-pipeline"), "env", "--json"], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    env_out = subprocess.run([str(bin_dir / "hf-pipeline"), "env", "--json"], env=env, capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
     assert env_out.returncode == 0, env_out.stderr
     assert json.loads(env_out.stdout)["default model"] == info["model"]
     tok_cfg = pathlib.Path(info["model"])
@@ -420,7 +446,8 @@ def test_make_default_model_script_runs_at_tiny_size(tmp_path):
 
     out = tmp_path / "model"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "scripts" / "make_default_model.py"), "--out", str(out), "--tiny", "--steps", "2"]
+           "--master_port", str(free_port()), str(ROOT / "scripts" / "make_default_model.py"), "--out", str(out),
+           "--tiny", "--steps", "2"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     stats = json.loads((out / "training_stats.json").read_text())

@@ -1,4 +1,5 @@
-"""Per-stage re-sharding (hf_pipeline.tools.convert): same tensors, own files per rank, atomic output, source untouched."""
+"""Per-stage re-sharding (hf_pipeline.tools.convert): same tensors, own files per rank, atomic output,
+source untouched."""
 
 from __future__ import annotations
 
@@ -121,12 +122,14 @@ def test_each_rank_opens_exactly_its_own_files(tmp_path):
     for arch, kwargs in (("llama", {}), ("t5", {"virtual_stages": 2})):
         src = tiny.make_checkpoint(tmp_path / f"{arch}-src", arch)
         stages = 2 * kwargs.get("virtual_stages", 1)
-        report = convert_to_stages(src, tmp_path / f"{arch}-staged", num_stages=stages, virtual_stages=kwargs.get("virtual_stages"))
+        report = convert_to_stages(src, tmp_path / f"{arch}-staged", num_stages=stages,
+                                   virtual_stages=kwargs.get("virtual_stages"))
         reports.append(report)
         cases.append((str(src), str(tmp_path / f"{arch}-staged"), tiny.AUTO[arch], kwargs))
     per_rank = run_distributed(_load_cases, 2, cases, timeout=240)
     for (src, _, auto, kwargs), report, i in zip(cases, reports, range(len(cases))):
-        plan, _ = stage_keys(src, num_stages=2 * kwargs.get("virtual_stages", 1), virtual_stages=kwargs.get("virtual_stages"))
+        plan, _ = stage_keys(src, num_stages=2 * kwargs.get("virtual_stages", 1),
+                             virtual_stages=kwargs.get("virtual_stages"))
         for rank in range(2):
             res = per_rank[rank][i]
             want = report.files_for_rank(plan, res["converted"]["pp_rank"])

@@ -32,8 +32,10 @@ HELD_OUT_DOCSTRINGS = [
 ]
 # Masked docstring sentences and words a reader would accept in the gap (any one in the top 5).
 FILL_MASK = [
-    ("Return the [MASK] of the file.", {"name", "size", "path", "contents", "length", "mode", "type", "end", "encoding", "number"}),
-    ("Close the [MASK] and release its resources.", {"file", "connection", "socket", "stream", "object", "process", "handle", "server"}),
+    ("Return the [MASK] of the file.",
+     {"name", "size", "path", "contents", "length", "mode", "type", "end", "encoding", "number"}),
+    ("Close the [MASK] and release its resources.",
+     {"file", "connection", "socket", "stream", "object", "process", "handle", "server"}),
 ]
 
 
@@ -116,7 +118,8 @@ def test_make_default_model_script_runs_at_tiny_size(arch, tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     stats = _card_stats(out)
-    assert stats["steps"] == 3 and stats["world_size"] == 2 and stats["num_stages"] == 4 and stats["args"]["arch"] == arch
+    assert stats["steps"] == 3 and stats["world_size"] == 2
+    assert stats["num_stages"] == 4 and stats["args"]["arch"] == arch
     config = transformers.AutoConfig.from_pretrained(out)
     assert config.vocab_size == len(transformers.AutoTokenizer.from_pretrained(out))
     assert not (out / "rng").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -60,11 +60,14 @@ def _real_saved_bytes(arch, auto, dtype, stages, microbatch, seq):
         materialize(stage, sd, device=torch.device("cpu"), tied=resolved.tied)
         stage.train()
         params = list(stage.parameters())
-        nbytes, out = measure_saved_bytes(lambda: stage(*received, **inputs), params)
+        nbytes, out = measure_saved_bytes(lambda stage=stage, received=received: stage(*received, **inputs), params)
         outs = out if isinstance(out, tuple) else (out,)
         if spec.is_last:
             # transformers' own loss for this head, on the logits
-            loss_bytes, _ = measure_saved_bytes(lambda: ref.loss_function(logits=outs[0], labels=ids, vocab_size=cfg.vocab_size), params)
+            def loss(outs=outs):
+                return ref.loss_function(logits=outs[0], labels=ids, vocab_size=cfg.vocab_size)
+
+            loss_bytes, _ = measure_saved_bytes(loss, params)
             nbytes += loss_bytes
         measured.append(nbytes)
         received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
@@ -84,7 +87,8 @@ def _real_saved_bytes(arch, auto, dtype, stages, microbatch, seq):
 )
 def test_activation_bytes_match_what_autograd_saves(arch, auto, dtype):
     batch, seq, stages = 8, 24, 2  # 2 stages x 2 microbatches of 4 sequences
-    report = plan_report(tiny.config_for(arch), stages=stages, dtype=dtype, batch=batch, seq=seq, auto_class=auto, n_microbatches=2)
+    report = plan_report(tiny.config_for(arch), stages=stages, dtype=dtype, batch=batch, seq=seq, auto_class=auto,
+                         n_microbatches=2)
     assert report.microbatch_size == 4
     measured = _real_saved_bytes(arch, auto, dtype, stages, report.microbatch_size, seq)
     for st, real in zip(report.stages, measured):
@@ -122,7 +126,8 @@ def test_encoder_decoder_kv_includes_the_cross_attention_cache():
     _close(predicted, real / ids.numel(), "t5 KV cache per token (self + cross)")
     report = plan_report(cfg, stages=2, batch=2, seq=7, auto_class="AutoModelForSeq2SeqLM")
     # encoder stages hold no cache
-    assert [s.kv_bytes_per_token > 0 for s in report.stages] == [any("decoder.block" in m for m in s.modules) for s in report.stages]
+    decoding = [any("decoder.block" in m for m in s.modules) for s in report.stages]
+    assert [s.kv_bytes_per_token > 0 for s in report.stages] == decoding
 
 
 # --------------------------------------------------------------------------- sliding-window KV caches
@@ -132,7 +137,8 @@ REQUESTS = ((9, 6), (2, 2))
 GEN_ROWS = 5  # odd: the generate microbatches differ in size
 SLIDING = {
     "mistral": lambda: tiny.sliding_config("mistral", window=WINDOW, layers=4),  # every layer slides
-    "qwen2": lambda: tiny.sliding_config("qwen2", window=WINDOW, layers=4, full_layers=1),  # stage 0: a full and a sliding layer
+    # stage 0: a full and a sliding layer
+    "qwen2": lambda: tiny.sliding_config("qwen2", window=WINDOW, layers=4, full_layers=1),
     "llama": lambda: tiny.config_for("llama"),  # full attention: planned at full length, as before
 }
 
@@ -177,7 +183,8 @@ def _generate_cache_bytes(paths):
             for prompt, new in REQUESTS:
                 made.clear()
                 inputs = tiny.sample_inputs("llama", batch=GEN_ROWS, seq=prompt, seed=3)
-                model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+                model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
                 out[arch, prompt, new] = _storage_bytes(made)
     finally:
         DynamicCache.__init__ = original
@@ -202,20 +209,24 @@ def test_sliding_window_kv_cache_equals_what_pipelined_generate_holds(tmp_path):
             report = plan_report(path, stages=2, batch=GEN_ROWS, seq=seq)
             for rank in range(2):
                 held, shown = per_rank[rank][arch, prompt, new]
-                assert report.ranks[rank].kv_cache_bytes == held, f"{what} rank {rank}: planned {report.ranks[rank].kv_cache_bytes}, caches hold {held}"
+                planned = report.ranks[rank].kv_cache_bytes
+                assert planned == held, f"{what} rank {rank}: planned {planned}, caches hold {held}"
             # transformers' own generate keeps the same caches in one process
             inputs = tiny.sample_inputs("llama", batch=GEN_ROWS, seq=prompt, seed=3)
             with torch.no_grad():
                 cache = ref.generate(
-                    **inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                    **inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                    eos_token_id=None,
                     return_dict_in_generate=True,
                 ).past_key_values
             hf_held, hf_shown = _storage_bytes([cache])
             assert sum(r.kv_cache_bytes for r in report.ranks) == hf_held, f"{what}: planned vs transformers' generate"
             assert sum(per_rank[r][arch, prompt, new][1] for r in range(2)) == hf_shown, what
-            full_length = GEN_ROWS * seq * sum(s.kv_bytes_per_token for s in report.stages)  # the estimate before windows
+            # the estimate before windows
+            full_length = GEN_ROWS * seq * sum(s.kv_bytes_per_token for s in report.stages)
             sliding = attention_kinds(cfg).count("sliding_attention")
-            one = GEN_ROWS * kv_cache_bytes_per_token(cfg, decoder_layers=1, dtype=torch.float32)  # one token of one layer
+            # one token of one layer
+            one = GEN_ROWS * kv_cache_bytes_per_token(cfg, decoder_layers=1, dtype=torch.float32)
             if seq <= WINDOW or not sliding:
                 # the window is not full (or there is none): every layer holds every token, as planned before
                 assert hf_held == full_length, what
@@ -252,7 +263,8 @@ def _loaded_weight_bytes(path, runs):
 
 @pytest.mark.dist
 def test_weight_bytes_match_what_the_loader_allocates(tmp_path):
-    runs = [{"n_microbatches": 2}, {"virtual_stages": 2, "n_microbatches": 4}, {"dtype": "bfloat16", "n_microbatches": 2}]
+    runs = [{"n_microbatches": 2}, {"virtual_stages": 2, "n_microbatches": 4},
+            {"dtype": "bfloat16", "n_microbatches": 2}]
     paths = {arch: str(tiny.make_checkpoint(tmp_path / arch, arch)) for arch in ("llama", "llama-tied")}
     results = run_distributed(_loaded_per_arch, 2, paths, runs, timeout=240)
     for arch, path in paths.items():

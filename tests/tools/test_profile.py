@@ -22,10 +22,12 @@ def _profile_training(path, out_dir):
     inputs = tiny.sample_inputs("llama", batch=8, seq=8, pad_left=False)
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     for name, v in SCHEDULES:
-        model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule=name, virtual_stages=v, n_microbatches=4)
+        model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule=name,
+                                                     virtual_stages=v, n_microbatches=4)
         prepared = model.prepare_inputs(dict(inputs))
         # The training runtime train_step drives: torch's schedule with a loss on the last stage.
-        _, schedule = model.runtime.get(signature(prepared), training=True, loss_fn=lambda out, target: out.float().pow(2).mean())
+        _, schedule = model.runtime.get(signature(prepared), training=True,
+                                        loss_fn=lambda out, target: out.float().pow(2).mean())
         for stage in model.stages:
             stage.train()
         target = torch.zeros(8)
@@ -58,17 +60,24 @@ def _profile_training(path, out_dir):
 def test_recorded_actions_follow_the_schedule(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     results = run_distributed(_profile_training, 2, str(path), str(tmp_path), timeout=300)
-    assert all(results[1][n]["actions"] == results[0][n]["actions"] for n, _ in SCHEDULES)  # the same timeline everywhere
+    # the same timeline everywhere
+    assert all(results[1][n]["actions"] == results[0][n]["actions"] for n, _ in SCHEDULES)
     for name, v in SCHEDULES:
         res = results[0][name]
         expected = schedule_actions(name, pp_size=2, n_microbatches=4, virtual_stages=v)
         for rank in (0, 1):
-            assert res["actions"][rank] == expected[rank], f"{name} rank {rank}: recorded {res['actions'][rank]} vs schedule {expected[rank]}"
+            assert res["actions"][rank] == expected[rank], (
+                f"{name} rank {rank}: recorded {res['actions'][rank]} vs schedule {expected[rank]}"
+            )
             kinds = {a.lstrip("0123456789")[0] for a in expected[rank]}
             # zero-bubble: split backward, merged into B where no other rank waits (actions.fuse_backward)
-            assert ({"F", "I", "W"} <= kinds <= {"F", "B", "I", "W"}) if "zero-bubble" in name else kinds == {"F", "B"}, name
+            if "zero-bubble" in name:
+                assert {"F", "I", "W"} <= kinds <= {"F", "B", "I", "W"}, name
+            else:
+                assert kinds == {"F", "B"}, name
             # every recorded action belongs to a stage of that rank
-            assert {r[1] for r in res["records"] if r[0] == rank and r[1] is not None} == set(results[rank][name]["local"])
+            stages = {r[1] for r in res["records"] if r[0] == rank and r[1] is not None}
+            assert stages == set(results[rank][name]["local"])
             assert 0.0 <= res["idle"][rank] < 1.0
             start, end = res["steps"][rank][0]
             assert all(start <= r[4] <= r[5] <= end for r in res["records"] if r[0] == rank)
@@ -86,7 +95,8 @@ def test_recorded_actions_follow_the_schedule(tmp_path):
         assert sorted(e["name"] for e in spans if e["cat"] in ("F", "B", "I", "W")) == sorted(expected[0] + expected[1])
     fwd = results[0]["forward"]
     assert fwd["schedule"] == "looped-bfs"
-    assert fwd["actions"] == schedule_actions("looped-bfs", pp_size=2, n_microbatches=4, virtual_stages=2, training=False)
+    assert fwd["actions"] == schedule_actions("looped-bfs", pp_size=2, n_microbatches=4, virtual_stages=2,
+                                              training=False)
 
 
 def test_schedule_actions_single_stage_orders():
@@ -97,14 +107,17 @@ def test_schedule_actions_single_stage_orders():
     assert schedule_actions("gpipe", pp_size=2, n_microbatches=2)[1] == ["1F0", "1F1", "1B0", "1B1"]
     zbv = schedule_actions("zbv", pp_size=2, n_microbatches=4, virtual_stages=2)
     # stage 0 has no input gradient to send: its I + W pairs run as one backward; stage 3's stay split
-    assert sorted(zbv[0]) == sorted([f"{s}F{m}" for s in (0, 3) for m in range(4)] + [f"0B{m}" for m in range(4)] + [f"3{k}{m}" for k in "IW" for m in range(4)])
+    want = [f"{s}F{m}" for s in (0, 3) for m in range(4)] + [f"0B{m}" for m in range(4)]
+    want += [f"3{k}{m}" for k in "IW" for m in range(4)]
+    assert sorted(zbv[0]) == sorted(want)
 
 
 def test_theoretical_bubbles():
     assert theoretical_bubble("1f1b", pp_size=2, n_microbatches=8) == pytest.approx(1 / 9)
     assert theoretical_bubble("gpipe", pp_size=4, n_microbatches=4) == pytest.approx(3 / 7)
-    assert theoretical_bubble("interleaved-1f1b", pp_size=2, n_microbatches=8, virtual_stages=2) == pytest.approx(1 / 17)
-    assert theoretical_bubble("interleaved-zero-bubble", pp_size=2, n_microbatches=8, virtual_stages=2) == pytest.approx(1 / 27)
+    interleaved = {"pp_size": 2, "n_microbatches": 8, "virtual_stages": 2}
+    assert theoretical_bubble("interleaved-1f1b", **interleaved) == pytest.approx(1 / 17)
+    assert theoretical_bubble("interleaved-zero-bubble", **interleaved) == pytest.approx(1 / 27)
     assert theoretical_bubble("zbv", pp_size=2, n_microbatches=8, virtual_stages=2) == 0.0
 
 
@@ -118,7 +131,8 @@ def test_idle_fraction_and_outputs_from_records(tmp_path):
         _rec(0, 0, 0, "F", 0.0, 1.0), _rec(0, 0, 1, "F", 2.0, 3.0), _rec(0, None, None, "recv_wait", 3.0, 4.0),
         _rec(1, 1, 0, "F", 1.0, 2.0), _rec(1, 1, 0, "loss", 1.5, 2.5),
     ]
-    tl = Timeline(records=records, steps={0: [(0.0, 4.0)], 1: [(0.5, 4.5)]}, pp_size=2, schedule="gpipe", n_microbatches=2)
+    tl = Timeline(records=records, steps={0: [(0.0, 4.0)], 1: [(0.5, 4.5)]}, pp_size=2, schedule="gpipe",
+                  n_microbatches=2)
     idle = tl.idle_fraction()
     assert idle[0] == pytest.approx(0.5) and idle[1] == pytest.approx(1 - 1.5 / 4)
     assert tl.actions(0) == ["0F0", "0F1"] and tl.actions(1) == ["1F0"]
@@ -131,7 +145,9 @@ def test_idle_fraction_and_outputs_from_records(tmp_path):
     assert png.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("name,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zbv-zero-bubble", 2), ("interleaved-zero-bubble", 2)])
+@pytest.mark.parametrize("name,v",
+                         [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zbv-zero-bubble", 2),
+                          ("interleaved-zero-bubble", 2)])
 def test_replay_is_the_schedule_with_free_messages(name, v):
     # Records of a step whose actions take unequal times and start late (each waits 0.7 s for a
     # message): the replay drops the waits and keeps what the order needs, which is the planner's
@@ -153,7 +169,8 @@ def test_replay_is_the_schedule_with_free_messages(name, v):
             if k == "F" and int(s) == last:  # the loss, right after the last stage's forward
                 records.append(_rec(rank, int(s), int(i), "loss", t, t))
     wall = max(r.end for r in records)
-    tl = Timeline(records=records, steps={r: [(0.0, wall)] for r in orders}, pp_size=p, schedule=name, virtual_stages=v, n_microbatches=m)
+    tl = Timeline(records=records, steps={r: [(0.0, wall)] for r in orders}, pp_size=p, schedule=name,
+                  virtual_stages=v, n_microbatches=m)
     expected, busy = simulate_step(name, pp_size=p, virtual_stages=v, n_microbatches=m, stage_cost=cost)
     assert tl.replayed_seconds() == pytest.approx(expected)
     assert max(busy.values()) <= expected < wall
@@ -171,14 +188,17 @@ def test_replay_is_the_schedule_with_free_messages(name, v):
     assert bd["busy_seconds"] == pytest.approx([busy[r] for r in sorted(busy)]) and bd["wall_seconds"] == wall
     assert bd["imbalance"] == pytest.approx(most * p / sum(busy.values()))
     assert bd["schedule"] == pytest.approx(expected / most) and bd["waits"] == pytest.approx(wall / expected)
-    assert bd["messages"] == pytest.approx(with_latency / expected) and bd["runtime"] == pytest.approx(wall / with_latency)
-    assert bd["schedule"] * bd["messages"] * bd["runtime"] == pytest.approx(bd["bubble"]) and bd["bubble"] == pytest.approx(wall / most)
+    assert bd["messages"] == pytest.approx(with_latency / expected)
+    assert bd["runtime"] == pytest.approx(wall / with_latency)
+    assert bd["schedule"] * bd["messages"] * bd["runtime"] == pytest.approx(bd["bubble"])
+    assert bd["bubble"] == pytest.approx(wall / most)
     assert "messages" not in tl.breakdown()
 
 
 def test_replay_refuses_an_order_that_deadlocks():
     # rank 0 runs its backward before the forward rank 1 needs first: no order of the two ranks works
-    records = [_rec(0, 0, 0, "B", 0.0, 1.0), _rec(0, 0, 0, "F", 1.0, 2.0), _rec(1, 1, 0, "F", 2.0, 3.0), _rec(1, 1, 0, "B", 3.0, 4.0)]
+    records = [_rec(0, 0, 0, "B", 0.0, 1.0), _rec(0, 0, 0, "F", 1.0, 2.0), _rec(1, 1, 0, "F", 2.0, 3.0),
+               _rec(1, 1, 0, "B", 3.0, 4.0)]
     tl = Timeline(records=records, steps={0: [(0.0, 4.0)], 1: [(0.0, 4.0)]}, pp_size=2)
     with pytest.raises(ValueError, match="cannot be replayed"):
         tl.replayed_seconds()

@@ -1,0 +1,98 @@
+"""``--num-processes N``: start N processes running the same command with torch's elastic launcher (as torchrun)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+from typing import Sequence
+
+from ..errors import CLIError
+from .options import local_path
+from .parser import LAUNCH_OPTIONS, PROG
+
+__all__ = ["launch", "strip_launch_args"]
+
+
+def strip_launch_args(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the launch options (and their values): what each started process runs."""
+    out: list[str] = []
+    skip = False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        name = tok.split("=", 1)[0]
+        if name in LAUNCH_OPTIONS:
+            skip = "=" not in tok
+            continue
+        out.append(tok)
+    return out
+
+
+
+def launch(args, argv: Sequence[str]) -> int:
+    """Start ``args.num_processes`` processes running this command (torch's elastic launcher, as torchrun).
+
+    Returns:
+        0 when every process succeeded; 2 when they all stopped on a user mistake (already printed
+        by rank 0 as one line); otherwise the first failing process's exit code.
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.utils.distributed import get_free_port
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    n, machines = args.num_processes, args.num_machines
+    if os.environ.get("WORLD_SIZE") not in (None, "", "1"):
+        raise CLIError("this process already runs under a launcher (WORLD_SIZE is set); drop --num-processes")
+    if n % machines:
+        raise CLIError(
+            f"--num-processes {n} is the total over all machines; it must be a multiple of --num-machines {machines}"
+        )
+    if not 0 <= args.machine_rank < machines:
+        raise CLIError(f"--machine-rank must be in 0..{machines - 1}, got {args.machine_rank}")
+    if machines > 1 and (args.main_process_ip is None or args.main_process_port is None):
+        raise CLIError(
+            "with --num-machines > 1 pass --main-process-ip and --main-process-port "
+            "(machine 0's address and a free port)"
+        )
+    if getattr(args, "model", None) is not None:
+        # A missing model fails here, once, not in every process; a download also happens once, here,
+        # and the processes then find it in the cache.
+        local_path(args.model, args.download)
+    local = n // machines
+    port = args.main_process_port or get_free_port()
+    # The processes inherit this environment: they import this very package, installed or from a checkout.
+    here = str(pathlib.Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    threads = args.num_cpu_threads_per_process or max(1, (os.cpu_count() or 1) // local)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("HF_PIPELINE_THREADS", str(threads))
+    config = LaunchConfig(
+        min_nodes=machines,
+        max_nodes=machines,
+        nproc_per_node=local,
+        run_id="hf-pipeline",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{args.main_process_ip or '127.0.0.1'}:{port}",
+        rdzv_configs={"rank": args.machine_rank},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # The agent logs every failure with a traceback of its own; the processes already said what went wrong.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, sys.executable)("-m", "hf_pipeline.cli", *strip_launch_args(argv))
+    except ChildFailedError as e:
+        # The first process to fail decides; the agent then stops the others (SIGTERM: negative codes).
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == 2:
+            return 2  # a user mistake, already said in one line
+        print(
+            f"{PROG}: error: process {rank} exited with code {failure.exitcode} (its output is above)", file=sys.stderr
+        )
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0

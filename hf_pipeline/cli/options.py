@@ -1,0 +1,63 @@
+"""What several commands read from their arguments: the model's local path, its config and class, the load options."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+__all__ = ["auto_class_for", "load_config", "load_kwargs", "local_path", "model_path", "split_option"]
+
+
+def split_option(text: str) -> str | list[str]:
+    """``--split``: ``auto`` / ``uniform`` as they are, else the comma-separated block names."""
+    return text if text in ("auto", "uniform") else [s.strip() for s in text.split(",") if s.strip()]
+
+
+def auto_class_for(config, given: str | None) -> type:
+    """The class to plan/load ``config`` with: ``--auto-class`` if given, else the one the library picks."""
+    from ..planning.options import model_class_for
+
+    return model_class_for(config, given)
+
+
+def local_path(path_or_id: str, download: bool = False) -> str:
+    """A checkpoint directory or config.json file as given; a hub id resolved to its local snapshot, cache first.
+
+    transformers then reads the directory, never the id, so a cached id costs no network request
+    (and no retries while the hub is unreachable); an id that is not cached is downloaded with
+    ``--download`` (``download``), else a one-line error that names the flag.
+    """
+    if pathlib.Path(path_or_id).expanduser().is_file():
+        return str(pathlib.Path(path_or_id).expanduser())
+    from ..loading.weights import CheckpointNotFoundError, resolve_checkpoint
+
+    try:
+        return str(resolve_checkpoint(path_or_id, download=download))
+    except CheckpointNotFoundError as e:
+        # The library's message names its keyword (download=True); on the command line the flag is what to pass.
+        raise CheckpointNotFoundError(f"{e}; on the command line: pass --download") from None
+
+
+def load_config(path: str, download: bool = False):
+    """The transformers config of a checkpoint directory, config.json file or cached hub id."""
+    from ..planning.options import load_config as load
+
+    return load(local_path(path, download))
+
+
+def model_path(args) -> str:
+    """The local directory of ``--model`` (a hub id resolved from the cache), else the bundled default model."""
+    if args.model is not None:
+        return local_path(args.model, args.download)
+    from ..tools.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def load_kwargs(args) -> dict[str, Any]:
+    """``from_pretrained`` keywords of the ``model`` option group (the ones given)."""
+    kw: dict[str, Any] = {"dtype": args.dtype}
+    for key in ("schedule", "virtual_stages", "n_microbatches", "device"):
+        if getattr(args, key) is not None:
+            kw[key] = getattr(args, key)
+    return kw

@@ -1,0 +1,279 @@
+"""The ``hf-pipeline`` argument parser: one sub-parser per command, the shared option groups, the value checks."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+from typing import Any
+
+from ..errors import CLIError
+
+__all__ = ["LAUNCH_OPTIONS", "PROG", "build_parser", "version"]
+
+PROG = "hf-pipeline"
+# Launch options: the parent uses them, the processes it starts run the command without them.
+LAUNCH_OPTIONS = frozenset({
+    "--num-processes", "--num_processes", "--num-machines", "--num_machines", "--machine-rank", "--machine_rank",
+    "--main-process-ip", "--main_process_ip", "--main-process-port", "--main_process_port",
+    "--num-cpu-threads-per-process", "--num_cpu_threads_per_process",
+})
+_SPLIT_HELP = (
+    "auto, uniform, or comma-separated block names (or block halves, e.g. "
+    "model.layers.4.post_attention_layernorm) starting stages 1..S-1"
+)
+_FORMAT = argparse.RawDescriptionHelpFormatter
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: "--num-proc 2" must not slip past the launcher's option stripping.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    # argparse prints the whole usage block before an error; a one-line error says what to change.
+    def error(self, message: str):
+        raise CLIError(f"{message} (see `{self.prog} --help`)")
+
+
+def version() -> str:
+    """The installed hf_pipeline version."""
+    from .. import __version__
+
+    return __version__
+
+
+# ------------------------------------------------------------------------------------ value checks
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _existing_path(text: str) -> str:
+    if pathlib.Path(text).expanduser().exists():
+        return str(pathlib.Path(text).expanduser())
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith("."):
+        return text  # a hub id ("org/name"): looked up in the local cache when loading
+    raise argparse.ArgumentTypeError(f"{text} does not exist")
+
+
+# ------------------------------------------------------------------------------------ shared groups
+def _add_launch(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launching (as accelerate launch)")
+    g.add_argument("--num-processes", "--num_processes", type=_positive, default=None, metavar="N",
+                   help="start N processes (in total, over all machines) through torch.distributed.run")
+    g.add_argument("--num-machines", "--num_machines", type=_positive, default=1, metavar="M",
+                   help="hosts taking part (default 1)")
+    g.add_argument("--machine-rank", "--machine_rank", type=int, default=0, metavar="R",
+                   help="this host's rank, 0..M-1")
+    g.add_argument("--main-process-ip", "--main_process_ip", default=None, metavar="IP",
+                   help="address of machine 0 (default 127.0.0.1)")
+    g.add_argument("--main-process-port", "--main_process_port", type=int, default=None, metavar="PORT",
+                   help="a free port on machine 0 (default: any free port, one machine only)")
+    g.add_argument("--num-cpu-threads-per-process", "--num_cpu_threads_per_process", type=_positive, default=None,
+                   metavar="T", help="torch threads per process (default: CPU cores / local processes)")
+
+
+def _add_download(p) -> None:
+    p.add_argument("--download", action="store_true",
+                   help="download a hub id that is not in the local Hugging Face cache "
+                        "(default: cache only, nothing downloaded)")
+
+
+def _add_load(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", type=_existing_path, default=None,
+                   help="checkpoint directory or cached hub id (default: the bundled model)")
+    _add_download(g)
+    g.add_argument("--schedule", default=None,
+                   help="pipeline schedule (default 1f1b; interleaved-1f1b with --virtual-stages > 1)")
+    g.add_argument("--virtual-stages", type=_positive, default=None, help="stages per process")
+    g.add_argument("--n-microbatches", type=_positive, default=None,
+                   help="microbatches per pipelined call (default: number of stages)")
+    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's)")
+    g.add_argument("--device", default=None, help="force a device type, e.g. cpu")
+
+
+# ------------------------------------------------------------------------------------ one per command
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", prog=f"{PROG} plan",
+                       help="show the stage plan and predicted memory of a checkpoint or config (no weights read)",
+                       description="Split a model into pipeline stages from its config alone and predict every "
+                                   "rank's memory.", formatter_class=_FORMAT)
+    p.add_argument("path", type=_existing_path, help="checkpoint directory, config.json file or cached hub id")
+    _add_download(p)
+    p.add_argument("--stages", "--num-stages", dest="stages", type=_positive, default=2,
+                   help="total pipeline stages (default 2)")
+    p.add_argument("--virtual-stages", type=_positive, default=None,
+                   help="stages per rank (default 1, or 2 for interleaved schedules)")
+    p.add_argument("--schedule", default=None,
+                   help="schedule name (default 1f1b, or interleaved-1f1b with virtual stages)")
+    p.add_argument("--dtype", default=None, help="weights dtype: bf16, fp16, fp32 (default: the config's)")
+    p.add_argument("--batch", type=_positive, default=1, help="sequences per step (default 1)")
+    p.add_argument("--seq", type=_positive, default=None,
+                   help="tokens per sequence (default min(max positions, 2048))")
+    p.add_argument("--n-microbatches", type=_positive, default=None,
+                   help="microbatches per step (default: number of stages)")
+    p.add_argument("--split", default="auto", help=_SPLIT_HELP)
+    p.add_argument("--auto-class", default=None, help="transformers class to load as (default: from the config)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        prog=f"{PROG} generate",
+        help="pipelined text generation with the bundled model or yours",
+        description="Generate text with a pipelined model; rank 0 prints the continuations and tokens/s.",
+        formatter_class=_FORMAT,
+    )
+    p.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
+    p.add_argument("--prompts-file", type=_existing_path, default=None, help="a text file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=_positive, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=_positive_float, default=None, help="sampling temperature (with --do-sample)")
+    p.add_argument("--top-k", type=_positive, default=None, help="sample from the k most likely tokens")
+    p.add_argument(
+        "--top-p", type=_positive_float, default=None, help="nucleus sampling: the smallest set with this probability"
+    )
+    p.add_argument("--repetition-penalty", type=_positive_float, default=None, help="> 1 discourages repeating tokens")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same tokens at every world size)")
+    p.add_argument("--json", action="store_true", help="print one JSON line (ids, texts, tokens/s) on rank 0")
+    p.add_argument("--quiet", action="store_true", help="do not print the plan")
+    _add_load(p)
+    _add_launch(p)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        prog=f"{PROG} train",
+        help="fine-tune a causal LM, masked LM or seq2seq model on a text / JSON / CSV file",
+        description="Fine-tune a causal LM (GPT-2, LLaMA, ...), masked LM (BERT) or seq2seq model (T5), "
+        "the task chosen from the config, with model.train_step (any torch schedule) and "
+        "save a transformers checkpoint into --output-dir. Options are named as "
+        "scripts/train.py's, which adds gradient accumulation, periodic checkpoints and "
+        "resuming.",
+        formatter_class=_FORMAT,
+    )
+    p.add_argument(
+        "--data",
+        type=_existing_path,
+        required=True,
+        help=".txt/.md (one text per line), .json/.jsonl, .csv or .parquet file",
+    )
+    p.add_argument(
+        "--text-column", default="text", help="column holding the text (JSON / CSV / parquet; default 'text')"
+    )
+    p.add_argument(
+        "--target-column",
+        default=None,
+        help="seq2seq: column holding each text's target (default: the text's continuation)",
+    )
+    p.add_argument(
+        "--mlm-probability", type=_positive_float, default=0.15, help="masked LM: share of tokens masked (default 0.15)"
+    )
+    p.add_argument("--auto-class", default=None, help="transformers class to train (default: from the config, as plan)")
+    p.add_argument("--output-dir", required=True, help="directory for the trained checkpoint and its tokenizer")
+    p.add_argument("--steps", type=_positive, default=100, help="optimizer steps (default 100)")
+    p.add_argument("--batch-size", type=_positive, default=8, help="rows per step, the global batch (default 8)")
+    p.add_argument("--block-size", type=_positive, default=128, help="tokens per row (default 128)")
+    p.add_argument("--lr", type=_positive_float, default=3e-4, help="peak learning rate of AdamW (default 3e-4)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps, then linear decay (default 0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument(
+        "--max-grad-norm", type=_positive_float, default=1.0, help="clip gradients to this global norm (default 1)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the batch order (default 0)")
+    p.add_argument("--log-every", type=_positive, default=10, help="print the loss every N steps (default 10)")
+    p.add_argument(
+        "--log-file", default=None, help="also append one JSON line per step (step, loss, lr, grad_norm) to this file"
+    )
+    p.add_argument("--max-shard-size", default="2GB", help="shard size of the saved checkpoint (default 2GB)")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (the --log-every loss lines still print)"
+    )
+    _add_load(p)
+    _add_launch(p)
+
+
+def _add_bench(sub) -> None:
+    sub.add_parser(
+        "bench",
+        prog=f"{PROG} bench",
+        help="run the benchmarks (scripts/benchmark.py; a source checkout is needed)",
+        add_help=False,
+        description="Pass every argument to scripts/benchmark.py (try `hf-pipeline bench --help`).",
+    )
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        prog=f"{PROG} convert",
+        help="re-shard a checkpoint into one file per pipeline stage, or back (--merge)",
+        description="Rewrite a checkpoint so each stage's tensors are in their own file (loading then "
+        "opens only a rank's own files), or merge it back into standard size-based shards. "
+        "The source is never modified; the output appears atomically.",
+        formatter_class=_FORMAT,
+    )
+    p.add_argument("path", type=_existing_path, help="source checkpoint directory")
+    p.add_argument("output", help="new directory to write")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--stages", "--num-stages", dest="stages", type=_positive, help="write one file per stage of this many stages"
+    )
+    mode.add_argument(
+        "--merge", action="store_true", help="write standard shards (from a per-stage or any other layout)"
+    )
+    p.add_argument(
+        "--virtual-stages", type=_positive, default=None, help="stages per rank (use the values you will load with)"
+    )
+    p.add_argument("--schedule", default=None, help="schedule the model will run (fixes where virtual stages go)")
+    p.add_argument("--split", default="auto", help=_SPLIT_HELP)
+    p.add_argument("--auto-class", default=None, help="transformers class to plan for (default: from the config)")
+    p.add_argument("--max-shard-size", default="5GB", help="with --merge: bytes per shard, e.g. 2GB (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser(
+        "env",
+        prog=f"{PROG} env",
+        help="versions, devices, default backend and the launcher environment",
+        description="Print what a bug report needs: versions, devices, backend, world size.",
+        formatter_class=_FORMAT,
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-pipeline`` argument parser (one sub-command per task)."""
+    parser = _Parser(
+        prog=PROG,
+        usage=f"{PROG} <command> [<args>]",
+        description="Pipeline parallelism for Hugging Face Transformers models: plan, generate, train, "
+        "bench, convert, env.",
+        epilog=f"Run `{PROG} <command> --help` for a command's options.",
+        formatter_class=_FORMAT,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="{plan,generate,train,bench,convert,env}", parser_class=_Parser)
+    for add in (_add_plan, _add_generate, _add_train, _add_bench, _add_convert, _add_env):
+        add(sub)
+    return parser

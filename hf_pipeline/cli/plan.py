@@ -1,0 +1,42 @@
+"""``hf-pipeline plan`` and ``hf-pipeline convert``: a checkpoint's stage plan, and its files re-sharded by stage."""
+
+from __future__ import annotations
+
+from .options import auto_class_for, load_config, split_option
+
+__all__ = ["cmd_convert", "cmd_plan"]
+
+
+def cmd_plan(args) -> int:
+    """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone."""
+    config = load_config(args.path, args.download)
+    auto = auto_class_for(config, args.auto_class)
+    from ..tools.memory import plan_report
+
+    report = plan_report(
+        config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,
+        batch=args.batch, seq=args.seq, n_microbatches=args.n_microbatches, auto_class=auto,
+        split=split_option(args.split),
+    )
+    print(report.to_json() if args.json else report)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """``hf-pipeline convert``: per-stage files (``--stages N``) or standard shards (``--merge``)."""
+    from ..tools.convert import convert_to_stages, merge_shards
+
+    if args.merge:
+        report = merge_shards(args.path, args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    else:
+        report = convert_to_stages(
+            args.path, args.output, num_stages=args.stages, virtual_stages=args.virtual_stages,
+            schedule=args.schedule, split=split_option(args.split), auto_class=args.auto_class,
+            overwrite=args.overwrite,
+        )
+    for name, keys in report.files.items():
+        print(f"  {name}: {len(keys)} tensors")
+    for stage, files in report.stage_files.items():
+        print(f"  stage {stage} opens {', '.join(files)}")
+    print(f"wrote {report.output} ({len(report.files)} files, {report.bytes_written / 1e6:.1f} MB)")
+    return 0
