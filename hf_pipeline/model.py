@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,14 +28,17 @@ from torch import nn
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.context import ParallelDims, RankContext, check_same_on_all_ranks
 from .distributed.faults import raise_if_broken, step_errors
-from .errors import InputError, TraceError
-from .loading.loader import BuiltPipeline, build_pipeline
+from .errors import InputError, TraceError, UsageError
+from .loading.loader import BuiltPipeline, StageBuild, build_pipeline
 from .loading.weights import LoadReport
 from .planning.options import PipelineOptions
 from .planning.plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
 from .planning.schedules import ScheduleSpec
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
+
+if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
+    from .training.step import TrainStepState
 
 __all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 
@@ -58,6 +61,13 @@ class PipelinedModel(nn.Module):
     the whole model from one rank: ``resize_token_embeddings``, ``set_input_embeddings`` /
     ``set_output_embeddings``, ``tie_weights``, ``gradient_checkpointing_enable``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
+
+    What the feature modules (``generation/``, ``training/``, ``tools/``) read of it — the typed
+    surface they may rely on: ``ctx``, ``dims``, ``plan``, ``param_layout``, ``config``, ``resolved``,
+    ``skeleton``, ``build``, ``options``, ``schedule``, ``n_microbatches``, ``stages``, ``runtime``,
+    ``device``, ``check_inputs``, ``training``, ``train_step_state``, and the methods ``rank_label``,
+    ``prepare_inputs``, ``batch_size``, ``checkpoint_named_parameters``. Nothing else, and nothing
+    private.
     """
 
     def __init__(self, built: BuiltPipeline, *, gather_output: bool = True):
@@ -68,9 +78,11 @@ class PipelinedModel(nn.Module):
         self.plan: StagePlan = build.plan
         self.resolved: ResolvedRecipe = build.resolved
         self.stages = nn.ModuleList(built.stages)
-        # The meta-device model: never run, kept for its config-only helpers (T5's _shift_right).
-        object.__setattr__(self, "skeleton", build.skeleton)
-        object.__setattr__(self, "build", build)  # plain data, not a submodule
+        # What the front end built (a dataclass, so nn.Module keeps it as a plain attribute). The
+        # meta-device model in it is reached through the ``skeleton`` property, never assigned here:
+        # assigning an nn.Module would register it as a submodule, and its meta parameters would
+        # join parameters(), state_dict() and to().
+        self.build: StageBuild = build
         self.ctx: RankContext = built.ctx
         self.dims: ParallelDims = built.dims
         self.schedule: ScheduleSpec = built.options.schedule
@@ -83,6 +95,17 @@ class PipelinedModel(nn.Module):
         self.check_inputs = True
         # What schedule="auto" / n_microbatches="auto" considered and chose (None when neither was asked).
         self.auto_choice = built.auto_choice
+        # The training step's own state (loss function, gradient-sync buckets and the process groups
+        # they reduce over), made by training.step on the first train_step / clip_grad_norm_: the
+        # groups are created collectively and only training needs them. Kept on the model so that it
+        # lives and dies with the model it describes.
+        self.train_step_state: TrainStepState | None = None
+
+    @property
+    def skeleton(self) -> nn.Module:
+        """The whole model on the meta device: never run, kept for its config-only helpers (T5's
+        ``_shift_right``) and the shapes of every parameter. Not a submodule of this model."""
+        return self.build.skeleton
 
     @functools.cached_property
     def param_layout(self) -> ParamLayout:
@@ -103,8 +126,8 @@ class PipelinedModel(nn.Module):
     @property
     def generation_config(self):
         """The default ``GenerationConfig``: the checkpoint's ``generation_config.json``, else derived from the
-        config (absent, an AttributeError, for a model that cannot generate), as in transformers. ``generate`` reads it, so changing
-        it (or assigning a new one) changes what ``generate`` does by default."""
+        config (absent, an AttributeError, for a model that cannot generate), as in transformers. ``generate``
+        reads it, so changing it (or assigning a new one) changes what ``generate`` does by default."""
         from .generation.generate import generation_config
 
         return generation_config(self)
@@ -120,7 +143,9 @@ class PipelinedModel(nn.Module):
         """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
         return bool(self.skeleton.can_generate()) and self.build.generate_refusal is None
 
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False) -> int:
+    def num_parameters(
+        self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
+    ) -> int:
         """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once).
 
         Args:
@@ -170,7 +195,8 @@ class PipelinedModel(nn.Module):
         return self._local_module(self.skeleton.get_input_embeddings())
 
     def get_output_embeddings(self) -> nn.Module | None:
-        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and for models without one."""
+        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and for models
+        without one."""
         return self._local_module(self.skeleton.get_output_embeddings())
 
     @property
@@ -203,7 +229,8 @@ class PipelinedModel(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5 derives decoder inputs)."""
+        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5
+        derives decoder inputs)."""
         inputs = {k: v for k, v in inputs.items() if v is not None}
         for k, v in list(inputs.items()):
             if isinstance(v, torch.Tensor):
@@ -220,7 +247,7 @@ class PipelinedModel(nn.Module):
         for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
             if key in inputs:
                 return inputs[key].shape[0]
-        raise ValueError("pass input_ids (or inputs_embeds) to the pipelined model")
+        raise InputError("pass input_ids (or inputs_embeds) to the pipelined model")
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
@@ -234,12 +261,14 @@ class PipelinedModel(nn.Module):
         from .families.losses import get_loss, output_loss
 
         # The loss's targets under transformers' names: labels, or start/end positions (question answering).
-        names = get_loss(self.resolved.head.loss, class_name=self.resolved.class_name).targets if self.resolved.head.loss else ()
+        head_loss = self.resolved.head.loss
+        names = get_loss(head_loss, class_name=self.resolved.class_name).targets if head_loss else ()
         targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
         targets = {k: v for k, v in targets.items() if v is not None}
         labels = targets.get("labels")
         raise_if_broken("a forward pass")
-        given = {k: v for k, v in dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs).items() if v is not None}
+        given = dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        given = {k: v for k, v in given.items() if v is not None}
         if self.check_inputs:
             # Every argument (tensors by checksum) in one small digest, before anything else is exchanged.
             check_same_on_all_ranks(self.ctx, "model inputs", {**given, **targets}, describe=self.rank_label)
@@ -312,8 +341,10 @@ class PipelinedModel(nn.Module):
         count. Same arguments on every rank. Built torch stages and schedules are dropped."""
         from .tools.autotune import with_schedule
 
-        options = with_schedule(self.options, schedule, self.n_microbatches if n_microbatches is None else n_microbatches)
-        check_same_on_all_ranks(self.ctx, "set_schedule arguments", {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}, describe=self.rank_label)
+        n_microbatches = self.n_microbatches if n_microbatches is None else n_microbatches
+        options = with_schedule(self.options, schedule, n_microbatches)
+        arguments = {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}
+        check_same_on_all_ranks(self.ctx, "set_schedule arguments", arguments, describe=self.rank_label)
         self.runtime.clear()
         self.options, self.schedule, self.n_microbatches = options, options.schedule, options.n_microbatches
         self.runtime = self._new_runtime()
@@ -327,14 +358,16 @@ class PipelinedModel(nn.Module):
 
     def tune(self, batch: dict[str, Any], **kwargs: Any):
         """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count and
-        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See ``autotune.py``."""
+        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See
+        ``autotune.py``."""
         from .tools.autotune import tune
 
         return tune(self, batch, **kwargs)
 
     def measure_split(self, batch: dict[str, Any], **kwargs: Any):
         """Time each stage on ``batch`` and return the split balanced on those times
-        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective. See ``autotune.py``."""
+        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective.
+        See ``autotune.py``."""
         from .tools.autotune import measure_split
 
         return measure_split(self, batch, **kwargs)
@@ -353,7 +386,9 @@ class PipelinedModel(nn.Module):
         with self._step_errors("save_pretrained"):
             return save_pretrained(self, save_directory, **kwargs)
 
-    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
         from .generation.generate import generate
 
@@ -391,7 +426,7 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        raise RuntimeError(
+        raise UsageError(
             "the loss of a pipelined forward() cannot be backpropagated: forward runs the stages for inference "
             "only, on different ranks, and keeps no graph. Train with loss = model.train_step(batch), which runs "
             "forward and backward through the pipeline schedule, then optimizer.step()"
@@ -472,7 +507,9 @@ def load_pipelined(
 
         choose = functools.partial(auto_choose, tune_batch=tune_batch, max_memory=max_memory)
     elif tune_batch is not None or max_memory is not None:
-        raise InputError("tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'")
+        raise InputError(
+            "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
+        )
     built = build_pipeline(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
