@@ -28,7 +28,7 @@ from torch import nn
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.context import ParallelDims, RankContext, check_same_on_all_ranks
 from .distributed.faults import raise_if_broken, step_errors
-from .errors import InputError, TraceError, UsageError
+from .errors import InputError, TraceError
 from .loading.loader import BuiltPipeline, StageBuild, build_pipeline
 from .loading.weights import LoadReport
 from .planning.options import PipelineOptions
@@ -36,6 +36,7 @@ from .planning.plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
 from .planning.schedules import ScheduleSpec
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
+from .training.inference_loss import inference_only
 
 if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
     from .training.step import TrainStepState
@@ -288,7 +289,7 @@ class PipelinedModel(nn.Module):
         result = dict(zip(self.resolved.head.outputs, outputs))
         # As transformers: a loss when every target of the head's loss is given (QA: both positions).
         if names and all(k in targets for k in names):
-            result["loss"] = _forward_only(output_loss(self, result, {k: targets[k] for k in names}))
+            result["loss"] = inference_only(output_loss(self, result, {k: targets[k] for k in names}))
         return self._output_class()(**result)
 
     def _output_class(self) -> type:
@@ -415,29 +416,6 @@ class PipelinedModel(nn.Module):
 # returns the model as it is instead of wrapping it in DDP (each rank holds different stages, and the
 # pipeline syncs its gradients itself); the optimizer, scheduler and dataloader are prepared as usual.
 setattr(PipelinedModel, ACCELERATE_PREPARED_FLAG, True)
-
-
-class _NoBackward(torch.autograd.Function):
-    """Identity whose backward says where training happens (the pipelined forward keeps no graph)."""
-
-    @staticmethod
-    def forward(ctx, loss: torch.Tensor, guard: torch.Tensor) -> torch.Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        raise UsageError(
-            "the loss of a pipelined forward() cannot be backpropagated: forward runs the stages for inference "
-            "only, on different ranks, and keeps no graph. Train with loss = model.train_step(batch), which runs "
-            "forward and backward through the pipeline schedule, then optimizer.step()"
-        )
-
-
-def _forward_only(loss: torch.Tensor) -> torch.Tensor:
-    # A graph of one node, so that loss.backward() reaches _NoBackward's message instead of torch's
-    # "element 0 of tensors does not require grad".
-    with torch.enable_grad():
-        return _NoBackward.apply(loss.detach(), torch.zeros((), requires_grad=True))
 
 
 class TracedPipelinedModel(PipelinedModel):
