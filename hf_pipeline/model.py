@@ -87,13 +87,13 @@ class PipelinedModel(nn.Module):
         self.ctx: RankContext = built.ctx
         self.dims: ParallelDims = built.dims
         self.schedule: ScheduleSpec = built.options.schedule
-        self.n_microbatches = built.options.n_microbatches
-        self.gather_output = gather_output
+        self.n_microbatches: int = built.options.n_microbatches
+        self.gather_output: bool = gather_output
         self.checkpoint_dir: pathlib.Path | None = built.checkpoint_dir
         self.load_report: LoadReport = built.load_report
-        self.name_or_path = str(built.checkpoint_dir or "")
-        self.runtime = self._new_runtime()
-        self.check_inputs = True
+        self.name_or_path: str = str(built.checkpoint_dir or "")
+        self.runtime: PipelineRuntime = self._new_runtime()
+        self.check_inputs: bool = True  # every call checks its inputs are the same on every rank
         # What schedule="auto" / n_microbatches="auto" considered and chose (None when neither was asked).
         self.auto_choice = built.auto_choice
         # The training step's own state (loss function, gradient-sync buckets and the process groups
@@ -330,7 +330,7 @@ class PipelinedModel(nn.Module):
     # ------------------------------------------------------- training / saving / generation
     # Each lives in its own module; these methods are the user-facing entry points.
     def train_step(self, batch: dict[str, Any], **kwargs: Any) -> torch.Tensor:
-        """Forward + backward of one global batch; returns the mean loss on every rank. See ``train.py``."""
+        """Forward + backward of one global batch; returns the mean loss on every rank. See ``training/step.py``."""
         from .training.step import train_step
 
         with self._step_errors("a training step"):
@@ -374,14 +374,14 @@ class PipelinedModel(nn.Module):
         return measure_split(self, batch, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
+        """Clip gradients by the global norm across all stages (tied weights counted once). See ``training/step.py``."""
         from .training.step import clip_grad_norm_
 
         with self._step_errors("clip_grad_norm_"):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpoint.py``."""
+        """Write a normal HF checkpoint; every rank writes its own tensors. See ``training/checkpoint.py``."""
         from .training.checkpoint import save_pretrained
 
         with self._step_errors("save_pretrained"):

@@ -14,12 +14,10 @@ own files (config, generation config, weight shards, index) and removes only sta
 Everything else (a tokenizer, a README, scripts, subdirectories, ``notes.safetensors``) stays, so
 ``save_pretrained(".")`` and saving back into the directory a model was loaded from are safe.
 
-Training state is written only when asked for: with ``optimizer=`` / ``scheduler=`` / ``step=`` /
-``trainer_state=`` it goes beside the weights: ``optimizer/pp-XXXXX.pt`` (one file per pipeline
-rank, states keyed by checkpoint key, with ``optimizer/index.json``), ``scheduler.pt``,
-``rng/rank-XXXXX.pt`` (every global rank's RNG states) and ``trainer_state.json``.
-:func:`load_training_state` restores them, so a resumed run continues bitwise where it stopped
-(same world size, CPU). A plain ``save_pretrained(dir)`` writes none of these.
+Training state is written only when asked for (``optimizer=`` / ``scheduler=`` / ``step=`` /
+``trainer_state=``), beside the weights, and :func:`load_training_state` restores it so a resumed
+run continues bitwise where it stopped (see :mod:`.training_state` for the files). A plain
+``save_pretrained(dir)`` writes none of it.
 
 A save is crash safe: a kill of any rank at any instant leaves the old or the new checkpoint
 complete (every rank stages its files, rank 0 moves them into place with the index last; see
@@ -210,7 +208,8 @@ def save_pretrained(
     """Write a transformers checkpoint from every rank, and training state when asked for. Collective.
 
     Files in ``save_directory`` that are not the checkpoint's own are kept (see the module docstring
-    for what is replaced, what is removed and why a kill at any instant leaves a complete checkpoint).
+    for what is replaced and removed, and :mod:`.staging` for why a kill at any instant leaves a
+    complete checkpoint).
 
     Args:
         model: the :class:`~hf_pipeline.model.PipelinedModel`.
