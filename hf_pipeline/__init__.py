@@ -21,7 +21,8 @@ from .errors import PipelineError
 from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
 from .model import PipelinedModel
 from .tools.memory import plan_report
-from .training.checkpoint import latest_checkpoint, load_training_state
+from .training.checkpoint_format import latest_checkpoint
+from .training.training_state import load_training_state
 
 __version__ = "0.1.0"
 

@@ -6,17 +6,18 @@ from typing import Any
 
 import transformers
 
-from .errors import InputError
+from .errors import InputError, InputTypeError
 
 __all__ = [
-    "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM",
-    "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+    "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
+    "AutoModelForQuestionAnswering", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
 ]
 
 _PIPELINE_KWARGS = (
     "n_microbatches", "num_stages", "virtual_stages", "schedule", "split", "dtype", "device", "gather_output",
-    "revision", "cache_dir", "subfolder", "attn_implementation", "trust_remote_code", "progress", "config", "split_method",
-    "tune_batch", "max_memory",
+    "revision", "cache_dir", "subfolder", "attn_implementation", "trust_remote_code", "progress", "config",
+    "split_method", "tune_batch", "max_memory",
 )
 # transformers' from_pretrained arguments that change nothing here, and why.
 _NO_OPS = {
@@ -34,7 +35,8 @@ def _transformers_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The pipelined loader's keyword arguments from what a transformers user passes.
 
     Aliases become their names (``torch_dtype`` -> ``dtype``; ``dtype`` wins when both are given,
-    as in transformers), no-ops are dropped, ``device_map`` is refused; anything else unknown is a TypeError.
+    as in transformers), no-ops are dropped, ``device_map`` is refused; anything else unknown is an
+    :class:`~hf_pipeline.errors.InputTypeError` (a ``TypeError``).
     """
     kwargs = dict(kwargs)
     torch_dtype = kwargs.pop("torch_dtype", None)
@@ -47,7 +49,7 @@ def _transformers_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise InputError(_DEVICE_MAP.format(device_map))
     unknown = sorted(set(kwargs) - set(_PIPELINE_KWARGS))
     if unknown:
-        raise TypeError(
+        raise InputTypeError(
             f"unexpected argument(s) {unknown} with pipeline=True; supported: {list(_PIPELINE_KWARGS)}, "
             f"torch_dtype (an alias of dtype), and accepted without effect: {list(_NO_OPS)}"
         )
@@ -68,17 +70,18 @@ class _PipelineAuto:
             **kwargs: with ``pipeline=True``: n_microbatches, num_stages, virtual_stages, schedule, split,
                 dtype (or its alias torch_dtype), device, gather_output, revision, cache_dir, subfolder,
                 attn_implementation, trust_remote_code (refused for a checkpoint with its own code), progress,
-                config, split_method, tune_batch and max_memory (with schedule="auto" / n_microbatches="auto"); low_cpu_mem_usage and local_files_only are accepted and change
-                nothing; device_map is refused (the pipeline places stages itself). Otherwise transformers' own.
+                config, split_method, tune_batch and max_memory (with schedule="auto" / n_microbatches="auto");
+                low_cpu_mem_usage and local_files_only are accepted and change nothing; device_map is refused
+                (the pipeline places stages itself). Otherwise transformers' own.
 
         Raises:
-            TypeError: an argument ``pipeline=True`` does not take.
+            InputTypeError: an argument ``pipeline=True`` does not take (a ``TypeError``).
             InputError: ``device_map``, or a bad value (a ``ValueError``, as transformers raises).
         """
         if not pipeline:
             return cls._hf_class.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if args:
-            raise TypeError("positional model arguments are not supported with pipeline=True")
+            raise InputTypeError("positional model arguments are not supported with pipeline=True")
         kwargs = _transformers_kwargs(kwargs)
         from .model import load_pipelined
 
@@ -90,7 +93,9 @@ class _PipelineAuto:
 
 
 def _make(name: str) -> type:
-    return type(name, (_PipelineAuto,), {"_hf_class": getattr(transformers, name), "__doc__": f"``transformers.{name}`` with ``pipeline=True``."})
+    doc = f"``transformers.{name}`` with ``pipeline=True``."
+    namespace = {"_hf_class": getattr(transformers, name), "__doc__": doc}
+    return type(name, (_PipelineAuto,), namespace)
 
 
 AutoModel = _make("AutoModel")

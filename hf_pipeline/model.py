@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
 from .errors import InputError, TraceError
-from .loading.loader import BuiltPipeline, build_pipeline
+from .loading.loader import BuiltPipeline, StageBuild, build_pipeline
 from .loading.weights import LoadReport
 from .planning.layout import ParamLayout, param_layout
 from .planning.options import PipelineOptions
@@ -40,6 +40,10 @@ from .planning.resolve import ResolvedRecipe
 from .planning.schedules import ScheduleSpec
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
+from .training.inference_loss import inference_only
+
+if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
+    from .training.step import TrainStepState
 
 __all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 
@@ -62,6 +66,13 @@ class PipelinedModel(nn.Module):
     the whole model from one rank: ``resize_token_embeddings``, ``set_input_embeddings`` /
     ``set_output_embeddings``, ``tie_weights``, ``gradient_checkpointing_enable``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
+
+    What the feature modules (``generation/``, ``training/``, ``tools/``) read of it — the typed
+    surface they may rely on: ``ctx``, ``dims``, ``plan``, ``param_layout``, ``config``, ``resolved``,
+    ``skeleton``, ``build``, ``options``, ``schedule``, ``n_microbatches``, ``stages``, ``runtime``,
+    ``device``, ``check_inputs``, ``training``, ``train_step_state``, and the methods ``rank_label``,
+    ``prepare_inputs``, ``batch_size``, ``checkpoint_named_parameters``. Nothing else, and nothing
+    private.
     """
 
     def __init__(self, built: BuiltPipeline, *, gather_output: bool = True):
@@ -72,21 +83,34 @@ class PipelinedModel(nn.Module):
         self.plan: StagePlan = build.plan
         self.resolved: ResolvedRecipe = build.resolved
         self.stages = nn.ModuleList(built.stages)
-        # The meta-device model: never run, kept for its config-only helpers (T5's _shift_right).
-        object.__setattr__(self, "skeleton", build.skeleton)
-        object.__setattr__(self, "build", build)  # plain data, not a submodule
+        # What the front end built (a dataclass, so nn.Module keeps it as a plain attribute). The
+        # meta-device model in it is reached through the ``skeleton`` property, never assigned here:
+        # assigning an nn.Module would register it as a submodule, and its meta parameters would
+        # join parameters(), state_dict() and to().
+        self.build: StageBuild = build
         self.ctx: RankContext = built.ctx
         self.dims: ParallelDims = built.dims
         self.schedule: ScheduleSpec = built.options.schedule
-        self.n_microbatches = built.options.n_microbatches
-        self.gather_output = gather_output
+        self.n_microbatches: int = built.options.n_microbatches
+        self.gather_output: bool = gather_output
         self.checkpoint_dir: pathlib.Path | None = built.checkpoint_dir
         self.load_report: LoadReport = built.load_report
-        self.name_or_path = str(built.checkpoint_dir or "")
-        self.runtime = self._new_runtime()
-        self.check_inputs = True
+        self.name_or_path: str = str(built.checkpoint_dir or "")
+        self.runtime: PipelineRuntime = self._new_runtime()
+        self.check_inputs: bool = True  # every call checks its inputs are the same on every rank
         # What schedule="auto" / n_microbatches="auto" considered and chose (None when neither was asked).
         self.auto_choice = built.auto_choice
+        # The training step's own state (loss function, gradient-sync buckets and the process groups
+        # they reduce over), made by training.step on the first train_step / clip_grad_norm_: the
+        # groups are created collectively and only training needs them. Kept on the model so that it
+        # lives and dies with the model it describes.
+        self.train_step_state: TrainStepState | None = None
+
+    @property
+    def skeleton(self) -> nn.Module:
+        """The whole model on the meta device: never run, kept for its config-only helpers (T5's
+        ``_shift_right``) and the shapes of every parameter. Not a submodule of this model."""
+        return self.build.skeleton
 
     @functools.cached_property
     def param_layout(self) -> ParamLayout:
@@ -107,8 +131,8 @@ class PipelinedModel(nn.Module):
     @property
     def generation_config(self):
         """The default ``GenerationConfig``: the checkpoint's ``generation_config.json``, else derived from the
-        config (absent, an AttributeError, for a model that cannot generate), as in transformers. ``generate`` reads it, so changing
-        it (or assigning a new one) changes what ``generate`` does by default."""
+        config (absent, an AttributeError, for a model that cannot generate), as in transformers. ``generate``
+        reads it, so changing it (or assigning a new one) changes what ``generate`` does by default."""
         from .generation.generate import generation_config
 
         return generation_config(self)
@@ -124,7 +148,9 @@ class PipelinedModel(nn.Module):
         """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
         return bool(self.skeleton.can_generate()) and self.build.generate_refusal is None
 
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False) -> int:
+    def num_parameters(
+        self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
+    ) -> int:
         """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once).
 
         Args:
@@ -174,7 +200,8 @@ class PipelinedModel(nn.Module):
         return self._local_module(self.skeleton.get_input_embeddings())
 
     def get_output_embeddings(self) -> nn.Module | None:
-        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and for models without one."""
+        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and for models
+        without one."""
         return self._local_module(self.skeleton.get_output_embeddings())
 
     @property
@@ -209,7 +236,8 @@ class PipelinedModel(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5 derives decoder inputs)."""
+        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5
+        derives decoder inputs)."""
         inputs = {k: v for k, v in inputs.items() if v is not None}
         for k, v in list(inputs.items()):
             if isinstance(v, torch.Tensor):
@@ -226,7 +254,7 @@ class PipelinedModel(nn.Module):
         for key in ("input_ids", "inputs_embeds", "decoder_input_ids"):
             if key in inputs:
                 return inputs[key].shape[0]
-        raise ValueError("pass input_ids (or inputs_embeds) to the pipelined model")
+        raise InputError("pass input_ids (or inputs_embeds) to the pipelined model")
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
@@ -240,12 +268,14 @@ class PipelinedModel(nn.Module):
         from .families.losses import get_loss, output_loss
 
         # The loss's targets under transformers' names: labels, or start/end positions (question answering).
-        names = get_loss(self.resolved.head.loss, class_name=self.resolved.class_name).targets if self.resolved.head.loss else ()
+        head_loss = self.resolved.head.loss
+        names = get_loss(head_loss, class_name=self.resolved.class_name).targets if head_loss else ()
         targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
         targets = {k: v for k, v in targets.items() if v is not None}
         labels = targets.get("labels")
         raise_if_broken("a forward pass")
-        given = {k: v for k, v in dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs).items() if v is not None}
+        given = dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        given = {k: v for k, v in given.items() if v is not None}
         if self.check_inputs:
             # Every argument (tensors by checksum) in one small digest, before anything else is exchanged.
             check_same_on_all_ranks(self.ctx, "model inputs", {**given, **targets}, describe=self.rank_label)
@@ -265,7 +295,7 @@ class PipelinedModel(nn.Module):
         result = dict(zip(self.resolved.head.outputs, outputs))
         # As transformers: a loss when every target of the head's loss is given (QA: both positions).
         if names and all(k in targets for k in names):
-            result["loss"] = _forward_only(output_loss(self, result, {k: targets[k] for k in names}))
+            result["loss"] = inference_only(output_loss(self, result, {k: targets[k] for k in names}))
         return self._output_class()(**result)
 
     def _output_class(self) -> type:
@@ -306,7 +336,7 @@ class PipelinedModel(nn.Module):
     # ------------------------------------------------------- training / saving / generation
     # Each lives in its own module; these methods are the user-facing entry points.
     def train_step(self, batch: dict[str, Any], **kwargs: Any) -> torch.Tensor:
-        """Forward + backward of one global batch; returns the mean loss on every rank. See ``train.py``."""
+        """Forward + backward of one global batch; returns the mean loss on every rank. See ``training/step.py``."""
         from .training.step import train_step
 
         with self._step_errors("a training step"):
@@ -318,8 +348,10 @@ class PipelinedModel(nn.Module):
         count. Same arguments on every rank. Built torch stages and schedules are dropped."""
         from .tools.autotune import with_schedule
 
-        options = with_schedule(self.options, schedule, self.n_microbatches if n_microbatches is None else n_microbatches)
-        check_same_on_all_ranks(self.ctx, "set_schedule arguments", {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}, describe=self.rank_label)
+        n_microbatches = self.n_microbatches if n_microbatches is None else n_microbatches
+        options = with_schedule(self.options, schedule, n_microbatches)
+        arguments = {"schedule": options.schedule.name, "n_microbatches": options.n_microbatches}
+        check_same_on_all_ranks(self.ctx, "set_schedule arguments", arguments, describe=self.rank_label)
         self.runtime.clear()
         self.options, self.schedule, self.n_microbatches = options, options.schedule, options.n_microbatches
         self.runtime = self._new_runtime()
@@ -333,33 +365,37 @@ class PipelinedModel(nn.Module):
 
     def tune(self, batch: dict[str, Any], **kwargs: Any):
         """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count and
-        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See ``autotune.py``."""
+        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See
+        ``autotune.py``."""
         from .tools.autotune import tune
 
         return tune(self, batch, **kwargs)
 
     def measure_split(self, batch: dict[str, Any], **kwargs: Any):
         """Time each stage on ``batch`` and return the split balanced on those times
-        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective. See ``autotune.py``."""
+        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective.
+        See ``autotune.py``."""
         from .tools.autotune import measure_split
 
         return measure_split(self, batch, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by the global norm across all stages (tied weights counted once). See ``train.py``."""
+        """Clip gradients by the global norm across all stages (tied weights counted once). See ``training/step.py``."""
         from .training.step import clip_grad_norm_
 
         with self._step_errors("clip_grad_norm_"):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpoint.py``."""
+        """Write a normal HF checkpoint; every rank writes its own tensors. See ``training/checkpoint.py``."""
         from .training.checkpoint import save_pretrained
 
         with self._step_errors("save_pretrained"):
             return save_pretrained(self, save_directory, **kwargs)
 
-    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
         from .generation.generate import generate
 
@@ -386,29 +422,6 @@ class PipelinedModel(nn.Module):
 # returns the model as it is instead of wrapping it in DDP (each rank holds different stages, and the
 # pipeline syncs its gradients itself); the optimizer, scheduler and dataloader are prepared as usual.
 setattr(PipelinedModel, ACCELERATE_PREPARED_FLAG, True)
-
-
-class _NoBackward(torch.autograd.Function):
-    """Identity whose backward says where training happens (the pipelined forward keeps no graph)."""
-
-    @staticmethod
-    def forward(ctx, loss: torch.Tensor, guard: torch.Tensor) -> torch.Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        raise RuntimeError(
-            "the loss of a pipelined forward() cannot be backpropagated: forward runs the stages for inference "
-            "only, on different ranks, and keeps no graph. Train with loss = model.train_step(batch), which runs "
-            "forward and backward through the pipeline schedule, then optimizer.step()"
-        )
-
-
-def _forward_only(loss: torch.Tensor) -> torch.Tensor:
-    # A graph of one node, so that loss.backward() reaches _NoBackward's message instead of torch's
-    # "element 0 of tensors does not require grad".
-    with torch.enable_grad():
-        return _NoBackward.apply(loss.detach(), torch.zeros((), requires_grad=True))
 
 
 class TracedPipelinedModel(PipelinedModel):
@@ -478,7 +491,9 @@ def load_pipelined(
 
         choose = functools.partial(auto_choose, tune_batch=tune_batch, max_memory=max_memory)
     elif tune_batch is not None or max_memory is not None:
-        raise InputError("tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'")
+        raise InputError(
+            "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
+        )
     built = build_pipeline(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,

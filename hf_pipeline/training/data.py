@@ -31,12 +31,18 @@ from typing import Any, Iterator
 
 import torch
 
+from ..errors import InputError
+
 __all__ = ["TASKS", "Batches", "build_dataset", "load_rows"]
 
 TASKS = ("causal_lm", "masked_lm", "seq2seq_lm")
 
 # File suffix -> the ``datasets`` builder that reads it.
-_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_BUILDERS = {
+    ".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
+    ".parquet": "parquet",
+}
+_NAME_THE_COLUMN = "pass the name of the column holding the text (--text-column) or target (--target-column)"
 
 
 @contextlib.contextmanager
@@ -58,19 +64,19 @@ def load_rows(path: str | pathlib.Path, *, columns: tuple[str, ...] = ("text",))
     """The file at ``path`` as an in-memory ``datasets.Dataset`` holding ``columns``.
 
     Raises:
-        ValueError: an unknown file type, or a missing column (naming the columns the file has).
+        InputError: an unknown file type, or a missing column (naming the columns the file has).
     """
     import datasets
 
     path = pathlib.Path(path)
     builder = _BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(sorted(_BUILDERS))}")
+        raise InputError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(sorted(_BUILDERS))}")
     with _no_progress_bars():
         raw = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
     for column in columns:
         if column not in raw.column_names:
-            raise ValueError(f"{path} has no column {column!r} (columns: {raw.column_names}); pass the name of the column holding the text (--text-column) or target (--target-column)")
+            raise InputError(f"{path} has no column {column!r} (columns: {raw.column_names}); {_NAME_THE_COLUMN}")
     return raw
 
 
@@ -94,12 +100,12 @@ def build_dataset(
         target_column: seq2seq only: the column holding each text's target.
 
     Raises:
-        ValueError: an unknown task, or fewer tokens than one row.
+        InputError: an unknown task, or fewer tokens than one row.
     """
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
+        raise InputError(f"unknown task {task!r}; choose one of {list(TASKS)}")
     if block_size < 1:
-        raise ValueError(f"the block size must be >= 1, got {block_size}")
+        raise InputError(f"the block size must be >= 1, got {block_size}")
     seq2seq_pairs = task == "seq2seq_lm" and target_column is not None
     columns = (text_column, target_column) if seq2seq_pairs else (text_column,)
     if isinstance(data, (str, pathlib.Path)):
@@ -108,13 +114,14 @@ def build_dataset(
         name, raw = "the data", data
         missing = [c for c in columns if c not in raw.column_names]
         if missing:
-            raise ValueError(f"the data has no column {missing[0]!r} (columns: {raw.column_names}); pass the name of the column holding the text (--text-column) or target (--target-column)")
+            raise InputError(f"the data has no column {missing[0]!r} (columns: {raw.column_names}); {_NAME_THE_COLUMN}")
     block = block_size
     if seq2seq_pairs:
         def encode_pairs(batch):
             src = tokenizer(batch[text_column], max_length=block, truncation=True, padding="max_length")
             tgt = tokenizer(batch[target_column], max_length=block, truncation=True, padding="max_length")
-            labels = [[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in zip(tgt["input_ids"], tgt["attention_mask"])]
+            pairs = zip(tgt["input_ids"], tgt["attention_mask"])
+            labels = [[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in pairs]  # no loss on padding
             return {"input_ids": src["input_ids"], "attention_mask": src["attention_mask"], "labels": labels}
 
         with _no_progress_bars():
@@ -142,7 +149,10 @@ def build_dataset(
         ds = raw.map(group, batched=True, batch_size=1000, remove_columns=raw.column_names, keep_in_memory=True)
     if len(ds) == 0:
         rows = f"one row of {span} tokens" + (f" ({block} source + {block} target)" if span != block else "")
-        raise ValueError(f"{name} has {total[0]} tokens, fewer than {rows}: nothing to train on; add text or lower the block size (--block-size)")
+        raise InputError(
+            f"{name} has {total[0]} tokens, fewer than {rows}: nothing to train on; add text or lower the block size "
+            "(--block-size)"
+        )
     return ds
 
 
@@ -163,7 +173,10 @@ class Batches:
 
     def __init__(self, dataset, *, batch_size: int, seed: int, task: str, tokenizer, mlm_probability: float = 0.15):
         if len(dataset) < batch_size:
-            raise ValueError(f"the dataset has {len(dataset)} rows, fewer than the batch size {batch_size}; use more data or a smaller batch (--batch-size)")
+            raise InputError(
+                f"the dataset has {len(dataset)} rows, fewer than the batch size {batch_size}; use more data or a "
+                "smaller batch (--batch-size)"
+            )
         self.dataset = dataset.with_format("torch")
         self.batch_size = batch_size
         self.per_epoch = len(dataset) // batch_size
@@ -174,7 +187,7 @@ class Batches:
             from transformers import DataCollatorForLanguageModeling
 
             if tokenizer.mask_token is None:
-                raise ValueError("masked LM training needs a tokenizer with a mask token")
+                raise InputError("masked LM training needs a tokenizer with a mask token")
             self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
 
     def __call__(self, b: int) -> dict[str, torch.Tensor]:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -49,13 +48,14 @@ from torch import nn
 
 from ..compat import flatten_dense_tensors, unflatten_dense_tensors
 from ..distributed.agreement import fingerprint, raise_on_any_rank
+from ..errors import InputError, InputTypeError, TrainingError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..planning.schedules import check_training
 from ..runtime import weight_pass
 from ..runtime.cache import signature
 from ..runtime.checks import check_microbatches, check_model_inputs
 
-__all__ = ["clip_grad_norm_", "train_step"]
+__all__ = ["TrainStepState", "clip_grad_norm_", "train_step"]
 
 _BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of at most this size
 # Inputs a training step cannot take: caches and precomputed encoder outputs belong to generation.
@@ -73,7 +73,9 @@ class _LocalKey:
 
 
 @dataclass(kw_only=True)
-class _TrainState:
+class TrainStepState:
+    """What the training step of one model keeps between steps (``model.train_step_state``)."""
+
     loss: LossFunction
     loss_fn: PipelineLoss
     accepted: frozenset[str]  # input names the model's forward takes
@@ -111,14 +113,21 @@ def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGrou
     return made[ranks]
 
 
-# Per-model training state, owned here (not stored on the model), dropped with the model.
-_STATES: "weakref.WeakKeyDictionary[Any, _TrainState]" = weakref.WeakKeyDictionary()
+def _train_state(model) -> TrainStepState:
+    """The model's :class:`TrainStepState`, made on first use. Collective the first time (it creates
+    the sync groups).
+
+    It is kept in the model's own typed field ``train_step_state`` (declared by ``PipelinedModel``),
+    not in a registry of this module keyed by model: the state describes one model (its stages'
+    parameters, groups over its ranks), so it lives and dies with it, and a reader of the model sees
+    it.
+    """
+    if model.train_step_state is None:
+        model.train_step_state = _new_train_state(model)
+    return model.train_step_state
 
 
-def _train_state(model) -> _TrainState:
-    state = _STATES.get(model)
-    if state is not None:
-        return state
+def _new_train_state(model) -> TrainStepState:
     loss = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
     layout = model.param_layout
     local_stages = {s.spec.index for s in model.stages}
@@ -147,12 +156,10 @@ def _train_state(model) -> _TrainState:
         if keys:
             buckets.append((groups[s], keys))
     norm_params = [e.params[0] for e in local if layout.owner_stage(e.key) in local_stages]
-    state = _TrainState(
+    return TrainStepState(
         loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),
         local=local, buckets=buckets, norm_params=norm_params, params=[p for e in local for p in e.params],
     )
-    _STATES[model] = state
-    return state
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,29 +178,35 @@ def _digest(batch: Mapping[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(material.encode(), digest_size=8).digest(), "little") & ((1 << 62) - 1)
 
 
-def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batch:
+def _prepare_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
     if not isinstance(batch, Mapping):
-        raise TypeError(f"train_step takes a dict of tensors (as a transformers data collator makes it), got {type(batch).__name__}")
+        raise InputTypeError(
+            f"train_step takes a dict of tensors (as a transformers data collator makes it), got {type(batch).__name__}"
+        )
     batch = {k: v for k, v in batch.items() if v is not None}
     names = state.loss.targets  # ("labels",), or transformers' ("start_positions", "end_positions")
     missing = [n for n in names if n not in batch]
     if names == ("labels",) and missing:
-        raise ValueError(
+        raise InputError(
             f"the batch has no 'labels' (keys: {sorted(batch)}); a training step needs them — e.g. labels = input_ids "
             "for causal LM (the shift happens inside the loss), or use DataCollatorForLanguageModeling"
         )
     if missing:
-        raise ValueError(
+        raise InputError(
             f"the batch has no {missing} (keys: {sorted(batch)}); {model.resolved.class_name} trains on {list(names)}, "
             f"as its transformers forward takes them"
         )
     for k, v in batch.items():
         if k in _NOT_FOR_TRAINING:
-            raise ValueError(f"{k!r} is for generation and cannot be passed to train_step; remove it from the batch")
+            raise InputError(f"{k!r} is for generation and cannot be passed to train_step; remove it from the batch")
         if k not in names and k not in state.accepted:
-            raise ValueError(f"{type(model.skeleton).__name__}.forward takes no {k!r}; the batch may hold {sorted(state.accepted - set(_NOT_FOR_TRAINING))}")
+            allowed = sorted(state.accepted - set(_NOT_FOR_TRAINING))
+            raise InputError(f"{type(model.skeleton).__name__}.forward takes no {k!r}; the batch may hold {allowed}")
         if not isinstance(v, torch.Tensor):
-            raise ValueError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}; pass what a data collator returns (return_tensors='pt')")
+            raise InputError(
+                f"batch[{k!r}] must be a tensor, got {type(v).__name__}; pass what a data collator returns "
+                "(return_tensors='pt')"
+            )
     digest = _digest(batch) if model.check_inputs else 0
     given = {n: batch.pop(n) for n in names}
     # One target tensor, which the schedule splits into microbatches with the inputs (question
@@ -207,12 +220,15 @@ def _prepare_batch(model, state: _TrainState, batch: Mapping[str, Any]) -> _Batc
     rows = model.batch_size(batch)
     for k, v in batch.items():
         if v.dim() == 0 or v.shape[0] != rows:
-            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row per example")
+            raise InputError(
+                f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row "
+                "per example"
+            )
     dp, m = model.dims.dp_size, model.n_microbatches
     if rows % dp:
-        raise ValueError(
-            f"a global batch of {rows} rows does not split over dp_size={dp} data-parallel replicas; pass a multiple of "
-            f"dp_size x n_microbatches = {dp * m} rows"
+        raise InputError(
+            f"a global batch of {rows} rows does not split over dp_size={dp} data-parallel replicas; pass a "
+            f"multiple of dp_size x n_microbatches = {dp * m} rows"
         )
     check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
     prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
@@ -245,7 +261,7 @@ def _agree(model, error: BaseException | None, digest: int) -> None:
     if failed:
         raise_on_any_rank(ctx, error, what="checking the training batch", describe=getattr(model, "rank_label", None))
     if model.check_inputs and (max_hi != -neg_min_hi or max_lo != -neg_min_lo):
-        raise ValueError(
+        raise InputError(
             "the training batch differs across ranks; every rank must pass the same global batch to train_step "
             "(same data order and seed everywhere; each data-parallel replica takes its share itself)"
         )
@@ -259,11 +275,13 @@ def _autocast(model, dtype: torch.dtype | None):
         return contextlib.nullcontext()
     device_type = model.device.type
     if not torch.amp.is_autocast_available(device_type):
-        raise ValueError(f"autocast is not available on {device_type}; pass autocast=None")
+        raise InputError(f"autocast is not available on {device_type}; pass autocast=None")
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def _run_local(model, state: _TrainState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]) -> None:
+def _run_local(
+    model, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
+) -> None:
     # All stages on this rank (pipeline size 1): microbatch by microbatch, as the schedules would.
     m = model.n_microbatches
     chunks = {k: torch.tensor_split(v, m) if isinstance(v, torch.Tensor) else [v] * m for k, v in b.inputs.items()}
@@ -279,7 +297,7 @@ def _run_local(model, state: _TrainState, b: _Batch, loss_kwargs: dict[str, floa
         losses.append(loss.detach())
 
 
-def _sync_gradients(state: _TrainState) -> None:
+def _sync_gradients(state: TrainStepState) -> None:
     """Sum each key's gradient over its local copies, then over the ranks (and replicas) holding it."""
     for group, keys in state.buckets:
         entries: list[tuple[_LocalKey, torch.Tensor]] = []
@@ -321,6 +339,47 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> N
                 bucket, size = [], 0
 
 
+def _agreed_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
+    """This replica's share of ``batch``, once every rank has prepared its own and they agree."""
+    error: BaseException | None = None
+    b: _Batch | None = None
+    try:
+        b = _prepare_batch(model, state, batch)
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks below, then raised everywhere
+        error = e
+    _agree(model, error, b.digest if b is not None else 0)  # raises on every rank if any failed
+    assert b is not None
+    return b
+
+
+def _run_schedule(
+    model, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], autocast: torch.dtype | None
+) -> list[torch.Tensor]:
+    """Forward and backward of this rank's stages over every microbatch; the losses computed here."""
+    # The step runs in model.training mode (model.train() / model.eval()); each stage's own mode
+    # is put back afterwards, so a later forward sees the modes it saw before.
+    modes = [(m, m.training) for stage in model.stages for m in stage.modules()]
+    for stage in model.stages:
+        stage.train(model.training)
+    losses: list[torch.Tensor] = []
+    try:
+        with _autocast(model, autocast):
+            if model.plan.pp_size == 1:
+                _run_local(model, state, b, loss_kwargs, losses)
+            else:
+                key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
+                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
+                # Zero-bubble: linears' weight gradients wait for the W actions (weight_pass.py).
+                with weight_pass.deferring() if model.schedule.zero_bubble else contextlib.nullcontext():
+                    schedule.step(
+                        **b.inputs, target=b.labels, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs
+                    )
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return losses
+
+
 def train_step(
     model,
     batch: Mapping[str, Any],
@@ -350,50 +409,30 @@ def train_step(
         >>> loss = model.train_step({"input_ids": ids, "attention_mask": mask, "labels": ids})
     """
     if not loss_scale or loss_scale != loss_scale:
-        raise ValueError(f"loss_scale must be a non-zero number, got {loss_scale}")
+        raise InputError(f"loss_scale must be a non-zero number, got {loss_scale}")
     # The training schedule's microbatch rules (loading checked only the layout: forward and
     # generate run with any n_microbatches). Same settings on every rank: raised on every rank.
-    check_training(model.schedule, pp_size=model.plan.pp_size, virtual_stages=model.plan.virtual_stages, n_microbatches=model.n_microbatches)
+    plan = model.plan
+    check_training(
+        model.schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=model.n_microbatches
+    )
     state = _train_state(model)
-    error: BaseException | None = None
-    b: _Batch | None = None
-    try:
-        b = _prepare_batch(model, state, batch)
-    except Exception as e:  # noqa: BLE001 - agreed with the other ranks below, then raised everywhere
-        error = e
-    _agree(model, error, b.digest if b is not None else 0)
-    assert b is not None
-
-    # The step runs in model.training mode (model.train() / model.eval()); each stage's own mode
-    # is put back afterwards, so a later forward sees the modes it saw before.
-    modes = [(m, m.training) for stage in model.stages for m in stage.modules()]
-    for stage in model.stages:
-        stage.train(model.training)
+    b = _agreed_batch(model, state, batch)
     # Gradients of earlier steps (accumulation) sit aside so the sync below only sums this step's.
     stash = [(p, p.grad) for p in state.params if p.grad is not None]
     for p, _ in stash:
         p.grad = None
     loss_kwargs = {"denominator": b.denominator, "loss_scale": float(loss_scale)}
-    losses: list[torch.Tensor] = []
-    try:
-        with _autocast(model, autocast):
-            if model.plan.pp_size == 1:
-                _run_local(model, state, b, loss_kwargs, losses)
-            else:
-                key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
-                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
-                # Zero-bubble: linears' weight gradients wait for the W actions (weight_pass.py).
-                with weight_pass.deferring() if model.schedule.zero_bubble else contextlib.nullcontext():
-                    schedule.step(**b.inputs, target=b.labels, losses=losses, return_outputs=False, loss_kwargs=loss_kwargs)
-    finally:
-        for m, mode in modes:
-            m.training = mode
+    losses = _run_schedule(model, state, b, loss_kwargs, autocast)
     _sync_gradients(state)
     for p, old in stash:
         p.grad = old if p.grad is None else old.add_(p.grad)
 
     # The last stage's rank of each replica holds its share of the global mean; the rest add 0.
-    total = torch.stack([l.detach().float() for l in losses]).sum() if losses else torch.zeros((), device=model.device)
+    if losses:
+        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+    else:
+        total = torch.zeros((), device=model.device)
     total = total.to(model.device)
     if loss_scale != 1.0:
         total = total / loss_scale
@@ -405,7 +444,9 @@ def train_step(
 # --------------------------------------------------------------------------------------------
 # Gradient clipping
 # --------------------------------------------------------------------------------------------
-def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    model, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+) -> torch.Tensor:
     """Clip every gradient by the global norm over all stages (keys held by several stages counted once).
 
     Collective over the pipeline; data-parallel replicas hold the same (synced) gradients, so each
@@ -442,7 +483,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *, error_if_
     else:
         total = local
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
+        raise TrainingError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); lower the learning "
             "rate or use bf16 autocast with care, or pass error_if_nonfinite=False"
         )

@@ -87,7 +87,9 @@ def test_subfolder_loads_the_checkpoint_inside(tmp_path, llama):
     shutil.copytree(llama, tmp_path / "repo" / "weights")
     (tmp_path / "repo" / "README.md").write_text("a repository with its checkpoint in a subfolder\n")
     inputs = tiny.sample_inputs("llama")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder="weights", dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "repo", subfolder="weights", dtype=torch.float32
+    ).eval()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo", pipeline=True, subfolder="weights")
     torch.testing.assert_close(_logits(model, inputs), _logits(hf, inputs), atol=TOL, rtol=TOL)
     with pytest.raises(CheckpointNotFoundError, match="has no subfolder 'nope'"):
@@ -137,14 +139,21 @@ def test_trust_remote_code_is_refused_for_checkpoints_with_their_own_code(tmp_pa
     config = json.loads((custom / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     (custom / "config.json").write_text(json.dumps(config))
-    with pytest.raises(InputError, match=r"trust_remote_code=True: .* has its own modelling code .* pipeline=True never runs"):
+    with pytest.raises(
+        InputError, match=r"trust_remote_code=True: .* has its own modelling code .* pipeline=True never runs"
+    ):
         AutoModelForCausalLM.from_pretrained(custom, pipeline=True, trust_remote_code=True)
-    AutoModelForCausalLM.from_pretrained(custom, pipeline=True)  # transformers' own LlamaForCausalLM, as transformers does
+    AutoModelForCausalLM.from_pretrained(
+        custom, pipeline=True
+    )  # transformers' own LlamaForCausalLM, as transformers does
 
 
 def test_device_map_is_refused_saying_the_pipeline_places_stages(llama):
     for device_map in ("auto", {"": "cpu"}):
-        with pytest.raises(InputError, match=r"device_map=.* is not supported with pipeline=True: the pipeline places the stages itself"):
+        with pytest.raises(
+            InputError,
+            match=r"device_map=.* is not supported with pipeline=True: the pipeline places the stages itself",
+        ):
             AutoModelForCausalLM.from_pretrained(llama, pipeline=True, device_map=device_map)
     AutoModelForCausalLM.from_pretrained(llama, pipeline=True, device_map=None)
 
@@ -157,7 +166,9 @@ def test_unknown_arguments_are_still_a_type_error(llama):
 # --------------------------------------------------------------------------- PreTrainedModel attributes
 def test_attributes_equal_transformers(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "ckpt", "llama-tied")
-    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_new_tokens=3).save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_new_tokens=3).save_pretrained(
+        path
+    )
     hf = tiny.reference(path, "AutoModelForCausalLM")
     model = AutoModelForCausalLM.from_pretrained(path, pipeline=True)
 
@@ -178,7 +189,9 @@ def test_attributes_equal_transformers(tmp_path):
     model.generation_config.max_new_tokens = 4
     hf.generation_config.max_new_tokens = 4
     torch.testing.assert_close(model.generate(ids), hf.generate(ids, do_sample=False), atol=0, rtol=0)
-    model.generation_config = transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_new_tokens=2)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_new_tokens=2
+    )
     assert model.generate(ids).shape[1] == 5 + 2
 
 
@@ -197,7 +210,9 @@ def test_models_without_a_generation_head_say_so_as_transformers(tmp_path):
 
 # --------------------------------------------------------------------------- split as {name: SplitPoint}
 def _plan(config, split, *, traced: bool):
-    options = PipelineOptions.resolve(config, None, num_stages=3, split=split, split_method="trace" if traced else "recipe")
+    options = PipelineOptions.resolve(
+        config, None, num_stages=3, split=split, split_method="trace" if traced else "recipe"
+    )
     if traced:
         from hf_pipeline.loading.trace import trace_front_end
 
@@ -238,11 +253,17 @@ def test_split_points_plan_as_the_names_they_mean(traced):
 def test_bad_split_points_give_the_messages_of_bad_names(traced):
     config, prefix = (_opt_config(), "model.decoder.layers") if traced else (tiny.config_for("llama"), "model.layers")
     bad = [
-        ({f"{prefix}.9": SplitPoint.BEGINNING, f"{prefix}.2": SplitPoint.BEGINNING}, [f"{prefix}.9", f"{prefix}.2"]),  # no such block
+        (
+            {f"{prefix}.9": SplitPoint.BEGINNING, f"{prefix}.2": SplitPoint.BEGINNING},
+            [f"{prefix}.9", f"{prefix}.2"],
+        ),  # no such block
         ({f"{prefix}.1": SplitPoint.BEGINNING}, [f"{prefix}.1"]),  # too few for 3 stages
         ({f"{prefix}.2": SplitPoint.END, f"{prefix}.1": SplitPoint.BEGINNING}, [f"{prefix}.3", f"{prefix}.1"]),  # order
         ({f"{prefix}.0": SplitPoint.END, f"{prefix}.1": SplitPoint.BEGINNING}, [f"{prefix}.1", f"{prefix}.1"]),  # twice
-        ({f"{prefix}.3": SplitPoint.END, f"{prefix}.1": SplitPoint.BEGINNING}, [f"{prefix}.4", f"{prefix}.1"]),  # after the last
+        (
+            {f"{prefix}.3": SplitPoint.END, f"{prefix}.1": SplitPoint.BEGINNING},
+            [f"{prefix}.4", f"{prefix}.1"],
+        ),  # after the last
     ]
     for spec, names in bad:
         with pytest.raises(PlanError) as by_names:
@@ -254,7 +275,9 @@ def test_bad_split_points_give_the_messages_of_bad_names(traced):
 
 def test_split_points_must_be_torch_split_points_on_indexed_blocks():
     config = tiny.config_for("llama")
-    with pytest.raises(InputError, match=r"the value for 'model.layers.1' must be torch.distributed.pipelining.SplitPoint"):
+    with pytest.raises(
+        InputError, match=r"the value for 'model.layers.1' must be torch.distributed.pipelining.SplitPoint"
+    ):
         PipelineOptions.resolve(config, None, num_stages=2, split={"model.layers.1": "BEGINNING"})
     with pytest.raises(InputError, match=r"SplitPoint.END of 'model.norm' needs a block of a module list"):
         PipelineOptions.resolve(config, None, num_stages=2, split={"model.norm": SplitPoint.END})
@@ -263,7 +286,9 @@ def test_split_points_must_be_torch_split_points_on_indexed_blocks():
 
 
 def test_from_pretrained_takes_split_points(llama):
-    model = AutoModelForCausalLM.from_pretrained(llama, pipeline=True, virtual_stages=2, split={"model.layers.0": SplitPoint.END})
+    model = AutoModelForCausalLM.from_pretrained(
+        llama, pipeline=True, virtual_stages=2, split={"model.layers.0": SplitPoint.END}
+    )
     assert model.plan.split_points == ("model.layers.1",)
     hf = tiny.reference(llama, "AutoModelForCausalLM")
     inputs = tiny.sample_inputs("llama")
@@ -280,7 +305,10 @@ def _readme_accelerate_loop() -> str:
 def _batches() -> list[dict[str, torch.Tensor]]:
     rows = tiny.sample_inputs("llama", batch=8, seq=9, seed=3, pad_left=False)
     labels = rows["input_ids"].masked_fill(rows["attention_mask"] == 0, -100)
-    return [{"input_ids": rows["input_ids"][i], "attention_mask": rows["attention_mask"][i], "labels": labels[i]} for i in range(8)]
+    return [
+        {"input_ids": rows["input_ids"][i], "attention_mask": rows["attention_mask"][i], "labels": labels[i]}
+        for i in range(8)
+    ]
 
 
 def _accelerate_rank(path: str):
@@ -294,9 +322,13 @@ def _accelerate_rank(path: str):
     accelerated = type(optimizer).__name__, type(scheduler).__name__, type(model).__name__
     counts = {
         "whole": model.num_parameters(), "local": model.num_parameters(local=True),
-        "trainable": model.num_parameters(only_trainable=True), "no_embeddings": model.num_parameters(exclude_embeddings=True),
-        "input_embeddings": type(model.get_input_embeddings()).__name__, "output_embeddings": type(model.get_output_embeddings()).__name__,
-        "input_is_stage_module": model.get_input_embeddings() is (model.stages[0].model.embed_tokens if model.dims.pp_rank == 0 else None),
+        "trainable": model.num_parameters(only_trainable=True),
+        "no_embeddings": model.num_parameters(exclude_embeddings=True),
+        "input_embeddings": type(model.get_input_embeddings()).__name__,
+        "output_embeddings": type(model.get_output_embeddings()).__name__,
+        "input_is_stage_module": (
+            model.get_input_embeddings() is (model.stages[0].model.embed_tokens if model.dims.pp_rank == 0 else None)
+        ),
     }
     return params, accelerated, counts, scheduler.get_last_lr()
 
@@ -325,10 +357,13 @@ def test_readme_accelerate_loop_at_2_ranks_equals_transformers(tmp_path):
     hf = tiny.reference(path, "AutoModelForCausalLM")
     seen = set()
     for rank, (params, accelerated, counts, last_lr) in enumerate(results):
-        assert accelerated == ("AcceleratedOptimizer", "AcceleratedScheduler", "PipelinedModel"), accelerated  # model not wrapped
+        # The model is not wrapped.
+        assert accelerated == ("AcceleratedOptimizer", "AcceleratedScheduler", "PipelinedModel"), accelerated
         assert last_lr == pytest.approx(ref_lr)  # the scheduler stepped once per step, not once per process
         for name, p in params.items():
-            torch.testing.assert_close(p, ref[name], atol=TOL, rtol=TOL, msg=lambda m, name=name: f"{name} (rank {rank}): {m}")
+            torch.testing.assert_close(
+                p, ref[name], atol=TOL, rtol=TOL, msg=lambda m, name=name, rank=rank: f"{name} (rank {rank}): {m}"
+            )
             seen.add(name)
         assert counts["whole"] == hf.num_parameters() and counts["trainable"] == hf.num_parameters(only_trainable=True)
         assert counts["no_embeddings"] == hf.num_parameters(exclude_embeddings=True)
@@ -345,7 +380,9 @@ def test_generate_use_cache_false_gives_transformers_tokens(tmp_path):
     # The pipeline always decodes with per-stage KV caches; use_cache=False (which transformers
     # honours by recomputing every step) must give the same tokens, not be an error.
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
-    model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2
+    )
     ref = tiny.reference(path, "AutoModelForCausalLM")
     inputs = tiny.sample_inputs("llama", batch=3, seq=7)
     want = ref.generate(**inputs, max_new_tokens=8, do_sample=False, use_cache=False)

@@ -19,8 +19,9 @@ that may attend to no key, so the row keeps its residual path), so those rows ar
 the others. The ids under the padding are random tokens, not the pad id: a LLaMA-family pad id
 embeds to zeros, which would make an all-padding row's outputs zero with or without its mask. For
 generation the prompts are padded with the pad id, as a tokenizer pads them, two of them all
-padding. Before the run the references show that each input feature matters: the mask changes the logits of the all-padding rows (BERT's initializer
-is scaled up so its classifier outputs react by more than the tolerance), the window changes the
+padding. Before the run the references show that each input feature matters: the mask changes the
+logits of the all-padding rows (BERT's initializer is scaled up so its classifier outputs react by
+more than the tolerance), the window changes the
 logits and the generated ids of the sliding models, and a causal LM's loss (the mean over the
 batch's target tokens) is not the mean of the one-row microbatches' means.
 
@@ -53,9 +54,17 @@ MIXED = "qwen2"  # full and sliding layers on one rank
 
 # name -> (auto class, config, row length, forward n_microbatches, train padding side, generates)
 MODELS = {
-    "bert-cls": (CLS, lambda: tiny.config_for("bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.1),
-                 SHORT, (5,), "right", False),
-    "gpt2": (CAUSAL, lambda: tiny.config_for("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), SHORT, (4,), "right", False),
+    "bert-cls": (
+        CLS,
+        lambda: tiny.config_for(
+            "bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.1
+        ),
+        SHORT, (5,), "right", False,
+    ),
+    "gpt2": (
+        CAUSAL, lambda: tiny.config_for("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), SHORT, (4,), "right",
+        False,
+    ),
     "llama": (CAUSAL, lambda: tiny.config_for("llama"), SHORT, (4, 5), "left", False),
     "mistral": (CAUSAL, lambda: tiny.sliding_config("mistral", window=WINDOW), LONG, (4,), "left", True),
     "qwen2": (CAUSAL, lambda: tiny.sliding_config("qwen2", window=WINDOW, full_layers=3), LONG, (5,), "right", True),
@@ -63,7 +72,10 @@ MODELS = {
 
 
 def _forward_inputs(seq: int) -> dict[str, dict[str, torch.Tensor]]:
-    return {side: tiny.padded_rows(ROWS, seq, seed=2, pad_left=side == "left", zero_rows=ZERO_ROWS, pad_id=None) for side in ("left", "right")}
+    return {
+        side: tiny.padded_rows(ROWS, seq, seed=2, pad_left=side == "left", zero_rows=ZERO_ROWS, pad_id=None)
+        for side in ("left", "right")
+    }
 
 
 def _train_batch(name: str) -> dict[str, torch.Tensor]:
@@ -101,7 +113,9 @@ def _case(name: str, path: str) -> dict:
     model = cls.from_pretrained(path, pipeline=True, device="cpu", progress=False, n_microbatches=TRAIN_M)
     if generates:  # the attention kinds of this rank's layers
         kinds = attention_kinds(model.config)
-        res["kinds"] = {kinds[model.resolved.stacks[-1].blocks.index(b)] for st in model.stages for b in st.spec.attention_blocks}
+        res["kinds"] = {
+            kinds[model.resolved.stacks[-1].blocks.index(b)] for st in model.stages for b in st.spec.attention_blocks
+        }
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     res["loss"] = float(model.train_step(_train_batch(name)))
@@ -145,13 +159,19 @@ def _reference(name: str, path: str) -> dict:
             # the mask must matter for these inputs, else a pipeline that dropped it would pass
             effect = (ref(input_ids=inputs["input_ids"]).logits - out["logits"][side]).abs()
             effect = effect.amax(dim=tuple(range(1, effect.dim())))  # per row
-            assert effect[list(ZERO_ROWS)].min() > 100 * TOL, f"{name} {side}: the mask does not change the all-padding rows {effect.tolist()}"
+            assert effect[list(ZERO_ROWS)].min() > 100 * TOL, (
+                f"{name} {side}: the mask does not change the all-padding rows {effect.tolist()}"
+            )
         if generates:
             out["ids"] = ref.generate(**_gen_inputs(), **GREEDY)
             full = _unwindowed(ref)
             for side, inputs in _forward_inputs(seq).items():
-                assert (full(**inputs).logits - out["logits"][side]).abs().max() > 1e-2, f"{name} {side}: the window does not change the logits"
-            assert not torch.equal(full.generate(**_gen_inputs(), **GREEDY), out["ids"]), f"{name}: the window does not change the ids"
+                assert (full(**inputs).logits - out["logits"][side]).abs().max() > 1e-2, (
+                    f"{name} {side}: the window does not change the logits"
+                )
+            assert not torch.equal(full.generate(**_gen_inputs(), **GREEDY), out["ids"]), (
+                f"{name}: the window does not change the ids"
+            )
     batch = _train_batch(name)
     ref.train()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
@@ -184,12 +204,20 @@ def _check(name: str, per_rank: list[dict], ref: dict) -> None:
         what = f"{name} rank {r} of {WORLD}"
         for (m, side), logits in res["logits"].items():
             want = ref["logits"][side]
-            assert logits.shape == want.shape, f"{what}: logits {tuple(logits.shape)} != transformers {tuple(want.shape)}"
+            assert logits.shape == want.shape, (
+                f"{what}: logits {tuple(logits.shape)} != transformers {tuple(want.shape)}"
+            )
             diff = (logits - want).abs().amax(dim=tuple(range(1, want.dim())))  # per row
-            assert diff.max() <= TOL, f"{what} {side} padding, {m} microbatches: logits max abs diff per row {diff.tolist()}"
+            assert diff.max() <= TOL, (
+                f"{what} {side} padding, {m} microbatches: logits max abs diff per row {diff.tolist()}"
+            )
         if "ids" in ref:
-            assert torch.equal(res["ids"], ref["ids"]), f"{what}: generated ids\n{res['ids']}\n!= transformers\n{ref['ids']}"
-        assert abs(res["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), f"{what}: loss {res['loss']} != transformers {ref['loss']}"
+            assert torch.equal(res["ids"], ref["ids"]), (
+                f"{what}: generated ids\n{res['ids']}\n!= transformers\n{ref['ids']}"
+            )
+        assert abs(res["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), (
+            f"{what}: loss {res['loss']} != transformers {ref['loss']}"
+        )
         # A gradient that is zero in exact arithmetic (attention key biases: softmax ignores a constant added
         # to every score) is round-off, as large as fp32 epsilon x the model's gradients, not the tensor's.
         floor = torch.finfo(torch.float32).eps * max(g.abs().max().item() for g in ref["grads"].values())
@@ -197,15 +225,21 @@ def _check(name: str, per_rank: list[dict], ref: dict) -> None:
             want = ref["grads"][key]
             for got in copies:
                 diff = (got - want).abs().max().item()
-                assert diff <= GRAD_RTOL * want.abs().max().item() + floor, f"{what}: gradient of {key}: max abs diff {diff:.3g}"
+                assert diff <= GRAD_RTOL * want.abs().max().item() + floor, (
+                    f"{what}: gradient of {key}: max abs diff {diff:.3g}"
+                )
         for key, copies in res["params"].items():
             for got in copies:
                 diff = (got - ref["params"][key]).abs().max().item()
                 assert diff <= PARAM_ATOL, f"{what}: parameter {key} after an AdamW step: max abs diff {diff:.3g}"
     if name == MIXED:
-        assert {"full_attention", "sliding_attention"} in [res["kinds"] for res in per_rank], f"{name}: no rank holds both kinds of layer"
+        assert {"full_attention", "sliding_attention"} in [res["kinds"] for res in per_rank], (
+            f"{name}: no rank holds both kinds of layer"
+        )
     covered = {k for res in per_rank for k in res["grads"]}
-    assert covered == set(ref["grads"]), f"{name}: no rank returned a gradient for {sorted(set(ref['grads']) - covered)}"
+    assert covered == set(ref["grads"]), (
+        f"{name}: no rank returned a gradient for {sorted(set(ref['grads']) - covered)}"
+    )
 
 
 def test_three_ranks_equal_transformers_on_odd_batches_empty_rows_and_sliding_windows(tmp_path):

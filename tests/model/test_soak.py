@@ -74,7 +74,9 @@ def _soak(path: str, calls: int):
     import hf_pipeline
 
     proc = psutil.Process()
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", n_microbatches=2, progress=False)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", n_microbatches=2, progress=False
+    )
     loaded = _snapshot(proc)
     prompts = tiny.sample_inputs("llama", batch=1, seq=4, seed=3)
     batch = tiny.sample_inputs("llama", batch=2, seq=8, seed=4)
@@ -122,8 +124,10 @@ def test_thousand_generate_calls_and_train_steps_leak_nothing(tmp_path):
             per_call = (a["objects"] - b["objects"]) / _CALLS
             rss_mb = (a["rss"] - b["rss"]) / 2**20
             print(
-                f"rank {rank} {name}: {_CALLS} calls in {res[name]['seconds']:.1f} s, objects {b['objects']} -> {a['objects']}, "
-                f"tensors {b['tensors']} -> {a['tensors']}, RSS {b['rss'] / 2**20:.1f} -> {res[name]['half_rss'] / 2**20:.1f} -> "
+                f"rank {rank} {name}: {_CALLS} calls in {res[name]['seconds']:.1f} s, "
+                f"objects {b['objects']} -> {a['objects']}, "
+                f"tensors {b['tensors']} -> {a['tensors']}, "
+                f"RSS {b['rss'] / 2**20:.1f} -> {res[name]['half_rss'] / 2**20:.1f} -> "
                 f"{a['rss'] / 2**20:.1f} MB, "
                 f"threads {b['os_threads']} -> {a['os_threads']}, fds {b['fds']} -> {a['fds']}"
             )
@@ -133,10 +137,17 @@ def test_thousand_generate_calls_and_train_steps_leak_nothing(tmp_path):
                 problems.append(f"rank {rank} {name}: live tensors {b['tensors']} -> {a['tensors']}")
             half_mb = (a["rss"] - res[name]["half_rss"]) / 2**20
             if rss_mb > _RSS_MB or half_mb > _RSS_HALF_MB:
-                problems.append(f"rank {rank} {name}: RSS grew {rss_mb:.1f} MB, {half_mb:.1f} MB of it in the second half")
+                problems.append(
+                    f"rank {rank} {name}: RSS grew {rss_mb:.1f} MB, {half_mb:.1f} MB of it in the second half"
+                )
             if a["threads"] > b["threads"] or a["os_threads"] > b["os_threads"]:
-                problems.append(f"rank {rank} {name}: threads {b['threads']}/{b['os_threads']} -> {a['threads']}/{a['os_threads']}")
+                problems.append(
+                    f"rank {rank} {name}: threads {b['threads']}/{b['os_threads']} -> {a['threads']}/{a['os_threads']}"
+                )
             opened = sorted((collections.Counter(a["fd_targets"]) - collections.Counter(b["fd_targets"])).elements())
             if a["fds"] > b["fds"] or opened or set(a["files"]) - set(b["files"]):
-                problems.append(f"rank {rank} {name}: fds {b['fds']} -> {a['fds']}, opened and kept {opened[:5]}, files {b['files']} -> {a['files']}")
+                problems.append(
+                    f"rank {rank} {name}: fds {b['fds']} -> {a['fds']}, opened and kept {opened[:5]}, "
+                    f"files {b['files']} -> {a['files']}"
+                )
     assert not problems, "\n".join(problems)

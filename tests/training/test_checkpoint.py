@@ -79,7 +79,9 @@ def _save_resume_job(cases, root):
         probe = make_batch(arch, seed=99)
         probe.pop("labels")
         if arch == "t5":
-            probe["decoder_input_ids"] = torch.randint(3, tiny.VOCAB, (probe["input_ids"].shape[0], 5), generator=torch.Generator().manual_seed(5))
+            probe["decoder_input_ids"] = torch.randint(
+                3, tiny.VOCAB, (probe["input_ids"].shape[0], 5), generator=torch.Generator().manual_seed(5)
+            )
         saved_params = _params(model)
         logits = model(**probe).logits  # the saved weights through the pipeline (eval mode)
         model.train()
@@ -133,7 +135,9 @@ def saved(tmp_path_factory):
 
 def _keys_and_tensors(directory: pathlib.Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     out = {}
     for name in files:
         with safe_open(directory / name, "pt") as f:
@@ -156,14 +160,18 @@ def test_saved_checkpoint_is_what_transformers_writes_and_loads(saved, tmp_path)
         # transformers' own save of the same weights: same keys (tied weights once, under its key), same tensors
         ref.save_pretrained(tmp_path / arch)
         theirs = _keys_and_tensors(tmp_path / arch)
-        assert set(ours) == set(theirs), f"{arch}: ours-only {sorted(set(ours) - set(theirs))}, transformers-only {sorted(set(theirs) - set(ours))}"
+        assert set(ours) == set(theirs), (
+            f"{arch}: ours-only {sorted(set(ours) - set(theirs))}, transformers-only {sorted(set(theirs) - set(ours))}"
+        )
         for k in ours:
             assert torch.equal(ours[k], theirs[k]), f"{arch}: {k} differs after a transformers round trip"
         assert (ckpt / "config.json").is_file() and (ckpt / "generation_config.json").is_file()
         assert json.loads((ckpt / "config.json").read_text())["architectures"] == [type(ref).__name__]
         for r in range(2):
             for key, t in results[r][0][i]["saved_params"].items():
-                assert torch.equal(ref.get_parameter(key), t), f"{arch} rank {r}: {key} loaded by transformers != the trained tensor"
+                assert torch.equal(ref.get_parameter(key), t), (
+                    f"{arch} rank {r}: {key} loaded by transformers != the trained tensor"
+                )
         with torch.no_grad():
             want = ref(**results[0][0][i]["probe"]).logits
         for r in range(2):
@@ -178,8 +186,12 @@ def test_resume_continues_bitwise(saved):
         for r in range(2):
             res = results[r][0][i]
             assert res["step"] == 2
-            assert res["resumed"] == res["after"], f"{arch} rank {r}: resumed losses {res['resumed']} != uninterrupted {res['after']}"
-            assert res["same_params"] == res["keys"], f"{arch} rank {r}: parameters differ: {sorted(set(res['keys']) - set(res['same_params']))}"
+            assert res["resumed"] == res["after"], (
+                f"{arch} rank {r}: resumed losses {res['resumed']} != uninterrupted {res['after']}"
+            )
+            assert res["same_params"] == res["keys"], (
+                f"{arch} rank {r}: parameters differ: {sorted(set(res['keys']) - set(res['same_params']))}"
+            )
         ckpt = runs / arch / "checkpoint-2"
         assert (ckpt / "optimizer" / "pp-00000.pt").is_file() and (ckpt / "optimizer" / "pp-00001.pt").is_file()
         assert (ckpt / "rng" / "rank-00001.pt").is_file() and (ckpt / "scheduler.pt").is_file()
@@ -196,7 +208,9 @@ def test_failed_save_leaves_no_complete_looking_checkpoint(saved):
     runs, cases, results = saved
     # the disk error names the file and the disk it is on, on the rank that hit it and, quoted, on the other
     root = runs / "overwrite"
-    assert results[1][1].startswith(f"OSError: No space left on device: writing {root / 'checkpoint-3'}/"), results[1][1]
+    assert results[1][1].startswith(f"OSError: No space left on device: writing {root / 'checkpoint-3'}/"), results[1][
+        1
+    ]
     assert "failed on the disk mounted at " in results[1][1]
     assert results[0][1].startswith("RankError") and "No space left on device" in results[0][1], results[0][1]
     assert str(root / "checkpoint-3") in results[0][1]
@@ -234,14 +248,18 @@ def test_world_size_1_save_loads_in_transformers(tmp_path):
     import hf_pipeline
 
     path = tiny.make_checkpoint(tmp_path / "src", "gpt2")
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", schedule="looped-bfs", virtual_stages=2, n_microbatches=2)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", schedule="looped-bfs", virtual_stages=2, n_microbatches=2
+    )
     assert [s.spec.index for s in model.stages] == [0, 1]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.train_step(make_batch("gpt2", rows=4))
     opt.step()
     model.save_pretrained(tmp_path / "out", max_shard_size="20KB")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert len(set(json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
+    assert (
+        len(set(json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
+    )
     probe = tiny.sample_inputs("gpt2", batch=2)
     with torch.no_grad():
         diff = (model(**probe).logits - ref(**probe).logits).abs().max().item()
@@ -249,7 +267,7 @@ def test_world_size_1_save_loads_in_transformers(tmp_path):
     assert torch.equal(ref.lm_head.weight, ref.transformer.wte.weight)  # still tied after loading
 
 
-# --------------------------------------------------------------------------- saving into a directory that holds other files
+# ------------------------------------------------------------------- saving into a directory that holds other files
 USER_FILES = {
     "tokenizer.json": '{"version": "1.0", "model": {"type": "WordLevel"}}\n',
     "tokenizer_config.json": '{"model_max_length": 128}\n',
@@ -276,13 +294,17 @@ def _assert_user_files_kept(directory: pathlib.Path) -> None:
 def _weight_files(directory: pathlib.Path) -> set[str]:
     from hf_pipeline.training.checkpoint import WEIGHT_FILE_PATTERN
 
-    return {p.name for p in directory.iterdir() if p.name == "model.safetensors" or WEIGHT_FILE_PATTERN.fullmatch(p.name)}
+    return {
+        p.name for p in directory.iterdir() if p.name == "model.safetensors" or WEIGHT_FILE_PATTERN.fullmatch(p.name)
+    }
 
 
 def _load_1(path, **kwargs):
     import hf_pipeline
 
-    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", n_microbatches=2, **kwargs)
+    return hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", n_microbatches=2, **kwargs
+    )
 
 
 def _assert_only_checkpoint_added(directory: pathlib.Path) -> None:
@@ -363,7 +385,9 @@ def test_load_finetune_save_back_keeps_tokenizer_and_saves_the_trained_weights(t
     _assert_user_files_kept(ckpt)
     _assert_only_checkpoint_added(ckpt)
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
-    assert any(not torch.equal(before[k], trained[k]) for k in trained), "the step changed nothing: the test means nothing"
+    assert any(not torch.equal(before[k], trained[k]) for k in trained), (
+        "the step changed nothing: the test means nothing"
+    )
     for k, t in trained.items():
         assert torch.equal(ref.get_parameter(k), t), f"{k}: transformers loaded something else than the trained tensor"
     again = hf_pipeline.AutoModelForCausalLM.from_pretrained(ckpt, pipeline=True, device="cpu", n_microbatches=2)
@@ -395,7 +419,9 @@ def test_failed_save_leaves_nothing_and_training_state_only_when_asked(tmp_path)
     real = safetensors.torch.save_file
     try:
         safetensors.torch.save_file = lambda *a, **k: (_ for _ in ()).throw(OSError("No space left on device"))
-        with pytest.raises(OSError, match=r"No space left on device: writing .*existing.* failed on the disk mounted at "):
+        with pytest.raises(
+            OSError, match=r"No space left on device: writing .*existing.* failed on the disk mounted at "
+        ):
             model.save_pretrained(existing)
     finally:
         safetensors.torch.save_file = real

@@ -42,7 +42,12 @@ SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
     ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2), ("dualpipev", 2),
 ]
-ARCHS = [("llama", "AutoModelForCausalLM"), ("gpt2", "AutoModelForCausalLM"), ("bert", "AutoModelForMaskedLM"), ("t5", "AutoModelForSeq2SeqLM")]
+ARCHS = [
+    ("llama", "AutoModelForCausalLM"),
+    ("gpt2", "AutoModelForCausalLM"),
+    ("bert", "AutoModelForMaskedLM"),
+    ("t5", "AutoModelForSeq2SeqLM"),
+]
 NO_DROPOUT = {
     "llama": {}, "llama-tied": {},
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
@@ -117,7 +122,9 @@ def _accumulation_case(path, auto, arch):
 
     import hf_pipeline
 
-    model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", schedule="1f1b", n_microbatches=2)
+    model = getattr(hf_pipeline, auto).from_pretrained(
+        path, pipeline=True, device="cpu", schedule="1f1b", n_microbatches=2
+    )
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=10)
@@ -165,7 +172,9 @@ def _autocast_case(path, auto, arch):
 
     out = {}
     for sched, v in AUTOCAST_SCHEDULES:
-        model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", schedule=sched, virtual_stages=v, n_microbatches=M)
+        model = getattr(hf_pipeline, auto).from_pretrained(
+            path, pipeline=True, device="cpu", schedule=sched, virtual_stages=v, n_microbatches=M
+        )
         model.train()
         loss = model.train_step(make_batch(arch), autocast=torch.bfloat16)
         out[sched] = {"loss": float(loss), "grads": _by_key(model, lambda p: p.grad)}
@@ -176,7 +185,9 @@ def _save_dp_case(path, auto, arch, out_dir):
     """pp=2 x dp=2: train a step, save (replica 0 writes), return the trained tensors by key."""
     import hf_pipeline
 
-    model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", num_stages=2, n_microbatches=M)
+    model = getattr(hf_pipeline, auto).from_pretrained(
+        path, pipeline=True, device="cpu", num_stages=2, n_microbatches=M
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.train_step(make_batch(arch))
     opt.step()
@@ -184,7 +195,12 @@ def _save_dp_case(path, auto, arch, out_dir):
     return _by_key(model, lambda p: p)
 
 
-EXTRAS = {"accumulation": _accumulation_case, "autocast": _autocast_case, "errors": _bad_batches, "save_dp": _save_dp_case}
+EXTRAS = {
+    "accumulation": _accumulation_case,
+    "autocast": _autocast_case,
+    "errors": _bad_batches,
+    "save_dp": _save_dp_case,
+}
 
 
 def _job(cases, extras=()):
@@ -221,25 +237,38 @@ def _check_case(what, results, path, auto, arch, ref_cache):
         ref_cache[path] = _reference(path, auto, arch)
     ref, ref_losses, ref_norms, ref_grads = ref_cache[path]
     for r, res in enumerate(results):
-        assert len(res["losses"]) == len(ref_losses), f"{what} rank {r}: {len(res['losses'])} losses, transformers {len(ref_losses)}"
-        assert len(res["norms"]) == len(ref_norms), f"{what} rank {r}: {len(res['norms'])} grad norms, transformers {len(ref_norms)}"
+        assert len(res["losses"]) == len(ref_losses), (
+            f"{what} rank {r}: {len(res['losses'])} losses, transformers {len(ref_losses)}"
+        )
+        assert len(res["norms"]) == len(ref_norms), (
+            f"{what} rank {r}: {len(res['norms'])} grad norms, transformers {len(ref_norms)}"
+        )
         for got, want in zip(res["losses"], ref_losses, strict=True):
-            assert abs(got - want) <= LOSS_RTOL * abs(want), f"{what} rank {r}: losses {res['losses']} != transformers {ref_losses}"
+            assert abs(got - want) <= LOSS_RTOL * abs(want), (
+                f"{what} rank {r}: losses {res['losses']} != transformers {ref_losses}"
+            )
         for got, want in zip(res["norms"], ref_norms, strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{what} rank {r}: grad norms {res['norms']} != transformers {ref_norms}"
+            assert abs(got - want) <= 1e-5 * abs(want), (
+                f"{what} rank {r}: grad norms {res['norms']} != transformers {ref_norms}"
+            )
     seen_keys = set()
     for r, res in enumerate(results):
         for key, copies in res["grads"].items():
             want = _lookup(ref, ref_grads, key)
             for got in copies:
                 diff = (got - want).abs().max().item()
-                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, f"{what} rank {r}: gradient of {key}: max abs diff {diff:.3g} (ref max {want.abs().max().item():.3g})"
+                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, (
+                    f"{what} rank {r}: gradient of {key}: max abs diff {diff:.3g} "
+                    f"(ref max {want.abs().max().item():.3g})"
+                )
             seen_keys.add(key)
         for key, copies in res["params"].items():
             want = ref.get_parameter(key).detach()
             for got in copies:
                 diff = (got - want).abs().max().item()
-                assert diff <= PARAM_ATOL, f"{what} rank {r}: parameter {key} after {STEPS} AdamW steps: max abs diff {diff:.3g}"
+                assert diff <= PARAM_ATOL, (
+                    f"{what} rank {r}: parameter {key} after {STEPS} AdamW steps: max abs diff {diff:.3g}"
+                )
     ref_names = {n for n, _ in ref.named_parameters()}
     missing = {n for n in ref_names if not any(ref.get_parameter(k) is ref.get_parameter(n) for k in seen_keys)}
     assert not missing, f"{what}: no rank returned a gradient for {sorted(missing)}"
@@ -288,7 +317,10 @@ def checkpoints(tmp_path_factory):
     for arch, auto in ARCHS + [("llama-tied", "AutoModelForCausalLM")]:
         out[arch] = (str(tiny.make_checkpoint(root / arch, arch, auto=auto, **NO_DROPOUT[arch])), auto)
     # 8 layers (8 stages at world 4 x 2) and a tied LM head: the sync groups of ranks {0, 3}, and pp x dp
-    out["llama8"] = (str(tiny.make_checkpoint(root / "llama8", "llama-tied", num_hidden_layers=8)), "AutoModelForCausalLM")
+    out["llama8"] = (
+        str(tiny.make_checkpoint(root / "llama8", "llama-tied", num_hidden_layers=8)),
+        "AutoModelForCausalLM",
+    )
     for arch in ("bert", "llama"):
         cls = "AutoModelForSequenceClassification"
         out[f"{arch}-cls"] = (str(tiny.make_checkpoint(root / f"{arch}-cls", arch, auto=cls, **NO_DROPOUT[arch])), cls)
@@ -338,7 +370,9 @@ def _world2_cases(checkpoints):
         for (sched, v), split in splits.items():
             if arch == "llama-tied" and sched == "interleaved-1f1b":
                 continue
-            cases.append((path, auto, arch, {"schedule": sched, "virtual_stages": v, "n_microbatches": M, "split": split}))
+            cases.append(
+                (path, auto, arch, {"schedule": sched, "virtual_stages": v, "n_microbatches": M, "split": split})
+            )
             names.append(f"{arch} {sched} v{v} split={split}")
     # Zero-bubble schedules with the first decoder stage of T5 holding two blocks (its weights' graph
     # joins the encoder output's at several nodes: torch's split weight pass got the relative
@@ -375,7 +409,10 @@ def world4(checkpoints, tmp_path_factory):
         ({"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": M}, "pp4 interleaved-1f1b v2"),
         ({"schedule": "zbv-zero-bubble", "virtual_stages": 2, "n_microbatches": 8}, "pp4 zbv-zero-bubble v2"),
         ({"schedule": "1f1b", "num_stages": 2, "virtual_stages": 1, "n_microbatches": M}, "pp2 x dp2 1f1b"),
-        ({"schedule": "interleaved-1f1b", "num_stages": 4, "virtual_stages": 2, "n_microbatches": M}, "pp2 x dp2 interleaved-1f1b v2"),
+        (
+            {"schedule": "interleaved-1f1b", "num_stages": 4, "virtual_stages": 2, "n_microbatches": M},
+            "pp2 x dp2 interleaved-1f1b v2",
+        ),
     ]
     cases = [(path, auto, "llama", kw) for kw, _ in kwargs]
     save_dir = tmp_path_factory.mktemp("dp-save") / "checkpoint"
@@ -397,6 +434,14 @@ def test_every_schedule_and_arch_equals_transformers_world2(world2):
             assert shared, f"{name}: expected a tied key held by two stages"
 
 
+def _is_value_error(type_name: str) -> bool:
+    """ValueError itself, or a library class keeping it as its builtin base (InputError, ScheduleError, ...)."""
+    from hf_pipeline import errors
+
+    cls = ValueError if type_name == "ValueError" else getattr(errors, type_name, None)
+    return isinstance(cls, type) and issubclass(cls, ValueError)
+
+
 @pytest.mark.dist
 def test_bad_batches_raise_on_every_rank_before_communication(world2, checkpoints):
     path, auto = checkpoints["llama-tied"]
@@ -404,7 +449,7 @@ def test_bad_batches_raise_on_every_rank_before_communication(world2, checkpoint
         want = float(tiny.reference(path, auto)(**make_batch("llama-tied")).loss)
     for r in range(2):
         messages, loss_after, forward_loss = world2[2][r]["errors"]
-        assert all(m is not None and m.startswith("ValueError") for m in messages), (r, messages)
+        assert all(m is not None and _is_value_error(m.split(":", 1)[0]) for m in messages), (r, messages)
         assert "n_microbatches=4" in messages[0], messages[0]
         assert "no 'labels'" in messages[1], messages[1]
         assert "labels shape" in messages[2], messages[2]
@@ -425,7 +470,9 @@ def test_gradient_accumulation_and_lr_schedule_equal_transformers(world2, checkp
             want = _lookup(ref, grads, key)
             for got in copies:
                 diff = (got - want).abs().max().item()
-                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, f"rank {r}: accumulated gradient of {key}: {diff:.3g}"
+                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, (
+                    f"rank {r}: accumulated gradient of {key}: {diff:.3g}"
+                )
         for key, copies in res["params"].items():
             for got in copies:
                 diff = (got - ref.get_parameter(key).detach()).abs().max().item()
@@ -460,13 +507,20 @@ def _check_autocast(per_rank, path, auto):
     ref, loss, grads = _autocast_reference(path, auto, torch.bfloat16)
     _, loss32, grads32 = _autocast_reference(path, auto, None)
     effect = abs(loss - loss32) / abs(loss32)
-    assert effect > 5 * AUTOCAST_LOSS_RTOL, f"bf16 autocast moves this loss by only {effect:.3g}: the check cannot tell it from fp32"
+    assert effect > 5 * AUTOCAST_LOSS_RTOL, (
+        f"bf16 autocast moves this loss by only {effect:.3g}: the check cannot tell it from fp32"
+    )
     for r, res in enumerate(per_rank):
         assert res["loss"] == pytest.approx(loss, rel=2e-2)
         off = abs(res["loss"] - loss) / abs(loss)
         off32 = abs(res["loss"] - loss32) / abs(loss32)
-        assert off <= AUTOCAST_LOSS_RTOL, f"rank {r}: bf16 loss {res['loss']!r} is {off:.3g} from transformers' bf16 loss {loss!r} ({off32:.3g} from fp32)"
-        assert off32 > AUTOCAST_LOSS_RTOL, f"rank {r}: loss {res['loss']!r} is transformers' fp32 loss ({off32:.3g} off): autocast was not applied"
+        assert off <= AUTOCAST_LOSS_RTOL, (
+            f"rank {r}: bf16 loss {res['loss']!r} is {off:.3g} from transformers' bf16 loss {loss!r} "
+            f"({off32:.3g} from fp32)"
+        )
+        assert off32 > AUTOCAST_LOSS_RTOL, (
+            f"rank {r}: loss {res['loss']!r} is transformers' fp32 loss ({off32:.3g} off): autocast was not applied"
+        )
         sq = {"bf16": [0.0, 0.0], "fp32": [0.0, 0.0]}  # squared norms (difference, reference) over the rank's gradients
         assert res["grads"], f"rank {r}: no gradients came back"
         for key, copies in res["grads"].items():
@@ -476,12 +530,17 @@ def _check_autocast(per_rank, path, auto):
                 assert got.dtype == torch.float32  # autocast keeps fp32 master weights and gradients
                 err = ((got - want).norm() / want.norm()).item()
                 assert err <= 5e-2, f"rank {r}: bf16 gradient of {key}: relative error {err:.3g}"
-                assert err <= AUTOCAST_GRAD_RTOL, f"rank {r}: bf16 gradient of {key}: relative error {err:.3g} > {AUTOCAST_GRAD_RTOL:g}"
+                assert err <= AUTOCAST_GRAD_RTOL, (
+                    f"rank {r}: bf16 gradient of {key}: relative error {err:.3g} > {AUTOCAST_GRAD_RTOL:g}"
+                )
                 for name, w in (("bf16", want), ("fp32", want32)):
                     sq[name][0] += (got - w).pow(2).sum().item()
                     sq[name][1] += w.pow(2).sum().item()
         to_bf16, to_fp32 = ((d / n) ** 0.5 for d, n in sq.values())
-        assert to_bf16 < to_fp32, f"rank {r}: gradients are {to_fp32:.3g} from fp32 transformers and {to_bf16:.3g} from bf16: autocast was not applied"
+        assert to_bf16 < to_fp32, (
+            f"rank {r}: gradients are {to_fp32:.3g} from fp32 transformers and {to_bf16:.3g} from bf16: autocast "
+            "was not applied"
+        )
 
 
 @pytest.mark.dist
@@ -506,7 +565,10 @@ def test_llama_world4_and_pp_x_dp_equal_transformers(world4, world2):
             assert sorted((res["dp_rank"], res["pp_rank"]) for res in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # pp x dp against pp alone on the full batch (world 2, same checkpoint and schedule)
     w2_cases, w2_names, w2 = world2
-    for dp_name, pp_name in (("pp2 x dp2 1f1b", "llama8 1f1b v1"), ("pp2 x dp2 interleaved-1f1b v2", "llama8 interleaved-1f1b v2")):
+    for dp_name, pp_name in (
+        ("pp2 x dp2 1f1b", "llama8 1f1b v1"),
+        ("pp2 x dp2 interleaved-1f1b v2", "llama8 interleaved-1f1b v2"),
+    ):
         dp_res = [per_rank[r]["cases"][names.index(dp_name)] for r in range(4)]
         pp_res = [w2[r]["cases"][w2_names.index(pp_name)] for r in range(2)]
         assert dp_res[0]["losses"] == pytest.approx(pp_res[0]["losses"], rel=LOSS_RTOL)
@@ -515,7 +577,9 @@ def test_llama_world4_and_pp_x_dp_equal_transformers(world4, world2):
             for key, copies in res["grads"].items():
                 want = pp_grads[key]
                 diff = (copies[0] - want).abs().max().item()
-                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, f"{dp_name} vs {pp_name}: gradient of {key}: {diff:.3g}"
+                assert diff <= GRAD_RTOL * want.abs().max().item() + 1e-9, (
+                    f"{dp_name} vs {pp_name}: gradient of {key}: {diff:.3g}"
+                )
 
 
 @pytest.mark.dist
@@ -539,7 +603,9 @@ def test_world_size_1_runs_all_stages_locally_and_equals_transformers(checkpoint
     import hf_pipeline
 
     path, auto = checkpoints["t5"]
-    model = hf_pipeline.AutoModelForSeq2SeqLM.from_pretrained(path, pipeline=True, device="cpu", schedule="looped-bfs", virtual_stages=2, n_microbatches=M)
+    model = hf_pipeline.AutoModelForSeq2SeqLM.from_pretrained(
+        path, pipeline=True, device="cpu", schedule="looped-bfs", virtual_stages=2, n_microbatches=M
+    )
     assert [s.spec.index for s in model.stages] == [0, 1]
     res = {"losses": [], "norms": [], "grads": None}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)

@@ -1,0 +1,276 @@
+"""Training state beside a checkpoint's weights: optimizer, scheduler, RNG and step, saved and restored.
+
+Written only when ``save_pretrained`` is asked for it (``optimizer=`` / ``scheduler=`` / ``step=`` /
+``trainer_state=``): ``optimizer/pp-XXXXX.pt`` (one file per pipeline rank, states keyed by
+checkpoint key, with ``optimizer/index.json``), ``scheduler.pt``, ``rng/rank-XXXXX.pt`` (every global
+rank's RNG states) and ``trainer_state.json``. :func:`load_training_state` restores them, so a
+resumed run continues bitwise where it stopped (same world size, CPU). Optimizer states are keyed
+by checkpoint key, not by parameter index, so a run may resume with another stage layout.
+
+Example:
+    >>> model.save_pretrained("out/checkpoint-100", optimizer=opt, scheduler=sched, step=100)
+    >>> # later, possibly in a new job:
+    >>> path = latest_checkpoint("out")
+    >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    >>> state = load_training_state(model, path, optimizer=opt, scheduler=sched)   # state["step"] == 100
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+from typing import Any, Mapping
+
+import torch
+
+from ..distributed.agreement import collective_errors
+from ..errors import CheckpointError, CheckpointNotFoundError, InputError
+from ..log import get_logger
+from .checkpoint_format import (
+    FORMAT_VERSION,
+    INDEX_NAME,
+    OPTIMIZER_DIR,
+    RNG_DIR,
+    SAVE_ID_KEY,
+    SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+    is_complete_checkpoint,
+    why_incomplete,
+)
+from .durable import save_torch, write_json
+
+logger = get_logger(__name__)
+
+__all__ = [
+    "load_training_state",
+    "optimizer_file_name",
+    "optimizer_state_by_key",
+    "stage_main_training_state",
+    "stage_rank_training_state",
+]
+
+_FOREIGN_PARAMETER = (
+    "the optimizer holds a parameter that is not one of this model's stage parameters; build it from "
+    "model.parameters()"
+)
+
+
+def optimizer_file_name(pp_rank: int) -> str:
+    """The file (in ``optimizer/``) holding the optimizer state of pipeline rank ``pp_rank``'s parameters."""
+    return f"pp-{pp_rank:05d}.pt"
+
+
+def _key_of_parameter(model) -> dict[int, str]:
+    """id(parameter) -> checkpoint key, for this rank's stage parameters (a tied one under its first name)."""
+    layout = model.param_layout
+    key_of_param: dict[int, str] = {}
+    for stage in model.stages:
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            key_of_param.setdefault(id(p), layout.key_of.get(name, name))
+    return key_of_param
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+def optimizer_state_by_key(model, optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter indices replaced by checkpoint keys.
+
+    Raises:
+        InputError: the optimizer holds a parameter of none of this rank's stages.
+    """
+    key_of_param = _key_of_parameter(model)
+    sd = optimizer.state_dict()
+    index_to_key: dict[int, str] = {}
+    i = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in key_of_param:
+                raise InputError(f"{_FOREIGN_PARAMETER} (this rank's parameters only)")
+            index_to_key[i] = key_of_param[id(p)]
+            i += 1
+    return {
+        "format": FORMAT_VERSION,
+        "state": {index_to_key[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": [index_to_key[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def stage_rank_training_state(
+    model, staging: pathlib.Path, optimizer_state: dict[str, Any] | None, *, with_state: bool
+) -> None:
+    """This rank's share: its pipeline rank's optimizer state (replica 0) and its RNG states."""
+    if optimizer_state is not None:
+        save_torch(optimizer_state, staging / OPTIMIZER_DIR / optimizer_file_name(model.dims.pp_rank))
+    if with_state:
+        save_torch(_rng_state(), staging / RNG_DIR / f"rank-{model.ctx.rank:05d}.pt")
+
+
+def stage_main_training_state(
+    model,
+    staging: pathlib.Path,
+    token: str,
+    *,
+    optimizer_files: Mapping[str, str] | None,
+    scheduler: Any,
+    step: int | None,
+    extra: dict[str, Any] | None,
+    with_state: bool,
+) -> None:
+    """Rank 0's share: the scheduler, the optimizer index and ``trainer_state.json`` (naming the save ``token``).
+
+    Args:
+        optimizer_files: checkpoint key -> its optimizer state file (:func:`optimizer_file_name`), over
+            every rank; None when no rank saved an optimizer ({} for one without state, plain SGD).
+    """
+    if scheduler is not None:
+        save_torch(scheduler.state_dict(), staging / SCHEDULER_NAME)
+    if not with_state:
+        return
+    if optimizer_files is not None:
+        index = {"format": FORMAT_VERSION, "state_files": dict(optimizer_files)}
+        write_json(staging / OPTIMIZER_DIR / "index.json", index)
+    plan = model.plan
+    write_json(staging / TRAINER_STATE_NAME, {
+        **(extra or {}),
+        "format": FORMAT_VERSION, "step": step, "world_size": model.ctx.world_size, "pp_size": plan.pp_size,
+        "dp_size": model.dims.dp_size, "num_stages": plan.num_stages, "virtual_stages": plan.virtual_stages,
+        "schedule": model.schedule.name, "n_microbatches": model.n_microbatches,
+        "model_class": type(model.skeleton).__name__, "stage_blocks": [list(s.blocks) for s in plan.stages],
+        SAVE_ID_KEY: token,
+    })
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming
+# --------------------------------------------------------------------------------------------
+def load_training_state(
+    model,
+    directory: str | os.PathLike,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    rng: bool = True,
+) -> dict[str, Any]:
+    """Restore optimizer, scheduler and RNG state saved by ``save_pretrained(..., optimizer=...)``. Collective.
+
+    The model weights come from loading ``directory`` itself with ``from_pretrained(..., pipeline=True)``.
+
+    Args:
+        model: the :class:`~hf_pipeline.model.PipelinedModel` (any stage layout: optimizer states are
+            looked up by checkpoint key).
+        directory: a complete checkpoint.
+        optimizer: an optimizer built like the saved one over ``model.parameters()``.
+        scheduler: the LR scheduler to restore.
+        rng: restore this rank's RNG states (skipped with a warning if the world size changed).
+
+    Returns:
+        The ``trainer_state.json`` contents (``step`` among them).
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` is no complete checkpoint, or lacks the state asked for.
+        CheckpointError: its training state and weights come from different saves, or the optimizer
+            does not match the saved one.
+    """
+    directory = pathlib.Path(directory)
+    ctx = model.ctx
+    with collective_errors(ctx, "loading the training state"):
+        state = _trainer_state(directory)
+        if optimizer is not None:
+            _load_optimizer(model, optimizer, directory)
+        if scheduler is not None:
+            path = directory / SCHEDULER_NAME
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint was saved without scheduler=")
+            scheduler.load_state_dict(torch.load(path, weights_only=False))
+        if rng:
+            path = directory / RNG_DIR / f"rank-{ctx.rank:05d}.pt"
+            if state.get("world_size") == ctx.world_size and path.is_file():
+                _set_rng_state(torch.load(path, weights_only=False))
+            else:
+                logger.warning(
+                    "not restoring RNG state: the checkpoint was written by %s ranks, this job has %s; a resumed run "
+                    "then draws different dropout masks than an uninterrupted one",
+                    state.get("world_size"), ctx.world_size,
+                )
+    return state
+
+
+def _trainer_state(directory: pathlib.Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a complete checkpoint ({} without one), checked to belong to its weights."""
+    if not is_complete_checkpoint(directory):
+        raise CheckpointNotFoundError(f"{directory} is not a complete checkpoint: {why_incomplete(directory)}")
+    state_path = directory / TRAINER_STATE_NAME
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    weights_id = json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
+    if state.get(SAVE_ID_KEY) and weights_id and state[SAVE_ID_KEY] != weights_id:
+        raise CheckpointError(
+            f"the training state in {directory} was written by another save than its weights ({TRAINER_STATE_NAME} "
+            f"names save {state[SAVE_ID_KEY]}, {INDEX_NAME} save {weights_id}): a later save_pretrained into this "
+            "directory without optimizer=/step=, or one killed while replacing it. Resume from a checkpoint saved "
+            "with its training state, or load the weights alone"
+        )
+    return state
+
+
+def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
+    index_path = directory / OPTIMIZER_DIR / "index.json"
+    if not index_path.is_file():
+        raise CheckpointNotFoundError(f"{index_path} does not exist: the checkpoint was saved without optimizer=")
+    files = json.loads(index_path.read_text())["state_files"]
+    key_of_param = _key_of_parameter(model)
+    keys = [key_of_param.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    if any(k is None for k in keys):
+        raise InputError(_FOREIGN_PARAMETER)
+    # The files holding this rank's keys, and its own pipeline rank's file (the parameter groups) when there.
+    own = optimizer_file_name(model.dims.pp_rank)
+    own_file = {own} if (directory / OPTIMIZER_DIR / own).is_file() else set()
+    needed = sorted({files[k] for k in keys if k in files} | own_file)
+    saved: dict[str, dict] = {}
+    for name in needed:
+        saved[name] = torch.load(directory / OPTIMIZER_DIR / name, map_location=model.device, weights_only=True)
+    groups_from = saved.get(own) or next(iter(saved.values()), None)
+    if groups_from is None:
+        raise CheckpointNotFoundError(f"no optimizer state in {directory / OPTIMIZER_DIR} for this rank's parameters")
+    if len(groups_from["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the saved optimizer has {len(groups_from['param_groups'])} parameter groups, this one "
+            f"{len(optimizer.param_groups)}; build the optimizer the way the saved run did"
+        )
+    state = {}
+    for i, key in enumerate(keys):
+        if key in files and key in saved[files[key]]["state"]:
+            state[i] = saved[files[key]]["state"][key]
+    groups, i = [], 0
+    for saved_group, group in zip(groups_from["param_groups"], optimizer.param_groups):
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(i, i + n))})
+        i += n
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
