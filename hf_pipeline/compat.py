@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from .errors import InternalError
+
 __all__ = [
     "Action",
     "ComputationType",
@@ -101,7 +103,7 @@ _GENERATION_HELPERS = (
 def generation_helper(model: Any, name: str):
     """``model``'s GenerationMixin step ``name`` (one of the private helpers above), bound."""
     if name not in _GENERATION_HELPERS:
-        raise KeyError(f"{name!r} is not a GenerationMixin helper this package uses")
+        raise InternalError(f"{name!r} is not a GenerationMixin helper this package uses; list it in compat.py")
     return getattr(model, name)
 
 

@@ -124,10 +124,21 @@ class StepProgress:
         desc: the bar's label.
     """
 
-    def __init__(self, total: int, *, initial: int = 0, log_every: int = 10, enabled: bool = True, bar: bool = True, desc: str = "train") -> None:
+    def __init__(
+        self,
+        total: int,
+        *,
+        initial: int = 0,
+        log_every: int = 10,
+        enabled: bool = True,
+        bar: bool = True,
+        desc: str = "train",
+    ) -> None:
         self.total, self.initial, self.log_every, self.enabled = total, initial, log_every, enabled
         self._start = time.perf_counter()
-        self._bar = progress_bar(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, enabled=enabled and bar)
+        self._bar = progress_bar(
+            total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, enabled=enabled and bar
+        )
 
     def eta(self, done: int) -> float:
         """Seconds left at ``done`` steps, from the mean time per step so far."""
@@ -140,7 +151,8 @@ class StepProgress:
             return
         self._bar.set_postfix({k: _short(v) for k, v in metrics.items()}, refresh=False)
         if done >= self.total:
-            # The final state drawn once, by close(): update() would draw it too, and so would a line written before close().
+            # The final state drawn once, by close(): update() would draw it too, and so would a line written before
+            # close().
             self._bar.n = done
             self.close()
         else:

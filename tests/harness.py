@@ -37,7 +37,15 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["STARTUP_TIMEOUT_S", "ChildFailed", "RunTiming", "expect_errors", "free_port", "last_run_timing", "run_distributed"]
+__all__ = [
+    "STARTUP_TIMEOUT_S",
+    "ChildFailed",
+    "RunTiming",
+    "expect_errors",
+    "free_port",
+    "last_run_timing",
+    "run_distributed",
+]
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _TESTS = pathlib.Path(__file__).resolve().parent
@@ -160,7 +168,10 @@ def _failure(rank: int, status: str, payload: Any, timeout: float, grace: float,
         msg = f"rank {rank} timed out after {timeout:g} s (killed)"
         return msg, TimeoutError(msg)
     if status == "startup":
-        msg = f"rank {rank} did not start within {STARTUP_TIMEOUT_S:g} s (killed; spawning, importing torch or unpickling fn hung)"
+        msg = (
+            f"rank {rank} did not start within {STARTUP_TIMEOUT_S:g} s "
+            "(killed; spawning, importing torch or unpickling fn hung)"
+        )
         return msg, TimeoutError(msg)
     if status == "stuck":
         msg = (
@@ -226,8 +237,10 @@ def run_distributed(
     extra = {str(k): str(v) for k, v in (env or {}).items()}
     procs = [
         ctx.Process(
-            target=_child, args=(r, _rank_env(r, world_size, port, extra), payload, out),
-            name=f"rank{r}", daemon=True,
+            target=_child,
+            args=(r, _rank_env(r, world_size, port, extra), payload, out),
+            name=f"rank{r}",
+            daemon=True,
         )
         for r in range(world_size)
     ]
@@ -280,7 +293,9 @@ def run_distributed(
     messages: list[str] = []
     values: list[Any] = []
     for r in range(world_size):
-        status, value = results.get(r, ("stuck" if first_failed is not None else "timeout" if r in up else "startup", None))
+        status, value = results.get(
+            r, ("stuck" if first_failed is not None else "timeout" if r in up else "startup", None)
+        )
         if status == "ok":
             values.append(value)
             continue
@@ -292,7 +307,9 @@ def run_distributed(
     return values
 
 
-def expect_errors(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60, **kwargs: Any) -> list[BaseException | None]:
+def expect_errors(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60, **kwargs: Any
+) -> list[BaseException | None]:
     """Run ``fn`` like :func:`run_distributed` and return each rank's exception, ``None`` where it returned.
 
     For bad-input tests: assert that every rank raised, and with which message.

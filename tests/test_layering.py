@@ -81,7 +81,9 @@ def _layer(module: str) -> int:
     for i, layer in enumerate(LAYERS):
         if _room(module) in layer:
             return i
-    raise AssertionError(f"hf_pipeline/{module.replace('.', '/')} is in no layer of tests/test_layering.py: add it where it belongs")
+    raise AssertionError(
+        f"hf_pipeline/{module.replace('.', '/')} is in no layer of tests/test_layering.py: add it where it belongs"
+    )
 
 
 def test_every_module_has_a_layer():
@@ -92,13 +94,17 @@ def test_every_module_has_a_layer():
 def test_every_subpackage_says_what_lives_there_and_what_it_may_import():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert len(doc.split()) >= 20 and "import" in doc, f"{init}: the docstring should say what lives here and what it may import"
+        assert len(doc.split()) >= 20 and "import" in doc, (
+            f"{init}: the docstring should say what lives here and what it may import"
+        )
 
 
 def test_no_module_imports_another_modules_private_names():
     bad = [
         f"{m}:{line} imports {target}.{n}"
-        for m, items in _imports().items() for target, names, line in items for n in names
+        for m, items in _imports().items()
+        for target, names, line in items
+        for n in names
         if n.startswith("_") and n != "__version__"
     ]
     assert not bad, "\n".join(bad)
@@ -124,7 +130,9 @@ def test_import_graph_has_no_cycle():
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else nxt)
+                raise AssertionError(
+                    "import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]) if nxt in path else nxt
+                )
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2

@@ -161,14 +161,43 @@ def test_step_progress_resumed_measures_eta_from_the_resumed_step(capsys):
 def _train(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     data = tmp_path / "data.txt"
     data.write_text("\n".join(["Return the sum of the items.", "Open the file for reading."] * 8), encoding="utf-8")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_PIPELINE_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_PIPELINE_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "HF_HUB_DISABLE_PROGRESS_BARS"):
         env.pop(key, None)
     return subprocess.run(
-        [sys.executable, "-m", "hf_pipeline.cli", "train", "--data", str(data), "--output-dir", str(tmp_path / "out"), "--steps", "4",
-         "--batch-size", "2", "--block-size", "8", "--device", "cpu", "--log-every", "2", *extra],
-        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "hf_pipeline.cli",
+            "train",
+            "--data",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--block-size",
+            "8",
+            "--device",
+            "cpu",
+            "--log-every",
+            "2",
+            *extra,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
 
 

@@ -14,8 +14,21 @@ import torch
 import transformers
 
 __all__ = [
-    "ARCHS", "AUTO", "WORDS", "config_for", "edit_checkpoint", "make_batch", "make_checkpoint", "padded_rows", "reference",
-    "sample_inputs", "save_pytorch_checkpoint", "sliding_config", "tensors_by_key", "text_file", "word_tokenizer",
+    "ARCHS",
+    "AUTO",
+    "WORDS",
+    "config_for",
+    "edit_checkpoint",
+    "make_batch",
+    "make_checkpoint",
+    "padded_rows",
+    "reference",
+    "sample_inputs",
+    "save_pytorch_checkpoint",
+    "sliding_config",
+    "tensors_by_key",
+    "text_file",
+    "word_tokenizer",
 ]
 
 ARCHS = ("llama", "gpt2", "bert", "t5")
@@ -36,40 +49,83 @@ def config_for(arch: str, **overrides) -> transformers.PretrainedConfig:
     common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         cfg = transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, tie_word_embeddings=False, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            **common,
         )
     elif arch == "llama-tied":
         cfg = transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, tie_word_embeddings=True, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=True,
+            **common,
         )
     elif arch == "mistral":
         cfg = transformers.MistralConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, sliding_window=None, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            sliding_window=None,
+            **common,
         )
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            **common,
         )
     elif arch == "qwen3":  # no built-in recipe: tests register one (LLaMA-shaped, q/k norms inside attention)
         cfg = transformers.Qwen3Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, max_position_embeddings=128, tie_word_embeddings=False, **common,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            **common,
         )
     elif arch == "gpt2":
         cfg = transformers.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=128, **common)
     elif arch == "bert":
         cfg = transformers.BertConfig(
-            hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
-            vocab_size=VOCAB, pad_token_id=0,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            vocab_size=VOCAB,
+            pad_token_id=0,
         )
     elif arch == "t5":
         cfg = transformers.T5Config(
-            d_model=32, d_ff=64, d_kv=8, num_layers=3, num_decoder_layers=3, num_heads=4, vocab_size=VOCAB,
-            pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+            d_model=32,
+            d_ff=64,
+            d_kv=8,
+            num_layers=3,
+            num_decoder_layers=3,
+            num_heads=4,
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=0,
         )
     else:
         raise ValueError(arch)
@@ -78,11 +134,15 @@ def config_for(arch: str, **overrides) -> transformers.PretrainedConfig:
     return cfg
 
 
-def make_checkpoint(directory: str | pathlib.Path, arch: str, *, auto: str | None = None, seed: int = 0, shards: int = 3, **overrides) -> pathlib.Path:
+def make_checkpoint(
+    directory: str | pathlib.Path, arch: str, *, auto: str | None = None, seed: int = 0, shards: int = 3, **overrides
+) -> pathlib.Path:
     """Save a tiny randomly initialised ``arch`` model in >= ``shards`` safetensors shards."""
     directory = pathlib.Path(directory)
     torch.manual_seed(seed)
-    model = getattr(transformers, auto or AUTO.get(arch.split("-")[0], "AutoModelForCausalLM")).from_config(config_for(arch, **overrides))
+    model = getattr(transformers, auto or AUTO.get(arch.split("-")[0], "AutoModelForCausalLM")).from_config(
+        config_for(arch, **overrides)
+    )
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     # Leave room for the largest single tensor: a shard never splits one.
     biggest = max(p.numel() * p.element_size() for p in model.parameters())
@@ -100,7 +160,9 @@ def reference(path, auto: str):
     return getattr(transformers, auto).from_pretrained(path, dtype=torch.float32).eval()
 
 
-def sample_inputs(arch: str, batch: int = 4, seq: int = 9, *, seed: int = 1, pad_left: bool = True) -> dict[str, torch.Tensor]:
+def sample_inputs(
+    arch: str, batch: int = 4, seq: int = 9, *, seed: int = 1, pad_left: bool = True
+) -> dict[str, torch.Tensor]:
     """Random ids with an attention mask that pads the first sequences (uneven lengths)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
@@ -189,7 +251,7 @@ def make_batch(arch: str, rows: int = 8, seed: int = 1) -> dict[str, torch.Tenso
         labels = inputs.pop("decoder_input_ids")
         for b in range(rows):
             if b % 3:
-                labels[b, -(b % 3):] = -100
+                labels[b, -(b % 3) :] = -100
     else:
         labels = ids.masked_fill(mask == 0, -100)
     inputs["labels"] = labels
@@ -214,7 +276,10 @@ def text_file(path: pathlib.Path, lines: int = 60) -> pathlib.Path:
 
 
 def word_tokenizer(text: pathlib.Path):
-    """A word-level fast tokenizer trained on ``text`` (at most VOCAB ids; pad/bos/eos are ids 0, 1, 2 as in the configs)."""
+    """A word-level fast tokenizer trained on ``text``.
+
+    At most VOCAB ids; pad/bos/eos are ids 0, 1, 2 as in the configs.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
@@ -222,35 +287,61 @@ def word_tokenizer(text: pathlib.Path):
     specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]", "[MASK]"]  # ids 0, 1, 2 match tiny's pad/bos/eos
     tok.train([str(text)], trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=specials))
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", mask_token="[MASK]",
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
     )
 
 
-def sliding_config(arch: str, *, window: int = 5, layers: int = 6, full_layers: int = 3, **overrides) -> transformers.PretrainedConfig:
+def sliding_config(
+    arch: str, *, window: int = 5, layers: int = 6, full_layers: int = 3, **overrides
+) -> transformers.PretrainedConfig:
     """A tiny LLaMA-family config with a ``window``-token sliding window, ``layers`` decoder layers.
 
     ``"mistral"``: every layer slides (``sliding_window``); ``"qwen2"``: layers ``0 .. full_layers - 1``
     full, the rest sliding (``use_sliding_window``, ``max_window_layers``: ``config.layer_types``).
     """
     common = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
         tie_word_embeddings=False,
     )
     if arch == "mistral":
         return transformers.MistralConfig(**{"sliding_window": window, **common, **overrides})
     if arch == "qwen2":
-        return transformers.Qwen2Config(**{
-            "use_sliding_window": True, "sliding_window": window, "max_window_layers": full_layers, **common, **overrides,
-        })
+        return transformers.Qwen2Config(
+            **{
+                "use_sliding_window": True,
+                "sliding_window": window,
+                "max_window_layers": full_layers,
+                **common,
+                **overrides,
+            }
+        )
     raise ValueError(f"sliding_config: {arch!r} is not 'mistral' or 'qwen2'")
 
 
-
 def padded_rows(
-    rows: int, seq: int, *, seed: int = 1, pad_left: bool = True, zero_rows: tuple[int, ...] = (), pad_id: int | None = 0,
+    rows: int,
+    seq: int,
+    *,
+    seed: int = 1,
+    pad_left: bool = True,
+    zero_rows: tuple[int, ...] = (),
+    pad_id: int | None = 0,
 ) -> dict[str, torch.Tensor]:
-    """Random ids and an attention mask in which row ``b`` has ``b % seq`` pads and each of ``zero_rows`` is all padding.
+    """Random ids and an attention mask: row ``b`` has ``b % seq`` pads, each of ``zero_rows`` is all padding.
 
     Pads are on the left (``pad_left``) or the right, with id ``pad_id`` (the configs' ``pad_token_id``),
     or, with ``pad_id=None``, the random ids stay under the padding, so only the mask hides them.

@@ -450,15 +450,8 @@ def make_plan(
         starts = _named_starts(units, split, num_stages)
     bounds = list(zip(starts, starts[1:] + [len(units)]))
     stages = tuple(
-        _stage(
-            s,
-            units.group(a, b),
-            units=units,
-            coster=coster,
-            pp_size=pp_size,
-            layout=layout,
-            is_last=s == num_stages - 1,
-        )
+        _stage(s, units.group(a, b), units=units, coster=coster, pp_size=pp_size, layout=layout,
+               is_last=s == num_stages - 1)
         for s, (a, b) in enumerate(bounds)
     )
     total_params = sum(p.numel() for p in model.parameters())

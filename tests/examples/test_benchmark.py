@@ -27,15 +27,22 @@ def test_random_checkpoint_is_a_real_sharded_checkpoint(tmp_path):
     import transformers
 
     bench = _bench()
-    cfg = bench.llama_config(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=128, max_pos=64, dtype="bfloat16")
+    cfg = bench.llama_config(
+        hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=128, max_pos=64, dtype="bfloat16"
+    )
     path = bench.write_random_checkpoint(tmp_path / "ck", cfg, shard_bytes=12_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 4
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert index["metadata"]["total_size"] == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert float(model.model.norm.weight.detach().float().mean()) == 1.0 and 0.01 < float(model.lm_head.weight.detach().float().std()) < 0.03
+    assert (
+        float(model.model.norm.weight.detach().float().mean()) == 1.0
+        and 0.01 < float(model.lm_head.weight.detach().float().std()) < 0.03
+    )
     # a complete directory is a cache: not rewritten
     stamp = (path / shards[0]).stat().st_mtime_ns
     bench.write_random_checkpoint(path, cfg, shard_bytes=12_000)
@@ -44,8 +51,25 @@ def test_random_checkpoint_is_a_real_sharded_checkpoint(tmp_path):
 
 def test_partial_rerun_replaces_only_its_sections():
     bench = _bench()
-    old = {"load": {"x": 1}, "train": {"y": 2}, "generate": {"z": 3}, "command": "full", "quick": False, "sizes": {}, "errors": []}
-    new = {"generate": {"z": 4}, "command": "rerun", "date": "d", "seconds": 5, "quick": False, "sizes": {}, "errors": [], "machine": {}}
+    old = {
+        "load": {"x": 1},
+        "train": {"y": 2},
+        "generate": {"z": 3},
+        "command": "full",
+        "quick": False,
+        "sizes": {},
+        "errors": [],
+    }
+    new = {
+        "generate": {"z": 4},
+        "command": "rerun",
+        "date": "d",
+        "seconds": 5,
+        "quick": False,
+        "sizes": {},
+        "errors": [],
+        "machine": {},
+    }
     merged = bench.merge(old, new, ["generate"])
     assert merged["load"] == {"x": 1} and merged["train"] == {"y": 2} and merged["generate"] == {"z": 4}
     assert merged["runs"][-1]["sections"] == ["generate"]
@@ -60,7 +84,8 @@ def test_report_tables_are_data_rendered_once():
     table.add("2", "error: out of memory", None)
     table.add("4", "", "1.00x")
     assert render(["Load:", "", table, ""]) == (
-        "Load:\n\n| ranks | peak | read |\n|---|---|---|\n| 2 | error: out of memory | |\n| 4 |  | 1.00x |\n")
+        "Load:\n\n| ranks | peak | read |\n|---|---|---|\n| 2 | error: out of memory | |\n| 4 |  | 1.00x |\n"
+    )
 
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:
@@ -81,7 +106,15 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert "results.json" in committed and "results.md" in committed
     out = ROOT / "bench_out" / "quick"
     started = time.time()
-    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick", "--cache-dir", str(tmp_path / "cache"), "--timeout", "240"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "benchmark.py"),
+        "--quick",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--timeout",
+        "240",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
     after = _files(ROOT / "bench_results")
     changed = sorted(name for name in committed.keys() | after.keys() if committed.get(name) != after.get(name))
@@ -109,27 +142,40 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         # load time against plainly reading the same bytes, per rank, max over ranks
         assert all(math.isfinite(x) and x > 0 for x in row["load_seconds"] + row["read_seconds"])
         # each rank's ratio is the median of its interleaved (read, load) pairs' ratios; the row shows the worst rank's
-        assert len(row["load_over_read_per_rank"]) == int(p) and all(math.isfinite(x) and x > 0 for x in row["load_over_read_per_rank"])
+        assert len(row["load_over_read_per_rank"]) == int(p) and all(
+            math.isfinite(x) and x > 0 for x in row["load_over_read_per_rank"]
+        )
         assert row["load_over_read"] == pytest.approx(max(row["load_over_read_per_rank"]))
         # where each rank's load went, by phase: every phase timed, the reading among them
         for phases in row["phases"]:
-            assert {"headers", "read", "initialise missing, materialise"} <= set(phases) and all(v >= 0 for v in phases.values())
+            assert {"headers", "read", "initialise missing, materialise"} <= set(phases) and all(
+                v >= 0 for v in phases.values()
+            )
 
     # Generate: every ratio is this run's pipelined figure over this run's baseline, tokens equal.
     gen = res["generate"]
     assert gen["pipelined"]["tokens_equal_transformers"] and gen["one_microbatch"]["tokens_equal_transformers"]
     assert gen["pipelined"]["n_microbatches"] == 2 and gen["one_microbatch"]["n_microbatches"] == 1
-    assert gen["more_microbatches"]["n_microbatches"] == world + 1 and gen["more_microbatches"]["tokens_equal_transformers"]
+    assert (
+        gen["more_microbatches"]["n_microbatches"] == world + 1
+        and gen["more_microbatches"]["tokens_equal_transformers"]
+    )
     # chunked prefill: transformers' chunked tokens, in as many prefill steps as chunks, paired with the 2-way limit
     ch = gen["chunked_prefill"]
-    assert ch["tokens_equal_transformers"] and ch["prefill_steps"] == -(-sizes["prompt_len"] // sizes["prefill_chunk"]) > 1
+    assert (
+        ch["tokens_equal_transformers"] and ch["prefill_steps"] == -(-sizes["prompt_len"] // sizes["prefill_chunk"]) > 1
+    )
     assert gen["pipelined"]["prefill_steps"] == 1
     assert len(ch["two_way_seconds"]) == len(ch["seconds"]) == sizes["gen_reps"]
-    assert ch["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(ch["two_way_seconds"], ch["seconds"])]))
+    assert ch["fraction_of_two_way"] == pytest.approx(
+        statistics.median([w / p for w, p in zip(ch["two_way_seconds"], ch["seconds"])])
+    )
     pf = gen["prefill"]
     assert all(len(v) >= 3 and min(v) > 0 for v in pf["seconds"].values()), pf
     assert pf["pipelined_fill_theory"] == pytest.approx((2 + world - 1) / 2)
-    assert pf["chunked_prefill_fill_theory"] == pytest.approx((2 * ch["prefill_steps"] + world - 1) / (2 * ch["prefill_steps"]))
+    assert pf["chunked_prefill_fill_theory"] == pytest.approx(
+        (2 * ch["prefill_steps"] + world - 1) / (2 * ch["prefill_steps"])
+    )
     assert "prefill_chunk_size=" in md
     tps = {k: gen[k]["tokens_per_s"] for k in ("baseline", "pipelined", "one_microbatch")}
     assert all(math.isfinite(v) and v > 0 for v in tps.values()), tps
@@ -142,16 +188,26 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert (out / "timelines" / "generate.png").is_file()
     bound = gen["bound"]  # the ring's ceiling on this machine, from transformers step times in the same run
     assert bound["microbatches"] == 2
-    assert all(math.isfinite(bound[k]) and bound[k] > 0 for k in ("full_step_s", "stage_step_s", "concurrent_stage_step_s"))
+    assert all(
+        math.isfinite(bound[k]) and bound[k] > 0 for k in ("full_step_s", "stage_step_s", "concurrent_stage_step_s")
+    )
     assert bound["speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["stage_step_s"]))
-    assert bound["concurrent_speedup_bound"] == pytest.approx(bound["full_step_s"] / (2 * bound["concurrent_stage_step_s"]))
+    assert bound["concurrent_speedup_bound"] == pytest.approx(
+        bound["full_step_s"] / (2 * bound["concurrent_stage_step_s"])
+    )
     assert "No 2-stage ring with 2 microbatches can beat" in md
     # the bound's stages are the pipelined model's own split: every layer once, the LM head on the last rank
-    assert len(bound["stage_parts"]) == len(bound["stage_steps_s"]) == world and bound["stage_step_s"] == max(bound["stage_steps_s"])
-    assert bound["stage_parts"][0].startswith("layers 0-") and bound["stage_parts"][-1].endswith(f"-{sizes['layers'] - 1} + LM head")
+    assert len(bound["stage_parts"]) == len(bound["stage_steps_s"]) == world and bound["stage_step_s"] == max(
+        bound["stage_steps_s"]
+    )
+    assert bound["stage_parts"][0].startswith("layers 0-") and bound["stage_parts"][-1].endswith(
+        f"-{sizes['layers'] - 1} + LM head"
+    )
     assert math.isfinite(bound["decode_token_s"]) and math.isfinite(bound["torch_ring_token_s"])
     # the message's hop and the ring it predicts: back to back plus one hop per rank
-    assert 0 < bound["hop_s"] < 1 and bound["predicted_ring_token_s"] == pytest.approx(bound["back_to_back_token_s"] + world * bound["hop_s"])
+    assert 0 < bound["hop_s"] < 1 and bound["predicted_ring_token_s"] == pytest.approx(
+        bound["back_to_back_token_s"] + world * bound["hop_s"]
+    )
     assert "One hop of the ring's message" in md
     # per decoded token against the 2-way processes: the factors multiply up to the measured ratio (the
     # per-token times are differences of two calls' medians: in a tiny run they may be noise, even negative)
@@ -162,8 +218,12 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert f["stages"] == pytest.approx(bound["back_to_back_token_s"] / bound["two_way_step_token_s"])
     # the 2-way limit: paired with the pipelined runs, one per timed run
     assert len(gen["two_way_seconds"]) == len(gen["pipelined"]["seconds"]) == sizes["gen_reps"]
-    assert gen["fraction_of_two_way"] == pytest.approx(statistics.median([w / p for w, p in zip(gen["two_way_seconds"], gen["pipelined"]["seconds"])]))
-    assert gen["two_way_speedup"] == pytest.approx(statistics.median(gen["baseline"]["seconds"]) / statistics.median(gen["two_way_seconds"]))
+    assert gen["fraction_of_two_way"] == pytest.approx(
+        statistics.median([w / p for w, p in zip(gen["two_way_seconds"], gen["pipelined"]["seconds"])])
+    )
+    assert gen["two_way_speedup"] == pytest.approx(
+        statistics.median(gen["baseline"]["seconds"]) / statistics.median(gen["two_way_seconds"])
+    )
     assert _ratio(gen["two_way_speedup"], world) and _ratio(gen["fraction_of_two_way"], world)
 
     # Train: each schedule's steps are paired with 2-way transformers steps run just before them, in its job.
@@ -171,47 +231,69 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert train["tokens_per_step"] == sizes["batch"] * sizes["seq"]
     base = train["baseline"]
     assert base["tokens_per_s"] == pytest.approx(train["tokens_per_step"] / statistics.median(base["step_seconds"]))
-    theory = {"gpipe": (world - 1) / (m + world - 1), "1f1b": (world - 1) / (m + world - 1),
-              "interleaved-1f1b": (world - 1) / (2 * m + world - 1)}  # (p-1)/(v*m+p-1)
+    theory = {
+        "gpipe": (world - 1) / (m + world - 1),
+        "1f1b": (world - 1) / (m + world - 1),
+        "interleaved-1f1b": (world - 1) / (2 * m + world - 1),
+    }  # (p-1)/(v*m+p-1)
     assert set(theory) <= set(train["schedules"])
     # the microbatch cost: a rank's share of the batch (what each 2-way process trains in one piece) as the
     # pipeline's microbatches one after another, paired with the share in one piece; and the same on the whole batch
     cost = base["microbatch_cost"]
     assert len(base["share_microbatched_seconds"]) == len(base["share_step_seconds"]) == sizes["train_reps"]
-    assert cost == pytest.approx(statistics.median([mb / s for mb, s in zip(base["share_microbatched_seconds"], base["share_step_seconds"])]))
+    assert cost == pytest.approx(
+        statistics.median([mb / s for mb, s in zip(base["share_microbatched_seconds"], base["share_step_seconds"])])
+    )
     assert 0.2 < cost < 20, cost
     assert len(base["microbatched_seconds"]) == len(base["step_seconds"]) == sizes["train_reps"]
     assert base["whole_batch_microbatch_cost"] == pytest.approx(
-        statistics.median([mb / s for mb, s in zip(base["microbatched_seconds"], base["step_seconds"])]))
+        statistics.median([mb / s for mb, s in zip(base["microbatched_seconds"], base["step_seconds"])])
+    )
     sb = base["split_backward"]  # the split backward against the full one, on one rank's layers
-    assert all(math.isfinite(sb[k]) and sb[k] > 0 for k in ("forward", "backward", "input", "weight", "torch_input", "torch_weight"))
-    assert sb["split_over_full"] == pytest.approx((sb["input"] + sb["weight"]) / sb["backward"]) and 0.3 < sb["split_over_full"] < 10
+    assert all(
+        math.isfinite(sb[k]) and sb[k] > 0
+        for k in ("forward", "backward", "input", "weight", "torch_input", "torch_weight")
+    )
+    assert (
+        sb["split_over_full"] == pytest.approx((sb["input"] + sb["weight"]) / sb["backward"])
+        and 0.3 < sb["split_over_full"] < 10
+    )
     assert sb["torch_split_over_full"] == pytest.approx((sb["torch_input"] + sb["torch_weight"]) / sb["backward"])
     assert sb["layers"] == sizes["layers"] // world and "stage_backward_input" in md
     limits = [w for row in train["schedules"].values() for w in row["two_way_seconds"]]
-    assert train["two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(limits))
+    assert train["two_way_speedup"] == pytest.approx(
+        statistics.median(base["step_seconds"]) / statistics.median(limits)
+    )
     assert train["perfect_overlap_speedup"] == pytest.approx(train["two_way_speedup"] / cost)
     micro_limits = [w for row in train["schedules"].values() for w in row["two_way_microbatched_seconds"]]
-    assert train["microbatched_two_way_speedup"] == pytest.approx(statistics.median(base["step_seconds"]) / statistics.median(micro_limits))
+    assert train["microbatched_two_way_speedup"] == pytest.approx(
+        statistics.median(base["step_seconds"]) / statistics.median(micro_limits)
+    )
     assert "perfect overlap measured" in md and "= schedule" in md
-    # every fixed schedule in one job, steps taking turns: ratios against 1F1B and the measured perfect overlap, per round
+    # every fixed schedule in one job, steps taking turns: ratios against 1F1B and the measured perfect overlap, per
+    # round
     paired = train["paired"]
     fixed_names = [n for n in train["schedules"] if n not in ("auto", "gpipe") and not n.endswith(_bench().MEASURED)]
-    assert list(paired["schedules"]) == fixed_names and len(paired["two_way_microbatched_seconds"]) == sizes["train_reps"]
+    assert (
+        list(paired["schedules"]) == fixed_names and len(paired["two_way_microbatched_seconds"]) == sizes["train_reps"]
+    )
     for name, row in paired["schedules"].items():
         assert len(row["step_seconds"]) == sizes["train_reps"] and all(t > 0 for t in row["step_seconds"]), name
-        assert row["vs_1f1b"] == pytest.approx(statistics.median(
-            [r / t for r, t in zip(paired["schedules"]["1f1b"]["step_seconds"], row["step_seconds"])])), name
-        assert row["fraction_of_microbatched_two_way"] == pytest.approx(statistics.median(
-            [w / t for w, t in zip(paired["two_way_microbatched_seconds"], row["step_seconds"])])), name
+        assert row["vs_1f1b"] == pytest.approx(
+            statistics.median([r / t for r, t in zip(paired["schedules"]["1f1b"]["step_seconds"], row["step_seconds"])])
+        ), name
+        assert row["fraction_of_microbatched_two_way"] == pytest.approx(
+            statistics.median([w / t for w, t in zip(paired["two_way_microbatched_seconds"], row["step_seconds"])])
+        ), name
     assert paired["schedules"]["1f1b"]["vs_1f1b"] == 1.0 and "tokens/s vs 1F1B, paired" in md
     # beside each, torch's own pipeline on the same split: the same loss on the same weights (a missing
     # layer, mask or head would move it by far more than the microbatches' summation order), steps paired
     for name, row in paired["schedules"].items():
         theirs = row["torch_only"]
         assert len(theirs["step_seconds"]) == sizes["train_reps"] and all(t > 0 for t in theirs["step_seconds"]), name
-        assert theirs["vs_torch_only"] == pytest.approx(statistics.median(
-            [t / o for t, o in zip(theirs["step_seconds"], row["step_seconds"])])), name
+        assert theirs["vs_torch_only"] == pytest.approx(
+            statistics.median([t / o for t, o in zip(theirs["step_seconds"], row["step_seconds"])])
+        ), name
         assert len(theirs["losses"]) == sizes["train_reps"] + 1, name
         for ours, torch_only in theirs["losses"]:
             assert torch_only == pytest.approx(ours, rel=1e-5), name
@@ -220,7 +302,11 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
     MEASURED = _bench().MEASURED
-    best = max(row["tokens_per_s"] for name, row in train["schedules"].items() if name != "auto" and not name.endswith(MEASURED))
+    best = max(
+        row["tokens_per_s"]
+        for name, row in train["schedules"].items()
+        if name != "auto" and not name.endswith(MEASURED)
+    )
     assert train["auto_vs_best_fixed"] == pytest.approx(auto["tokens_per_s"] / best)
     # a schedule loaded again with the split model.measure_split() advised, against its planned split
     measured = train["schedules"]["zbv-zero-bubble" + MEASURED]
@@ -228,20 +314,26 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert ms["planned"] == train["schedules"]["zbv-zero-bubble"]["split"] and measured["split"] == ms["split"]
     assert set(ms["head_blocks"]) == set(ms["head_blocks_by_flops"]) == {"lm_head"} and ms["head_blocks"]["lm_head"] > 0
     assert len(ms["planned_step_seconds"]) == len(measured["step_seconds"]) == sizes["train_reps"]  # paired in its job
-    assert measured["vs_planned_split"] == pytest.approx(statistics.median([p / m for p, m in zip(ms["planned_step_seconds"], measured["step_seconds"])]))
+    assert measured["vs_planned_split"] == pytest.approx(
+        statistics.median([p / m for p, m in zip(ms["planned_step_seconds"], measured["step_seconds"])])
+    )
     assert "`model.measure_split(batch)` on the planned split" in md
     assert f"auto: {auto['picked']['schedule']}, m={auto['picked']['n_microbatches']}" in md
     for name, row in train["schedules"].items():
         steps, two_way = row["step_seconds"], row["two_way_seconds"]
         assert len(steps) == len(two_way) == sizes["train_reps"], name
         assert all(math.isfinite(t) and t > 0 for t in steps + two_way), name
-        assert row["fraction_of_two_way"] == pytest.approx(statistics.median([w / s for w, s in zip(two_way, steps)])), name
+        assert row["fraction_of_two_way"] == pytest.approx(
+            statistics.median([w / s for w, s in zip(two_way, steps)])
+        ), name
         assert row["fraction_of_perfect_overlap"] == pytest.approx(row["fraction_of_two_way"] * cost), name
         assert row["tokens_per_s"] == pytest.approx(train["tokens_per_step"] / statistics.median(steps)), name
         assert row["speedup_vs_separate_baseline"] == pytest.approx(row["tokens_per_s"] / base["tokens_per_s"]), name
         assert _ratio(row["speedup_vs_separate_baseline"], world) and _ratio(row["fraction_of_two_way"], world), name
         assert all(row["order_matches_schedule"].values()), name
-        assert row["profiled_steps"] == 1 and row["profiled_step"] == 0, name  # --quick profiles one step (full runs: 3, the median shown)
+        assert row["profiled_steps"] == 1 and row["profiled_step"] == 0, (
+            name
+        )  # --quick profiles one step (full runs: 3, the median shown)
         assert all(0 <= v < 1 for v in row["idle_fraction"].values()), name
         assert all(0 < row["busy_seconds"][r] <= row["profiled_wall_seconds"][r] for r in row["busy_seconds"]), name
         if name in theory:
@@ -249,7 +341,8 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         # where the step goes: factors whose product is the median step over the median 2-way step
         gap = row["gap"]
         assert gap["compute"] * gap["imbalance"] * gap["bubble"] * gap["rest"] == pytest.approx(
-            statistics.median(steps) / statistics.median(two_way)), name
+            statistics.median(steps) / statistics.median(two_way)
+        ), name
         busy = list(row["busy_seconds"].values())
         assert gap["imbalance"] == pytest.approx(max(busy) / statistics.mean(busy)) and gap["imbalance"] >= 1, name
         assert gap["bubble"] >= 1 and gap["compute"] > 0, name
@@ -261,13 +354,19 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert gap["microbatches"] * gap["stages"] == pytest.approx(gap["compute"]), name
         bd = row["breakdown"]  # the profiled step's Timeline.breakdown, with the measured hop
         assert bd["busy_seconds"] == busy and bd["wall_seconds"] == max(row["profiled_wall_seconds"].values()), name
-        assert gap["schedule"] == pytest.approx(bd["replayed_seconds"] / max(busy)) and gap["schedule"] >= 1 - 1e-9, name
+        assert gap["schedule"] == pytest.approx(bd["replayed_seconds"] / max(busy)) and gap["schedule"] >= 1 - 1e-9, (
+            name
+        )
         assert gap["schedule"] * gap["waits"] == pytest.approx(gap["bubble"]), name
         assert 0 < row["activation_hop_s"] < 1 and bd["latency"] == row["activation_hop_s"], name
         assert bd["replayed_with_latency_seconds"] > bd["replayed_seconds"], name
         assert gap["messages"] * gap["runtime"] == pytest.approx(gap["waits"]) and gap["messages"] > 1, name
-        assert row["fraction_of_microbatched_two_way"] == pytest.approx(statistics.median([w / s for w, s in zip(micro, steps)])), name
-        assert (out / "timelines" / f"train-{name}.png").is_file() and (out / "timelines" / f"train-{name}.trace.json").is_file()
+        assert row["fraction_of_microbatched_two_way"] == pytest.approx(
+            statistics.median([w / s for w, s in zip(micro, steps)])
+        ), name
+        assert (out / "timelines" / f"train-{name}.png").is_file() and (
+            out / "timelines" / f"train-{name}.trace.json"
+        ).is_file()
 
 
 def test_readme_tables_are_the_committed_results():
@@ -277,7 +376,10 @@ def test_readme_tables_are_the_committed_results():
     res = json.loads((ROOT / "bench_results" / "results.json").read_text())
     block = bench.readme_tables(res)
     readme = (ROOT / "README.md").read_text()
-    assert block in readme, "README.md's benchmark tables differ from bench_results/results.json: run python scripts/benchmark.py --update-readme"
+    assert block in readme, (
+        "README.md's benchmark tables differ from bench_results/results.json: "
+        "run python scripts/benchmark.py --update-readme"
+    )
     assert res["sizes"]["layers"] >= 12 and not res.get("quick")  # the committed results are a full run
 
 
@@ -287,6 +389,10 @@ def test_committed_results_md_renders_results_json_with_each_section_once():
     md = bench.to_markdown(res)
     headers = [line for line in md.splitlines() if line.startswith("## ")]
     assert len(headers) == len(set(headers)), f"a section is rendered twice: {headers}"
-    assert {"## Load: per-rank memory and bytes read", "## Bubble: measured idle fraction per rank vs theory"} <= set(headers)
+    assert {"## Load: per-rank memory and bytes read", "## Bubble: measured idle fraction per rank vs theory"} <= set(
+        headers
+    )
     assert (ROOT / "bench_results" / "results.md").read_text() == md, (
-        "bench_results/results.md differs from bench_results/results.json: run python scripts/benchmark.py --update-readme")
+        "bench_results/results.md differs from bench_results/results.json: "
+        "run python scripts/benchmark.py --update-readme"
+    )
