@@ -34,7 +34,7 @@ NO_DROPOUT = {
 }
 HEADS = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 CASES = [(arch, auto) for arch in ("bert", "gpt2", "llama") for auto in HEADS]
-# Heads trained through train_step here (question answering and multiple choice: tests/test_qa_mc_heads.py).
+# Heads trained through train_step here (question answering and multiple choice: tests/families/test_qa_and_multiple_choice.py).
 TRAINED = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
 
 
@@ -140,7 +140,7 @@ def test_every_head_at_world_2_equals_transformers(checkpoints, references):
 
 
 def test_question_answering_train_step_without_positions_names_them(checkpoints):
-    # Question answering trains on transformers' start_positions / end_positions (tests/test_qa_mc_heads.py);
+    # Question answering trains on transformers' start_positions / end_positions (tests/families/test_qa_and_multiple_choice.py);
     # a batch with neither says so before anything is sent.
     import hf_pipeline
 
@@ -187,7 +187,7 @@ def test_head_without_recipe_entry_falls_back_to_the_tracer_under_auto(tmp_path)
 
 def test_t5_encoder_model_uses_the_recipe_and_t5_model_the_tracer():
     # T5EncoderModel is the T5 recipe's "EncoderModel" head (its encoder stack alone; forward equal to
-    # transformers in tests/test_qa_mc_heads.py); T5Model (encoder-decoder without a head) has none.
+    # transformers in tests/families/test_qa_and_multiple_choice.py); T5Model (encoder-decoder without a head) has none.
     from hf_pipeline.planning.options import PipelineOptions
 
     cfg = tiny.config_for("t5")

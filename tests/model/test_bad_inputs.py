@@ -7,7 +7,7 @@ equal transformers' — an agreed error leaves the process group usable.
 
 Each case names the exception type and a fragment of the message every rank must show (the
 failing rank its own error; the others, when only some ranks failed, a RankError quoting it).
-``HF_PIPELINE_ERRORS_TABLE=path pytest tests/test_bad_inputs.py`` writes the observed messages as
+``HF_PIPELINE_ERRORS_TABLE=path pytest tests/model/test_bad_inputs.py`` writes the observed messages as
 the markdown table of ``docs/errors.md``.
 """
 
