@@ -47,7 +47,7 @@ from ..distributed.context import (
 from ..errors import InputError
 from ..planning.options import PipelineOptions
 from ..planning.plan import ResolvedRecipe
-from ..runtime.checks import pipeline_identity
+from .identity import pipeline_identity
 from .stages import StageBuild, materialize
 from .weights import CheckpointIndex, LoadReport, checkpoint_key_renames, load_tensors, resolve_checkpoint
 

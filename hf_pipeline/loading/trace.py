@@ -61,9 +61,10 @@ from ..compat import pytree
 from ..errors import TraceError
 from ..families.glue import Glue
 from ..families.recipe import HeadSpec, Recipe, StackSpec
-from ..planning.options import PipelineOptions, cache_size
+from ..planning.options import PipelineOptions
 from ..planning.plan import ResolvedRecipe, ResolvedStack, StageSpec, make_plan, module_stats
 from ..runtime import weight_pass
+from ..runtime.cache import cache_size
 from .stages import StageBuild, meta_model, prune
 
 __all__ = ["TraceError", "find_blocks", "trace_front_end"]

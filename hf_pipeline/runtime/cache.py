@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -28,13 +29,33 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..distributed.context import ParallelDims
-from ..planning.options import cache_size
+from ..errors import InputError
 from ..planning.plan import StagePlan
 from ..planning.schedules import ScheduleSpec, fuse_schedule_backward
 from . import weight_pass
 
-__all__ = ["PipelineRuntime", "pad_batch", "signature"]
+__all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "PipelineRuntime", "cache_size", "pad_batch", "signature"]
 
+DEFAULT_CACHE_SIZE = 8  # input shapes whose built stages, schedules (and traces) are kept
+CACHE_ENV = "HF_PIPELINE_RUNTIME_CACHE"
+
+
+def cache_size() -> int:
+    """How many input shapes keep their built pipeline (here) and trace (``loading/trace.py``).
+
+    Returns:
+        ``$HF_PIPELINE_RUNTIME_CACHE`` as a positive integer, or :data:`DEFAULT_CACHE_SIZE` when unset.
+    """
+    raw = os.environ.get(CACHE_ENV)
+    if raw is None:
+        return DEFAULT_CACHE_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise InputError(f"{CACHE_ENV}={raw!r} must be a positive integer (input shapes kept built)")
+    return size
 
 
 def signature(inputs: dict[str, Any]) -> tuple:

@@ -34,12 +34,10 @@ __all__ = [
     "check_sequence_length",
     "check_token_ids",
     "max_positions",
-    "pipeline_identity",
     "vocab_size",
 ]
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
-_TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
 
 
 def vocab_size(config) -> int | None:
@@ -329,77 +327,3 @@ def check_generate_inputs(input_ids: Any) -> None:
             f"input_ids of shape {tuple(input_ids.shape)} holds no "
             + ("prompts; pass at least one" if input_ids.shape[0] == 0 else "tokens; every prompt needs at least one (e.g. the BOS token)")
         )
-
-
-def pipeline_identity(options, config, checkpoint_dir, *, device_type: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """What every rank must agree on before it builds its stages: one small, comparable dict.
-
-    The resolved options, the arguments that shape the pipeline, the device type, and the
-    checkpoint's identity by content, not by path (a path may differ from host to host): the
-    config, the generation config, the index's weight map and each shard's size. Nothing is read
-    from the shards. An unreadable index is described, not raised: the loader reports it.
-
-    Args:
-        options: the resolved :class:`~hf_pipeline.planning.options.PipelineOptions`.
-        config: the transformers config the stages are built from.
-        checkpoint_dir: the local checkpoint directory (or None).
-        device_type: ``"cpu"`` or ``"cuda"``.
-        arguments: the caller's arguments as given (``split_method``, ``gather_output``, ...).
-
-    Returns:
-        A dict for :func:`hf_pipeline.distributed.context.check_same_on_all_ranks`: mismatches are named by key
-        (``split``, ``config.hidden_size``, ``shard sizes.model-00002-of-00005.safetensors``).
-    """
-    import hashlib
-    import json
-    import pathlib
-    from dataclasses import fields
-
-    out: dict[str, Any] = {}
-    for f in fields(options):
-        value = getattr(options, f.name)
-        if isinstance(value, type):
-            value = value.__qualname__  # the model class
-        elif f.name == "schedule":
-            value = value.name
-        out[f.name] = value
-    out.update({k: v for k, v in arguments.items() if k not in out})
-    out["device type"] = device_type
-    cfg = config.to_dict()
-    cfg.pop("_name_or_path", None)  # where it was read from, not what it is
-    out["config"] = cfg
-    if checkpoint_dir is None:
-        return out
-    directory = pathlib.Path(checkpoint_dir)
-    generation = directory / "generation_config.json"
-    out["generation_config.json"] = generation.read_text() if generation.is_file() else None
-    index = directory / "model.safetensors.index.json"
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        weight_map = f"unreadable ({type(e).__name__})"
-    if isinstance(weight_map, dict):
-        text = json.dumps(weight_map, sort_keys=True)
-        # One leaf: thousands of keys are compared by one hash, not listed in a mismatch message.
-        out["weight map"] = f"{len(weight_map)} keys (#{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()})"
-        files = sorted({v for v in weight_map.values() if isinstance(v, str)})
-    else:
-        out["weight map"] = weight_map
-        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
-    sizes, tails = {}, {}
-    for name in files:
-        try:
-            with open(directory / name, "rb") as f:
-                size = f.seek(0, 2)
-                f.seek(max(0, size - _TAIL_BYTES))
-                tail = f.read(_TAIL_BYTES)
-        except OSError:
-            sizes[name] = tails[name] = None  # missing or unreadable: the loader says which and why
-            continue
-        sizes[name] = size
-        tails[name] = hashlib.blake2b(tail, digest_size=8).hexdigest()
-    out["shard sizes"] = sizes
-    # The last bytes of each shard (one page, not a tensor read): two checkpoints of one architecture
-    # have the same config, index and sizes, but not the same weights.
-    out["shard tails"] = tails
-    return out

@@ -86,7 +86,7 @@ def llama_copy(llama, tmp_path):
 def spy(monkeypatch):
     """Records every shard the loader opens to read tensor data and every header it parses."""
     calls = {"opened": [], "headers": []}
-    real_open, real_header = weights._open_shard, weights._shard_header
+    real_open, real_header = weights._open_shard, weights.read_shard_header
 
     def open_shard(path):
         calls["opened"].append(pathlib.Path(path).name)
@@ -97,7 +97,7 @@ def spy(monkeypatch):
         return real_header(path)
 
     monkeypatch.setattr(weights, "_open_shard", open_shard)
-    monkeypatch.setattr(weights, "_shard_header", shard_header)
+    monkeypatch.setattr(weights, "read_shard_header", shard_header)
     return calls
 
 
