@@ -110,14 +110,14 @@ def _forward(path: str, kwargs: dict, batch: int = 6, seq: int = 9) -> dict:
     model = _load(path, **kwargs)
     inputs = tiny.sample_inputs("llama", batch=batch, seq=seq)
     out = model(**inputs)
-    made = (len(model.stages[0]._tracer.traces), len(model.runtime))
+    made = (len(model.stages[0].tracer.traces), len(model.runtime))
     # One row fewer pads (repeating the last row) to the same microbatch shape: nothing is traced again.
     fewer = model(**{k: v[:-1] for k, v in inputs.items()})
     return {
         "logits": out.logits,
         "fewer_logits": fewer.logits,
         "made": made,
-        "made_after_fewer": (len(model.stages[0]._tracer.traces), len(model.runtime)),
+        "made_after_fewer": (len(model.stages[0].tracer.traces), len(model.runtime)),
         "class": type(model).__name__,
         "output_class": type(out).__name__,
         "plan": [(s.index, s.rank, s.blocks, s.modules) for s in model.plan.stages],
@@ -205,7 +205,7 @@ def test_world_size_1_runs_traced_stages_in_sequence_and_retraces_without_reload
             diff = (out.logits - _reference(path, batch, seq)).abs().max().item()
             assert diff <= TOL, f"{arch} {batch}x{seq}: max abs diff {diff}"
         # The second shape was a new trace, wired to the loaded Parameters: nothing read again.
-        tracer = model.stages[0]._tracer
+        tracer = model.stages[0].tracer
         assert len(tracer.traces) == len(shapes)  # one per input shape
         params = {id(p) for _, p in model.checkpoint_named_parameters()}
         for trace in tracer.traces.values():
@@ -227,7 +227,7 @@ def test_llama_can_be_forced_through_the_tracer_and_recipes_stay_the_default(che
     # make defer its weight gradient to W (the graph's own aten.linear could not).
     from hf_pipeline.runtime import weight_pass
 
-    (trace,) = traced.stages[0]._tracer.traces.values()
+    (trace,) = traced.stages[0].tracer.traces.values()
     graphs = [m.__dict__.get("graph") or getattr(m, "_graph", None) for r in trace.runners.values() for m in r.graph.modules()]
     targets = [n.target for g in graphs if isinstance(g, torch.fx.Graph) for n in g.nodes]
     assert targets.count(weight_pass.linear) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
