@@ -29,7 +29,7 @@ from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.context import ParallelDims, RankContext, check_same_on_all_ranks
 from .distributed.faults import raise_if_broken, step_errors
 from .errors import InputError, TraceError
-from .loading.loader import BuiltPipeline, build_pipeline
+from .loading.loader import LoadedPipeline, load_pipeline
 from .loading.weights import LoadReport
 from .planning.options import PipelineOptions
 from .planning.plan import ParamLayout, ResolvedRecipe, StagePlan, param_layout
@@ -60,17 +60,17 @@ class PipelinedModel(nn.Module):
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
     """
 
-    def __init__(self, built: BuiltPipeline, *, gather_output: bool = True):
+    def __init__(self, built: LoadedPipeline, *, gather_output: bool = True):
         super().__init__()
-        build = built.build
-        self.config = build.config
+        maker = built.stage_maker
+        self.config = maker.config
         self.options: PipelineOptions = built.options
-        self.plan: StagePlan = build.plan
-        self.resolved: ResolvedRecipe = build.resolved
+        self.plan: StagePlan = maker.plan
+        self.resolved: ResolvedRecipe = maker.resolved
         self.stages = nn.ModuleList(built.stages)
         # The meta-device model: never run, kept for its config-only helpers (T5's _shift_right).
-        object.__setattr__(self, "skeleton", build.skeleton)
-        object.__setattr__(self, "build", build)  # plain data, not a submodule
+        object.__setattr__(self, "skeleton", maker.skeleton)
+        object.__setattr__(self, "stage_maker", maker)  # plain data, not a submodule
         self.ctx: RankContext = built.ctx
         self.dims: ParallelDims = built.dims
         self.schedule: ScheduleSpec = built.options.schedule
@@ -118,7 +118,7 @@ class PipelinedModel(nn.Module):
 
     def can_generate(self) -> bool:
         """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
-        return bool(self.skeleton.can_generate()) and self.build.generate_refusal is None
+        return bool(self.skeleton.can_generate()) and self.stage_maker.generate_refusal is None
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False) -> int:
         """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once).
@@ -264,7 +264,7 @@ class PipelinedModel(nn.Module):
 
     def _output_class(self) -> type:
         # The transformers output class the head's outputs are returned in (a traced model records its own).
-        return self.build.output_class
+        return self.stage_maker.output_class
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         # forward() is inference at every world size: the stages run in eval mode (no dropout),
@@ -357,8 +357,8 @@ class PipelinedModel(nn.Module):
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
         from .generation.generate import generate
 
-        if self.build.generate_refusal is not None:
-            raise TraceError(self.build.generate_refusal)
+        if self.stage_maker.generate_refusal is not None:
+            raise TraceError(self.stage_maker.generate_refusal)
         with self._step_errors("generate"):
             # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -408,7 +408,7 @@ def _forward_only(loss: torch.Tensor) -> torch.Tensor:
 class TracedPipelinedModel(PipelinedModel):
     """A :class:`PipelinedModel` whose stages come from ``torch.export`` tracing instead of a recipe.
 
-    Same surface and the same loader (``build.py``); ``generate()`` raises, since KV-cached
+    Same surface and the same loader (``loading/loader.py``); ``generate()`` raises, since KV-cached
     generation needs a recipe.
     """
 
@@ -457,7 +457,7 @@ def load_pipelined(
         gather_output: give outputs to every rank (else only the last stage's rank).
         revision, cache_dir, subfolder: as transformers' (a hub id is looked up in the local cache only).
         attn_implementation: "eager", "sdpa", ...: the attention every stage runs, as transformers'.
-        trust_remote_code: refused (True) for a checkpoint with its own modelling code; see :func:`build_pipeline`.
+        trust_remote_code: refused (True) for a checkpoint with its own modelling code; see :func:`load_pipeline`.
         split_method: "recipe" (a recipe from ``model_recipes/`` must exist), "trace" (split with
             torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
             recipe for ``config.model_type`` when there is one, else the tracer.
@@ -473,7 +473,7 @@ def load_pipelined(
         choose = functools.partial(auto_choose, tune_batch=tune_batch, max_memory=max_memory)
     elif tune_batch is not None or max_memory is not None:
         raise InputError("tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'")
-    built = build_pipeline(
+    built = load_pipeline(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,

@@ -30,7 +30,7 @@ from ..families.recipe import get_recipe
 from ..planning.options import PipelineOptions, model_class_for
 from ..planning.plan import ResolvedRecipe, StagePlan, StageSpec, make_plan, resolve_recipe
 
-__all__ = ["StageBuild", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
+__all__ = ["StageMaker", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
 
 
 def meta_model(config, model_class: str | type) -> nn.Module:
@@ -41,7 +41,7 @@ def meta_model(config, model_class: str | type) -> nn.Module:
     """
     cls = model_class_for(config, model_class)
     # No initialisation: parameters are meta (nothing to fill) and the real values come from the
-    # checkpoint, or, for weights it lacks, from transformers' own init at load (build.initialize_missing).
+    # checkpoint, or, for weights it lacks, from transformers' own init at load (missing_weights.initialize_missing).
     with no_init_weights(), init_empty_weights(include_buffers=False):
         model = cls._from_config(config)
     # init_empty_weights swaps parameters as they are registered, which undoes the ties that
@@ -218,7 +218,7 @@ def materialize(
 
 
 @dataclass(kw_only=True)
-class StageBuild:
+class StageMaker:
     """What a front end gives the loader (the same on every rank).
 
     Attributes:
@@ -242,7 +242,7 @@ class StageBuild:
     generate_refusal: str | None = None
 
 
-def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
+def recipe_front_end(config, options: PipelineOptions) -> StageMaker:
     """The recipe front end: the plan of ``config``'s model and stages cut from it by its recipe.
 
     Needs only the config (no weights, no process group): the planner and the converter call it
@@ -259,7 +259,7 @@ def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
         layout=options.schedule.layout, split=options.split, dtype=options.dtype,
         schedule=options.schedule, n_microbatches=options.n_microbatches,
     )
-    return StageBuild(
+    return StageMaker(
         config=config, plan=plan, resolved=resolved, skeleton=skeleton,
         output_class=getattr(transformers.modeling_outputs, resolved.head.output_class),
         make_stages=lambda specs: [build_stage(skeleton, resolved, spec) for spec in specs],

@@ -62,7 +62,7 @@ from ..families.glue import Glue
 from ..planning.options import PipelineOptions
 from ..planning.plan import ResolvedRecipe, StageSpec, make_plan
 from ..runtime.cache import cache_size
-from .stages import StageBuild, meta_model, prune
+from .stages import StageMaker, meta_model, prune
 from .traced_graphs import StageRunner, defer_linears, retarget_devices, stage_flows
 from .traced_plan import RECIPE_HOWTO, costing_recipe, find_blocks, split_fqn, tied_groups, traced_spec
 
@@ -311,11 +311,11 @@ def _load_example(config) -> dict[str, torch.Tensor]:
     return example
 
 
-def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -> StageBuild:
+def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -> StageMaker:
     """The tracer front end: plan the model from its module tree and split it with torch.export.
 
-    Returns the same :class:`~hf_pipeline.loading.stages.StageBuild` as the recipe front end: the loader
-    (``build.py``) then reads and materialises the stages' tensors exactly as for recipe stages,
+    Returns the same :class:`~hf_pipeline.loading.stages.StageMaker` as the recipe front end: the loader
+    (:mod:`.loader`) then reads and materialises the stages' tensors exactly as for recipe stages,
     and wires this tracer's graphs to them when they are loaded.
     """
     config = copy.deepcopy(config)
@@ -354,7 +354,7 @@ def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -
         for holder in loaded:
             tracer.holders[holder.spec.index] = holder
 
-    return StageBuild(
+    return StageMaker(
         config=config, plan=plan, resolved=resolved, skeleton=skeleton, output_class=type(out),
         make_stages=make_stages, on_loaded=on_loaded,
         generate_refusal=(

@@ -126,16 +126,11 @@ class PipelineRuntime:
         spec = self.schedule
         # Zero-bubble: W = the linears' deferred weight gradients (weight_pass.py), not torch's graph split.
         deferred = training and spec.zero_bubble
+        stage_class = weight_pass.WeightDeferringStage if deferred else PipelineStage
         pstages = [
-            PipelineStage(
-                stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group,
-                dw_builder=weight_pass.take if deferred else None,
-            )
+            stage_class(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group)
             for stage in self.stages
         ]
-        if deferred:
-            for pstage in pstages:
-                weight_pass.attach(pstage)
         kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
         if training:
             schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
