@@ -170,7 +170,7 @@ class CheckpointIndex:
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
                 if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-                    raise TypeError("weight_map is not a mapping of key -> file name")
+                    raise CheckpointError("weight_map is not a mapping of key -> file name")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(
                     f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it or re-save the checkpoint"

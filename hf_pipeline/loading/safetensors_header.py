@@ -69,7 +69,7 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
+            raise CheckpointError("the header is not a JSON object")
         header.pop("__metadata__", None)
         spans = []
         for key, entry in header.items():
@@ -77,19 +77,19 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
             shape, dtype = entry["shape"], entry["dtype"]
             valid = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
             if not (valid and isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
-                raise ValueError(f"bad entry for {key!r}: {entry}")
+                raise CheckpointError(f"bad entry for {key!r}: {entry}")
             if dtype not in SAFETENSORS_DTYPES:
-                raise ValueError(f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})")
+                raise CheckpointError(f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})")
             bits = SAFETENSORS_DTYPES[dtype][0] * math.prod(shape)
             if bits != 8 * (stop - begin):
-                raise ValueError(
+                raise CheckpointError(
                     f"{key!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets span {stop - begin}"
                 )
             spans.append((begin, stop, key))
         end = 0
         for begin, stop, key in sorted(spans):
             if begin != end:
-                raise ValueError(f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})")
+                raise CheckpointError(f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})")
             end = stop
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(

@@ -25,6 +25,7 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from ..compat import no_init_weights
+from ..errors import InternalError
 from ..families.glue import Glue, get_glue
 from ..families.recipe import get_recipe
 from ..planning.options import PipelineOptions, model_class_for
@@ -53,7 +54,8 @@ def meta_model(config, model_class: str | type) -> nn.Module:
 def prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
     # Delete every child not kept and not an ancestor of a kept module. Containers keep their
     # class and attributes (a ModuleList of layers 4..7 still iterates them), and parameter names
-    # stay the model's own.
+    # stay the model's own. The walk reads nn.Module's own registries (not named_children /
+    # named_parameters): they alone show None entries and a child registered under two names.
     for name in list(module._parameters):
         if prefix.rstrip(".") not in keep:
             del module._parameters[name]
@@ -206,15 +208,15 @@ def materialize(
         twin = next((made[n] for n in (name, *groups.get(name, ())) if n in made), None)
         if twin is None:
             if name not in tensors:
-                raise KeyError(f"no tensor loaded for stage parameter {name!r}")
+                raise InternalError(f"no tensor loaded for stage parameter {name!r}")
             twin = nn.Parameter(tensors[name].to(device), requires_grad=param.requires_grad)
-        owner._parameters[attr] = twin
+        setattr(owner, attr, twin)
         made[name] = twin
     for name, buf in list(stage.named_buffers()):
         owner_name, _, attr = name.rpartition(".")
         owner = stage.get_submodule(owner_name)
         value = tensors.get(name, buf)
-        owner._buffers[attr] = value.to(device)
+        setattr(owner, attr, value.to(device))
 
 
 @dataclass(kw_only=True)

@@ -130,7 +130,7 @@ class StageTracer:
             hook.remove()
             model.train(was_training)
             for mod, attr, p in untied:
-                mod._parameters[attr] = p
+                setattr(mod, attr, p)
             # pipeline() wraps each split module's forward in place; undo it so the skeleton can be traced again.
             for p in self.split_points:
                 mod = model.get_submodule(p)
@@ -166,9 +166,9 @@ class StageTracer:
             for name in group[1:]:
                 owner, attr = split_fqn(name)
                 mod = self.skeleton.get_submodule(owner)
-                p = mod._parameters[attr]
+                p = getattr(mod, attr)
                 restore.append((mod, attr, p))
-                mod._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                setattr(mod, attr, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
         return restore
 
     def _install(self, gm: nn.Module, k: int) -> None:
@@ -186,7 +186,7 @@ class StageTracer:
                     f"found by tracing at load time with input_ids and attention_mask); pass the same kinds of inputs"
                 )
             owner, attr = split_fqn(name)
-            gm.get_submodule(owner)._parameters[attr] = params[loaded]
+            setattr(gm.get_submodule(owner), attr, params[loaded])
         for name, buf in list(gm.named_buffers(remove_duplicate=False)):
             owner, attr = split_fqn(name)
             loaded = re.sub(r"@\d+(?=\.|$)", "", name)
@@ -194,7 +194,7 @@ class StageTracer:
                 value = buffers[loaded]
             else:
                 value = buf.to(self.device)
-            gm.get_submodule(owner)._buffers[attr] = value
+            setattr(gm.get_submodule(owner), attr, value)
         retarget_devices(gm, self.device)
         defer_linears(gm)
 
@@ -251,7 +251,7 @@ class TracedStage(nn.Module):
         super().__init__()
         for name, child in root.named_children():
             self.add_module(name, child)
-        for name, p in root._parameters.items():
+        for name, p in root.named_parameters(recurse=False, remove_duplicate=False):
             self.register_parameter(name, p)
         self.config = root.config
         self.spec = spec
@@ -276,12 +276,20 @@ def _holder(skeleton: nn.Module, names: Sequence[str]) -> nn.Module:
     for name, _ in list(root.named_parameters(remove_duplicate=False)):
         if name not in keep:
             owner, attr = split_fqn(name)
-            root.get_submodule(owner)._parameters.pop(attr, None)
+            _unregister(root.get_submodule(owner), attr)
     for name, _ in list(root.named_buffers(remove_duplicate=False)):
         if name not in keep:
             owner, attr = split_fqn(name)
-            root.get_submodule(owner)._buffers.pop(attr, None)
+            _unregister(root.get_submodule(owner), attr)
     return root
+
+
+def _unregister(module: nn.Module, attr: str) -> None:
+    """Remove ``module``'s own parameter or buffer ``attr``, if it still has it (a shared module is met twice)."""
+    own = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+    own.update(module.named_buffers(recurse=False, remove_duplicate=False))
+    if attr in own:
+        delattr(module, attr)
 
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
@@ -293,12 +301,12 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """
     made: dict[int, nn.Parameter] = {}
     for mod in model.modules():
-        for key, p in mod._parameters.items():
+        for key, p in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
             if p is None or not p.is_floating_point() or p.dtype == dtype:
                 continue
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
-            mod._parameters[key] = made[id(p)]
+            setattr(mod, key, made[id(p)])
 
 
 def _load_example(config) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers.utils import logging
 
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..families.recipe import position_kind
 
 logger = logging.get_logger(__name__)
@@ -101,7 +101,7 @@ def max_positions(config) -> int | None:
 
 
 def check_sequence_length(config, length: int, *, what: str = "the input sequence", new_tokens: int = 0) -> None:
-    """Raise ValueError if ``length`` (+ ``new_tokens`` to generate) exceeds the model's learned position table.
+    """Raise InputError if ``length`` (+ ``new_tokens`` to generate) exceeds the model's learned position table.
 
     Models whose recipe says their positions are rotary or relative (LLaMA, T5) run longer inputs
     as transformers does; generation past ``max_position_embeddings`` logs transformers' reminder.
@@ -142,19 +142,19 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
 
 
 def check_microbatches(*, batch: int, n_microbatches: int, training: bool) -> None:
-    """Raise ValueError if ``batch`` rows cannot be split into ``n_microbatches`` microbatches.
+    """Raise InputError if ``batch`` rows cannot be split into ``n_microbatches`` microbatches.
 
     Inference pads a batch that is not a multiple (the padded rows' outputs are dropped); a training
     step cannot (padded rows would change the loss), so there it must divide evenly.
     """
     if batch < n_microbatches:
-        raise ValueError(
+        raise InputError(
             f"batch size {batch} is smaller than n_microbatches={n_microbatches}; pass at least {n_microbatches} "
             f"rows or load the model with a smaller n_microbatches"
         )
     if training and batch % n_microbatches:
         lower = batch - batch % n_microbatches
-        raise ValueError(
+        raise InputError(
             f"a training batch of {batch} rows does not split into n_microbatches={n_microbatches} equal microbatches; "
             f"pass a multiple of {n_microbatches} rows (e.g. {lower} or {lower + n_microbatches}) or load the model "
             f"with an n_microbatches that divides {batch}"
@@ -165,7 +165,7 @@ def check_labels(
     loss: str | None, labels: torch.Tensor, *, input_ids: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None,
     batch: int | None = None, vocab: int | None = None, num_labels: int | None = None,
 ) -> None:
-    """Raise ValueError if ``labels`` does not fit the head's loss.
+    """Raise InputError if ``labels`` does not fit the head's loss.
 
     Args:
         loss: the recipe head's loss kind (``causal_lm``, ``masked_lm``, ``seq2seq_lm``,
@@ -177,32 +177,32 @@ def check_labels(
         num_labels: class labels must be in ``[0, num_labels)`` (None: not checked).
     """
     if loss is None:
-        raise ValueError("this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)")
+        raise InputError("this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)")
     if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"labels must be a tensor, got {type(labels).__name__}")
+        raise InputError(f"labels must be a tensor, got {type(labels).__name__}")
     ref = input_ids if input_ids is not None else decoder_input_ids
     rows = batch if batch is not None else (ref.shape[0] if ref is not None else labels.shape[0])
     if labels.shape[:1] != (rows,):
-        raise ValueError(f"labels has {labels.shape[0] if labels.dim() else 0} rows but the batch has {rows}; pass one row of labels per input row")
+        raise InputError(f"labels has {labels.shape[0] if labels.dim() else 0} rows but the batch has {rows}; pass one row of labels per input row")
     if loss in ("causal_lm", "masked_lm"):
         if input_ids is not None and labels.shape != input_ids.shape:
-            raise ValueError(
+            raise InputError(
                 f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}; for {loss} pass "
                 "labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside the loss"
             )
     elif loss == "seq2seq_lm":
         if labels.dim() != 2:
-            raise ValueError(f"labels must be (batch, target length), got shape {tuple(labels.shape)}")
+            raise InputError(f"labels must be (batch, target length), got shape {tuple(labels.shape)}")
         if decoder_input_ids is not None and labels.shape != decoder_input_ids.shape:
-            raise ValueError(
+            raise InputError(
                 f"labels shape {tuple(labels.shape)} does not match decoder_input_ids {tuple(decoder_input_ids.shape)}; "
                 "pass labels only (decoder inputs are derived from them) or both with the same shape"
             )
     elif loss == "sequence_classification":
         if labels.dim() not in (1, 2):
-            raise ValueError(f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}")
+            raise InputError(f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}")
     if labels.dtype.is_floating_point and loss != "sequence_classification":
-        raise ValueError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
+        raise InputError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
     _check_label_range(loss, labels, vocab=vocab, num_labels=num_labels)
 
 
@@ -271,7 +271,7 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
             break
     mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
     if isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2 and mask.shape != ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+        raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
     if labels is not None:
         num_labels = getattr(config, "num_labels", None)
         check_labels(
@@ -281,15 +281,15 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
 
 
 def check_prompts(prompts: Any) -> str:
-    """Raise ValueError unless ``prompts`` is a non-empty list of strings or of token-id lists.
+    """Raise InputError unless ``prompts`` is a non-empty list of strings or of token-id lists.
 
     Returns:
         ``"text"`` or ``"ids"``.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a list of strings (or of token-id lists), got {type(prompts).__name__}")
+        raise InputError(f"prompts must be a list of strings (or of token-id lists), got {type(prompts).__name__}")
     if len(prompts) == 0:
-        raise ValueError("the prompt list is empty; pass at least one prompt")
+        raise InputError("the prompt list is empty; pass at least one prompt")
     kinds = []
     for p in prompts:
         if isinstance(p, str):
@@ -300,16 +300,16 @@ def check_prompts(prompts: Any) -> str:
             kinds.append(type(p).__name__)
     odd = next((i for i, k in enumerate(kinds) if k not in ("text", "ids")), None)
     if odd is not None:
-        raise ValueError(f"prompts must be strings or lists of int token ids, got a {kinds[odd]} at index {odd}")
+        raise InputError(f"prompts must be strings or lists of int token ids, got a {kinds[odd]} at index {odd}")
     if len(set(kinds)) > 1:
         seen = sorted(set(kinds))
         first = {k: kinds.index(k) for k in seen}
-        raise ValueError(
+        raise InputError(
             "prompts must all be strings or all be token-id lists, got a mix: "
             + ", ".join(f"{k} (first at index {first[k]})" for k in seen)
         )
     if kinds[0] == "ids" and any(len(p) == 0 for p in prompts):
-        raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} is an empty token list")
+        raise InputError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} is an empty token list")
     return kinds[0]
 
 
@@ -321,9 +321,9 @@ def check_generate_inputs(input_ids: Any) -> None:
     if isinstance(input_ids, (list, tuple)):
         kind = check_prompts(input_ids)
         hint = "tok(prompts, return_tensors='pt', padding=True)" if kind == "text" else "torch.tensor(ids) (pad rows to one length)"
-        raise TypeError(f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass {hint}")
+        raise InputTypeError(f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass {hint}")
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and 0 in input_ids.shape:
-        raise ValueError(
+        raise InputError(
             f"input_ids of shape {tuple(input_ids.shape)} holds no "
             + ("prompts; pass at least one" if input_ids.shape[0] == 0 else "tokens; every prompt needs at least one (e.g. the BOS token)")
         )
