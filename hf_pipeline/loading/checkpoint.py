@@ -57,7 +57,11 @@ def name_listing(names: Sequence[str]) -> str:
 
 
 def resolve_checkpoint(
-    path_or_id: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None, subfolder: str = "",
+    path_or_id: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    subfolder: str = "",
     download: bool = False,
 ) -> pathlib.Path:
     """The local directory of a checkpoint: a directory as it is, a hub id from the local cache first.
@@ -85,7 +89,9 @@ def resolve_checkpoint(
     if path.is_dir():
         return _subfolder(path, subfolder)
     if path.exists():
-        raise CheckpointNotFoundError(f"{str(path)!r} is a file; pass the checkpoint directory that holds it ({path.parent})")
+        raise CheckpointNotFoundError(
+            f"{str(path)!r} is a file; pass the checkpoint directory that holds it ({path.parent})"
+        )
     import huggingface_hub  # local import: only hub ids need it
     from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
@@ -94,14 +100,20 @@ def resolve_checkpoint(
     where = f"the local Hugging Face cache {cache_dir or constants.HF_HUB_CACHE}"
     try:
         # local_files_only: the cache is looked up on disk only; downloading is the caller's choice.
-        snapshot = pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+        snapshot = pathlib.Path(
+            huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        )
     except HFValidationError:
         raise CheckpointNotFoundError(
             f"{repo_id!r} is neither a local directory (no such path) nor a hub id ('org/name'); "
             "pass an existing checkpoint directory or the id of a model in the local Hugging Face cache"
         ) from None
     except Exception as e:  # LocalEntryNotFoundError, IncompleteSnapshotError, ...
-        if download and not constants.HF_HUB_OFFLINE and os.environ.get("HF_HUB_OFFLINE", "").upper() not in ("1", "ON", "YES", "TRUE"):
+        if (
+            download
+            and not constants.HF_HUB_OFFLINE
+            and os.environ.get("HF_HUB_OFFLINE", "").upper() not in ("1", "ON", "YES", "TRUE")
+        ):
             snapshot = pathlib.Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir))
             return _subfolder(snapshot, subfolder)
         raise CheckpointNotFoundError(
@@ -117,7 +129,9 @@ def _subfolder(directory: pathlib.Path, subfolder: str | None) -> pathlib.Path:
         return directory
     inner = directory / subfolder
     if not inner.is_dir():
-        raise CheckpointNotFoundError(f"{str(directory)!r} has no subfolder {subfolder!r}; pass the folder that holds config.json")
+        raise CheckpointNotFoundError(
+            f"{str(directory)!r} has no subfolder {subfolder!r}; pass the folder that holds config.json"
+        )
     return inner
 
 
@@ -156,12 +170,14 @@ class CheckpointIndex:
         directory = pathlib.Path(directory)
         if not directory.is_dir():
             raise CheckpointNotFoundError(
-                f"checkpoint directory {directory} does not exist; pass a directory, or a hub id through resolve_checkpoint()"
+                f"checkpoint directory {directory} does not exist; pass a directory, or a hub id through "
+                "resolve_checkpoint()"
             )
         leftovers = sorted(p.name for p in directory.iterdir() if SAVE_STAGING_PATTERN.fullmatch(p.name))
         if leftovers:
             warnings.warn(
-                f"{directory} holds what an interrupted save_pretrained left ({', '.join(leftovers)}); ignoring it: the "
+                f"{directory} holds what an interrupted save_pretrained left ({', '.join(leftovers)}); ignoring it: "
+                "the "
                 f"checkpoint is what {INDEX_NAME} lists. The next save into the directory removes it (or delete it)",
                 stacklevel=2,
             )
@@ -173,10 +189,13 @@ class CheckpointIndex:
                     raise CheckpointError("weight_map is not a mapping of key -> file name")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(
-                    f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it or re-save the checkpoint"
+                    f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it or re-save the "
+                    "checkpoint"
                 ) from None
             if not weight_map:
-                raise CheckpointError(f"the index {index_path} lists no tensors; re-download it or re-save the checkpoint")
+                raise CheckpointError(
+                    f"the index {index_path} lists no tensors; re-download it or re-save the checkpoint"
+                )
             first_key: dict[str, str] = {}
             for key, shard in weight_map.items():
                 first_key.setdefault(shard, key)
@@ -190,7 +209,9 @@ class CheckpointIndex:
         single = directory / SINGLE_NAME
         if single.is_file():
             return cls(directory=directory, weight_map=dict.fromkeys(read_header(single), SINGLE_NAME))
-        others = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".ckpt"))
+        others = sorted(
+            p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".ckpt")
+        )
         found = f" (found: {', '.join(others[:_MAX_LISTED])})" if others else ""
         message = _NO_SAFETENSORS.format(index=INDEX_NAME, single=SINGLE_NAME, dir=directory, found=found)
         if pytorch_files(directory):
@@ -210,7 +231,9 @@ class CheckpointIndex:
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it") from None
+                raise CheckpointError(
+                    f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it"
+                ) from None
             return cls(directory=directory, weight_map=dict(weight_map))
         single = directory / BIN_NAME
         if not single.is_file():

@@ -19,7 +19,9 @@ __all__ = ["pipeline_identity"]
 _TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
 
 
-def pipeline_identity(options, config, checkpoint_dir, *, device_type: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+def pipeline_identity(
+    options, config, checkpoint_dir, *, device_type: str, arguments: Mapping[str, Any]
+) -> dict[str, Any]:
     """What every rank must agree on before it builds its stages: one small, comparable dict.
 
     The resolved options, the arguments that shape the pipeline, the device type, and the

@@ -22,13 +22,29 @@ _MAX_HEADER = 100_000_000  # safetensors refuses larger headers too; a bigger le
 
 # safetensors dtype name -> (bits per element, torch dtype name or None where torch has no such type).
 SAFETENSORS_DTYPES: dict[str, tuple[int, str | None]] = {
-    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "I16": (16, "int16"), "U16": (16, "uint16"),
-    "F16": (16, "float16"), "BF16": (16, "bfloat16"), "I32": (32, "int32"), "U32": (32, "uint32"), "F32": (32, "float32"),
-    "I64": (64, "int64"), "U64": (64, "uint64"), "F64": (64, "float64"), "C64": (64, "complex64"),
-    "F8_E4M3": (8, "float8_e4m3fn"), "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2": (8, "float8_e5m2"),
-    "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"), "F8_E8M0": (8, "float8_e8m0fnu"),
+    "BOOL": (8, "bool"),
+    "U8": (8, "uint8"),
+    "I8": (8, "int8"),
+    "I16": (16, "int16"),
+    "U16": (16, "uint16"),
+    "F16": (16, "float16"),
+    "BF16": (16, "bfloat16"),
+    "I32": (32, "int32"),
+    "U32": (32, "uint32"),
+    "F32": (32, "float32"),
+    "I64": (64, "int64"),
+    "U64": (64, "uint64"),
+    "F64": (64, "float64"),
+    "C64": (64, "complex64"),
+    "F8_E4M3": (8, "float8_e4m3fn"),
+    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"),
+    "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
+    "F8_E8M0": (8, "float8_e8m0fnu"),
     # Packed sub-byte formats: no torch dtype holds one element each.
-    "F4": (4, None), "F6_E2M3": (6, None), "F6_E3M2": (6, None),
+    "F4": (4, None),
+    "F6_E2M3": (6, None),
+    "F6_E3M2": (6, None),
 }
 
 
@@ -55,12 +71,14 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(
-                    f"shard {path.name} in {path.parent} is truncated ({size} bytes, not even a header); re-download or re-save it"
+                    f"shard {path.name} in {path.parent} is truncated ({size} bytes, not even a header); re-download "
+                    "or re-save it"
                 )
             (n,) = struct.unpack("<Q", prefix)
             if n > _MAX_HEADER or 8 + n > size:
                 raise CheckpointError(
-                    f"shard {path.name} in {path.parent} is truncated or its header is corrupted: the header length field "
+                    f"shard {path.name} in {path.parent} is truncated or its header is corrupted: the header length "
+                    "field "
                     f"says {n} bytes but the file has {size}; re-download or re-save it"
                 )
             raw = f.read(n)
@@ -79,21 +97,27 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
             if not (valid and isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
                 raise CheckpointError(f"bad entry for {key!r}: {entry}")
             if dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})")
+                raise CheckpointError(
+                    f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})"
+                )
             bits = SAFETENSORS_DTYPES[dtype][0] * math.prod(shape)
             if bits != 8 * (stop - begin):
                 raise CheckpointError(
-                    f"{key!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets span {stop - begin}"
+                    f"{key!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets span "
+                    f"{stop - begin}"
                 )
             spans.append((begin, stop, key))
         end = 0
         for begin, stop, key in sorted(spans):
             if begin != end:
-                raise CheckpointError(f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})")
+                raise CheckpointError(
+                    f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})"
+                )
             end = stop
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(
-            f"shard {path.name} in {path.parent} has a corrupted header ({type(e).__name__}: {e}); re-download or re-save it"
+            f"shard {path.name} in {path.parent} has a corrupted header ({type(e).__name__}: {e}); re-download or "
+            "re-save it"
         ) from None
     expected = 8 + n + end
     if size < expected:

@@ -189,7 +189,11 @@ def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> S
 
 
 def materialize(
-    stage: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch.device, tied: tuple[tuple[str, ...], ...] = (),
+    stage: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device,
+    tied: tuple[tuple[str, ...], ...] = (),
     made: dict[str, nn.Parameter] | None = None,
 ) -> None:
     """Replace the stage's meta parameters with ``tensors`` (by checkpoint name), on ``device``.

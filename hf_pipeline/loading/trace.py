@@ -19,7 +19,8 @@ What this path can and cannot do:
 
 When a new trace is made. ``torch.export`` specializes on shapes, so a trace is made per key
 (train/eval mode, grad mode, and the name, shape and dtype of every tensor input) and kept in a
-small LRU (``HF_PIPELINE_RUNTIME_CACHE`` entries, 8 by default, as the runtime cache). The shapes are the ones one stage call sees:
+small LRU (``HF_PIPELINE_RUNTIME_CACHE`` entries, 8 by default, as the runtime cache). The shapes are
+the ones one stage call sees:
 - ``model(**inputs)`` on several ranks: one microbatch. ``forward`` first pads the batch to a
   multiple of ``n_microbatches`` (repeating the last row), so the rows per microbatch are
   ``ceil(batch / n_microbatches)``: with ``n_microbatches=4``, batches of 5 to 8 rows of one
@@ -78,14 +79,21 @@ class _Trace:
 
 def _first_lines(error: BaseException, n: int = 4) -> str:
     text = f"{type(error).__name__}: {error}".strip()
-    lines = [l for l in text.splitlines() if l.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     return "\n    ".join(lines[:n])
 
 
 class StageTracer:
     """Traces the meta model per input signature and wires the local stages to the loaded weights."""
 
-    def __init__(self, skeleton: nn.Module, split_points: Sequence[str], num_stages: int, local: Sequence[int], device: torch.device):
+    def __init__(
+        self,
+        skeleton: nn.Module,
+        split_points: Sequence[str],
+        num_stages: int,
+        local: Sequence[int],
+        device: torch.device,
+    ):
         self.skeleton = skeleton
         self.split_points = tuple(split_points)
         self.num_stages = num_stages
@@ -117,13 +125,20 @@ class StageTracer:
         try:
             example = {k: v.detach().cpu() for k, v in example.items()}  # values do not matter, shapes do
             try:
-                pipe = pipeline(model, mb_args=(), mb_kwargs=example, split_spec={p: SplitPoint.BEGINNING for p in self.split_points})
+                pipe = pipeline(
+                    model,
+                    mb_args=(),
+                    mb_kwargs=example,
+                    split_spec={p: SplitPoint.BEGINNING for p in self.split_points},
+                )
             except Exception as e:  # noqa: BLE001 - every tracer failure becomes one message that says what to do
                 cause = e.__cause__ or e
                 raise TraceError(
-                    f"torch.export could not trace {name} (model_type {getattr(model.config, 'model_type', '?')!r}) to split it "
+                    f"torch.export could not trace {name} (model_type {getattr(model.config, 'model_type', '?')!r}) to "
+                    "split it "
                     f"into pipeline stages:\n    {_first_lines(cause)}\nTracing needs a graph without data-dependent "
-                    f"control flow and ops that accept meta-device weights (tracing runs without the real weights); to pipeline "
+                    "control flow and ops that accept meta-device weights (tracing runs without the real weights); to "
+                    "pipeline "
                     f"this model, {RECIPE_HOWTO}"
                 ) from e
         finally:
@@ -139,19 +154,27 @@ class StageTracer:
         if not specs:
             raise TraceError(f"tracing {name} did not run its forward")
         flows = stage_flows(pipe.split_gm, self.num_stages)
-        known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
+            n for n, _ in model.named_buffers(remove_duplicate=False)
+        }
         state = {}
         runners = {}
         for k in range(self.num_stages):
             gm = pipe.get_stage_module(k)
-            state[k] = tuple(dict.fromkeys([n for n, _ in gm.named_parameters(remove_duplicate=False)] + [n for n, _ in gm.named_buffers(remove_duplicate=False)]))
+            state[k] = tuple(
+                dict.fromkeys(
+                    [n for n, _ in gm.named_parameters(remove_duplicate=False)]
+                    + [n for n, _ in gm.named_buffers(remove_duplicate=False)]
+                )
+            )
             for b, buf in gm.named_buffers(remove_duplicate=False):
                 if buf.is_meta and b not in known:
                     # A constant the tracer computed from a meta weight (Falcon's index tensors built
                     # on the weight's device): its value is lost, so the graph cannot run.
                     raise TraceError(
                         f"the trace of {name} captured the constant {b!r} on the meta device (computed from a weight "
-                        f"while tracing without the real weights), so it cannot run; to pipeline this model, {RECIPE_HOWTO}"
+                        "while tracing without the real weights), so it cannot run; to pipeline this model, "
+                        f"{RECIPE_HOWTO}"
                     )
             if k in self.local:
                 if install:
@@ -182,7 +205,8 @@ class StageTracer:
             loaded = re.sub(r"@\d+(?=\.|$)", "", name)
             if loaded not in params:
                 raise TraceError(
-                    f"a new trace of stage {k} uses parameter {name!r}, which this stage did not load (its parameters were "
+                    f"a new trace of stage {k} uses parameter {name!r}, which this stage did not load (its parameters "
+                    "were "
                     f"found by tracing at load time with input_ids and attention_mask); pass the same kinds of inputs"
                 )
             owner, attr = split_fqn(name)
@@ -209,7 +233,11 @@ class StageTracer:
                     f"need a recipe ({RECIPE_HOWTO})"
                 )
             example[key] = v
-        key = (training, torch.is_grad_enabled(), tuple((k_, tuple(v.shape), v.dtype) for k_, v in sorted(example.items())))
+        key = (
+            training,
+            torch.is_grad_enabled(),
+            tuple((k_, tuple(v.shape), v.dtype) for k_, v in sorted(example.items())),
+        )
         trace = self.traces.get(key)
         if trace is None:
             trace = self.trace(example, training=training)  # under the caller's grad mode, part of the key
@@ -269,7 +297,9 @@ class TracedStage(nn.Module):
 def _holder(skeleton: nn.Module, names: Sequence[str]) -> nn.Module:
     """A copy of the meta model pruned to exactly the named parameters and buffers."""
     root = copy.deepcopy(skeleton)
-    present = {n for n, _ in root.named_parameters(remove_duplicate=False)} | {n for n, _ in root.named_buffers(remove_duplicate=False)}
+    present = {n for n, _ in root.named_parameters(remove_duplicate=False)} | {
+        n for n, _ in root.named_buffers(remove_duplicate=False)
+    }
     names = [n for n in names if n in present]  # lifted constants live in the graph only
     keep = set(names)
     prune(root, {split_fqn(n)[0] for n in names})
@@ -348,7 +378,9 @@ def trace_front_end(config, options: PipelineOptions, *, device: torch.device) -
             f"output_hidden_states / output_attentions in the config"
         )
     tracer.output_class = type(out)
-    resolved = dataclasses.replace(resolved, head=dataclasses.replace(resolved.head, outputs=keys, output_class=type(out).__name__))
+    resolved = dataclasses.replace(
+        resolved, head=dataclasses.replace(resolved.head, outputs=keys, output_class=type(out).__name__)
+    )
     itemsize = torch.empty((), dtype=options.dtype).element_size()
     blocks = resolved.stacks[0].blocks
     stages = tuple(traced_spec(skeleton, s, first.state[s.index], blocks, itemsize) for s in plan.stages)

@@ -50,7 +50,9 @@ def stage_flows(split_gm: fx.GraphModule, num_stages: int) -> list[StageFlow]:
 
     def ref(node: Any, user: int) -> tuple[str, str]:
         if not isinstance(node, fx.Node):
-            raise TraceError(f"the split graph passes a constant {node!r} between stages; only tensors can cross stages")
+            raise TraceError(
+                f"the split graph passes a constant {node!r} between stages; only tensors can cross stages"
+            )
         if node.op == "placeholder":
             return ("input", node.target)
         consumers.setdefault(node.name, set()).add(user)
@@ -112,7 +114,7 @@ def rewrite_graphs(root: nn.Module, rewrite) -> None:
 
 
 def retarget_devices(root: nn.Module, device: torch.device) -> None:
-    """Point every device the trace burned into the graphs (``arange(device=...)``, ``mask.to(weight.device)``) at ``device``.
+    """Point every device the trace burned into the graphs (``arange(device=...)``, ``.to(w.device)``) at ``device``.
 
     Tracing runs on meta weights with CPU inputs, so graphs name ``meta`` and ``cpu``. torch's own
     fix (``Pipe.build_stage``) rewrites only ``device=`` keyword arguments; ``aten.to.device`` takes
@@ -161,7 +163,10 @@ class StageRunner(nn.Module):
     def forward(self, *received: torch.Tensor, **inputs: Any):
         flow = self.flow
         if len(received) != len(flow.carry_in):
-            raise TraceError(f"stage {self.index} expects {len(flow.carry_in)} tensor(s) from the previous stage, got {len(received)}")
+            raise TraceError(
+                f"stage {self.index} expects {len(flow.carry_in)} tensor(s) from the previous stage, got "
+                f"{len(received)}"
+            )
         env = dict(zip(flow.carry_in, received))
         args = [inputs[name] if kind == "input" else env[name] for kind, name in flow.args]
         raw = self.graph(*args)
@@ -174,7 +179,9 @@ class StageRunner(nn.Module):
         out = tuple(env[name] for name in flow.carry_out)
         for name, t in zip(flow.carry_out, out):
             if not isinstance(t, torch.Tensor):
-                raise TraceError(f"stage {self.index} would send {name} = {t!r} to the next stage; only tensors can cross stages")
+                raise TraceError(
+                    f"stage {self.index} would send {name} = {t!r} to the next stage; only tensors can cross stages"
+                )
         # A traced value may be a view (T5's position bias is an expanded slice); send and receive
         # buffers must be dense, and .contiguous() is a no-op (same tensor, same autograd) when it is.
         return tuple(t.contiguous() for t in out)

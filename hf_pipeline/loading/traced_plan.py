@@ -30,7 +30,8 @@ _LOSSES = {
 
 RECIPE_HOWTO = (
     "write a recipe: a TOML file like model_recipes/llama.toml naming the embeddings, the block list, the final "
-    "modules and the heads (a new family also needs its few lines of forward glue in hf_pipeline/families/glue.py, which "
+    "modules and the heads (a new family also needs its few lines of forward glue in hf_pipeline/families/glue.py, "
+    "which "
     "run the blocks with a transformers Cache), register it with hf_pipeline.register_recipe(path) and load with "
     "split_method='recipe' or 'auto'"
 )
@@ -95,8 +96,17 @@ def costing_recipe(model: nn.Module, blocks_fqn: str) -> ResolvedRecipe:
     prefix = getattr(model, "base_model_prefix", "")
     base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     class_name = type(model).__name__
-    suffix = getattr(model, "loss_type", None) or (re.search(r"For\w+$", class_name) or re.search(r"Model$", class_name) or [class_name])[0]
-    head = HeadSpec(suffix=suffix, modules=(), outputs=(), output_class="", loss=_LOSSES.get(getattr(model, "loss_type", None) or ""))
+    suffix = (
+        getattr(model, "loss_type", None)
+        or (re.search(r"For\w+$", class_name) or re.search(r"Model$", class_name) or [class_name])[0]
+    )
+    head = HeadSpec(
+        suffix=suffix,
+        modules=(),
+        outputs=(),
+        output_class="",
+        loss=_LOSSES.get(getattr(model, "loss_type", None) or ""),
+    )
     tied = tied_groups(model)
     config = model.config
     recipe = Recipe(
@@ -118,13 +128,17 @@ def split_fqn(name: str) -> tuple[str, str]:
     return owner, attr
 
 
-def traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks: Sequence[str], itemsize: int, seq_len: int = 256) -> StageSpec:
+def traced_spec(
+    model: nn.Module, spec: StageSpec, state: Sequence[str], blocks: Sequence[str], itemsize: int, seq_len: int = 256
+) -> StageSpec:
     """``spec`` with ``modules``, sizes and FLOPs of what the traced stage really holds."""
     # Name each held tensor by the shallowest module the stage holds entirely (a block, an
     # embedding, T5's whole encoder), as a recipe's module list does.
     held = set(state)
     under: dict[str, set[str]] = {}
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)] + [
+        n for n, _ in model.named_buffers(remove_duplicate=False)
+    ]
     for n in names:
         parts = n.split(".")[:-1]
         for i in range(1, len(parts) + 1):
@@ -146,7 +160,11 @@ def traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks:
 
     modules: dict[str, None] = {}
     for name in state:
-        if name in known and not whole(name) and any(a != name and a in held and whole(a) for a in aliases[id(tensors[name])]):
+        if (
+            name in known
+            and not whole(name)
+            and any(a != name and a in held and whole(a) for a in aliases[id(tensors[name])])
+        ):
             continue  # held, and named, through another alias
         owner, _ = split_fqn(name)
         if name not in known:
@@ -161,7 +179,9 @@ def traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks:
             modules[block] = None
             continue
         parts = owner.split(".")
-        modules[next((a for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if under[a] <= held), owner)] = None
+        modules[
+            next((a for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if under[a] <= held), owner)
+        ] = None
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     mods = tuple(sorted(modules, key=lambda m: order.get(m, len(order))))
     lookup = dict(model.named_parameters(remove_duplicate=False))
@@ -172,4 +192,6 @@ def traced_spec(model: nn.Module, spec: StageSpec, state: Sequence[str], blocks:
     _, _, f_blocks = module_stats(model, list(spec.blocks), itemsize, seq_len, hidden, len(spec.blocks))
     others = [m for m in mods if m and m not in spec.blocks]
     _, _, f_other = module_stats(model, others, itemsize, seq_len, hidden, 0)
-    return dataclasses.replace(spec, modules=mods, params=nparams, nbytes=nparams * itemsize, flops_per_token=f_blocks + f_other)
+    return dataclasses.replace(
+        spec, modules=mods, params=nparams, nbytes=nparams * itemsize, flops_per_token=f_blocks + f_other
+    )

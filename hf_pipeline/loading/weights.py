@@ -74,7 +74,8 @@ class LoadReport:
     files_opened: list[str] = field(default_factory=list)  # shard file names, in the order opened
     keys_read: list[str] = field(default_factory=list)  # checkpoint keys, each once
     bytes_read: int = 0  # stored bytes (before any dtype cast) of the tensors read
-    initialized: list[str] = field(default_factory=list)  # names missing from the checkpoint, initialised as transformers does
+    # Names missing from the checkpoint, initialised as transformers does.
+    initialized: list[str] = field(default_factory=list)
     # Wall seconds by phase of the load ("headers", "read" here; the loader adds its own phases).
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -103,15 +104,19 @@ def resolve_keys(index: CheckpointIndex, wanted: Mapping, aliases: Mapping[str, 
 _IGNORE_HINT = "if these keys are harmless, pass their patterns in ignore_unexpected"
 
 
-def _check_unexpected(index: CheckpointIndex, expected: Collection[str], ignore: Collection[str], hint: str = _IGNORE_HINT) -> None:
+def _check_unexpected(
+    index: CheckpointIndex, expected: Collection[str], ignore: Collection[str], hint: str = _IGNORE_HINT
+) -> None:
     expected = set(expected)
     patterns = [re.compile(p) for p in ignore]
     # re.search, as transformers applies _keys_to_ignore_on_load_unexpected.
     extra = sorted(k for k in index.weight_map if k not in expected and not any(p.search(k) for p in patterns))
     if extra:
         raise CheckpointError(
-            f"checkpoint {index.directory} holds {len(extra)} tensor(s) the model does not have: {name_listing(extra)}. "
-            f"The config probably does not match the checkpoint (fewer layers, another architecture or model class); {hint}"
+            f"checkpoint {index.directory} holds {len(extra)} tensor(s) the model does not have: "
+            f"{name_listing(extra)}. "
+            "The config probably does not match the checkpoint (fewer layers, another architecture or model class); "
+            f"{hint}"
         )
 
 
@@ -173,6 +178,16 @@ def load_tensors(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    out, report = _read_shards(index, plans, by_key, device=device, progress=progress)
+    report.seconds = {"headers": headers_done - started, "read": time.perf_counter() - headers_done}
+    return out, report
+
+
+def _read_shards(
+    index: CheckpointIndex, plans: Mapping[str, list[_TensorPlan]], by_key: Mapping[str, list[str]], *,
+    device: torch.device, progress: bool,
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Pass 2: open each planned shard once and read its tensors in file order (stage name -> tensor)."""
     report = LoadReport()
     out: dict[str, torch.Tensor] = {}
     reader = _TensorReader(device)
@@ -196,13 +211,14 @@ def load_tensors(
                         bar.update(t.nbytes)
             except OSError as e:
                 where = f"reading {key!r} from" if key is not None else "opening"
-                raise CheckpointError(f"error {where} shard {shard!r} in {index.directory}: {type(e).__name__}: {e}") from e
+                raise CheckpointError(
+                    f"error {where} shard {shard!r} in {index.directory}: {type(e).__name__}: {e}"
+                ) from e
             except _ShortRead as e:
                 raise CheckpointError(
                     f"shard {shard!r} in {index.directory} ended while reading {key!r} ({e}): the file was truncated "
                     "after its header was checked (is it being overwritten?); re-download or re-save it"
                 ) from None
-    report.seconds = {"headers": headers_done - started, "read": time.perf_counter() - headers_done}
     return out, report
 
 
@@ -223,7 +239,9 @@ def _plan_shard(
     """Check one shard's header against what is wanted from it; what to read, in file order."""
     path = index.directory / shard
     if not path.is_file():
-        raise CheckpointError(f"shard {shard!r} (holding {keys[0]!r}) is missing from {index.directory}; re-download the checkpoint")
+        raise CheckpointError(
+            f"shard {shard!r} (holding {keys[0]!r}) is missing from {index.directory}; re-download the checkpoint"
+        )
     header = read_shard_header(path)
     plans = []
     for key in keys:
@@ -239,7 +257,8 @@ def _plan_shard(
             if stored_shape != shape:
                 via = "" if name == key else f" (read as {name!r})"
                 raise CheckpointError(
-                    f"{key!r}{via} in shard {shard!r} of {index.directory} has shape {list(stored_shape)} but the model expects "
+                    f"{key!r}{via} in shard {shard!r} of {index.directory} has shape {list(stored_shape)} but the "
+                    "model expects "
                     f"{list(shape)}; the config (hidden_size, vocab_size, heads, ...) does not match the checkpoint"
                 )
         torch_name = SAFETENSORS_DTYPES[entry["dtype"]][1]
@@ -254,8 +273,10 @@ def _plan_shard(
             name = next(name for name in by_key[key] if name in floating)
             via = "" if name == key else f" (read as {name!r})"
             raise CheckpointError(
-                f"{key!r}{via} in shard {shard!r} of {index.directory} is stored as {entry['dtype']} (integers) but the "
-                f"model's parameter is floating point ({target}); the checkpoint is quantized or damaged: re-save it with "
+                f"{key!r}{via} in shard {shard!r} of {index.directory} is stored as {entry['dtype']} (integers) but "
+                "the "
+                f"model's parameter is floating point ({target}); the checkpoint is quantized or damaged: re-save it "
+                "with "
                 "floating-point weights (or dequantize it first)"
             )
         # As before: floating tensors take a floating target, integer/bool ones a non-floating one only.

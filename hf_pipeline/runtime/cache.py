@@ -74,7 +74,9 @@ def pad_batch(inputs: dict[str, Any], batch: int, multiple: int) -> dict[str, An
     if not pad:
         return inputs
     return {
-        k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
+        k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch
+        else v
         for k, v in inputs.items()
     }
 
@@ -109,7 +111,9 @@ class PipelineRuntime:
         """Drop every built stage and schedule (their P2P buffers with them)."""
         self._cache.clear()
 
-    def get(self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True) -> tuple[list[PipelineStage], Any]:
+    def get(
+        self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True
+    ) -> tuple[list[PipelineStage], Any]:
         """``PipelineStage`` objects and the torch schedule for one input signature (built on first use).
 
         Args:

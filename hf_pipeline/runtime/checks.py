@@ -55,7 +55,9 @@ def _first_outside(values: torch.Tensor, bad: torch.Tensor, *, column_offset: in
     return f"{int(values[where])} at {shown}"
 
 
-def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", limit_name: str = "config.vocab_size") -> None:
+def check_token_ids(
+    ids: Any, *, vocab: int | None, what: str = "input_ids", limit_name: str = "config.vocab_size"
+) -> None:
     """Raise InputError unless ``ids`` is a (batch, length) integer tensor of ids in ``[0, vocab)``.
 
     Cheap: one min/max pass over the ids (a second pass only to say where a bad id is).
@@ -67,14 +69,22 @@ def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", lim
         limit_name: where ``vocab`` comes from, for the message.
     """
     if not isinstance(ids, torch.Tensor):
-        raise InputError(f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., return_tensors='pt')")
+        raise InputError(
+            f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., "
+            "return_tensors='pt')"
+        )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise InputError(f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() if the values are ids)")
+        raise InputError(
+            f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() "
+            "if the values are ids)"
+        )
     shape = tuple(ids.shape)
     if ids.dim() != 2:
         fix = (
-            f"; for one sequence pass {what}[None]" if ids.dim() == 1
-            else f"; merge the leading dimensions ({what}.reshape(-1, {shape[-1]})) or drop the extra one" if ids.dim() > 2
+            f"; for one sequence pass {what}[None]"
+            if ids.dim() == 1
+            else f"; merge the leading dimensions ({what}.reshape(-1, {shape[-1]})) or drop the extra one"
+            if ids.dim() > 2
             else "; pass a (batch, length) tensor"
         )
         raise InputError(f"{what} must be (batch, length), got shape {shape} ({ids.dim()}-D){fix}")
@@ -88,7 +98,8 @@ def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", lim
     if lo < 0 or hi >= vocab:
         first = _first_outside(ids, (ids < 0) | (ids >= vocab))
         raise InputError(
-            f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must be "
+            f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must "
+            "be "
             f"in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
         )
 
@@ -122,7 +133,8 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
         if new_tokens and total > limit:
             logger.warning_once(
                 f"This is a friendly reminder - the current text generation call will exceed the model's predefined "
-                f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance degradation, "
+                f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance "
+                "degradation, "
                 f"or nothing at all."
             )
         return
@@ -162,8 +174,14 @@ def check_microbatches(*, batch: int, n_microbatches: int, training: bool) -> No
 
 
 def check_labels(
-    loss: str | None, labels: torch.Tensor, *, input_ids: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None,
-    batch: int | None = None, vocab: int | None = None, num_labels: int | None = None,
+    loss: str | None,
+    labels: torch.Tensor,
+    *,
+    input_ids: torch.Tensor | None = None,
+    decoder_input_ids: torch.Tensor | None = None,
+    batch: int | None = None,
+    vocab: int | None = None,
+    num_labels: int | None = None,
 ) -> None:
     """Raise InputError if ``labels`` does not fit the head's loss.
 
@@ -177,30 +195,40 @@ def check_labels(
         num_labels: class labels must be in ``[0, num_labels)`` (None: not checked).
     """
     if loss is None:
-        raise InputError("this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)")
+        raise InputError(
+            "this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)"
+        )
     if not isinstance(labels, torch.Tensor):
         raise InputError(f"labels must be a tensor, got {type(labels).__name__}")
     ref = input_ids if input_ids is not None else decoder_input_ids
     rows = batch if batch is not None else (ref.shape[0] if ref is not None else labels.shape[0])
     if labels.shape[:1] != (rows,):
-        raise InputError(f"labels has {labels.shape[0] if labels.dim() else 0} rows but the batch has {rows}; pass one row of labels per input row")
+        raise InputError(
+            f"labels has {labels.shape[0] if labels.dim() else 0} rows but the batch has {rows}; pass one row of "
+            "labels per input row"
+        )
     if loss in ("causal_lm", "masked_lm"):
         if input_ids is not None and labels.shape != input_ids.shape:
             raise InputError(
-                f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}; for {loss} pass "
-                "labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside the loss"
+                f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}; for {loss} "
+                "pass "
+                "labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside the "
+                "loss"
             )
     elif loss == "seq2seq_lm":
         if labels.dim() != 2:
             raise InputError(f"labels must be (batch, target length), got shape {tuple(labels.shape)}")
         if decoder_input_ids is not None and labels.shape != decoder_input_ids.shape:
             raise InputError(
-                f"labels shape {tuple(labels.shape)} does not match decoder_input_ids {tuple(decoder_input_ids.shape)}; "
+                f"labels shape {tuple(labels.shape)} does not match decoder_input_ids "
+                f"{tuple(decoder_input_ids.shape)}; "
                 "pass labels only (decoder inputs are derived from them) or both with the same shape"
             )
     elif loss == "sequence_classification":
         if labels.dim() not in (1, 2):
-            raise InputError(f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}")
+            raise InputError(
+                f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}"
+            )
     if labels.dtype.is_floating_point and loss != "sequence_classification":
         raise InputError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
     _check_label_range(loss, labels, vocab=vocab, num_labels=num_labels)
@@ -232,7 +260,9 @@ def _check_label_range(loss: str, labels: torch.Tensor, *, vocab: int | None, nu
     )
 
 
-def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None) -> None:
+def check_model_inputs(
+    config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None
+) -> None:
     """Token ids, sequence lengths and labels of one call's inputs (see the functions above)."""
     for flag in ("output_hidden_states", "output_attentions"):
         if inputs.get(flag):
@@ -246,11 +276,15 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
         # below see one (length,) row per choice, the labels one per example.
         ids = inputs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() != 3:
-            raise InputError(f"input_ids of a multiple-choice head must be (batch, num_choices, length), got shape {tuple(ids.shape)}")
+            raise InputError(
+                "input_ids of a multiple-choice head must be (batch, num_choices, length), got shape "
+                f"{tuple(ids.shape)}"
+            )
         ref = ids if isinstance(ids, torch.Tensor) else inputs.get("inputs_embeds")
         batch = ref.shape[0] if isinstance(ref, torch.Tensor) else None
         inputs = {
-            k: v.flatten(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 3 and k != "labels" else v for k, v in inputs.items()
+            k: v.flatten(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 3 and k != "labels" else v
+            for k, v in inputs.items()
         }
     vocab = vocab_size(config)
     for key in ("input_ids", "decoder_input_ids"):
@@ -258,11 +292,17 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
             check_token_ids(inputs[key], vocab=vocab, what=key)
     types = inputs.get("token_type_ids")
     type_vocab = getattr(config, "type_vocab_size", None)
-    if isinstance(types, torch.Tensor) and isinstance(type_vocab, int) and types.numel() and not types.dtype.is_floating_point:
+    if (
+        isinstance(types, torch.Tensor)
+        and isinstance(type_vocab, int)
+        and types.numel()
+        and not types.dtype.is_floating_point
+    ):
         lo, hi = (int(v) for v in torch.aminmax(types))
         if lo < 0 or hi >= type_vocab:
             raise InputError(
-                f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the model's "
+                f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the "
+                "model's "
                 f"{type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
             )
     for key in ("input_ids", "inputs_embeds"):
@@ -295,7 +335,11 @@ def check_prompts(prompts: Any) -> str:
         if isinstance(p, str):
             kinds.append("text")
         elif isinstance(p, (list, tuple)):
-            kinds.append("ids" if all(isinstance(t, int) and not isinstance(t, bool) for t in p) else "list holding non-int items")
+            kinds.append(
+                "ids"
+                if all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                else "list holding non-int items"
+            )
         else:
             kinds.append(type(p).__name__)
     odd = next((i for i, k in enumerate(kinds) if k not in ("text", "ids")), None)
@@ -320,10 +364,21 @@ def check_generate_inputs(input_ids: Any) -> None:
     """
     if isinstance(input_ids, (list, tuple)):
         kind = check_prompts(input_ids)
-        hint = "tok(prompts, return_tensors='pt', padding=True)" if kind == "text" else "torch.tensor(ids) (pad rows to one length)"
-        raise InputTypeError(f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass {hint}")
+        hint = (
+            "tok(prompts, return_tensors='pt', padding=True)"
+            if kind == "text"
+            else "torch.tensor(ids) (pad rows to one length)"
+        )
+        raise InputTypeError(
+            f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass "
+            f"{hint}"
+        )
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and 0 in input_ids.shape:
         raise InputError(
             f"input_ids of shape {tuple(input_ids.shape)} holds no "
-            + ("prompts; pass at least one" if input_ids.shape[0] == 0 else "tokens; every prompt needs at least one (e.g. the BOS token)")
+            + (
+                "prompts; pass at least one"
+                if input_ids.shape[0] == 0
+                else "tokens; every prompt needs at least one (e.g. the BOS token)"
+            )
         )

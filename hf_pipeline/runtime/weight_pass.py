@@ -23,9 +23,10 @@ gradients are the ones autograd computes: the same products, in the same dtypes.
 What is deferred: every linear whose weight is a trainable leaf tensor (``nn.Linear`` and
 transformers' ``Conv1D``, GPT-2's linear with a transposed weight, in recipe stages; the
 ``aten.linear`` calls of a traced stage's graph, which ``loading/traced_graphs.py`` points at
-:func:`linear`), while a zero-bubble training step runs (:func:`deferring`), and only in a stage's own
-backward actions (:func:`capturing`, set by :class:`WeightDeferringStage`): any other backward computes the weight gradient in place, as autograd does. The
-linears hold nearly all of a transformer's weight FLOPs; the rest (norms, embeddings) is cheap.
+:func:`linear`), while a zero-bubble training step runs (:func:`deferring`), and only in a stage's
+own backward actions (:func:`capturing`, set by :class:`WeightDeferringStage`): any other backward
+computes the weight gradient in place, as autograd does. The linears hold nearly all of a
+transformer's weight FLOPs; the rest (norms, embeddings) is cheap.
 On a device, W's matmuls run on the stage's device like the rest of its backward.
 
 The pending work is process-wide, not per stage: a rank runs one stage's backward at a time, and
