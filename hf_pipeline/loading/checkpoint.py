@@ -177,8 +177,8 @@ class CheckpointIndex:
         if leftovers:
             warnings.warn(
                 f"{directory} holds what an interrupted save_pretrained left ({', '.join(leftovers)}); ignoring it: "
-                "the "
-                f"checkpoint is what {INDEX_NAME} lists. The next save into the directory removes it (or delete it)",
+                f"the checkpoint is what {INDEX_NAME} lists. The next save into the directory removes it (or delete "
+                "it)",
                 stacklevel=2,
             )
         index_path = directory / INDEX_NAME

@@ -14,6 +14,8 @@ import pathlib
 from dataclasses import fields
 from typing import Any, Mapping
 
+from .checkpoint import INDEX_NAME
+
 __all__ = ["pipeline_identity"]
 
 _TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
@@ -53,12 +55,17 @@ def pipeline_identity(
     cfg = config.to_dict()
     cfg.pop("_name_or_path", None)  # where it was read from, not what it is
     out["config"] = cfg
-    if checkpoint_dir is None:
-        return out
-    directory = pathlib.Path(checkpoint_dir)
+    if checkpoint_dir is not None:
+        out.update(_checkpoint_identity(pathlib.Path(checkpoint_dir)))
+    return out
+
+
+def _checkpoint_identity(directory: pathlib.Path) -> dict[str, Any]:
+    """The checkpoint by content: generation config, the index's weight map (hashed), shard sizes and tails."""
+    out: dict[str, Any] = {}
     generation = directory / "generation_config.json"
     out["generation_config.json"] = generation.read_text() if generation.is_file() else None
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX_NAME
     try:
         weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     except (OSError, ValueError, KeyError, TypeError) as e:

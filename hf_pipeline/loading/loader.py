@@ -98,16 +98,16 @@ def _refuse_remote_code(ckpt: pathlib.Path, config) -> None:
     if auto_map:
         raise InputError(
             f"trust_remote_code=True: {ckpt} has its own modelling code (auto_map {sorted(auto_map)} in config.json), "
-            f"which pipeline=True never runs: stages are built from transformers' own classes. Load it with "
-            f"pipeline=False to run that code, or without trust_remote_code to use transformers' class for its "
-            f"model_type"
+            "which pipeline=True never runs: stages are built from transformers' own classes. Load it with "
+            "pipeline=False to run that code, or without trust_remote_code to use transformers' class for its "
+            "model_type"
         )
 
 
 _AGREE_HINT = (
     "Every rank must load the same checkpoint (the same files; the path may differ per host) with the same "
-    "from_pretrained arguments: launch one script with one command line everywhere, and compute no argument from "
-    "the rank or the host"
+    "from_pretrained arguments: launch one script with one command line everywhere, and compute no argument from the "
+    "rank or the host"
 )
 
 

@@ -78,8 +78,7 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
             if n > _MAX_HEADER or 8 + n > size:
                 raise CheckpointError(
                     f"shard {path.name} in {path.parent} is truncated or its header is corrupted: the header length "
-                    "field "
-                    f"says {n} bytes but the file has {size}; re-download or re-save it"
+                    f"field says {n} bytes but the file has {size}; re-download or re-save it"
                 )
             raw = f.read(n)
     except OSError as e:
@@ -89,31 +88,7 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
         if not isinstance(header, dict):
             raise CheckpointError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        spans = []
-        for key, entry in header.items():
-            begin, stop = entry["data_offsets"]
-            shape, dtype = entry["shape"], entry["dtype"]
-            valid = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
-            if not (valid and isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
-                raise CheckpointError(f"bad entry for {key!r}: {entry}")
-            if dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(
-                    f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})"
-                )
-            bits = SAFETENSORS_DTYPES[dtype][0] * math.prod(shape)
-            if bits != 8 * (stop - begin):
-                raise CheckpointError(
-                    f"{key!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets span "
-                    f"{stop - begin}"
-                )
-            spans.append((begin, stop, key))
-        end = 0
-        for begin, stop, key in sorted(spans):
-            if begin != end:
-                raise CheckpointError(
-                    f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})"
-                )
-            end = stop
+        end = _data_end(header)
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(
             f"shard {path.name} in {path.parent} has a corrupted header ({type(e).__name__}: {e}); re-download or "
@@ -131,6 +106,35 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
             f"(expected {expected} bytes, found {size}); re-download or re-save it"
         )
     return ShardHeader(data_start=8 + n, entries=header)
+
+
+def _data_end(entries: dict[str, dict]) -> int:
+    """Where the entries' data ends; raises (wrapped by the caller) for a bad entry or a gap between tensors."""
+    spans = []
+    for key, entry in entries.items():
+        begin, stop = entry["data_offsets"]
+        shape, dtype = entry["shape"], entry["dtype"]
+        valid = isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
+        if not (valid and isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop):
+            raise CheckpointError(f"bad entry for {key!r}: {entry}")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{key!r} has the unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})"
+            )
+        bits = SAFETENSORS_DTYPES[dtype][0] * math.prod(shape)
+        if bits != 8 * (stop - begin):
+            raise CheckpointError(
+                f"{key!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets span {stop - begin}"
+            )
+        spans.append((begin, stop, key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            raise CheckpointError(
+                f"the data of {key!r} starts at {begin}, not where the previous tensor ends ({end})"
+            )
+        end = stop
+    return end
 
 
 def read_header(path: pathlib.Path) -> dict[str, dict]:

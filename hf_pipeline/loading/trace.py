@@ -107,7 +107,16 @@ class StageTracer:
         self.output_class: type | None = None  # the HF output class (e.g. CausalLMOutputWithPast)
 
     def trace(self, example: dict[str, torch.Tensor], *, training: bool, install: bool = True) -> _Trace:
-        """Trace ``skeleton(**example)`` split at the split points (one microbatch's shapes)."""
+        """Trace ``skeleton(**example)`` split at the split points (one microbatch's shapes).
+
+        ``install``: wire this rank's stage graphs to the loaded weights (every trace after the
+        load-time one, which only finds out which tensors each stage holds).
+        """
+        pipe, out_spec = self._export(example, training=training, untie=install)
+        return self._stages_of(pipe, out_spec, install=install)
+
+    def _export(self, example: dict[str, torch.Tensor], *, training: bool, untie: bool):
+        """torch's split ``Pipe`` of the skeleton for ``example`` and the structure of the model's output."""
         model = self.skeleton
         name = type(model).__name__
         specs: list[pytree.TreeSpec] = []
@@ -121,7 +130,7 @@ class StageTracer:
         # has no attribute 'weight'". A runtime trace is made with the ties broken on the meta model;
         # the graphs are the same computation, and _install wires every name to the stage's one
         # loaded Parameter, so the tie holds where the weights live.
-        untied = self._untie() if install else []
+        untied = self._untie() if untie else []
         try:
             example = {k: v.detach().cpu() for k, v in example.items()}  # values do not matter, shapes do
             try:
@@ -133,12 +142,11 @@ class StageTracer:
                 )
             except Exception as e:  # noqa: BLE001 - every tracer failure becomes one message that says what to do
                 cause = e.__cause__ or e
+                model_type = getattr(model.config, "model_type", "?")
                 raise TraceError(
-                    f"torch.export could not trace {name} (model_type {getattr(model.config, 'model_type', '?')!r}) to "
-                    "split it "
-                    f"into pipeline stages:\n    {_first_lines(cause)}\nTracing needs a graph without data-dependent "
-                    "control flow and ops that accept meta-device weights (tracing runs without the real weights); to "
-                    "pipeline "
+                    f"torch.export could not trace {name} (model_type {model_type!r}) to split it into pipeline "
+                    f"stages:\n    {_first_lines(cause)}\nTracing needs a graph without data-dependent control flow "
+                    "and ops that accept meta-device weights (tracing runs without the real weights); to pipeline "
                     f"this model, {RECIPE_HOWTO}"
                 ) from e
         finally:
@@ -153,6 +161,12 @@ class StageTracer:
                 mod.__dict__.pop("_orig_forward", None)
         if not specs:
             raise TraceError(f"tracing {name} did not run its forward")
+        return pipe, specs[0]
+
+    def _stages_of(self, pipe, out_spec, *, install: bool) -> _Trace:
+        """Every stage's tensor names and this rank's stage runners from a split ``Pipe``."""
+        model = self.skeleton
+        name = type(model).__name__
         flows = stage_flows(pipe.split_gm, self.num_stages)
         known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {
             n for n, _ in model.named_buffers(remove_duplicate=False)
@@ -180,7 +194,7 @@ class StageTracer:
                 if install:
                     self._install(gm, k)
                 runners[k] = StageRunner(gm, flows[k], k)
-        return _Trace(runners=runners, out_spec=specs[0], state=state)
+        return _Trace(runners=runners, out_spec=out_spec, state=state)
 
     def _untie(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
         """Give every alias of a tied skeleton parameter its own meta Parameter; returns what to restore."""
@@ -206,8 +220,8 @@ class StageTracer:
             if loaded not in params:
                 raise TraceError(
                     f"a new trace of stage {k} uses parameter {name!r}, which this stage did not load (its parameters "
-                    "were "
-                    f"found by tracing at load time with input_ids and attention_mask); pass the same kinds of inputs"
+                    "were found by tracing at load time with input_ids and attention_mask); pass the same kinds of "
+                    "inputs"
                 )
             owner, attr = split_fqn(name)
             setattr(gm.get_submodule(owner), attr, params[loaded])

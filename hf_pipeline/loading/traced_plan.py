@@ -31,9 +31,8 @@ _LOSSES = {
 RECIPE_HOWTO = (
     "write a recipe: a TOML file like model_recipes/llama.toml naming the embeddings, the block list, the final "
     "modules and the heads (a new family also needs its few lines of forward glue in hf_pipeline/families/glue.py, "
-    "which "
-    "run the blocks with a transformers Cache), register it with hf_pipeline.register_recipe(path) and load with "
-    "split_method='recipe' or 'auto'"
+    "which run the blocks with a transformers Cache), register it with hf_pipeline.register_recipe(path) and load "
+    "with split_method='recipe' or 'auto'"
 )
 
 

@@ -114,9 +114,8 @@ def _check_unexpected(
     if extra:
         raise CheckpointError(
             f"checkpoint {index.directory} holds {len(extra)} tensor(s) the model does not have: "
-            f"{name_listing(extra)}. "
-            "The config probably does not match the checkpoint (fewer layers, another architecture or model class); "
-            f"{hint}"
+            f"{name_listing(extra)}. The config probably does not match the checkpoint (fewer layers, another "
+            f"architecture or model class); {hint}"
         )
 
 
@@ -258,8 +257,8 @@ def _plan_shard(
                 via = "" if name == key else f" (read as {name!r})"
                 raise CheckpointError(
                     f"{key!r}{via} in shard {shard!r} of {index.directory} has shape {list(stored_shape)} but the "
-                    "model expects "
-                    f"{list(shape)}; the config (hidden_size, vocab_size, heads, ...) does not match the checkpoint"
+                    f"model expects {list(shape)}; the config (hidden_size, vocab_size, heads, ...) does not match the "
+                    "checkpoint"
                 )
         torch_name = SAFETENSORS_DTYPES[entry["dtype"]][1]
         stored_dtype = getattr(torch, torch_name, None) if torch_name else None
@@ -274,10 +273,8 @@ def _plan_shard(
             via = "" if name == key else f" (read as {name!r})"
             raise CheckpointError(
                 f"{key!r}{via} in shard {shard!r} of {index.directory} is stored as {entry['dtype']} (integers) but "
-                "the "
-                f"model's parameter is floating point ({target}); the checkpoint is quantized or damaged: re-save it "
-                "with "
-                "floating-point weights (or dequantize it first)"
+                f"the model's parameter is floating point ({target}); the checkpoint is quantized or damaged: re-save "
+                "it with floating-point weights (or dequantize it first)"
             )
         # As before: floating tensors take a floating target, integer/bool ones a non-floating one only.
         if stored_dtype.is_floating_point != target.is_floating_point:

@@ -99,8 +99,7 @@ def check_token_ids(
         first = _first_outside(ids, (ids < 0) | (ids >= vocab))
         raise InputError(
             f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must "
-            "be "
-            f"in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
+            f"be in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
         )
 
 
@@ -132,10 +131,9 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
         # longer inputs (its rope-scaling tests do), and its generate only reminds once.
         if new_tokens and total > limit:
             logger.warning_once(
-                f"This is a friendly reminder - the current text generation call will exceed the model's predefined "
+                "This is a friendly reminder - the current text generation call will exceed the model's predefined "
                 f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance "
-                "degradation, "
-                f"or nothing at all."
+                "degradation, or nothing at all."
             )
         return
     if total > limit:
@@ -211,9 +209,8 @@ def check_labels(
         if input_ids is not None and labels.shape != input_ids.shape:
             raise InputError(
                 f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}; for {loss} "
-                "pass "
-                "labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside the "
-                "loss"
+                "pass labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside "
+                "the loss"
             )
     elif loss == "seq2seq_lm":
         if labels.dim() != 2:
@@ -302,8 +299,7 @@ def check_model_inputs(
         if lo < 0 or hi >= type_vocab:
             raise InputError(
                 f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the "
-                "model's "
-                f"{type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
+                f"model's {type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
             )
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() >= 2:
