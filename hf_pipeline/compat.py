@@ -196,6 +196,43 @@ __all__ += ["lower_compute_actions", "prepare_schedule_with_comms", "shift_right
 
 
 # --- for runtime/ and loading/ --------------------------------------------------------------------
+def transformers_load_exceptions(
+    model: Any, unexpected: set[str], missing: set[str]
+) -> tuple[set[str], set[str]] | None:
+    """(unexpected, missing) left after the model class's own exception rules, as ``from_pretrained`` applies them.
+
+    Stands in for the filtering inside transformers' ``PreTrainedModel.from_pretrained`` (its
+    ``_keys_to_ignore_on_load_*`` patterns plus the legacy ``rotary_emb.inv_freq`` / ``position_ids``
+    buffers, ``_adjust_missing_and_unexpected_keys``), which has no public API.
+
+    Returns:
+        The two sets, or None on a transformers without that method: the caller applies the class's
+        ``_keys_to_ignore_on_load_*`` patterns itself.
+    """
+    try:
+        from transformers.utils.loading_report import LoadStateDictInfo
+
+        info = LoadStateDictInfo(
+            missing_keys=set(missing), unexpected_keys=set(unexpected), mismatched_keys=set(), error_msgs=[],
+            conversion_errors={}, skipped_pp_keys=set(),
+        )
+        model._adjust_missing_and_unexpected_keys(info)
+    except (ImportError, AttributeError, TypeError):
+        return None
+    return set(info.unexpected_keys), set(info.missing_keys)
+
+
+def mark_hf_initialized(obj: Any, initialized: bool = True) -> None:
+    """Tell transformers' ``initialize_weights()`` to skip (True) or to visit (False) a tensor or module.
+
+    Stands in for what ``from_pretrained`` does to the tensors it loaded before it initialises the
+    rest (their ``_is_hf_initialized`` flag); transformers has no public API to mark them.
+    """
+    obj._is_hf_initialized = initialized
+
+
+__all__ += ["mark_hf_initialized", "transformers_load_exceptions"]
+
 
 
 # --- for generation/ -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
 from .errors import InputError, TraceError
-from .loading.loader import BuiltPipeline, StageBuild, build_pipeline
+from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
 from .planning.layout import ParamLayout, param_layout
 from .planning.options import PipelineOptions
@@ -69,25 +69,25 @@ class PipelinedModel(nn.Module):
 
     What the feature modules (``generation/``, ``training/``, ``tools/``) read of it — the typed
     surface they may rely on: ``ctx``, ``dims``, ``plan``, ``param_layout``, ``config``, ``resolved``,
-    ``skeleton``, ``build``, ``options``, ``schedule``, ``n_microbatches``, ``stages``, ``runtime``,
+    ``skeleton``, ``stage_maker``, ``options``, ``schedule``, ``n_microbatches``, ``stages``, ``runtime``,
     ``device``, ``check_inputs``, ``training``, ``train_step_state``, and the methods ``rank_label``,
     ``prepare_inputs``, ``batch_size``, ``checkpoint_named_parameters``. Nothing else, and nothing
     private.
     """
 
-    def __init__(self, built: BuiltPipeline, *, gather_output: bool = True):
+    def __init__(self, built: LoadedPipeline, *, gather_output: bool = True):
         super().__init__()
-        build = built.build
-        self.config = build.config
+        maker = built.stage_maker
+        self.config = maker.config
         self.options: PipelineOptions = built.options
-        self.plan: StagePlan = build.plan
-        self.resolved: ResolvedRecipe = build.resolved
+        self.plan: StagePlan = maker.plan
+        self.resolved: ResolvedRecipe = maker.resolved
         self.stages = nn.ModuleList(built.stages)
         # What the front end built (a dataclass, so nn.Module keeps it as a plain attribute). The
         # meta-device model in it is reached through the ``skeleton`` property, never assigned here:
         # assigning an nn.Module would register it as a submodule, and its meta parameters would
         # join parameters(), state_dict() and to().
-        self.build: StageBuild = build
+        self.stage_maker: StageMaker = maker
         self.ctx: RankContext = built.ctx
         self.dims: ParallelDims = built.dims
         self.schedule: ScheduleSpec = built.options.schedule
@@ -110,7 +110,7 @@ class PipelinedModel(nn.Module):
     def skeleton(self) -> nn.Module:
         """The whole model on the meta device: never run, kept for its config-only helpers (T5's
         ``_shift_right``) and the shapes of every parameter. Not a submodule of this model."""
-        return self.build.skeleton
+        return self.stage_maker.skeleton
 
     @functools.cached_property
     def param_layout(self) -> ParamLayout:
@@ -146,7 +146,7 @@ class PipelinedModel(nn.Module):
 
     def can_generate(self) -> bool:
         """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
-        return bool(self.skeleton.can_generate()) and self.build.generate_refusal is None
+        return bool(self.skeleton.can_generate()) and self.stage_maker.generate_refusal is None
 
     def num_parameters(
         self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
@@ -300,7 +300,7 @@ class PipelinedModel(nn.Module):
 
     def _output_class(self) -> type:
         # The transformers output class the head's outputs are returned in (a traced model records its own).
-        return self.build.output_class
+        return self.stage_maker.output_class
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         # forward() is inference at every world size: the stages run in eval mode (no dropout),
@@ -399,8 +399,8 @@ class PipelinedModel(nn.Module):
         """Pipelined generation with per-stage KV caches. Collective. See ``generate.py``."""
         from .generation.generate import generate
 
-        if self.build.generate_refusal is not None:
-            raise TraceError(self.build.generate_refusal)
+        if self.stage_maker.generate_refusal is not None:
+            raise TraceError(self.stage_maker.generate_refusal)
         with self._step_errors("generate"):
             # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -427,7 +427,7 @@ setattr(PipelinedModel, ACCELERATE_PREPARED_FLAG, True)
 class TracedPipelinedModel(PipelinedModel):
     """A :class:`PipelinedModel` whose stages come from ``torch.export`` tracing instead of a recipe.
 
-    Same surface and the same loader (``build.py``); ``generate()`` raises, since KV-cached
+    Same surface and the same loader (``loading/loader.py``); ``generate()`` raises, since KV-cached
     generation needs a recipe.
     """
 
@@ -476,7 +476,7 @@ def load_pipelined(
         gather_output: give outputs to every rank (else only the last stage's rank).
         revision, cache_dir, subfolder: as transformers' (a hub id is looked up in the local cache only).
         attn_implementation: "eager", "sdpa", ...: the attention every stage runs, as transformers'.
-        trust_remote_code: refused (True) for a checkpoint with its own modelling code; see :func:`build_pipeline`.
+        trust_remote_code: refused (True) for a checkpoint with its own modelling code; see :func:`load_pipeline`.
         split_method: "recipe" (a recipe from ``model_recipes/`` must exist), "trace" (split with
             torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
             recipe for ``config.model_type`` when there is one, else the tracer.
@@ -494,7 +494,7 @@ def load_pipelined(
         raise InputError(
             "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
         )
-    built = build_pipeline(
+    built = load_pipeline(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,

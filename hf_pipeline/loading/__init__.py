@@ -1,10 +1,19 @@
-"""Making this rank's stages: the splitter's two front ends, safetensors reading, the one loader.
+"""Making this rank's stages: the splitter's two front ends, checkpoint reading, the one loader.
 
-Lives here: :mod:`.stages` (the recipe front end: pruned copies of the HF model on the meta
-device, so stage parameter names equal checkpoint keys), :mod:`.trace` (the torch.export front
-end for models without a recipe), :mod:`.weights` (per-stage, shard-by-shard safetensors reading)
-and :mod:`.loader` (options -> front end -> wanted tensors -> load -> materialise; every entry
-point loads through it).
+Lives here:
+
+- the front ends, both returning a :class:`~.stages.StageMaker`: :mod:`.stages` (the recipe front
+  end: pruned copies of the HF model on the meta device, so stage parameter names equal checkpoint
+  keys) and :mod:`.trace` (the torch.export front end for models without a recipe), with
+  :mod:`.traced_plan` (blocks, costing and stage contents of a traced model) and
+  :mod:`.traced_graphs` (the traced graphs' wiring, rewrites and runner);
+- the checkpoint: :mod:`.checkpoint` (where it is, ``resolve_checkpoint``, and which shard holds each
+  key, ``CheckpointIndex``), :mod:`.safetensors_header` (a shard's header, checked),
+  :mod:`.key_renames` (transformers' renames on load), :mod:`.key_plan` (model names against
+  checkpoint keys), :mod:`.weights` (per-stage, shard-by-shard reading) and :mod:`.missing_weights`
+  (what the checkpoint lacks, initialised as transformers does);
+- :mod:`.loader` (``load_pipeline``: options -> agreement (:mod:`.identity`) -> front end -> wanted
+  tensors -> load -> materialise; every entry point loads through it).
 
 May import: the base modules and the rooms below it (``distributed``, ``families``, ``planning``,
 ``runtime``).

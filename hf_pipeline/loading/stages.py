@@ -25,13 +25,14 @@ from accelerate import init_empty_weights
 from torch import nn
 
 from ..compat import no_init_weights
+from ..errors import InternalError
 from ..families.glue import Glue, get_glue
 from ..families.recipe import get_recipe
 from ..planning.options import PipelineOptions, model_class_for
 from ..planning.plan import StagePlan, StageSpec, make_plan
 from ..planning.resolve import ResolvedRecipe, resolve_recipe
 
-__all__ = ["StageBuild", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
+__all__ = ["StageMaker", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
 
 
 def meta_model(config, model_class: str | type) -> nn.Module:
@@ -42,7 +43,7 @@ def meta_model(config, model_class: str | type) -> nn.Module:
     """
     cls = model_class_for(config, model_class)
     # No initialisation: parameters are meta (nothing to fill) and the real values come from the
-    # checkpoint, or, for weights it lacks, from transformers' own init at load (build.initialize_missing).
+    # checkpoint, or, for weights it lacks, from transformers' own init at load (missing_weights.initialize_missing).
     with no_init_weights(), init_empty_weights(include_buffers=False):
         model = cls._from_config(config)
     # init_empty_weights swaps parameters as they are registered, which undoes the ties that
@@ -54,7 +55,8 @@ def meta_model(config, model_class: str | type) -> nn.Module:
 def prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
     # Delete every child not kept and not an ancestor of a kept module. Containers keep their
     # class and attributes (a ModuleList of layers 4..7 still iterates them), and parameter names
-    # stay the model's own.
+    # stay the model's own. The walk reads nn.Module's own registries (not named_children /
+    # named_parameters): they alone show None entries and a child registered under two names.
     for name in list(module._parameters):
         if prefix.rstrip(".") not in keep:
             del module._parameters[name]
@@ -188,7 +190,11 @@ def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> S
 
 
 def materialize(
-    stage: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch.device, tied: tuple[tuple[str, ...], ...] = (),
+    stage: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    device: torch.device,
+    tied: tuple[tuple[str, ...], ...] = (),
     made: dict[str, nn.Parameter] | None = None,
 ) -> None:
     """Replace the stage's meta parameters with ``tensors`` (by checkpoint name), on ``device``.
@@ -207,19 +213,19 @@ def materialize(
         twin = next((made[n] for n in (name, *groups.get(name, ())) if n in made), None)
         if twin is None:
             if name not in tensors:
-                raise KeyError(f"no tensor loaded for stage parameter {name!r}")
+                raise InternalError(f"no tensor loaded for stage parameter {name!r}")
             twin = nn.Parameter(tensors[name].to(device), requires_grad=param.requires_grad)
-        owner._parameters[attr] = twin
+        setattr(owner, attr, twin)
         made[name] = twin
     for name, buf in list(stage.named_buffers()):
         owner_name, _, attr = name.rpartition(".")
         owner = stage.get_submodule(owner_name)
         value = tensors.get(name, buf)
-        owner._buffers[attr] = value.to(device)
+        setattr(owner, attr, value.to(device))
 
 
 @dataclass(kw_only=True)
-class StageBuild:
+class StageMaker:
     """What a front end gives the loader (the same on every rank).
 
     Attributes:
@@ -243,7 +249,7 @@ class StageBuild:
     generate_refusal: str | None = None
 
 
-def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
+def recipe_front_end(config, options: PipelineOptions) -> StageMaker:
     """The recipe front end: the plan of ``config``'s model and stages cut from it by its recipe.
 
     Needs only the config (no weights, no process group): the planner and the converter call it
@@ -260,7 +266,7 @@ def recipe_front_end(config, options: PipelineOptions) -> StageBuild:
         layout=options.schedule.layout, split=options.split, dtype=options.dtype,
         schedule=options.schedule, n_microbatches=options.n_microbatches,
     )
-    return StageBuild(
+    return StageMaker(
         config=config, plan=plan, resolved=resolved, skeleton=skeleton,
         output_class=getattr(transformers.modeling_outputs, resolved.head.output_class),
         make_stages=lambda specs: [build_stage(skeleton, resolved, spec) for spec in specs],

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 from dataclasses import dataclass
@@ -31,13 +30,10 @@ from ..families.recipe import list_recipes
 from .schedules import ScheduleSpec, check_layout, default_schedule, get_schedule
 
 __all__ = [
-    "CACHE_ENV", "DEFAULT_CACHE_SIZE", "SPLIT_METHODS", "cache_size", "PipelineOptions", "load_config",
-    "model_class_for", "parse_dtype", "parse_size", "split_starts",
+    "SPLIT_METHODS", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts",
 ]
 
 SPLIT_METHODS = ("auto", "recipe", "trace")
-DEFAULT_CACHE_SIZE = 8  # input shapes whose built stages, schedules (and traces) are kept
-CACHE_ENV = "HF_PIPELINE_RUNTIME_CACHE"
 
 # Short names users write for dtypes (``--dtype bf16``), beside torch's own attribute names.
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -201,22 +197,6 @@ def load_config(path_or_config: Any):
         )
     # A directory, or a hub id already in the local cache: only config.json is read.
     return transformers.AutoConfig.from_pretrained(str(path_or_config))
-
-
-def cache_size() -> int:
-    """How many input shapes keep their built pipeline (runtime.py) and trace (trace.py):
-    ``$HF_PIPELINE_RUNTIME_CACHE`` or 8."""
-    raw = os.environ.get(CACHE_ENV)
-    if raw is None:
-        return DEFAULT_CACHE_SIZE
-    try:
-        size = int(raw)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise InputError(f"{CACHE_ENV}={raw!r} must be a positive integer (input shapes kept built)")
-    return size
-
 
 
 def _base_class_name(config) -> str | None:

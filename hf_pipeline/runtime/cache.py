@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -28,15 +29,35 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..distributed.dims import ParallelDims
+from ..errors import InputError
 from ..planning.actions import fuse_schedule_backward
-from ..planning.options import cache_size
 from ..planning.plan import StagePlan
 from ..planning.schedules import ScheduleSpec
 from . import weight_pass
 from .forward_schedule import forward_schedule
 
-__all__ = ["PipelineRuntime", "pad_batch", "signature"]
+__all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "PipelineRuntime", "cache_size", "pad_batch", "signature"]
 
+DEFAULT_CACHE_SIZE = 8  # input shapes whose built stages, schedules (and traces) are kept
+CACHE_ENV = "HF_PIPELINE_RUNTIME_CACHE"
+
+
+def cache_size() -> int:
+    """How many input shapes keep their built pipeline (here) and trace (``loading/trace.py``).
+
+    Returns:
+        ``$HF_PIPELINE_RUNTIME_CACHE`` as a positive integer, or :data:`DEFAULT_CACHE_SIZE` when unset.
+    """
+    raw = os.environ.get(CACHE_ENV)
+    if raw is None:
+        return DEFAULT_CACHE_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise InputError(f"{CACHE_ENV}={raw!r} must be a positive integer (input shapes kept built)")
+    return size
 
 
 def signature(inputs: dict[str, Any]) -> tuple:
@@ -55,7 +76,9 @@ def pad_batch(inputs: dict[str, Any], batch: int, multiple: int) -> dict[str, An
     if not pad:
         return inputs
     return {
-        k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch else v
+        k: torch.cat([v, v[-1:].expand(pad, *v.shape[1:])])
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == batch
+        else v
         for k, v in inputs.items()
     }
 
@@ -90,7 +113,9 @@ class PipelineRuntime:
         """Drop every built stage and schedule (their P2P buffers with them)."""
         self._cache.clear()
 
-    def get(self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True) -> tuple[list[PipelineStage], Any]:
+    def get(
+        self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True
+    ) -> tuple[list[PipelineStage], Any]:
         """``PipelineStage`` objects and the torch schedule for one input signature (built on first use).
 
         Args:
@@ -107,16 +132,11 @@ class PipelineRuntime:
         spec = self.schedule
         # Zero-bubble: W = the linears' deferred weight gradients (weight_pass.py), not torch's graph split.
         deferred = training and spec.zero_bubble
+        stage_class = weight_pass.WeightDeferringStage if deferred else PipelineStage
         pstages = [
-            PipelineStage(
-                stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group,
-                dw_builder=weight_pass.take if deferred else None,
-            )
+            stage_class(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group)
             for stage in self.stages
         ]
-        if deferred:
-            for pstage in pstages:
-                weight_pass.attach(pstage)
         kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
         if training:
             schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers.utils import logging
 
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..families.recipe import position_kind
 
 logger = logging.get_logger(__name__)
@@ -34,12 +34,10 @@ __all__ = [
     "check_sequence_length",
     "check_token_ids",
     "max_positions",
-    "pipeline_identity",
     "vocab_size",
 ]
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
-_TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
 
 
 def vocab_size(config) -> int | None:
@@ -57,7 +55,9 @@ def _first_outside(values: torch.Tensor, bad: torch.Tensor, *, column_offset: in
     return f"{int(values[where])} at {shown}"
 
 
-def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", limit_name: str = "config.vocab_size") -> None:
+def check_token_ids(
+    ids: Any, *, vocab: int | None, what: str = "input_ids", limit_name: str = "config.vocab_size"
+) -> None:
     """Raise InputError unless ``ids`` is a (batch, length) integer tensor of ids in ``[0, vocab)``.
 
     Cheap: one min/max pass over the ids (a second pass only to say where a bad id is).
@@ -69,14 +69,22 @@ def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", lim
         limit_name: where ``vocab`` comes from, for the message.
     """
     if not isinstance(ids, torch.Tensor):
-        raise InputError(f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., return_tensors='pt')")
+        raise InputError(
+            f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., "
+            "return_tensors='pt')"
+        )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise InputError(f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() if the values are ids)")
+        raise InputError(
+            f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() "
+            "if the values are ids)"
+        )
     shape = tuple(ids.shape)
     if ids.dim() != 2:
         fix = (
-            f"; for one sequence pass {what}[None]" if ids.dim() == 1
-            else f"; merge the leading dimensions ({what}.reshape(-1, {shape[-1]})) or drop the extra one" if ids.dim() > 2
+            f"; for one sequence pass {what}[None]"
+            if ids.dim() == 1
+            else f"; merge the leading dimensions ({what}.reshape(-1, {shape[-1]})) or drop the extra one"
+            if ids.dim() > 2
             else "; pass a (batch, length) tensor"
         )
         raise InputError(f"{what} must be (batch, length), got shape {shape} ({ids.dim()}-D){fix}")
@@ -90,8 +98,8 @@ def check_token_ids(ids: Any, *, vocab: int | None, what: str = "input_ids", lim
     if lo < 0 or hi >= vocab:
         first = _first_outside(ids, (ids < 0) | (ids >= vocab))
         raise InputError(
-            f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must be "
-            f"in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
+            f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must "
+            f"be in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
         )
 
 
@@ -103,7 +111,7 @@ def max_positions(config) -> int | None:
 
 
 def check_sequence_length(config, length: int, *, what: str = "the input sequence", new_tokens: int = 0) -> None:
-    """Raise ValueError if ``length`` (+ ``new_tokens`` to generate) exceeds the model's learned position table.
+    """Raise InputError if ``length`` (+ ``new_tokens`` to generate) exceeds the model's learned position table.
 
     Models whose recipe says their positions are rotary or relative (LLaMA, T5) run longer inputs
     as transformers does; generation past ``max_position_embeddings`` logs transformers' reminder.
@@ -123,9 +131,9 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
         # longer inputs (its rope-scaling tests do), and its generate only reminds once.
         if new_tokens and total > limit:
             logger.warning_once(
-                f"This is a friendly reminder - the current text generation call will exceed the model's predefined "
-                f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance degradation, "
-                f"or nothing at all."
+                "This is a friendly reminder - the current text generation call will exceed the model's predefined "
+                f"maximum length ({limit}). Depending on the model, you may observe exceptions, performance "
+                "degradation, or nothing at all."
             )
         return
     if total > limit:
@@ -144,19 +152,19 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
 
 
 def check_microbatches(*, batch: int, n_microbatches: int, training: bool) -> None:
-    """Raise ValueError if ``batch`` rows cannot be split into ``n_microbatches`` microbatches.
+    """Raise InputError if ``batch`` rows cannot be split into ``n_microbatches`` microbatches.
 
     Inference pads a batch that is not a multiple (the padded rows' outputs are dropped); a training
     step cannot (padded rows would change the loss), so there it must divide evenly.
     """
     if batch < n_microbatches:
-        raise ValueError(
+        raise InputError(
             f"batch size {batch} is smaller than n_microbatches={n_microbatches}; pass at least {n_microbatches} "
             f"rows or load the model with a smaller n_microbatches"
         )
     if training and batch % n_microbatches:
         lower = batch - batch % n_microbatches
-        raise ValueError(
+        raise InputError(
             f"a training batch of {batch} rows does not split into n_microbatches={n_microbatches} equal microbatches; "
             f"pass a multiple of {n_microbatches} rows (e.g. {lower} or {lower + n_microbatches}) or load the model "
             f"with an n_microbatches that divides {batch}"
@@ -164,10 +172,16 @@ def check_microbatches(*, batch: int, n_microbatches: int, training: bool) -> No
 
 
 def check_labels(
-    loss: str | None, labels: torch.Tensor, *, input_ids: torch.Tensor | None = None, decoder_input_ids: torch.Tensor | None = None,
-    batch: int | None = None, vocab: int | None = None, num_labels: int | None = None,
+    loss: str | None,
+    labels: torch.Tensor,
+    *,
+    input_ids: torch.Tensor | None = None,
+    decoder_input_ids: torch.Tensor | None = None,
+    batch: int | None = None,
+    vocab: int | None = None,
+    num_labels: int | None = None,
 ) -> None:
-    """Raise ValueError if ``labels`` does not fit the head's loss.
+    """Raise InputError if ``labels`` does not fit the head's loss.
 
     Args:
         loss: the recipe head's loss kind (``causal_lm``, ``masked_lm``, ``seq2seq_lm``,
@@ -179,32 +193,41 @@ def check_labels(
         num_labels: class labels must be in ``[0, num_labels)`` (None: not checked).
     """
     if loss is None:
-        raise ValueError("this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)")
+        raise InputError(
+            "this model's head has no loss; do not pass labels (load it with a head class, e.g. AutoModelForCausalLM)"
+        )
     if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"labels must be a tensor, got {type(labels).__name__}")
+        raise InputError(f"labels must be a tensor, got {type(labels).__name__}")
     ref = input_ids if input_ids is not None else decoder_input_ids
     rows = batch if batch is not None else (ref.shape[0] if ref is not None else labels.shape[0])
     if labels.shape[:1] != (rows,):
-        raise ValueError(f"labels has {labels.shape[0] if labels.dim() else 0} rows but the batch has {rows}; pass one row of labels per input row")
+        raise InputError(
+            f"labels has {labels.shape[0] if labels.dim() else 0} rows but the batch has {rows}; pass one row of "
+            "labels per input row"
+        )
     if loss in ("causal_lm", "masked_lm"):
         if input_ids is not None and labels.shape != input_ids.shape:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}; for {loss} pass "
-                "labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside the loss"
+            raise InputError(
+                f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}; for {loss} "
+                "pass labels of the same shape as input_ids (-100 where no loss is wanted); the shift happens inside "
+                "the loss"
             )
     elif loss == "seq2seq_lm":
         if labels.dim() != 2:
-            raise ValueError(f"labels must be (batch, target length), got shape {tuple(labels.shape)}")
+            raise InputError(f"labels must be (batch, target length), got shape {tuple(labels.shape)}")
         if decoder_input_ids is not None and labels.shape != decoder_input_ids.shape:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} does not match decoder_input_ids {tuple(decoder_input_ids.shape)}; "
+            raise InputError(
+                f"labels shape {tuple(labels.shape)} does not match decoder_input_ids "
+                f"{tuple(decoder_input_ids.shape)}; "
                 "pass labels only (decoder inputs are derived from them) or both with the same shape"
             )
     elif loss == "sequence_classification":
         if labels.dim() not in (1, 2):
-            raise ValueError(f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}")
+            raise InputError(
+                f"labels must be (batch,) class ids or (batch, num_labels) targets, got shape {tuple(labels.shape)}"
+            )
     if labels.dtype.is_floating_point and loss != "sequence_classification":
-        raise ValueError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
+        raise InputError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
     _check_label_range(loss, labels, vocab=vocab, num_labels=num_labels)
 
 
@@ -234,7 +257,9 @@ def _check_label_range(loss: str, labels: torch.Tensor, *, vocab: int | None, nu
     )
 
 
-def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None) -> None:
+def check_model_inputs(
+    config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None
+) -> None:
     """Token ids, sequence lengths and labels of one call's inputs (see the functions above)."""
     for flag in ("output_hidden_states", "output_attentions"):
         if inputs.get(flag):
@@ -248,11 +273,15 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
         # below see one (length,) row per choice, the labels one per example.
         ids = inputs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() != 3:
-            raise InputError(f"input_ids of a multiple-choice head must be (batch, num_choices, length), got shape {tuple(ids.shape)}")
+            raise InputError(
+                "input_ids of a multiple-choice head must be (batch, num_choices, length), got shape "
+                f"{tuple(ids.shape)}"
+            )
         ref = ids if isinstance(ids, torch.Tensor) else inputs.get("inputs_embeds")
         batch = ref.shape[0] if isinstance(ref, torch.Tensor) else None
         inputs = {
-            k: v.flatten(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 3 and k != "labels" else v for k, v in inputs.items()
+            k: v.flatten(0, 1) if isinstance(v, torch.Tensor) and v.dim() >= 3 and k != "labels" else v
+            for k, v in inputs.items()
         }
     vocab = vocab_size(config)
     for key in ("input_ids", "decoder_input_ids"):
@@ -260,12 +289,17 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
             check_token_ids(inputs[key], vocab=vocab, what=key)
     types = inputs.get("token_type_ids")
     type_vocab = getattr(config, "type_vocab_size", None)
-    if isinstance(types, torch.Tensor) and isinstance(type_vocab, int) and types.numel() and not types.dtype.is_floating_point:
+    if (
+        isinstance(types, torch.Tensor)
+        and isinstance(type_vocab, int)
+        and types.numel()
+        and not types.dtype.is_floating_point
+    ):
         lo, hi = (int(v) for v in torch.aminmax(types))
         if lo < 0 or hi >= type_vocab:
             raise InputError(
-                f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the model's "
-                f"{type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
+                f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the "
+                f"model's {type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
             )
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() >= 2:
@@ -273,7 +307,7 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
             break
     mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
     if isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2 and mask.shape != ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+        raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
     if labels is not None:
         num_labels = getattr(config, "num_labels", None)
         check_labels(
@@ -283,35 +317,39 @@ def check_model_inputs(config, loss: str | None, inputs: Mapping[str, Any], *, l
 
 
 def check_prompts(prompts: Any) -> str:
-    """Raise ValueError unless ``prompts`` is a non-empty list of strings or of token-id lists.
+    """Raise InputError unless ``prompts`` is a non-empty list of strings or of token-id lists.
 
     Returns:
         ``"text"`` or ``"ids"``.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a list of strings (or of token-id lists), got {type(prompts).__name__}")
+        raise InputError(f"prompts must be a list of strings (or of token-id lists), got {type(prompts).__name__}")
     if len(prompts) == 0:
-        raise ValueError("the prompt list is empty; pass at least one prompt")
+        raise InputError("the prompt list is empty; pass at least one prompt")
     kinds = []
     for p in prompts:
         if isinstance(p, str):
             kinds.append("text")
         elif isinstance(p, (list, tuple)):
-            kinds.append("ids" if all(isinstance(t, int) and not isinstance(t, bool) for t in p) else "list holding non-int items")
+            kinds.append(
+                "ids"
+                if all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                else "list holding non-int items"
+            )
         else:
             kinds.append(type(p).__name__)
     odd = next((i for i, k in enumerate(kinds) if k not in ("text", "ids")), None)
     if odd is not None:
-        raise ValueError(f"prompts must be strings or lists of int token ids, got a {kinds[odd]} at index {odd}")
+        raise InputError(f"prompts must be strings or lists of int token ids, got a {kinds[odd]} at index {odd}")
     if len(set(kinds)) > 1:
         seen = sorted(set(kinds))
         first = {k: kinds.index(k) for k in seen}
-        raise ValueError(
+        raise InputError(
             "prompts must all be strings or all be token-id lists, got a mix: "
             + ", ".join(f"{k} (first at index {first[k]})" for k in seen)
         )
     if kinds[0] == "ids" and any(len(p) == 0 for p in prompts):
-        raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} is an empty token list")
+        raise InputError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} is an empty token list")
     return kinds[0]
 
 
@@ -322,84 +360,21 @@ def check_generate_inputs(input_ids: Any) -> None:
     """
     if isinstance(input_ids, (list, tuple)):
         kind = check_prompts(input_ids)
-        hint = "tok(prompts, return_tensors='pt', padding=True)" if kind == "text" else "torch.tensor(ids) (pad rows to one length)"
-        raise TypeError(f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass {hint}")
-    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and 0 in input_ids.shape:
-        raise ValueError(
-            f"input_ids of shape {tuple(input_ids.shape)} holds no "
-            + ("prompts; pass at least one" if input_ids.shape[0] == 0 else "tokens; every prompt needs at least one (e.g. the BOS token)")
+        hint = (
+            "tok(prompts, return_tensors='pt', padding=True)"
+            if kind == "text"
+            else "torch.tensor(ids) (pad rows to one length)"
         )
-
-
-def pipeline_identity(options, config, checkpoint_dir, *, device_type: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """What every rank must agree on before it builds its stages: one small, comparable dict.
-
-    The resolved options, the arguments that shape the pipeline, the device type, and the
-    checkpoint's identity by content, not by path (a path may differ from host to host): the
-    config, the generation config, the index's weight map and each shard's size. Nothing is read
-    from the shards. An unreadable index is described, not raised: the loader reports it.
-
-    Args:
-        options: the resolved :class:`~hf_pipeline.planning.options.PipelineOptions`.
-        config: the transformers config the stages are built from.
-        checkpoint_dir: the local checkpoint directory (or None).
-        device_type: ``"cpu"`` or ``"cuda"``.
-        arguments: the caller's arguments as given (``split_method``, ``gather_output``, ...).
-
-    Returns:
-        A dict for :func:`hf_pipeline.distributed.agreement.check_same_on_all_ranks`: mismatches are named by key
-        (``split``, ``config.hidden_size``, ``shard sizes.model-00002-of-00005.safetensors``).
-    """
-    import hashlib
-    import json
-    import pathlib
-    from dataclasses import fields
-
-    out: dict[str, Any] = {}
-    for f in fields(options):
-        value = getattr(options, f.name)
-        if isinstance(value, type):
-            value = value.__qualname__  # the model class
-        elif f.name == "schedule":
-            value = value.name
-        out[f.name] = value
-    out.update({k: v for k, v in arguments.items() if k not in out})
-    out["device type"] = device_type
-    cfg = config.to_dict()
-    cfg.pop("_name_or_path", None)  # where it was read from, not what it is
-    out["config"] = cfg
-    if checkpoint_dir is None:
-        return out
-    directory = pathlib.Path(checkpoint_dir)
-    generation = directory / "generation_config.json"
-    out["generation_config.json"] = generation.read_text() if generation.is_file() else None
-    index = directory / "model.safetensors.index.json"
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        weight_map = f"unreadable ({type(e).__name__})"
-    if isinstance(weight_map, dict):
-        text = json.dumps(weight_map, sort_keys=True)
-        # One leaf: thousands of keys are compared by one hash, not listed in a mismatch message.
-        out["weight map"] = f"{len(weight_map)} keys (#{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()})"
-        files = sorted({v for v in weight_map.values() if isinstance(v, str)})
-    else:
-        out["weight map"] = weight_map
-        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
-    sizes, tails = {}, {}
-    for name in files:
-        try:
-            with open(directory / name, "rb") as f:
-                size = f.seek(0, 2)
-                f.seek(max(0, size - _TAIL_BYTES))
-                tail = f.read(_TAIL_BYTES)
-        except OSError:
-            sizes[name] = tails[name] = None  # missing or unreadable: the loader says which and why
-            continue
-        sizes[name] = size
-        tails[name] = hashlib.blake2b(tail, digest_size=8).hexdigest()
-    out["shard sizes"] = sizes
-    # The last bytes of each shard (one page, not a tensor read): two checkpoints of one architecture
-    # have the same config, index and sizes, but not the same weights.
-    out["shard tails"] = tails
-    return out
+        raise InputTypeError(
+            f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass "
+            f"{hint}"
+        )
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and 0 in input_ids.shape:
+        raise InputError(
+            f"input_ids of shape {tuple(input_ids.shape)} holds no "
+            + (
+                "prompts; pass at least one"
+                if input_ids.shape[0] == 0
+                else "tokens; every prompt needs at least one (e.g. the BOS token)"
+            )
+        )

@@ -22,10 +22,11 @@ gradients are the ones autograd computes: the same products, in the same dtypes.
 
 What is deferred: every linear whose weight is a trainable leaf tensor (``nn.Linear`` and
 transformers' ``Conv1D``, GPT-2's linear with a transposed weight, in recipe stages; the
-``aten.linear`` calls of a traced stage's graph, which ``trace.py`` points at :func:`linear`), while a zero-bubble training step runs
-(:func:`deferring`), and only in a stage's own backward actions (:func:`capturing`, set by
-:func:`attach`): any other backward computes the weight gradient in place, as autograd does. The
-linears hold nearly all of a transformer's weight FLOPs; the rest (norms, embeddings) is cheap.
+``aten.linear`` calls of a traced stage's graph, which ``loading/traced_graphs.py`` points at
+:func:`linear`), while a zero-bubble training step runs (:func:`deferring`), and only in a stage's
+own backward actions (:func:`capturing`, set by :class:`WeightDeferringStage`): any other backward
+computes the weight gradient in place, as autograd does. The linears hold nearly all of a
+transformer's weight FLOPs; the rest (norms, embeddings) is cheap.
 On a device, W's matmuls run on the stage's device like the rest of its backward.
 
 The pending work is process-wide, not per stage: a rank runs one stage's backward at a time, and
@@ -41,8 +42,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
-__all__ = ["attach", "capturing", "deferring", "install", "linear", "take"]
+__all__ = ["WeightDeferringStage", "capturing", "deferring", "install", "linear", "take"]
 
 
 class _State:
@@ -200,20 +202,22 @@ def install(stage: nn.Module) -> None:
             module.forward = _LayerForward(module)
 
 
-def attach(pstage: Any) -> None:
-    """Let a ``PipelineStage`` built with ``dw_builder=take`` defer its linears' weight gradients.
+class WeightDeferringStage(PipelineStage):
+    """A ``PipelineStage`` whose backward actions defer its linears' weight gradients to W.
 
-    Installs the stage module's layers and makes the stage's backward actions (torch runs each
-    through ``backward_maybe_with_nosync("full", ...)`` when the stage has a ``dw_builder``) run
-    :func:`capturing`. Idempotent.
+    Built with ``dw_builder=take`` and with the stage module's layers installed (:func:`install`).
+
+    Note: torch runs each backward action of a stage that has a ``dw_builder`` through the stage's
+    ``backward_maybe_with_nosync("full", ...)`` and calls the builder right after it. Overriding that
+    method in a subclass we own (instead of pinning a function on torch's object) makes exactly those
+    backwards run :func:`capturing`; ``super()`` resolves at call time, so wrappers installed on
+    torch's base class (``tools/profile.py``) still run.
     """
-    install(pstage.submod)
-    if "backward_maybe_with_nosync" in pstage.__dict__:
-        return
 
-    def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
-        # Looked up on the class at call time, so wrappers installed there (profile.py) still run.
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, **kwargs: Any):
+        install(submodule)
+        super().__init__(submodule, stage_index, num_stages, device, dw_builder=take, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         with capturing() if backward_type == "full" else contextlib.nullcontext():
-            return type(pstage).backward_maybe_with_nosync(pstage, backward_type, bwd_kwargs, last_backward=last_backward)
-
-    pstage.backward_maybe_with_nosync = backward_maybe_with_nosync
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)

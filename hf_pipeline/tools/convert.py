@@ -139,14 +139,14 @@ def stage_keys(
         )
     except InputError as e:
         raise ConvertError(str(e)) from None
-    build = recipe_front_end(config, options)
-    plan = build.plan
+    maker = recipe_front_end(config, options)
+    plan = maker.plan
     index = CheckpointIndex.from_directory(ckpt)
     keys: dict[int, list[str]] = {}
     for spec in plan.stages:
         # The loader's own choice of keys (build.wanted_tensors), so the two cannot drift apart.
-        stages = build.make_stages([spec])
-        wanted, aliases, _, _ = wanted_tensors(build.skeleton, build.resolved, stages, index, torch.float32)
+        stages = maker.make_stages([spec])
+        wanted, aliases, _, _ = wanted_tensors(maker.skeleton, maker.resolved, stages, index, torch.float32)
         keys[spec.index] = list(dict.fromkeys(resolve_keys(index, wanted, aliases).values()))
     return plan, keys
 

@@ -386,8 +386,8 @@ def plan_report(
     if seq is None:
         seq = int(min(config_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
     # The loader's own front end: the planner predicts the stages from_pretrained builds.
-    build = recipe_front_end(config, options)
-    skeleton, resolved, plan = build.skeleton, build.resolved, build.plan
+    maker = recipe_front_end(config, options)
+    skeleton, resolved, plan = maker.skeleton, maker.resolved, maker.plan
 
     # Microbatches: torch splits the (padded) batch into m equal chunks; a batch smaller than m
     # still runs one sequence per microbatch at most.

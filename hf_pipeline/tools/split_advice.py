@@ -146,7 +146,7 @@ def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> Sp
     from ..planning.plan import make_plan, stage_flops_parts
     from .profile import record
 
-    plan, build = model.plan, model.build
+    plan, maker = model.plan, model.stage_maker
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive integer, got {steps!r}")
     if plan.pp_size < 2:
@@ -180,10 +180,10 @@ def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> Sp
         dist.all_reduce(seconds)
         seconds /= dist.get_world_size()
     seconds_list = [float(x) for x in seconds]
-    parts = [stage_flops_parts(build.skeleton, build.resolved, s, seq_len=seq) for s in plan.stages]
+    parts = [stage_flops_parts(maker.skeleton, maker.resolved, s, seq_len=seq) for s in plan.stages]
     alpha, measured = fit_stage_costs([b for b, _ in parts], [e for _, e in parts], seconds_list)
     balanced = make_plan(
-        build.skeleton, build.resolved, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, layout=plan.layout,
+        maker.skeleton, maker.resolved, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, layout=plan.layout,
         split="auto", dtype=plan.dtype, seq_len=seq, schedule=model.schedule, n_microbatches=model.n_microbatches,
         measured_flops=measured,
     )

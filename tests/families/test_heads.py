@@ -34,7 +34,8 @@ NO_DROPOUT = {
 }
 HEADS = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 CASES = [(arch, auto) for arch in ("bert", "gpt2", "llama") for auto in HEADS]
-# Heads trained through train_step here (question answering and multiple choice: tests/families/test_qa_and_multiple_choice.py).
+# Heads trained through train_step here (question answering and multiple choice:
+# tests/families/test_qa_and_multiple_choice.py).
 TRAINED = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
 
 
@@ -140,7 +141,8 @@ def test_every_head_at_world_2_equals_transformers(checkpoints, references):
 
 
 def test_question_answering_train_step_without_positions_names_them(checkpoints):
-    # Question answering trains on transformers' start_positions / end_positions (tests/families/test_qa_and_multiple_choice.py);
+    # Question answering trains on transformers' start_positions / end_positions
+    # (tests/families/test_qa_and_multiple_choice.py);
     # a batch with neither says so before anything is sent.
     import hf_pipeline
 

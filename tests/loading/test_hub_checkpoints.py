@@ -42,10 +42,17 @@ def _gpt2_mask_buffers():
 # case -> (source arch, class the source is saved from, edit or None, class it is loaded as)
 CASES = {
     # Buffers older saves stored and transformers now ignores silently.
-    "bert-position-ids": ("bert", "AutoModelForMaskedLM", _add({"bert.embeddings.position_ids": torch.arange(N_POS)[None]}), "AutoModelForMaskedLM"),
+    "bert-position-ids": (
+        "bert",
+        "AutoModelForMaskedLM",
+        _add({"bert.embeddings.position_ids": torch.arange(N_POS)[None]}),
+        "AutoModelForMaskedLM",
+    ),
     "llama-inv-freq": (
-        "llama", "AutoModelForCausalLM",
-        _add({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(4) for i in range(4)}), "AutoModelForCausalLM",
+        "llama",
+        "AutoModelForCausalLM",
+        _add({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(4) for i in range(4)}),
+        "AutoModelForCausalLM",
     ),
     # attn.bias is in GPT-2's _keys_to_ignore_on_load_unexpected; masked_bias is not: transformers warns (UNEXPECTED).
     "gpt2-attn-bias": ("gpt2", "AutoModelForCausalLM", _add(_gpt2_mask_buffers()), "AutoModelForCausalLM"),
@@ -57,9 +64,17 @@ CASES = {
     "llama-lm-from-base": ("llama", "AutoModel", None, "AutoModelForCausalLM"),
     # The bert. prefix added to a base checkpoint / stripped from a task checkpoint.
     "bert-base-prefixed": ("bert", "AutoModel", lambda t, s: {f"bert.{k}": v for k, v in t.items()}, "AutoModel"),
-    "bert-mlm-unprefixed": ("bert", "AutoModelForMaskedLM", lambda t, s: {k.removeprefix("bert."): v for k, v in t.items()}, "AutoModelForMaskedLM"),
+    "bert-mlm-unprefixed": (
+        "bert",
+        "AutoModelForMaskedLM",
+        lambda t, s: {k.removeprefix("bert."): v for k, v in t.items()},
+        "AutoModelForMaskedLM",
+    ),
     "bert-base-unprefixed-from-mlm": (
-        "bert", "AutoModelForMaskedLM", lambda t, s: {k.removeprefix("bert."): v for k, v in t.items()}, "AutoModel",
+        "bert",
+        "AutoModelForMaskedLM",
+        lambda t, s: {k.removeprefix("bert."): v for k, v in t.items()},
+        "AutoModel",
     ),
 }
 # What transformers must report for each case (checked on the reference, so the fixtures stay honest).
@@ -67,8 +82,12 @@ MISSING = {
     "bert-base-from-mlm": {"pooler.dense.weight", "pooler.dense.bias"},
     "bert-base-unprefixed-from-mlm": {"pooler.dense.weight", "pooler.dense.bias"},
     "bert-mlm-from-base": {
-        "cls.predictions.bias", "cls.predictions.decoder.bias", "cls.predictions.transform.dense.weight",
-        "cls.predictions.transform.dense.bias", "cls.predictions.transform.LayerNorm.weight", "cls.predictions.transform.LayerNorm.bias",
+        "cls.predictions.bias",
+        "cls.predictions.decoder.bias",
+        "cls.predictions.transform.dense.weight",
+        "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.LayerNorm.bias",
     },
     "bert-cls-from-base": {"classifier.weight", "classifier.bias"},
     "bert-cls-from-mlm": {"bert.pooler.dense.weight", "bert.pooler.dense.bias", "classifier.weight", "classifier.bias"},
@@ -124,15 +143,23 @@ def _load_cases(jobs: dict, **kwargs) -> dict:
         stream, handler = _capture()
         try:
             torch.manual_seed(SEED)
-            model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", progress=False, **kwargs)
+            model = getattr(hf_pipeline, auto).from_pretrained(
+                path, pipeline=True, device="cpu", progress=False, **kwargs
+            )
         finally:
             transformers.utils.logging.get_logger("transformers").removeHandler(handler)
         out = _output(model(**tiny.sample_inputs(arch)))
-        params = {n: p for stage in model.stages for n, p in stage.named_parameters(remove_duplicate=False)}  # tied twins too
+        params = {
+            n: p for stage in model.stages for n, p in stage.named_parameters(remove_duplicate=False)
+        }  # tied twins too
         initialized = {n: params[n].detach().clone() for n in model.load_report.initialized if n in params}
         results[case] = dict(
-            out=out, initialized=initialized, reported=list(model.load_report.initialized), keys_read=list(model.load_report.keys_read),
-            log=stream.getvalue(), rank=model.ctx.rank,
+            out=out,
+            initialized=initialized,
+            reported=list(model.load_report.initialized),
+            keys_read=list(model.load_report.keys_read),
+            log=stream.getvalue(),
+            rank=model.ctx.rank,
         )
     return results
 
@@ -168,7 +195,12 @@ def test_hub_checkpoints_load_as_transformers_loads_them(hub):
 
 
 def test_initialized_weights_live_on_the_owning_stage(hub):
-    results = _load_cases({"llama-lm-from-base": _jobs(hub)["llama-lm-from-base"]}, num_stages=2, virtual_stages=2, schedule="interleaved-1f1b")
+    results = _load_cases(
+        {"llama-lm-from-base": _jobs(hub)["llama-lm-from-base"]},
+        num_stages=2,
+        virtual_stages=2,
+        schedule="interleaved-1f1b",
+    )
     assert results["llama-lm-from-base"]["reported"] == ["lm_head.weight"]
 
 
@@ -196,7 +228,9 @@ def _load_error(path, auto):
 
 def test_integer_weight_names_key_and_shard(int_weight):
     path, shard = int_weight
-    with pytest.raises(CheckpointError, match=rf"'model\.norm\.weight' in shard '{shard}'.*stored as I64.*floating point"):
+    with pytest.raises(
+        CheckpointError, match=rf"'model\.norm\.weight' in shard '{shard}'.*stored as I64.*floating point"
+    ):
         import hf_pipeline
 
         hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
@@ -239,7 +273,15 @@ def test_converted_pytorch_checkpoint_loads(pytorch_ckpts, tmp_path):
         out = tmp_path / name
         assert main(["convert", str(path), str(out), "--merge", "--max-shard-size", "20KB"]) == 0
         assert not list(out.glob("*.bin")) and list(out.glob("*.safetensors")), name
-        model = getattr(hf_pipeline, auto).from_pretrained(out, pipeline=True, device="cpu", progress=False, num_stages=2, virtual_stages=2, schedule="interleaved-1f1b")
+        model = getattr(hf_pipeline, auto).from_pretrained(
+            out,
+            pipeline=True,
+            device="cpu",
+            progress=False,
+            num_stages=2,
+            virtual_stages=2,
+            schedule="interleaved-1f1b",
+        )
         assert (_output(model(**tiny.sample_inputs(arch))) - want).abs().max().item() <= 1e-5, name
         ref = tiny.reference(out, auto)  # and transformers loads the converted checkpoint as it loaded the .bin
         with torch.no_grad():
@@ -251,7 +293,8 @@ def test_converted_pytorch_checkpoint_loads(pytorch_ckpts, tmp_path):
 
 @pytest.fixture(scope="module")
 def t5(tmp_path_factory):
-    """(path, inputs, labels, transformers' loss) for T5 called with labels only (no dropout: train mode equals eval)."""
+    """(path, inputs, labels, transformers' loss) for T5 called with labels only (no dropout: train mode
+    equals eval)."""
     path = tiny.make_checkpoint(tmp_path_factory.mktemp("t5"), "t5", dropout_rate=0.0)
     inputs = tiny.sample_inputs("t5")
     labels = inputs.pop("decoder_input_ids")
@@ -265,7 +308,9 @@ def t5(tmp_path_factory):
 def _t5_losses(path, inputs, labels, *, forward: bool, **kwargs):
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForSeq2SeqLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, **kwargs)
+    model = hf_pipeline.AutoModelForSeq2SeqLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, **kwargs
+    )
     out = {"train": model.train_step({**inputs, "labels": labels}).detach()}
     if forward:
         out["forward"] = model(**inputs, labels=labels).loss
@@ -288,7 +333,11 @@ def test_t5_forward_with_labels_only(t5):
 
 
 def _rank_job(jobs, int_path, t5_args):
-    return {"cases": _load_cases(jobs), "int": _load_error(int_path, "AutoModelForCausalLM"), "t5": _t5_losses(*t5_args, forward=True, n_microbatches=4)}  # 4 rows: 1F1B on 3 stages needs m >= 3
+    return {
+        "cases": _load_cases(jobs),
+        "int": _load_error(int_path, "AutoModelForCausalLM"),
+        "t5": _t5_losses(*t5_args, forward=True, n_microbatches=4),
+    }  # 4 rows: 1F1B on 3 stages needs m >= 3
 
 
 @pytest.mark.dist
@@ -312,4 +361,11 @@ def test_recipes_say_which_positions_end_at_max_position_embeddings():
     from hf_pipeline.families.recipe import position_kind
 
     kinds = {arch: position_kind(tiny.config_for(arch)) for arch in ("llama", "mistral", "qwen2", "gpt2", "bert", "t5")}
-    assert kinds == {"llama": "rotary", "mistral": "rotary", "qwen2": "rotary", "gpt2": "learned", "bert": "learned", "t5": "relative"}
+    assert kinds == {
+        "llama": "rotary",
+        "mistral": "rotary",
+        "qwen2": "rotary",
+        "gpt2": "learned",
+        "bert": "learned",
+        "t5": "relative",
+    }

@@ -86,7 +86,9 @@ def hub(tmp_path, monkeypatch):
 
 
 def _run(env, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT
+    )
 
 
 # ------------------------------------------------------------------------------------------ library
@@ -121,15 +123,59 @@ def test_cli_plan_generate_and_train_read_a_cached_id_without_the_network(hub, t
     env, endpoint, snapshot, _ = hub
     plan = _run(env, "-m", "hf_pipeline.cli", "plan", REPO, "--stages", "2", "--json")
     assert plan.returncode == 0, plan.stderr[-3000:]
-    gen = _run(env, "-m", "hf_pipeline.cli", "generate", "--model", REPO, "--max-new-tokens", "2", "--json", "--device", "cpu", "Return the")
+    gen = _run(
+        env,
+        "-m",
+        "hf_pipeline.cli",
+        "generate",
+        "--model",
+        REPO,
+        "--max-new-tokens",
+        "2",
+        "--json",
+        "--device",
+        "cpu",
+        "Return the",
+    )
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert '"model": "org/name"' in gen.stdout, gen.stdout
     data = tmp_path / "data.txt"
     data.write_text("\n".join(["Return the sum of the items.", "Open the file for reading."] * 8), encoding="utf-8")
-    train = _run(env, "-m", "hf_pipeline.cli", "train", "--model", REPO, "--data", str(data), "--output-dir", str(tmp_path / "out"),
-                 "--steps", "1", "--batch-size", "2", "--block-size", "8", "--device", "cpu", "--no-progress")
+    train = _run(
+        env,
+        "-m",
+        "hf_pipeline.cli",
+        "train",
+        "--model",
+        REPO,
+        "--data",
+        str(data),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "8",
+        "--device",
+        "cpu",
+        "--no-progress",
+    )
     assert train.returncode == 0, train.stderr[-3000:]
-    script = _run(env, "scripts/generate.py", "--model", REPO, "--prompt", "Return the", "--max-new-tokens", "2", "--json", "--device", "cpu")
+    script = _run(
+        env,
+        "scripts/generate.py",
+        "--model",
+        REPO,
+        "--prompt",
+        "Return the",
+        "--max-new-tokens",
+        "2",
+        "--json",
+        "--device",
+        "cpu",
+    )
     assert script.returncode == 0, script.stderr[-3000:]
     assert endpoint.connections == 0, "a cached id reached the network"
     assert "retry" not in (plan.stderr + gen.stderr + train.stderr + script.stderr).lower()

@@ -132,7 +132,9 @@ def test_a_stage_copies_only_the_modules_it_keeps(arch, auto, monkeypatch):
     names = {id(m): n for n, m in meta.named_modules()}
     originals = {}
     for name, module in meta.named_modules():
-        if name.count(".") == 2 and name.split(".")[-1].isdigit():  # one block of a stack: model.layers.3, encoder.block.1
+        if (
+            name.count(".") == 2 and name.split(".")[-1].isdigit()
+        ):  # one block of a stack: model.layers.3, encoder.block.1
             cls = type(module)
             if cls not in originals:
                 originals[cls] = getattr(cls, "__deepcopy__", None)

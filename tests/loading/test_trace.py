@@ -49,11 +49,20 @@ def _config(arch: str) -> transformers.PretrainedConfig:
         )
     if arch == "phi":
         return transformers.PhiConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128,
-            resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **_COMMON,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            **_COMMON,
         )
     if arch == "bloom":
-        return transformers.BloomConfig(hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, **_COMMON)
+        return transformers.BloomConfig(
+            hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, **_COMMON
+        )
     if arch == "falcon":
         return transformers.FalconConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, **_COMMON)
     if arch == "gptj":
@@ -82,7 +91,10 @@ def _checkpoint(directory: pathlib.Path, arch: str) -> str:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("traced")
-    return {arch: _checkpoint(root / arch, arch) for arch in ("opt", "phi", "bloom", "llama", "llama-tied", "llama-tied6", "t5")}
+    return {
+        arch: _checkpoint(root / arch, arch)
+        for arch in ("opt", "phi", "bloom", "llama", "llama-tied", "llama-tied6", "t5")
+    }
 
 
 def _reference(path: str, batch: int = 6, seq: int = 9) -> torch.Tensor:
@@ -101,7 +113,11 @@ def _train_batch(arch: str) -> dict[str, torch.Tensor]:
     inputs = tiny.sample_inputs(arch, batch=8, seq=9)
     if arch == "t5":
         # No decoder inputs: the model shifts them from the labels, as transformers does.
-        return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "labels": inputs["decoder_input_ids"]}
+        return {
+            "input_ids": inputs["input_ids"],
+            "attention_mask": inputs["attention_mask"],
+            "labels": inputs["decoder_input_ids"],
+        }
     return {**inputs, "labels": inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)}
 
 
@@ -110,14 +126,14 @@ def _forward(path: str, kwargs: dict, batch: int = 6, seq: int = 9) -> dict:
     model = _load(path, **kwargs)
     inputs = tiny.sample_inputs("llama", batch=batch, seq=seq)
     out = model(**inputs)
-    made = (len(model.stages[0]._tracer.traces), len(model.runtime))
+    made = (len(model.stages[0].tracer.traces), len(model.runtime))
     # One row fewer pads (repeating the last row) to the same microbatch shape: nothing is traced again.
     fewer = model(**{k: v[:-1] for k, v in inputs.items()})
     return {
         "logits": out.logits,
         "fewer_logits": fewer.logits,
         "made": made,
-        "made_after_fewer": (len(model.stages[0]._tracer.traces), len(model.runtime)),
+        "made_after_fewer": (len(model.stages[0].tracer.traces), len(model.runtime)),
         "class": type(model).__name__,
         "output_class": type(out).__name__,
         "plan": [(s.index, s.rank, s.blocks, s.modules) for s in model.plan.stages],
@@ -205,7 +221,7 @@ def test_world_size_1_runs_traced_stages_in_sequence_and_retraces_without_reload
             diff = (out.logits - _reference(path, batch, seq)).abs().max().item()
             assert diff <= TOL, f"{arch} {batch}x{seq}: max abs diff {diff}"
         # The second shape was a new trace, wired to the loaded Parameters: nothing read again.
-        tracer = model.stages[0]._tracer
+        tracer = model.stages[0].tracer
         assert len(tracer.traces) == len(shapes)  # one per input shape
         params = {id(p) for _, p in model.checkpoint_named_parameters()}
         for trace in tracer.traces.values():
@@ -227,8 +243,10 @@ def test_llama_can_be_forced_through_the_tracer_and_recipes_stay_the_default(che
     # make defer its weight gradient to W (the graph's own aten.linear could not).
     from hf_pipeline.runtime import weight_pass
 
-    (trace,) = traced.stages[0]._tracer.traces.values()
-    graphs = [m.__dict__.get("graph") or getattr(m, "_graph", None) for r in trace.runners.values() for m in r.graph.modules()]
+    (trace,) = traced.stages[0].tracer.traces.values()
+    graphs = [
+        m.__dict__.get("graph") or getattr(m, "_graph", None) for r in trace.runners.values() for m in r.graph.modules()
+    ]
     targets = [n.target for g in graphs if isinstance(g, torch.fx.Graph) for n in g.nodes]
     assert targets.count(weight_pass.linear) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
     assert torch.ops.aten.linear.default not in targets
@@ -308,7 +326,9 @@ def _check_training(per_rank: list[dict], path: str, arch: str, what: str) -> se
         for name, got_p in got["params"].items():
             update = (after[name] - before[name]).norm().item()
             err = (got_p - after[name]).norm().item()
-            assert err <= 1e-4 * update + 1e-7, f"{what} rank {rank} {name}: off by {err:.3g} after one step (update {update:.3g})"
+            assert err <= 1e-4 * update + 1e-7, (
+                f"{what} rank {rank} {name}: off by {err:.3g} after one step (update {update:.3g})"
+            )
     # Every parameter got its gradient on some rank, under one of its names (a tied tensor under
     # the name of the module each stage runs it as).
     assert names <= set(want_grads), (what, sorted(names - set(want_grads)))
@@ -339,10 +359,14 @@ def test_world_size_2_forward_and_training_through_every_schedule_kind_equal_tra
         _check_forward([r["forward"][i] for r in per_rank], checkpoints[arch], 2, f"{arch} {kw}")
     for i, (arch, kw) in enumerate(train):
         what = f"{arch} {kw.get('schedule')}"
-        names = _check_training([r["train"][i] for r in per_rank], checkpoints[arch], arch, what)
+        _check_training([r["train"][i] for r in per_rank], checkpoints[arch], arch, what)
         local = [r["train"][i]["local"] for r in per_rank]
         if kw.get("virtual_stages") == 2:
-            layout = [[(0, 0), (3, 0)], [(1, 1), (2, 1)]] if "zbv" in kw["schedule"] else [[(0, 0), (2, 0)], [(1, 1), (3, 1)]]
+            layout = (
+                [[(0, 0), (3, 0)], [(1, 1), (2, 1)]]
+                if "zbv" in kw["schedule"]
+                else [[(0, 0), (2, 0)], [(1, 1), (3, 1)]]
+            )
             assert local == layout, (what, local)
         if arch == "opt":
             # The tied LM head (= the embedding) on both ranks.
@@ -352,7 +376,10 @@ def test_world_size_2_forward_and_training_through_every_schedule_kind_equal_tra
             # V layout: the embedding (stage 0) and the tied LM head (stage 3) on rank 0 are one
             # Parameter there (gradients summed in it, stepped once), as in the unsplit model.
             tied = {"model.embed_tokens.weight", "lm_head.weight"}
-            assert len(tied & set(per_rank[0]["train"][i]["params"])) == 1, (what, sorted(per_rank[0]["train"][i]["params"]))
+            assert len(tied & set(per_rank[0]["train"][i]["params"])) == 1, (
+                what,
+                sorted(per_rank[0]["train"][i]["params"]),
+            )
             assert len(tied & set(per_rank[0]["train"][i]["grads"])) == 1, what
 
 
@@ -361,13 +388,20 @@ def test_world_size_3_carries_values_past_a_stage(checkpoints):
     cases = [("opt", {"n_microbatches": 3}), ("phi", {"n_microbatches": 3})]
     # A tied LLaMA traced into a V of 6 stages on 3 ranks: the embedding (stage 0) and the tied LM head
     # (stage 5) share rank 0, as one Parameter stepped once.
-    train = [("llama-tied6", {"split_method": "trace", "schedule": "zbv-zero-bubble", "virtual_stages": 2, "n_microbatches": 8})]
-    per_rank = run_distributed(_job, 3, [(checkpoints[a], kw) for a, kw in cases], [(checkpoints[a], a, kw) for a, kw in train], timeout=600)
-    for i, (arch, kw) in enumerate(cases):
+    train = [
+        (
+            "llama-tied6",
+            {"split_method": "trace", "schedule": "zbv-zero-bubble", "virtual_stages": 2, "n_microbatches": 8},
+        )
+    ]
+    per_rank = run_distributed(
+        _job, 3, [(checkpoints[a], kw) for a, kw in cases], [(checkpoints[a], a, kw) for a, kw in train], timeout=600
+    )
+    for i, (arch, _kw) in enumerate(cases):
         results = [r["forward"][i] for r in per_rank]
         _check_forward(results, checkpoints[arch], 3, arch)
         assert [len(b) for _, _, b, _ in results[0]["plan"]] in ([1, 2, 1], [2, 1, 1], [1, 1, 2])
-    for i, (arch, kw) in enumerate(train):
+    for i, (arch, _kw) in enumerate(train):
         _check_training([r["train"][i] for r in per_rank], checkpoints[arch], arch, f"{arch} zbv at 3 ranks")
         assert [r["train"][i]["local"] for r in per_rank] == [[(0, 0), (5, 0)], [(1, 1), (4, 1)], [(2, 2), (3, 2)]]
         tied = {"model.embed_tokens.weight", "lm_head.weight"}

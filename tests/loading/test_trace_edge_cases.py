@@ -27,8 +27,17 @@ SGD_LR = 0.5
 
 
 def _configs() -> dict[str, tuple[str, transformers.PretrainedConfig]]:
-    common = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
-                  vocab_size=tiny.VOCAB, pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    common = dict(
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        vocab_size=tiny.VOCAB,
+        pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return {
         "bert": ("AutoModelForMaskedLM", transformers.BertConfig(**common)),
         "roberta": ("AutoModelForMaskedLM", transformers.RobertaConfig(**common)),
@@ -75,7 +84,11 @@ def _train(path: str, auto: str, kwargs: dict) -> dict:
     loss = model.train_step(_train_batch())
     grads = {n: p.grad.clone() for n, p in model.checkpoint_named_parameters() if p.grad is not None}
     torch.optim.SGD(model.parameters(), lr=SGD_LR).step()
-    return {"loss": loss, "grads": grads, "params": {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}}
+    return {
+        "loss": loss,
+        "grads": grads,
+        "params": {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()},
+    }
 
 
 def _forward_typed(path: str, kwargs: dict) -> torch.Tensor:
@@ -108,11 +121,15 @@ def _check_training(per_rank: list[dict], path: str, auto: str, what: str) -> No
         assert torch.allclose(got["loss"], loss.detach(), rtol=GRAD_RTOL, atol=0), (what, rank, got["loss"], loss)
         for name, g in got["grads"].items():
             err, norm = (g - want_grads[name]).norm().item(), want_grads[name].norm().item()
-            assert err <= GRAD_RTOL * norm + GRAD_ATOL, f"{what} rank {rank} {name}: |diff| {err:.3g}, |want| {norm:.3g}"
+            assert err <= GRAD_RTOL * norm + GRAD_ATOL, (
+                f"{what} rank {rank} {name}: |diff| {err:.3g}, |want| {norm:.3g}"
+            )
         for name, p in got["params"].items():
             update = (after[name] - before[name]).norm().item()
             err = (p - after[name]).norm().item()
-            assert err <= 1e-4 * update + 1e-7, f"{what} rank {rank} {name}: off by {err:.3g} after one step (update {update:.3g})"
+            assert err <= 1e-4 * update + 1e-7, (
+                f"{what} rank {rank} {name}: off by {err:.3g} after one step (update {update:.3g})"
+            )
         seen |= set(got["grads"])
     # Every tensor got its gradient on some rank, under one of its names.
     aliases: dict[int, set[str]] = {}
@@ -123,13 +140,20 @@ def _check_training(per_rank: list[dict], path: str, auto: str, what: str) -> No
 
 
 def _mlm_cases(n_microbatches: int) -> list[tuple[str, str, dict]]:
-    return [(a, "AutoModelForMaskedLM", {"split_method": "trace", "n_microbatches": n_microbatches}) for a in ("bert", "roberta")]
+    return [
+        (a, "AutoModelForMaskedLM", {"split_method": "trace", "n_microbatches": n_microbatches})
+        for a in ("bert", "roberta")
+    ]
 
 
 @pytest.mark.dist
 def test_world_size_2_mlm_zero_bubble_and_token_type_ids_equal_transformers(checkpoints):
     train = _mlm_cases(4) + [
-        ("opt", "AutoModelForCausalLM", {"split_method": "trace", "schedule": s, "virtual_stages": 2, "n_microbatches": 4})
+        (
+            "opt",
+            "AutoModelForCausalLM",
+            {"split_method": "trace", "schedule": s, "virtual_stages": 2, "n_microbatches": 4},
+        )
         for s in ("interleaved-zero-bubble", "zbv-zero-bubble")
     ]
     forward = [(checkpoints["gpt2"], {"split_method": "trace", "n_microbatches": 2})]
@@ -159,7 +183,9 @@ def test_world_size_3_mlm_training_equals_transformers(checkpoints):
 
 def test_generate_token_type_ids_on_one_rank_and_its_refusals(checkpoints):
     model = _load(checkpoints["gpt2"], "AutoModelForCausalLM", num_stages=2, virtual_stages=2)
-    want = tiny.reference(checkpoints["gpt2"], "AutoModelForCausalLM").generate(**_typed_inputs(), max_new_tokens=5, do_sample=False)
+    want = tiny.reference(checkpoints["gpt2"], "AutoModelForCausalLM").generate(
+        **_typed_inputs(), max_new_tokens=5, do_sample=False
+    )
     assert torch.equal(model.generate(**_typed_inputs(), max_new_tokens=5, do_sample=False), want)
     bad = _typed_inputs()
     with pytest.raises(ValueError, match="token_type_ids shape"):

@@ -24,7 +24,9 @@ def _config(auto: str):
             hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128,
             word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, **_COMMON,
         )
-    return transformers.BloomConfig(hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, num_labels=3, **_COMMON)
+    return transformers.BloomConfig(
+        hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, num_labels=3, **_COMMON
+    )
 
 
 def _batch(auto: str) -> dict[str, torch.Tensor]:
@@ -41,11 +43,18 @@ def _batch(auto: str) -> dict[str, torch.Tensor]:
 def _step(path: str, auto: str) -> dict:
     import hf_pipeline
 
-    model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", progress=False, split_method="trace", n_microbatches=4)
+    model = getattr(hf_pipeline, auto).from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, split_method="trace", n_microbatches=4
+    )
     loss = float(model.train_step(_batch(auto)))
     grads = {n: p.grad.clone() for n, p in model.checkpoint_named_parameters() if p.grad is not None}
     torch.optim.SGD(model.parameters(), lr=LR).step()
-    return {"loss": loss, "grads": grads, "params": {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}, "class": type(model).__name__}
+    return {
+        "loss": loss,
+        "grads": grads,
+        "params": {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()},
+        "class": type(model).__name__,
+    }
 
 
 def _job(cases):

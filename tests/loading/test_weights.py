@@ -68,7 +68,9 @@ def gpt2(tmp_path_factory):
 def single(tmp_path_factory):
     """A one-file checkpoint (model.safetensors, no index)."""
     torch.manual_seed(2)
-    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, **TINY)
+    cfg = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, **TINY
+    )
     directory = tmp_path_factory.mktemp("single")
     sd = _save(transformers.LlamaForCausalLM(cfg), directory, "10GB")
     assert not (directory / weights.INDEX_NAME).exists() and (directory / weights.SINGLE_NAME).is_file()
@@ -86,7 +88,7 @@ def llama_copy(llama, tmp_path):
 def spy(monkeypatch):
     """Records every shard the loader opens to read tensor data and every header it parses."""
     calls = {"opened": [], "headers": []}
-    real_open, real_header = weights._open_shard, weights._shard_header
+    real_open, real_header = weights._open_shard, weights.read_shard_header
 
     def open_shard(path):
         calls["opened"].append(pathlib.Path(path).name)
@@ -97,7 +99,7 @@ def spy(monkeypatch):
         return real_header(path)
 
     monkeypatch.setattr(weights, "_open_shard", open_shard)
-    monkeypatch.setattr(weights, "_shard_header", shard_header)
+    monkeypatch.setattr(weights, "read_shard_header", shard_header)
     return calls
 
 
@@ -208,7 +210,7 @@ def test_casts_in_small_chunks(llama, monkeypatch, target):
 
 
 def _status_bytes(field: str) -> int:
-    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    line = next(text for text in open("/proc/self/status") if text.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
 
@@ -239,14 +241,22 @@ def test_big_endian_hosts_swap_bytes(tmp_path, monkeypatch):
     ref = {"w": torch.randn(4, 3), "i": torch.arange(6, dtype=torch.int16)}
     save_file(ref, tmp_path / weights.SINGLE_NAME)
     monkeypatch.setattr(weights.sys, "byteorder", "big")
-    tensors, _ = load_tensors(CheckpointIndex.from_directory(tmp_path), {"w": ((4, 3), torch.float32), "i": ((6,), torch.int16)})
+    tensors, _ = load_tensors(
+        CheckpointIndex.from_directory(tmp_path), {"w": ((4, 3), torch.float32), "i": ((6,), torch.int16)}
+    )
     for k, v in ref.items():
-        swapped = v.view(-1).view(torch.uint8).view(-1, v.element_size()).flip(-1).contiguous().view(v.dtype).view(v.shape)
+        swapped = (
+            v.view(-1).view(torch.uint8).view(-1, v.element_size()).flip(-1).contiguous().view(v.dtype).view(v.shape)
+        )
         assert torch.equal(tensors[k], swapped), k
 
 
 def test_integer_buffers_keep_their_dtype(tmp_path):
-    ref = {"w": torch.randn(3, 4), "position_ids": torch.arange(8).unsqueeze(0), "mask": torch.ones(2, 2, dtype=torch.bool)}
+    ref = {
+        "w": torch.randn(3, 4),
+        "position_ids": torch.arange(8).unsqueeze(0),
+        "mask": torch.ones(2, 2, dtype=torch.bool),
+    }
     save_file(ref, tmp_path / weights.SINGLE_NAME)
     wanted = {"w": ((3, 4), torch.float16), "position_ids": ((1, 8), torch.float16), "mask": ((2, 2), torch.bool)}
     tensors, report = load_tensors(CheckpointIndex.from_directory(tmp_path), wanted)
@@ -355,7 +365,9 @@ def test_unexpected_keys_checked_from_the_index_only(llama, spy):
         load_tensors(index, _wanted(sd, _layers(sd, 0)), expected_keys=expected)
     assert str(directory) in str(e.value)
     assert spy["opened"] == [] and spy["headers"] == []
-    _, report = load_tensors(index, _wanted(sd, _layers(sd, 0)), expected_keys=expected, ignore_unexpected=[r"\.down_proj\."])
+    _, report = load_tensors(
+        index, _wanted(sd, _layers(sd, 0)), expected_keys=expected, ignore_unexpected=[r"\.down_proj\."]
+    )
     assert sorted(report.keys_read) == sorted(_layers(sd, 0))
 
 
@@ -373,7 +385,9 @@ def test_shape_mismatch_through_an_alias_names_both(gpt2):
     directory, sd = gpt2
     index = CheckpointIndex.from_directory(directory)
     with pytest.raises(CheckpointError, match=r"transformer\.wte\.weight.*lm_head\.weight.*\[128, 32\].*\[5, 32\]"):
-        load_tensors(index, {"lm_head.weight": ((5, 32), torch.float32)}, aliases={"lm_head.weight": ["transformer.wte.weight"]})
+        load_tensors(
+            index, {"lm_head.weight": ((5, 32), torch.float32)}, aliases={"lm_head.weight": ["transformer.wte.weight"]}
+        )
 
 
 # --- errors: files -------------------------------------------------------------------------------
@@ -383,7 +397,9 @@ def test_shard_missing_at_index_time(llama_copy):
     directory, sd = llama_copy
     key = "model.layers.3.self_attn.q_proj.weight"
     shard = _shard_of(directory, key)
-    first = next(k for k, s in json.loads((directory / weights.INDEX_NAME).read_text())["weight_map"].items() if s == shard)
+    first = next(
+        k for k, s in json.loads((directory / weights.INDEX_NAME).read_text())["weight_map"].items() if s == shard
+    )
     (directory / shard).unlink()
     with pytest.raises(CheckpointError, match=rf"{shard}.*{first}"):
         CheckpointIndex.from_directory(directory)
@@ -657,11 +673,16 @@ LEGACY = {  # case -> (arch, auto class the checkpoint is saved from and loaded 
 
 @pytest.fixture(scope="module")
 def legacy(tmp_path_factory):
-    """case -> (directory with legacy key names, transformers' output on it, its output on the original, output name)."""
+    """case -> (directory with legacy key names, transformers' output on it, its output on the original,
+    output name)."""
     root = tmp_path_factory.mktemp("legacy")
     sources = {
         "bert-gamma-beta": (tiny.make_checkpoint(root / "bert-src", "bert"), _gamma_beta, None),
-        "bert-base-gamma-beta": (tiny.make_checkpoint(root / "bert-base-src", "bert", auto="AutoModel"), _gamma_beta, None),
+        "bert-base-gamma-beta": (
+            tiny.make_checkpoint(root / "bert-base-src", "bert", auto="AutoModel"),
+            _gamma_beta,
+            None,
+        ),
         "gpt2-hub-layout": (tiny.make_checkpoint(root / "gpt2-src", "gpt2"), _gpt2_hub_layout, _gpt2_causal_masks),
     }
     cases = {}
@@ -707,7 +728,11 @@ def _legacy_jobs(legacy):
 def test_checkpoint_key_renames_are_transformers_own():
     with torch.device("meta"):
         model = transformers.BertForMaskedLM(tiny.config_for("bert"))
-    keys = ["bert.embeddings.LayerNorm.gamma", "bert.encoder.layer.0.output.LayerNorm.beta", "bert.embeddings.word_embeddings.weight"]
+    keys = [
+        "bert.embeddings.LayerNorm.gamma",
+        "bert.encoder.layer.0.output.LayerNorm.beta",
+        "bert.embeddings.word_embeddings.weight",
+    ]
     assert checkpoint_key_renames(model, keys) == {
         "bert.embeddings.LayerNorm.gamma": "bert.embeddings.LayerNorm.weight",
         "bert.encoder.layer.0.output.LayerNorm.beta": "bert.encoder.layer.0.output.LayerNorm.bias",
@@ -721,7 +746,8 @@ def test_checkpoint_key_renames_without_transformers_mapping(monkeypatch):
         model = transformers.BertModel(tiny.config_for("bert"))
     keys = ["embeddings.LayerNorm.gamma", "embeddings.LayerNorm.beta", "pooler.dense.weight"]
     assert checkpoint_key_renames(model, keys) == {
-        "embeddings.LayerNorm.gamma": "embeddings.LayerNorm.weight", "embeddings.LayerNorm.beta": "embeddings.LayerNorm.bias",
+        "embeddings.LayerNorm.gamma": "embeddings.LayerNorm.weight",
+        "embeddings.LayerNorm.beta": "embeddings.LayerNorm.bias",
     }
 
 

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.dist  # every test here starts other processes
 
 CALLS = 200
 WARMUP = 20  # lengths run before the baseline RSS is read: allocator pools and the first builds settle
-BOUND_MB = 16  # growth allowed over the last CALLS - WARMUP calls: far above the bounded ~1 MB, far below the unbounded ~70
+BOUND_MB = (
+    16  # growth allowed over the last CALLS - WARMUP calls: far above the bounded ~1 MB, far below the unbounded ~70
+)
 HIDDEN = 256
 
 
@@ -34,7 +36,9 @@ def _rss_mb() -> float:
 def _job(path: str) -> dict:
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, n_microbatches=2)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, n_microbatches=2
+    )
     g = torch.Generator().manual_seed(0)
     sizes, base = [], None
     with torch.no_grad():
@@ -47,7 +51,12 @@ def _job(path: str) -> dict:
             sizes.append(len(model.runtime))
             if i + 1 == WARMUP:
                 base = _rss_mb()
-    return {"growth_mb": _rss_mb() - base, "sizes": sizes, "max_cached": model.runtime.max_cached, "builds": model.runtime.builds}
+    return {
+        "growth_mb": _rss_mb() - base,
+        "sizes": sizes,
+        "max_cached": model.runtime.max_cached,
+        "builds": model.runtime.builds,
+    }
 
 
 def test_two_hundred_shapes_keep_rss_flat_on_every_rank(tmp_path):
@@ -58,4 +67,6 @@ def test_two_hundred_shapes_keep_rss_flat_on_every_rank(tmp_path):
     for rank, res in enumerate(per_rank):
         assert max(res["sizes"]) <= res["max_cached"], (rank, max(res["sizes"]))
         assert res["builds"] == CALLS, (rank, res["builds"])  # every shape was built (and old ones dropped)
-        assert res["growth_mb"] < BOUND_MB, f"rank {rank}: RSS grew {res['growth_mb']:.1f} MB over {CALLS - WARMUP} new shapes"
+        assert res["growth_mb"] < BOUND_MB, (
+            f"rank {rank}: RSS grew {res['growth_mb']:.1f} MB over {CALLS - WARMUP} new shapes"
+        )

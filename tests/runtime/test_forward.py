@@ -52,10 +52,23 @@ def _forward_many(cases, kwargs, batch):
 # world size x virtual stages -> the (arch, auto class) cases run in that job. Every architecture runs
 # at world sizes 2 and 3 (4 for the 4-layer decoder-only models), with 1 and 2 virtual stages.
 JOBS = {
-    (2, 1): [("llama", "AutoModelForCausalLM"), ("gpt2", "AutoModelForCausalLM"), ("bert", "AutoModelForMaskedLM"), ("t5", "AutoModelForSeq2SeqLM"),
-             ("llama", "AutoModel"), ("gpt2", "AutoModel"), ("bert", "AutoModel"), ("bert", "AutoModelForSequenceClassification")],
+    (2, 1): [
+        ("llama", "AutoModelForCausalLM"),
+        ("gpt2", "AutoModelForCausalLM"),
+        ("bert", "AutoModelForMaskedLM"),
+        ("t5", "AutoModelForSeq2SeqLM"),
+        ("llama", "AutoModel"),
+        ("gpt2", "AutoModel"),
+        ("bert", "AutoModel"),
+        ("bert", "AutoModelForSequenceClassification"),
+    ],
     (2, 2): [("llama", "AutoModelForCausalLM"), ("gpt2", "AutoModelForCausalLM"), ("bert", "AutoModelForMaskedLM")],
-    (3, 1): [("llama", "AutoModelForCausalLM"), ("gpt2", "AutoModelForCausalLM"), ("bert", "AutoModelForMaskedLM"), ("t5", "AutoModelForSeq2SeqLM")],
+    (3, 1): [
+        ("llama", "AutoModelForCausalLM"),
+        ("gpt2", "AutoModelForCausalLM"),
+        ("bert", "AutoModelForMaskedLM"),
+        ("t5", "AutoModelForSeq2SeqLM"),
+    ],
     (3, 2): [("t5", "AutoModelForSeq2SeqLM")],
     (4, 1): [("llama", "AutoModelForCausalLM"), ("gpt2", "AutoModelForCausalLM")],
 }
@@ -94,7 +107,9 @@ def test_world_size_1_runs_every_stage_locally(tmp_path):
 def _gather_false(path):
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", gather_output=False, n_microbatches=2)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", gather_output=False, n_microbatches=2
+    )
     out = model(**tiny.sample_inputs("llama", batch=2))
     return None if out is None else out.logits
 

@@ -25,7 +25,9 @@ def _job(path: str) -> dict:
     import hf_pipeline
     from hf_pipeline.errors import InputError
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False, n_microbatches=2)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, n_microbatches=2
+    )
     inputs = tiny.sample_inputs("llama", batch=4, seq=9)
     model.train()
     out = model(**inputs, labels=inputs["input_ids"])
@@ -41,7 +43,14 @@ def _job(path: str) -> dict:
     except InputError as e:
         hidden = str(e)
     again = model(**inputs).logits  # the model is still usable
-    return {"logits": out.logits, "loss": out.loss.detach(), "modes": modes, "backward": backward, "hidden": hidden, "again": again}
+    return {
+        "logits": out.logits,
+        "loss": out.loss.detach(),
+        "modes": modes,
+        "backward": backward,
+        "hidden": hidden,
+        "again": again,
+    }
 
 
 def _check(res: dict, path: str, what: str) -> None:
@@ -52,7 +61,9 @@ def _check(res: dict, path: str, what: str) -> None:
         ref.train()
         torch.manual_seed(0)
         dropped = ref(**inputs).logits
-    assert (dropped - want.logits).abs().max().item() > 100 * TOL, "dropout must be visible for this test to mean anything"
+    assert (dropped - want.logits).abs().max().item() > 100 * TOL, (
+        "dropout must be visible for this test to mean anything"
+    )
     assert (res["logits"] - want.logits).abs().max().item() <= TOL, what
     assert (res["again"] - want.logits).abs().max().item() <= TOL, what
     assert torch.allclose(res["loss"], want.loss, rtol=1e-5), (what, res["loss"], want.loss)

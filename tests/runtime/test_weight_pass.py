@@ -18,7 +18,7 @@ import transformers
 from tiny import config_for, make_batch
 from torch import nn
 
-from hf_pipeline.loading.trace import _defer_linears
+from hf_pipeline.loading.traced_graphs import defer_linears
 from hf_pipeline.runtime import weight_pass
 
 
@@ -162,7 +162,7 @@ def test_traced_graph_linears_defer_and_installed_layers_survive_deepcopy_and_pi
     ref = _grads(net)
     gm = torch.export.export(net, (x,)).module()
     assert sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes) == 2
-    _defer_linears(gm)  # what the trace path does to every stage graph it installs
+    defer_linears(gm)  # what the trace path does to every stage graph it installs
     assert sum(n.target is weight_pass.linear for n in gm.graph.nodes) == 2
     gm.zero_grad(set_to_none=True)
     with weight_pass.deferring(), weight_pass.capturing():

@@ -1,0 +1,97 @@
+"""What every rank must agree on before it builds its stages: the load-time pipeline identity.
+
+Each rank describes the pipeline it is about to load (resolved options, the arguments that shape
+it, the device type, the checkpoint by content) as one small dict; the loader compares the dicts
+across ranks (``check_same_on_all_ranks``) so a rank with another split, dtype or checkpoint fails
+by name at load instead of hanging or computing wrong numbers later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from dataclasses import fields
+from typing import Any, Mapping
+
+from .checkpoint import INDEX_NAME
+
+__all__ = ["pipeline_identity"]
+
+_TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
+
+
+def pipeline_identity(
+    options, config, checkpoint_dir, *, device_type: str, arguments: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What every rank must agree on before it builds its stages: one small, comparable dict.
+
+    The resolved options, the arguments that shape the pipeline, the device type, and the
+    checkpoint's identity by content, not by path (a path may differ from host to host): the
+    config, the generation config, the index's weight map and each shard's size. Nothing is read
+    from the shards. An unreadable index is described, not raised: the loader reports it.
+
+    Args:
+        options: the resolved :class:`~hf_pipeline.planning.options.PipelineOptions`.
+        config: the transformers config the stages are built from.
+        checkpoint_dir: the local checkpoint directory (or None).
+        device_type: ``"cpu"`` or ``"cuda"``.
+        arguments: the caller's arguments as given (``split_method``, ``gather_output``, ...).
+
+    Returns:
+        A dict for :func:`hf_pipeline.distributed.context.check_same_on_all_ranks`: mismatches are named by key
+        (``split``, ``config.hidden_size``, ``shard sizes.model-00002-of-00005.safetensors``).
+    """
+    out: dict[str, Any] = {}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if isinstance(value, type):
+            value = value.__qualname__  # the model class
+        elif f.name == "schedule":
+            value = value.name
+        out[f.name] = value
+    out.update({k: v for k, v in arguments.items() if k not in out})
+    out["device type"] = device_type
+    cfg = config.to_dict()
+    cfg.pop("_name_or_path", None)  # where it was read from, not what it is
+    out["config"] = cfg
+    if checkpoint_dir is not None:
+        out.update(_checkpoint_identity(pathlib.Path(checkpoint_dir)))
+    return out
+
+
+def _checkpoint_identity(directory: pathlib.Path) -> dict[str, Any]:
+    """The checkpoint by content: generation config, the index's weight map (hashed), shard sizes and tails."""
+    out: dict[str, Any] = {}
+    generation = directory / "generation_config.json"
+    out["generation_config.json"] = generation.read_text() if generation.is_file() else None
+    index = directory / INDEX_NAME
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        weight_map = f"unreadable ({type(e).__name__})"
+    if isinstance(weight_map, dict):
+        text = json.dumps(weight_map, sort_keys=True)
+        # One leaf: thousands of keys are compared by one hash, not listed in a mismatch message.
+        out["weight map"] = f"{len(weight_map)} keys (#{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()})"
+        files = sorted({v for v in weight_map.values() if isinstance(v, str)})
+    else:
+        out["weight map"] = weight_map
+        files = [p.name for p in sorted(directory.glob("*.safetensors"))]
+    sizes, tails = {}, {}
+    for name in files:
+        try:
+            with open(directory / name, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - _TAIL_BYTES))
+                tail = f.read(_TAIL_BYTES)
+        except OSError:
+            sizes[name] = tails[name] = None  # missing or unreadable: the loader says which and why
+            continue
+        sizes[name] = size
+        tails[name] = hashlib.blake2b(tail, digest_size=8).hexdigest()
+    out["shard sizes"] = sizes
+    # The last bytes of each shard (one page, not a tensor read): two checkpoints of one architecture
+    # have the same config, index and sizes, but not the same weights.
+    out["shard tails"] = tails
+    return out
