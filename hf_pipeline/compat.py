@@ -231,7 +231,23 @@ def mark_hf_initialized(obj: Any, initialized: bool = True) -> None:
     obj._is_hf_initialized = initialized
 
 
-__all__ += ["mark_hf_initialized", "transformers_load_exceptions"]
+def module_registries(module: torch.nn.Module) -> tuple[dict, dict]:
+    """``module``'s own parameter and child registries (``_parameters``, ``_modules``), to edit in place.
+
+    Pruning a copy of a model to one stage deletes entries from them. ``named_parameters`` and
+    ``named_children`` are no stand-in: they skip ``None`` entries and list a child registered under
+    two names once, and torch has no public way to delete a registration by name without them.
+    """
+    return module._parameters, module._modules
+
+
+def fx_graph_of(module: torch.nn.Module):
+    """The fx graph an unflattened exported module runs, or None: torch's ``InterpreterModule`` keeps
+    it as ``graph`` (or, in some releases, the private ``_graph``), with no public accessor."""
+    return module.__dict__.get("graph") or getattr(module, "_graph", None)
+
+
+__all__ += ["fx_graph_of", "mark_hf_initialized", "module_registries", "transformers_load_exceptions"]
 
 
 

@@ -219,11 +219,10 @@ class PipelinedModel(nn.Module):
         label = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
         return label + (f" of replica {rank // pp}" if self.dims.dp_size > 1 else "")
 
-    def _step_errors(self, what: str):
-        # A failure inside a pipelined call reaches every rank with the failing rank's stage (faults.py).
-        return spread_failures(
-            self.ctx, what, groups=(self.dims.pp_group, self.dims.dp_group), describe=self.rank_label
-        )
+    def _spreading_failures(self, what: str):
+        """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
+        groups = (self.dims.pp_group, self.dims.dp_group)
+        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label)
 
     def checkpoint_named_parameters(self):
         """(checkpoint key, parameter) for this rank's parameters; tied copies within a stage once."""
@@ -288,7 +287,7 @@ class PipelinedModel(nn.Module):
         batch = self.batch_size(inputs)
         if self.plan.pp_size > 1:
             validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
-        with self._step_errors("a forward pass"):
+        with self._spreading_failures("a forward pass"):
             outputs = self._run_forward(inputs, batch)
         if outputs is None:
             return None
@@ -339,7 +338,7 @@ class PipelinedModel(nn.Module):
         """Forward + backward of one global batch; returns the mean loss on every rank. See ``training/step.py``."""
         from .training.step import train_step
 
-        with self._step_errors("a training step"):
+        with self._spreading_failures("a training step"):
             return train_step(self, batch, **kwargs)
 
     def set_schedule(self, schedule: str | type, *, n_microbatches: int | None = None) -> None:
@@ -383,14 +382,14 @@ class PipelinedModel(nn.Module):
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``training/step.py``."""
         from .training.step import clip_grad_norm_
 
-        with self._step_errors("clip_grad_norm_"):
+        with self._spreading_failures("clip_grad_norm_"):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write a normal HF checkpoint; every rank writes its own tensors. See ``training/checkpoint.py``."""
         from .training.checkpoint import save_pretrained
 
-        with self._step_errors("save_pretrained"):
+        with self._spreading_failures("save_pretrained"):
             return save_pretrained(self, save_directory, **kwargs)
 
     def generate(
@@ -401,7 +400,7 @@ class PipelinedModel(nn.Module):
 
         if self.stage_maker.generate_refusal is not None:
             raise TraceError(self.stage_maker.generate_refusal)
-        with self._step_errors("generate"):
+        with self._spreading_failures("generate"):
             # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
@@ -418,18 +417,14 @@ class PipelinedModel(nn.Module):
         return f"{type(self).__name__}({self.extra_repr()})\n{self.plan}"
 
 
-# accelerate's own "nothing left to wrap" flag (compat.py): ``accelerator.prepare(model, optimizer, ...)``
-# returns the model as it is instead of wrapping it in DDP (each rank holds different stages, and the
-# pipeline syncs its gradients itself); the optimizer, scheduler and dataloader are prepared as usual.
+# accelerate's "nothing left to wrap" flag (compat.py): ``accelerator.prepare`` returns the model as it is, not in
+# DDP (each rank holds different stages; the pipeline syncs its gradients); optimizer, loader etc. are prepared.
 setattr(PipelinedModel, ACCELERATE_PREPARED_FLAG, True)
 
 
 class TracedPipelinedModel(PipelinedModel):
-    """A :class:`PipelinedModel` whose stages come from ``torch.export`` tracing instead of a recipe.
-
-    Same surface and the same loader (``loading/loader.py``); ``generate()`` raises, since KV-cached
-    generation needs a recipe.
-    """
+    """A :class:`PipelinedModel` whose stages come from ``torch.export`` tracing instead of a recipe: the same
+    surface and loader; ``generate()`` raises, since KV-cached generation needs a recipe."""
 
 
 def load_pipelined(

@@ -18,7 +18,8 @@ PACKAGE = pathlib.Path(hf_pipeline.__file__).parent
 
 # Lowest first: each entry is a top-level module or a subpackage (all the modules under it).
 LAYERS: list[set[str]] = [
-    {"errors", "compat", "log"},
+    {"errors"},
+    {"compat", "log"},
     {"distributed"},
     {"families"},
     {"planning"},

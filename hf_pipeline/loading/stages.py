@@ -24,7 +24,7 @@ import transformers
 from accelerate import init_empty_weights
 from torch import nn
 
-from ..compat import no_init_weights
+from ..compat import module_registries, no_init_weights
 from ..errors import InternalError
 from ..families.glue import Glue, get_glue
 from ..families.recipe import get_recipe
@@ -57,17 +57,18 @@ def prune(module: nn.Module, keep: set[str], prefix: str = "") -> None:
     # class and attributes (a ModuleList of layers 4..7 still iterates them), and parameter names
     # stay the model's own. The walk reads nn.Module's own registries (not named_children /
     # named_parameters): they alone show None entries and a child registered under two names.
-    for name in list(module._parameters):
+    parameters, children = module_registries(module)
+    for name in list(parameters):
         if prefix.rstrip(".") not in keep:
-            del module._parameters[name]
-    for name, child in list(module._modules.items()):
+            del parameters[name]
+    for name, child in list(children.items()):
         fqn = prefix + name
         if child is None or fqn in keep:
             continue
         if any(k.startswith(fqn + ".") for k in keep):
             prune(child, keep, fqn + ".")
         else:
-            del module._modules[name]
+            del children[name]
 
 
 @dataclass

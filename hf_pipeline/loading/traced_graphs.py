@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..compat import pytree
+from ..compat import fx_graph_of, pytree
 from ..errors import TraceError
 from ..runtime import weight_pass
 
@@ -106,7 +106,7 @@ def rewrite_graphs(root: nn.Module, rewrite) -> None:
     """Call ``rewrite(graph)`` on every fx graph under ``root`` (unflattened stage modules keep one
     each); recompile the modules whose graph it changed (it returns True then)."""
     for mod in root.modules():
-        graph = mod.__dict__.get("graph") or getattr(mod, "_graph", None)
+        graph = fx_graph_of(mod)
         if isinstance(graph, fx.Graph) and rewrite(graph):
             for gm in (mod, mod.__dict__.get("graph_module")):
                 if isinstance(gm, fx.GraphModule):
