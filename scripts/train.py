@@ -108,19 +108,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def infer_task(model_dir: str) -> str:
-    """causal_lm / masked_lm / seq2seq_lm from config.json's architectures (or is_encoder_decoder)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    arch = (config.architectures or [""])[0]
-    if arch.endswith("ForMaskedLM"):
-        return "masked_lm"
-    if config.is_encoder_decoder or arch.endswith("ForConditionalGeneration"):
-        return "seq2seq_lm"
-    return "causal_lm"
-
-
 # ----------------------------------------------------------------------------- training
 def _resume_from(args, out: pathlib.Path) -> str | None:
     """``--resume-from``, else with ``--resume`` the latest complete checkpoint in ``out`` (None: start fresh)."""
@@ -132,15 +119,27 @@ def _resume_from(args, out: pathlib.Path) -> str | None:
     return args.resume_from
 
 
-def _load_model(args, task: str, source: str):
-    import hf_pipeline
+def _load_model(args, model_dir: str, source: str):
+    """The pipelined model, and the task its head trains (``causal_lm``, ``masked_lm``, ``seq2seq_lm``).
+
+    As ``hf-pipeline train``: the class is ``--task``'s Auto class, else the one the library picks
+    from the config (``model_class_for``: the checkpoint's architecture); the task is its head's loss.
+    """
+    from hf_pipeline.model import load_pipelined
+    from hf_pipeline.planning.options import load_config, model_class_for
+    from hf_pipeline.training.data import TASKS as DATA_TASKS
 
     options = {
         "n_microbatches": args.n_microbatches, "schedule": args.schedule, "virtual_stages": args.virtual_stages,
         "num_stages": args.num_stages, "device": args.device,
     }
     load = {k: v for k, v in options.items() if v is not None}
-    return getattr(hf_pipeline, TASKS[task]).from_pretrained(source, pipeline=True, dtype="float32", **load)
+    cls = TASKS[args.task] if args.task else model_class_for(load_config(model_dir))
+    model = load_pipelined(cls, source, dtype="float32", **load)
+    task = model.resolved.head.loss
+    if task not in DATA_TASKS:
+        raise SystemExit(f"{model.plan.model_class} trains with loss {task!r}; pass --task ({', '.join(DATA_TASKS)})")
+    return model, task
 
 
 def _batches(args, tokenizer, task: str):
@@ -170,12 +169,11 @@ def main(argv=None) -> int:
     # Hub ids resolve to their cached snapshot first: transformers then reads directories and never
     # waits on the network.
     model_dir = str(resolve_checkpoint(args.model))
-    task = args.task or infer_task(model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(resolve_checkpoint(args.tokenizer)) if args.tokenizer else model_dir
     )
     torch.manual_seed(args.seed)
-    model = _load_model(args, task, resume_from or model_dir)
+    model, task = _load_model(args, model_dir, resume_from or model_dir)
     model.train()
     ctx = model.ctx
     if ctx.is_main_process:
