@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import pathlib
 from typing import Any, Iterator
 
@@ -60,6 +61,17 @@ def _no_progress_bars() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def _logging_off(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    was = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(was)
+
+
 def load_rows(path: str | pathlib.Path, *, columns: tuple[str, ...] = ("text",)):
     """The file at ``path`` as an in-memory ``datasets.Dataset`` holding ``columns``.
 
@@ -79,7 +91,8 @@ def load_rows(path: str | pathlib.Path, *, columns: tuple[str, ...] = ("text",))
     if path.stat().st_size == 0:
         raise InputError(f"{path} is empty: nothing to train on; pass a file with text in it (--data)")
     try:
-        with _no_progress_bars():
+        # Its reader also logs the failure below as an ERROR line of its own: the error says it once.
+        with _no_progress_bars(), _logging_off("datasets"):
             raw = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
     except DatasetsError as e:
         # datasets says only "An error occurred while generating the dataset"; the reason is its cause.
