@@ -29,7 +29,7 @@ def _writable_place(path: pathlib.Path, flag: str, kind: str) -> None:
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise CLIError(f"{flag} {path} cannot be made: {parent} is a file; pass a {kind} under a folder")
+        raise CLIError(f"{flag} {path} cannot be made: {parent} is a file, not a folder; pass another path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CLIError(f"{flag} {path} cannot be made: {parent} is not writable; pass a {kind} you can write")
 

@@ -66,7 +66,7 @@ def test_train_arguments_are_checked_before_the_model_loads(tmp_path, notes, cap
         f"--output-dir {a_file} is a file; pass a folder path (it is created if missing)"
     )
     assert _one_line(capsys, [*train, "--output-dir", str(a_file / "sub")]) == (
-        f"--output-dir {a_file / 'sub'} cannot be made: {a_file} is a file; pass a folder under a folder"
+        f"--output-dir {a_file / 'sub'} cannot be made: {a_file} is a file, not a folder; pass another path"
     )
     assert _one_line(capsys, [*train, *out, "--log-file", str(tmp_path)]) == (
         f"--log-file {tmp_path} is a folder; pass a file path (it is created if missing)"
