@@ -216,19 +216,34 @@ def test_a_library_message_wrapped_mid_sentence_is_kept_to_the_sentences_end():
 
 
 # ------------------------------------------------------------------------------------------ launching
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m hf_pipeline.cli ARGS`` in a fresh process, outside any launched job."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               HF_PIPELINE_THREADS="1", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "hf_pipeline.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+
+
+@pytest.mark.dist
+def test_a_bad_log_file_in_launched_processes_is_one_line_from_every_rank(tmp_path, notes):
+    # Each of the 2 processes checks its arguments before loading; rank 0 prints, the launcher exits 2.
+    proc = _cli("train", "--num-processes", "2", "--data", str(notes), "--output-dir", str(tmp_path / "out"),
+                "--log-file", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"hf-pipeline: error: --log-file {tmp_path} is a folder; pass a file path (it is created if missing)"
+    ], proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.dist
 def test_a_port_in_use_is_one_line_before_any_process_starts(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT")}
-        env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}", HF_HUB_OFFLINE="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "hf_pipeline.cli", "generate", "--num-processes", "2", "--main-process-port",
-             str(port), "--max-new-tokens", "1"],
-            env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
-        )
+        proc = _cli("generate", "--num-processes", "2", "--main-process-port", str(port), "--max-new-tokens", "1")
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
