@@ -90,11 +90,24 @@ def _is_user_error(e: BaseException) -> bool:
     return _is_user_error_type(type(e))
 
 
+def _one_line(message: str) -> str:
+    """The first line of ``message``, continued while it stops mid-sentence (a wrapped library message):
+    lines are joined until one ends a sentence (``.``, ``!``, ``?``) or a blank line ends the paragraph."""
+    kept: list[str] = []
+    for line in message.strip().splitlines():
+        if not line.strip():
+            break
+        kept.append(line.strip())
+        if line.rstrip().endswith((".", "!", "?")) or len(kept) == 1 and not line.rstrip().endswith((":", ",")):
+            break
+    return " ".join(kept)
+
+
 def _report(e: BaseException) -> None:
     # In a launched job every process gets the error (the failing one its own, the others a
     # RankError naming it); rank 0 says it once.
     if int(os.environ.get("RANK", "0") or 0) == 0:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = _one_line(str(e)) or type(e).__name__
         print(f"{PROG}: error: {message}", file=sys.stderr)
 
 

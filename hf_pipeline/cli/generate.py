@@ -6,7 +6,8 @@ import json
 import pathlib
 from typing import Any
 
-from .options import load_config, load_kwargs, model_path
+from ..errors import CLIError
+from .options import load_config, load_kwargs, load_tokenizer, model_path
 
 __all__ = ["cmd_generate"]
 
@@ -14,11 +15,30 @@ _EXAMPLE_PROMPTS = ["Return the", "This module provides", "If the file does not 
 _SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "repetition_penalty")
 
 
+def _prompts_from_file(name: str) -> list[str]:
+    """``--prompts-file``: its non-blank lines; a folder, a binary file or a file without a prompt is a mistake."""
+    path = pathlib.Path(name)
+    if not path.is_file():
+        raise CLIError(f"--prompts-file {name} is not a file; pass a text file with one prompt per line")
+    text: str | None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        text = None  # a binary file
+    except OSError as e:
+        raise CLIError(f"--prompts-file {name} cannot be read ({e.strerror}); pass a readable text file") from e
+    if text is None or "\0" in text:
+        raise CLIError(f"--prompts-file {name} is not UTF-8 text; pass a text file with one prompt per line")
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CLIError(f"--prompts-file {name} has no prompts (it is empty or blank); write one prompt per line")
+    return prompts
+
+
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file:
-        text = pathlib.Path(args.prompts_file).read_text(encoding="utf-8")
-        prompts += [line for line in text.splitlines() if line.strip()]
+        prompts += _prompts_from_file(args.prompts_file)
     return prompts or list(_EXAMPLE_PROMPTS)
 
 
@@ -51,7 +71,6 @@ def _print_results(args, model, path: str, prompts: list[str], texts: list[str],
 def cmd_generate(args) -> int:
     """``hf-pipeline generate``: pipelined generation; rank 0 prints the text (or JSON)."""
     import torch
-    import transformers
 
     import hf_pipeline
 
@@ -59,7 +78,7 @@ def cmd_generate(args) -> int:
     seq2seq = bool(load_config(path).is_encoder_decoder)
     auto = hf_pipeline.AutoModelForSeq2SeqLM if seq2seq else hf_pipeline.AutoModelForCausalLM
     prompts = _read_prompts(args)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     if not seq2seq:
         tok.padding_side = "left"  # decoder-only prompts are left padded, as transformers' generate expects
     if tok.pad_token is None:

@@ -31,6 +31,24 @@ def strip_launch_args(argv: Sequence[str]) -> list[str]:
 
 
 
+def _check_port_free(port: int) -> None:
+    """Machine 0's ``--main-process-port`` must be free: the launcher's rendezvous listens on it."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise CLIError(f"--main-process-port {port} is not a port number; pass one in 1..65535")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR as the rendezvous store sets it: a port in TIME_WAIT is free, one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise CLIError(
+                f"--main-process-port {port} is already in use on this machine ({e.strerror}); pass a free port, "
+                "or leave the option out on one machine to use any free port"
+            ) from None
+
+
 def launch(args, argv: Sequence[str]) -> int:
     """Start ``args.num_processes`` processes running this command (torch's elastic launcher, as torchrun).
 
@@ -62,6 +80,8 @@ def launch(args, argv: Sequence[str]) -> int:
         # A missing model fails here, once, not in every process; a download also happens once, here,
         # and the processes then find it in the cache.
         local_path(args.model, args.download)
+    if args.main_process_port is not None and args.machine_rank == 0:
+        _check_port_free(args.main_process_port)
     local = n // machines
     port = args.main_process_port or get_free_port()
     # The processes inherit this environment: they import this very package, installed or from a checkout.

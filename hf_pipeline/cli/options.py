@@ -5,7 +5,25 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-__all__ = ["auto_class_for", "load_config", "load_kwargs", "local_path", "model_path", "split_option"]
+from ..errors import CLIError, PipelineError
+
+__all__ = [
+    "auto_class_for", "flat", "load_config", "load_kwargs", "load_tokenizer", "local_path", "model_path",
+    "split_option",
+]
+
+
+def flat(message: object) -> str:
+    """``message`` on one line: transformers and tokenizers wrap theirs over several lines mid-sentence."""
+    return " ".join(str(message).split())
+
+
+def _library_errors() -> tuple[type[BaseException], ...]:
+    """What transformers / tokenizers / huggingface_hub raise for a file they cannot read as asked: a bad
+    JSON file, a field of the wrong type, a missing or broken tokenizer file."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (OSError, ValueError, TypeError, KeyError, StrictDataclassError)
 
 
 def split_option(text: str) -> str | list[str]:
@@ -39,10 +57,37 @@ def local_path(path_or_id: str, download: bool = False) -> str:
 
 
 def load_config(path: str, download: bool = False):
-    """The transformers config of a checkpoint directory, config.json file or cached hub id."""
+    """The transformers config of a checkpoint directory, config.json file or cached hub id.
+
+    Raises:
+        CLIError: a config transformers cannot read (malformed JSON, a field of the wrong type), in one line.
+    """
     from ..planning.options import load_config as load
 
-    return load(local_path(path, download))
+    local = local_path(path, download)
+    try:
+        return load(local)
+    except PipelineError:
+        raise
+    except _library_errors() as e:
+        raise CLIError(f"cannot read the config of {path}: {flat(e).rstrip('.')}; fix its config.json") from e
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of the model at ``path`` (``--model``, or the bundled model).
+
+    Raises:
+        CLIError: transformers / tokenizers cannot load it, with their whole message on one line.
+    """
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except _library_errors() as e:
+        raise CLIError(
+            f"cannot load the tokenizer of --model {path}: {flat(e).rstrip('.')}; save the model's tokenizer into "
+            "that directory"
+        ) from e
 
 
 def model_path(args) -> str:

@@ -64,6 +64,41 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _size(text: str) -> str:
+    """A shard size as transformers writes them (``2GB``, ``500MB``, bytes), checked now, not after training."""
+    from ..errors import InputError
+    from ..planning.options import parse_size
+
+    try:
+        parse_size(text, what="--max-shard-size")
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _device(text: str) -> str:
+    """A torch device string (``cpu``, ``cuda``, ``cuda:1``, ...), read by torch itself."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a torch device type; use e.g. cpu, cuda, cuda:1, mps or xpu"
+        ) from None
+    return text
+
+
 def _existing_path(text: str) -> str:
     if pathlib.Path(text).expanduser().exists():
         return str(pathlib.Path(text).expanduser())
@@ -106,7 +141,7 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-microbatches", type=_positive, default=None,
                    help="microbatches per pipelined call (default: number of stages)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's)")
-    g.add_argument("--device", default=None, help="force a device type, e.g. cpu")
+    g.add_argument("--device", type=_device, default=None, help="force a device type, e.g. cpu")
 
 
 # ------------------------------------------------------------------------------------ one per command
@@ -194,7 +229,9 @@ def _add_train(sub) -> None:
     p.add_argument("--batch-size", type=_positive, default=8, help="rows per step, the global batch (default 8)")
     p.add_argument("--block-size", type=_positive, default=128, help="tokens per row (default 128)")
     p.add_argument("--lr", type=_positive_float, default=3e-4, help="peak learning rate of AdamW (default 3e-4)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps, then linear decay (default 0)")
+    p.add_argument(
+        "--warmup-steps", type=_non_negative, default=0, help="linear warmup steps, then linear decay (default 0)"
+    )
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument(
         "--max-grad-norm", type=_positive_float, default=1.0, help="clip gradients to this global norm (default 1)"
@@ -204,7 +241,9 @@ def _add_train(sub) -> None:
     p.add_argument(
         "--log-file", default=None, help="also append one JSON line per step (step, loss, lr, grad_norm) to this file"
     )
-    p.add_argument("--max-shard-size", default="2GB", help="shard size of the saved checkpoint (default 2GB)")
+    p.add_argument(
+        "--max-shard-size", type=_size, default="2GB", help="shard size of the saved checkpoint (default 2GB)"
+    )
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bar (the --log-every loss lines still print)"
     )
@@ -247,7 +286,9 @@ def _add_convert(sub) -> None:
     p.add_argument("--schedule", default=None, help="schedule the model will run (fixes where virtual stages go)")
     p.add_argument("--split", default="auto", help=_SPLIT_HELP)
     p.add_argument("--auto-class", default=None, help="transformers class to plan for (default: from the config)")
-    p.add_argument("--max-shard-size", default="5GB", help="with --merge: bytes per shard, e.g. 2GB (default 5GB)")
+    p.add_argument(
+        "--max-shard-size", type=_size, default="5GB", help="with --merge: bytes per shard, e.g. 2GB (default 5GB)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace the output directory if it exists")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import CLIError
 from .options import auto_class_for, load_config, split_option
 
 __all__ = ["cmd_convert", "cmd_plan"]
@@ -11,7 +12,15 @@ def cmd_plan(args) -> int:
     """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone."""
     config = load_config(args.path, args.download)
     auto = auto_class_for(config, args.auto_class)
+    from ..runtime.checks import max_positions
     from ..tools.memory import plan_report
+
+    limit = max_positions(config)
+    if args.seq is not None and limit is not None and args.seq > limit:
+        raise CLIError(
+            f"--seq {args.seq} is longer than the {limit} positions the model has (config.max_position_embeddings); "
+            f"pass --seq {limit} or less"
+        )
 
     report = plan_report(
         config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,

@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import tempfile
+import time
 
 from ..errors import CLIError
-from .options import auto_class_for, load_config, load_kwargs, model_path
+from .options import auto_class_for, flat, load_config, load_kwargs, load_tokenizer, model_path
 
 __all__ = ["cmd_train"]
+
+
+# ------------------------------------------------------------------------------------ checks before the first step
+def _writable_place(path: pathlib.Path, flag: str, kind: str) -> None:
+    """``path`` (a folder for ``kind == "folder"``, else a file) can be made or written by this process."""
+    if path.exists():
+        if (kind == "folder") != path.is_dir():
+            raise CLIError(
+                f"{flag} {path} is {'a folder' if path.is_dir() else 'a file'}; pass a {kind} path "
+                f"(it is created if missing)"
+            )
+        if not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+            raise CLIError(f"{flag} {path} is not writable by this user; pass a {kind} you can write")
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {path} cannot be made: {parent} is a file, not a folder; pass another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {path} cannot be made: {parent} is not writable; pass a {kind} you can write")
+
+
+def _check_outputs(args) -> None:
+    """Where the run writes, checked before the model loads: a typo there must not cost the training."""
+    _writable_place(pathlib.Path(args.output_dir), "--output-dir", "folder")
+    if args.log_file:
+        _writable_place(pathlib.Path(args.log_file), "--log-file", "file")
 
 
 def _check_task(model, task: str, tasks) -> None:
@@ -27,6 +58,50 @@ def _check_batch_size(model, batch_size: int) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------ saving
+def _agreed(model, value: str) -> str:
+    """Rank 0's ``value`` on every rank (a folder name with the time in it)."""
+    if not model.ctx.is_distributed:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=model.ctx.group)
+    return box[0]
+
+
+def _save(model, args, tok) -> None:
+    """``save_pretrained`` into ``--output-dir``; if that fails, into a sibling or the temp folder, and say where.
+
+    Collective: a failed save fails on every rank, so every rank tries the same places in turn.
+    """
+    from ..distributed.agreement import is_lost_peer_error
+    from ..errors import PipelineBroken
+
+    try:
+        model.save_pretrained(args.output_dir, max_shard_size=args.max_shard_size, tokenizer=tok)
+        return
+    except Exception as e:
+        if isinstance(e, PipelineBroken) or is_lost_peer_error(e):
+            raise  # the group is gone: no collective save can run
+        error = e
+    stamp = _agreed(model, time.strftime("%Y%m%d-%H%M%S"))
+    out = pathlib.Path(args.output_dir).absolute()
+    name = f"{out.name}.unsaved-{stamp}"
+    places = [out.with_name(name), pathlib.Path(tempfile.gettempdir(), name)]  # beside it, else the temp folder
+    for place in places:
+        try:
+            model.save_pretrained(place, max_shard_size=args.max_shard_size, tokenizer=tok)
+        except Exception as e:
+            error.add_note(f"saving into {place} failed too: {e}")
+            continue
+        raise CLIError(
+            f"could not save into --output-dir {args.output_dir} ({flat(error).rstrip('.')}); the trained model is "
+            f"in {place} instead: move it where you want it"
+        ) from error
+    raise error
+
+
 def cmd_train(args) -> int:
     """``hf-pipeline train``: fine-tune with ``model.train_step`` and ``save_pretrained`` the result.
 
@@ -43,9 +118,10 @@ def cmd_train(args) -> int:
     from ..training.data import TASKS, Batches, build_dataset, load_rows
     from ..training.loop import run_training
 
+    _check_outputs(args)
     path = model_path(args)
     auto = auto_class_for(load_config(path), args.auto_class)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     # The file and its columns are checked before the (long) model load; the rows are made after
     # it, once the head says which task they are for.
     columns = (args.text_column,) + ((args.target_column,) if args.target_column else ())
@@ -76,7 +152,7 @@ def cmd_train(args) -> int:
         model, batches, opt, sched, steps=args.steps, max_grad_norm=args.max_grad_norm, progress=progress,
         log_file=args.log_file,
     )
-    model.save_pretrained(args.output_dir, max_shard_size=args.max_shard_size, tokenizer=tok)
+    _save(model, args, tok)
     if ctx.is_main_process:
         print(f"saved {args.output_dir}")
     return 0

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import pathlib
 from typing import Any, Iterator
 
@@ -60,20 +61,43 @@ def _no_progress_bars() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def _logging_off(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    was = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(was)
+
+
 def load_rows(path: str | pathlib.Path, *, columns: tuple[str, ...] = ("text",)):
     """The file at ``path`` as an in-memory ``datasets.Dataset`` holding ``columns``.
 
     Raises:
-        InputError: an unknown file type, or a missing column (naming the columns the file has).
+        InputError: an unknown file type, a folder, an empty or malformed file, or a missing column
+            (naming the columns the file has).
     """
     import datasets
+    from datasets.exceptions import DatasetsError
 
     path = pathlib.Path(path)
     builder = _BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise InputError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(sorted(_BUILDERS))}")
-    with _no_progress_bars():
-        raw = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
+    if not path.is_file():
+        raise InputError(f"{path} is not a file; pass the data file (--data)")
+    if path.stat().st_size == 0:
+        raise InputError(f"{path} is empty: nothing to train on; pass a file with text in it (--data)")
+    try:
+        # Its reader also logs the failure below as an ERROR line of its own: the error says it once.
+        with _no_progress_bars(), _logging_off("datasets"):
+            raw = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
+    except DatasetsError as e:
+        # datasets says only "An error occurred while generating the dataset"; the reason is its cause.
+        reason = " ".join(str(e.__cause__ or e).split())
+        raise InputError(f"{path} cannot be read as a {builder} file ({reason}); fix the file or its suffix") from e
     for column in columns:
         if column not in raw.column_names:
             raise InputError(f"{path} has no column {column!r} (columns: {raw.column_names}); {_NAME_THE_COLUMN}")
