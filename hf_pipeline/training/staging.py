@@ -49,6 +49,7 @@ from .checkpoint_format import (
     WEIGHT_FILE_PATTERN,
 )
 from .durable import fsync
+from .save_lock import check_inside
 
 __all__ = ["SaveProgress", "publish", "remove_failed_save", "shard_file_names"]
 
@@ -114,6 +115,7 @@ def publish(
         key=lambda r: (_publish_order(r), str(r)),
     )
     rest = [r for r in rest if str(r) != INDEX_NAME and str(r) not in listed]
+    check_inside(final, sorted({str(r.parent) for r in rest if r.parent != pathlib.Path(".")}))
     dirs = {final}
     for rel in rest:
         target = final / rel
