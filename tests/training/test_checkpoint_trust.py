@@ -25,8 +25,6 @@ from tiny import make_batch
 
 from hf_pipeline.errors import CheckpointError, CheckpointExistsError, InputError
 
-pytestmark = pytest.mark.unit
-
 
 def _load_1(path, **kwargs):
     import hf_pipeline
@@ -242,3 +240,47 @@ def test_a_dead_saves_lock_is_taken_over_and_a_live_ones_refuses(checkpoint, tmp
     with pytest.raises(CheckpointExistsError, match=rf"pid 1 on host elsewhere .* remove {lock}"):
         model.save_pretrained(out)
     assert lock.exists(), "another save's lock was removed"
+
+
+def _racing_job(src: str, root: str):
+    """One of two independent single-process jobs saving into the same directory at once."""
+    import time
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)  # two separate jobs, not two ranks of one
+    me = os.getpid()
+    model, opt, sched = _trained(src)
+    root = pathlib.Path(root)
+    (root / f"ready-{me}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(root.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    outcomes = []
+    for step in range(8):
+        try:
+            model.save_pretrained(root / "shared", optimizer=opt, scheduler=sched, step=step)
+            outcomes.append("saved")
+        except CheckpointExistsError as e:
+            assert "another save_pretrained into" in str(e), e
+            outcomes.append("refused")
+        except Exception as e:  # noqa: BLE001 - any other error is the failure tested for
+            outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes
+
+
+@pytest.mark.dist
+def test_two_jobs_saving_into_one_directory_at_once(tmp_path):
+    from harness import run_distributed
+
+    from hf_pipeline.training.checkpoint import is_complete_checkpoint, load_training_state
+
+    src = tiny.make_checkpoint(tmp_path / "src", "llama")
+    results = run_distributed(_racing_job, 2, str(src), str(tmp_path), timeout=300)
+    bad = [o for r in results for o in r if o not in ("saved", "refused")]
+    assert not bad, bad
+    assert any(o == "saved" for r in results for o in r), results
+    shared = tmp_path / "shared"
+    assert is_complete_checkpoint(shared) and not (shared / ".hf_pipeline.lock").exists()
+    assert not [p.name for p in shared.iterdir() if p.name.startswith(".hf_pipeline")], "a staging directory was left"
+    model = _load_1(shared)
+    load_training_state(model, shared, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
