@@ -20,6 +20,7 @@ import json
 import pathlib
 import pickle
 import random
+import re
 from typing import Any
 
 import torch
@@ -154,9 +155,11 @@ def load_safe_pickle(path: pathlib.Path, what: str, **kwargs) -> Any:
     try:
         return torch.load(path, weights_only=True, **kwargs)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's message advises weights_only=False, the one thing not to do here: name only what it refused.
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        found = f"it names {named.group(1)}" if named else f"{type(e).__name__} while reading it"
         raise CheckpointError(
             f"{path} ({what}) holds more than tensors, numbers and containers, so it is not loaded (unpickling it "
-            f"could run code): {first}. Re-save the checkpoint with this version of hf_pipeline (it writes "
+            f"could run code): {found}. Re-save the checkpoint with this version of hf_pipeline (it writes "
             "safetensors and JSON) from a run you trust"
         ) from e
