@@ -42,6 +42,7 @@ from .checkpoint_format import (
     why_incomplete,
 )
 from .durable import save_torch, write_json
+from .save_lock import LOCK_NAME
 from .state_files import json_state, load_safe_pickle, read_rng_state, rng_state, set_rng_state, write_rng_state
 
 logger = get_logger(__name__)
@@ -180,14 +181,39 @@ def load_training_state(
     directory = pathlib.Path(directory)
     ctx = model.ctx
     with collective_errors(ctx, "loading the training state"):
-        state = _trainer_state(directory)
-        if optimizer is not None:
-            _load_optimizer(model, optimizer, directory)
-        if scheduler is not None:
-            scheduler.load_state_dict(_scheduler_state(directory))
-        if rng:
-            _restore_rng(directory, state, ctx)
+        before = _save_id(directory)
+        try:
+            state = _trainer_state(directory)
+            if optimizer is not None:
+                _load_optimizer(model, optimizer, directory)
+            if scheduler is not None:
+                scheduler.load_state_dict(_scheduler_state(directory))
+            if rng:
+                _restore_rng(directory, state, ctx)
+        except (OSError, CheckpointError) as e:  # a file replaced or removed under us says nothing true
+            running = (directory / LOCK_NAME).exists() and not isinstance(e, CheckpointNotFoundError)
+            if running or _save_id(directory) != before:
+                raise _changed_while_read(directory) from e
+            raise
+        if _save_id(directory) != before:
+            raise _changed_while_read(directory)
     return state
+
+
+def _save_id(directory: pathlib.Path) -> str | None:
+    """The save that wrote the directory's index (None without a readable one)."""
+    try:
+        return json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _changed_while_read(directory: pathlib.Path) -> CheckpointError:
+    return CheckpointError(
+        f"{directory} changed while its training state was read: a save_pretrained into it ran meanwhile, so what "
+        "was read may mix two saves. Load it again once that save has finished (or resume from another checkpoint); "
+        "the files themselves are fine"
+    )
 
 
 def _rng_file_name(rank: int, suffix: str = ".safetensors") -> str:

@@ -285,3 +285,32 @@ def test_two_jobs_saving_into_one_directory_at_once(tmp_path):
     assert not [p.name for p in shared.iterdir() if p.name.startswith(".hf_pipeline")], "a staging directory was left"
     model = _load_1(shared)
     load_training_state(model, shared, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def test_a_load_racing_a_save_says_the_checkpoint_changed(checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    import hf_pipeline.training.training_state as ts
+    from hf_pipeline.training.checkpoint import load_training_state
+
+    src, target, model, opt, sched, _ = checkpoint
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(target, ckpt)
+    real = ts._load_optimizer
+
+    def save_meanwhile(model_, optimizer, directory):  # another job's save lands while this load reads
+        real(model_, optimizer, directory)
+        model.save_pretrained(ckpt, optimizer=opt, step=5)
+
+    monkeypatch.setattr(ts, "_load_optimizer", save_meanwhile)
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=rf"{ckpt} changed while its training state was read: a save_pretrained"):
+        load_training_state(model, ckpt, optimizer=opt2)
+    monkeypatch.undo()
+    assert load_training_state(model, ckpt, optimizer=opt2)["step"] == 5  # read again once the save finished
+    # a save running (its lock held) when the training state and the index disagree: the same message
+    (ckpt / ".hf_pipeline.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "save": "0123456789ab"}))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "hf_pipeline_save_id": "0123456789ab"}))
+    with pytest.raises(CheckpointError, match="changed while its training state was read"):
+        load_training_state(model, ckpt, optimizer=opt2)
