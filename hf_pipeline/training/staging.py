@@ -27,8 +27,9 @@ Only then are the stale weight files removed. Kill points:
 A killed save leaves its staging directory behind; the loader ignores it and warns, and the next
 save into the directory removes it. That is safe because rank 0 holds the directory's save lock
 from before the staging directory is made until after the clean-up (:mod:`.save_lock`): while it
-does, no other save is running there, so no staging directory but this save's can be live. A save that fails (raises on any rank) removes what it wrote,
-and the directory too if it created it (:func:`remove_failed_save`).
+does, no other save is running there, so no staging directory but this save's can be live. A
+save that fails (raises on any rank) removes what it wrote, and the directory too if it created
+it (:func:`remove_failed_save`).
 """
 
 from __future__ import annotations

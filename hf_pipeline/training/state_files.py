@@ -146,8 +146,13 @@ def json_state(path: pathlib.Path, state: dict[str, Any]) -> None:
     write_json(path, state)
 
 
-def load_safe_pickle(path: pathlib.Path, what: str, **kwargs) -> Any:
+def load_safe_pickle(path: pathlib.Path, what: str, hint: str = "", **kwargs) -> Any:
     """``torch.load(path, weights_only=True)``: tensors, numbers, strings and containers only, never code.
+
+    Args:
+        path: the file.
+        what: what it holds, for the error.
+        hint: another way out, appended to the error (``"or pass rng=False ..."``).
 
     Raises:
         CheckpointError: the file needs more than that (a pickle of another class, or one that would run code).
@@ -161,5 +166,5 @@ def load_safe_pickle(path: pathlib.Path, what: str, **kwargs) -> Any:
         raise CheckpointError(
             f"{path} ({what}) holds more than tensors, numbers and containers, so it is not loaded (unpickling it "
             f"could run code): {found}. Re-save the checkpoint with this version of hf_pipeline (it writes "
-            "safetensors and JSON) from a run you trust"
+            f"safetensors and JSON) from a run you trust{hint}"
         ) from e

@@ -216,6 +216,9 @@ def _changed_while_read(directory: pathlib.Path) -> CheckpointError:
     )
 
 
+_NO_RNG = ", or pass rng=False to load_training_state to resume without restoring the RNG states"
+
+
 def _rng_file_name(rank: int, suffix: str = ".safetensors") -> str:
     return f"rank-{rank:05d}{suffix}"
 
@@ -236,7 +239,7 @@ def _restore_rng(directory: pathlib.Path, state: dict[str, Any], ctx) -> None:
     path = directory / RNG_DIR / _rng_file_name(ctx.rank)
     old = directory / RNG_DIR / _rng_file_name(ctx.rank, ".pt")
     if state.get("world_size") == ctx.world_size and (path.is_file() or old.is_file()):
-        set_rng_state(read_rng_state(path) if path.is_file() else load_safe_pickle(old, "the RNG state"))
+        set_rng_state(read_rng_state(path) if path.is_file() else load_safe_pickle(old, "the RNG state", _NO_RNG))
         return
     logger.warning(
         "not restoring RNG state: the checkpoint was written by %s ranks, this job has %s; a resumed run "

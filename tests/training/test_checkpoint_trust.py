@@ -314,3 +314,19 @@ def test_a_load_racing_a_save_says_the_checkpoint_changed(checkpoint, tmp_path, 
     (ckpt / "trainer_state.json").write_text(json.dumps({**state, "hf_pipeline_save_id": "0123456789ab"}))
     with pytest.raises(CheckpointError, match="changed while its training state was read"):
         load_training_state(model, ckpt, optimizer=opt2)
+
+
+def test_an_earlier_versions_numpy_rng_pickle_is_refused_with_a_way_out(checkpoint, tmp_path):
+    import shutil
+
+    from hf_pipeline.training.checkpoint import load_training_state
+
+    src, target, model, *_ = checkpoint
+    ckpt = tmp_path / "old"
+    shutil.copytree(target, ckpt)
+    (ckpt / "rng" / "rank-00000.safetensors").unlink()
+    old_state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+    torch.save(old_state, ckpt / "rng" / "rank-00000.pt")  # what earlier versions wrote: an ndarray inside
+    with pytest.raises(CheckpointError, match=r"it names numpy\..*Re-save the checkpoint .*, or pass rng=False"):
+        load_training_state(model, ckpt)
+    assert load_training_state(model, ckpt, rng=False)["step"] == 1
