@@ -55,6 +55,7 @@ from ..loading.weights import (
     resolve_checkpoint,
     resolve_keys,
 )
+from ..log import get_logger
 from ..planning.options import PipelineOptions, parse_size
 from ..planning.plan import StagePlan
 
@@ -67,6 +68,8 @@ __all__ = [
     "stage_file_name",
     "stage_keys",
 ]
+
+logger = get_logger(__name__)
 
 SHARED_FILE = "model-shared.safetensors"
 UNUSED_FILE = "model-unused.safetensors"
@@ -233,15 +236,54 @@ class _Writer:
         self.bytes += sum(t.numel() * t.element_size() for t in ordered.values())
 
 
-def _finish(tmp: pathlib.Path, source: pathlib.Path, output: pathlib.Path, weight_map: dict[str, str] | None,
-            total: int, extra: dict | None) -> None:
-    for item in source.iterdir():
-        if _weight_file(item.name):
-            continue
+def _readable_roots(source: pathlib.Path) -> list[pathlib.Path]:
+    """Where the files copied from ``source`` may really be: inside it, and for a hub cache snapshot
+    (``models--org--name/snapshots/<revision>``, whose files are links to ``../../blobs/``) its blobs."""
+    root = source.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return roots
+
+
+def _outside(path: pathlib.Path, roots: list[pathlib.Path]) -> bool:
+    """A link (or special file) whose content lies outside the checkpoint: not copied."""
+    if not path.is_symlink() and (path.is_file() or path.is_dir()):
+        return False
+    real = path.resolve()
+    inside = any(real == r or r in real.parents for r in roots)
+    return not (inside and (real.is_file() or real.is_dir()))
+
+
+def _copy_other_files(source: pathlib.Path, tmp: pathlib.Path) -> None:
+    """Copy the source's non-weight files (tokenizer, README, ...) into the output, only what lies inside it.
+
+    A symbolic link pointing out of the checkpoint (``README.md -> /etc/passwd``) and anything that
+    is no regular file or directory (a FIFO would block the copy) is skipped with a warning: the
+    output holds the checkpoint's own files, never content from elsewhere on the machine.
+    """
+    roots = _readable_roots(source)
+
+    def skipped(directory: str, names: list[str]) -> set[str]:
+        out = {n for n in names if _outside(pathlib.Path(directory) / n, roots)}
+        for n in sorted(out):
+            where = pathlib.Path(directory) / n
+            logger.warning("not copying %s: it is a link to outside the checkpoint, or no regular file", where)
+        return out
+
+    items = [item for item in sorted(source.iterdir()) if not _weight_file(item.name)]
+    for name in skipped(str(source), [item.name for item in items]):
+        items.remove(source / name)
+    for item in items:
         if item.is_dir():
-            shutil.copytree(item, tmp / item.name)
+            shutil.copytree(item, tmp / item.name, ignore=skipped)
         else:
             shutil.copy2(item, tmp / item.name)
+
+
+def _finish(tmp: pathlib.Path, source: pathlib.Path, output: pathlib.Path, weight_map: dict[str, str] | None,
+            total: int, extra: dict | None) -> None:
+    _copy_other_files(source, tmp)
     if weight_map is not None:
         metadata: dict[str, Any] = {"total_size": total}
         if extra:

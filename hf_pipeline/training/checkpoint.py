@@ -60,6 +60,7 @@ from .checkpoint_format import (
     latest_checkpoint,
 )
 from .durable import fsync, replace_file, reporting_full_disk, write_json
+from .save_lock import acquire_save_lock, check_inside, release_save_lock
 from .staging import SaveProgress, publish, remove_failed_save, shard_file_names
 from .training_state import (
     load_training_state,
@@ -246,8 +247,7 @@ def save_pretrained(
     created: list[pathlib.Path] = []  # directories this save made, deepest first: removed again if it fails
     progress = SaveProgress()
     try:
-        # 2. Rank 0 picks shard names that no file in the directory has (so that no file the old
-        #    index lists is ever overwritten) and makes the staging directory.
+        # 2. Rank 0 takes the save lock, picks fresh shard names (no old file is overwritten), makes the staging.
         with collective_errors(ctx, "preparing the checkpoint directory"):
             tag = _make_staging(final, staging, plans, token, created, with_state) if ctx.is_main_process else None
         names = shard_file_names([len(p.shards) for p in plans], _broadcast(model, tag))
@@ -258,10 +258,8 @@ def save_pretrained(
             _stage_shards(staging, names[ctx.rank], share)
             stage_rank_training_state(model, staging, share.optimizer_state, with_state=with_state)
             if ctx.is_main_process:
-                _stage_main(
-                    model, staging, plans, names, token, with_state=with_state, scheduler=scheduler, step=step,
-                    tokenizer=tokenizer, extra=trainer_state,
-                )
+                _stage_main(model, staging, plans, names, token, with_state=with_state, scheduler=scheduler,
+                            step=step, tokenizer=tokenizer, extra=trainer_state)
             _phase("written")
 
         # 4. Rank 0 moves everything into place, the index last, then removes stale weight files.
@@ -272,6 +270,9 @@ def save_pretrained(
         if ctx.is_main_process:  # every rank is past its writes (agreed above), or dead
             remove_failed_save(final, staging, created, progress)
         raise
+    finally:  # after the clean-up: until then no other save may start here
+        if ctx.is_main_process:
+            release_save_lock(final, token)
     return final
 
 
@@ -279,19 +280,35 @@ def _make_staging(
     final: pathlib.Path, staging: pathlib.Path, plans: list[_RankPlan], token: str, created: list[pathlib.Path],
     with_state: bool,
 ) -> str | None:
-    """Rank 0: make the staging directory (and ``final``'s missing parents, noted in ``created``).
+    """Rank 0: take the directory's save lock and make the staging directory (and ``final``'s missing
+    parents, noted in ``created``).
 
     Returns:
         The tag of the shard names: None for the plain ``model-0000i-of-0000n`` names, the save id
         when a file of the directory already has one of them.
+
+    Raises:
+        CheckpointExistsError: another save into ``final`` is running, or a directory the save writes
+            into is a symbolic link (see :mod:`.save_lock`).
     """
-    plain = [n for names in shard_file_names([len(p.shards) for p in plans], None) for n in names]
-    tag = token if any((final / n).exists() for n in plain) else None
     p = final
     while not p.exists():
         created.append(p)
         p = p.parent
-    staging.mkdir(parents=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.mkdir()
+    except FileExistsError:  # another save made it meanwhile: not ours to remove
+        created[:] = [d for d in created if d != final]
+    try:
+        acquire_save_lock(final, token)
+    except CheckpointExistsError:
+        created.clear()  # the running save owns what is there
+        raise
+    check_inside(final, (OPTIMIZER_DIR, RNG_DIR) if with_state else ())
+    plain = [n for names in shard_file_names([len(p.shards) for p in plans], None) for n in names]
+    tag = token if any((final / n).exists() for n in plain) else None
+    staging.mkdir()
     if with_state:
         (staging / OPTIMIZER_DIR).mkdir()
         (staging / RNG_DIR).mkdir()

@@ -20,6 +20,7 @@ from ..loading.weights import SAVE_STAGING_PREFIX
 __all__ = [
     "FORMAT_VERSION",
     "INDEX_NAME",
+    "OLD_SCHEDULER_NAME",
     "OPTIMIZER_DIR",
     "RNG_DIR",
     "SAVE_ID_KEY",
@@ -35,7 +36,8 @@ __all__ = [
 INDEX_NAME = "model.safetensors.index.json"  # replaced last: the instant a save becomes the checkpoint
 SINGLE_NAME = "model.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"
-SCHEDULER_NAME = "scheduler.pt"
+SCHEDULER_NAME = "scheduler.json"
+OLD_SCHEDULER_NAME = "scheduler.pt"  # earlier versions: a pickle, read only with weights_only=True
 OPTIMIZER_DIR = "optimizer"
 RNG_DIR = "rng"
 # Weight files a save may remove when its index does not list them: transformers' own rule for

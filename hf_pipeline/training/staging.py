@@ -25,8 +25,11 @@ Only then are the stale weight files removed. Kill points:
   preference to an index until it is removed — a complete old checkpoint) are listed by no index.
 
 A killed save leaves its staging directory behind; the loader ignores it and warns, and the next
-save into the directory removes it. A save that fails (raises on any rank) removes what it wrote,
-and the directory too if it created it (:func:`remove_failed_save`).
+save into the directory removes it. That is safe because rank 0 holds the directory's save lock
+from before the staging directory is made until after the clean-up (:mod:`.save_lock`): while it
+does, no other save is running there, so no staging directory but this save's can be live. A
+save that fails (raises on any rank) removes what it wrote, and the directory too if it created
+it (:func:`remove_failed_save`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from .checkpoint_format import (
     WEIGHT_FILE_PATTERN,
 )
 from .durable import fsync
+from .save_lock import check_inside
 
 __all__ = ["SaveProgress", "publish", "remove_failed_save", "shard_file_names"]
 
@@ -114,6 +118,7 @@ def publish(
         key=lambda r: (_publish_order(r), str(r)),
     )
     rest = [r for r in rest if str(r) != INDEX_NAME and str(r) not in listed]
+    check_inside(final, sorted({str(r.parent) for r in rest if r.parent != pathlib.Path(".")}))
     dirs = {final}
     for rel in rest:
         target = final / rel

@@ -2,8 +2,9 @@
 
 Written only when ``save_pretrained`` is asked for it (``optimizer=`` / ``scheduler=`` / ``step=`` /
 ``trainer_state=``): ``optimizer/pp-XXXXX.pt`` (one file per pipeline rank, states keyed by
-checkpoint key, with ``optimizer/index.json``), ``scheduler.pt``, ``rng/rank-XXXXX.pt`` (every global
-rank's RNG states) and ``trainer_state.json``. :func:`load_training_state` restores them, so a
+checkpoint key, with ``optimizer/index.json``), ``scheduler.json``, ``rng/rank-XXXXX.safetensors``
+(every global rank's RNG states) and ``trainer_state.json``. Nothing is unpickled freely on load
+(a checkpoint may come from anywhere; see :mod:`.state_files`). :func:`load_training_state` restores them, so a
 resumed run continues bitwise where it stopped (same world size, CPU). Optimizer states are keyed
 by checkpoint key, not by parameter index, so a run may resume with another stage layout.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
 from typing import Any, Mapping
 
 import torch
@@ -32,6 +32,7 @@ from ..log import get_logger
 from .checkpoint_format import (
     FORMAT_VERSION,
     INDEX_NAME,
+    OLD_SCHEDULER_NAME,
     OPTIMIZER_DIR,
     RNG_DIR,
     SAVE_ID_KEY,
@@ -41,6 +42,8 @@ from .checkpoint_format import (
     why_incomplete,
 )
 from .durable import save_torch, write_json
+from .save_lock import LOCK_NAME
+from .state_files import json_state, load_safe_pickle, read_rng_state, rng_state, set_rng_state, write_rng_state
 
 logger = get_logger(__name__)
 
@@ -99,30 +102,6 @@ def optimizer_state_by_key(model, optimizer) -> dict[str, Any]:
     }
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def stage_rank_training_state(
     model, staging: pathlib.Path, optimizer_state: dict[str, Any] | None, *, with_state: bool
 ) -> None:
@@ -130,7 +109,7 @@ def stage_rank_training_state(
     if optimizer_state is not None:
         save_torch(optimizer_state, staging / OPTIMIZER_DIR / optimizer_file_name(model.dims.pp_rank))
     if with_state:
-        save_torch(_rng_state(), staging / RNG_DIR / f"rank-{model.ctx.rank:05d}.pt")
+        write_rng_state(staging / RNG_DIR / _rng_file_name(model.ctx.rank), rng_state())
 
 
 def stage_main_training_state(
@@ -151,7 +130,7 @@ def stage_main_training_state(
             every rank; None when no rank saved an optimizer ({} for one without state, plain SGD).
     """
     if scheduler is not None:
-        save_torch(scheduler.state_dict(), staging / SCHEDULER_NAME)
+        json_state(staging / SCHEDULER_NAME, scheduler.state_dict())
     if not with_state:
         return
     if optimizer_files is not None:
@@ -202,25 +181,71 @@ def load_training_state(
     directory = pathlib.Path(directory)
     ctx = model.ctx
     with collective_errors(ctx, "loading the training state"):
-        state = _trainer_state(directory)
-        if optimizer is not None:
-            _load_optimizer(model, optimizer, directory)
-        if scheduler is not None:
-            path = directory / SCHEDULER_NAME
-            if not path.is_file():
-                raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint was saved without scheduler=")
-            scheduler.load_state_dict(torch.load(path, weights_only=False))
-        if rng:
-            path = directory / RNG_DIR / f"rank-{ctx.rank:05d}.pt"
-            if state.get("world_size") == ctx.world_size and path.is_file():
-                _set_rng_state(torch.load(path, weights_only=False))
-            else:
-                logger.warning(
-                    "not restoring RNG state: the checkpoint was written by %s ranks, this job has %s; a resumed run "
-                    "then draws different dropout masks than an uninterrupted one",
-                    state.get("world_size"), ctx.world_size,
-                )
+        before = _save_id(directory)
+        try:
+            state = _trainer_state(directory)
+            if optimizer is not None:
+                _load_optimizer(model, optimizer, directory)
+            if scheduler is not None:
+                scheduler.load_state_dict(_scheduler_state(directory))
+            if rng:
+                _restore_rng(directory, state, ctx)
+        except (OSError, CheckpointError) as e:  # a file replaced or removed under us says nothing true
+            running = (directory / LOCK_NAME).exists() and not isinstance(e, CheckpointNotFoundError)
+            if running or _save_id(directory) != before:
+                raise _changed_while_read(directory) from e
+            raise
+        if _save_id(directory) != before:
+            raise _changed_while_read(directory)
     return state
+
+
+def _save_id(directory: pathlib.Path) -> str | None:
+    """The save that wrote the directory's index (None without a readable one)."""
+    try:
+        return json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _changed_while_read(directory: pathlib.Path) -> CheckpointError:
+    return CheckpointError(
+        f"{directory} changed while its training state was read: a save_pretrained into it ran meanwhile, so what "
+        "was read may mix two saves. Load it again once that save has finished (or resume from another checkpoint); "
+        "the files themselves are fine"
+    )
+
+
+_NO_RNG = ", or pass rng=False to load_training_state to resume without restoring the RNG states"
+
+
+def _rng_file_name(rank: int, suffix: str = ".safetensors") -> str:
+    return f"rank-{rank:05d}{suffix}"
+
+
+def _scheduler_state(directory: pathlib.Path) -> dict[str, Any]:
+    """``scheduler.json``, or an earlier version's ``scheduler.pt`` read with ``weights_only=True``."""
+    path = directory / SCHEDULER_NAME
+    if path.is_file():
+        return json.loads(path.read_text())
+    old = directory / OLD_SCHEDULER_NAME
+    if old.is_file():
+        return load_safe_pickle(old, "the scheduler state")
+    raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint was saved without scheduler=")
+
+
+def _restore_rng(directory: pathlib.Path, state: dict[str, Any], ctx) -> None:
+    """This rank's RNG states, when the checkpoint was written by as many ranks (else a warning)."""
+    path = directory / RNG_DIR / _rng_file_name(ctx.rank)
+    old = directory / RNG_DIR / _rng_file_name(ctx.rank, ".pt")
+    if state.get("world_size") == ctx.world_size and (path.is_file() or old.is_file()):
+        set_rng_state(read_rng_state(path) if path.is_file() else load_safe_pickle(old, "the RNG state", _NO_RNG))
+        return
+    logger.warning(
+        "not restoring RNG state: the checkpoint was written by %s ranks, this job has %s; a resumed run "
+        "then draws different dropout masks than an uninterrupted one",
+        state.get("world_size"), ctx.world_size,
+    )
 
 
 def _trainer_state(directory: pathlib.Path) -> dict[str, Any]:
@@ -255,7 +280,7 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
     needed = sorted({files[k] for k in keys if k in files} | own_file)
     saved: dict[str, dict] = {}
     for name in needed:
-        saved[name] = torch.load(directory / OPTIMIZER_DIR / name, map_location=model.device, weights_only=True)
+        saved[name] = load_safe_pickle(directory / OPTIMIZER_DIR / name, "optimizer state", map_location=model.device)
     groups_from = saved.get(own) or next(iter(saved.values()), None)
     if groups_from is None:
         raise CheckpointNotFoundError(f"no optimizer state in {directory / OPTIMIZER_DIR} for this rank's parameters")
@@ -268,9 +293,39 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
     for i, key in enumerate(keys):
         if key in files and key in saved[files[key]]["state"]:
             state[i] = saved[files[key]]["state"][key]
+    _check_same_model(model, directory, files, keys, state, [p for g in optimizer.param_groups for p in g["params"]])
     groups, i = [], 0
     for saved_group, group in zip(groups_from["param_groups"], optimizer.param_groups):
         n = len(group["params"])
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": list(range(i, i + n))})
         i += n
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _check_same_model(
+    model, directory: pathlib.Path, files: dict[str, str], keys: list[str], state: dict[int, dict], params: list
+) -> None:
+    """Refuse another model's optimizer state here, naming the first key that differs, not at the next step().
+
+    A state tensor must have its parameter's shape, or that shape with some dimensions 1 (factored
+    states such as Adafactor's row and column statistics); 0-d values (``step``) are scalars.
+    """
+    unknown = sorted(k for k in files if k not in model.param_layout.parameters)
+    if unknown:
+        raise CheckpointError(
+            f"the optimizer state in {directory / OPTIMIZER_DIR} is of another model: it holds state for "
+            f"{unknown[0]!r} ({len(unknown)} key(s) in all), which is no parameter of this model; resume with the "
+            "model the checkpoint was saved from (load its weights from the same directory)"
+        )
+    for i, key in enumerate(keys):
+        shape = tuple(params[i].shape)
+        for name, value in state.get(i, {}).items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            got = tuple(value.shape)
+            if len(got) != len(shape) or any(g not in (s, 1) for g, s in zip(got, shape)):
+                raise CheckpointError(
+                    f"the optimizer state in {directory / OPTIMIZER_DIR} is of another model: {key!r} has "
+                    f"{name!r} of shape {list(got)} but the parameter has shape {list(shape)}; resume with the "
+                    "model the checkpoint was saved from (load its weights from the same directory)"
+                )

@@ -194,7 +194,7 @@ def test_resume_continues_bitwise(saved):
             )
         ckpt = runs / arch / "checkpoint-2"
         assert (ckpt / "optimizer" / "pp-00000.pt").is_file() and (ckpt / "optimizer" / "pp-00001.pt").is_file()
-        assert (ckpt / "rng" / "rank-00001.pt").is_file() and (ckpt / "scheduler.pt").is_file()
+        assert (ckpt / "rng" / "rank-00001.safetensors").is_file() and (ckpt / "scheduler.json").is_file()
     plain = runs / "plain"  # a plain save_pretrained(dir): the HF checkpoint only
     assert (plain / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in plain.iterdir() if not p.name.endswith(".safetensors")) == [
@@ -277,7 +277,7 @@ USER_FILES = {
     "notes.safetensors": "not a weight file of this checkpoint: its name does not match model*-NNNNN-of-NNNNN",
     "data/sample.txt": "kept\n",
 }
-TRAINING_FILES = ("optimizer", "rng", "scheduler.pt", "trainer_state.json")
+TRAINING_FILES = ("optimizer", "rng", "scheduler.json", "trainer_state.json")
 
 
 def _put_user_files(directory: pathlib.Path) -> None:
@@ -433,7 +433,7 @@ def test_failed_save_leaves_nothing_and_training_state_only_when_asked(tmp_path)
     state = json.loads((tmp_path / "with-state" / "trainer_state.json").read_text())
     index = json.loads((tmp_path / "with-state" / "model.safetensors.index.json").read_text())
     assert state["step"] == 7 and state["hf_pipeline_save_id"] == index["metadata"]["hf_pipeline_save_id"]
-    assert (tmp_path / "with-state" / "rng" / "rank-00000.pt").is_file()
+    assert (tmp_path / "with-state" / "rng" / "rank-00000.safetensors").is_file()
     # a plain save over it: weights of another save than the training state, which is then refused
     model.save_pretrained(tmp_path / "with-state")
     from hf_pipeline.training.checkpoint import load_training_state

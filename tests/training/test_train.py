@@ -596,7 +596,7 @@ def test_pp_x_dp_save_is_written_once_and_loads_in_transformers(world4):
         for key, copies in per_rank[r]["save_dp"].items():
             assert torch.equal(ref.get_parameter(key), copies[0]), f"rank {r}: {key} as saved != as trained"
     assert sorted(p.name for p in (save_dir / "optimizer").iterdir()) == ["index.json", "pp-00000.pt", "pp-00001.pt"]
-    assert sorted(p.name for p in (save_dir / "rng").iterdir()) == [f"rank-{r:05d}.pt" for r in range(4)]
+    assert sorted(p.name for p in (save_dir / "rng").iterdir()) == [f"rank-{r:05d}.safetensors" for r in range(4)]
 
 
 def test_world_size_1_runs_all_stages_locally_and_equals_transformers(checkpoints):
