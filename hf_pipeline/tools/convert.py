@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -56,7 +55,7 @@ from ..loading.weights import (
     resolve_keys,
 )
 from ..log import get_logger
-from ..planning.options import PipelineOptions, parse_size
+from ..planning.options import PipelineOptions, load_config, parse_size
 from ..planning.plan import StagePlan
 
 __all__ = [
@@ -129,7 +128,7 @@ def stage_keys(
         reads for that stage with the same arguments.
     """
     ckpt = resolve_checkpoint(path)
-    config = transformers.AutoConfig.from_pretrained(ckpt)
+    config = load_config(ckpt)  # the one config loader
     if config.model_type not in list_recipes():
         raise ConvertError(
             f"no recipe for model_type {config.model_type!r} (recipes: {sorted(list_recipes())}); per-stage files need "
