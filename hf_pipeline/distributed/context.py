@@ -16,7 +16,7 @@ Example (``torchrun --nproc-per-node 2 script.py``):
 
 Environment:
     HF_PIPELINE_TIMEOUT: collective timeout in seconds (default 300, far below torch's 30 min, so a
-        dead peer ends the job in minutes).
+        dead peer ends the job in minutes); a positive, finite number up to a week (604800).
     HF_PIPELINE_THREADS: if set, ``torch.set_num_threads`` of every rank (tests set 1).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from .shutdown import register_exit_handler, settle_threads
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
     "RankContext",
     "destroy_distributed",
     "get_rank_context",
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (or overflows a timedelta, 1e30)
 TIMEOUT_ENV = "HF_PIPELINE_TIMEOUT"
 THREADS_ENV = "HF_PIPELINE_THREADS"
 
@@ -139,21 +142,39 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         raise InputError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
+def _timeout_error(source: str, value: object, example: str) -> InputError:
+    return InputError(
+        f"{source}={value!r} is not a usable timeout: it must be a positive, finite number of seconds, at most "
+        f"{MAX_TIMEOUT_S:.0f} (a week); e.g. {example}"
+    )
+
+
 def _resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    """The collective timeout from ``timeout`` or ``$HF_PIPELINE_TIMEOUT``: in (0, MAX_TIMEOUT_S] seconds.
+
+    ``nan``, ``inf``, ``1e30`` or a negative value would otherwise pass ``float()`` and fail later
+    (timedelta overflow, a group that never times out, or one that times out at once).
+    """
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None or raw.strip() == "":
-            timeout = DEFAULT_TIMEOUT_S
+            return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        source, value, example = TIMEOUT_ENV, raw, f"{TIMEOUT_ENV}=600"
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise _timeout_error(source, value, example) from None
+    else:
+        source, value, example = "timeout", timeout, "timeout=300"
+        if isinstance(timeout, datetime.timedelta):
+            seconds = timeout.total_seconds()
+        elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            seconds = float(timeout)
         else:
-            try:
-                timeout = float(raw)
-            except ValueError:
-                raise InputError(f"{TIMEOUT_ENV}={raw!r} must be a number of seconds, e.g. {TIMEOUT_ENV}=600") from None
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
-    if timeout.total_seconds() <= 0:
-        raise InputError(f"timeout must be positive, got {timeout.total_seconds()} s; pass e.g. timeout=300")
-    return timeout
+            raise _timeout_error(source, value, example)
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise _timeout_error(source, value, example)
+    return datetime.timedelta(seconds=seconds)
 
 
 def _apply_threads() -> None:

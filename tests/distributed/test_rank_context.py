@@ -85,6 +85,38 @@ def test_single_process_helpers_are_noops(single_process):
             raise KeyError("own error")
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e30", "-5", "0", "abc", "604801"])
+def test_unusable_timeout_env_names_the_variable_and_the_range(single_process, monkeypatch, raw):
+    from hf_pipeline.distributed.context import init_distributed
+    from hf_pipeline.errors import InputError
+
+    monkeypatch.setenv("HF_PIPELINE_TIMEOUT", raw)
+    with pytest.raises(InputError) as info:
+        init_distributed(device="cpu")
+    assert str(info.value) == (
+        f"HF_PIPELINE_TIMEOUT={raw!r} is not a usable timeout: it must be a positive, finite number of seconds, "
+        "at most 604800 (a week); e.g. HF_PIPELINE_TIMEOUT=600"
+    )
+
+
+@pytest.mark.parametrize("given", [float("nan"), float("inf"), 1e30, -1.0, "300", True])
+def test_unusable_timeout_argument_is_refused(single_process, given):
+    from hf_pipeline.distributed.context import init_distributed
+    from hf_pipeline.errors import InputError
+
+    with pytest.raises(InputError, match=r"^timeout=.* is not a usable timeout: .* e\.g\. timeout=300$"):
+        init_distributed(device="cpu", timeout=given)
+
+
+@pytest.mark.parametrize("raw,seconds", [("42", 42.0), (" 0.5 ", 0.5), ("604800", 604800.0), ("", 300.0)])
+def test_usable_timeout_env_still_works(single_process, monkeypatch, raw, seconds):
+    from hf_pipeline.distributed.context import init_distributed
+
+    monkeypatch.setenv("HF_PIPELINE_TIMEOUT", raw)
+    assert init_distributed(device="cpu").timeout.total_seconds() == seconds
+    assert init_distributed(device="cpu", timeout=datetime.timedelta(minutes=2)).timeout.total_seconds() == 120
+
+
 def test_thread_env_and_bad_settings(single_process, monkeypatch):
     from hf_pipeline.distributed.context import init_distributed
 
