@@ -26,6 +26,7 @@ import datetime
 import gc
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -295,18 +296,75 @@ def _create_group(world_size: int, device: str | torch.device | None, timeout: d
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     local_rank = _env_int("LOCAL_RANK", rank % local_world_size)
     resolved = _resolve_device(device, local_rank)
+    store = _rendezvous(rank, world_size, timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)  # all_gather_object on nccl uses the current device
-        dist.init_process_group("nccl", init_method="env://", timeout=timeout, device_id=resolved)
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=resolved
+        )
         backend = "nccl"
     else:
-        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         backend = "gloo"
     return RankContext(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
         local_world_size=local_world_size, device=resolved, backend=backend, group=dist.group.WORLD,
         timeout=timeout,
     )
+
+
+def _rendezvous(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The job's store from the launcher's env (``env://``), within the collective timeout or an error.
+
+    Note (a rendezvous that never ends): torch's ``timeout`` does not bound every wait of the store's
+    client. When ``MASTER_PORT`` is held by a program that accepts connections but is not the job's
+    store, a client waits for its answer forever (torch 2.13), so rank 0 fails ("address already in
+    use") while the other ranks hang. The rendezvous therefore runs in a daemon thread that this
+    rank stops waiting for after ``_rendezvous_deadline_s``; the thread stays blocked in the
+    socket, which costs nothing and ends with the process.
+    """
+    where = f"MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    outcome: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
+        except Exception as e:  # noqa: BLE001 - handed to the waiting thread below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=connect, name="hf_pipeline-rendezvous", daemon=True)
+    thread.start()
+    thread.join(_rendezvous_deadline_s(timeout))
+    joining = f"rank {rank} could not join the job's rendezvous at {where} within {timeout.total_seconds():g} s"
+    advice = (
+        "Check that rank 0 started and reached this point, that every rank has the same MASTER_ADDR and "
+        f"MASTER_PORT, and that no other program holds that port ({TIMEOUT_ENV} sets the time allowed)"
+    )
+    error = outcome.get("error")
+    if isinstance(error, Exception):
+        text = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            raise InputError(
+                f"rank {rank} cannot host the job's rendezvous store: MASTER_PORT={os.environ.get('MASTER_PORT')} "
+                "is already in use on this host; pick a free port (MASTER_PORT=<port>, torchrun --master-port) "
+                "or stop the program that holds it, on every rank"
+            ) from error
+        raise InputError(f"{joining}: {text}. {advice}") from error
+    if "store" not in outcome:
+        raise InputError(
+            f"{joining}: the port accepted the connection but never answered as the job's store (another program "
+            f"listens there, or rank 0 hangs). {advice}"
+        )
+    store = outcome["store"]
+    store.set_timeout(timeout)  # as init_process_group(init_method=...) does: later waits get the same bound
+    return store
+
+
+def _rendezvous_deadline_s(timeout: datetime.timedelta) -> float:
+    """How long a rank waits for its rendezvous: the store's own timeout plus room for it to say so itself
+    (a client's connection retries overrun ``timeout`` by a few seconds) -- at most about 2x ``timeout``."""
+    seconds = timeout.total_seconds()
+    return seconds + min(seconds, 5.0 + 0.5 * seconds)
 
 
 def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
