@@ -16,7 +16,7 @@ Example (``torchrun --nproc-per-node 2 script.py``):
 
 Environment:
     HF_PIPELINE_TIMEOUT: collective timeout in seconds (default 300, far below torch's 30 min, so a
-        dead peer ends the job in minutes).
+        dead peer ends the job in minutes); a positive, finite number up to a week (604800).
     HF_PIPELINE_THREADS: if set, ``torch.set_num_threads`` of every rank (tests set 1).
 """
 
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ from .shutdown import register_exit_handler, settle_threads
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
     "RankContext",
     "destroy_distributed",
     "get_rank_context",
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (or overflows a timedelta, 1e30)
 TIMEOUT_ENV = "HF_PIPELINE_TIMEOUT"
 THREADS_ENV = "HF_PIPELINE_THREADS"
 
@@ -139,21 +143,39 @@ def _env_int(name: str, default: int | None = None) -> int | None:
         raise InputError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
+def _timeout_error(source: str, value: object, example: str) -> InputError:
+    return InputError(
+        f"{source}={value!r} is not a usable timeout: it must be a positive, finite number of seconds, at most "
+        f"{MAX_TIMEOUT_S:.0f} (a week); e.g. {example}"
+    )
+
+
 def _resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    """The collective timeout from ``timeout`` or ``$HF_PIPELINE_TIMEOUT``: in (0, MAX_TIMEOUT_S] seconds.
+
+    ``nan``, ``inf``, ``1e30`` or a negative value would otherwise pass ``float()`` and fail later
+    (timedelta overflow, a group that never times out, or one that times out at once).
+    """
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if raw is None or raw.strip() == "":
-            timeout = DEFAULT_TIMEOUT_S
+            return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        source, value, example = TIMEOUT_ENV, raw, f"{TIMEOUT_ENV}=600"
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise _timeout_error(source, value, example) from None
+    else:
+        source, value, example = "timeout", timeout, "timeout=300"
+        if isinstance(timeout, datetime.timedelta):
+            seconds = timeout.total_seconds()
+        elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            seconds = float(timeout)
         else:
-            try:
-                timeout = float(raw)
-            except ValueError:
-                raise InputError(f"{TIMEOUT_ENV}={raw!r} must be a number of seconds, e.g. {TIMEOUT_ENV}=600") from None
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
-    if timeout.total_seconds() <= 0:
-        raise InputError(f"timeout must be positive, got {timeout.total_seconds()} s; pass e.g. timeout=300")
-    return timeout
+            raise _timeout_error(source, value, example)
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise _timeout_error(source, value, example)
+    return datetime.timedelta(seconds=seconds)
 
 
 def _apply_threads() -> None:
@@ -274,18 +296,75 @@ def _create_group(world_size: int, device: str | torch.device | None, timeout: d
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     local_rank = _env_int("LOCAL_RANK", rank % local_world_size)
     resolved = _resolve_device(device, local_rank)
+    store = _rendezvous(rank, world_size, timeout)
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)  # all_gather_object on nccl uses the current device
-        dist.init_process_group("nccl", init_method="env://", timeout=timeout, device_id=resolved)
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=resolved
+        )
         backend = "nccl"
     else:
-        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         backend = "gloo"
     return RankContext(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
         local_world_size=local_world_size, device=resolved, backend=backend, group=dist.group.WORLD,
         timeout=timeout,
     )
+
+
+def _rendezvous(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The job's store from the launcher's env (``env://``), within the collective timeout or an error.
+
+    Note (a rendezvous that never ends): torch's ``timeout`` does not bound every wait of the store's
+    client. When ``MASTER_PORT`` is held by a program that accepts connections but is not the job's
+    store, a client waits for its answer forever (torch 2.13), so rank 0 fails ("address already in
+    use") while the other ranks hang. The rendezvous therefore runs in a daemon thread that this
+    rank stops waiting for after ``_rendezvous_deadline_s``; the thread stays blocked in the
+    socket, which costs nothing and ends with the process.
+    """
+    where = f"MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    outcome: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
+        except Exception as e:  # noqa: BLE001 - handed to the waiting thread below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=connect, name="hf_pipeline-rendezvous", daemon=True)
+    thread.start()
+    thread.join(_rendezvous_deadline_s(timeout))
+    joining = f"rank {rank} could not join the job's rendezvous at {where} within {timeout.total_seconds():g} s"
+    advice = (
+        "Check that rank 0 started and reached this point, that every rank has the same MASTER_ADDR and "
+        f"MASTER_PORT, and that no other program holds that port ({TIMEOUT_ENV} sets the time allowed)"
+    )
+    error = outcome.get("error")
+    if isinstance(error, Exception):
+        text = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            raise InputError(
+                f"rank {rank} cannot host the job's rendezvous store: MASTER_PORT={os.environ.get('MASTER_PORT')} "
+                "is already in use on this host; pick a free port (MASTER_PORT=<port>, torchrun --master-port) "
+                "or stop the program that holds it, on every rank"
+            ) from error
+        raise InputError(f"{joining}: {text}. {advice}") from error
+    if "store" not in outcome:
+        raise InputError(
+            f"{joining}: the port accepted the connection but never answered as the job's store (another program "
+            f"listens there, or rank 0 hangs). {advice}"
+        )
+    store = outcome["store"]
+    store.set_timeout(timeout)  # as init_process_group(init_method=...) does: later waits get the same bound
+    return store
+
+
+def _rendezvous_deadline_s(timeout: datetime.timedelta) -> float:
+    """How long a rank waits for its rendezvous: the store's own timeout plus room for it to say so itself
+    (a client's connection retries overrun ``timeout`` by a few seconds) -- at most about 2x ``timeout``."""
+    seconds = timeout.total_seconds()
+    return seconds + min(seconds, 5.0 + 0.5 * seconds)
 
 
 def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:

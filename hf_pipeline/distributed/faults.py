@@ -8,7 +8,8 @@ sit in a receive that will never complete, and ranks further away sit behind the
 rank and turns any failure into an error on all of them:
 
 * A rank whose own code raised writes what happened (type, message, stage) to the job's
-  rendezvous store, the one channel that still works when the process group is stuck. If every
+  rendezvous store, the one channel that still works when the process group is stuck, as a small
+  JSON record (see the Note on the store). If every
   rank raised in the same call (the same bad argument seen everywhere) nobody waits for anyone and
   each rank just raises its own error; the process group stays usable.
 * Otherwise it *stops the process group* on this rank (see the Note), so that its peers' pending
@@ -28,6 +29,12 @@ the failure to every connection of that communicator and closes them ("Connectio
 on the other side). So a receive with a 1 ms timeout, on a tag nobody sends on, stops the group.
 NCCL groups are aborted with ``_abort_process_group``.
 
+Note (the store is not trusted): the rendezvous store listens on all interfaces and any process that
+reaches its port can list and write keys. Records are therefore JSON, never pickle, and a record is
+used only if it is small and has exactly the expected keys and types (:func:`_decode`); anything
+else under the prefix is ignored with a log line, so the worst a stranger can do is make a failure
+message wrong, never run code in a rank.
+
 Example (inside the library; ``describe`` names a rank's stages):
     >>> with spread_failures(ctx, "a training step", groups=(model.dims.pp_group,), describe=stage_names):
     ...     loss = schedule.step(**inputs)
@@ -37,7 +44,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import pickle
+import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,10 +55,13 @@ import torch.distributed as dist
 
 from ..compat import abort_process_group, default_store
 from ..errors import PipelineBroken, RankError
+from ..log import get_logger
 from .agreement import communication_failure, describe_error, is_lost_peer_error, rank_name
 from .context import RankContext
 
 __all__ = ["PipelineBroken", "is_communication_error", "raise_if_broken", "spread_failures"]
+
+logger = get_logger(__name__)
 
 _PREFIX = "hf_pipeline/faults"
 _POISON_TAG = 0x7A11  # a tag no pipeline traffic uses: the receive on it can only time out
@@ -60,6 +70,15 @@ _AGREE_S = 2.0  # how long a failed rank waits to see whether every rank failed 
 _IDENTIFY_S = 3.0  # how long a rank that lost contact waits for the peers' records
 _POLL_S = 0.02
 _MAX_MESSAGE = 2000
+# A record's fields and types (bool is refused where int is expected), its kinds, and size bounds:
+# describe_error cuts a message to 2000 characters plus a short tail; the other strings are short.
+_RECORD_FIELDS: dict[str, type] = {
+    "kind": str, "rank": int, "type": str, "message": str, "label": str, "what": str, "where": str, "call": int,
+}
+_RECORD_KINDS = ("error", "lost")
+_MAX_FIELD = {"message": _MAX_MESSAGE + 100}
+_MAX_OTHER_FIELD = 1000
+_MAX_RECORD_BYTES = 16 * 1024
 # Substrings of the errors gloo / NCCL / the store raise when a peer is gone or too slow.
 _COMM_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
@@ -94,10 +113,38 @@ def _original(error: BaseException) -> BaseException:
 def _record(kind: str, rank: int, error: BaseException, label: str, what: str, call: int) -> bytes:
     """What this rank tells the others through the store: ``kind`` "error" (its own code raised) or "lost"."""
     type_name, message, where = describe_error(error)
-    return pickle.dumps(
-        {"kind": kind, "rank": rank, "type": type_name, "message": message, "label": label, "what": what,
-         "where": where, "call": call}
-    )
+    rec = {"kind": kind, "rank": rank, "type": type_name[:_MAX_OTHER_FIELD], "message": message,
+           "label": label[:_MAX_OTHER_FIELD], "what": what[:_MAX_OTHER_FIELD], "where": where[:_MAX_OTHER_FIELD],
+           "call": call}
+    return json.dumps(rec).encode()
+
+
+def _decode(raw: bytes) -> tuple[dict | None, str]:
+    """A record read from the store, or ``(None, why it is not one)``: data only, never code (see the Note).
+
+    Accepted: at most 16 KiB of UTF-8 JSON holding an object with exactly the keys of
+    ``_RECORD_FIELDS``, each of its type and within its length bound, ``kind`` one of
+    ``_RECORD_KINDS`` and non-negative ``rank`` / ``call``.
+    """
+    if len(raw) > _MAX_RECORD_BYTES:
+        return None, f"{len(raw)} bytes, more than {_MAX_RECORD_BYTES}"
+    try:
+        rec = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None, "not UTF-8 JSON"
+    if not isinstance(rec, dict) or set(rec) != set(_RECORD_FIELDS):
+        return None, "not an object with the expected keys"
+    for name, kind in _RECORD_FIELDS.items():
+        value = rec[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None, f"field {name!r} must be {kind.__name__}"
+        if isinstance(value, str) and len(value) > _MAX_FIELD.get(name, _MAX_OTHER_FIELD):
+            return None, f"field {name!r} is too long"
+        if isinstance(value, int) and not 0 <= value < 1 << 31:
+            return None, f"field {name!r} is out of range"
+    if rec["kind"] not in _RECORD_KINDS:
+        return None, f"kind {rec['kind'][:20]!r} is not one of {_RECORD_KINDS}"
+    return rec, ""
 
 
 class _Store:
@@ -105,6 +152,7 @@ class _Store:
 
     def __init__(self) -> None:
         self.error: str | None = None
+        self.ignored: set[str] = set()  # keys whose malformed value was logged (the reads poll: log once)
         try:
             self.store = default_store()
         except Exception as e:  # noqa: BLE001 - no default group / store
@@ -124,11 +172,19 @@ class _Store:
         try:
             if not self.store.check([key]):
                 return None
-            return pickle.loads(self.store.get(key))
+            raw = self.store.get(key)
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
             self.store = None  # unreachable: stop trying (each try may block)
             return None
+        rec, why = _decode(raw)
+        if rec is None and key not in self.ignored:
+            self.ignored.add(key)
+            logger.warning(
+                "hf_pipeline: ignored the value under %r in the rendezvous store: %s, not a failure record of this "
+                "library (something else wrote to the job's store)", key, why,
+            )
+        return rec
 
     def first_failure(self, record: bytes) -> None:
         """Keep the first one-sided failure of the job, for ranks that only see its consequences later."""

@@ -27,7 +27,7 @@ import transformers
 from ..compat import auto_model_mapping
 from ..errors import CheckpointNotFoundError, InputError
 from ..families.recipe import list_recipes
-from .schedules import ScheduleSpec, check_layout, default_schedule, get_schedule
+from .schedules import ScheduleSpec, check_layout, choose_schedule, default_schedule, get_schedule
 
 __all__ = [
     "SPLIT_METHODS", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts",
@@ -212,6 +212,26 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _stage_counts(
+    spec: ScheduleSpec, world_size: int | None, virtual_stages: int | None, num_stages: int | None
+) -> tuple[int, int, int]:
+    """(virtual_stages, num_stages, pp_size) with their defaults, checked against the world size."""
+    if virtual_stages is None:
+        virtual_stages = spec.default_virtual_stages()
+    if num_stages is None:
+        num_stages = (world_size or 1) * virtual_stages
+    if num_stages % virtual_stages:
+        raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
+    pp_size = num_stages // virtual_stages
+    if world_size is not None and world_size % pp_size:
+        raise InputError(
+            f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} "
+            f"processes, but the world size is {world_size}; launch {pp_size} (or k x {pp_size}) processes or "
+            "change num_stages"
+        )
+    return virtual_stages, num_stages, pp_size
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineOptions:
     """How one model is pipelined; the same on every rank.
@@ -227,6 +247,8 @@ class PipelineOptions:
         dtype: the weights' dtype.
         split: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
         traced: True when the stages come from the torch.export tracer instead of a recipe.
+        schedule_note: for reports, how the schedule was picked when the user named none (which one,
+            and why: see :func:`~hf_pipeline.planning.schedules.choose_schedule`); "" when named.
     """
 
     model_class: type
@@ -239,6 +261,7 @@ class PipelineOptions:
     dtype: torch.dtype
     split: str | tuple[str, ...]
     traced: bool
+    schedule_note: str = ""
 
     def __post_init__(self) -> None:
         # Here, not in resolve, so options made with dataclasses.replace (autotune.with_schedule) are
@@ -275,7 +298,10 @@ class PipelineOptions:
             world_size: processes in the job; ``None`` when planning or converting without a job (then
                 ``num_stages`` is taken as given, one pipeline, no data-parallel replicas).
             auto_class: see :func:`model_class_for`.
-            schedule: a schedule name (default "1f1b", or "interleaved-1f1b" with virtual stages > 1).
+            schedule: a schedule name. Default: "1f1b", or "interleaved-1f1b" with virtual stages > 1,
+                unless that cannot train ``n_microbatches``: then one that can, by the schedules'
+                rules (:func:`~hf_pipeline.planning.schedules.choose_schedule`; ``schedule_note`` says
+                which and why). A schedule the user names is kept, and refused at training if it cannot.
             virtual_stages: stages per rank (default: what the schedule needs, 1 or 2).
             num_stages: stages per pipeline (default: ``world_size x virtual_stages``).
             n_microbatches: default: the number of stages.
@@ -303,21 +329,13 @@ class PipelineOptions:
         if num_stages is not None:
             _positive("num_stages", num_stages)
         spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
-        if virtual_stages is None:
-            virtual_stages = spec.default_virtual_stages()
-        if num_stages is None:
-            num_stages = (world_size or 1) * virtual_stages
-        if num_stages % virtual_stages:
-            raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
-        pp_size = num_stages // virtual_stages
-        if world_size is not None and world_size % pp_size:
-            raise InputError(
-                f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} "
-                f"processes, but the world size is {world_size}; launch {pp_size} (or k x {pp_size}) processes or "
-                "change num_stages"
-            )
+        virtual_stages, num_stages, pp_size = _stage_counts(spec, world_size, virtual_stages, num_stages)
         if n_microbatches is None:
             n_microbatches = num_stages
+        note = ""
+        if schedule is None:  # nothing asked for: a default that trains these microbatches, never a refusal
+            _positive("n_microbatches", n_microbatches)
+            spec, note = choose_schedule(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
         split_value = split_starts(split)
         return cls(  # checks the placement and n_microbatches (__post_init__)
             model_class=model_class,
@@ -330,4 +348,5 @@ class PipelineOptions:
             dtype=parse_dtype(dtype, config),
             split=split_value,
             traced=traced,
+            schedule_note=note,
         )

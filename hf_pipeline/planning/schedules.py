@@ -53,6 +53,7 @@ __all__ = [
     "accepted_schedules",
     "check_layout",
     "check_training",
+    "choose_schedule",
     "default_schedule",
     "get_schedule",
     "rank_of_stage",
@@ -286,6 +287,49 @@ def get_schedule(schedule: str | type | ScheduleSpec) -> ScheduleSpec:
 def default_schedule(virtual_stages: int | None = None) -> str:
     """The schedule used when none is given: "1f1b", or "interleaved-1f1b" with several stages per rank."""
     return "interleaved-1f1b" if (virtual_stages or 1) > 1 else "1f1b"
+
+
+def choose_schedule(*, pp_size: int, virtual_stages: int, n_microbatches: int) -> tuple[ScheduleSpec, str]:
+    """The schedule for a user who named none: one that trains these microbatches, chosen by the rules.
+
+    The default (:func:`default_schedule`) when it trains them; else, among the schedules with the
+    default's layout that take ``virtual_stages`` per rank and train ``n_microbatches`` (their
+    ``training_problem`` is None), the one with the smallest :meth:`ScheduleSpec.theoretical_bubble`,
+    then the one that runs its stages the same way as the default (single or multi), then the first
+    in :data:`SCHEDULES`. E.g. 3 ranks, 1 stage each, 2 microbatches: 1F1B needs 3, GPipe trains (and
+    ties looped BFS on the bubble). If none trains them, the default (``train_step`` then says why).
+
+    Returns:
+        The spec, and a note for reports: which schedule and why it was chosen.
+
+    Example:
+        >>> spec, note = choose_schedule(pp_size=3, virtual_stages=1, n_microbatches=2)
+        >>> spec.name
+        'gpipe'
+    """
+    preferred = get_schedule(default_schedule(virtual_stages))
+    rules = dict(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
+    problem = preferred.training_problem(**rules)
+    if problem is None:
+        return preferred, f"schedule {preferred.name!r}: the default (no schedule was named)"
+    order = list(SCHEDULES)
+    candidates = [
+        s for s in SCHEDULES.values()
+        if s.layout == preferred.layout and s.accepts_virtual(virtual_stages) and s.training_problem(**rules) is None
+    ]
+    if not candidates:
+        return preferred, f"schedule {preferred.name!r}: the default (no schedule was named; it {problem})"
+    best = min(
+        candidates,
+        key=lambda s: (
+            s.theoretical_bubble(pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages),
+            s.multi != preferred.multi,
+            order.index(s.name),
+        ),
+    )
+    return best, (
+        f"schedule {best.name!r}: chosen because no schedule was named and the default {preferred.name!r} {problem}"
+    )
 
 
 def _quoted(names: list[str]) -> str:

@@ -179,3 +179,50 @@ def test_load_training_state_says_why_a_directory_is_not_a_checkpoint(tmp_path):
     for directory, pattern in cases.items():
         with pytest.raises(FileNotFoundError, match=pattern):
             load_training_state(model, directory)
+
+
+# --------------------------------------------------------------------------- the digest covers every byte
+
+
+def _row_swapped(batch: torch.Tensor) -> torch.Tensor:
+    """Rows 100 and 101 of a 256x1024 int64 batch swapped: 1 MiB from either end, the same byte sum."""
+    swapped = batch.clone()
+    swapped[[100, 101]] = batch[[101, 100]]
+    return swapped
+
+
+@pytest.mark.unit
+def test_fingerprint_tells_a_row_swap_deep_inside_a_large_batch():
+    from hf_pipeline.distributed.agreement import fingerprint
+
+    batch = torch.randint(0, 50_000, (256, 1024), generator=torch.Generator().manual_seed(0))
+    swapped = _row_swapped(batch)
+    assert not torch.equal(batch, swapped) and int(batch.sum()) == int(swapped.sum())
+    assert fingerprint(batch)[0] != fingerprint(swapped)[0]
+    assert fingerprint(batch)[0] == fingerprint(batch.clone())[0]
+    assert fingerprint(batch)[0] == fingerprint(batch.t().contiguous().t())[0]  # layout does not matter, values do
+    floats = torch.randn(4 * 1024 * 1024, generator=torch.Generator().manual_seed(1))  # 16 MB
+    moved = floats.clone()
+    moved[[2_000_000, 2_000_001]] = floats[[2_000_001, 2_000_000]]
+    assert fingerprint(floats)[0] != fingerprint(moved)[0]
+
+
+def _row_swap_on_rank1():
+    from hf_pipeline.distributed.agreement import check_same_on_all_ranks
+    from hf_pipeline.distributed.context import init_distributed
+
+    ctx = init_distributed()
+    batch = torch.randint(0, 50_000, (256, 1024), generator=torch.Generator().manual_seed(0))
+    if ctx.rank == 1:
+        batch = _row_swapped(batch)
+    inputs = {"input_ids": batch, "attention_mask": torch.ones_like(batch)}
+    return _outcome(lambda: check_same_on_all_ranks(ctx, "model inputs", inputs))
+
+
+@pytest.mark.dist
+def test_a_row_swap_is_an_error_naming_the_input_on_every_rank():
+    results = run_distributed(_row_swap_on_rank1, 2, timeout=60)
+    for kind, message, _ in results:
+        assert kind == "InputError", message
+        assert message.startswith("model inputs must be the same on every rank but input_ids differs: "), message
+        assert "rank 0: Tensor(shape=(256, 1024), dtype=torch.int64" in message and "rank 1: Tensor" in message

@@ -85,6 +85,38 @@ def test_single_process_helpers_are_noops(single_process):
             raise KeyError("own error")
 
 
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e30", "-5", "0", "abc", "604801"])
+def test_unusable_timeout_env_names_the_variable_and_the_range(single_process, monkeypatch, raw):
+    from hf_pipeline.distributed.context import init_distributed
+    from hf_pipeline.errors import InputError
+
+    monkeypatch.setenv("HF_PIPELINE_TIMEOUT", raw)
+    with pytest.raises(InputError) as info:
+        init_distributed(device="cpu")
+    assert str(info.value) == (
+        f"HF_PIPELINE_TIMEOUT={raw!r} is not a usable timeout: it must be a positive, finite number of seconds, "
+        "at most 604800 (a week); e.g. HF_PIPELINE_TIMEOUT=600"
+    )
+
+
+@pytest.mark.parametrize("given", [float("nan"), float("inf"), 1e30, -1.0, "300", True])
+def test_unusable_timeout_argument_is_refused(single_process, given):
+    from hf_pipeline.distributed.context import init_distributed
+    from hf_pipeline.errors import InputError
+
+    with pytest.raises(InputError, match=r"^timeout=.* is not a usable timeout: .* e\.g\. timeout=300$"):
+        init_distributed(device="cpu", timeout=given)
+
+
+@pytest.mark.parametrize("raw,seconds", [("42", 42.0), (" 0.5 ", 0.5), ("604800", 604800.0), ("", 300.0)])
+def test_usable_timeout_env_still_works(single_process, monkeypatch, raw, seconds):
+    from hf_pipeline.distributed.context import init_distributed
+
+    monkeypatch.setenv("HF_PIPELINE_TIMEOUT", raw)
+    assert init_distributed(device="cpu").timeout.total_seconds() == seconds
+    assert init_distributed(device="cpu", timeout=datetime.timedelta(minutes=2)).timeout.total_seconds() == 120
+
+
 def test_thread_env_and_bad_settings(single_process, monkeypatch):
     from hf_pipeline.distributed.context import init_distributed
 
@@ -260,6 +292,46 @@ def test_dead_peer_is_an_error_not_a_hang():
     assert _fast(), last_run_timing()
     assert isinstance(errors[0], Exception) and not isinstance(errors[0], TimeoutError)
     assert "died with exit code 3" in str(errors[1])
+
+
+def _join_timed():
+    from hf_pipeline.distributed.context import init_distributed
+
+    start = time.monotonic()
+    try:
+        init_distributed(device="cpu")
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+@pytest.mark.dist
+def test_master_port_in_use_is_an_error_on_every_rank_within_the_timeout():
+    # Another program listens on MASTER_PORT: rank 0 cannot host the store there, and rank 1's
+    # client connects to that program and waits for an answer that never comes (torch's own
+    # timeout does not bound that wait): both must raise the library's error, bounded by ours.
+    import socket
+
+    timeout_s = 10
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(8)
+        port = holder.getsockname()[1]
+        results = run_distributed(
+            _join_timed, 2, timeout=120, failure_grace=120,
+            env={"MASTER_PORT": str(port), "HF_PIPELINE_TIMEOUT": str(timeout_s)},
+        )
+    kind, message, elapsed = results[0]
+    assert kind == "InputError", results[0]
+    assert message.startswith(f"rank 0 cannot host the job's rendezvous store: MASTER_PORT={port} is already in use")
+    assert "pick a free port" in message
+    kind, message, elapsed = results[1]
+    assert kind == "InputError", results[1]
+    assert message.startswith(
+        f"rank 1 could not join the job's rendezvous at MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} within 10 s"
+    ), message
+    assert "HF_PIPELINE_TIMEOUT" in message
+    assert elapsed < 2 * timeout_s + 2, f"rank 1 took {elapsed:.1f} s"
 
 
 # --------------------------------------------------------------------------- the harness itself
