@@ -38,6 +38,7 @@ from ..distributed.agreement import check_same_on_all_ranks, collective_errors
 from ..distributed.context import RankContext, init_distributed
 from ..distributed.dims import ParallelDims
 from ..errors import InputError
+from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from .identity import pipeline_identity
@@ -129,6 +130,8 @@ def _resolve_options(
         resolve_kwargs, auto_choice = choose(config, ctx.world_size, device_type=ctx.device.type, **resolve_kwargs)
     options = PipelineOptions.resolve(config, ctx.world_size, **resolve_kwargs)
     check_dtype_supported(options.dtype, ctx.device)
+    if options.schedule_note and ctx.is_main_process:
+        get_logger(__name__).info(options.schedule_note)  # the user named no schedule; say which was chosen
     return options, auto_choice
 
 

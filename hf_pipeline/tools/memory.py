@@ -405,7 +405,8 @@ def plan_report(
         model_class=plan.model_class, dtype=str(options.dtype).removeprefix("torch."), num_stages=plan.num_stages,
         pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
         microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
-        total_weight_bytes=plan.total_bytes, notes=tuple(_notes(config, generative=generative, seq=seq)),
+        total_weight_bytes=plan.total_bytes,
+        notes=tuple(filter(None, [options.schedule_note])) + tuple(_notes(config, generative=generative, seq=seq)),
     )
 
 

@@ -119,3 +119,13 @@ def test_three_ranks_two_microbatches_no_schedule_named_trains_like_transformers
             assert diff <= 1e-5 * want.abs().max().item() + 1e-9, f"rank {rank}: gradient of {key}: max diff {diff:.3g}"
             seen.add(key)
     assert seen == {n for n, _ in ref.named_parameters()}, "every parameter's gradient came back from some rank"
+
+
+def test_the_memory_report_says_which_schedule_was_chosen_and_why():
+    from hf_pipeline.tools.memory import plan_report
+
+    chosen = plan_report(tiny.config_for("llama"), stages=3, n_microbatches=2, batch=2, seq=8)
+    assert chosen.schedule == "gpipe"
+    assert any("chosen because no schedule was named" in n for n in chosen.notes), chosen.notes
+    named = plan_report(tiny.config_for("llama"), stages=3, n_microbatches=3, batch=3, seq=8, schedule="1f1b")
+    assert not any("schedule" in n for n in named.notes), named.notes
