@@ -147,6 +147,22 @@ _CONVERT_BIN = (
 )
 
 
+def _check_shards_stay_inside(index_path: pathlib.Path, shards: Iterable[str]) -> None:
+    """Refuse an index whose shard names leave its directory (``../x``, ``/abs/x``), as transformers does.
+
+    The index comes with the checkpoint, from anywhere: a name that climbs out would make every rank
+    read files the checkpoint does not hold. The names are checked as written, not resolved, since a
+    hub cache snapshot's shards are links into its ``blobs/`` folder.
+    """
+    for shard in dict.fromkeys(shards):
+        path = pathlib.PurePath(shard)
+        if path.anchor or ".." in path.parts or not path.parts:
+            raise CheckpointError(
+                f"the index {index_path} names shard {shard!r}, which points outside the checkpoint directory; "
+                "a shard must be a file name inside it: fix or re-download the index"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointIndex:
     """Which shard file holds each checkpoint key (from the index JSON or a single file's header)."""
@@ -196,6 +212,7 @@ class CheckpointIndex:
                 raise CheckpointError(
                     f"the index {index_path} lists no tensors; re-download it or re-save the checkpoint"
                 )
+            _check_shards_stay_inside(index_path, weight_map.values())
             first_key: dict[str, str] = {}
             for key, shard in weight_map.items():
                 first_key.setdefault(shard, key)
@@ -234,6 +251,7 @@ class CheckpointIndex:
                 raise CheckpointError(
                     f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it"
                 ) from None
+            _check_shards_stay_inside(index_path, weight_map.values())
             return cls(directory=directory, weight_map=dict(weight_map))
         single = directory / BIN_NAME
         if not single.is_file():

@@ -772,3 +772,32 @@ def test_legacy_names_missing_say_what_was_tried(legacy, tmp_path):
 
     with pytest.raises(CheckpointError, match=r"bert\.embeddings\.LayerNorm\.weight"):
         hf_pipeline.AutoModelForMaskedLM.from_pretrained(broken, pipeline=True, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, where):
+    # The index travels with the checkpoint: a shard name that climbs out of the folder would make every rank
+    # read a file the checkpoint does not hold. Refused as transformers refuses it, before anything is read.
+    from hf_pipeline import AutoModelForCausalLM
+    from hf_pipeline.errors import CheckpointError
+
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    victim = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(path / victim, outside / victim)  # a real shard there: without the check it would load
+    name = f"../elsewhere/{victim}" if where == "parent" else str(outside / victim)
+    index["weight_map"] = {k: (name if v == victim else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="points outside the checkpoint directory"):
+        weights.CheckpointIndex.from_directory(path)
+    with pytest.raises(CheckpointError, match="points outside the checkpoint directory"):
+        AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
+    # A name inside the folder (a sub-folder included) is still a shard of the checkpoint.
+    (path / "sub").mkdir()
+    shutil.move(str(path / victim), path / "sub" / victim)
+    index["weight_map"] = {k: (f"sub/{victim}" if v == name else v) for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    assert f"sub/{victim}" in set(weights.CheckpointIndex.from_directory(path).weight_map.values())
