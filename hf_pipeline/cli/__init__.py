@@ -47,11 +47,6 @@ _benchmark_script = benchmark_script  # the name tests/tools/test_cli.py asks fo
 # The library's errors decide (errors.is_user_error: a PipelineError that is not an InternalError),
 # but for the two that report a failure while running (a RankError of a real fault, PipelineBroken).
 _RUNNING_FAILURES = (RankError, PipelineBroken)
-# Builtin errors the command line still reads as a mistake (tests/loading/test_hub_offline.py pins
-# them): a path that does not exist or is taken, a plain ValueError of an argument check (not its
-# subclasses, e.g. a JSON decoding error).
-_USER_BUILTINS_EXACT = (ValueError, FileExistsError)
-_USER_BUILTINS_ANY = (FileNotFoundError, NotADirectoryError)
 
 
 def _named_type(name: str) -> type | None:
@@ -69,9 +64,8 @@ def _is_user_error_type(cls: type) -> bool:
     """:func:`hf_pipeline.errors.is_user_error` for a class (another rank's error arrives as a class name)."""
     if issubclass(cls, _RUNNING_FAILURES):
         return False
-    if issubclass(cls, PipelineError):
-        return not issubclass(cls, InternalError)
-    return issubclass(cls, _USER_BUILTINS_ANY) or cls in _USER_BUILTINS_EXACT
+    # A builtin error reaching here is not one the library raised on purpose: a traceback, not one line.
+    return issubclass(cls, PipelineError) and not issubclass(cls, InternalError)
 
 
 def _is_user_error(e: BaseException) -> bool:

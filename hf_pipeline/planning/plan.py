@@ -25,9 +25,18 @@ from .partition import CUT_GAIN, Objective, objective, stage_costs
 from .resolve import ResolvedRecipe, hidden_size, module_stats, outside_blocks, resolve_recipe
 from .schedules import ScheduleSpec, rank_of_stage
 
-__all__ = ["PlanError", "StagePlan", "StageSpec", "compress_blocks", "make_plan", "stage_flops_parts"]
+__all__ = ["PlanError", "StagePlan", "StageSpec", "compress_blocks", "human_count", "make_plan", "stage_flops_parts"]
 
 LAYOUTS = ("loop", "v")
+
+
+def human_count(n: float) -> str:
+    """A count in three significant digits with a K/M/G/T/P suffix (``1.23M``), as the reports print it."""
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,13 +139,7 @@ class StagePlan:
         }
 
     def __str__(self) -> str:
-        def human(n: float) -> str:
-            for unit in ("", "K", "M", "G", "T"):
-                if abs(n) < 1000:
-                    return f"{n:.3g}{unit}"
-                n /= 1000
-            return f"{n:.3g}P"
-
+        human = human_count
         head = (
             f"StagePlan: {self.model_class} ({self.model_type}), {self.num_stages} stages on {self.pp_size} "
             f"rank(s), {self.virtual_stages} per rank ({self.layout} layout), "

@@ -55,7 +55,7 @@ from ..loading.stages import StageModule, build_stage, recipe_front_end
 from ..loading.weights import resolve_checkpoint
 from ..planning.actions import schedule_actions
 from ..planning.options import PipelineOptions, load_config
-from ..planning.plan import StagePlan, compress_blocks
+from ..planning.plan import StagePlan, compress_blocks, human_count
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
 from .kv_cache import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
@@ -195,12 +195,7 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def _count(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}P"
+_count = human_count  # the plan's own format, so the two reports agree
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ import threading
 
 import pytest
 
-from hf_pipeline.errors import CheckpointNotFoundError, InputError, RankError
+from hf_pipeline.errors import CheckpointExistsError, CheckpointNotFoundError, InputError, InternalError, RankError
 from hf_pipeline.loading.weights import resolve_checkpoint
 from hf_pipeline.tools.default_model import BUNDLED_MODEL_DIR
 
@@ -204,15 +204,18 @@ def test_user_errors_are_decided_by_the_library_types():
     from hf_pipeline import cli
 
     assert cli._is_user_error(CheckpointNotFoundError("x")) and cli._is_user_error(InputError("x"))
-    assert cli._is_user_error(FileNotFoundError("x")) and cli._is_user_error(ValueError("x"))
+    # Only the library's classes say "mistake": a builtin error is a traceback (the CLI converts the mistakes it
+    # can name, where it calls a library, into a CLIError naming the argument).
+    assert not cli._is_user_error(FileNotFoundError("x")) and not cli._is_user_error(ValueError("x"))
     assert not cli._is_user_error(RuntimeError("x")) and not cli._is_user_error(KeyError("x"))
+    assert not cli._is_user_error(InternalError("x")) and cli._is_user_error(CheckpointExistsError("x"))
     assert not cli._is_user_error(OSError("x"))  # e.g. transformers failing to read a file: a traceback
 
     def rank_error(*kinds: str) -> RankError:
         return RankError("m", failures={r: (k, "m", None) for r, k in enumerate(kinds)})
 
     assert cli._is_user_error(rank_error("CheckpointNotFoundError", "InputError"))
-    assert cli._is_user_error(rank_error("ValueError"))
+    assert not cli._is_user_error(rank_error("ValueError"))
     assert not cli._is_user_error(rank_error("InputError", "RuntimeError"))
     assert not cli._is_user_error(rank_error("ConnectionError"))  # a lost peer
     assert not cli._is_user_error(rank_error("SomeErrorNobodyDefines"))
