@@ -253,7 +253,12 @@ def check_labels(
             )
     if labels.dtype.is_floating_point and loss != "sequence_classification":
         raise InputError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
-    if loss in ("causal_lm", "masked_lm", "seq2seq_lm") and labels.dtype not in _TOKEN_LABEL_DTYPES:
+    # Class ids (1-D, num_labels > 1) go to cross entropy too, which takes Long targets only there:
+    # transformers routes int32 to it (and raises), other integer types to a multi-label loss (and raises).
+    class_ids = loss == "sequence_classification" and labels.dim() == 1 and (num_labels or 0) > 1
+    allowed = _TOKEN_LABEL_DTYPES if loss in ("causal_lm", "masked_lm", "seq2seq_lm") else (torch.long,)
+    tokens_or_classes = loss in ("causal_lm", "masked_lm", "seq2seq_lm") or class_ids
+    if tokens_or_classes and not labels.dtype.is_floating_point and labels.dtype not in allowed:
         raise InputError(
             f"labels must be a torch.long tensor for {loss}, got dtype {labels.dtype} (transformers' loss takes Long "
             "targets and raises the same); pass labels.long()"

@@ -50,7 +50,11 @@ def test_dtypes_as_transformers_takes_them():
             checks.check_token_ids(torch.ones(2, 3, dtype=dtype), vocab=vocab)
     ids = torch.ones(2, 3, dtype=torch.long)
     checks.check_labels("causal_lm", ids.to(torch.uint8), input_ids=ids)  # the loss takes Byte targets
-    checks.check_labels("sequence_classification", torch.tensor([0, 1], dtype=torch.int32), input_ids=ids)
+    checks.check_labels("sequence_classification", torch.tensor([0, 1]), input_ids=ids, num_labels=3)
+    checks.check_labels("sequence_classification", torch.tensor([[0.0, 1.0]] * 2), input_ids=ids, num_labels=2)
+    with pytest.raises(InputError, match=r"for sequence_classification, got dtype torch\.int32"):
+        checks.check_labels("sequence_classification", torch.tensor([0, 1], dtype=torch.int32), input_ids=ids,
+                            num_labels=3)
     with pytest.raises(InputError, match=r"labels must be a torch\.long tensor for masked_lm, got dtype torch\.int32"):
         checks.check_labels("masked_lm", ids.int(), input_ids=ids)
 
