@@ -164,7 +164,11 @@ def generate(
         # checks below then raise the same error on every rank, and no rank starts a different ring.
         check_same_on_all_ranks(model.ctx, "generate inputs", _agreed_arguments(call), describe=model.rank_label)
     check_generate_inputs(input_ids)
-    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not model.config.is_encoder_decoder:
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and model.config.is_encoder_decoder:
+        check_sequence_length(model.config, input_ids.shape[1], what="the encoder input")  # BART: learned
+    elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+        # The max_new_tokens keyword, as given (its message names the keyword); the effective length,
+        # however it is set, is checked again once the GenerationConfig is merged (request.py).
         new = kwargs.get("max_new_tokens")
         new = new if isinstance(new, int) and not isinstance(new, bool) else 0
         check_sequence_length(model.config, input_ids.shape[1], what="the prompt", new_tokens=new)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -55,6 +56,17 @@ def _shape(tensor) -> tuple[int, ...]:
     return tuple(tensor.shape)
 
 
+def _bad_seed(seed) -> bool:
+    # An int (a NumPy integer too), as torch.Generator.manual_seed takes; nan, "abc" or 1.5 would fail
+    # only where a row's generator is seeded, on the last stage alone.
+    return seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral))
+
+
+def _bad_streamer(streamer) -> bool:
+    # transformers' BaseStreamer protocol: the last stage calls put(ids) per step and end() once.
+    return streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end"))
+
+
 def _bad_chunk(chunk) -> bool:
     return chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1)
 
@@ -76,6 +88,19 @@ REFUSALS: tuple[Refusal, ...] = (
         for key in UNSUPPORTED_INPUTS
     ),
     Refusal("call", lambda f: f.input_ids is None, "pass input_ids (B, T) to generate: the same tensor on every rank"),
+    # ---- sampling and streaming arguments (facts: seed, streamer), checked like transformers checks its own
+    Refusal(
+        "call", lambda f: _bad_seed(f.seed),
+        "seed must be an int (or None for one drawn from torch's generator), got {f.seed!r} of type "
+        "{f.seed_type}; pass e.g. seed=0",
+        InputTypeError,
+    ),
+    Refusal(
+        "call", lambda f: _bad_streamer(f.streamer),
+        "streamer must have put(ids) and end() methods (transformers' BaseStreamer, e.g. TextStreamer), got "
+        "{f.streamer_type} without {f.streamer_missing}",
+        InputTypeError,
+    ),
     # ---- the prompt tensors, after their ids are checked against the vocabulary
     # (facts: input_ids, attention_mask, token_type_ids, skeleton, encoder_decoder)
     Refusal(
@@ -169,6 +194,18 @@ class _Facts(SimpleNamespace):
         # whose forward takes it can carry it along (as transformers does).
         forward = inspect.signature(type(self.skeleton).forward)
         return not self.encoder_decoder and "token_type_ids" in forward.parameters
+
+    @property
+    def seed_type(self):
+        return type(self.seed).__name__
+
+    @property
+    def streamer_type(self):
+        return type(self.streamer).__name__
+
+    @property
+    def streamer_missing(self):
+        return " and ".join(f"{m}()" for m in ("put", "end") if not callable(getattr(self.streamer, m, None)))
 
     @property
     def ids_shape(self):

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from ..compat import decoder_start_token_tensor, generation_helper, pad_token_tensor
 from ..errors import InputError, InputTypeError
 from ..log import get_logger
-from ..runtime.checks import check_token_ids, vocab_size
+from ..runtime.checks import check_index_inputs, check_sequence_length, check_token_ids, vocab_size
 from .config import generation_config, prepare_generation_config
 from .microbatches import microbatch_bounds
 from .refusals import refuse
@@ -138,7 +138,7 @@ def build_request(model, call: GenerateCall) -> Request:
 def _checked_inputs(model, call: GenerateCall) -> _Rows:
     """Refuse what the call cannot do, check the prompt's ids and shapes; the prompt on the model's device."""
     skel = model.skeleton
-    refuse("call", skeleton=skel, kwargs=call.kwargs, input_ids=call.input_ids)
+    refuse("call", skeleton=skel, kwargs=call.kwargs, input_ids=call.input_ids, seed=call.seed, streamer=call.streamer)
     # Dtype, shape and every id inside the vocabulary (one min/max pass): the first stage's embedding
     # would raise torch's IndexError alone, with its peers waiting.
     check_token_ids(call.input_ids, vocab=vocab_size(model.config), what="input_ids")
@@ -149,6 +149,7 @@ def _checked_inputs(model, call: GenerateCall) -> _Rows:
         "inputs", input_ids=call.input_ids, attention_mask=call.attention_mask, token_type_ids=types,
         skeleton=skel, encoder_decoder=bool(model.config.is_encoder_decoder),
     )
+    check_index_inputs(model.config, {"token_type_ids": types})  # dtype, and inside the table it indexes
     rows = _Rows(ids=call.input_ids, mask=call.attention_mask, types=types)
     return rows.select(lambda t: t.to(model.device, torch.long))
 
@@ -256,6 +257,11 @@ def _with_generated_length(model, merged: _Merged, rows: _Rows, prompt_length: i
         input_ids_length=prompt_length, inputs_tensor=rows.ids,
     )
     refuse("length", max_length=gc.max_length, prompt_length=prompt_length)
+    # The effective length, however it was set (max_new_tokens=, max_length=, a GenerationConfig, the
+    # checkpoint's generation_config.json): a learned position table must cover all of it, or the
+    # first stage's embedding raises alone mid-generation.
+    what = "the decoder input" if model.config.is_encoder_decoder else "the prompt"
+    check_sequence_length(model.config, prompt_length, what=what, new_tokens=gc.max_length - prompt_length)
     return gc
 
 

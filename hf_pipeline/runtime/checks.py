@@ -26,18 +26,42 @@ logger = logging.get_logger(__name__)
 
 __all__ = [
     "IGNORE_INDEX",
+    "EMBEDDING_INDEX_DTYPES",
+    "INDEX_TABLES",
     "check_generate_inputs",
+    "check_index_inputs",
     "check_labels",
     "check_microbatches",
     "check_model_inputs",
     "check_prompts",
     "check_sequence_length",
     "check_token_ids",
+    "index_table",
     "max_positions",
     "vocab_size",
 ]
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
+# The index dtypes torch's embedding takes ("Expected tensor for argument #1 'indices' to have one of
+# the following scalar types: Long, Int"): transformers passes ids through uncast, so int16 / uint8
+# ids raise on the first stage alone. Refused here, on every rank, as transformers would refuse them.
+EMBEDDING_INDEX_DTYPES = (torch.long, torch.int32)
+# The token losses take Long targets (and Byte, which cannot hold -100): "expected target dtype to be
+# Long or Byte, but got Int" on the last stage alone.
+_TOKEN_LABEL_DTYPES = (torch.long, torch.uint8)
+# What each index input of the embeddings indexes, as data: the config fields giving the size of its
+# table, the first one the config has. Models without token types of their own (GPT-2, GPT-J) embed
+# token_type_ids with the word embedding; position_ids index a table only when the recipe says the
+# positions are learned (rotary positions have none to run off).
+INDEX_TABLES: dict[str, tuple[str, ...]] = {
+    "input_ids": ("vocab_size",),
+    "decoder_input_ids": ("vocab_size",),
+    "token_type_ids": ("type_vocab_size", "vocab_size"),
+    "position_ids": ("max_position_embeddings",),
+}
+# The width inputs_embeds must have: the embedding's own width where it differs from the hidden size
+# (OPT's word_embed_proj_dim, ALBERT's embedding_size), else hidden_size.
+_EMBEDDING_WIDTHS = ("word_embed_proj_dim", "embedding_size", "hidden_size")
 
 
 def vocab_size(config) -> int | None:
@@ -78,6 +102,7 @@ def check_token_ids(
             f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() "
             "if the values are ids)"
         )
+    _check_index_dtype(ids, what)
     shape = tuple(ids.shape)
     if ids.dim() != 2:
         fix = (
@@ -228,6 +253,16 @@ def check_labels(
             )
     if labels.dtype.is_floating_point and loss != "sequence_classification":
         raise InputError(f"labels must hold integer token ids for {loss}, got dtype {labels.dtype}")
+    # Class ids (1-D, num_labels > 1) go to cross entropy too, which takes Long targets only there:
+    # transformers routes int32 to it (and raises), other integer types to a multi-label loss (and raises).
+    class_ids = loss == "sequence_classification" and labels.dim() == 1 and (num_labels or 0) > 1
+    allowed = _TOKEN_LABEL_DTYPES if loss in ("causal_lm", "masked_lm", "seq2seq_lm") else (torch.long,)
+    tokens_or_classes = loss in ("causal_lm", "masked_lm", "seq2seq_lm") or class_ids
+    if tokens_or_classes and not labels.dtype.is_floating_point and labels.dtype not in allowed:
+        raise InputError(
+            f"labels must be a torch.long tensor for {loss}, got dtype {labels.dtype} (transformers' loss takes Long "
+            "targets and raises the same); pass labels.long()"
+        )
     _check_label_range(loss, labels, vocab=vocab, num_labels=num_labels)
 
 
@@ -255,6 +290,68 @@ def _check_label_range(loss: str, labels: torch.Tensor, *, vocab: int | None, nu
         f"labels hold {what} id {first}, outside the model's {limit} {what}s ({name}); labels must be in "
         f"[0, {limit - 1}], or {IGNORE_INDEX} where no loss is wanted"
     )
+
+
+def _check_index_dtype(ids: torch.Tensor, what: str) -> None:
+    if ids.dtype not in EMBEDDING_INDEX_DTYPES:
+        raise InputError(
+            f"{what} has dtype {ids.dtype}, but embeddings take torch.long or torch.int32 indices (transformers "
+            f"raises the same); pass {what}.long()"
+        )
+
+
+def index_table(config, name: str) -> tuple[int, str] | None:
+    """The size of the table input ``name`` indexes and the config field giving it (see INDEX_TABLES), or None."""
+    if name == "position_ids" and position_kind(config) != "learned":
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for field in INDEX_TABLES.get(name, ()):
+        value = getattr(config, field, None)
+        value = value if isinstance(value, int) else getattr(text, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"config.{field}"
+    return None
+
+
+def check_index_inputs(config, inputs: Mapping[str, Any]) -> None:
+    """Raise InputError unless every index input besides the token ids (token types, positions) has an
+    embedding dtype and indexes inside its table (INDEX_TABLES), and inputs_embeds has the embedding's width.
+
+    One min/max pass per tensor; the first stage's embedding would otherwise raise alone, with its
+    peers waiting for it.
+    """
+    for name in INDEX_TABLES:
+        values = inputs.get(name)
+        if name in ("input_ids", "decoder_input_ids") or not isinstance(values, torch.Tensor) or not values.numel():
+            continue  # token ids: check_token_ids (shapes and all)
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise InputError(f"{name} must hold integer indices, got dtype {values.dtype}; pass {name}.long()")
+        _check_index_dtype(values, name)
+        table = index_table(config, name)
+        if table is None:
+            continue
+        size, field = table
+        lo, hi = (int(v) for v in torch.aminmax(values))
+        if lo < 0 or hi >= size:
+            raise InputError(
+                f"{name} holds {_first_outside(values, (values < 0) | (values >= size))}, outside the table of {size} "
+                f"entries it indexes ({field}); {name} must be in [0, {size - 1}]"
+            )
+    _check_embeds(config, inputs.get("inputs_embeds"))
+
+
+def _check_embeds(config, embeds: Any) -> None:
+    if not isinstance(embeds, torch.Tensor):
+        return
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    field = next((f for f in _EMBEDDING_WIDTHS if isinstance(getattr(text, f, None), int)), None)
+    width = getattr(text, field) if field else None
+    if embeds.dim() != 3 or not embeds.dtype.is_floating_point or (width is not None and embeds.shape[-1] != width):
+        want = f"(batch, length, {width}) (config.{field})" if width is not None else "(batch, length, hidden)"
+        raise InputError(
+            f"inputs_embeds must be a floating point tensor of shape {want}, got shape {tuple(embeds.shape)} "
+            f"of dtype {embeds.dtype}; pass the output of model.get_input_embeddings() or input_ids instead"
+        )
 
 
 def check_model_inputs(
@@ -287,33 +384,32 @@ def check_model_inputs(
     for key in ("input_ids", "decoder_input_ids"):
         if inputs.get(key) is not None:
             check_token_ids(inputs[key], vocab=vocab, what=key)
-    types = inputs.get("token_type_ids")
-    type_vocab = getattr(config, "type_vocab_size", None)
-    if (
-        isinstance(types, torch.Tensor)
-        and isinstance(type_vocab, int)
-        and types.numel()
-        and not types.dtype.is_floating_point
-    ):
-        lo, hi = (int(v) for v in torch.aminmax(types))
-        if lo < 0 or hi >= type_vocab:
-            raise InputError(
-                f"token_type_ids holds {_first_outside(types, (types < 0) | (types >= type_vocab))}, outside the "
-                f"model's {type_vocab} token types (config.type_vocab_size); ids must be in [0, {type_vocab - 1}]"
-            )
+    check_index_inputs(config, inputs)
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() >= 2:
             check_sequence_length(config, inputs[key].shape[1], what=key)
             break
-    mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
-    if isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2 and mask.shape != ids.shape:
-        raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    _check_mask(inputs.get("attention_mask"), inputs.get("input_ids"))
     if labels is not None:
         num_labels = getattr(config, "num_labels", None)
         check_labels(
             loss, labels, input_ids=inputs.get("input_ids"), decoder_input_ids=inputs.get("decoder_input_ids"),
             batch=batch, vocab=vocab, num_labels=num_labels if isinstance(num_labels, int) else None,
         )
+
+
+def _check_mask(mask: Any, ids: Any) -> None:
+    if not isinstance(mask, torch.Tensor) or not isinstance(ids, torch.Tensor):
+        return
+    if mask.dim() == 1:
+        # transformers' forward broadcasts a (length,) mask over a batch of one; the pipeline cuts the
+        # batch into microbatches along dim 0, which a 1-D mask does not have: refused, with the fix.
+        raise InputError(
+            f"attention_mask must be (batch, length) like input_ids {tuple(ids.shape)}, got shape "
+            f"{tuple(mask.shape)} (1-D); pass attention_mask[None] for one sequence"
+        )
+    if mask.dim() == 2 and mask.shape != ids.shape:
+        raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
 
 
 def check_prompts(prompts: Any) -> str:

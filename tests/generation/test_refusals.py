@@ -50,3 +50,24 @@ def test_every_row_has_a_known_stage_and_a_library_class():
     assert all(issubclass(rule.error, InputError) for rule in REFUSALS)
     with pytest.raises(InternalError, match="unknown refusal stage"):
         refuse("nonsense")
+
+
+def test_seed_and_streamer_are_checked_like_transformers_checks_them():
+    import types
+
+    import numpy as np
+    from transformers import TextStreamer
+
+    skel = types.SimpleNamespace(can_generate=lambda: True)
+    call = dict(skeleton=skel, kwargs={}, input_ids=torch.zeros(1, 2, dtype=torch.long))
+    for seed in (None, 0, 2**40, np.int64(3)):
+        refuse("call", **call, seed=seed, streamer=None)
+    for seed, shown in ((float("nan"), "nan of type float"), ("abc", "'abc' of type str"), (True, "True of type bool"),
+                        (1.5, "1.5 of type float")):
+        with pytest.raises(InputTypeError, match=rf"^seed must be an int .*got {shown}; pass e\.g\. seed=0$"):
+            refuse("call", **call, seed=seed, streamer=None)
+    refuse("call", **call, seed=None, streamer=TextStreamer.__new__(TextStreamer))
+    with pytest.raises(InputTypeError, match=r"put\(ids\) and end\(\) methods .*got object without put\(\) and end"):
+        refuse("call", **call, seed=None, streamer=object())
+    with pytest.raises(InputTypeError, match=r"got SimpleNamespace without end\(\)$"):
+        refuse("call", **call, seed=None, streamer=types.SimpleNamespace(put=print))

@@ -426,6 +426,60 @@ CALL_CASES = {
         r"the prompt has 5 tokens \+ 1000000000000 new tokens = 1000000000005, more than the model's maximum of 128 "
         r"positions "
         r"\(config\.max_position_embeddings\); generate at most 123 new tokens \(max_new_tokens=123\)$"),
+    # Every index tensor against the table it indexes, the effective generation length, dtypes as
+    # transformers takes them: refused on every rank before anything is sent.
+    "generate (GPT-2, learned positions): max_length beyond the maximum positions": (
+        lambda _: _MODEL["gpt2"].generate(**_ids(2, 5), max_length=200), ("ValueError",),
+        r"the prompt has 5 tokens \+ 195 new tokens = 200, more than the model's maximum of 128 positions "
+        r"\(config\.max_position_embeddings\); .*max_new_tokens=123"),
+    "generate (GPT-2, learned positions): GenerationConfig(max_new_tokens=...) beyond the maximum positions": (
+        lambda _: _MODEL["gpt2"].generate(
+            **_ids(2, 5), generation_config=__import__("transformers").GenerationConfig(max_new_tokens=200)),
+        ("ValueError",), r"the prompt has 5 tokens \+ 200 new tokens = 205, more than the model's maximum of 128"),
+    "forward (GPT-2, learned positions): position_ids outside the position table": (
+        lambda _: _MODEL["gpt2"](**_ids(2, 9), position_ids=torch.arange(120, 129).expand(2, 9)), ("ValueError",),
+        r"position_ids holds 128 at \[0, 8\], outside the table of 128 entries it indexes "
+        r"\(config\.max_position_embeddings\); position_ids must be in \[0, 127\]"),
+    "forward (GPT-2): token_type_ids outside the embedding it indexes": (
+        lambda _: _MODEL["gpt2"](**_ids(2, 9), token_type_ids=torch.full((2, 9), 96)), ("ValueError",),
+        r"token_type_ids holds 96 at \[0, 0\], outside the table of 96 entries it indexes \(config\.vocab_size\)"),
+    "generate (GPT-2): token_type_ids outside the embedding it indexes": (
+        lambda _: _MODEL["gpt2"].generate(**_ids(2, 5), token_type_ids=torch.full((2, 5), 96), max_new_tokens=2),
+        ("ValueError",), r"token_type_ids holds 96 at \[0, 0\], outside the table of 96 entries"),
+    "forward: int16 input_ids": (
+        lambda _: _m()(input_ids=_ids(2, 9)["input_ids"].short()), ("ValueError",),
+        r"input_ids has dtype torch\.int16, but embeddings take torch\.long or torch\.int32 indices \(transformers "
+        r"raises the same\); pass input_ids\.long\(\)"),
+    "generate: uint8 input_ids": (
+        lambda _: _m().generate(input_ids=_ids(2, 5)["input_ids"].to(torch.uint8), max_new_tokens=2), ("ValueError",),
+        r"input_ids has dtype torch\.uint8, but embeddings take torch\.long or torch\.int32"),
+    "train_step: int32 labels": (
+        lambda _: _m().train_step(_with_labels(_ids(2, 9), _ids(2, 9)["input_ids"].int())), ("ValueError",),
+        r"labels must be a torch\.long tensor for causal_lm, got dtype torch\.int32 \(transformers' loss takes Long "
+        r"targets"),
+    "forward: inputs_embeds of the wrong hidden size": (
+        lambda _: _m()(inputs_embeds=torch.zeros(2, 9, 7)), ("ValueError",),
+        r"inputs_embeds must be a floating point tensor of shape \(batch, length, 32\) \(config\.hidden_size\), "
+        r"got shape \(2, 9, 7\)"),
+    "generate: seed=nan": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, seed=float("nan")), ("TypeError",),
+        r"seed must be an int \(or None for one drawn from torch's generator\), got nan of type float"),
+    "generate: seed='abc'": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, seed="abc"), ("TypeError",),
+        r"seed must be an int .*got 'abc' of type str"),
+    "generate: streamer without put/end": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, streamer=object()), ("TypeError",),
+        r"streamer must have put\(ids\) and end\(\) methods \(transformers' BaseStreamer, e\.g\. TextStreamer\), "
+        r"got object without put\(\) and end\(\)"),
+    "forward: 1-D attention_mask": (
+        lambda _: _m()(input_ids=_ids(2, 9)["input_ids"], attention_mask=torch.ones(9, dtype=torch.long)),
+        ("ValueError",),
+        r"attention_mask must be \(batch, length\) like input_ids \(2, 9\), got shape \(9,\) \(1-D\); pass "
+        r"attention_mask\[None\]"),
+    "generate: 1-D attention_mask": (
+        lambda _: _m().generate(
+            input_ids=_ids(2, 5)["input_ids"], attention_mask=torch.ones(5, dtype=torch.long), max_new_tokens=2),
+        ("ValueError",), r"attention_mask shape \(5,\) does not match input_ids \(2, 5\)"),
     # Generation arguments transformers rejects: its own checks, on every rank, its exception type.
     "generate: temperature=0 with sampling": (
         lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, temperature=0.0), ("ValueError",),
