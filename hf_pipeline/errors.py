@@ -125,9 +125,11 @@ class InternalError(PipelineError, RuntimeError):
     """
 
 
-def is_user_error(error: BaseException) -> bool:
-    """Whether ``error`` is a mistake of the caller the library refused on purpose (one line for the CLI)."""
-    return isinstance(error, PipelineError) and not isinstance(error, InternalError)
+def is_user_error(error: BaseException | type[BaseException]) -> bool:
+    """Whether ``error`` (an exception or its class) is a mistake of the caller the library refused on
+    purpose (one line for the CLI)."""
+    cls = error if isinstance(error, type) else type(error)
+    return issubclass(cls, PipelineError) and not issubclass(cls, InternalError)
 
 
 class CLIError(PipelineError):

@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Sequence
 
-from ..errors import CLIError, InternalError, PipelineBroken, PipelineError, RankError, is_user_error
+from ..errors import CLIError, PipelineBroken, RankError, is_user_error
 from .env import benchmark_script, cmd_bench, cmd_env, env_info
 from .generate import cmd_generate
 from .launch import launch
@@ -61,11 +61,9 @@ def _named_type(name: str) -> type | None:
 
 
 def _is_user_error_type(cls: type) -> bool:
-    """:func:`hf_pipeline.errors.is_user_error` for a class (another rank's error arrives as a class name)."""
-    if issubclass(cls, _RUNNING_FAILURES):
-        return False
-    # A builtin error reaching here is not one the library raised on purpose: a traceback, not one line.
-    return issubclass(cls, PipelineError) and not issubclass(cls, InternalError)
+    """:func:`hf_pipeline.errors.is_user_error` but for the failures while running (another rank's error
+    arrives as a class name). A builtin error is not one the library raised on purpose: a traceback."""
+    return not issubclass(cls, _RUNNING_FAILURES) and is_user_error(cls)
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -77,10 +75,6 @@ def _is_user_error(e: BaseException) -> bool:
     if isinstance(e, RankError):
         kinds = [_named_type(kind) for kind, _, _ in e.failures.values()]
         return all(cls is not None and _is_user_error_type(cls) for cls in kinds)
-    if isinstance(e, _RUNNING_FAILURES):
-        return False
-    if isinstance(e, PipelineError):
-        return is_user_error(e)
     return _is_user_error_type(type(e))
 
 
