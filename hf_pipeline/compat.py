@@ -255,6 +255,23 @@ __all__ += ["fx_graph_of", "mark_hf_initialized", "module_registries", "transfor
 
 
 # --- for training/ and the model facade -------------------------------------------------------------
+# Activation checkpointing: transformers' ``GradientCheckpointingLayer`` checkpoints its forward through the
+# function ``PreTrainedModel._set_gradient_checkpointing`` stores on it as ``_gradient_checkpointing_func``;
+# the pipeline's stages are pruned copies, not a PreTrainedModel, so they set (and the glue reads) it themselves.
+def set_checkpointing_function(module: torch.nn.Module, function: Any) -> None:
+    """Give a transformers module the function its checkpointed forward runs through."""
+    module._gradient_checkpointing_func = function
+
+
+def checkpointing_function(module: torch.nn.Module) -> Any:
+    """The function a transformers module's checkpointed forward runs through (torch's ``checkpoint`` by default)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return getattr(module, "_gradient_checkpointing_func", None) or checkpoint
+
+
+__all__ += ["checkpointing_function", "set_checkpointing_function"]
+
 
 
 # --- for tools/ and the command line ----------------------------------------------------------------

@@ -22,7 +22,6 @@ import pathlib
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .compat import ACCELERATE_PREPARED_FLAG
@@ -33,13 +32,14 @@ from .distributed.faults import raise_if_broken, spread_failures
 from .errors import InputError, TraceError
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
-from .planning.layout import ParamLayout, param_layout
+from .planning.layout import ParamLayout, count_parameters, param_layout
 from .planning.options import PipelineOptions
 from .planning.plan import StagePlan
 from .planning.resolve import ResolvedRecipe
 from .planning.schedules import ScheduleSpec
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
+from .training.activation_checkpointing import ActivationCheckpointingMixin
 from .training.inference_loss import inference_only
 
 if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # imported when training starts (training.step is not needed 
 __all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 
 
-class PipelinedModel(nn.Module):
+class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
     """A transformers model split into pipeline stages; this rank holds ``self.stages``.
 
     Attributes:
@@ -62,9 +62,10 @@ class PipelinedModel(nn.Module):
     Of what code written for a ``PreTrainedModel`` uses, it has ``config``, ``generation_config``,
     ``can_generate()``, ``num_parameters()``, ``get_input_embeddings()`` / ``get_output_embeddings()``
     (on the rank whose stage holds them, None elsewhere), ``device``, ``dtype``, ``name_or_path``,
-    ``save_pretrained``, ``generate``, ``train()`` / ``eval()``. Absent, since each would have to change
-    the whole model from one rank: ``resize_token_embeddings``, ``set_input_embeddings`` /
-    ``set_output_embeddings``, ``tie_weights``, ``gradient_checkpointing_enable``, ``push_to_hub``.
+    ``save_pretrained``, ``generate``, ``train()`` / ``eval()``, ``activation_checkpointing_enable`` /
+    ``_disable`` (and the ``gradient_checkpointing_*`` aliases, ``is_activation_checkpointing``). Absent, since
+    each would have to change the whole model from one rank: ``resize_token_embeddings``,
+    ``set_input_embeddings`` / ``set_output_embeddings``, ``tie_weights``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
 
     What the feature modules (``generation/``, ``training/``, ``tools/``) read of it — the typed
@@ -151,35 +152,9 @@ class PipelinedModel(nn.Module):
     def num_parameters(
         self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
     ) -> int:
-        """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once).
-
-        Args:
-            only_trainable: count parameters with ``requires_grad`` only. For the whole model that is
-                collective (each pipeline rank counts the tensors it owns, summed over the pipeline):
-                call it on every rank.
-            exclude_embeddings: leave out ``nn.Embedding`` weights, as transformers does.
-            local: count this rank's stages only (a tensor held by two of them once).
-        """
-        embeddings = {f"{n}.weight" for n, m in self.skeleton.named_modules() if isinstance(m, nn.Embedding)}
-        if not (local or only_trainable):
-            # The meta-device model has every parameter's shape: no communication, the same number everywhere.
-            return self.skeleton.num_parameters(exclude_embeddings=exclude_embeddings)
-        layout = self.param_layout
-        mine = {s.spec.index for s in self.stages}
-        total = 0
-        for name, p in self.checkpoint_named_parameters():
-            key = layout.key_of.get(name, name)
-            if exclude_embeddings and (name in embeddings or key in embeddings):
-                continue
-            if only_trainable and not p.requires_grad:
-                continue
-            if local or layout.owner_stage(key) in mine:
-                total += p.numel()
-        if local or self.plan.pp_size == 1:
-            return total
-        count = torch.tensor([total], dtype=torch.int64, device=self.device if self.ctx.backend == "nccl" else "cpu")
-        dist.all_reduce(count, group=self.dims.pp_group)  # None: the pipeline is the whole world
-        return int(count.item())
+        """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once);
+        ``local``: this rank's stages only. Collective with ``only_trainable``. See :func:`count_parameters`."""
+        return count_parameters(self, only_trainable, exclude_embeddings, local=local)
 
     def _local_module(self, module: nn.Module | None) -> nn.Module | None:
         # The stage's copy of one of the meta model's modules, on the rank that holds its parameters.
@@ -340,6 +315,18 @@ class PipelinedModel(nn.Module):
 
         with self._spreading_failures("a training step"):
             return train_step(self, batch, **kwargs)
+
+    def activation_checkpointing_enable(
+        self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False, *,
+        memory_budget_bytes: int | str | None = None, budget_batch: tuple[int, int] | None = None,
+    ):
+        """As transformers' (non-reentrant; ``every_n_layers`` over the whole model's layers). With
+        ``memory_budget_bytes`` (and the ``budget_batch=(batch, seq)`` it plans for): the fewest checkpointed layers
+        whose predicted per-rank activation peak fits; returns that choice. See ``activation_checkpointing.py``."""
+        from .tools.checkpoint_budget import enable_checkpointing
+
+        return enable_checkpointing(self, activation_checkpointing_kwargs, every_n_layers, offload,
+                                    memory_budget_bytes=memory_budget_bytes, budget_batch=budget_batch)
 
     def set_schedule(self, schedule: str | type, *, n_microbatches: int | None = None) -> None:
         """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved

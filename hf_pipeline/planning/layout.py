@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
     from .plan import StagePlan
 
-__all__ = ["ParamLayout", "param_layout"]
+__all__ = ["ParamLayout", "count_parameters", "param_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,3 +105,42 @@ def param_layout(skeleton: nn.Module, plan: StagePlan, tied: Sequence[Sequence[s
         saved=frozenset(saved),
         parameters=frozenset(key_of[n] for n in param_names),
     )
+
+
+def count_parameters(
+    model, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
+) -> int:
+    """Parameters of a pipelined model as transformers' ``num_parameters`` counts them (a tied tensor once).
+
+    Args:
+        model: a :class:`~hf_pipeline.model.PipelinedModel`.
+        only_trainable: count parameters with ``requires_grad`` only. For the whole model that is
+            collective (each pipeline rank counts the tensors it owns, summed over the pipeline):
+            call it on every rank.
+        exclude_embeddings: leave out ``nn.Embedding`` weights, as transformers does.
+        local: count this rank's stages only (a tensor held by two of them once).
+
+    Returns:
+        The count.
+    """
+    embeddings = {f"{n}.weight" for n, m in model.skeleton.named_modules() if isinstance(m, nn.Embedding)}
+    if not (local or only_trainable):
+        # The meta-device model has every parameter's shape: no communication, the same number everywhere.
+        return model.skeleton.num_parameters(exclude_embeddings=exclude_embeddings)
+    layout = model.param_layout
+    mine = {s.spec.index for s in model.stages}
+    total = 0
+    for name, p in model.checkpoint_named_parameters():
+        key = layout.key_of.get(name, name)
+        if exclude_embeddings and (name in embeddings or key in embeddings):
+            continue
+        if only_trainable and not p.requires_grad:
+            continue
+        if local or layout.owner_stage(key) in mine:
+            total += p.numel()
+    if local or model.plan.pp_size == 1:
+        return total
+    device = model.device if model.ctx.backend == "nccl" else "cpu"
+    count = torch.tensor([total], dtype=torch.int64, device=device)
+    dist.all_reduce(count, group=model.dims.pp_group)  # None: the pipeline is the whole world
+    return int(count.item())

@@ -49,7 +49,6 @@ import torch
 import transformers
 from torch import nn
 
-from ..compat import storage_key
 from ..errors import InputError
 from ..loading.stages import StageModule, build_stage, recipe_front_end
 from ..loading.weights import resolve_checkpoint
@@ -58,6 +57,8 @@ from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan, compress_blocks, human_count
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
+from ..training.activation_checkpointing import CheckpointingSettings, apply_checkpointing
+from .activation_memory import CheckpointProbe, measure_saved_bytes
 from .kv_cache import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 
 __all__ = [
@@ -72,26 +73,6 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- measurements
-def measure_saved_bytes(fn, params: Sequence[torch.Tensor] = ()) -> tuple[int, Any]:
-    """(bytes of the tensors autograd saves for backward while ``fn()`` runs, fn's result).
-
-    Tensors sharing storage count once; storages of ``params`` are not counted (they are weights,
-    not activations). Works on real and on fake tensors.
-    """
-    owned = {storage_key(p) for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in owned and key not in seen:
-            seen[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 def _loss_saved_bytes(out: torch.Tensor, params=()) -> int:
     # The cross entropy a head's loss computes: transformers' losses upcast to fp32 and keep the
     # log-probabilities (same shape as the logits) for backward.
@@ -149,10 +130,12 @@ class _StageRun:
     loss_bytes: int
     send_bytes: int  # tensors sent to the next stage per microbatch
     recv_bytes: int  # tensors received from the previous stage per microbatch
+    checkpointed_bytes: int  # kept for backward by one microbatch with activation checkpointing (loss included)
+    recompute_bytes: int  # the largest checkpointed block's recomputed activations (0: none checkpointed)
 
 
 def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int,
-                     has_loss: bool) -> list[_StageRun]:
+                     has_loss: bool, every_n_layers: int = 1) -> list[_StageRun]:
     """Run every stage once in training mode on fake tensors; measure what each saves and sends."""
     from ..compat import FakeTensorMode
 
@@ -173,6 +156,12 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
                     return stage(*received, **inputs)
 
                 nbytes, out = measure_saved_bytes(run, params)
+                # Again with the layers activation_checkpointing_enable(every_n_layers=...) checkpoints.
+                probe = CheckpointProbe(params)
+                settings = CheckpointingSettings(every_n_layers=every_n_layers)
+                apply_checkpointing([stage], skeleton, settings, torch.device("cpu"), function=probe)
+                kept, _ = probe.measure(run)
+                apply_checkpointing([stage], skeleton, None, torch.device("cpu"))
                 outs = out if isinstance(out, tuple) else (out,)
                 loss = 0
                 if stage.spec.is_last and has_loss and outs[0].is_floating_point():
@@ -180,7 +169,8 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
                 send = 0 if stage.spec.is_last else sum(t.numel() * t.element_size() for t in outs)
                 recv = sum(t.numel() * t.element_size() for t in received)
                 results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send,
-                                         recv_bytes=recv))
+                                         recv_bytes=recv, checkpointed_bytes=kept + loss,
+                                         recompute_bytes=probe.recompute_bytes))
                 # as torch's PipelineStage does: the next stage gets detached leaves that require grad
                 received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
     return results
@@ -208,6 +198,8 @@ class StageMemory:
     params: int
     weight_bytes: int
     activation_bytes: int  # kept alive for backward by one microbatch (training)
+    checkpointed_activation_bytes: int  # the same with activation checkpointing (the report's every_n_layers)
+    recompute_bytes: int  # with checkpointing: the largest block's recomputed activations, during its backward
     send_bytes: int  # sent to the next stage per microbatch
     recv_bytes: int  # received from the previous stage per microbatch
     # per sequence, over this stage's decoder layers (sliding ones: until the window is full)
@@ -228,6 +220,8 @@ class RankMemory:
     activation_bytes: int  # peak live activations
     p2p_buffer_bytes: int
     train_peak_bytes: int
+    checkpointed_activation_bytes: int  # peak live activations with activation checkpointing (+ one recompute)
+    checkpointed_train_peak_bytes: int
     kv_cache_bytes: int  # batch x seq tokens
     generate_peak_bytes: int
 
@@ -251,6 +245,7 @@ class MemoryReport:
     ranks: tuple[RankMemory, ...]
     total_params: int
     total_weight_bytes: int
+    checkpoint_every_n_layers: int = 1  # the activation checkpointing the "with checkpointing" figures assume
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -271,20 +266,24 @@ class MemoryReport:
         )
 
     def _tables(self) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+        ckpt = f"ckpt every {self.checkpoint_every_n_layers}"
         stage_rows = [("stage", "rank", "modules", "params", "weights", "activations / microbatch",
-                       "sent / microbatch", "KV cache / token")]
+                       f"({ckpt})", "sent / microbatch", "KV cache / token")]
         for s in self.stages:
             stage_rows.append((
                 str(s.index), str(s.rank), _compress_modules(s.modules), _count(s.params), _human(s.weight_bytes),
-                _human(s.activation_bytes), _human(s.send_bytes), _human(s.kv_bytes_per_token),
+                _human(s.activation_bytes), _human(s.checkpointed_activation_bytes), _human(s.send_bytes),
+                _human(s.kv_bytes_per_token),
             ))
         rank_rows = [("rank", "stages", "weights", "grads", "activations (in flight)", "P2P buffers", "train peak",
-                      f"KV cache ({self.batch}x{self.seq})", "generate peak")]
+                      f"activations ({ckpt})", f"train peak ({ckpt})", f"KV cache ({self.batch}x{self.seq})",
+                      "generate peak")]
         for r in self.ranks:
             flight = ", ".join(f"s{k}:{v}" for k, v in r.in_flight.items())
             rank_rows.append((
                 str(r.rank), ",".join(map(str, r.stages)), _human(r.weight_bytes), _human(r.grad_bytes),
                 f"{_human(r.activation_bytes)} ({flight})", _human(r.p2p_buffer_bytes), _human(r.train_peak_bytes),
+                _human(r.checkpointed_activation_bytes), _human(r.checkpointed_train_peak_bytes),
                 _human(r.kv_cache_bytes), _human(r.generate_peak_bytes),
             ))
         return stage_rows, rank_rows
@@ -347,6 +346,7 @@ def plan_report(
     n_microbatches: int | None = None,
     auto_class: str | type = "AutoModelForCausalLM",
     split: str | Sequence[str] = "auto",
+    checkpoint_every_n_layers: int = 1,
 ) -> MemoryReport:
     """Predict per-stage and per-rank memory without reading any weights.
 
@@ -362,6 +362,8 @@ def plan_report(
         n_microbatches: microbatches per step (default: the number of stages, as the loader).
         auto_class: transformers Auto class the model is loaded as.
         split: as ``from_pretrained``'s ``split``.
+        checkpoint_every_n_layers: the activation checkpointing (``every_n_layers`` of
+            ``activation_checkpointing_enable``) the report's "with checkpointing" figures assume.
 
     Returns:
         :class:`MemoryReport`.
@@ -388,7 +390,8 @@ def plan_report(
     # still runs one sequence per microbatch at most.
     microbatch = max(1, math.ceil(batch / m))
     has_loss = resolved.head.loss is not None
-    runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=has_loss)
+    runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=has_loss,
+                            every_n_layers=CheckpointingSettings(every_n_layers=checkpoint_every_n_layers).every_n_layers)
     generative = bool(getattr(skeleton, "can_generate", lambda: False)())
     stage_rows = _stage_rows(config, resolved, plan, runs, generative=generative, dtype=options.dtype, batch=batch,
                              seq=seq)
@@ -400,7 +403,7 @@ def plan_report(
         model_class=plan.model_class, dtype=str(options.dtype).removeprefix("torch."), num_stages=plan.num_stages,
         pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
         microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
-        total_weight_bytes=plan.total_bytes,
+        total_weight_bytes=plan.total_bytes, checkpoint_every_n_layers=checkpoint_every_n_layers,
         notes=tuple(filter(None, [options.schedule_note])) + tuple(_notes(config, generative=generative, seq=seq)),
     )
 
@@ -418,6 +421,7 @@ def _stage_rows(
         rows.append(StageMemory(
             index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,
             activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes,
+            checkpointed_activation_bytes=run.checkpointed_bytes, recompute_bytes=run.recompute_bytes,
             kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=dtype),
             kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=dtype, batch=batch, seq=seq),
         ))
@@ -429,13 +433,18 @@ def _rank_row(rank: int, stage_rows: list[StageMemory], order: list[str], *, n_m
     mine = [st for st in stage_rows if st.rank == rank]
     weights = sum(st.weight_bytes for st in mine)
     act, in_flight = _peak_in_flight(order, {st.index: st.activation_bytes for st in mine})
+    # With checkpointing: what the microbatches in flight keep, plus one block's recompute during its backward.
+    kept, _ = _peak_in_flight(order, {st.index: st.checkpointed_activation_bytes for st in mine})
+    kept += max((st.recompute_bytes for st in mine), default=0)
     # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
     p2p = sum(n_microbatches * (st.recv_bytes + st.send_bytes) for st in mine)
     kv_cache = sum(st.kv_cache_bytes for st in mine)
     return RankMemory(
         rank=rank, stages=tuple(st.index for st in mine), weight_bytes=weights, grad_bytes=weights,
         in_flight=in_flight, activation_bytes=act, p2p_buffer_bytes=p2p,
-        train_peak_bytes=2 * weights + act + p2p, kv_cache_bytes=kv_cache, generate_peak_bytes=weights + kv_cache,
+        train_peak_bytes=2 * weights + act + p2p, checkpointed_activation_bytes=kept,
+        checkpointed_train_peak_bytes=2 * weights + kept + p2p, kv_cache_bytes=kv_cache,
+        generate_peak_bytes=weights + kv_cache,
     )
 
 

@@ -12,11 +12,13 @@ Shapes: B batch rows, T positions, H hidden size, C choices of a multiple-choice
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...compat import checkpointing_function
 from ...errors import InternalError
 
 __all__ = [
@@ -117,6 +119,14 @@ class SingleStackGlue(Glue, abc.ABC):
         cut it; ``tests/loading/test_stages.py`` checks that both halves in a row equal the block.
         """
 
+    def _half(self, layer, half: int, hidden, ctx) -> torch.Tensor:
+        # A checkpointed block (activation_checkpointing_enable) cut at a stage boundary: each half is
+        # checkpointed on its own stage, through the function and under the condition transformers'
+        # GradientCheckpointingLayer uses for the whole block (training mode, gradients on).
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            return checkpointing_function(layer)(functools.partial(self.block_half, layer, half, ctx=ctx), hidden)
+        return self.block_half(layer, half, hidden, ctx)
+
     def forward(self, stage, received, inputs):
         choices = None
         if stage.resolved.head.choices:
@@ -131,7 +141,7 @@ class SingleStackGlue(Glue, abc.ABC):
             if half is None:
                 hidden = self.block(layer, hidden, self.layer_context(ctx, fqn))  # (B, T, H)
             else:  # only the attention half needs the layer's own context (its mask)
-                hidden = self.block_half(layer, half, hidden, self.layer_context(ctx, fqn) if half == 0 else ctx)
+                hidden = self._half(layer, half, hidden, self.layer_context(ctx, fqn) if half == 0 else ctx)
         for m in stage.finals:
             hidden = m(hidden)  # final norm: (B, T, H)
         if stage.spec.is_last:

@@ -1,0 +1,83 @@
+"""What a stage's forward keeps alive for backward, with and without activation checkpointing.
+
+The memory planner (``memory.py``) runs each stage once on fake tensors and sums what autograd
+saves (:func:`measure_saved_bytes`). With activation checkpointing a checkpointed block saves nothing
+through autograd's hooks: torch's non-reentrant ``checkpoint`` holds the block's *inputs* instead (in
+the closure that recomputes it) and, in backward, recomputes the block, whose saved tensors then
+live until that block's backward is done. :class:`CheckpointProbe` is the checkpoint function the
+planner installs on the fake stages (with the layer choice of
+:func:`~hf_pipeline.training.activation_checkpointing.apply_checkpointing`, so it is the one the
+model makes): it records each checkpointed block's inputs (kept per microbatch) and measures what
+the block saves when it runs un-checkpointed (its recompute, one block at a time).
+
+Example:
+    >>> probe = CheckpointProbe(params)
+    >>> apply_checkpointing([stage], skeleton, CheckpointingSettings(every_n_layers=1), cpu, function=probe)
+    >>> kept, out = probe.measure(lambda: stage(**inputs))
+    >>> probe.recompute_bytes          # the largest block's saved tensors, alive during its backward
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..compat import storage_key
+
+__all__ = ["CheckpointProbe", "measure_saved_bytes", "saved_storages"]
+
+
+def saved_storages(fn: Callable[[], Any], params: Sequence[torch.Tensor] = ()) -> tuple[dict[int, int], Any]:
+    """(storage -> bytes of every tensor autograd saves for backward while ``fn()`` runs, fn's result).
+
+    Storages of ``params`` are left out (weights, not activations). Works on real and on fake tensors.
+    """
+    owned = {storage_key(p) for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in owned and key not in seen:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return seen, out
+
+
+def measure_saved_bytes(fn: Callable[[], Any], params: Sequence[torch.Tensor] = ()) -> tuple[int, Any]:
+    """(bytes of the tensors autograd saves for backward while ``fn()`` runs, fn's result).
+
+    Tensors sharing storage count once; storages of ``params`` are not counted (they are weights,
+    not activations). Works on real and on fake tensors.
+    """
+    seen, out = saved_storages(fn, params)
+    return sum(seen.values()), out
+
+
+class CheckpointProbe:
+    """A checkpoint function that also measures what checkpointing keeps (see the module docstring)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.owned = {storage_key(p) for p in self.params}
+        self.inputs: dict[int, int] = {}  # storage -> bytes of the checkpointed blocks' tensor inputs
+        self.recompute_bytes = 0  # the largest checkpointed block's saved tensors
+        self.blocks = 0
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        for t in args:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in self.owned:
+                self.inputs.setdefault(storage_key(t), t.untyped_storage().nbytes())
+        nbytes, _ = measure_saved_bytes(lambda: function(*args), self.params)
+        self.recompute_bytes = max(self.recompute_bytes, nbytes)
+        self.blocks += 1
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[int, Any]:
+        """(bytes kept for backward by ``fn()`` with its blocks checkpointed through this probe, fn's result)."""
+        seen, out = saved_storages(fn, self.params)
+        return sum({**self.inputs, **seen}.values()), out
