@@ -14,7 +14,7 @@ Example:
     >>> probe = CheckpointProbe(params)
     >>> apply_checkpointing([stage], skeleton, CheckpointingSettings(every_n_layers=1), cpu, function=probe)
     >>> kept, out = probe.measure(lambda: stage(**inputs))
-    >>> probe.recompute_bytes          # the largest block's saved tensors, alive during its backward
+    >>> probe.backward_extra_bytes     # above ``kept`` while a block is recomputed in backward
 """
 
 from __future__ import annotations
@@ -59,25 +59,43 @@ def measure_saved_bytes(fn: Callable[[], Any], params: Sequence[torch.Tensor] = 
 
 
 class CheckpointProbe:
-    """A checkpoint function that also measures what checkpointing keeps (see the module docstring)."""
+    """A checkpoint function that also measures what checkpointing keeps (see the module docstring).
+
+    After :meth:`measure`: ``kept_bytes`` (what one microbatch keeps for backward) and ``backward_extra_bytes``
+    (how far above that the microbatch's own backward goes: when block ``k`` is recomputed, what was kept before
+    it plus its recomputed activations; the blocks after it have been freed by then).
+    """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = list(params)
         self.owned = {storage_key(p) for p in self.params}
         self.inputs: dict[int, int] = {}  # storage -> bytes of the checkpointed blocks' tensor inputs
-        self.recompute_bytes = 0  # the largest checkpointed block's saved tensors
-        self.blocks = 0
+        self.seen: dict[int, int] = {}  # storage -> bytes saved through autograd outside checkpointed blocks
+        self.kept_bytes = 0
+        self.backward_extra_bytes = 0
+        self._backward_peak = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self.owned and key not in self.seen:
+            self.seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    def _kept(self) -> int:
+        return sum({**self.inputs, **self.seen}.values())
 
     def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         for t in args:
             if isinstance(t, torch.Tensor) and storage_key(t) not in self.owned:
                 self.inputs.setdefault(storage_key(t), t.untyped_storage().nbytes())
-        nbytes, _ = measure_saved_bytes(lambda: function(*args), self.params)
-        self.recompute_bytes = max(self.recompute_bytes, nbytes)
-        self.blocks += 1
+        recompute, _ = measure_saved_bytes(lambda: function(*args), self.params)
+        self._backward_peak = max(self._backward_peak, self._kept() + recompute)
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
     def measure(self, fn: Callable[[], Any]) -> tuple[int, Any]:
         """(bytes kept for backward by ``fn()`` with its blocks checkpointed through this probe, fn's result)."""
-        seen, out = saved_storages(fn, self.params)
-        return sum({**self.inputs, **seen}.values()), out
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            out = fn()
+        self.kept_bytes = self._kept()
+        self.backward_extra_bytes = max(0, self._backward_peak - self.kept_bytes)
+        return self.kept_bytes, out

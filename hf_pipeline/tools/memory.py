@@ -131,7 +131,7 @@ class _StageRun:
     send_bytes: int  # tensors sent to the next stage per microbatch
     recv_bytes: int  # tensors received from the previous stage per microbatch
     checkpointed_bytes: int  # kept for backward by one microbatch with activation checkpointing (loss included)
-    recompute_bytes: int  # the largest checkpointed block's recomputed activations (0: none checkpointed)
+    recompute_bytes: int  # with checkpointing: how far a microbatch's backward (its recomputes) goes above that
 
 
 def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int,
@@ -170,7 +170,7 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
                 recv = sum(t.numel() * t.element_size() for t in received)
                 results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send,
                                          recv_bytes=recv, checkpointed_bytes=kept + loss,
-                                         recompute_bytes=probe.recompute_bytes))
+                                         recompute_bytes=probe.backward_extra_bytes))
                 # as torch's PipelineStage does: the next stage gets detached leaves that require grad
                 received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
     return results
@@ -199,7 +199,7 @@ class StageMemory:
     weight_bytes: int
     activation_bytes: int  # kept alive for backward by one microbatch (training)
     checkpointed_activation_bytes: int  # the same with activation checkpointing (the report's every_n_layers)
-    recompute_bytes: int  # with checkpointing: the largest block's recomputed activations, during its backward
+    recompute_bytes: int  # with checkpointing: how far a microbatch's backward (block recomputes) goes above it
     send_bytes: int  # sent to the next stage per microbatch
     recv_bytes: int  # received from the previous stage per microbatch
     # per sequence, over this stage's decoder layers (sliding ones: until the window is full)
@@ -433,7 +433,7 @@ def _rank_row(rank: int, stage_rows: list[StageMemory], order: list[str], *, n_m
     mine = [st for st in stage_rows if st.rank == rank]
     weights = sum(st.weight_bytes for st in mine)
     act, in_flight = _peak_in_flight(order, {st.index: st.activation_bytes for st in mine})
-    # With checkpointing: what the microbatches in flight keep, plus one block's recompute during its backward.
+    # With checkpointing: what the microbatches in flight keep, plus how far one's backward (a recompute) goes above.
     kept, _ = _peak_in_flight(order, {st.index: st.checkpointed_activation_bytes for st in mine})
     kept += max((st.recompute_bytes for st in mine), default=0)
     # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
