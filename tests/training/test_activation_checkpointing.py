@@ -233,12 +233,14 @@ def _kept_bytes_case(rank):
         settings = None if n is None else CheckpointingSettings(every_n_layers=n)
         apply_checkpointing([stage], skeleton, settings, torch.device("cpu"))
         for _ in range(2):  # the first run also allocates what stays for the process (thread pools, caches)
-            received = () if rank == 0 else (torch.randn(KEPT_MB, KEPT_SEQ, cfg.hidden_size, requires_grad=True),)
             before = rss()
+            # The received hidden states count: the stage keeps them for backward (as its first block's
+            # input, checkpointed or not), and so does the planner.
+            received = () if rank == 0 else (torch.randn(KEPT_MB, KEPT_SEQ, cfg.hidden_size, requires_grad=True),)
             out = stage(*received, input_ids=ids)
             held[n] = rss() - before - out.numel() * out.element_size()  # the output is sent, not kept
             out.sum().backward()
-            del out
+            del out, received  # freed before the next measurement starts
     return held
 
 
