@@ -108,11 +108,12 @@ def checkpoints(args, sizes: Sizes) -> dict[str, str]:
     t = time.perf_counter()
     load = write_random_checkpoint(root / tag, _load_config(sizes), shard_bytes=sizes.load_shard_bytes)
     created = time.perf_counter() - t
+    # Positions for the longest sequence any section runs (the checkpointing section's).
+    max_pos = max(256, sizes.seq, sizes.prompt_len + sizes.new_tokens, sizes.ckpt_seq)
     train_cfg = llama_config(
         hidden=sizes.hidden, intermediate=sizes.intermediate, layers=sizes.layers, heads=sizes.heads,
-        kv_heads=sizes.kv_heads, vocab=sizes.vocab, max_pos=max(256, sizes.seq, sizes.prompt_len + sizes.new_tokens),
-        dtype="float32",
+        kv_heads=sizes.kv_heads, vocab=sizes.vocab, max_pos=max_pos, dtype="float32",
     )
-    train_tag = f"train-h{sizes.hidden}-l{sizes.layers}-kv{sizes.kv_heads}-v{sizes.vocab}"
+    train_tag = f"train-h{sizes.hidden}-l{sizes.layers}-kv{sizes.kv_heads}-v{sizes.vocab}-p{max_pos}"
     train = write_random_checkpoint(root / train_tag, train_cfg, shard_bytes=16_000_000)
     return {"load": str(load), "warmup": str(warmup), "train": str(train), "load_seconds": f"{created:.1f}"}

@@ -13,7 +13,7 @@ SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2),
     ("dualpipev", 2), ("auto", None), ("zbv-zero-bubble" + MEASURED, 2),
 ]
-SECTIONS = ("load", "train", "generate", "bubble")
+SECTIONS = ("load", "train", "generate", "bubble", "checkpointing")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,11 @@ class Sizes:
     new_tokens: int = 64
     gen_reps: int = 3
     world: int = 2
+    # checkpointing: a long sequence, activations dominate
+    ckpt_seq: int = 1024
+    ckpt_batch: int = 4
+    ckpt_microbatches: int = 4
+    ckpt_reps: int = 2
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -53,5 +58,5 @@ class Sizes:
             load_hidden=64, load_intermediate=128, load_layers=4, load_heads=4, load_kv_heads=2, load_vocab=512,
             load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
             vocab=256, seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, prefill_chunk=2,
-            new_tokens=8, gen_reps=1,
+            new_tokens=8, gen_reps=1, ckpt_seq=64, ckpt_batch=4, ckpt_microbatches=2, ckpt_reps=1,
         )
