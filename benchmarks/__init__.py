@@ -26,6 +26,10 @@ baseline runs in the same invocation):
             timings, hf_pipeline.tools.profile) beside the schedule's theoretical bubble; Gantt PNGs and
             Chrome traces go to ``<out>/timelines/``.
 
+  checkpointing  per-rank peak memory during a ``train_step`` (RSS high-water mark above the resting level)
+            and step time, without and with ``activation_checkpointing_enable()``, at seq 1024 on 2 ranks
+            (1F1B), beside the memory planner's prediction of live activations + gradients.
+
 Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
 ``--out`` defaults to ``bench_results/`` (committed) for full runs and to ``bench_out/quick/`` (ignored
 by git) for ``--quick``, whose tiny sizes make numbers that only show the script works.

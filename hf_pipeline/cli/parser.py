@@ -166,6 +166,8 @@ def _add_plan(sub) -> None:
                    help="microbatches per step (default: number of stages)")
     p.add_argument("--split", default="auto", help=_SPLIT_HELP)
     p.add_argument("--auto-class", default=None, help="transformers class to load as (default: from the config)")
+    p.add_argument("--checkpoint-every-n-layers", type=_positive, default=1,
+                   help="the activation checkpointing (every_n_layers) the 'ckpt' columns assume (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 

@@ -25,7 +25,7 @@ def cmd_plan(args) -> int:
     report = plan_report(
         config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,
         batch=args.batch, seq=args.seq, n_microbatches=args.n_microbatches, auto_class=auto,
-        split=split_option(args.split),
+        split=split_option(args.split), checkpoint_every_n_layers=args.checkpoint_every_n_layers,
     )
     print(report.to_json() if args.json else report)
     return 0

@@ -124,8 +124,13 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     md = (out / "results.md").read_text()
     assert not res["errors"], res["errors"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for header in ("## Load", "## Train", "## Generate", "## Bubble"):
+    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing"):
         assert header in md
+    ck = res["checkpointing"]
+    assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
+    for row in ck["ranks"]:  # measured and predicted, both runs, every rank
+        assert row["predicted_checkpointed_activations"] < row["predicted_activations"], row
+        assert all(row[k] > 0 for k in ("plain_seconds", "checkpointed_seconds", "predicted_grads")), row
     assert res["quick"] and "--quick" in res["command"] and res["machine"]["cores"] >= 1 and "torch" in res["machine"]
     sizes = res["sizes"]
     world, m = sizes["world"], sizes["n_microbatches"]
