@@ -456,6 +456,10 @@ def _notes(config, *, generative: bool, seq: int) -> list[str]:
         "activations: what autograd saves for backward, measured by running the stage on fake tensors "
         "(unpadded batches); the last stage includes the fp32 log-probabilities of the cross entropy",
     ]
+    notes.append(
+        "with checkpointing (ckpt): a checkpointed block keeps only its inputs; during its backward its "
+        "recomputed activations come on top, one block at a time (measured on the same fake run)"
+    )
     if not generative:
         notes.append("the model cannot generate: no KV cache")
         return notes
