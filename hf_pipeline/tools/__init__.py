@@ -1,9 +1,11 @@
 """Tools around a pipelined model: the memory planner, the profiler, autotuning, convert, the default model.
 
 Lives here: :mod:`.memory` (per-rank memory predicted from the config, with :mod:`.kv_cache` for
-the KV-cache sizes), :mod:`.profile` (recording per-action timings) and :mod:`.timeline` (what a
-recording shows), :mod:`.autotune` (``schedule="auto"``) and :mod:`.split_advice` (measured
-splits), :mod:`.convert` (per-stage re-sharding) and :mod:`.default_model` (the bundled checkpoints).
+the KV-cache sizes and :mod:`.activation_memory` for what a forward keeps, checkpointed or not),
+:mod:`.checkpoint_budget` (activation checkpointing to a memory budget), :mod:`.profile` (recording
+per-action timings) and :mod:`.timeline` (what a recording shows), :mod:`.autotune`
+(``schedule="auto"``) and :mod:`.split_advice` (measured splits), :mod:`.convert` (per-stage
+re-sharding) and :mod:`.default_model` (the bundled checkpoints).
 
 May import: the base modules and every room below it (``distributed`` up to ``training``); the
 model facade (``model.py``) and the command line (``cli``) sit above it.

@@ -12,6 +12,8 @@ Lives here:
   :mod:`.durable` (flushed writes, a full disk named); :mod:`.training_state` (optimizer,
   scheduler and RNG state beside the weights, ``load_training_state``).
 * :mod:`.data`: fixed-length rows from a local file, the same batches on every rank.
+* :mod:`.activation_checkpointing`: transformers' ``activation_checkpointing_enable`` / ``_disable`` on
+  the stages (non-reentrant, ``every_n_layers`` over the whole model's layers).
 * :mod:`.loop`: the fine-tuning loop of ``hf-pipeline train`` and ``scripts/train.py`` (accumulation,
   clipping, logging, periodic saves, resume).
 
