@@ -18,7 +18,8 @@ What the pipeline adds or fixes:
 * **Non-reentrant only.** ``use_reentrant=True`` is refused: torch's pipeline stages take their input
   gradients with ``torch.autograd.grad`` / ``backward(inputs=...)`` (the first step's shape inference,
   every zero-bubble input pass), which reentrant checkpointing rejects ("incompatible with .grad() or
-  passing an `inputs` parameter to .backward()"), so every stage after the first would fail.
+  passing an `inputs` parameter to .backward()"), so every stage after the first would fail (seen on
+  2 gloo ranks: under 1F1B stage 1 fails with that error, under ZBV zero-bubble every stage does).
   transformers' default (``{"use_reentrant": False}``) is the one used when no kwargs are given.
 * **Blocks cut in halves.** A stage boundary inside a block runs its attention and MLP halves
   through the glue (``block_half``); each half of a checkpointed block is checkpointed on its own
