@@ -20,6 +20,7 @@ import torch
 from transformers.utils import logging
 
 from ..errors import InputError, InputTypeError
+from ..families.losses import check_sequence_labels
 from ..families.recipe import position_kind
 
 logger = logging.get_logger(__name__)
@@ -313,9 +314,10 @@ def index_table(config, name: str) -> tuple[int, str] | None:
     return None
 
 
-def check_index_inputs(config, inputs: Mapping[str, Any]) -> None:
+def check_index_inputs(config, inputs: Mapping[str, Any], *, dtype: torch.dtype | None = None) -> None:
     """Raise InputError unless every index input besides the token ids (token types, positions) has an
-    embedding dtype and indexes inside its table (INDEX_TABLES), and inputs_embeds has the embedding's width.
+    embedding dtype and indexes inside its table (INDEX_TABLES), and inputs_embeds has the embedding's width
+    and a floating dtype the model's ``dtype`` computes with.
 
     One min/max pass per tensor; the first stage's embedding would otherwise raise alone, with its
     peers waiting for it.
@@ -337,10 +339,10 @@ def check_index_inputs(config, inputs: Mapping[str, Any]) -> None:
                 f"{name} holds {_first_outside(values, (values < 0) | (values >= size))}, outside the table of {size} "
                 f"entries it indexes ({field}); {name} must be in [0, {size - 1}]"
             )
-    _check_embeds(config, inputs.get("inputs_embeds"))
+    _check_embeds(config, inputs.get("inputs_embeds"), dtype)
 
 
-def _check_embeds(config, embeds: Any) -> None:
+def _check_embeds(config, embeds: Any, dtype: torch.dtype | None) -> None:
     if not isinstance(embeds, torch.Tensor):
         return
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -352,12 +354,21 @@ def _check_embeds(config, embeds: Any) -> None:
             f"inputs_embeds must be a floating point tensor of shape {want}, got shape {tuple(embeds.shape)} "
             f"of dtype {embeds.dtype}; pass the output of model.get_input_embeddings() or input_ids instead"
         )
+    # transformers adds a narrower float (float16 for a float32 model) into the model's dtype and runs
+    # it; a wider one (float64, or float32 for a bfloat16 model) promotes the hidden state past the
+    # weights' dtype, and the first linear or layer norm raises on the first stage alone.
+    if dtype is not None and torch.promote_types(embeds.dtype, dtype) != dtype:
+        raise InputError(
+            f"inputs_embeds has dtype {embeds.dtype}, but the model computes in {dtype} (transformers raises too: "
+            f"the first layer cannot mix the two); pass inputs_embeds.to({dtype})"
+        )
 
 
 def check_model_inputs(
-    config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None
+    config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Token ids, sequence lengths and labels of one call's inputs (see the functions above)."""
+    """Token ids, sequence lengths and labels of one call's inputs (see the functions above); ``dtype``: the model's."""
     for flag in ("output_hidden_states", "output_attentions"):
         if inputs.get(flag):
             raise InputError(
@@ -384,7 +395,7 @@ def check_model_inputs(
     for key in ("input_ids", "decoder_input_ids"):
         if inputs.get(key) is not None:
             check_token_ids(inputs[key], vocab=vocab, what=key)
-    check_index_inputs(config, inputs)
+    check_index_inputs(config, inputs, dtype=dtype)
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() >= 2:
             check_sequence_length(config, inputs[key].shape[1], what=key)
@@ -392,10 +403,16 @@ def check_model_inputs(
     _check_mask(inputs.get("attention_mask"), inputs.get("input_ids"))
     if labels is not None:
         num_labels = getattr(config, "num_labels", None)
+        classes = loss == "sequence_classification" and isinstance(labels, torch.Tensor)
+        kind = check_sequence_labels(config, labels) if classes else None
         check_labels(
             loss, labels, input_ids=inputs.get("input_ids"), decoder_input_ids=inputs.get("decoder_input_ids"),
             batch=batch, vocab=vocab, num_labels=num_labels if isinstance(num_labels, int) else None,
         )
+        if kind is not None:
+            # As transformers' forward: the first labelled call fixes config.problem_type, which the
+            # next calls' labels must then fit (on every rank alike: the inputs are agreed).
+            config.problem_type = getattr(config, "problem_type", None) or kind
 
 
 def _check_mask(mask: Any, ids: Any) -> None:
