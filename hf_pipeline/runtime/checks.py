@@ -14,14 +14,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 from transformers.utils import logging
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
 from ..families.losses import check_sequence_labels
 from ..families.recipe import position_kind
+from .prompt_checks import check_generate_inputs, check_prompts  # re-exported: checks of every call live here
 
 logger = logging.get_logger(__name__)
 
@@ -39,6 +40,7 @@ __all__ = [
     "check_token_ids",
     "index_table",
     "max_positions",
+    "refuse_meta",
     "vocab_size",
 ]
 
@@ -98,6 +100,7 @@ def check_token_ids(
             f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., "
             "return_tensors='pt')"
         )
+    refuse_meta({what: ids})
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise InputError(
             f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() "
@@ -126,6 +129,20 @@ def check_token_ids(
         raise InputError(
             f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must "
             f"be in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
+        )
+
+
+def refuse_meta(tensors: Mapping[str, Any]) -> None:
+    """Raise InputError for a tensor on the meta device: a shape without values, which no check can read.
+
+    transformers embeds such ids as whatever memory it gets when it moves them (or fails reading
+    them); the pipeline's checks would fail on the first value they read, with torch's own message.
+    """
+    name = next((k for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.is_meta), None)
+    if name is not None:
+        raise InputError(
+            f"{name} is on the meta device: it has a shape {tuple(tensors[name].shape)} but no values (as tensors "
+            "made under torch.device('meta') or by init_empty_weights); pass a tensor holding its values"
         )
 
 
@@ -322,6 +339,7 @@ def check_index_inputs(config, inputs: Mapping[str, Any], *, dtype: torch.dtype 
     One min/max pass per tensor; the first stage's embedding would otherwise raise alone, with its
     peers waiting for it.
     """
+    refuse_meta(inputs)
     for name in INDEX_TABLES:
         values = inputs.get(name)
         if name in ("input_ids", "decoder_input_ids") or not isinstance(values, torch.Tensor) or not values.numel():
@@ -375,6 +393,7 @@ def check_model_inputs(
                 f"{flag}=True is not supported by the pipelined forward: each stage holds only its own layers, and "
                 f"only the head's outputs come back; run transformers' model on one device for per-layer outputs"
             )
+    refuse_meta({**inputs, "labels": labels})
     batch = None
     if loss == "multiple_choice":
         # (batch, num_choices, length), as transformers' ForMultipleChoice heads take them: the checks
@@ -427,67 +446,3 @@ def _check_mask(mask: Any, ids: Any) -> None:
         )
     if mask.dim() == 2 and mask.shape != ids.shape:
         raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
-
-
-def check_prompts(prompts: Any) -> str:
-    """Raise InputError unless ``prompts`` is a non-empty list of strings or of token-id lists.
-
-    Returns:
-        ``"text"`` or ``"ids"``.
-    """
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise InputError(f"prompts must be a list of strings (or of token-id lists), got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise InputError("the prompt list is empty; pass at least one prompt")
-    kinds = []
-    for p in prompts:
-        if isinstance(p, str):
-            kinds.append("text")
-        elif isinstance(p, (list, tuple)):
-            kinds.append(
-                "ids"
-                if all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                else "list holding non-int items"
-            )
-        else:
-            kinds.append(type(p).__name__)
-    odd = next((i for i, k in enumerate(kinds) if k not in ("text", "ids")), None)
-    if odd is not None:
-        raise InputError(f"prompts must be strings or lists of int token ids, got a {kinds[odd]} at index {odd}")
-    if len(set(kinds)) > 1:
-        seen = sorted(set(kinds))
-        first = {k: kinds.index(k) for k in seen}
-        raise InputError(
-            "prompts must all be strings or all be token-id lists, got a mix: "
-            + ", ".join(f"{k} (first at index {first[k]})" for k in seen)
-        )
-    if kinds[0] == "ids" and any(len(p) == 0 for p in prompts):
-        raise InputError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} is an empty token list")
-    return kinds[0]
-
-
-def check_generate_inputs(input_ids: Any) -> None:
-    """Raise a clear error for prompts ``generate`` cannot take: lists (untokenized or mixed) and empty batches.
-
-    A list is checked with :func:`check_prompts` first, so an empty or mixed list gets that message.
-    """
-    if isinstance(input_ids, (list, tuple)):
-        kind = check_prompts(input_ids)
-        hint = (
-            "tok(prompts, return_tensors='pt', padding=True)"
-            if kind == "text"
-            else "torch.tensor(ids) (pad rows to one length)"
-        )
-        raise InputTypeError(
-            f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass "
-            f"{hint}"
-        )
-    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and 0 in input_ids.shape:
-        raise InputError(
-            f"input_ids of shape {tuple(input_ids.shape)} holds no "
-            + (
-                "prompts; pass at least one"
-                if input_ids.shape[0] == 0
-                else "tokens; every prompt needs at least one (e.g. the BOS token)"
-            )
-        )
