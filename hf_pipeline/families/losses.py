@@ -101,9 +101,9 @@ def check_sequence_labels(config, labels: torch.Tensor) -> str:
     if labels.dim() == 0:
         return kind  # check_labels names the missing batch dimension
     rows, n, shape = labels.shape[0], config.num_labels, tuple(labels.shape)
+    because = f"config.num_labels={n}" + ("" if kind == "regression" else " and the labels' dtype")
     how = f"problem_type={kind!r}" + (
-        "" if getattr(config, "problem_type", None) else " (picked, as transformers does, from "
-        f"config.num_labels={n} and the labels' dtype)"
+        "" if getattr(config, "problem_type", None) else f" (picked, as transformers does, from {because})"
     )
     bad = None
     if kind == "multi_label_classification" and not labels.dtype.is_floating_point:
