@@ -15,6 +15,7 @@ from typing import Mapping
 
 __all__ = [
     "CLIError",
+    "CheckpointChangedError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -65,6 +66,10 @@ class CheckpointError(PipelineError, ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint at the given path (nor in the local hub cache)."""
+
+
+class CheckpointChangedError(CheckpointError):
+    """A checkpoint's files changed while they were read (a save into it ran meanwhile): load it again."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

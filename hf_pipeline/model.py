@@ -254,7 +254,7 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
             # Every argument (tensors by checksum) in one small digest, before anything else is exchanged.
             check_same_on_all_ranks(self.ctx, "model inputs", {**given, **targets}, describe=self.rank_label)
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
-        validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels)
+        validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels, dtype=self.dtype)
         # Labels go through the glue's preparation too (T5 derives decoder_input_ids from them, as
         # its forward does), then leave: the loss is computed from the gathered logits below.
         inputs = self.prepare_inputs(given if labels is None else {**given, "labels": labels})

@@ -42,7 +42,8 @@ from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
 from ..errors import InputError
 
 __all__ = [
-    "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "get_loss", "output_loss",
+    "IGNORE_INDEX", "LOSSES", "LossFunction", "PipelineLoss", "check_sequence_labels", "get_loss", "output_loss",
+    "problem_type",
 ]
 
 IGNORE_INDEX = -100  # transformers' label value for "no loss here" (padding, unmasked MLM tokens)
@@ -81,6 +82,50 @@ def problem_type(config, labels: torch.Tensor) -> str:
     if labels.dtype in (torch.long, torch.int):
         return "single_label_classification"
     return "multi_label_classification"
+
+
+def check_sequence_labels(config, labels: torch.Tensor) -> str:
+    """Refuse ``labels`` that transformers' sequence classification loss rejects, before any stage runs.
+
+    transformers' ``*ForSequenceClassification.forward`` (and ``ForSequenceClassificationLoss``) picks
+    the problem type like :func:`problem_type`, then: multi-label takes float (batch, num_labels)
+    targets (BCEWithLogitsLoss; integer targets fail to cast, other shapes fail the size check);
+    regression takes numbers of the logits' shape ((batch,) or (batch, 1) for one label: it squeezes
+    both); single-label takes integer class ids, one per row (it flattens them). What it runs, the
+    pipeline runs equal to it; what it raises on the last stage alone is refused here, on every rank.
+
+    Returns:
+        The problem type.
+    """
+    kind = problem_type(config, labels)
+    if labels.dim() == 0:
+        return kind  # check_labels names the missing batch dimension
+    rows, n, shape = labels.shape[0], config.num_labels, tuple(labels.shape)
+    because = f"config.num_labels={n}" + ("" if kind == "regression" else " and the labels' dtype")
+    how = f"problem_type={kind!r}" + (
+        "" if getattr(config, "problem_type", None) else f" (picked, as transformers does, from {because})"
+    )
+    bad = None
+    if kind == "multi_label_classification" and not labels.dtype.is_floating_point:
+        bad = f"float targets (BCEWithLogitsLoss), got dtype {labels.dtype}; pass labels.float()"
+    elif kind == "multi_label_classification" and shape != (rows, n):
+        bad = f"shape (batch, num_labels) = {(rows, n)}, got {shape}"
+    elif kind == "regression" and (labels.numel() != rows if n == 1 else shape != (rows, n)):
+        bad = f"one value per logit, shape {(rows,) if n == 1 else (rows, n)}, got {shape}"
+    elif kind == "single_label_classification" and labels.dtype.is_floating_point:
+        bad = (
+            f"integer class ids (cross entropy), got dtype {labels.dtype}; pass labels.long(), or set "
+            "config.problem_type='multi_label_classification' for float (batch, num_labels) targets"
+        )
+    elif kind == "single_label_classification" and labels.numel() != rows:
+        bad = f"one class id per row, shape ({rows},), got {shape}"
+    if bad:
+        picked = kind == "multi_label_classification" and not getattr(config, "problem_type", None)
+        hint = "" if not picked or labels.dtype.is_floating_point else (
+            "; for class ids set config.num_labels > 1 and pass torch.long labels of shape (batch,)"
+        )
+        raise InputError(f"labels for {how} must be {bad} (transformers' loss raises the same){hint}")
+    return kind
 
 
 def _cls_share(outputs, labels, config, denominator):

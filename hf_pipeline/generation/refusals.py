@@ -40,7 +40,8 @@ class Refusal:
     Attributes:
         stage: when it is checked; the facts its row reads are known from then on: ``"call"`` (the
             arguments as given), ``"inputs"`` (the prompt tensors), ``"config"`` (the merged
-            ``GenerationConfig``), ``"rows"`` (the batch and its microbatches), ``"length"``.
+            ``GenerationConfig``), ``"rows"`` (the batch and its microbatches), ``"tokens"`` (the special
+            tokens transformers prepared), ``"length"``.
         applies: whether the facts (a namespace of :func:`refuse`'s keywords) are refused.
         message: what to change, a ``str.format`` template over the facts (``{f.name}``).
         error: the library class raised (its builtin base is the one the refusal always had).
@@ -171,6 +172,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "batch of {f.batch} rows is smaller than the {f.dp_size} data-parallel replicas; pass more prompts",
     ),
     Refusal("rows", lambda f: f.n_microbatches < 1, "n_microbatches must be >= 1, got {f.n_microbatches}"),
+    # ---- the special tokens, as transformers prepared them (facts: pad, vocab, can_finish)
+    # A row that finishes early gets pad_token_id appended and fed back: transformers' embedding then
+    # raises IndexError (only in calls where some row finishes first); the ring would carry it on.
+    Refusal(
+        "tokens", lambda f: f.can_finish and f.vocab is not None and not 0 <= f.pad < f.vocab,
+        "pad_token_id={f.pad} is outside the model's vocabulary of {f.vocab} tokens (config.vocab_size): a row "
+        "that finishes early is filled with it and fed back to the model, where transformers raises IndexError; "
+        "pass a pad_token_id in [0, {f.vocab_top}] (the tokenizer's pad_token_id, or its eos_token_id)",
+    ),
     # ---- the length (facts: max_length, prompt_length)
     Refusal(
         "length", lambda f: f.max_length - f.prompt_length < 1,
@@ -178,7 +188,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
 )
 
-_STAGES = ("call", "inputs", "config", "rows", "length")
+_STAGES = ("call", "inputs", "config", "rows", "tokens", "length")
 
 
 class _Facts(SimpleNamespace):
@@ -218,6 +228,10 @@ class _Facts(SimpleNamespace):
     @property
     def types_shape(self):
         return _shape(self.token_type_ids)
+
+    @property
+    def vocab_top(self):
+        return self.vocab - 1
 
     @property
     def extra_names(self):

@@ -124,6 +124,8 @@ def build_request(model, call: GenerateCall) -> Request:
         seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global stream: torch.manual_seed reproduces it
     pad = pad_token_tensor(gc)
     pad = int(pad.reshape(-1)[0].item()) if pad is not None else 0  # no pad and no EOS: no row finishes early
+    can_finish = gc.eos_token_id is not None or bool(gc.stop_strings) or bool(call.stopping_criteria)
+    refuse("tokens", pad=pad, vocab=vocab_size(model.config), can_finish=can_finish)
     _as_transformers_raises(
         call.generation_kwargs, call.config, lambda: _check_processors(model, gc, call, **tensors)
     )
@@ -149,7 +151,8 @@ def _checked_inputs(model, call: GenerateCall) -> _Rows:
         "inputs", input_ids=call.input_ids, attention_mask=call.attention_mask, token_type_ids=types,
         skeleton=skel, encoder_decoder=bool(model.config.is_encoder_decoder),
     )
-    check_index_inputs(model.config, {"token_type_ids": types})  # dtype, and inside the table it indexes
+    # dtype, inside the table it indexes; and neither it nor the mask on the meta device (no values)
+    check_index_inputs(model.config, {"token_type_ids": types, "attention_mask": call.attention_mask})
     rows = _Rows(ids=call.input_ids, mask=call.attention_mask, types=types)
     return rows.select(lambda t: t.to(model.device, torch.long))
 

@@ -17,12 +17,12 @@ import os
 import pathlib
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError
 from .safetensors_header import read_header
 
 __all__ = [
@@ -33,7 +33,10 @@ __all__ = [
     "SAVE_STAGING_PREFIX",
     "SINGLE_NAME",
     "CheckpointIndex",
+    "FileStamp",
+    "changed_while_read",
     "checkpoint_nbytes",
+    "file_stamp",
     "load_pytorch_file",
     "name_listing",
     "pytorch_files",
@@ -163,12 +166,53 @@ def _check_shards_stay_inside(index_path: pathlib.Path, shards: Iterable[str]) -
             )
 
 
+# What tells a file that changed apart from the one first seen: a save that replaces it (a new inode, as
+# save_pretrained's rename does) or rewrites it in place (transformers truncates and writes: size, mtime).
+FileStamp = tuple[int, int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)
+
+
+def file_stamp(path: pathlib.Path, stat: os.stat_result | None = None) -> FileStamp | None:
+    """``path``'s identity and last change (None when it does not exist); ``stat`` given: that one (an fstat)."""
+    try:
+        st = stat if stat is not None else path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def changed_while_read(
+    directory: pathlib.Path, seen: dict[pathlib.Path, FileStamp | None]
+) -> CheckpointChangedError | None:
+    """The error to raise when a file in ``seen`` is no longer what was read (None: all unchanged).
+
+    A load that races a save reads files of two checkpoints: a shard missing, a stale index, a file
+    shorter than its header says, or worse, no error and a mix of two saves' tensors. Comparing each
+    file's stamp from before its read with its stamp now tells that apart from a file damaged at rest.
+    """
+    for path, before in seen.items():
+        now = file_stamp(path)
+        if now == before:
+            continue
+        how = "was removed during the read" if now is None else "appeared during the read" if before is None else (
+            "was replaced by another file during the read" if now[:2] != before[:2] else "was rewritten during the "
+            "read (its size or modification time changed)"
+        )
+        return CheckpointChangedError(
+            f"the checkpoint {directory} changed while it was read: {path.name} {how}, so what was "
+            "read may mix two versions of the checkpoint (a save into it was probably running). Wait for the save "
+            "to finish and load again; the files themselves are probably fine"
+        )
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointIndex:
     """Which shard file holds each checkpoint key (from the index JSON or a single file's header)."""
 
     directory: pathlib.Path
     weight_map: dict[str, str]  # checkpoint key -> shard file name, relative to directory
+    # The index file (or single shard) as it was before it was read: a later read compares against it.
+    stamps: dict[pathlib.Path, FileStamp | None] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "directory", pathlib.Path(self.directory))
@@ -199,6 +243,7 @@ class CheckpointIndex:
             )
         index_path = directory / INDEX_NAME
         if index_path.is_file():
+            stamps = {index_path: file_stamp(index_path)}
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
                 if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
@@ -218,14 +263,18 @@ class CheckpointIndex:
                 first_key.setdefault(shard, key)
             for shard, key in first_key.items():
                 if not (directory / shard).is_file():
+                    changed = changed_while_read(directory, stamps)  # a save replaced the index and its shards
+                    if changed is not None:
+                        raise changed
                     raise CheckpointError(
                         f"the index {index_path} names shard {shard!r} (holding e.g. {key!r}) but {directory / shard} "
                         "does not exist; the download is incomplete: re-download the checkpoint"
                     )
-            return cls(directory=directory, weight_map=dict(weight_map))
+            return cls(directory=directory, weight_map=dict(weight_map), stamps=stamps)
         single = directory / SINGLE_NAME
         if single.is_file():
-            return cls(directory=directory, weight_map=dict.fromkeys(read_header(single), SINGLE_NAME))
+            stamps = {single: file_stamp(single)}
+            return cls(directory=directory, weight_map=dict.fromkeys(read_header(single), SINGLE_NAME), stamps=stamps)
         others = sorted(
             p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".ckpt")
         )

@@ -37,7 +37,10 @@ from .checkpoint import (
     SAVE_STAGING_PREFIX,
     SINGLE_NAME,
     CheckpointIndex,
+    FileStamp,
+    changed_while_read,
     checkpoint_nbytes,
+    file_stamp,
     load_pytorch_file,
     name_listing,
     pytorch_files,
@@ -168,16 +171,28 @@ def load_tensors(
     for name, key in source.items():
         by_key.setdefault(key, []).append(name)
 
-    # Pass 1, headers only: shapes, sizes, dtypes and stale indexes fail here, before gigabytes are read.
-    started = time.perf_counter()
-    floating = set(floating)
-    plans = {shard: _plan_shard(index, shard, keys, by_key, wanted, floating) for shard, keys in groups.items()}
-    headers_done = time.perf_counter()
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    out, report = _read_shards(index, plans, by_key, device=device, progress=progress)
+    # Every file read, as it was before its read (the index: before from_directory read it). A save
+    # landing meanwhile shows up as a missing shard, a stale index or a short file, or as no error at
+    # all and a mix of two saves' tensors: the stamps tell "changed under the reader" from "damaged".
+    seen = dict(index.stamps)
+    try:
+        # Pass 1, headers only: shapes, sizes, dtypes and stale indexes fail here, before gigabytes are read.
+        started = time.perf_counter()
+        floating = set(floating)
+        plans = {s: _plan_shard(index, s, keys, by_key, wanted, floating, seen=seen) for s, keys in groups.items()}
+        headers_done = time.perf_counter()
+        out, report = _read_shards(index, plans, by_key, device=device, progress=progress)
+    except CheckpointError as e:
+        changed = changed_while_read(index.directory, seen)
+        if changed is not None:
+            raise changed from e
+        raise
+    changed = changed_while_read(index.directory, seen)
+    if changed is not None:
+        raise changed
     report.seconds = {"headers": headers_done - started, "read": time.perf_counter() - headers_done}
     return out, report
 
@@ -215,8 +230,9 @@ def _read_shards(
                 ) from e
             except _ShortRead as e:
                 raise CheckpointError(
-                    f"shard {shard!r} in {index.directory} ended while reading {key!r} ({e}): the file was truncated "
-                    "after its header was checked (is it being overwritten?); re-download or re-save it"
+                    f"shard {shard!r} in {index.directory} ended while reading {key!r} ({e}), before where its header "
+                    "says, though the file did not change during the read: the disk or filesystem returned less than "
+                    "it holds; check it, then re-download or re-save the shard"
                 ) from None
     return out, report
 
@@ -233,10 +249,15 @@ class _TensorPlan:
 
 def _plan_shard(
     index: CheckpointIndex, shard: str, keys: list[str], by_key: Mapping[str, list[str]], wanted: Mapping,
-    floating: Collection[str] = (),
+    floating: Collection[str] = (), *, seen: dict[pathlib.Path, FileStamp | None] | None = None,
 ) -> list[_TensorPlan]:
-    """Check one shard's header against what is wanted from it; what to read, in file order."""
+    """Check one shard's header against what is wanted from it; what to read, in file order.
+
+    ``seen`` gets the shard's stamp from before its header is read (a single-file checkpoint keeps the index's).
+    """
     path = index.directory / shard
+    if seen is not None:
+        seen.setdefault(path, file_stamp(path))
     if not path.is_file():
         raise CheckpointError(
             f"shard {shard!r} (holding {keys[0]!r}) is missing from {index.directory}; re-download the checkpoint"

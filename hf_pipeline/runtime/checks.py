@@ -14,13 +14,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 from transformers.utils import logging
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
+from ..families.losses import check_sequence_labels
 from ..families.recipe import position_kind
+from .prompt_checks import check_generate_inputs, check_prompts  # re-exported: checks of every call live here
 
 logger = logging.get_logger(__name__)
 
@@ -38,6 +40,7 @@ __all__ = [
     "check_token_ids",
     "index_table",
     "max_positions",
+    "refuse_meta",
     "vocab_size",
 ]
 
@@ -97,6 +100,7 @@ def check_token_ids(
             f"{what} must be a (batch, length) tensor of token ids, got {type(ids).__name__}; pass tok(..., "
             "return_tensors='pt')"
         )
+    refuse_meta({what: ids})
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise InputError(
             f"{what} must hold integer token ids, got dtype {ids.dtype}; pass a torch.long tensor (e.g. {what}.long() "
@@ -125,6 +129,20 @@ def check_token_ids(
         raise InputError(
             f"{what} holds token id {first}, outside the model's vocabulary of {vocab} tokens ({limit_name}); ids must "
             f"be in [0, {vocab - 1}]: check that the tokenizer belongs to this model"
+        )
+
+
+def refuse_meta(tensors: Mapping[str, Any]) -> None:
+    """Raise InputError for a tensor on the meta device: a shape without values, which no check can read.
+
+    transformers embeds such ids as whatever memory it gets when it moves them (or fails reading
+    them); the pipeline's checks would fail on the first value they read, with torch's own message.
+    """
+    name = next((k for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.is_meta), None)
+    if name is not None:
+        raise InputError(
+            f"{name} is on the meta device: it has a shape {tuple(tensors[name].shape)} but no values (as tensors "
+            "made under torch.device('meta') or by init_empty_weights); pass a tensor holding its values"
         )
 
 
@@ -313,13 +331,15 @@ def index_table(config, name: str) -> tuple[int, str] | None:
     return None
 
 
-def check_index_inputs(config, inputs: Mapping[str, Any]) -> None:
+def check_index_inputs(config, inputs: Mapping[str, Any], *, dtype: torch.dtype | None = None) -> None:
     """Raise InputError unless every index input besides the token ids (token types, positions) has an
-    embedding dtype and indexes inside its table (INDEX_TABLES), and inputs_embeds has the embedding's width.
+    embedding dtype and indexes inside its table (INDEX_TABLES), and inputs_embeds has the embedding's width
+    and a floating dtype the model's ``dtype`` computes with.
 
     One min/max pass per tensor; the first stage's embedding would otherwise raise alone, with its
     peers waiting for it.
     """
+    refuse_meta(inputs)
     for name in INDEX_TABLES:
         values = inputs.get(name)
         if name in ("input_ids", "decoder_input_ids") or not isinstance(values, torch.Tensor) or not values.numel():
@@ -337,10 +357,10 @@ def check_index_inputs(config, inputs: Mapping[str, Any]) -> None:
                 f"{name} holds {_first_outside(values, (values < 0) | (values >= size))}, outside the table of {size} "
                 f"entries it indexes ({field}); {name} must be in [0, {size - 1}]"
             )
-    _check_embeds(config, inputs.get("inputs_embeds"))
+    _check_embeds(config, inputs.get("inputs_embeds"), dtype)
 
 
-def _check_embeds(config, embeds: Any) -> None:
+def _check_embeds(config, embeds: Any, dtype: torch.dtype | None) -> None:
     if not isinstance(embeds, torch.Tensor):
         return
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -352,18 +372,28 @@ def _check_embeds(config, embeds: Any) -> None:
             f"inputs_embeds must be a floating point tensor of shape {want}, got shape {tuple(embeds.shape)} "
             f"of dtype {embeds.dtype}; pass the output of model.get_input_embeddings() or input_ids instead"
         )
+    # transformers adds a narrower float (float16 for a float32 model) into the model's dtype and runs
+    # it; a wider one (float64, or float32 for a bfloat16 model) promotes the hidden state past the
+    # weights' dtype, and the first linear or layer norm raises on the first stage alone.
+    if dtype is not None and torch.promote_types(embeds.dtype, dtype) != dtype:
+        raise InputError(
+            f"inputs_embeds has dtype {embeds.dtype}, but the model computes in {dtype} (transformers raises too: "
+            f"the first layer cannot mix the two); pass inputs_embeds.to({dtype})"
+        )
 
 
 def check_model_inputs(
-    config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None
+    config, loss: str | None, inputs: Mapping[str, Any], *, labels: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Token ids, sequence lengths and labels of one call's inputs (see the functions above)."""
+    """Token ids, sequence lengths and labels of one call's inputs (see the functions above); ``dtype``: the model's."""
     for flag in ("output_hidden_states", "output_attentions"):
         if inputs.get(flag):
             raise InputError(
                 f"{flag}=True is not supported by the pipelined forward: each stage holds only its own layers, and "
                 f"only the head's outputs come back; run transformers' model on one device for per-layer outputs"
             )
+    refuse_meta({**inputs, "labels": labels})
     batch = None
     if loss == "multiple_choice":
         # (batch, num_choices, length), as transformers' ForMultipleChoice heads take them: the checks
@@ -384,7 +414,7 @@ def check_model_inputs(
     for key in ("input_ids", "decoder_input_ids"):
         if inputs.get(key) is not None:
             check_token_ids(inputs[key], vocab=vocab, what=key)
-    check_index_inputs(config, inputs)
+    check_index_inputs(config, inputs, dtype=dtype)
     for key in ("input_ids", "inputs_embeds"):
         if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() >= 2:
             check_sequence_length(config, inputs[key].shape[1], what=key)
@@ -392,10 +422,16 @@ def check_model_inputs(
     _check_mask(inputs.get("attention_mask"), inputs.get("input_ids"))
     if labels is not None:
         num_labels = getattr(config, "num_labels", None)
+        classes = loss == "sequence_classification" and isinstance(labels, torch.Tensor)
+        kind = check_sequence_labels(config, labels) if classes else None
         check_labels(
             loss, labels, input_ids=inputs.get("input_ids"), decoder_input_ids=inputs.get("decoder_input_ids"),
             batch=batch, vocab=vocab, num_labels=num_labels if isinstance(num_labels, int) else None,
         )
+        if kind is not None:
+            # As transformers' forward: the first labelled call fixes config.problem_type, which the
+            # next calls' labels must then fit (on every rank alike: the inputs are agreed).
+            config.problem_type = getattr(config, "problem_type", None) or kind
 
 
 def _check_mask(mask: Any, ids: Any) -> None:
@@ -410,67 +446,3 @@ def _check_mask(mask: Any, ids: Any) -> None:
         )
     if mask.dim() == 2 and mask.shape != ids.shape:
         raise InputError(f"attention_mask shape {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
-
-
-def check_prompts(prompts: Any) -> str:
-    """Raise InputError unless ``prompts`` is a non-empty list of strings or of token-id lists.
-
-    Returns:
-        ``"text"`` or ``"ids"``.
-    """
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise InputError(f"prompts must be a list of strings (or of token-id lists), got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise InputError("the prompt list is empty; pass at least one prompt")
-    kinds = []
-    for p in prompts:
-        if isinstance(p, str):
-            kinds.append("text")
-        elif isinstance(p, (list, tuple)):
-            kinds.append(
-                "ids"
-                if all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                else "list holding non-int items"
-            )
-        else:
-            kinds.append(type(p).__name__)
-    odd = next((i for i, k in enumerate(kinds) if k not in ("text", "ids")), None)
-    if odd is not None:
-        raise InputError(f"prompts must be strings or lists of int token ids, got a {kinds[odd]} at index {odd}")
-    if len(set(kinds)) > 1:
-        seen = sorted(set(kinds))
-        first = {k: kinds.index(k) for k in seen}
-        raise InputError(
-            "prompts must all be strings or all be token-id lists, got a mix: "
-            + ", ".join(f"{k} (first at index {first[k]})" for k in seen)
-        )
-    if kinds[0] == "ids" and any(len(p) == 0 for p in prompts):
-        raise InputError(f"prompt {next(i for i, p in enumerate(prompts) if len(p) == 0)} is an empty token list")
-    return kinds[0]
-
-
-def check_generate_inputs(input_ids: Any) -> None:
-    """Raise a clear error for prompts ``generate`` cannot take: lists (untokenized or mixed) and empty batches.
-
-    A list is checked with :func:`check_prompts` first, so an empty or mixed list gets that message.
-    """
-    if isinstance(input_ids, (list, tuple)):
-        kind = check_prompts(input_ids)
-        hint = (
-            "tok(prompts, return_tensors='pt', padding=True)"
-            if kind == "text"
-            else "torch.tensor(ids) (pad rows to one length)"
-        )
-        raise InputTypeError(
-            f"generate takes input_ids as a (batch, length) tensor of token ids, got a list of {kind} prompts; pass "
-            f"{hint}"
-        )
-    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and 0 in input_ids.shape:
-        raise InputError(
-            f"input_ids of shape {tuple(input_ids.shape)} holds no "
-            + (
-                "prompts; pass at least one"
-                if input_ids.shape[0] == 0
-                else "tokens; every prompt needs at least one (e.g. the BOS token)"
-            )
-        )

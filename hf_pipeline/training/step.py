@@ -216,7 +216,7 @@ def _prepare_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _B
     labels = state.loss.make_targets(given, length)
     # Ids (dtype, shape, inside the vocabulary) and labels (shape, inside the vocabulary or -100) first:
     # the shapes below are only meaningful for (batch, length) ids.
-    check_model_inputs(model.config, state.loss.name, batch, labels=labels)
+    check_model_inputs(model.config, state.loss.name, batch, labels=labels, dtype=model.dtype)
     rows = model.batch_size(batch)
     for k, v in batch.items():
         if v.dim() == 0 or v.shape[0] != rows:

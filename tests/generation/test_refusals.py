@@ -46,7 +46,7 @@ def test_input_shapes_are_named():
 
 
 def test_every_row_has_a_known_stage_and_a_library_class():
-    assert {rule.stage for rule in REFUSALS} == {"call", "inputs", "config", "rows", "length"}
+    assert {rule.stage for rule in REFUSALS} == {"call", "inputs", "config", "rows", "tokens", "length"}
     assert all(issubclass(rule.error, InputError) for rule in REFUSALS)
     with pytest.raises(InternalError, match="unknown refusal stage"):
         refuse("nonsense")
@@ -71,3 +71,14 @@ def test_seed_and_streamer_are_checked_like_transformers_checks_them():
         refuse("call", **call, seed=None, streamer=object())
     with pytest.raises(InputTypeError, match=r"got SimpleNamespace without end\(\)$"):
         refuse("call", **call, seed=None, streamer=types.SimpleNamespace(put=print))
+
+
+def test_a_pad_token_outside_the_vocabulary_is_refused_only_when_a_row_can_finish_early():
+    # transformers feeds a finished row's pad token back to the embedding (IndexError); without EOS or
+    # stopping criteria no row finishes early and the pad token is never used.
+    refuse("tokens", pad=500, vocab=96, can_finish=False)
+    refuse("tokens", pad=95, vocab=96, can_finish=True)
+    for pad in (96, 500, -1):
+        with pytest.raises(InputError, match=rf"^pad_token_id={pad} is outside the model's vocabulary of 96 tokens "
+                                             r"\(config\.vocab_size\).*pass a pad_token_id in \[0, 95\]"):
+            refuse("tokens", pad=pad, vocab=96, can_finish=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import sys
@@ -527,8 +528,9 @@ def test_entry_offsets_are_checked(llama_copy, damage, spy):
 
 
 def test_shard_truncated_while_loading(llama_copy, monkeypatch):
-    # The headers were fine, then the file shrank (overwritten by a concurrent save): a clear error
-    # naming the shard and key, and no descriptor left open.
+    # The headers were fine, then the file shrank (overwritten by a concurrent save): an error naming
+    # the shard as changed during the read (the short read, naming the key, is its cause), and no
+    # descriptor left open. A file that ends early without changing: tests/loading/test_load_races.py.
     directory, sd = llama_copy
     key = "model.layers.3.mlp.down_proj.weight"
     shard = _shard_of(directory, key)
@@ -541,8 +543,9 @@ def test_shard_truncated_while_loading(llama_copy, monkeypatch):
         return real_open(path)
 
     monkeypatch.setattr(weights, "_open_shard", open_after_truncation)
-    with pytest.raises(CheckpointError, match=rf"{shard}.*ended while reading.*truncated"):
+    with pytest.raises(CheckpointError, match=rf"changed while it was read: {shard} was rewritten") as info:
         load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, _layers(sd, 3)))
+    assert re.search(rf"{shard}.*ended while reading '", str(info.value.__cause__))
     assert _open_under(directory) == []
 
 

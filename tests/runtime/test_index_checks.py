@@ -70,3 +70,18 @@ def test_inputs_embeds_width_and_one_dimensional_masks():
         checks.check_model_inputs(
             llama, None, {"input_ids": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.ones(3)}
         )
+
+
+def test_inputs_embeds_dtype_as_transformers_takes_it():
+    # transformers runs narrower floats (float16 embeds of a float32 model are promoted where they meet
+    # its weights) and raises on wider ones (float64: "expected m1 and m2 to have the same dtype" in
+    # LLaMA and T5, "mixed dtype (CPU)" in GPT-2's and BERT's layer norm). The pipelined results of
+    # the accepted ones equal transformers': tests/model/test_attacker_inputs.py.
+    llama = tiny.config_for("llama")
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    for dtype in (f32, f16, bf16):
+        checks.check_model_inputs(llama, None, {"inputs_embeds": torch.zeros(2, 3, 32, dtype=dtype)}, dtype=f32)
+    for given, model in ((torch.float64, f32), (f32, bf16), (f16, bf16)):
+        with pytest.raises(InputError, match=rf"inputs_embeds has dtype {given}, but the model computes in {model} "
+                                             rf"\(transformers raises too.*pass inputs_embeds\.to\({model}\)"):
+            checks.check_model_inputs(llama, None, {"inputs_embeds": torch.zeros(2, 3, 32, dtype=given)}, dtype=model)
