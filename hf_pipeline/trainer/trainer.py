@@ -34,6 +34,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from accelerate.utils import recursively_apply
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
@@ -58,9 +59,6 @@ def _accepts_loss_kwargs(module: torch.nn.Module) -> bool:
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _same(value: Any, **kwargs: Any) -> Any:
-    """Gathering for evaluation: every rank already holds the whole batch's outputs."""
-    return value
 
 
 class PipelineTrainer(Trainer):
@@ -195,9 +193,29 @@ class PipelineTrainer(Trainer):
         """Nothing to move: the pipeline placed each stage on its rank's device when it loaded."""
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
-        """transformers' loop, gathering nothing: every rank holds the whole batch's outputs."""
-        self.gather_function = _same
-        return super().evaluation_loop(*args, **kwargs)
+        """transformers' loop, gathering nothing: every rank holds the whole batch's outputs.
+
+        The loop weighs each batch's loss by ``args.eval_batch_size`` rows; a batch here holds every
+        replica's rows, so that is the replica batch x replicas while the loop runs.
+        """
+        self.gather_function = self._gather_nothing
+        per_replica = self.args.per_device_eval_batch_size
+        self.args.per_device_eval_batch_size = per_replica * self.pipelined.dims.dp_size
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.args.per_device_eval_batch_size = per_replica
+
+    def _gather_nothing(self, data: Any, **kwargs: Any) -> Any:
+        """``accelerator.gather_for_metrics`` without the gather: every rank holds the whole batch's outputs.
+
+        Like it, the values of the last batch are cut to the rows the dataset has left (the loop
+        repeats each batch's loss ``eval_batch_size`` times, also for a shorter last batch).
+        """
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints: written by every rank, read back as data
