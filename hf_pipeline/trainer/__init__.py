@@ -13,6 +13,6 @@ Lives here:
 May import: every room below it (``errors`` up to ``auto``); transformers' Trainer.
 """
 
-from .trainer import PipelineTrainer
+from .trainer import PipelineTrainer, PipelineTrainerMixin
 
-__all__ = ["PipelineTrainer"]
+__all__ = ["PipelineTrainer", "PipelineTrainerMixin"]

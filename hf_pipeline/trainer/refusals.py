@@ -65,7 +65,9 @@ def _lacks_checkpointing(args, model) -> bool:
 
 
 def _checkpointing_name(args) -> str:
-    return "activation_checkpointing" if getattr(args, "activation_checkpointing", False) else "gradient_checkpointing"
+    # transformers turns gradient_checkpointing=True into activation_checkpointing=True as well: name what was set.
+    names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, False)]
+    return " / ".join(names)
 
 
 REFUSALS: tuple[Refusal, ...] = (
@@ -127,7 +129,7 @@ REFUSALS: tuple[Refusal, ...] = (
         message=lambda args, model: (
             f"{_checkpointing_name(args)}=True needs {type(model).__name__}.activation_checkpointing_enable "
             f"(or gradient_checkpointing_enable), which this version of the model lacks; pass "
-            f"{_checkpointing_name(args)}=False"
+            f"{_checkpointing_name(args)}=False (trl's SFTConfig sets gradient_checkpointing=True by default)"
         ),
     ),
 )

@@ -48,7 +48,7 @@ from .checkpoints import reload_weights, restore_rng
 from .data import count_items, single_process_loader
 from .refusals import check_arguments, check_model, pipelined_model_of
 
-__all__ = ["PipelineTrainer"]
+__all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
 
 
 def _accepts_loss_kwargs(module: torch.nn.Module) -> bool:
@@ -61,22 +61,17 @@ def _accepts_loss_kwargs(module: torch.nn.Module) -> bool:
 
 
 
-class PipelineTrainer(Trainer):
-    """``transformers.Trainer`` for a model loaded with ``from_pretrained(path, pipeline=True)``. Collective.
+class PipelineTrainerMixin:
+    """What makes a ``transformers.Trainer`` (or a subclass of it) train a pipelined model.
 
-    Same constructor and methods as ``transformers.Trainer``; every rank of the job builds it with
-    the same arguments and calls the same methods (``train``, ``evaluate``, ``predict``,
-    ``save_model``). ``per_device_train_batch_size`` is the batch of one pipeline replica and must
-    divide into the model's ``n_microbatches``.
-
-    Raises:
-        UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
-            an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
-            ``compute_loss_func``, label smoothing; see :mod:`.refusals`).
+    Put it first among the bases: ``class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer)``.
+    Its methods replace the Trainer's for data, the step, evaluation's gathering and checkpoints;
+    everything else (the loop, logging, callbacks, the subclass's own dataset preparation) stays.
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any):
-        names = list(inspect.signature(Trainer.__init__).parameters)[3:]  # after self, model, args
+        # The next class's constructor (transformers' Trainer, or a subclass's): its own argument order.
+        names = list(inspect.signature(super().__init__).parameters)[2:]  # after model, args
         given = {**dict(zip(names, more)), **kwargs}
         check_model(model, given.get("model_init"))
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
@@ -274,3 +269,18 @@ class PipelineTrainer(Trainer):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
             restore_rng(self.pipelined, checkpoint)
+
+
+class PipelineTrainer(PipelineTrainerMixin, Trainer):
+    """``transformers.Trainer`` for a model loaded with ``from_pretrained(path, pipeline=True)``. Collective.
+
+    Same constructor and methods as ``transformers.Trainer``; every rank of the job builds it with
+    the same arguments and calls the same methods (``train``, ``evaluate``, ``predict``,
+    ``save_model``). ``per_device_train_batch_size`` is the batch of one pipeline replica and must
+    divide into the model's ``n_microbatches``.
+
+    Raises:
+        UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
+            an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
+            ``compute_loss_func``, label smoothing; see :mod:`.refusals`).
+    """
