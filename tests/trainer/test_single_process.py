@@ -97,3 +97,20 @@ def test_activation_checkpointing(llama_path, tmp_path, argument):
     transformers.Trainer(model=ref, args=_args(tmp_path / "r", 4, eval_strategy="no", save_strategy="no"),
                          train_dataset=_dataset("llama")).train()
     _assert_params_equal(dict(model.checkpoint_named_parameters()), ref.state_dict(), argument)
+
+
+def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_arguments():
+    import inspect
+
+    from hf_pipeline.compat import TRAINER_HELPERS, TRAINER_OVERRIDES
+    from hf_pipeline.trainer import PipelineTrainerMixin
+
+    for name in TRAINER_OVERRIDES:
+        theirs = inspect.signature(getattr(transformers.Trainer, name)).parameters
+        ours = inspect.signature(getattr(PipelineTrainerMixin, name)).parameters
+        assert list(ours) == list(theirs), f"{name}: transformers takes {list(theirs)}"
+    for name in TRAINER_HELPERS:
+        assert callable(getattr(transformers.Trainer, name, None)), name
+    # Every underscored Trainer method the mixin defines is listed (and so checked above).
+    defined = {n for n in vars(PipelineTrainerMixin) if n.startswith("_") and not n.startswith("__")}
+    assert defined - {"_gather_nothing", "_store_callback_states"} == set(TRAINER_OVERRIDES)
