@@ -114,3 +114,22 @@ def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_argu
     # Every underscored Trainer method the mixin defines is listed (and so checked above).
     defined = {n for n in vars(PipelineTrainerMixin) if n.startswith("_") and not n.startswith("__")}
     assert defined - {"_gather_nothing", "_store_callback_states"} == set(TRAINER_OVERRIDES)
+
+
+def test_save_total_limit_and_resume_true_as_transformers(llama_path, tmp_path):
+    def run(trainer_class, load, out):
+        args = _args(out, 4, eval_strategy="no", save_steps=1, save_total_limit=2)
+        trainer_class(model=load(), args=args, train_dataset=_dataset("llama")).train()
+        kept = sorted(p.name for p in out.glob("checkpoint-*"))
+        resumed = trainer_class(model=load(), args=args, train_dataset=_dataset("llama"))
+        resumed.train(resume_from_checkpoint=True)  # the last checkpoint in output_dir
+        params = resumed.model.checkpoint_named_parameters() if trainer_class is not transformers.Trainer else (
+            resumed.model.state_dict(keep_vars=True).items())
+        return kept, resumed.state.global_step, {n: p.detach().clone() for n, p in params}
+
+    got = run(hf_pipeline.PipelineTrainer, lambda: _pipelined(llama_path), tmp_path / "p")
+    want = run(transformers.Trainer, lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        llama_path, dtype=torch.float32), tmp_path / "r")
+    assert got[0] == want[0] == ["checkpoint-3", "checkpoint-4"]
+    assert got[1] == want[1]
+    _assert_params_equal(got[2], want[2], "resume_from_checkpoint=True")
