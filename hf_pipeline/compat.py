@@ -288,7 +288,8 @@ __all__ += ["schedule_has_loss", "schedule_stages", "storage_key"]
 # transformers release renaming one fails a test (tests/trainer/test_single_process.py) instead of
 # silently falling back to the Trainer's own behaviour (DDP-style sharding, pickled checkpoints).
 TRAINER_OVERRIDES = (
-    "_get_dataloader", "_set_signature_columns_if_needed", "_get_num_items_in_batch", "_clip_grad_norm",
+    "_get_dataloader", "_set_signature_columns_if_needed", "_get_num_items_in_batch", "_track_num_input_tokens",
+    "_clip_grad_norm",
     "_get_grad_norm", "_move_model_to_device", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model",
     "_load_optimizer_and_scheduler", "_load_rng_state",
 )

@@ -132,6 +132,13 @@ class PipelineTrainerMixin:
         """Rows per optimizer step: the replica batch x replicas x accumulation steps."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.pipelined.dims.dp_size
 
+    def _track_num_input_tokens(self, inputs) -> None:
+        # transformers sums every process's count; every rank here holds the whole batch: count it once.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self.pipelined.ctx.world_size
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
             return None

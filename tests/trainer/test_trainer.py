@@ -57,6 +57,7 @@ def _args(out, batch: int, **overrides) -> transformers.TrainingArguments:
         per_device_train_batch_size=batch, per_device_eval_batch_size=batch, gradient_accumulation_steps=2,
         learning_rate=1e-2, warmup_steps=2, max_grad_norm=0.5, logging_steps=1, max_steps=STEPS, save_steps=2,
         eval_strategy="steps", eval_steps=2, seed=7, data_seed=11, report_to=[], use_cpu=True, disable_tqdm=True,
+        include_num_input_tokens_seen="non_padding",  # logged: counted once, not once per rank
     )
     return transformers.TrainingArguments(str(out), **{**settings, **overrides})
 
