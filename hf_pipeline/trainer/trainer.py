@@ -200,6 +200,11 @@ class PipelineTrainerMixin:
         The loop weighs each batch's loss by ``args.eval_batch_size`` rows; a batch here holds every
         replica's rows, so that is the replica batch x replicas while the loop runs.
         """
+        if not self.pipelined.gather_output:  # the same on every rank: all raise before any forward
+            raise UsageError(
+                "evaluate() / predict() read the model's outputs on every rank, but the model was loaded with "
+                "gather_output=False; load it with gather_output=True (the default)"
+            )
         self.gather_function = self._gather_nothing
         per_replica = self.args.per_device_eval_batch_size
         self.args.per_device_eval_batch_size = per_replica * self.pipelined.dims.dp_size

@@ -133,3 +133,11 @@ def test_save_total_limit_and_resume_true_as_transformers(llama_path, tmp_path):
     assert got[0] == want[0] == ["checkpoint-3", "checkpoint-4"]
     assert got[1] == want[1]
     _assert_params_equal(got[2], want[2], "resume_from_checkpoint=True")
+
+
+def test_evaluation_needs_the_outputs_on_every_rank(llama_path, tmp_path):
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(llama_path, pipeline=True, gather_output=False)
+    trainer = hf_pipeline.PipelineTrainer(model=model, args=_args(tmp_path, 4), train_dataset=_dataset("llama"),
+                                          eval_dataset=_dataset("llama", 8))
+    with pytest.raises(UsageError, match="gather_output=False"):
+        trainer.evaluate()
