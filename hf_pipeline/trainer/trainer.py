@@ -59,8 +59,6 @@ def _accepts_loss_kwargs(module: torch.nn.Module) -> bool:
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-
-
 class PipelineTrainerMixin:
     """What makes a ``transformers.Trainer`` (or a subclass of it) train a pipelined model.
 
