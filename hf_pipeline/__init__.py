@@ -21,6 +21,7 @@ from .errors import PipelineError
 from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
 from .model import PipelinedModel
 from .tools.memory import plan_report
+from .trainer import PipelineTrainer
 from .training.checkpoint_format import latest_checkpoint
 from .training.training_state import load_training_state
 
@@ -38,6 +39,7 @@ __all__ = [
     "AutoModelForSequenceClassification",
     "AutoModelForTokenClassification",
     "PipelineError",
+    "PipelineTrainer",
     "PipelinedModel",
     "Recipe",
     "RecipeError",

@@ -296,3 +296,20 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 
 __all__ += ["schedule_has_loss", "schedule_stages", "storage_key"]
+
+
+# --- for trainer/ -----------------------------------------------------------------------------------
+# transformers.Trainer has no public hook for where its batches come from, how evaluation gathers,
+# how a checkpoint is written and read back, or how gradients are clipped: PipelineTrainer overrides
+# these underscored methods (and calls the helpers listed after them on itself). Named here so that a
+# transformers release renaming one fails a test (tests/trainer/test_single_process.py) instead of
+# silently falling back to the Trainer's own behaviour (DDP-style sharding, pickled checkpoints).
+TRAINER_OVERRIDES = (
+    "_get_dataloader", "_set_signature_columns_if_needed", "_get_num_items_in_batch", "_track_num_input_tokens",
+    "_clip_grad_norm",
+    "_get_grad_norm", "_move_model_to_device", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model",
+    "_load_optimizer_and_scheduler", "_load_rng_state",
+)
+TRAINER_HELPERS = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_get_output_dir", "_prepare_inputs")
+
+__all__ += ["TRAINER_HELPERS", "TRAINER_OVERRIDES"]

@@ -62,18 +62,17 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
     Of what code written for a ``PreTrainedModel`` uses, it has ``config``, ``generation_config``,
     ``can_generate()``, ``num_parameters()``, ``get_input_embeddings()`` / ``get_output_embeddings()``
     (on the rank whose stage holds them, None elsewhere), ``device``, ``dtype``, ``name_or_path``,
-    ``save_pretrained``, ``generate``, ``train()`` / ``eval()``, ``activation_checkpointing_enable`` /
-    ``_disable`` (and the ``gradient_checkpointing_*`` aliases, ``is_activation_checkpointing``). Absent, since
-    each would have to change the whole model from one rank: ``resize_token_embeddings``,
-    ``set_input_embeddings`` / ``set_output_embeddings``, ``tie_weights``, ``push_to_hub``.
+    ``save_pretrained``, ``generate``, ``add_model_tags``, ``train()`` / ``eval()``,
+    ``activation_checkpointing_enable`` / ``_disable`` (and the ``gradient_checkpointing_*`` aliases,
+    ``is_activation_checkpointing``). Absent, since each would have to change the whole model from one rank:
+    ``resize_token_embeddings``, ``set_input_embeddings`` / ``set_output_embeddings``, ``tie_weights``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
 
     What the feature modules (``generation/``, ``training/``, ``tools/``) read of it — the typed
     surface they may rely on: ``ctx``, ``dims``, ``plan``, ``param_layout``, ``config``, ``resolved``,
     ``skeleton``, ``stage_maker``, ``options``, ``schedule``, ``n_microbatches``, ``stages``, ``runtime``,
     ``device``, ``check_inputs``, ``training``, ``train_step_state``, and the methods ``rank_label``,
-    ``prepare_inputs``, ``batch_size``, ``checkpoint_named_parameters``. Nothing else, and nothing
-    private.
+    ``prepare_inputs``, ``batch_size``, ``checkpoint_named_parameters``. Nothing else, nothing private.
     """
 
     def __init__(self, built: LoadedPipeline, *, gather_output: bool = True):
@@ -84,10 +83,9 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
         self.plan: StagePlan = maker.plan
         self.resolved: ResolvedRecipe = maker.resolved
         self.stages = nn.ModuleList(built.stages)
-        # What the front end built (a dataclass, so nn.Module keeps it as a plain attribute). The
-        # meta-device model in it is reached through the ``skeleton`` property, never assigned here:
-        # assigning an nn.Module would register it as a submodule, and its meta parameters would
-        # join parameters(), state_dict() and to().
+        # What the front end built (a dataclass, so nn.Module keeps it as a plain attribute). The meta-device model
+        # in it is reached through the ``skeleton`` property, never assigned here: assigning an nn.Module would
+        # register it as a submodule, and its meta parameters would join parameters(), state_dict() and to().
         self.stage_maker: StageMaker = maker
         self.ctx: RankContext = built.ctx
         self.dims: ParallelDims = built.dims
@@ -149,6 +147,10 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
         """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
         return bool(self.skeleton.can_generate()) and self.stage_maker.generate_refusal is None
 
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Model card tags, kept as transformers' ``add_model_tags`` keeps them (trl's trainers add theirs)."""
+        self.skeleton.add_model_tags(tags)
+
     def num_parameters(
         self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
     ) -> int:
@@ -175,8 +177,7 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
         return self._local_module(self.skeleton.get_input_embeddings())
 
     def get_output_embeddings(self) -> nn.Module | None:
-        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and for models
-        without one."""
+        """The LM head on the rank whose stage holds it (the last stage's); None on other ranks and without one."""
         return self._local_module(self.skeleton.get_output_embeddings())
 
     @property
@@ -210,8 +211,7 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
 
     # ----------------------------------------------------------------- forward
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5
-        derives decoder inputs)."""
+        """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5: decoder)."""
         inputs = {k: v for k, v in inputs.items() if v is not None}
         for k, v in list(inputs.items()):
             if isinstance(v, torch.Tensor):

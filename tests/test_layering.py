@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"tools"},
     {"model"},
     {"auto"},
+    {"trainer"},
     {"__init__"},
     {"cli"},
 ]

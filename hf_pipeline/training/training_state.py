@@ -51,6 +51,7 @@ __all__ = [
     "load_training_state",
     "optimizer_file_name",
     "optimizer_state_by_key",
+    "rng_file_name",
     "stage_main_training_state",
     "stage_rank_training_state",
 ]
@@ -109,7 +110,7 @@ def stage_rank_training_state(
     if optimizer_state is not None:
         save_torch(optimizer_state, staging / OPTIMIZER_DIR / optimizer_file_name(model.dims.pp_rank))
     if with_state:
-        write_rng_state(staging / RNG_DIR / _rng_file_name(model.ctx.rank), rng_state())
+        write_rng_state(staging / RNG_DIR / rng_file_name(model.ctx.rank), rng_state())
 
 
 def stage_main_training_state(
@@ -219,7 +220,8 @@ def _changed_while_read(directory: pathlib.Path) -> CheckpointError:
 _NO_RNG = ", or pass rng=False to load_training_state to resume without restoring the RNG states"
 
 
-def _rng_file_name(rank: int, suffix: str = ".safetensors") -> str:
+def rng_file_name(rank: int, suffix: str = ".safetensors") -> str:
+    """The file (in ``rng/``) holding global rank ``rank``'s RNG states."""
     return f"rank-{rank:05d}{suffix}"
 
 
@@ -236,8 +238,8 @@ def _scheduler_state(directory: pathlib.Path) -> dict[str, Any]:
 
 def _restore_rng(directory: pathlib.Path, state: dict[str, Any], ctx) -> None:
     """This rank's RNG states, when the checkpoint was written by as many ranks (else a warning)."""
-    path = directory / RNG_DIR / _rng_file_name(ctx.rank)
-    old = directory / RNG_DIR / _rng_file_name(ctx.rank, ".pt")
+    path = directory / RNG_DIR / rng_file_name(ctx.rank)
+    old = directory / RNG_DIR / rng_file_name(ctx.rank, ".pt")
     if state.get("world_size") == ctx.world_size and (path.is_file() or old.is_file()):
         set_rng_state(read_rng_state(path) if path.is_file() else load_safe_pickle(old, "the RNG state", _NO_RNG))
         return

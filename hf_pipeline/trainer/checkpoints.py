@@ -1,0 +1,88 @@
+"""Trainer checkpoints of a pipelined model: written by every rank, read back as data only.
+
+``checkpoint-N/`` holds what transformers' Trainer writes there, in the package's formats:
+
+* the model as a normal transformers checkpoint (``config.json``, safetensors shards and their
+  index), written collectively by ``model.save_pretrained`` (each rank writes its stages' tensors);
+* the optimizer state per pipeline rank (``optimizer/``, keyed by checkpoint key, read back with
+  ``weights_only=True``), the scheduler as ``scheduler.json`` and every rank's RNG states as
+  ``rng/rank-XXXXX.safetensors`` (:mod:`hf_pipeline.training.training_state`);
+* ``trainer_state.json``: transformers' own ``TrainerState`` (global step, log history, callbacks'
+  state), so the Trainer's checkpoint rotation, ``resume_from_checkpoint=True`` and
+  ``load_best_model_at_end`` find what they expect.
+
+Resuming reads only these files: the weights into the existing stages (safetensors), the optimizer
+and scheduler through ``load_training_state``, the RNG states from safetensors. Nothing is
+unpickled beyond ``weights_only`` loading of the optimizer's tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+
+from ..distributed.agreement import collective_errors
+from ..errors import CheckpointNotFoundError
+from ..loading.checkpoint import CheckpointIndex
+from ..loading.key_plan import UNEXPECTED_HINT, wanted_tensors
+from ..loading.weights import load_tensors
+from ..log import get_logger
+from ..training.checkpoint_format import RNG_DIR, is_complete_checkpoint, why_incomplete
+from ..training.state_files import read_rng_state, set_rng_state
+from ..training.training_state import rng_file_name
+
+logger = get_logger(__name__)
+
+__all__ = ["reload_weights", "restore_rng"]
+
+
+def reload_weights(model, directory: str | os.PathLike) -> None:
+    """Copy this rank's stage tensors from the checkpoint in ``directory`` into ``model``. Collective.
+
+    Args:
+        model: the :class:`~hf_pipeline.model.PipelinedModel` (any stage layout: tensors are found by key).
+        directory: a complete checkpoint (as ``save_pretrained`` writes it).
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` is no complete checkpoint (on every rank).
+        CheckpointError: a tensor is missing or of another shape (on every rank).
+    """
+    directory = pathlib.Path(directory)
+    with collective_errors(model.ctx, "reading the checkpoint's weights"):
+        if not is_complete_checkpoint(directory):
+            raise CheckpointNotFoundError(f"{directory} is not a complete checkpoint: {why_incomplete(directory)}")
+        index = CheckpointIndex.from_directory(directory)
+        wanted, aliases, expected, ignore = wanted_tensors(
+            model.skeleton, model.resolved, list(model.stages), index, model.dtype
+        )
+        tensors, _ = load_tensors(
+            index, wanted, aliases=aliases, device=model.device, expected_keys=expected, ignore_unexpected=ignore,
+            unexpected_hint=UNEXPECTED_HINT,
+        )
+        with torch.no_grad():
+            for stage in model.stages:
+                for name, t in stage.state_dict(keep_vars=True).items():
+                    if name in tensors:
+                        t.copy_(tensors[name])
+
+
+def restore_rng(model, directory: str | os.PathLike) -> bool:
+    """Set this rank's RNG states from ``directory/rng/`` when as many ranks wrote it as run now.
+
+    Returns:
+        True when restored; False (with a warning: dropout then draws other masks than an
+        uninterrupted run) when the checkpoint has no RNG states or another world size wrote them.
+    """
+    folder = pathlib.Path(directory) / RNG_DIR
+    written = sorted(folder.glob("rank-*.safetensors")) if folder.is_dir() else []
+    path = folder / rng_file_name(model.ctx.rank)
+    if len(written) == model.ctx.world_size and path.is_file():
+        set_rng_state(read_rng_state(path))
+        return True
+    logger.warning(
+        "not restoring RNG state from %s: %d rank file(s) for a job of %d ranks; a resumed run then draws "
+        "different dropout masks than an uninterrupted one", folder, len(written), model.ctx.world_size,
+    )
+    return False

@@ -1,0 +1,151 @@
+"""What ``PipelineTrainer`` refuses at construction, as a table: a check and the message naming the argument.
+
+Every rank builds the Trainer with the same arguments, so every rank raises the same error before
+anything is exchanged (no collective is needed to agree on it). Each refusal says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import UsageError
+
+__all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
+
+
+def pipelined_model_of(model: Any):
+    """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
+    from ..model import PipelinedModel
+
+    for candidate in (model, getattr(getattr(model, "base_model", None), "model", None)):
+        if isinstance(candidate, PipelinedModel):
+            return candidate
+    return None
+
+
+def check_model(model: Any, model_init: Any) -> None:
+    """Refuse ``model_init`` and a model that is not pipelined.
+
+    Raises:
+        UsageError: naming the argument.
+    """
+    if model_init is not None:
+        raise UsageError(
+            "PipelineTrainer does not take model_init: a pipelined model is loaded collectively by every rank "
+            "(from_pretrained(path, pipeline=True)); load it once and pass it as model="
+        )
+    if pipelined_model_of(model) is None:
+        raise UsageError(
+            f"PipelineTrainer trains a pipelined model (from_pretrained(path, pipeline=True), or a PEFT model "
+            f"wrapping one), got model={type(model).__name__}; use transformers.Trainer for an unsplit model"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refusal:
+    """One argument combination the pipeline cannot honour."""
+
+    applies: Callable[[Any, Any, dict[str, Any]], bool]  # (args, pipelined model, constructor extras) -> refused
+    message: Callable[[Any, Any], str]  # (args, pipelined model) -> what to change
+
+
+def _batch_message(args, model) -> str:
+    return (
+        f"per_device_train_batch_size={args.per_device_train_batch_size} (the batch of one pipeline replica) does "
+        f"not divide into the model's n_microbatches={model.n_microbatches}; pass a multiple of {model.n_microbatches} "
+        "or load the model with another n_microbatches"
+    )
+
+
+def _lacks_checkpointing(args, model) -> bool:
+    asked = getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
+    has = hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
+    return bool(asked) and not has
+
+
+def _checkpointing_name(args) -> str:
+    # transformers turns gradient_checkpointing=True into activation_checkpointing=True as well: name what was set.
+    names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, False)]
+    return " / ".join(names)
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        applies=lambda args, model, extra: bool(args.deepspeed),
+        message=lambda args, model: (
+            "deepspeed= is not supported by PipelineTrainer: the pipeline places its stages and syncs its "
+            "gradients itself; remove the DeepSpeed config"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: bool(args.fsdp) or bool(args.fsdp_config and args.fsdp_config.get("fsdp")),
+        message=lambda args, model: (
+            f"fsdp={args.fsdp!r} is not supported by PipelineTrainer: the pipeline places its stages itself; "
+            "remove fsdp= / fsdp_config="
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: bool(args.torch_compile),
+        message=lambda args, model: (
+            "torch_compile=True is not supported by PipelineTrainer: the pipeline's stages run inside torch's "
+            "pipeline schedule, which the Trainer cannot compile; pass torch_compile=False"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: bool(args.fp16),
+        message=lambda args, model: (
+            "fp16=True is not supported by PipelineTrainer (it needs a gradient scaler around the pipeline's "
+            "backward); pass bf16=True (the step runs under bf16 autocast) or neither"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: getattr(args, "train_sampling_strategy", None) == "batch_rebalance",
+        message=lambda args, model: (
+            "train_sampling_strategy='batch_rebalance' is not supported by PipelineTrainer: it shards batches by "
+            "global rank, where the ranks of one pipeline need the same rows; pick another train_sampling_strategy"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: args.per_device_train_batch_size % model.n_microbatches != 0,
+        message=_batch_message,
+    ),
+    Refusal(
+        applies=lambda args, model, extra: args.label_smoothing_factor != 0,
+        message=lambda args, model: (
+            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by PipelineTrainer: the "
+            "pipeline trains on the model's own loss; pass label_smoothing_factor=0"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: extra.get("compute_loss_func") is not None,
+        message=lambda args, model: (
+            "compute_loss_func= is not supported by PipelineTrainer: the loss is computed on the last stage "
+            "by the model's own loss inside the pipeline schedule; remove compute_loss_func"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: _lacks_checkpointing(args, model),
+        message=lambda args, model: (
+            f"{_checkpointing_name(args)}=True needs {type(model).__name__}.activation_checkpointing_enable "
+            f"(or gradient_checkpointing_enable), which this version of the model lacks; pass "
+            f"{_checkpointing_name(args)}=False (trl's SFTConfig sets gradient_checkpointing=True by default)"
+        ),
+    ),
+)
+
+
+def check_arguments(args: Any, model: Any, **extra: Any) -> None:
+    """Raise the first refusal that applies to these ``TrainingArguments`` and this pipelined model.
+
+    Args:
+        args: the ``TrainingArguments``.
+        model: the :class:`~hf_pipeline.model.PipelinedModel` (unwrapped).
+        extra: other constructor arguments some refusals look at (``compute_loss_func``).
+
+    Raises:
+        UsageError: naming the argument and what to pass instead.
+    """
+    for refusal in REFUSALS:
+        if refusal.applies(args, model, extra):
+            raise UsageError(refusal.message(args, model))

@@ -1,0 +1,296 @@
+"""``PipelineTrainer``: ``transformers.Trainer`` for a pipelined model, same constructor, same loop.
+
+transformers' Trainer runs its own loop (epochs, gradient accumulation, LR schedule, logging,
+evaluation, checkpoints, callbacks); this subclass changes only what differs for a model whose
+stages live on several ranks:
+
+* **Data.** Every rank gets the same global batch of ``per_device_train_batch_size x dp`` rows
+  (``dp`` pipeline replicas), in the order transformers' Trainer gives on one process with that
+  batch; each replica trains on its own rows of it inside ``model.train_step`` (:mod:`.data`).
+* **The step.** ``training_step`` is ``model.train_step`` (forward and backward through the
+  pipeline schedule); its gradients are scaled as transformers' Trainer scales its loss under
+  gradient accumulation (see :meth:`PipelineTrainer.loss_scale`). Clipping is
+  ``model.clip_grad_norm_``: the norm over every stage, not over this rank's parameters.
+* **No wrapping.** accelerate returns the model as it is (it syncs its own gradients; see
+  ``compat.ACCELERATE_PREPARED_FLAG``), and the model is never moved: its stages are placed.
+* **Evaluation.** The pipelined forward gives every rank the whole batch's outputs, so nothing is
+  gathered across ranks.
+* **Checkpoints.** Written by every rank (:mod:`.checkpoints`) and read back as data only.
+
+Every rank runs the same loop on the same batches, so every rank's ``TrainerState`` (global step,
+log history) is the same.
+
+Example (``torchrun --nproc-per-node 2 finetune.py``):
+    >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2)
+    >>> args = TrainingArguments("out", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    >>> PipelineTrainer(model=model, args=args, train_dataset=ds, data_collator=collator).train()
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from functools import partial
+from typing import Any
+
+import torch
+from accelerate.utils import recursively_apply
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
+from transformers.utils import can_return_loss, find_labels
+
+from ..errors import UsageError
+from ..families.losses import get_loss
+from ..training.checkpoint_format import TRAINER_STATE_NAME
+from ..training.training_state import load_training_state
+from .checkpoints import reload_weights, restore_rng
+from .data import count_items, single_process_loader
+from .refusals import check_arguments, check_model, pipelined_model_of
+
+__all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
+
+
+def _accepts_loss_kwargs(module: torch.nn.Module) -> bool:
+    # transformers' own rule (Trainer.__init__), applied to the transformers class the stages come from.
+    if hasattr(module, "accepts_loss_kwargs"):
+        return bool(module.accepts_loss_kwargs)
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+class PipelineTrainerMixin:
+    """What makes a ``transformers.Trainer`` (or a subclass of it) train a pipelined model.
+
+    Put it first among the bases: ``class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer)``.
+    Its methods replace the Trainer's for data, the step, evaluation's gathering and checkpoints;
+    everything else (the loop, logging, callbacks, the subclass's own dataset preparation) stays.
+    """
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any):
+        # The next class's constructor (transformers' Trainer, or a subclass's): its own argument order.
+        names = list(inspect.signature(super().__init__).parameters)[2:]  # after model, args
+        given = {**dict(zip(names, more)), **kwargs}
+        check_model(model, given.get("model_init"))
+        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
+        self.pipelined = pipelined_model_of(model)
+        check_arguments(args, self.pipelined, compute_loss_func=given.get("compute_loss_func"))
+        self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
+        super().__init__(model, args, **given)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from an accelerate launch config
+            raise UsageError(
+                "PipelineTrainer cannot run under DeepSpeed or FSDP (set by the accelerate launch config): the "
+                "pipeline places its stages and syncs its gradients itself; launch without them"
+            )
+        # What transformers reads from the model's class, read from the class the stages come from.
+        skeleton = type(self.pipelined.skeleton)
+        self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.pipelined.skeleton)
+        if self.args.label_names is None:
+            self.label_names = find_labels(skeleton)
+        self.can_return_loss = can_return_loss(skeleton)
+
+    # ----------------------------------------------------------------------------------------
+    # Data: one global batch on every rank
+    # ----------------------------------------------------------------------------------------
+    def _get_dataloader(
+        self, dataset, description: str, batch_size: int, sampler_fn=None, is_training: bool = False,
+        dataloader_key: str | None = None,
+    ) -> DataLoader:
+        collator = self.data_collator
+        if hasattr(dataset, "column_names") and not isinstance(dataset, IterableDataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        params: dict[str, Any] = {
+            "batch_size": batch_size * self.pipelined.dims.dp_size,  # every replica's rows
+            "collate_fn": collator,
+            "num_workers": self.args.dataloader_num_workers,
+            "pin_memory": self.args.dataloader_pin_memory,
+            "persistent_workers": self.args.dataloader_persistent_workers,
+            "multiprocessing_context": self.args.dataloader_multiprocessing_context,
+            "prefetch_factor": self.args.dataloader_prefetch_factor,
+            "in_order": self.args.dataloader_in_order,
+        }
+        if not isinstance(dataset, IterableDataset):
+            sampler = sampler_fn(dataset) if sampler_fn is not None else None
+            if sampler is not None:
+                params["sampler"] = sampler
+            params["drop_last"] = self.args.dataloader_drop_last
+            if is_training:  # rank 0's worker seeds on every rank: the same rows everywhere
+                params["worker_init_fn"] = partial(seed_worker, num_workers=self.args.dataloader_num_workers, rank=0)
+        return single_process_loader(self.accelerator, DataLoader(dataset, **params))
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # The columns the transformers model's forward takes (the pipelined forward takes **kwargs).
+        if self._signature_columns is None:
+            columns = list(inspect.signature(self.pipelined.skeleton.forward).parameters)
+            self._signature_columns = columns + list({"label", "label_ids", *self.label_names})
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Rows per optimizer step: the replica batch x replicas x accumulation steps."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.pipelined.dims.dp_size
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        # transformers sums every process's count; every rank here holds the whole batch: count it once.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self.pipelined.ctx.world_size
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            return None
+        return count_items(self.pipeline_loss, batch_samples, self.pipelined.config, device)
+
+    # ----------------------------------------------------------------------------------------
+    # The step
+    # ----------------------------------------------------------------------------------------
+    def loss_scale(self, inputs: dict[str, Any], num_items_in_batch) -> float:
+        """The factor on this batch's mean loss that makes its gradient what transformers' Trainer computes.
+
+        transformers passes ``num_items_in_batch`` (the real items of all batches of the optimizer
+        step) to a model whose forward takes loss kwargs, and then does not divide by the
+        accumulation steps. Token-level losses use it (summed loss / items of the step: the batch's
+        mean x its share of the items); a head whose loss is a plain mean ignores it, so its batch
+        means add up. Without ``num_items_in_batch`` the mean is divided by the accumulation steps.
+        """
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if not scaled:
+            return 1.0 / self.current_gradient_accumulation_steps
+        if not self.pipeline_loss.token_level or num_items_in_batch is None:
+            return 1.0
+        mine = count_items(self.pipeline_loss, [inputs], self.pipelined.config, torch.device("cpu"))
+        return float(mine) / max(float(num_items_in_batch), 1.0)
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """``model.train_step`` on the global batch; returns the loss as transformers' Trainer logs it."""
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        scale = self.loss_scale(inputs, num_items_in_batch)
+        if scale == 0:  # no real item in this batch: no gradient, as transformers' summed loss of nothing
+            return torch.zeros((), device=self.args.device)
+        autocast = torch.bfloat16 if self.args.bf16 else None
+        loss = self.pipelined.train_step(inputs, loss_scale=scale, autocast=autocast)
+        return (loss * scale).detach().to(self.args.device)
+
+    def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
+        """The pipelined forward's loss (evaluation; training runs :meth:`training_step`)."""
+        outputs = model(**inputs)
+        loss = outputs["loss"]
+        return (loss, outputs) if return_outputs else loss
+
+    def _clip_grad_norm(self, model):
+        return self.pipelined.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.pipelined.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
+
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing to move: the pipeline placed each stage on its rank's device when it loaded."""
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """transformers' loop, gathering nothing: every rank holds the whole batch's outputs.
+
+        The loop weighs each batch's loss by ``args.eval_batch_size`` rows; a batch here holds every
+        replica's rows, so that is the replica batch x replicas while the loop runs.
+        """
+        if not self.pipelined.gather_output:  # the same on every rank: all raise before any forward
+            raise UsageError(
+                "evaluate() / predict() read the model's outputs on every rank, but the model was loaded with "
+                "gather_output=False; load it with gather_output=True (the default)"
+            )
+        self.gather_function = self._gather_nothing
+        per_replica = self.args.per_device_eval_batch_size
+        self.args.per_device_eval_batch_size = per_replica * self.pipelined.dims.dp_size
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            self.args.per_device_eval_batch_size = per_replica
+
+    def _gather_nothing(self, data: Any, **kwargs: Any) -> Any:
+        """``accelerator.gather_for_metrics`` without the gather: every rank holds the whole batch's outputs.
+
+        Like it, the values of the last batch are cut to the rows the dataset has left (the loop
+        repeats each batch's loss ``eval_batch_size`` times, also for a shorter last batch).
+        """
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints: written by every rank, read back as data
+    # ----------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the model as a transformers checkpoint. Collective: every rank calls it."""
+        self.pipelined.save_pretrained(output_dir or self.args.output_dir, tokenizer=self.processing_class)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with_state = not self.args.save_only_model
+        self.pipelined.save_pretrained(
+            output_dir, optimizer=self.optimizer if with_state else None,
+            scheduler=self.lr_scheduler if with_state else None, step=self.state.global_step,
+            tokenizer=self.processing_class,
+        )
+        best = self.state.best_global_step
+        if best and os.path.exists(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
+            self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        self._store_callback_states()  # on every rank: every rank's TrainerState stays the same
+        if self.args.should_save:
+            # transformers' TrainerState in its own file name, replacing the package's (same step).
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+            rotate_checkpoints(
+                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+            )
+        self.pipelined.ctx.barrier()  # the checkpoint is complete (and old ones gone) on every rank's return
+
+    def _store_callback_states(self) -> None:
+        # As transformers' _save_checkpoint: the stateful callbacks' state goes into TrainerState.
+        from transformers.trainer_callback import ExportableState
+
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name, state = type(cb).__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks[name], list):
+                self.state.stateful_callbacks[name].append(state)
+            else:
+                self.state.stateful_callbacks[name] = state
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        reload_weights(self.pipelined, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        reload_weights(self.pipelined, self.state.best_model_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            load_training_state(
+                self.pipelined, checkpoint, optimizer=self.optimizer, scheduler=self.lr_scheduler, rng=False
+            )
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            restore_rng(self.pipelined, checkpoint)
+
+
+class PipelineTrainer(PipelineTrainerMixin, Trainer):
+    """``transformers.Trainer`` for a model loaded with ``from_pretrained(path, pipeline=True)``. Collective.
+
+    Same constructor and methods as ``transformers.Trainer``; every rank of the job builds it with
+    the same arguments and calls the same methods (``train``, ``evaluate``, ``predict``,
+    ``save_model``). ``per_device_train_batch_size`` is the batch of one pipeline replica and must
+    divide into the model's ``n_microbatches``.
+
+    Raises:
+        UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
+            an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
+            ``compute_loss_func``, label smoothing; see :mod:`.refusals`).
+    """

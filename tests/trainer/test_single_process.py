@@ -1,0 +1,143 @@
+"""PipelineTrainer on one process (all stages local): what it refuses, iterable datasets, activation checkpointing.
+
+The refusals are raised at construction from the arguments alone, so every rank of a job raises the
+same one (the multi-rank test checks one of them on every rank); here each is checked to name its
+argument, and the model to stay usable afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+import transformers
+from test_trainer import TOL, _args, _assert_params_equal, _dataset, _logs
+
+import hf_pipeline
+from hf_pipeline.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return str(tiny.make_checkpoint(tmp_path_factory.mktemp("llama"), "llama"))
+
+
+def _pipelined(path):
+    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, extra, named",
+    [
+        ({"per_device_train_batch_size": 3}, {}, "per_device_train_batch_size=3"),
+        ({"torch_compile": True}, {}, "torch_compile=True"),
+        ({"fsdp": "full_shard"}, {}, "fsdp="),
+        ({"fp16": True}, {}, "fp16=True"),
+        ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor=0.1"),
+        ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}, "compute_loss_func"),
+        ({}, {"model_init": lambda: None}, "model_init"),
+    ],
+)
+def test_refused_at_construction_naming_the_argument(llama_path, tmp_path, overrides, extra, named):
+    model = _pipelined(llama_path)
+    args = {"per_device_train_batch_size": 4, **overrides}
+    batch = args.pop("per_device_train_batch_size")
+    try:
+        built = _args(tmp_path, batch, **args)
+    except ValueError as e:  # transformers' own check came first (e.g. fp16 on CPU): it names it too
+        assert named.split("=")[0] in str(e)
+        return
+    with pytest.raises(UsageError, match=named.replace("(", r"\(")):
+        hf_pipeline.PipelineTrainer(model=model, args=built, train_dataset=_dataset("llama"), **extra)
+    # Nothing ran: the model still trains.
+    trainer = hf_pipeline.PipelineTrainer(model=model, args=_args(tmp_path / "ok", 4), train_dataset=_dataset("llama"),
+                                          eval_dataset=_dataset("llama", 8))
+    trainer.train()
+
+
+def test_an_unpipelined_model_is_refused(llama_path, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_path)
+    with pytest.raises(UsageError, match="PipelineTrainer trains a pipelined model.*LlamaForCausalLM"):
+        hf_pipeline.PipelineTrainer(model=model, args=_args(tmp_path, 4), train_dataset=_dataset("llama"))
+
+
+def test_iterable_dataset_trains_as_transformers_trainer(llama_path, tmp_path):
+    # An iterable dataset has no sampler: both read it in its own order, max_steps bounds the run.
+    data = _dataset("llama").remove_columns("note")
+
+    def run(trainer_class, model, out):
+        args = _args(out, 4, eval_strategy="no", save_strategy="no")
+        trainer = trainer_class(model=model, args=args, train_dataset=data.to_iterable_dataset())
+        trainer.train()
+        return _logs(trainer.state.log_history)
+
+    model = _pipelined(llama_path)
+    got = run(hf_pipeline.PipelineTrainer, model, tmp_path / "p")
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    want = run(transformers.Trainer, ref_model, tmp_path / "r")
+    assert [e.get("step") for e in got] == [e.get("step") for e in want] == [1, 2, 3, 4, 4]
+    for g, w in zip(got[:4], want[:4]):
+        assert g["loss"] == pytest.approx(w["loss"], rel=TOL)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=TOL)
+    _assert_params_equal(dict(model.checkpoint_named_parameters()), ref_model.state_dict(), "iterable")
+
+
+@pytest.mark.parametrize("argument", ["activation_checkpointing", "gradient_checkpointing"])
+def test_activation_checkpointing(llama_path, tmp_path, argument):
+    model = _pipelined(llama_path)
+    if not hasattr(model, "activation_checkpointing_enable"):
+        # Until the model has the method, the argument is refused by name before anything runs.
+        with pytest.raises(UsageError, match=f"{argument}.*=True needs PipelinedModel.activation_checkpointing_enable"):
+            hf_pipeline.PipelineTrainer(model=model, args=_args(tmp_path, 4, **{argument: True}),
+                                        train_dataset=_dataset("llama"))
+        pytest.skip("PipelinedModel has no activation_checkpointing_enable yet")
+    args = _args(tmp_path / "p", 4, eval_strategy="no", save_strategy="no", **{argument: True})
+    hf_pipeline.PipelineTrainer(model=model, args=args, train_dataset=_dataset("llama")).train()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    transformers.Trainer(model=ref, args=_args(tmp_path / "r", 4, eval_strategy="no", save_strategy="no"),
+                         train_dataset=_dataset("llama")).train()
+    _assert_params_equal(dict(model.checkpoint_named_parameters()), ref.state_dict(), argument)
+
+
+def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_arguments():
+    import inspect
+
+    from hf_pipeline.compat import TRAINER_HELPERS, TRAINER_OVERRIDES
+    from hf_pipeline.trainer import PipelineTrainerMixin
+
+    for name in TRAINER_OVERRIDES:
+        theirs = inspect.signature(getattr(transformers.Trainer, name)).parameters
+        ours = inspect.signature(getattr(PipelineTrainerMixin, name)).parameters
+        assert list(ours) == list(theirs), f"{name}: transformers takes {list(theirs)}"
+    for name in TRAINER_HELPERS:
+        assert callable(getattr(transformers.Trainer, name, None)), name
+    # Every underscored Trainer method the mixin defines is listed (and so checked above).
+    defined = {n for n in vars(PipelineTrainerMixin) if n.startswith("_") and not n.startswith("__")}
+    assert defined - {"_gather_nothing", "_store_callback_states"} == set(TRAINER_OVERRIDES)
+
+
+def test_save_total_limit_and_resume_true_as_transformers(llama_path, tmp_path):
+    def run(trainer_class, load, out):
+        args = _args(out, 4, eval_strategy="no", save_steps=1, save_total_limit=2)
+        trainer_class(model=load(), args=args, train_dataset=_dataset("llama")).train()
+        kept = sorted(p.name for p in out.glob("checkpoint-*"))
+        resumed = trainer_class(model=load(), args=args, train_dataset=_dataset("llama"))
+        resumed.train(resume_from_checkpoint=True)  # the last checkpoint in output_dir
+        params = resumed.model.checkpoint_named_parameters() if trainer_class is not transformers.Trainer else (
+            resumed.model.state_dict(keep_vars=True).items())
+        return kept, resumed.state.global_step, {n: p.detach().clone() for n, p in params}
+
+    got = run(hf_pipeline.PipelineTrainer, lambda: _pipelined(llama_path), tmp_path / "p")
+    want = run(transformers.Trainer, lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        llama_path, dtype=torch.float32), tmp_path / "r")
+    assert got[0] == want[0] == ["checkpoint-3", "checkpoint-4"]
+    assert got[1] == want[1]
+    _assert_params_equal(got[2], want[2], "resume_from_checkpoint=True")
+
+
+def test_evaluation_needs_the_outputs_on_every_rank(llama_path, tmp_path):
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(llama_path, pipeline=True, gather_output=False)
+    trainer = hf_pipeline.PipelineTrainer(model=model, args=_args(tmp_path, 4), train_dataset=_dataset("llama"),
+                                          eval_dataset=_dataset("llama", 8))
+    with pytest.raises(UsageError, match="gather_output=False"):
+        trainer.evaluate()

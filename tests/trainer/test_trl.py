@@ -1,0 +1,77 @@
+"""TRL's SFTTrainer on a pipelined model through PipelineTrainerMixin, against SFTTrainer on one process.
+
+trl is not a dependency: the test runs where it is installed (``pip install trl``) and is skipped
+elsewhere. fp32 (SFTConfig defaults to bf16, whose autocast differs between an unsplit model and
+stages) and without gradient checkpointing (SFTConfig turns it on; see README).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import datasets
+import pytest
+import tiny
+import torch
+import transformers
+from harness import run_distributed
+from test_trainer import TOL, _assert_params_equal
+
+pytest.importorskip("trl")
+
+
+def _data(directory: str):
+    text = tiny.text_file(pathlib.Path(directory) / "text.txt", lines=32)
+    return datasets.Dataset.from_dict({"text": text.read_text().splitlines()}), tiny.word_tokenizer(text)
+
+
+def _config(out: str):
+    from trl import SFTConfig
+
+    return SFTConfig(
+        out, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=2,
+        max_grad_norm=0.5, logging_steps=1, max_steps=4, seed=7, report_to=[], use_cpu=True, disable_tqdm=True,
+        max_length=16, save_strategy="no", gradient_checkpointing=False, activation_checkpointing=False, bf16=False,
+    )
+
+
+def _logs(trainer) -> list[dict]:
+    return [{k: e[k] for k in ("loss", "grad_norm", "learning_rate") if k in e} for e in trainer.state.log_history]
+
+
+def _sft_rank(path: str, directory: str):
+    from trl import SFTTrainer
+
+    import hf_pipeline
+    from hf_pipeline.trainer import PipelineTrainerMixin
+
+    class PipelineSFTTrainer(PipelineTrainerMixin, SFTTrainer):
+        pass
+
+    data, tokenizer = _data(directory)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2)
+    out = os.path.join(directory, f"rank{os.environ['RANK']}")
+    trainer = PipelineSFTTrainer(model=model, args=_config(out), train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    return _logs(trainer), {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sft_trainer_through_the_mixin_equals_sft_trainer(tmp_path):
+    from trl import SFTTrainer
+
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
+    results = run_distributed(_sft_rank, 2, path, str(tmp_path), timeout=300)
+    data, tokenizer = _data(str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = SFTTrainer(model=model, args=_config(str(tmp_path / "ref")), train_dataset=data, processing_class=tokenizer)
+    ref.train()
+    want = _logs(ref)
+    for rank, (logs, params) in enumerate(results):
+        assert len(logs) == len(want)
+        for got, expected in zip(logs, want):
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), f"rank {rank} {key}"
+        _assert_params_equal(params, model.state_dict(), f"rank {rank}")
