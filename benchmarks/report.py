@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from benchmarks import generate_tables, load_tables, train_tables
+from benchmarks import generate_tables, load_tables, lora_tables, train_tables
 from benchmarks.tables import render
 from hf_pipeline.training.checkpoint import replace_file
 
@@ -64,6 +64,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         blocks += generate_tables.markdown(res)
     if "train" in res:  # the bubble's figures come from the train section's profiled steps
         blocks += train_tables.bubble_markdown(res)
+    if "lora" in res:
+        blocks += lora_tables.markdown(res)
     return render(blocks + _footer(res))
 
 
