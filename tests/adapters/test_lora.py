@@ -1,8 +1,8 @@
 """LoRA on a pipelined model equals peft on one process.
 
-One spawned job per world size (2 ranks: interleaved 1F1B, 4 stages; 3 ranks: 1F1B, 3 stages) runs,
-on every rank, everything below against references computed here on one process with plain
-transformers + peft:
+One spawned job per world size (2 ranks: interleaved 1F1B, 4 stages, every architecture; 3 ranks:
+1F1B, LLaMA), and the same job in this process (world size 1: LLaMA and GPT-2), run on every rank
+everything below against references computed here on one process with plain transformers + peft:
 
 * a fresh adapter from ``peft.get_peft_model`` under one seed: every local ``lora_A`` / ``lora_B``
   bitwise equal to one process's, and the random stream left where one process leaves it;
@@ -70,7 +70,7 @@ def _prompt(arch):
     return {k: v for k, v in _inputs(arch).items() if k in ("input_ids", "attention_mask")}
 
 
-def _job(dirs, load):
+def _job(dirs, load, archs):
     import hf_pipeline
     from hf_pipeline.errors import InputError
 
@@ -105,7 +105,7 @@ def _job(dirs, load):
     peft_model.save_pretrained(dirs["out"] / "trained")
 
     # One-process adapters loaded; bad configs refused first (the model works afterwards).
-    for arch, auto, task, targets in ADAPTED:
+    for arch, auto, task, targets in [a for a in ADAPTED if a[0] in archs]:
         model = pipelined(arch, auto)
         try:
             peft.get_peft_model(model, _config(["no_such_module"], task))
@@ -127,11 +127,11 @@ def _job(dirs, load):
     return res
 
 
-def _references(tmp_path):
+def _references(tmp_path, archs):
     import transformers
 
     dirs, refs = {"out": tmp_path / "out"}, {}
-    for arch, auto, task, targets in ADAPTED:
+    for arch, auto, task, targets in [a for a in ADAPTED if a[0] in archs]:
         dirs[arch] = tiny.make_checkpoint(tmp_path / arch, arch, auto=auto, **NO_DROPOUT.get(arch, {}))
         base = getattr(transformers, auto).from_pretrained(dirs[arch], dtype=torch.float32).eval()
         torch.manual_seed(SEED + 1)
@@ -188,14 +188,14 @@ def _same_files(got, want, what: str) -> None:
     assert not differ, f"{what}: adapter_config.json differs (pipelined, one process): {differ}"
 
 
-def _check(results, dirs, refs, world_size):
+def _check(results, dirs, refs, world_size, archs):
     import transformers
 
     held: dict[str, int] = {}
     for rank, res in enumerate(results):
-        assert res["errors"].keys() == {"targets", "modules_to_save"}, f"rank {rank}: {res['errors']}"
+        assert res["errors"].keys() == {"targets"} | ({"modules_to_save"} if "bert" in archs else set()), res["errors"]
         assert "no_such_module" in res["errors"]["targets"], res["errors"]["targets"]
-        assert "modules_to_save" in res["errors"]["modules_to_save"]
+        assert "modules_to_save" in res["errors"].get("modules_to_save", "modules_to_save")
         _close(res["init"], refs["init"], f"rank {rank} fresh adapter", exact=True)
         assert torch.equal(res["rng_after"], refs["rng_after"]), f"rank {rank}: random stream differs after injection"
         _close(res["trained"], refs["trained"], f"rank {rank} after {STEPS} AdamW steps")
@@ -206,10 +206,10 @@ def _check(results, dirs, refs, world_size):
         assert res["reduced"] <= STEPS * (local + 8), f"rank {rank}: all-reduced {res['reduced']} elements"
         for key in res["trained"]:
             held[key] = held.get(key, 0) + 1
-        for arch, *_ in ADAPTED:
+        for arch in archs:
             diff = (res[f"logits-{arch}"] - refs[f"logits-{arch}"]).abs().max().item()
             assert diff <= TOL, f"rank {rank} {arch}: logits with the loaded adapter differ by {diff}"
-        for arch in ("llama", "t5"):
+        for arch in {"llama", "t5"} & set(archs):
             same = torch.equal(res[f"tokens-{arch}"], refs[f"tokens-{arch}"])
             assert same, f"rank {rank} {arch}: greedy tokens differ"
     assert held == {k: 1 for k in refs["trained"]}, "every adapter tensor is held by exactly one rank"
@@ -223,10 +223,20 @@ def _check(results, dirs, refs, world_size):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world_size, load",
-    [(2, {"schedule": "interleaved-1f1b", "n_microbatches": M}), (3, {"schedule": "1f1b", "n_microbatches": M})],
+    "world_size, load, archs",
+    [
+        (2, {"schedule": "interleaved-1f1b", "n_microbatches": M}, [a[0] for a in ADAPTED]),
+        (3, {"schedule": "1f1b", "n_microbatches": M}, ["llama"]),
+    ],
 )
-def test_lora_equals_peft_on_one_process(tmp_path, world_size, load):
-    dirs, refs = _references(tmp_path)
-    results = run_distributed(_job, world_size, dirs, load, timeout=300)
-    _check(results, dirs, refs, world_size)
+def test_lora_equals_peft_on_one_process(tmp_path, world_size, load, archs):
+    dirs, refs = _references(tmp_path, archs)
+    results = run_distributed(_job, world_size, dirs, load, archs, timeout=300)
+    _check(results, dirs, refs, world_size, archs)
+
+
+def test_lora_on_one_process_equals_peft(tmp_path):
+    """World size 1 (every stage local, no process group): the same checks, in this process."""
+    archs = ["llama", "gpt2"]
+    dirs, refs = _references(tmp_path, archs)
+    _check([_job(dirs, {}, archs)], dirs, refs, 1, archs)
