@@ -12,6 +12,8 @@ from __future__ import annotations
 import gc
 import os
 
+from _common import trim_host_heap  # scripts/_common.py
+
 from benchmarks.config import Sizes
 from benchmarks.meters import PeakMeter
 from benchmarks.timing import batch
@@ -30,6 +32,9 @@ def lora_memory(task: dict, out: dict) -> None:
     from hf_pipeline import AutoModelForCausalLM
 
     sizes = task["sizes"]
+    # Both modes run in one process: what the first freed goes back to the OS before the second is
+    # measured, or the second would reuse it unseen (glibc keeps freed heap).
+    trim_host_heap()
     with PeakMeter() as loading:
         model = AutoModelForCausalLM.from_pretrained(
             task["path"], pipeline=True, device="cpu", progress=False, schedule="1f1b",
@@ -57,6 +62,7 @@ def lora_memory(task: dict, out: dict) -> None:
     )
     del model, opt, params
     gc.collect()
+    trim_host_heap()
 
 
 TASKS = {"lora_memory": lora_memory}
