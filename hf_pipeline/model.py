@@ -173,7 +173,7 @@ class PipelinedModel(AdapterHost, nn.Module):
                 continue
             if only_trainable and not p.requires_grad:
                 continue
-            if local or layout.owner_stage(key) in mine:
+            if local or key not in layout.holders or layout.owner_stage(key) in mine:  # not: an adapter weight
                 total += p.numel()
         if local or self.plan.pp_size == 1:
             return total

@@ -153,10 +153,12 @@ def inject_on_stages(tuner, original, model, adapter_name: str, **kwargs: Any) -
     """
     check_config(tuner.peft_config[adapter_name])
     start = torch.get_rng_state()
-    targets, states = _whole_model_targets(tuner, original, model, adapter_name, kwargs)
-    end = torch.get_rng_state()
-    _check_targets(model, targets)
-    torch.set_rng_state(start)
+    try:
+        targets, states = _whole_model_targets(tuner, original, model, adapter_name, kwargs)
+        _check_targets(model, targets)
+    finally:
+        end = torch.get_rng_state()
+        torch.set_rng_state(start)  # a refusal leaves the random stream as it found it
     try:
         for stage in model.stages:
             mine = {n for n, _ in stage.named_modules()}

@@ -88,6 +88,7 @@ def _job(dirs, load, archs):
     torch.manual_seed(SEED)
     peft_model = peft.get_peft_model(model, _config(["q_proj", "v_proj"], "CAUSAL_LM"))
     res["init"], res["rng_after"] = _adapter_of(model), torch.rand(4)
+    res["trainable"] = model.num_parameters(only_trainable=True)  # collective: summed over the pipeline
     opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     reduced, all_reduce = [], torch.distributed.all_reduce
 
@@ -157,6 +158,7 @@ def _references(tmp_path, archs):
     torch.manual_seed(SEED)
     adapted = peft.get_peft_model(base, _config(["q_proj", "v_proj"], "CAUSAL_LM"))
     refs["init"], refs["rng_after"] = _adapter_of(base), torch.rand(4)
+    refs["trainable"] = base.num_parameters(only_trainable=True)
     opt = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=LR, eps=EPS)
     adapted.train()
     for step in range(STEPS):
@@ -201,6 +203,7 @@ def _check(results, dirs, refs, world_size, archs, replicas=1):
         _close(res["init"], refs["init"], f"rank {rank} fresh adapter", exact=True)
         assert torch.equal(res["rng_after"], refs["rng_after"]), f"rank {rank}: random stream differs after injection"
         _close(res["trained"], refs["trained"], f"rank {rank} after {STEPS} AdamW steps")
+        assert res["trainable"] == refs["trainable"], f"rank {rank}: num_parameters(only_trainable=True)"
         assert not res["frozen_with_grad"], f"rank {rank}: frozen weights got gradients: {res['frozen_with_grad'][:3]}"
         local = sum(v.numel() for v in res["trained"].values())
         assert res["optimizer_numel"] == local, f"rank {rank}: optimizer holds {res['optimizer_numel']} != {local}"
@@ -245,3 +248,25 @@ def test_lora_on_one_process_equals_peft(tmp_path):
     archs = ["llama", "gpt2"]
     dirs, refs = _references(tmp_path, archs)
     _check([_job(dirs, {}, archs)], dirs, refs, 1, archs)
+
+
+def test_what_cannot_be_split_by_stage_is_refused_by_name(tmp_path):
+    """Each refused option raises an InputError naming it before any stage changes; the model works after."""
+    import hf_pipeline
+    from hf_pipeline.errors import InputError
+
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu")
+    before = model(**_inputs("llama")).logits
+    refused = {
+        "use_dora": _config(["q_proj"], use_dora=True),
+        "init_lora_weights": _config(["q_proj"], init_lora_weights="pissa"),
+        "modules_to_save": _config(["q_proj"], modules_to_save=["lm_head"]),
+        "outside the model's repeated blocks": _config(["lm_head", "q_proj"]),
+        "peft_type": peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]),
+    }
+    for name, config in refused.items():
+        with pytest.raises(InputError, match=name):
+            peft.get_peft_model(model, config)
+        assert not any("lora_" in n or "ia3_" in n for n, _ in model.named_parameters()), f"{name}: model changed"
+    assert torch.equal(model(**_inputs("llama")).logits, before)
