@@ -24,7 +24,7 @@ from transformers.integrations import PeftAdapterMixin
 
 from ..errors import InputError
 from . import peft_hooks
-from .inject import AdapterState, inject_on_stages, local_adapter_keys
+from .inject import AdapterState, inject_on_stages, local_adapter_keys, wrapped_module_keys
 from .save import adapter_tensors, save_adapter_files, saving, write_peft_model
 
 __all__ = ["AdapterHost", "AdapterState"]
@@ -134,7 +134,8 @@ def _save_peft_model(peft_model, original, save_directory, *args, **kwargs) -> N
 
 
 def _load_into_peft_model(peft_model, original, model_id, adapter_name, *args, **kwargs):
-    with peft_model.base_model.model.loading_adapter(adapter_name):
+    model = peft_model.base_model.model
+    with model.loading_adapter(adapter_name), peft_hooks.reading_weights(lambda w: wrapped_module_keys(model, w)):
         return original(peft_model, model_id, adapter_name, *args, **kwargs)
 
 

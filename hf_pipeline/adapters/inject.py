@@ -31,7 +31,7 @@ from torch import nn
 from ..compat import peft_create_and_replace, peft_freeze_base, peft_override_create_and_replace
 from ..errors import InputError
 
-__all__ = ["AdapterState", "check_config", "inject_on_stages", "local_adapter_keys"]
+__all__ = ["AdapterState", "check_config", "inject_on_stages", "local_adapter_keys", "wrapped_module_keys"]
 
 # init_lora_weights values that only draw from the random stream; the others (pissa, olora, loftq,
 # eva, corda, ...) read the base weights, which here are spread over ranks (and meta in the skeleton).
@@ -67,7 +67,7 @@ def check_config(config) -> None:
             f"init_lora_weights={config.init_lora_weights!r} reads the base weights, which a pipelined model "
             f"spreads over ranks: use one of {_RANDOM_INITS}"
         )
-    for name in ("use_dora", "modules_to_save", "layer_replication", "target_parameters", "trainable_token_indices"):
+    for name in ("use_dora", "layer_replication", "target_parameters", "trainable_token_indices"):
         if getattr(config, name, None):
             raise InputError(
                 f"LoraConfig({name}=...) is not supported on a pipelined model (it replaces or reads whole "
@@ -138,6 +138,28 @@ def _check_targets(model, targets: list[str]) -> None:
         )
 
 
+def _check_saved_modules(model, config) -> None:
+    # modules_to_save (peft's SEQ_CLS task adds the classifier): peft wraps every module whose name
+    # ends with one of them in a trainable copy. The glue looks head modules up by name on every call,
+    # so a wrapped head module is run; embeddings and final modules are held by reference (and copies
+    # of modules every stage holds would diverge), so those are refused.
+    names = list(getattr(config, "modules_to_save", None) or [])
+    heads = tuple(model.resolved.head.modules)
+    blocks = tuple(b + "." for stack in model.resolved.stacks for b in stack.blocks)
+    replicated = tuple(m for stack in model.resolved.stacks for m in stack.every_stage)
+    matched = [n for n, _ in model.skeleton.named_modules() if n and any(n.endswith(m) for m in names)]
+    bad = [
+        n for n in matched
+        if not (n in heads or n.startswith(tuple(h + "." for h in heads)) or n.startswith(blocks))
+        or n.startswith(replicated)
+    ]
+    if bad:
+        raise InputError(
+            f"modules_to_save={names} matches {bad[:4]}: a pipelined model trains copies of its head modules "
+            f"({', '.join(heads)}) and of modules inside its blocks only; leave the others out of modules_to_save"
+        )
+
+
 def inject_on_stages(tuner, original, model, adapter_name: str, **kwargs: Any) -> list[str]:
     """peft's ``inject_adapter`` for a pipelined ``model``: each local stage adapted as one process would.
 
@@ -152,6 +174,7 @@ def inject_on_stages(tuner, original, model, adapter_name: str, **kwargs: Any) -
         The whole model's adapted module names, in module order.
     """
     check_config(tuner.peft_config[adapter_name])
+    _check_saved_modules(model, tuner.peft_config[adapter_name])
     start = torch.get_rng_state()
     try:
         targets, states = _whole_model_targets(tuner, original, model, adapter_name, kwargs)
@@ -197,6 +220,7 @@ def local_adapter_keys(model, state_dict: dict, prefix: str) -> None:
                 if alias != name:
                     homes.setdefault(alias, []).append(f"stages.{j}.{name}")
     whole = {n for n, _ in model.skeleton.named_modules()}
+    checkpoint = model.param_layout.key_of
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rest = key[len(prefix):]
         if rest.startswith("stages."):
@@ -207,3 +231,19 @@ def local_adapter_keys(model, state_dict: dict, prefix: str) -> None:
                 state_dict[prefix + home] = value
         elif _ADAPTER_PART.search(rest) and _ADAPTER_PART.split(rest)[0] in whole:
             del state_dict[key]  # an adapter tensor of a module another rank holds
+        elif rest in checkpoint:
+            del state_dict[key]  # a modules_to_save copy of a module another rank holds (its checkpoint key)
+
+
+def wrapped_module_keys(model, weights: dict) -> dict:
+    """An adapter file's tensors with, for each ``modules_to_save`` copy on this rank, its keys also under
+    the stage's name (``base_model.model.classifier.weight`` -> ``base_model.model.stages.1.classifier.weight``),
+    which is where peft looks them up."""
+    weights = dict(weights)
+    for j, stage in enumerate(model.stages):
+        for name, module in stage.named_modules():
+            if not hasattr(module, "modules_to_save"):
+                continue
+            for key in [k for k in weights if k.startswith(f"base_model.model.{name}.")]:
+                weights[key.replace("base_model.model.", f"base_model.model.stages.{j}.", 1)] = weights[key]
+    return weights

@@ -16,6 +16,7 @@ built in a process that has imported peft, or, when peft is imported later, righ
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
@@ -23,7 +24,7 @@ import inspect
 import sys
 from typing import Any, Callable
 
-__all__ = ["install", "install_when_imported"]
+__all__ = ["install", "install_when_imported", "reading_weights"]
 
 _installed: list[bool] = []
 
@@ -73,6 +74,25 @@ def install(
     PeftModel.load_adapter = load_adapter
     PeftModel.save_pretrained = save_pretrained
     _installed.append(True)
+
+
+@contextlib.contextmanager
+def reading_weights(edit: Callable[[dict], dict]):
+    """While ``PeftModel.load_adapter`` runs: the adapter file's tensors pass through ``edit`` before peft
+    maps them. peft looks the keys of ``modules_to_save`` copies up by its own module names (``stages.1.
+    classifier``), which a file written on one process cannot have; ``edit`` adds them."""
+    import peft.peft_model as peft_model
+
+    read = peft_model.load_peft_weights
+
+    def load_peft_weights(*args, **kwargs):
+        return edit(read(*args, **kwargs))
+
+    peft_model.load_peft_weights = load_peft_weights
+    try:
+        yield
+    finally:
+        peft_model.load_peft_weights = read
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
