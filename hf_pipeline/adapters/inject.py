@@ -103,16 +103,16 @@ def _whole_model_targets(tuner, original, model, adapter_name: str, kwargs: dict
     def record(key: str) -> None:
         states[key] = torch.get_rng_state()
 
+    from peft import NoMatchingPeftModuleError
+
     try:
         _with_create_hook(tuner, _recording(tuner, record), lambda: original(tuner, skeleton, adapter_name, **kwargs))
-    except ValueError as exc:  # peft's NoMatchingPeftModuleError: nothing matches in the whole model
-        if "not found in the base model" in str(exc) or "No modules were targeted" in str(exc):
-            config = tuner.peft_config[adapter_name]
-            raise InputError(
-                f"target_modules={config.target_modules} match no module of the whole model (matched on every "
-                f"rank against the full model's names, e.g. {_example_name(model)}): {exc}"
-            ) from exc
-        raise
+    except NoMatchingPeftModuleError as exc:  # nothing matches in the whole model
+        config = tuner.peft_config[adapter_name]
+        raise InputError(
+            f"target_modules={config.target_modules} match no module of the whole model (matched on every "
+            f"rank against the full model's names, e.g. {_example_name(model)}): {exc}"
+        ) from exc
     finally:
         tuner.targeted_module_names[:], tuner.targeted_parameter_names[:] = names
     return list(states), states

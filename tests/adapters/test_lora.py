@@ -264,3 +264,24 @@ def test_what_cannot_be_split_by_stage_is_refused_by_name(tmp_path):
             peft.get_peft_model(model, config)
         assert not any("lora_" in n or "ia3_" in n for n, _ in model.named_parameters()), f"{name}: model changed"
     assert torch.equal(model(**_inputs("llama")).logits, before)
+
+
+@pytest.mark.slow
+def test_peft_imported_after_the_model_is_loaded_still_adapts_the_stages(tmp_path):
+    """The hooks are installed right after peft's import when the model was built first (a fresh process)."""
+    import subprocess
+    import sys
+
+    path = tiny.make_checkpoint(tmp_path / "llama", "llama")
+    code = (
+        "import sys, torch, hf_pipeline\n"
+        f"model = hf_pipeline.AutoModelForCausalLM.from_pretrained({str(path)!r}, pipeline=True, device='cpu')\n"
+        "assert 'peft' not in sys.modules\n"
+        "import peft\n"
+        "peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=['q_proj']))\n"
+        "print(model.adapter_state is not None, sum('lora_A' in n for n, _ in model.stages[0].named_parameters()))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # adapter_state: set by this package's injection (peft's own would adapt by the stages.N. names)
+    assert proc.stdout.strip().splitlines()[-1] == "True 4", proc.stdout  # one q_proj per layer
