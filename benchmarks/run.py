@@ -9,7 +9,9 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from benchmarks import checkpointing, generate, generate_results, load, load_results, train, train_results
+from benchmarks import (
+    checkpointing, generate, generate_results, load, load_results, lora, lora_results, train, train_results,
+)
 from benchmarks.checkpoints import cache_dir, checkpoints
 from benchmarks.config import SECTIONS, Sizes
 from benchmarks.processes import launch, machine
@@ -48,6 +50,8 @@ def _launches(sections: list[str], sizes: Sizes, ckpts: dict[str, str], *, quick
         per_section.append(generate.launches(sizes, ckpts, timeline_dir=timeline_dir))
     if "checkpointing" in sections:
         per_section.append(checkpointing.launches(sizes, ckpts))
+    if "lora" in sections:
+        per_section.append(lora.launches(sizes, ckpts))
     launches: dict[int, list[dict]] = {}
     for jobs in per_section:
         for world, tasks in jobs.items():
@@ -103,6 +107,8 @@ def summarize(raw: dict[int, list[list[dict]]], sections: list[str], sizes: Size
         summary["generate"] = generate_results.summarize(sizes, find)
     if "checkpointing" in sections:
         summary["checkpointing"] = checkpointing.summarize(sizes, ckpts, find)
+    if "lora" in sections:
+        summary["lora"] = lora_results.summarize(sizes, find)
     return summary
 
 
@@ -110,7 +116,7 @@ def merge(previous: dict[str, Any], new: dict[str, Any], sections: list[str]) ->
     """``previous`` results with a partial rerun's ``new`` ones: only its sections replaced, the run listed."""
     # A partial rerun replaces only its sections (bubble numbers live in the train section).
     merged = dict(previous)
-    for key in ("load", "train", "generate", "checkpointing"):
+    for key in ("load", "train", "generate", "checkpointing", "lora"):
         if key in new:
             merged[key] = new[key]
     run = {k: new[k] for k in ("command", "date", "seconds") if k in new}

@@ -313,3 +313,27 @@ TRAINER_OVERRIDES = (
 TRAINER_HELPERS = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_get_output_dir", "_prepare_inputs")
 
 __all__ += ["TRAINER_HELPERS", "TRAINER_OVERRIDES"]
+# --- for adapters/ ----------------------------------------------------------------------------------
+# peft creates one adapter layer per target in the tuner's ``_create_and_replace`` and freezes the
+# rest with ``_mark_only_adapters_as_trainable``; neither has a public equivalent. The adapters room
+# replays the first per module (to draw each target's initial values from its one-process random
+# state) and applies the second to a stage with no target (peft would raise there instead).
+def peft_create_and_replace(tuner: Any) -> Any:
+    """peft's per-target creation method of ``tuner``'s class (``_create_and_replace``), unbound."""
+    return type(tuner)._create_and_replace
+
+
+def peft_override_create_and_replace(tuner: Any, hook: Any | None) -> None:
+    """Make ``hook`` the tuner's per-target creation (an instance attribute); None removes it again."""
+    if hook is None:
+        tuner.__dict__.pop("_create_and_replace", None)
+    else:
+        tuner.__dict__["_create_and_replace"] = hook
+
+
+def peft_freeze_base(tuner: Any, module: torch.nn.Module) -> None:
+    """Freeze every parameter of ``module`` that is not the tuner's adapter, as peft does after injecting."""
+    tuner._mark_only_adapters_as_trainable(module)
+
+
+__all__ += ["peft_create_and_replace", "peft_freeze_base", "peft_override_create_and_replace"]

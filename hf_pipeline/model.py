@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from .adapters.host import AdapterHost
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.agreement import check_same_on_all_ranks
 from .distributed.context import RankContext
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # imported when training starts (training.step is not needed 
 __all__ = ["PipelinedModel", "TracedPipelinedModel", "load_pipelined"]
 
 
-class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
+class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     """A transformers model split into pipeline stages; this rank holds ``self.stages``.
 
     Attributes:
@@ -116,7 +117,6 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
         """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.planning.layout.param_layout`."""
         return param_layout(self.skeleton, self.plan, self.resolved.tied)
 
-    # ----------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
         return self.ctx.device
@@ -270,11 +270,8 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
         # As transformers: a loss when every target of the head's loss is given (QA: both positions).
         if names and all(k in targets for k in names):
             result["loss"] = inference_only(output_loss(self, result, {k: targets[k] for k in names}))
-        return self._output_class()(**result)
-
-    def _output_class(self) -> type:
-        # The transformers output class the head's outputs are returned in (a traced model records its own).
-        return self.stage_maker.output_class
+        # The transformers output class of the head (a traced model records its own).
+        return self.stage_maker.output_class(**result)
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         # forward() is inference at every world size: the stages run in eval mode (no dropout),
@@ -307,8 +304,7 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
             return out if self.is_last_stage_rank else None
         return self.runtime.broadcast_from_last(out if self.is_last_stage_rank else None)
 
-    # ------------------------------------------------------- training / saving / generation
-    # Each lives in its own module; these methods are the user-facing entry points.
+    # ------------------------------------------ training / saving / generation: each in its own module
     def train_step(self, batch: dict[str, Any], **kwargs: Any) -> torch.Tensor:
         """Forward + backward of one global batch; returns the mean loss on every rank. See ``training/step.py``."""
         from .training.step import train_step
@@ -343,7 +339,6 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
         self.runtime = self._new_runtime()
 
     def _new_runtime(self) -> PipelineRuntime:
-        # torch's stages and schedules per input shape (bounded), padding and gathering: runtime.py
         return PipelineRuntime(
             stages=list(self.stages), plan=self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             dims=self.dims, device=self.ctx.device,
@@ -373,7 +368,10 @@ class PipelinedModel(ActivationCheckpointingMixin, nn.Module):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write a normal HF checkpoint; every rank writes its own tensors. See ``training/checkpoint.py``."""
+        """Write a normal HF checkpoint; every rank writes its own tensors. See ``training/checkpoint.py``. With
+        adapters added by ``add_adapter`` / ``load_adapter``: the active adapter, as transformers (``adapters/``)."""
+        if self._hf_peft_config_loaded:
+            return self.save_adapter(save_directory, **kwargs)
         from .training.checkpoint import save_pretrained
 
         with self._spreading_failures("save_pretrained"):

@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"loading"},
     {"generation"},
     {"training"},
+    {"adapters"},
     {"tools"},
     {"model"},
     {"auto"},

@@ -136,7 +136,8 @@ def count_parameters(
             continue
         if only_trainable and not p.requires_grad:
             continue
-        if local or layout.owner_stage(key) in mine:
+        # A key outside the checkpoint layout is an adapter weight: counted on the rank that holds it.
+        if local or key not in layout.holders or layout.owner_stage(key) in mine:
             total += p.numel()
     if local or model.plan.pp_size == 1:
         return total

@@ -135,7 +135,9 @@ def _new_train_state(model) -> TrainStepState:
     seen: set[int] = set()
     for stage in model.stages:
         for name, p in stage.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
+            # A frozen parameter (the base weights under a LoRA adapter) gets no gradient: it is left
+            # out of the sync buckets, the gradient norm and ``params`` (the optimizer holds none of it).
+            if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
             key = layout.key_of.get(name, name)
@@ -147,15 +149,20 @@ def _new_train_state(model) -> TrainStepState:
     all_sets = sorted({layout.pp_ranks(k) for k in layout.holders if k in layout.parameters})
     made: dict = {}
     groups = {s: _group_for(model, s, made) for s in all_sets}
+    # Parameters the checkpoint lacks (adapter weights in a block) live on this pipeline rank: synced over its replicas.
+    mine = (model.dims.pp_rank,)
+    if mine not in groups:
+        groups[mine] = _group_for(model, mine, made)
+    ranks_of = {e.key: layout.pp_ranks(e.key) if e.key in layout.holders else mine for e in local}
     buckets = []
-    for s in all_sets:
+    for s in groups:
         if model.dims.pp_rank not in s:
             continue
         # Sorted by key: the flat buffers of all members of the group must line up.
-        keys = sorted((e for e in local if layout.pp_ranks(e.key) == s), key=lambda e: e.key)
+        keys = sorted((e for e in local if ranks_of[e.key] == s), key=lambda e: e.key)
         if keys:
             buckets.append((groups[s], keys))
-    norm_params = [e.params[0] for e in local if layout.owner_stage(e.key) in local_stages]
+    norm_params = [e.params[0] for e in local if ranks_of[e.key] == mine or layout.owner_stage(e.key) in local_stages]
     return TrainStepState(
         loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),
         local=local, buckets=buckets, norm_params=norm_params, params=[p for e in local for p in e.params],

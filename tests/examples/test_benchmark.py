@@ -124,13 +124,15 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     md = (out / "results.md").read_text()
     assert not res["errors"], res["errors"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing"):
+    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing", "## LoRA"):
         assert header in md
     ck = res["checkpointing"]
     assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
     for row in ck["ranks"]:  # measured and predicted, both runs, every rank
         assert row["predicted_checkpointed_activations"] < row["predicted_activations"], row
         assert all(row[k] > 0 for k in ("plain_seconds", "checkpointed_seconds", "predicted_grads")), row
+    lora = res["lora"]["ranks"]  # the LoRA section: per rank, the adapter trains far fewer parameters
+    assert len(lora) == res["sizes"]["world"] and all(r["lora"]["trainable"] * 5 < r["full"]["trainable"] for r in lora)
     assert res["quick"] and "--quick" in res["command"] and res["machine"]["cores"] >= 1 and "torch" in res["machine"]
     sizes = res["sizes"]
     world, m = sizes["world"], sizes["n_microbatches"]
