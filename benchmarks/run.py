@@ -10,7 +10,15 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from benchmarks import (
-    checkpointing, generate, generate_results, load, load_results, lora, lora_results, train, train_results,
+    checkpointing,
+    generate,
+    generate_results,
+    load,
+    load_results,
+    lora,
+    lora_results,
+    train,
+    train_results,
 )
 from benchmarks.checkpoints import cache_dir, checkpoints
 from benchmarks.config import SECTIONS, Sizes
