@@ -30,6 +30,7 @@ from .distributed.agreement import check_same_on_all_ranks
 from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
+from .distributed.groups import renew_groups
 from .errors import InputError, TraceError
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
@@ -117,7 +118,6 @@ class PipelinedModel(nn.Module):
         """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.planning.layout.param_layout`."""
         return param_layout(self.skeleton, self.plan, self.resolved.tied)
 
-    # ----------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
         return self.ctx.device
@@ -222,7 +222,13 @@ class PipelinedModel(nn.Module):
     def _spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
         groups = (self.dims.pp_group, self.dims.dp_group)
-        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label)
+        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=self._renew_groups)
+
+    def _renew_groups(self) -> None:
+        # Fresh groups after a failure stopped these (faults.py); stages, schedules, sync groups: rebuilt on use.
+        made = [group for group, _ in self.train_step_state.buckets] if self.train_step_state else []
+        self.ctx, self.dims = renew_groups(self.ctx, self.dims, *made)
+        self.runtime, self.train_step_state = self._new_runtime(), None
 
     def checkpoint_named_parameters(self):
         """(checkpoint key, parameter) for this rank's parameters; tied copies within a stage once."""
@@ -233,7 +239,6 @@ class PipelinedModel(nn.Module):
                     seen.add(id(p))
                     yield name, p
 
-    # ----------------------------------------------------------------- forward
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5
         derives decoder inputs)."""
@@ -295,11 +300,8 @@ class PipelinedModel(nn.Module):
         # As transformers: a loss when every target of the head's loss is given (QA: both positions).
         if names and all(k in targets for k in names):
             result["loss"] = inference_only(output_loss(self, result, {k: targets[k] for k in names}))
-        return self._output_class()(**result)
-
-    def _output_class(self) -> type:
         # The transformers output class the head's outputs are returned in (a traced model records its own).
-        return self.stage_maker.output_class
+        return self.stage_maker.output_class(**result)
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         # forward() is inference at every world size: the stages run in eval mode (no dropout),
@@ -363,17 +365,15 @@ class PipelinedModel(nn.Module):
         )
 
     def tune(self, batch: dict[str, Any], **kwargs: Any):
-        """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count and
-        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See
-        ``autotune.py``."""
+        """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count, keep the
+        fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See ``autotune.py``."""
         from .tools.autotune import tune
 
         return tune(self, batch, **kwargs)
 
     def measure_split(self, batch: dict[str, Any], **kwargs: Any):
-        """Time each stage on ``batch`` and return the split balanced on those times
-        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective.
-        See ``autotune.py``."""
+        """Time each stage on ``batch``; return the split balanced on those times, an ``autotune.SplitAdvice`` (load
+        with ``split=advice.split``). Collective. See ``autotune.py``."""
         from .tools.autotune import measure_split
 
         return measure_split(self, batch, **kwargs)
