@@ -4,8 +4,9 @@ Each case loads a tiny LLaMA on 2 or 3 gloo ranks, runs the call once cleanly (s
 its P2P buffers exist), then arms a fault on one rank through a forward pre-hook on its stage: it
 fires on the n-th stage call, i.e. in the middle of a training step (1F1B over 4 microbatches) or
 in the middle of decoding. The surviving ranks must raise within seconds (well below the
-collective timeout the case sets) an error that names the failing rank and its stage; a later
-call must fail at once (``PipelineBroken``) instead of hanging.
+collective timeout the case sets) an error that names the failing rank and its stage. After a
+rank died or hung, a later call must fail at once (``PipelineBroken``) instead of hanging; after a
+rank raised (every process alive) the later call runs (``test_survive.py`` compares its numbers).
 
 Checkpoint faults (killed during ``save_pretrained``, resume) are at the end of this file.
 """
@@ -145,7 +146,7 @@ def test_rank_that_raises_mid_step_reaches_every_rank_with_its_message(tmp_path,
         assert res["failures"] == {2: ("ValueError", original, "stage 2")}
     for rank, res in enumerate(results):
         assert res["elapsed"] < _FAST_S, f"rank {rank} took {res['elapsed']:.1f} s"
-        assert res["later"]["type"] == "PipelineBroken"
+        assert res["later"] is None, res["later"]  # every rank is alive: the groups were renewed, the next call runs
 
 
 @pytest.mark.dist
