@@ -262,6 +262,10 @@ def spread_failures(
         raised, cause, renewable = _spread(ctx, caught, _Call(what=what, number=call, groups=groups, describe=describe))
         if renewable:
             _recover(ctx, recover, raised)
+        elif _STATE.broken is not None:
+            raised.add_note(
+                "hf_pipeline: this rank's process groups stay stopped (a rank is gone); restart the job"
+            )
         _STATE.handled.append(raised)
         if cause is None:
             raise raised  # noqa: B904 - this rank's own error, with its own cause and context
@@ -374,29 +378,33 @@ def _recover(ctx: RankContext, recover: Callable[[], None] | None, raised: BaseE
     if recover is None:
         raised.add_note("hf_pipeline: this rank's process groups are stopped; restart the job")
         return
-    key = f"{_PREFIX}/recover{epoch}"
-    timeout_s = ctx.timeout.total_seconds()
     try:
-        store = default_store()
-        arrived = store.add(key, 1)
-        deadline = time.monotonic() + timeout_s
-        while arrived < ctx.world_size:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{arrived} of {ctx.world_size} ranks came to recover within the collective timeout {timeout_s:g} s"
-                )
-            time.sleep(_POLL_S)
-            arrived = store.add(key, 0)
-        recover()
+        why = _meet(ctx, f"{_PREFIX}/recover{epoch}")
+        if why is None:
+            recover()
     except Exception as e:  # noqa: BLE001 - any failure here leaves the job as it was before recovery existed
-        logger.warning("hf_pipeline: could not make the process groups afresh: %s: %s", type(e).__name__, e)
-        raised.add_note(
-            f"hf_pipeline: the process groups could not be made afresh ({type(e).__name__}: {str(e)[:300]}); "
-            "restart the job"
-        )
+        why = f"{type(e).__name__}: {str(e)[:300]}"
+    if why is not None:
+        logger.warning("hf_pipeline: could not make the process groups afresh: %s", why)
+        raised.add_note(f"hf_pipeline: the process groups could not be made afresh ({why}); restart the job")
         return
     _STATE.broken = _STATE.broken_world = None
     raised.add_note("hf_pipeline: every rank is alive; the process groups were made afresh and the next call can run")
+
+
+def _meet(ctx: RankContext, key: str) -> str | None:
+    """The recovery rendezvous: each rank adds 1 under ``key`` and waits for the world size, at most the
+    collective timeout. Returns None once every rank came, else why not."""
+    store = default_store()
+    timeout_s = ctx.timeout.total_seconds()
+    deadline = time.monotonic() + timeout_s
+    arrived = store.add(key, 1)
+    while arrived < ctx.world_size:
+        if time.monotonic() >= deadline:
+            return f"{arrived} of {ctx.world_size} ranks came to recover within the collective timeout {timeout_s:g} s"
+        time.sleep(_POLL_S)
+        arrived = store.add(key, 0)
+    return None
 
 
 _Failures = dict[int, tuple[str, str, "str | None"]]
