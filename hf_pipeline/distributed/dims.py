@@ -30,7 +30,8 @@ class ParallelDims:
     Attributes:
         pp_size, dp_size: ranks per pipeline, pipeline replicas.
         pp_rank, dp_rank: this rank's place in its pipeline, and its replica.
-        pp_group, dp_group: this rank's pipeline group and data-parallel group (None when not needed).
+        pp_group, dp_group: this rank's pipeline group (``ctx.group`` with one replica, None for one
+            process) and data-parallel group (None with one replica).
         mesh: the (dp, pp) device mesh with several replicas, else None.
     """
 
