@@ -29,7 +29,7 @@ from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.agreement import check_same_on_all_ranks
 from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
-from .distributed.faults import spread_failures
+from .distributed.faults import raise_if_broken, spread_failures
 from .distributed.groups import renew_groups
 from .errors import InputError, TraceError
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
@@ -277,11 +277,12 @@ class PipelinedModel(nn.Module):
         targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
         targets = {k: v for k, v in targets.items() if v is not None}
         labels = targets.get("labels")
+        raise_if_broken("a forward pass")
         given = dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         given = {k: v for k, v in given.items() if v is not None}
-        if self.check_inputs:  # every argument (tensors by checksum) in one small digest, before anything else
-            with self._spreading_failures("a forward pass"):  # a rank that finished a failed call hears of it here
-                check_same_on_all_ranks(self.ctx, "model inputs", {**given, **targets}, describe=self.rank_label)
+        if self.check_inputs:
+            # Every argument (tensors by checksum) in one small digest, before anything else is exchanged.
+            check_same_on_all_ranks(self.ctx, "model inputs", {**given, **targets}, describe=self.rank_label)
         # Same inputs everywhere (checked above): these raise on every rank before anything is sent.
         validate.check_model_inputs(self.config, self.resolved.head.loss, given, labels=labels)
         # Labels go through the glue's preparation too (T5 derives decoder_input_ids from them, as
