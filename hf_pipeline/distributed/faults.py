@@ -32,6 +32,11 @@ a failed training step puts the gradients back as they were before it), and the 
 as if the failure had not happened. The groups stopped are the library's own (``ctx.group`` and
 the model's pipeline / data-parallel groups), never WORLD, which the user's code may share.
 
+Limit: a rank that finished its part of the failed call without waiting for the culprit (with
+``gather_output=False`` the first stages of a forward pass do not wait for the last) learns of the
+failure only in its next call's input agreement, which is outside this wrapper: it raises
+``RankError`` there, and the culprit gives up waiting for it in the rendezvous after the timeout.
+
 When a peer really is gone (killed, hung past the timeout, the store unreachable) nothing can be
 recovered: the rendezvous is skipped (or times out), and every later call raises
 :class:`PipelineBroken` at once; the job has to be restarted (torchrun ``--max-restarts`` or your
