@@ -9,7 +9,8 @@ a clean call after each, all compared with single-process transformers in the pa
   (b) generate whose user ``StoppingCriteria`` raises -> the next greedy generate equals
       transformers' ``generate(do_sample=False)`` token for token;
   (c, e) after one clean ``train_step`` (gradients to accumulate), two failing steps in a row: the
-      first stage runs out of memory (``torch.OutOfMemoryError``, once), then the last stage raises.
+      first stage runs out of memory (``torch.OutOfMemoryError``, once), then the last stage raises
+      in its 3rd microbatch, after the backward of two (partial gradients exist).
       Each must leave every ``.grad`` bitwise as it was; then a clean step and ``SGD.step()`` give
       the parameters transformers gets from ``loss1.backward(); loss2.backward(); opt.step()``,
       compared by checkpoint key. A failed step that left its partial gradients behind would add
@@ -63,11 +64,14 @@ class _RaisingCriteria(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _raise_once(module, error: BaseException) -> None:
-    """The next call of ``module`` raises ``error`` (as an out-of-memory in one stage would), later ones run."""
-    original = module.forward
+def _raise_once(module, error: BaseException, at: int = 1) -> None:
+    """The ``at``-th call of ``module`` from now raises ``error`` (as an out-of-memory in one stage would)."""
+    original, calls = module.forward, [0]
 
     def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] < at:
+            return original(*args, **kwargs)
         module.forward = original
         raise error
 
@@ -122,7 +126,8 @@ def _job(path: str) -> dict:
         _raise_once(model.stages[0], torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     res["failed"]["oom"] = _outcome(lambda: model.train_step(_train_batch(2)))
     if rank == last:
-        _raise_once(model.stages[-1], ValueError("a bug in the last stage, again"))
+        # Its 3rd microbatch: 1F1B has run the backward of the first two, whose gradients must go.
+        _raise_once(model.stages[-1], ValueError("a bug in the last stage, again"), at=3)
     res["failed"]["train"] = _outcome(lambda: model.train_step(_train_batch(2)))
     after = {k: p.grad for k, p in model.checkpoint_named_parameters()}
     res["grads_kept"] = all(torch.equal(before[k], after[k]) for k in before)
