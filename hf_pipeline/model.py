@@ -30,6 +30,7 @@ from .distributed.agreement import check_same_on_all_ranks
 from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
+from .distributed.groups import renew_groups
 from .errors import InputError, TraceError
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
@@ -198,7 +199,13 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     def _spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
         groups = (self.dims.pp_group, self.dims.dp_group)
-        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label)
+        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=self._renew_groups)
+
+    def _renew_groups(self) -> None:
+        # Fresh groups after a failure stopped these (faults.py); stages, schedules, sync groups: rebuilt on use.
+        made = [group for group, _ in self.train_step_state.buckets] if self.train_step_state else []
+        self.ctx, self.dims = renew_groups(self.ctx, self.dims, *made)
+        self.runtime, self.train_step_state = self._new_runtime(), None
 
     def checkpoint_named_parameters(self):
         """(checkpoint key, parameter) for this rank's parameters; tied copies within a stage once."""
@@ -209,7 +216,6 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
                     seen.add(id(p))
                     yield name, p
 
-    # ----------------------------------------------------------------- forward
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The call's inputs on this rank's device, without Nones, as the family's glue prepares them (T5: decoder)."""
         inputs = {k: v for k, v in inputs.items() if v is not None}
@@ -345,17 +351,15 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         )
 
     def tune(self, batch: dict[str, Any], **kwargs: Any):
-        """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count and
-        keep the fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See
-        ``autotune.py``."""
+        """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count, keep the
+        fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See ``autotune.py``."""
         from .tools.autotune import tune
 
         return tune(self, batch, **kwargs)
 
     def measure_split(self, batch: dict[str, Any], **kwargs: Any):
-        """Time each stage on ``batch`` and return the split balanced on those times
-        (:class:`~hf_pipeline.tools.autotune.SplitAdvice`; load with ``split=advice.split``). Collective.
-        See ``autotune.py``."""
+        """Time each stage on ``batch``; return the split balanced on those times, an ``autotune.SplitAdvice`` (load
+        with ``split=advice.split``). Collective. See ``autotune.py``."""
         from .tools.autotune import measure_split
 
         return measure_split(self, batch, **kwargs)

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..compat import default_store
-from ..errors import InputError, RankError
+from ..errors import InputError, InternalError, RankError
 from .context import TIMEOUT_ENV, RankContext
+from .exchange import all_gather_json
 
 __all__ = [
     "RankError",
@@ -133,6 +134,26 @@ def _silent_peers(ctx: RankContext, group: dist.ProcessGroup, number: int) -> tu
             time.sleep(_LOST_POLL_S)
     except Exception as e:  # noqa: BLE001 - the store's host (rank 0 under env:// init) is gone too
         return ([ranks[0]] if ranks[0] != ctx.rank else others), f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_failure(value: Any) -> bool:
+    """None, or [type, message, where, label or None] as :func:`raise_on_any_rank` sends it."""
+    return value is None or (
+        isinstance(value, list) and len(value) == 4 and all(isinstance(v, str) for v in value[:3])
+        and (value[3] is None or isinstance(value[3], str))
+    )
+
+
+def _is_details(value: Any) -> bool:
+    """[summary, {path: [digest, summary]}] as :func:`check_same_on_all_ranks` sends it."""
+    return (
+        isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], dict)
+        and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in value[1].values())
+    )
 
 
 def rank_name(rank: int, describe: Callable[[int], str] | None) -> str:
@@ -241,9 +262,10 @@ def raise_on_any_rank(
         label = describe(ctx.rank)
     number = next(_AGREEMENTS)
     mine = (*describe_error(error), label) if error is not None else None
-    gathered: list[Any] = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(gathered, mine, group=group)
+        gathered = all_gather_json(ctx, mine, group=group, check=_is_failure)
+    except InternalError:
+        raise  # not a lost peer: a part that is not what this exchange sends (said on every rank)
     except Exception as gather_error:
         lost = lost_peer_error(ctx, gather_error, what=what, group=group, describe=describe, number=number)
         if error is not None:
@@ -417,14 +439,15 @@ def check_same_on_all_ranks(
     digest_material, summary = fingerprint(value)
     digest = hashlib.blake2b(digest_material.encode(), digest_size=16).hexdigest()
     world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
     try:
-        dist.all_gather_object(gathered, digest, group=group)
+        gathered = all_gather_json(ctx, digest, group=group, check=_is_str)
         if len(set(gathered)) == 1:
             return
         # They differ (every rank sees it): exchange the parts, to say which differ.
-        details: list[Any] = [None] * world
-        dist.all_gather_object(details, (_short(summary, _MAX_SUMMARY), _part_digests(value)), group=group)
+        details = all_gather_json(ctx, [_short(summary, _MAX_SUMMARY), _part_digests(value)], group=group,
+                                  check=_is_details)
+    except InternalError:
+        raise  # not a lost peer: a part that is not what this exchange sends (said on every rank)
     except Exception as e:
         what = f"comparing {name} across ranks"
         raise lost_peer_error(ctx, e, what=what, group=group, describe=describe, number=number) from e

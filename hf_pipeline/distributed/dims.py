@@ -23,12 +23,15 @@ class ParallelDims:
     """How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline.
 
     Global ranks ``[d * pp_size, (d + 1) * pp_size)`` form pipeline replica ``d``; with one
-    replica the pipeline uses the default group (``pp_group`` None) and no mesh is made.
+    replica the pipeline's group is the context's (``ctx.group``, None for one process) and no mesh
+    is made. A mesh dimension that spans the whole job is given ``ctx.group`` too, so that a model
+    loaded with a group of its own (``groups.own_group``) never communicates in WORLD.
 
     Attributes:
         pp_size, dp_size: ranks per pipeline, pipeline replicas.
         pp_rank, dp_rank: this rank's place in its pipeline, and its replica.
-        pp_group, dp_group: this rank's pipeline group and data-parallel group (None when not needed).
+        pp_group, dp_group: this rank's pipeline group (``ctx.group`` with one replica, None for one
+            process) and data-parallel group (None with one replica).
         mesh: the (dp, pp) device mesh with several replicas, else None.
     """
 
@@ -52,15 +55,18 @@ class ParallelDims:
         if not ctx.is_distributed:
             return cls(pp_size=pp_size)
         if dp_size == 1:
-            return cls(pp_size=pp_size, pp_rank=ctx.rank)
+            return cls(pp_size=pp_size, pp_rank=ctx.rank, pp_group=ctx.group)
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
         # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
-        ctx.apply_timeout(mesh.get_group("pp"), mesh.get_group("dp"))
+        pp_group, dp_group = (
+            ctx.group if g is dist.group.WORLD else g for g in (mesh.get_group("pp"), mesh.get_group("dp"))
+        )
+        ctx.apply_timeout(pp_group, dp_group)
         return cls(
             pp_size=pp_size, dp_size=dp_size, pp_rank=mesh.get_local_rank("pp"), dp_rank=mesh.get_local_rank("dp"),
-            pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), mesh=mesh,
+            pp_group=pp_group, dp_group=dp_group, mesh=mesh,
         )
 
     def global_rank(self, pp_rank: int) -> int:

@@ -37,6 +37,7 @@ from ..compat import set_attn_implementation
 from ..distributed.agreement import check_same_on_all_ranks, collective_errors
 from ..distributed.context import RankContext, init_distributed
 from ..distributed.dims import ParallelDims
+from ..distributed.groups import own_group
 from ..errors import InputError
 from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
@@ -227,7 +228,8 @@ def load_pipeline(
     raises on every rank (naming the failing rank) instead of leaving the others waiting.
     """
     started = time.perf_counter()
-    ctx = init_distributed(device=device)
+    # The model's own group over every rank (groups.py): a failure inside a call stops it, never WORLD.
+    ctx = own_group(init_distributed(device=device))
     with collective_errors(ctx, "reading the checkpoint config"):
         ckpt = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir, subfolder=subfolder)
         config = _read_config(

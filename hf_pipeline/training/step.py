@@ -398,6 +398,8 @@ def train_step(
 
     Gradients are accumulated into ``.grad`` as ``loss.backward()`` does (call ``optimizer.zero_grad()``
     between optimizer steps); stages run in ``model.training`` mode (``model.train()`` / ``model.eval()``).
+    A step that fails on any rank (out of memory on one stage, a stage that raises) leaves every ``.grad``
+    on every rank as it was before it (None, or what earlier steps accumulated): retry it or go on.
 
     Args:
         model: the :class:`~hf_pipeline.model.PipelinedModel`.
@@ -430,16 +432,19 @@ def train_step(
     for p, _ in stash:
         p.grad = None
     loss_kwargs = {"denominator": b.denominator, "loss_scale": float(loss_scale)}
-    losses = _run_schedule(model, state, b, loss_kwargs, autocast)
-    _sync_gradients(state)
+    try:
+        losses = _run_schedule(model, state, b, loss_kwargs, autocast)
+        _sync_gradients(state)
+    except BaseException:  # a failed step changes nothing: its partial gradients go, earlier ones come back
+        kept = {id(p): old for p, old in stash}
+        for p in state.params:
+            p.grad = kept.get(id(p))
+        raise
     for p, old in stash:
         p.grad = old if p.grad is None else old.add_(p.grad)
 
     # The last stage's rank of each replica holds its share of the global mean; the rest add 0.
-    if losses:
-        total = torch.stack([loss.detach().float() for loss in losses]).sum()
-    else:
-        total = torch.zeros((), device=model.device)
+    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
     total = total.to(model.device)
     if loss_scale != 1.0:
         total = total / loss_scale

@@ -226,3 +226,48 @@ def test_a_row_swap_is_an_error_naming_the_input_on_every_rank():
         assert kind == "InputError", message
         assert message.startswith("model inputs must be the same on every rank but input_ids differs: "), message
         assert "rank 0: Tensor(shape=(256, 1024), dtype=torch.int64" in message and "rank 1: Tensor" in message
+
+
+# --------------------------------------------------------------------------- the data-only exchange
+_VALUES = [  # what the agreements send: a failure, no failure, a digest, a mismatch's details (with non-ASCII)
+    ["ValueError", "labels hold token id 977 — vocabulary has 96 entries", "glue.py:12 in forward", "stage 1"],
+    None,
+    "3f2a9c0d11e4b7a8",
+    ["{input_ids: Tensor(shape=(4, 9))}", {"input_ids": ["ab12cd34", "Tensor(shape=(4, 9), dtype=torch.int64)"]}],
+]
+
+
+def _exchanges():
+    from hf_pipeline.distributed.context import init_distributed
+    from hf_pipeline.distributed.exchange import all_gather_json
+    from hf_pipeline.errors import InternalError
+
+    ctx = init_distributed(device="cpu")
+    out = {"round_trip": [all_gather_json(ctx, v if ctx.rank == 0 else f"rank {ctx.rank}") for v in _VALUES]}
+    try:  # rank 1 sends a set (not JSON): refused at the sender, told to every rank, nothing sent is unpickled
+        all_gather_json(ctx, {1, 2} if ctx.rank == 1 else "fine")
+    except InternalError as e:
+        out["refused"] = str(e)
+    out["checked"] = None
+    try:  # a part that fails the receiver's check (a number where a string is expected) is refused everywhere
+        all_gather_json(ctx, 7 if ctx.rank == 1 else "digest", check=lambda v: isinstance(v, str))
+    except InternalError as e:
+        out["checked"] = str(e)
+    out["after"] = all_gather_json(ctx, [ctx.rank, "still works"])  # the group is usable afterwards
+    return out
+
+
+@pytest.mark.dist
+def test_the_agreement_exchange_is_json_data_and_refuses_what_is_not():
+    results = run_distributed(_exchanges, 2)
+    for rank, res in enumerate(results):
+        for value, got in zip(_VALUES, res["round_trip"]):
+            assert got == [value, "rank 1"], got  # tuples are sent as lists, as the callers build them
+        if rank == 1:
+            assert res["refused"].startswith("cannot send set to the other ranks: it is not JSON data (TypeError"), res
+        else:
+            assert res["refused"] == (
+                "rank(s) [1] could not encode their part of an exchange as JSON; see their error"
+            ), res
+        assert res["checked"].startswith("rank 1 sent 1 bytes that are not what this exchange expects"), res
+        assert res["after"] == [[0, "still works"], [1, "still works"]]

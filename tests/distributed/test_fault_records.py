@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from hf_pipeline.distributed import faults
+from hf_pipeline.distributed import fault_records, faults
 
 
 class _Hostile:
@@ -34,14 +34,14 @@ def _genuine() -> bytes:
     try:
         raise ValueError("labels hold token id 977 but the vocabulary has 96 entries")
     except ValueError as e:
-        return faults._record("error", 2, e, "stage 2", "a training step", 7)
+        return fault_records.make_record("error", 2, e, "stage 2", "a training step", 7)
 
 
 @pytest.mark.unit
 def test_a_genuine_record_round_trips_as_json():
     raw = _genuine()
     assert json.loads(raw)["kind"] == "error"  # plain JSON on the wire
-    rec, why = faults._decode(raw)
+    rec, why = fault_records.decode_record(raw)
     assert why == "" and rec is not None
     assert (rec["rank"], rec["type"], rec["label"], rec["what"], rec["call"]) == (
         2, "ValueError", "stage 2", "a training step", 7
@@ -76,7 +76,7 @@ def _changed(**fields) -> bytes:
          "message-null", "message-long", "kind", "oversized"],
 )
 def test_malformed_records_are_refused_with_a_reason(raw, why):
-    rec, reason = faults._decode(raw)
+    rec, reason = fault_records.decode_record(raw)
     assert rec is None and why in reason, reason
 
 
@@ -87,8 +87,8 @@ def test_a_pickle_in_the_store_is_ignored_not_executed(tmp_path, monkeypatch, ca
     marker = tmp_path / "pwned"
     store = dist.HashStore()
     store.set("hf_pipeline/faults/call0/rank1", pickle.dumps(_Hostile(str(marker))))
-    monkeypatch.setattr(faults, "default_store", lambda: store)
-    reader = faults._Store()
+    monkeypatch.setattr(fault_records, "default_store", lambda: store)
+    reader = fault_records.FaultStore()
     assert reader.get("hf_pipeline/faults/call0/rank1") is None
     assert reader.get("hf_pipeline/faults/call0/rank1") is None  # polled again: logged once
     assert not marker.exists()
@@ -114,7 +114,7 @@ def _attacked_call(marker: str):
         hostile = pickle.dumps(_Hostile(marker))
         for key in [f"hf_pipeline/faults/call{n}/rank{r}" for n in range(3) for r in range(2)]:
             store.set(key, hostile)
-        store.set("hf_pipeline/faults/first", hostile)
+        store.set("hf_pipeline/faults/epoch0/first", hostile)
     ctx.barrier()
     try:
         with faults.spread_failures(ctx, "a test call", describe=lambda r: f"stage {r}"):

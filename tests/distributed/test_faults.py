@@ -4,8 +4,9 @@ Each case loads a tiny LLaMA on 2 or 3 gloo ranks, runs the call once cleanly (s
 its P2P buffers exist), then arms a fault on one rank through a forward pre-hook on its stage: it
 fires on the n-th stage call, i.e. in the middle of a training step (1F1B over 4 microbatches) or
 in the middle of decoding. The surviving ranks must raise within seconds (well below the
-collective timeout the case sets) an error that names the failing rank and its stage; a later
-call must fail at once (``PipelineBroken``) instead of hanging.
+collective timeout the case sets) an error that names the failing rank and its stage. After a
+rank died or hung, a later call must fail at once (``PipelineBroken``) instead of hanging; after a
+rank raised (every process alive) the later call runs (``test_survive.py`` compares its numbers).
 
 Checkpoint faults (killed during ``save_pretrained``, resume) are at the end of this file.
 """
@@ -145,7 +146,7 @@ def test_rank_that_raises_mid_step_reaches_every_rank_with_its_message(tmp_path,
         assert res["failures"] == {2: ("ValueError", original, "stage 2")}
     for rank, res in enumerate(results):
         assert res["elapsed"] < _FAST_S, f"rank {rank} took {res['elapsed']:.1f} s"
-        assert res["later"]["type"] == "PipelineBroken"
+        assert res["later"] is None, res["later"]  # every rank is alive: the groups were renewed, the next call runs
 
 
 @pytest.mark.dist
@@ -332,3 +333,36 @@ def test_spread_failures_is_transparent_for_one_process():
             raise KeyError("no such layer")
     with spread_failures(ctx, "a forward pass"):
         pass
+
+
+def test_recovery_waits_for_every_rank_at_most_the_timeout_else_the_groups_stay_stopped(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from hf_pipeline.distributed import faults
+    from hf_pipeline.distributed.context import RankContext
+
+    store = dist.HashStore()
+    monkeypatch.setattr(faults, "default_store", lambda: store)
+    monkeypatch.setattr(faults, "_STATE", faults._FaultState())
+    ctx = RankContext(
+        rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="gloo",
+        group=None, timeout=datetime.timedelta(seconds=0.3),
+    )
+    renewed = []
+    # The peer never comes (it died after the culprit's record): bounded by the timeout, then PipelineBroken.
+    faults._STATE.stop("rank 1 (stage 1) failed during a forward pass: ValueError: x.")
+    error = ValueError("x")
+    start = time.monotonic()
+    faults._recover(ctx, lambda: renewed.append(1), error)
+    assert 0.3 <= time.monotonic() - start < 5.0
+    assert not renewed and faults._STATE.broken is not None
+    assert "1 of 2 ranks came to recover within the collective timeout 0.3 s" in error.__notes__[-1]
+    assert "restart the job" in error.__notes__[-1]
+    # Every rank comes (the peer reached the next rendezvous first): the groups are renewed, calls run again.
+    store.add("hf_pipeline/faults/recover1", 1)
+    error = ValueError("y")
+    faults._recover(ctx, lambda: renewed.append(1), error)
+    assert renewed == [1] and faults._STATE.broken is None
+    assert "the process groups were made afresh" in error.__notes__[-1]
