@@ -60,7 +60,9 @@ from transformers import GenerationConfig
 
 from ..distributed.agreement import check_same_on_all_ranks
 from ..runtime.checks import check_generate_inputs, check_sequence_length
+from .beam import beam_fill
 from .config import generation_config, prepare_generation_config
+from .outputs import build_output, pack, unpack
 from .request import GenerateCall, build_request
 from .ring import Ring
 
@@ -176,19 +178,24 @@ def generate(
     ring = Ring(model, req)
     ring.decode_loop()
     out = ring.result()
+    out = pack(out, req) if out is not None else None
     if model.plan.pp_size > 1:
         out = model.runtime.broadcast_from_last(out)
-    ids, lengths = out
-    if model.dims.dp_size > 1:
-        ids, lengths = _gather_replicas(model, ids, lengths, req.pad)
+    result = unpack(out, req)
+    ids, lengths = result["sequences"], result["lengths"]
+    if model.dims.dp_size > 1:  # (return_dict_in_generate is refused with replicas)
+        fill = req.pad if req.num_beams == 1 else beam_fill(req.config)
+        ids, lengths = _gather_replicas(model, ids, lengths, fill)
+        result["sequences"] = ids
+    output = build_output(model, req, result)
     if not return_stats:
-        return ids
+        return output
     stats = GenerationStats(
         new_tokens=int(lengths.sum().item()), steps=ids.shape[1] - req.prompt.shape[1],
         seconds=time.perf_counter() - start, n_microbatches=len(req.bounds), peak_cache_bytes=ring.peak_cache_bytes,
         prefill_steps=len(ring.timetable.chunks),
     )
-    return ids, stats
+    return output, stats
 
 
 def _gather_replicas(model, ids: torch.Tensor, lengths: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
