@@ -177,7 +177,7 @@ def test_beam_and_output_dicts_world_1(assets):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_beam_and_output_dicts_across_ranks(assets, world):
     cases = [_case(assets, arch, {}, refusals=arch == "llama") for arch in ARCHS]
     per_rank = run_distributed(_job, world, cases, timeout=300)
