@@ -8,7 +8,9 @@
   * :class:`Mailbox` (``mailbox.py``) — the point-to-point messages: non-blocking sends kept alive
     until done, receives posted ahead and waited for when taken, same-rank deliveries without copies.
   * :class:`TokenChooser` (``chooser.py``) — the last stage's part: transformers' logits processors,
-    greedy or seeded sampling, stopping criteria, the sequences so far and where each row finished.
+    greedy or seeded sampling, stopping criteria, the sequences so far and where each row finished;
+    or, for beam search, :class:`BeamChooser` (``beam.py``), whose chosen beams' source rows travel
+    with the tokens and every stage's hidden states so each stage reorders its cache.
   * :class:`StepStreamer` (``streaming.py``) — feeds a transformers streamer one ``(B,)`` tensor per
     step, in order, once every microbatch has its token for that step.
   * :class:`Ring` (here) — per (local stage, microbatch) caches (``kv_cache.py``) and row state; the
