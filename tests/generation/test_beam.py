@@ -5,7 +5,8 @@ For decoder-only models (LLaMA, GPT-2; Qwen2 at world 1) with left-padded prompt
 microbatching:
   * beam search's sequences equal transformers' ``generate(num_beams=...)`` token for token, with
     ``num_return_sequences``, ``length_penalty`` and ``early_stopping`` True / False / "never", and an
-    EOS id picked from a reference run so that beams finish at different steps;
+    EOS id picked from a reference run so that beams finish at different steps; decoder-only models
+    also with ``prefill_chunk_size`` and ``no_repeat_ngram_size`` (a processor reading each beam's past);
   * with ``return_dict_in_generate=True`` the output is transformers' class, and its
     ``sequences_scores``, per-step ``scores`` and ``logits`` (beam and greedy: rows that finished
     early included) match to 1e-5 (fp32, only the summation order differs), ``beam_indices`` exactly;
@@ -34,16 +35,19 @@ REFUSED = (  # (kwargs, error class, start of its message)
 )
 
 
-def _cases(eos: int) -> dict[str, dict]:
+def _cases(eos: int, encoder_decoder: bool) -> dict[str, dict]:
     """Label -> generate kwargs; the same for the reference and the pipeline."""
     base = dict(max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos)
     scored = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
-    return {
+    cases = {
         "beam": dict(base, num_beams=3, num_return_sequences=2, length_penalty=0.7, early_stopping=True),
         "never": dict(base, num_beams=2, early_stopping="never", length_penalty=1.5),
         "beam_dict": dict(base, num_beams=3, num_return_sequences=3, early_stopping=False, **scored),
         "greedy_dict": dict(base, do_sample=False, **scored),
     }
+    if not encoder_decoder:  # chunked prefill (refused for T5) and a processor that reads each beam's history
+        cases["beam_chunked"] = dict(base, num_beams=2, prefill_chunk_size=3, no_repeat_ngram_size=2)
+    return cases
 
 
 # --------------------------------------------------------------------------- run on every rank
@@ -106,7 +110,7 @@ def assets(tmp_path_factory):
         start = 1 if arch == "t5" else inputs["input_ids"].shape[1]
         with torch.no_grad():
             eos = _pick_eos(ref, inputs, start)
-            cases = _cases(eos)
+            cases = _cases(eos, encoder_decoder=arch == "t5")
             want = {label: ref.generate(**inputs, **kwargs) for label, kwargs in cases.items()}
         sample = dict(SAMPLE, max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos, return_dict_in_generate=True,
                       output_scores=True)
