@@ -42,6 +42,20 @@ def test_config_refusals_keep_their_builtin_bases():
         refuse("config", config=GenerationConfig(num_beams=2), **dict(facts, streamer=object()))
     with pytest.raises(ValueError, match=r"^output_attentions / output_hidden_states are not supported"):
         refuse("config", config=GenerationConfig(return_dict_in_generate=True, output_attentions=True), **facts)
+    # Beam search's neighbours, refused by name; its arguments checked before transformers fails deep inside
+    for config, start in (
+        (GenerationConfig(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "generation mode .group_beam"),
+        (GenerationConfig(num_beams=2, force_words_ids=[[3]]), "generation mode 'constrained_beam_search'"),
+        (GenerationConfig(num_beams=2, low_memory=True), "low_memory=True is not supported with beam search"),
+        (GenerationConfig(num_beams=0), "num_beams must be >= 1, got 0"),
+    ):
+        with pytest.raises(InputError, match=f"^{start}"):
+            refuse("config", config=config, **facts)
+    for field, value in (("num_beams", 2.5), ("num_beams", True), ("length_penalty", "a")):
+        config = GenerationConfig(num_beams=2)
+        setattr(config, field, value)
+        with pytest.raises(InputTypeError, match=f"^{field} must be"):
+            refuse("config", config=config, **facts)
 
 
 def test_input_shapes_are_named():
