@@ -29,6 +29,7 @@ __all__ = [
     "auto_model_mapping",
     "decoder_start_token_tensor",
     "default_store",
+    "eos_token_tensor",
     "flatten_dense_tensors",
     "generation_helper",
     "pad_token_tensor",
@@ -97,6 +98,12 @@ _GENERATION_HELPERS = (
     "_prepare_generated_length",
     "_get_logits_processor",
     "_get_stopping_criteria",
+    # beam search (``generation/beam.py``): transformers' own beam steps, vectorised over (prompts, beams)
+    "_get_top_k_continuations",
+    "_get_running_beams_for_next_iteration",
+    "_update_finished_beams",
+    "_check_early_stop_heuristic",
+    "_beam_search_has_unfinished_sequences",
 )
 
 
@@ -110,6 +117,11 @@ def generation_helper(model: Any, name: str):
 def pad_token_tensor(config: Any) -> torch.Tensor | None:
     """The pad token tensor ``_prepare_special_tokens`` set on a GenerationConfig (no public attribute)."""
     return config._pad_token_tensor
+
+
+def eos_token_tensor(config: Any) -> torch.Tensor | None:
+    """The EOS token ids tensor ``_prepare_special_tokens`` set on a GenerationConfig (no public attribute)."""
+    return config._eos_token_tensor
 
 
 def decoder_start_token_tensor(config: Any) -> torch.Tensor | None:

@@ -34,6 +34,9 @@ class _Sequences:
     processors: Any
     generators: list[torch.Generator] = field(default_factory=list)
     steps: int = 0
+    own_steps: int = 0  # steps until its last row finished (a microbatch may run on, see ``Ring``)
+    scores_seen: list[torch.Tensor] = field(default_factory=list)  # processed scores per step (output_scores)
+    logits_seen: list[torch.Tensor] = field(default_factory=list)  # raw logits per step (output_logits)
 
 
 class TokenChooser:
@@ -78,15 +81,22 @@ class TokenChooser:
         # gather took a third of it (0.5 ms per call at 8 rows x 8192 vocab).
         every = live.numel() == n
         if every:
-            scores = logits.float()
+            raw = logits.float()
         else:
-            scores = torch.zeros(n, logits.shape[-1], dtype=torch.float32, device=self.device)
-            scores[live] = logits.float()
-        scores = st.processors(st.ids, scores)
+            raw = torch.zeros(n, logits.shape[-1], dtype=torch.float32, device=self.device)
+            raw[live] = logits.float()
+        scores = st.processors(st.ids, raw)
+        # As transformers records them: the same objects (rows that finished earlier are still
+        # computed when these are asked for, see ``Ring``).
+        if req.config.return_dict_in_generate and req.config.output_scores:
+            st.scores_seen.append(scores)
+        if req.config.return_dict_in_generate and req.config.output_logits:
+            st.logits_seen.append(raw)
         gens = [st.generators[j] for j in live.tolist()] if req.do_sample else None
         chosen = select_tokens(scores if every else scores[live], do_sample=req.do_sample, generators=gens)
         if every:
-            tokens = chosen
+            # A finished row still run (records asked for) gets pad, as transformers gives it.
+            tokens = chosen if bool(st.unfinished.all()) else torch.where(st.unfinished, chosen, req.pad)
         else:
             tokens = torch.full((n,), req.pad, dtype=torch.long, device=self.device)
             tokens[live] = chosen
@@ -95,22 +105,40 @@ class TokenChooser:
         st.finished_at[st.unfinished & stop] = t
         st.unfinished &= ~stop
         st.steps = t + 1
+        if st.own_steps == 0 and not bool(st.unfinished.any()):
+            st.own_steps = t + 1
         return tokens
+
+    def finished(self, i: int) -> bool:
+        """Whether every row of microbatch ``i`` has finished."""
+        return not bool(self.seqs[i].unfinished.any())
 
     def unfinished(self, i: int) -> torch.Tensor:
         """``(n,)`` bool: the rows of microbatch ``i`` still generating."""
         return self.seqs[i].unfinished
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids (B, L + steps) padded with ``pad``, generated lengths (B,))."""
-        steps = max(st.steps for st in self.seqs.values())
+    def result(self) -> dict[str, Any]:
+        """``sequences`` (B, L + steps) padded with ``pad``, generated ``lengths`` (B,), and the per-step
+        ``scores`` / ``logits`` (tuples of ``(B, vocab)``, None unless asked for)."""
+        steps = max(st.own_steps or st.steps for st in self.seqs.values())
         width = self.req.prompt.shape[1] + steps
         ids, lengths = [], []
         for st in self.seqs.values():
             pad = width - st.ids.shape[1]
-            ids.append(torch.nn.functional.pad(st.ids, (0, pad), value=self.req.pad) if pad else st.ids)
+            ids.append(torch.nn.functional.pad(st.ids, (0, pad), value=self.req.pad) if pad > 0 else st.ids[:, :width])
             # A finished row generated up to its stop token; the others, every step of the microbatch.
             lengths.append(
                 torch.where(st.finished_at >= 0, st.finished_at + 1, torch.full_like(st.finished_at, st.steps))
             )
-        return torch.cat(ids), torch.cat(lengths)
+        return {
+            "sequences": torch.cat(ids), "lengths": torch.cat(lengths).clamp(max=steps),
+            "scores": _steps([st.scores_seen for st in self.seqs.values()], steps),
+            "logits": _steps([st.logits_seen for st in self.seqs.values()], steps),
+        }
+
+
+def _steps(seen: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...] | None:
+    """Per step (up to ``steps``), the microbatches' recorded ``(rows, vocab)`` tensors in row order."""
+    if not seen[0]:
+        return None
+    return tuple(torch.cat([s[t] for s in seen]) for t in range(steps))

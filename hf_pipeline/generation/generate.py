@@ -60,7 +60,9 @@ from transformers import GenerationConfig
 
 from ..distributed.agreement import check_same_on_all_ranks
 from ..runtime.checks import check_generate_inputs, check_sequence_length
+from .beam import beam_fill
 from .config import generation_config, prepare_generation_config
+from .outputs import build_output, pack, unpack
 from .request import GenerateCall, build_request
 from .ring import Ring
 
@@ -145,11 +147,15 @@ def generate(
             (``tokenizer`` is needed for ``stop_strings``).
         return_stats: also return a :class:`GenerationStats`.
         **kwargs: ``GenerationConfig`` fields: max_new_tokens, do_sample, temperature, top_k, top_p,
-            repetition_penalty, eos_token_id (int or list), pad_token_id, stop_strings, ...
+            repetition_penalty, eos_token_id (int or list), pad_token_id, stop_strings, num_beams,
+            num_return_sequences, length_penalty, early_stopping, return_dict_in_generate,
+            output_scores, output_logits, ...
     Returns:
         ``(B, T + N)`` long tensor of prompt + generated ids on every rank (encoder-decoder models:
-        decoder start token + generated ids), rows padded with ``pad_token_id`` after they finish;
-        with ``return_stats`` a tuple ``(ids, stats)``.
+        decoder start token + generated ids), rows padded with ``pad_token_id`` after they finish
+        (beam search: ``B * num_return_sequences`` rows, padded as transformers pads them); with
+        ``return_dict_in_generate=True`` transformers' output object instead (see :mod:`.outputs`);
+        with ``return_stats`` a tuple ``(output, stats)``.
     Example:
         >>> ids = model.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=32)
     """
@@ -175,20 +181,30 @@ def generate(
     req = build_request(model, call)
     ring = Ring(model, req)
     ring.decode_loop()
-    out = ring.result()
-    if model.plan.pp_size > 1:
-        out = model.runtime.broadcast_from_last(out)
-    ids, lengths = out
-    if model.dims.dp_size > 1:
-        ids, lengths = _gather_replicas(model, ids, lengths, req.pad)
+    output, ids, lengths = _collect(model, req, ring)
     if not return_stats:
-        return ids
+        return output
     stats = GenerationStats(
         new_tokens=int(lengths.sum().item()), steps=ids.shape[1] - req.prompt.shape[1],
         seconds=time.perf_counter() - start, n_microbatches=len(req.bounds), peak_cache_bytes=ring.peak_cache_bytes,
         prefill_steps=len(ring.timetable.chunks),
     )
-    return ids, stats
+    return output, stats
+
+
+def _collect(model, req, ring: Ring) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The last stage's result on every rank (replicas' rows gathered): (what generate returns, ids, lengths)."""
+    out = ring.result()
+    out = pack(out, req) if out is not None else None
+    if model.plan.pp_size > 1:
+        out = model.runtime.broadcast_from_last(out)
+    result = unpack(out, req)
+    ids, lengths = result["sequences"], result["lengths"]
+    if model.dims.dp_size > 1:  # (return_dict_in_generate is refused with replicas)
+        fill = req.pad if req.num_beams == 1 else beam_fill(req.config)
+        ids, lengths = _gather_replicas(model, ids, lengths, fill)
+        result["sequences"] = ids
+    return build_output(model, req, result), ids, lengths
 
 
 def _gather_replicas(model, ids: torch.Tensor, lengths: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,8 @@ the first row of that stage that applies raises. Every rank evaluates the same t
 (agreed) arguments, so every rank refuses alike before any message is sent.
 
 Example:
-    >>> refuse("rows", copies=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4)   # passes
-    >>> refuse("rows", copies=1, do_sample=False, batch=1, dp_size=2, n_microbatches=4)
+    >>> refuse("rows", copies=1, beams=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4, return_dict=False)
+    >>> refuse("rows", copies=1, beams=1, do_sample=False, batch=1, dp_size=2, n_microbatches=4, return_dict=False)
     InputError: batch of 1 rows is smaller than the 2 data-parallel replicas; pass more prompts
 """
 
@@ -26,7 +26,11 @@ from ..errors import InputError, InputTypeError, InternalError, PipelineError
 
 __all__ = ["REFUSALS", "Refusal", "SUPPORTED_MODES", "UNSUPPORTED_INPUTS", "refuse"]
 
-SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# Beam sampling (num_beams > 1 with do_sample=True) draws from transformers' one global random stream over
+# (prompts, beams x vocab): a pipeline choosing one microbatch at a time can neither reproduce it nor
+# give a per-row seed a meaning, so it stays refused; group and constrained beam search moved out of
+# transformers (its custom_generate repositories).
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH)
 # generate() inputs of transformers that the ring has no use for (it feeds input_ids and keeps its own caches).
 UNSUPPORTED_INPUTS = (
     "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds", "cache", "past_key_values", "assistant_model",
@@ -66,6 +70,14 @@ def _bad_seed(seed) -> bool:
 def _bad_streamer(streamer) -> bool:
     # transformers' BaseStreamer protocol: the last stage calls put(ids) per step and end() once.
     return streamer is not None and not all(callable(getattr(streamer, m, None)) for m in ("put", "end"))
+
+
+def _not_int(value) -> bool:
+    return value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral))
+
+
+def _not_real(value) -> bool:
+    return value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real))
 
 
 def _bad_chunk(chunk) -> bool:
@@ -123,14 +135,49 @@ REFUSALS: tuple[Refusal, ...] = (
         "unexpected generate() argument(s) {f.extra_names}: not GenerationConfig fields nor supported inputs",
         InputTypeError,
     ),
+    # Beam arguments transformers takes without a check and then fails on deep inside its loop
+    # (num_beams=2.5: a TypeError from repeat_interleave, 0: ZeroDivisionError, -1: a negative dimension).
     Refusal(
-        "config", lambda f: f.mode not in SUPPORTED_MODES,
-        "generation mode {f.mode.value!r} is not supported by pipelined generation; use greedy (do_sample=False) "
-        "or sampling (do_sample=True) with num_beams=1",
+        "config", lambda f: _not_int(f.config.num_beams),
+        "num_beams must be an int >= 1, got {f.config.num_beams!r}; pass e.g. num_beams=4",
+        InputTypeError,
     ),
     Refusal(
-        "config", lambda f: bool(f.config.return_dict_in_generate or f.config.output_scores or f.config.output_logits),
-        "return_dict_in_generate / output_scores / output_logits are not supported; generate returns the ids",
+        "config", lambda f: f.config.num_beams is not None and f.config.num_beams < 1,
+        "num_beams must be >= 1, got {f.config.num_beams}; pass num_beams=1 for greedy or sampling",
+    ),
+    Refusal(
+        "config", lambda f: _not_real(f.config.length_penalty),
+        "length_penalty must be a number, got {f.config.length_penalty!r}; pass e.g. length_penalty=1.0",
+        InputTypeError,
+    ),
+    Refusal(
+        "config", lambda f: f.mode not in SUPPORTED_MODES,
+        "generation mode {f.mode.value!r} is not supported by pipelined generation; use greedy (do_sample=False), "
+        "sampling (do_sample=True) with num_beams=1, or beam search (num_beams > 1, do_sample=False, one beam group, "
+        "no constraints)",
+    ),
+    Refusal(  # transformers' own refusal (_beam_search), before the ring starts
+        "config", lambda f: f.mode == GenerationMode.BEAM_SEARCH and bool(f.config.low_memory),
+        "low_memory=True is not supported with beam search (transformers refuses it too); pass low_memory=None",
+    ),
+    Refusal(  # transformers' own refusal (_validate_generation_mode)
+        "config", lambda f: f.mode == GenerationMode.BEAM_SEARCH and f.streamer is not None,
+        "a streamer cannot be used with beam search (transformers refuses it too); pass num_beams=1 or no streamer",
+    ),
+    Refusal(
+        "config",
+        lambda f: bool(f.config.return_dict_in_generate)
+        and bool(f.config.output_attentions or f.config.output_hidden_states),
+        "output_attentions / output_hidden_states are not supported by pipelined generation (each stage holds "
+        "only its own layers); return_dict_in_generate works with output_scores and output_logits",
+    ),
+    Refusal(
+        "config",
+        lambda f: f.streamer is not None and bool(f.config.return_dict_in_generate)
+        and bool(f.config.output_scores or f.config.output_logits),
+        "a streamer together with output_scores / output_logits is not supported by pipelined generation; "
+        "pass one or the other",
     ),
     Refusal(
         "config", lambda f: f.config.guidance_scale not in (None, 1, 1.0),
@@ -164,12 +211,17 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     # ---- the rows (facts: copies, do_sample, batch (after the copies), dp_size, n_microbatches)
     Refusal(
-        "rows", lambda f: f.copies > 1 and not f.do_sample,
-        "num_return_sequences > 1 needs do_sample=True (greedy would repeat the same sequence)",
+        "rows", lambda f: f.copies > 1 and not f.do_sample and f.beams == 1,
+        "num_return_sequences > 1 needs do_sample=True or num_beams > 1 (greedy would repeat the same sequence)",
     ),
     Refusal(
         "rows", lambda f: f.batch < f.dp_size,
         "batch of {f.batch} rows is smaller than the {f.dp_size} data-parallel replicas; pass more prompts",
+    ),
+    Refusal(
+        "rows", lambda f: f.return_dict and f.dp_size > 1,
+        "return_dict_in_generate=True is not supported with {f.dp_size} data-parallel replicas; generate returns "
+        "the ids there",
     ),
     Refusal("rows", lambda f: f.n_microbatches < 1, "n_microbatches must be >= 1, got {f.n_microbatches}"),
     # ---- the special tokens, as transformers prepared them (facts: pad, vocab, can_finish)

@@ -72,6 +72,8 @@ class Request:
     row_offset: int  # global index of this replica's first row (seeds)
     max_new: int
     do_sample: bool
+    num_beams: int  # > 1: beam search; each microbatch holds whole groups of num_beams rows
+    keep_rows: bool  # per-step scores / logits asked for: finished rows stay in the ring (see Ring)
     seed: int | None
     pad: int
     streamer: Any
@@ -132,7 +134,8 @@ def build_request(model, call: GenerateCall) -> Request:
     return Request(
         config=gc, encoder_decoder=encoder_decoder, prefill_chunk=merged.prefill_chunk, **tensors,
         bounds=share.bounds, row_offset=share.row_offset, max_new=gc.max_length - prompt_length,
-        do_sample=bool(gc.do_sample), seed=seed, pad=pad, streamer=call.streamer,
+        do_sample=bool(gc.do_sample), seed=seed, pad=pad, streamer=call.streamer, num_beams=int(gc.num_beams or 1),
+        keep_rows=bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits)),
         logits_processor=call.logits_processor, stopping_criteria=call.stopping_criteria, tokenizer=call.tokenizer,
     )
 
@@ -182,7 +185,9 @@ def _merged_config(model, call: GenerateCall) -> _Merged:
     )
     gc, extra = _as_transformers_raises(kwargs, user_gc, lambda: prepare_generation_config(model, user_gc, **kwargs))
     extra = {k: v for k, v in extra.items() if v is not None and k not in ("output_attentions", "output_hidden_states")}
-    refuse("config", config=gc, extra=extra, encoder_decoder=bool(model.config.is_encoder_decoder))
+    refuse(
+        "config", config=gc, extra=extra, encoder_decoder=bool(model.config.is_encoder_decoder), streamer=call.streamer
+    )
     return _Merged(
         config=gc, has_default_max_length=has_default_max_length, has_default_min_length=has_default_min_length,
         prefill_chunk=gc.prefill_chunk_size,
@@ -214,23 +219,31 @@ class _Share:
 
 
 def _replica_share(model, gc: GenerationConfig, rows: _Rows, n_microbatches: int | None) -> _Share:
-    """Rows repeated for ``num_return_sequences``, this replica's contiguous share of them, its microbatches."""
+    """Rows repeated for ``num_return_sequences`` (beam search: ``num_beams``, as transformers expands them),
+    this replica's contiguous share of them, its microbatches."""
     copies = gc.num_return_sequences or 1
+    beams = gc.num_beams or 1
     if n_microbatches is None:
         n_microbatches = max(model.n_microbatches, model.plan.num_stages)
+    # Units the rows are cut in: a beam group (a prompt's num_beams rows) is never split, since its
+    # beams are chosen together and reorder each other's caches; otherwise single rows.
+    unit = beams if beams > 1 else 1
+    repeats = beams if beams > 1 else copies
+    units = rows.ids.shape[0] * (1 if beams > 1 else copies)
     refuse(
-        "rows", copies=copies, do_sample=gc.do_sample, batch=rows.ids.shape[0] * copies,
-        dp_size=model.dims.dp_size, n_microbatches=n_microbatches,
+        "rows", copies=copies, beams=beams, do_sample=gc.do_sample, batch=units, dp_size=model.dims.dp_size,
+        n_microbatches=n_microbatches, return_dict=bool(gc.return_dict_in_generate),
     )
-    if copies > 1:
-        rows = rows.select(lambda t: t.repeat_interleave(copies, dim=0))
+    if repeats > 1:
+        rows = rows.select(lambda t: t.repeat_interleave(repeats, dim=0))
     # As transformers: a mask of all ones is dropped (same kernels, same numbers), decided for the whole batch.
     all_ones = rows.mask is None or bool((rows.mask == 1).all())
-    # Data-parallel replicas each generate a contiguous share of the rows (gathered at the end).
-    lo, hi = microbatch_bounds(rows.ids.shape[0], model.dims.dp_size)[model.dims.dp_rank]
+    # Data-parallel replicas each generate a contiguous share of the units (gathered at the end).
+    lo, hi = microbatch_bounds(units, model.dims.dp_size)[model.dims.dp_rank]
+    bounds = microbatch_bounds(hi - lo, min(n_microbatches, hi - lo))
     return _Share(
-        rows=rows.select(lambda t: t[lo:hi]), row_offset=lo,
-        bounds=microbatch_bounds(hi - lo, min(n_microbatches, hi - lo)), all_ones=all_ones,
+        rows=rows.select(lambda t: t[lo * unit: hi * unit]), row_offset=lo * unit,
+        bounds=[(a * unit, b * unit) for a, b in bounds], all_ones=all_ones,
     )
 
 

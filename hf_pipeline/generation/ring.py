@@ -8,7 +8,9 @@
   * :class:`Mailbox` (``mailbox.py``) — the point-to-point messages: non-blocking sends kept alive
     until done, receives posted ahead and waited for when taken, same-rank deliveries without copies.
   * :class:`TokenChooser` (``chooser.py``) — the last stage's part: transformers' logits processors,
-    greedy or seeded sampling, stopping criteria, the sequences so far and where each row finished.
+    greedy or seeded sampling, stopping criteria, the sequences so far and where each row finished;
+    or, for beam search, :class:`BeamChooser` (``beam.py``), whose chosen beams' source rows travel
+    with the tokens and every stage's hidden states so each stage reorders its cache.
   * :class:`StepStreamer` (``streaming.py``) — feeds a transformers streamer one ``(B,)`` tensor per
     step, in order, once every microbatch has its token for that step.
   * :class:`Ring` (here) — per (local stage, microbatch) caches (``kv_cache.py``) and row state; the
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import InternalError
+from .beam import BeamChooser
 from .chooser import TokenChooser
 from .kv_cache import cache_nbytes, new_cache
 from .mailbox import Mailbox
@@ -63,6 +66,7 @@ class _Received:
 
     message: torch.Tensor | None  # first stage: (n, 2) token, still generating; others (n, q, H + 1); prefill: None
     alive: torch.Tensor  # (n,) bool
+    sources: torch.Tensor | None = None  # beam search: (n,) the row each row's beam continues (beam_idx)
 
 
 class Ring:
@@ -107,7 +111,10 @@ class Ring:
             for i, (lo, hi) in enumerate(req.bounds)
         }
         self.is_last = self.last_stage in self.local_stages
-        self.chooser = TokenChooser(model.skeleton, req, self.device) if self.is_last else None
+        self.beam = req.num_beams > 1
+        self.token_width = 3 if self.beam else 2  # token, still generating[, beam source row]
+        chooser = BeamChooser if self.beam else TokenChooser
+        self.chooser = chooser(model.skeleton, req, self.device) if self.is_last else None
         streams = self.is_last and req.streamer is not None
         self.streamer = StepStreamer(req.streamer, req.prompt.shape[0], req.pad) if streams else None
 
@@ -215,6 +222,8 @@ class Ring:
                 t, i = at
                 shape = (timetable.rows(i), timetable.message_positions(t), self.hidden_size + 1)
                 self.mailbox.post(("h", s, i), s - 1, shape, self.dtype)
+                if self.beam:  # sent right after the hidden states, so received in that order
+                    self.mailbox.post(("src", s, i), s - 1, (timetable.rows(i),), torch.long)
         if self.first_decode in self.local_stages and self._rank_of(last) != self.pp_rank:
             at = timetable.decode_at(last, tick)
             # Prefill steps before the last chunk choose no token: nothing comes back from them.
@@ -222,7 +231,7 @@ class Ring:
                 at is not None and at[0] >= timetable.first_token_step
                 and not self.slots[(self.first_decode, at[1])].done
             ):
-                self.mailbox.post(("tok", at[1]), last, (timetable.rows(at[1]), 2), torch.long)
+                self.mailbox.post(("tok", at[1]), last, (timetable.rows(at[1]), self.token_width), torch.long)
 
     def _op(self, slot: _Slot, t: int) -> None:
         """Decode stage ``slot.stage_index`` runs step ``t`` of microbatch ``slot.microbatch``."""
@@ -240,6 +249,8 @@ class Ring:
         live = received.alive.nonzero()[:, 0]
         if live.numel() < slot.rows.numel():
             self._compact(slot, live)
+        if received.sources is not None and span is None:
+            self._reorder(slot, received.sources)
         out = self._forward(slot, received, live, span)
         if s == self.last_stage:
             if token_step >= 0:  # a prompt chunk before the last fills its cache and chooses no token
@@ -251,16 +262,21 @@ class Ring:
         nxt[live, :, :hidden] = out.to(self.dtype)
         nxt[live, :, hidden] = 1
         self.mailbox.deliver(("h", s + 1, i), s + 1, nxt)
+        if self.beam:  # the next stage reorders its cache as this one did
+            sources = received.sources if received.sources is not None else torch.arange(n, device=self.device)
+            self.mailbox.deliver(("src", s + 1, i), s + 1, sources)
 
     def _receive(self, s: int, i: int, n: int, *, prefill: bool) -> _Received:
         """The message stage ``s`` starts microbatch ``i`` from, and the rows it says still generate."""
         if s != self.first_decode:
             message = self.mailbox.take(("h", s, i))  # (n, q, H + 1)
-            return _Received(message=message, alive=message[:, 0, -1] > 0.5)
+            sources = self.mailbox.take(("src", s, i)) if self.beam else None
+            return _Received(message=message, alive=message[:, 0, -1] > 0.5, sources=sources)
         if prefill:
             return _Received(message=None, alive=torch.ones(n, dtype=torch.bool, device=self.device))
-        message = self.mailbox.take(("tok", i))  # (n, 2): token, still generating
-        return _Received(message=message, alive=message[:, 1].bool())
+        message = self.mailbox.take(("tok", i))  # (n, 2 or 3): token, still generating[, beam source row]
+        sources = message[:, 2] if self.beam else None
+        return _Received(message=message, alive=message[:, 1].bool(), sources=sources)
 
     def _pass_end(self, slot: _Slot, t: int, token_step: int) -> None:
         """The microbatch is done: pass the news down the ring once, free the cache."""
@@ -270,6 +286,8 @@ class Ring:
             n, q = self.timetable.rows(i), self.timetable.message_positions(t)
             zeros = torch.zeros(n, q, self.hidden_size + 1, dtype=self.dtype, device=self.device)
             self.mailbox.deliver(("h", s + 1, i), s + 1, zeros)
+            if self.beam:
+                self.mailbox.deliver(("src", s + 1, i), s + 1, torch.zeros(n, dtype=torch.long, device=self.device))
         else:
             self._stream(i, token_step)
 
@@ -325,9 +343,26 @@ class Ring:
         tokens = self.chooser.choose(i, token_step, live, logits[:, -1, :])
         if self.streamer is not None:
             self.streamer.record(token_step, lo, hi, tokens)
-        message = torch.stack([tokens, self.chooser.unfinished(i).long()], dim=1)  # (n, 2)
+        flags = self.chooser.unfinished(i)
+        # With per-step scores or logits asked for, every row stays in the ring, finished or not, while
+        # any microbatch still generates, as transformers computes the whole batch every step (a
+        # microbatch does not yet know the later ones' last step: it may run one step more, cut at the end,
+        # though never past the last step any row may take).
+        keep = self.req.keep_rows and token_step + 1 < self.req.max_new
+        if keep and not all(self.chooser.finished(j) for j in range(self.timetable.n_microbatches)):
+            flags = torch.ones_like(flags)
+        columns = [tokens, flags.long()] + ([self.chooser.sources(i)] if self.beam else [])
+        message = torch.stack(columns, dim=1)  # (n, token_width)
         self.mailbox.deliver(("tok", i), self.first_decode, message)
         self._stream(i, token_step)
+
+    def _reorder(self, slot: _Slot, sources: torch.Tensor) -> None:
+        """Beam search: this stage's cache and per-row inputs follow the chosen beams (transformers' ``beam_idx``)."""
+        slot.cache.reorder_cache(sources)
+        for name in ("mask", "positions", "types", "encoder_out", "encoder_mask"):
+            value = getattr(slot, name)
+            if value is not None:
+                setattr(slot, name, value.index_select(0, sources))
 
     def _compact(self, slot: _Slot, live: torch.Tensor) -> None:
         """Drop finished rows from this stage's cache and per-row inputs."""
@@ -349,6 +384,6 @@ class Ring:
         self.streamer.flush(t)
 
     # ------------------------------------------------------------ result
-    def result(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Last stage's rank: (ids (B, L + steps), generated lengths (B,)); None elsewhere."""
+    def result(self) -> dict[str, Any] | None:
+        """Last stage's rank: the chooser's result (``sequences``, ``lengths``, records); None elsewhere."""
         return self.chooser.result() if self.is_last else None

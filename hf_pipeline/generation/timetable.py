@@ -14,7 +14,10 @@ pipeline's prefill idles (p - 1) / (units + p - 1) of its time). Message shapes 
 microbatch size, the step (a prompt chunk's length at a prefill step, else 1) and the hidden size:
   stage -> next stage   float ``(rows, q, hidden + 1)``: hidden states, last column 1 for rows still
                         generating; all zeros once the microbatch is done (sent once, then nothing)
-  last -> first stage   int64 ``(rows, 2)``: next token, still-generating flag
+  last -> first stage   int64 ``(rows, 2)``: next token, still-generating flag (beam search: ``(rows, 3)``,
+                        and the row whose beam each row continues)
+  stage -> next stage   beam search only: int64 ``(rows,)`` those source rows, right after the hidden
+                        states, so each stage reorders its cache before its forward
 Sends never block (``isend``) and every receive waits only for a message sent at an earlier tick,
 so the ring cannot deadlock.
 

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from hf_pipeline.errors import InputError, InputTypeError, InternalError
 from hf_pipeline.generation.refusals import REFUSALS, refuse
 
-_ROWS_OK = dict(copies=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4)
+_ROWS_OK = dict(copies=1, beams=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4, return_dict=False)
 
 
 def test_rows_refusals_in_table_order():
@@ -29,13 +29,33 @@ def test_rows_refusals_in_table_order():
 
 
 def test_config_refusals_keep_their_builtin_bases():
+    facts = dict(extra={}, encoder_decoder=False, streamer=None)
     with pytest.raises(TypeError, match=r"unexpected generate\(\) argument\(s\) \['a', 'b'\]") as caught:
-        refuse("config", config=GenerationConfig(), extra={"b": 1, "a": 2}, encoder_decoder=False)
+        refuse("config", config=GenerationConfig(), **dict(facts, extra={"b": 1, "a": 2}))
     assert isinstance(caught.value, InputTypeError)
     with pytest.raises(ValueError, match=r"^prefill_chunk_size=4 is not supported for encoder-decoder models"):
-        refuse("config", config=GenerationConfig(prefill_chunk_size=4), extra={}, encoder_decoder=True)
-    with pytest.raises(ValueError, match=r"^generation mode 'beam_search' is not supported"):
-        refuse("config", config=GenerationConfig(num_beams=2), extra={}, encoder_decoder=False)
+        refuse("config", config=GenerationConfig(prefill_chunk_size=4), **dict(facts, encoder_decoder=True))
+    refuse("config", config=GenerationConfig(num_beams=2), **facts)  # beam search runs
+    with pytest.raises(ValueError, match=r"^generation mode 'beam_sample' is not supported"):
+        refuse("config", config=GenerationConfig(num_beams=2, do_sample=True), **facts)
+    with pytest.raises(ValueError, match=r"^a streamer cannot be used with beam search"):
+        refuse("config", config=GenerationConfig(num_beams=2), **dict(facts, streamer=object()))
+    with pytest.raises(ValueError, match=r"^output_attentions / output_hidden_states are not supported"):
+        refuse("config", config=GenerationConfig(return_dict_in_generate=True, output_attentions=True), **facts)
+    # Beam search's neighbours, refused by name; its arguments checked before transformers fails deep inside
+    for config, start in (
+        (GenerationConfig(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "generation mode .group_beam"),
+        (GenerationConfig(num_beams=2, force_words_ids=[[3]]), "generation mode 'constrained_beam_search'"),
+        (GenerationConfig(num_beams=2, low_memory=True), "low_memory=True is not supported with beam search"),
+        (GenerationConfig(num_beams=0), "num_beams must be >= 1, got 0"),
+    ):
+        with pytest.raises(InputError, match=f"^{start}"):
+            refuse("config", config=config, **facts)
+    for field, value in (("num_beams", 2.5), ("num_beams", True), ("length_penalty", "a")):
+        config = GenerationConfig(num_beams=2)
+        setattr(config, field, value)
+        with pytest.raises(InputTypeError, match=f"^{field} must be"):
+            refuse("config", config=config, **facts)
 
 
 def test_input_shapes_are_named():

@@ -338,9 +338,12 @@ CALL_CASES = {
     "generate: untokenized prompt list": (
         lambda _: _m().generate(["a prompt", "another"], max_new_tokens=2), ("TypeError",),
         r"got a list of text prompts; pass tok\(prompts, return_tensors='pt', padding=True\)"),
-    "generate: unsupported mode (beam search)": (
-        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, num_beams=2), ("ValueError",),
-        r"is not supported by pipelined generation"),
+    "generate: unsupported mode (beam sampling)": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, num_beams=2, do_sample=True), ("ValueError",),
+        r"generation mode 'beam_sample' is not supported by pipelined generation"),
+    "generate: num_return_sequences > num_beams": (
+        lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, num_beams=2, num_return_sequences=3), ("ValueError",),
+        r"`num_return_sequences` \(3\) has to be smaller or equal to `num_beams` \(2\)"),
     "generate: token_healing": (
         lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, token_healing=True), ("ValueError",),
         r"token_healing is not supported"),
