@@ -5,7 +5,9 @@ Lives here, lowest first:
 - :mod:`.shutdown`: a clean interpreter exit (the group destroyed, its worker threads idle).
 - :mod:`.context`: ``init_distributed``, ``RankContext``, ``destroy_distributed``: the process
   group, device and collective timeout from the launcher's environment.
-- :mod:`.dims`: ``ParallelDims``, how the ranks form ``dp_size`` replicas of a pipeline.
+- :mod:`.dims`: ``ParallelDims``, how the ranks form ``dp_size`` replicas of a pipeline of
+  ``tp_size``-rank stages: the (dp, pp, tp) mesh, built once here.
+- :mod:`.shards`: tensor-parallel shards (``DTensor``) seen as plain tensors: local or gathered.
 - :mod:`.agreement`: error agreement across ranks (``collective_errors``, ``raise_on_any_rank``,
   ``lost_peer_error``) and input fingerprints (``check_same_on_all_ranks``).
 - :mod:`.faults`: failures in the middle of a pipelined call (``spread_failures``): every rank gets
