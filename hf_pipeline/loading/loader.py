@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -148,6 +149,13 @@ def _stage_roles(plan: StagePlan, dims: ParallelDims) -> Callable[[int], str]:
     return stages_of
 
 
+def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -> ParallelDims:
+    """The job's mesh (collective when there is one), also written into the plan it reports."""
+    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size)
+    maker.plan = dataclasses.replace(maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan)
+    return dims
+
+
 def _with_parallel(option_kwargs: dict[str, Any], ctx: RankContext, *, auto: bool) -> dict[str, Any]:
     """``option_kwargs`` with ``tp_size`` / ``distributed_config`` / ``device_mesh`` turned into the one
     ``parallel`` request of :meth:`PipelineOptions.resolve` (see
@@ -267,7 +275,7 @@ def load_pipeline(
     agreed_at = time.perf_counter()
     with collective_errors(ctx, "tracing the model" if options.traced else "planning the stages"):
         maker = front_end(config, options, ctx.device)
-    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size)
+    dims = _build_dims(ctx, maker, options)
     planned_at = time.perf_counter()
 
     local = maker.plan.stages_for_rank(dims.pp_rank)

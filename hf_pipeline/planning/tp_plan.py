@@ -67,7 +67,8 @@ def _from_distributed_config(dc: Any) -> ParallelRequest:
     defaults = {f.name: f.default for f in fields(dc)}
     for name, what in _UNSUPPORTED.items():
         value = getattr(dc, name, None)
-        if name in defaults and value not in (defaults[name], None, 1):
+        unset = value is None or value == defaults.get(name) or (name.endswith("_size") and value == 1)
+        if name in defaults and not unset:
             raise InputError(
                 f"distributed_config.{name}={value!r} asks for {what}, which pipeline=True does not do yet; "
                 f"leave {name} unset (pipeline replicas come from world size / (pp_size x tp_size))"
@@ -75,8 +76,11 @@ def _from_distributed_config(dc: Any) -> ParallelRequest:
     plan = dc.tp_plan
     if plan is not None and plan != "auto" and not isinstance(plan, dict):
         raise InputError(f"distributed_config.tp_plan must be 'auto', None or a dict of module -> style, got {plan!r}")
+    # Its __post_init__ turns unset sizes into 1: a 1 says nothing here, so the pipeline depth comes from
+    # num_stages (default world / tp_size) and the replicas from what the world leaves, as with tp_size=.
     return ParallelRequest(
-        tp_size=dc.tp_size or 1, pp_size=dc.pp_size, dp_size=dc.dp_replicate_size,
+        tp_size=dc.tp_size or 1, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
+        dp_size=dc.dp_replicate_size if (dc.dp_replicate_size or 1) > 1 else None,
         plan=tuple(plan.items()) if isinstance(plan, dict) else None,
     )
 

@@ -1,6 +1,7 @@
 """Tensor parallelism inside pipeline stages equals single-process transformers.
 
-One 4-rank job (pp=2 x tp=2, asked for with transformers' ``DistributedConfig``) and one 2-rank job
+One 4-rank job (pp=2 x tp=2, asked for with transformers' ``DistributedConfig``, and dp=2 x tp=2
+with ``tp_size=2, num_stages=1``: the data-parallel sync reduces the local shards) and one 2-rank job
 (tp=2 alone, ``tp_size=2``; then the same through a ``device_mesh``) load a 4-layer LLaMA (and a
 Qwen2, whose q/k/v projections have biases that are sharded too) and compare, on every rank, with
 transformers on one process:
@@ -46,7 +47,7 @@ def _case(path, arch, kwargs, save_dir=None):
     import hf_pipeline
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
-    res = {"tp": model.dims.tp_size, "pp": model.dims.pp_size, "dp": model.dims.dp_size}
+    res = {"tp": model.dims.tp_size, "pp": model.dims.pp_size, "dp": model.dims.dp_size, "plan": str(model.plan)}
     q = next(p for n, p in model.stages[0].named_parameters() if n.endswith("self_attn.q_proj.weight"))
     res["q_local_rows"] = q.to_local().shape[0] if hasattr(q, "to_local") else q.shape[0]
     with torch.no_grad():
@@ -150,14 +151,16 @@ def test_pp2_by_tp2_equals_transformers_and_saves_one_checkpoint(checkpoints, tm
     save_dir = str(tmp_path / "saved")
     dc = DistributedConfig(pp_size=2, tp_size=2)
     cases = [(llama, "llama", {"distributed_config": dc, "n_microbatches": 2}, save_dir),
-             (qwen2, "qwen2", {"distributed_config": dc, "n_microbatches": 2, "schedule": "gpipe"})]
+             (qwen2, "qwen2", {"distributed_config": dc, "n_microbatches": 2, "schedule": "gpipe"}),
+             (llama, "llama", {"tp_size": 2, "num_stages": 1, "n_microbatches": 2})]
     bad = [(llama, {"tp_size": 3}), (gpt2, {"tp_size": 2}), (llama, {"tp_size": 2, "device_mesh": object()})]
     per_rank = run_distributed(_job, 4, cases, bad, timeout=600)
-    for arch, path, i in (("llama", llama, 0), ("qwen2", qwen2, 1)):
-        ref = _reference(path, arch)
+    refs = {"llama": _reference(llama, "llama"), "qwen2": _reference(qwen2, "qwen2")}
+    for arch, i, (dp, pp) in (("llama", 0, (1, 2)), ("qwen2", 1, (1, 2)), ("llama", 2, (2, 1))):
         for rank, res in enumerate(per_rank):
-            _check(f"{arch} pp2 x tp2 rank {rank}", res["cases"][i], ref, tp=2)
-            assert res["cases"][i]["pp"] == 2
+            _check(f"{arch} dp{dp} x pp{pp} x tp2 rank {rank}", res["cases"][i], refs[arch], tp=2)
+            assert (res["cases"][i]["dp"], res["cases"][i]["pp"]) == (dp, pp)
+            assert f"mesh: dp={dp} x pp={pp} x tp=2" in res["cases"][i]["plan"], res["cases"][i]["plan"]
     for res in per_rank:
         three, family, both = res["bad"]
         assert three is not None and "tp_size=3" in three and "world size 4" in three, three
