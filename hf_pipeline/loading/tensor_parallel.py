@@ -56,7 +56,8 @@ def apply_tensor_parallel(stage: nn.Module, plan: tuple[tuple[str, str], ...], t
     parallel = {}
     for name, style in by_name.items():
         parallel[name] = styles[style]()
-        # Every tensor-parallel rank loaded the same whole tensor: slicing locally needs no scatter.
+        # Every tensor-parallel rank loaded the same whole tensor: slicing locally needs no scatter. The
+        # slice gets its own storage (distribute_tensor copies it), so the whole tensor is freed after.
         parallel[name].src_data_rank = None
     if parallel:
         parallelize_module(stage, tp_mesh, parallel)

@@ -49,7 +49,10 @@ def _case(path, arch, kwargs, save_dir=None):
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
     res = {"tp": model.dims.tp_size, "pp": model.dims.pp_size, "dp": model.dims.dp_size, "plan": str(model.plan)}
     q = next(p for n, p in model.stages[0].named_parameters() if n.endswith("self_attn.q_proj.weight"))
-    res["q_local_rows"] = q.to_local().shape[0] if hasattr(q, "to_local") else q.shape[0]
+    local = q.to_local() if hasattr(q, "to_local") else q
+    res["q_local_rows"] = local.shape[0]
+    # Only the slice is kept: its storage is its own, not the whole tensor it was cut from.
+    res["q_storage_ratio"] = local.untyped_storage().nbytes() / (local.numel() * local.element_size())
     with torch.no_grad():
         res["logits"] = model(**tiny.sample_inputs(arch, batch=3, seq=9)).logits
     prompt = tiny.sample_inputs(arch, batch=2, seq=6)
@@ -125,6 +128,7 @@ def _reference(path, arch):
 def _check(what, res, ref, tp):
     assert res["tp"] == tp, f"{what}: tp_size {res['tp']}"
     assert res["q_local_rows"] == 32 // tp, f"{what}: q_proj not sharded ({res['q_local_rows']} rows)"
+    assert res["q_storage_ratio"] == 1, f"{what}: q_proj's slice keeps {res['q_storage_ratio']}x its size alive"
     diff = (res["logits"] - ref["logits"]).abs().max().item()
     assert diff <= TOL, f"{what}: logits max abs diff {diff}"
     assert torch.equal(res["tokens"], ref["tokens"]), f"{what}: greedy tokens {res['tokens']} != {ref['tokens']}"
