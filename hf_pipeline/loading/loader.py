@@ -47,7 +47,7 @@ from .identity import pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, shard_parts
 from .weights import CheckpointIndex, LoadReport, load_tensors, resolve_checkpoint
 
 __all__ = ["LoadedPipeline", "StageMaker", "load_pipeline", "wanted_tensors"]
@@ -186,11 +186,13 @@ def _load_stages(
     index = CheckpointIndex.from_directory(ckpt)
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)
+    parts = shard_parts(stages, options.tp_plan, tp_mesh)  # a tensor-parallel rank reads only its slices
     staged_at = time.perf_counter()
     tensors, report = load_tensors(
         index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
         progress=ctx.is_main_process if progress is None else progress,
         floating=[n for n, (_, dt) in wanted.items() if dt.is_floating_point], unexpected_hint=UNEXPECTED_HINT,
+        parts=parts,
     )
     read_at = time.perf_counter()
     keys = key_plan(maker.skeleton, maker.resolved, index)
@@ -198,6 +200,9 @@ def _load_stages(
     fresh = initialize_missing(maker.skeleton, keys.initialized, dtype=options.dtype, rng_state=rng_state)
     report.initialized = sorted(n for n in fresh if n in local_names)
     tensors.update({n: fresh[n] for n in report.initialized})
+    for n in set(report.initialized) & set(parts):  # drawn whole, as transformers draws them: keep the slice
+        dim, i, count = parts[n]
+        tensors[n] = tensors[n].chunk(count, dim)[i].clone()
     del fresh
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)
