@@ -30,6 +30,7 @@ from .distributed.agreement import check_same_on_all_ranks
 from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
+from .distributed.shards import local_tensor
 from .errors import InputError, TraceError
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
@@ -174,7 +175,7 @@ class PipelinedModel(nn.Module):
             if only_trainable and not p.requires_grad:
                 continue
             if local or layout.owner_stage(key) in mine:
-                total += p.numel()
+                total += local_tensor(p).numel() if local else p.numel()  # a shard: its own part
         if local or self.plan.pp_size == 1:
             return total
         count = torch.tensor([total], dtype=torch.int64, device=self.device if self.ctx.backend == "nccl" else "cpu")

@@ -47,7 +47,8 @@ def _case(path, arch, kwargs, save_dir=None):
     import hf_pipeline
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
-    res = {"tp": model.dims.tp_size, "pp": model.dims.pp_size, "dp": model.dims.dp_size, "plan": str(model.plan)}
+    res = {"tp": model.dims.tp_size, "pp": model.dims.pp_size, "dp": model.dims.dp_size, "plan": str(model.plan),
+           "local_params": model.num_parameters(local=True), "params_total": model.num_parameters()}
     q = next(p for n, p in model.stages[0].named_parameters() if n.endswith("self_attn.q_proj.weight"))
     local = q.to_local() if hasattr(q, "to_local") else q
     res["q_local_rows"] = local.shape[0]
@@ -189,3 +190,8 @@ def test_tp2_alone_equals_transformers_by_keyword_and_by_mesh(checkpoints):
         _check(f"llama tp2 rank {rank}", res["cases"][0], ref, tp=2)
         assert res["cases"][0]["pp"] == 1
         _check(f"llama tp2 by device_mesh rank {rank}", res["mesh"], ref, tp=2)
+        # A rank holds half of every planned projection and the rest whole; the model counts all of it.
+        planned = ("_proj.weight",)
+        half = sum(p.numel() // 2 if n.endswith(planned) else p.numel() for n, p in ref["params"].items())
+        assert res["cases"][0]["local_params"] == half, (res["cases"][0]["local_params"], half)
+        assert res["cases"][0]["params_total"] == sum(p.numel() for p in ref["params"].values())
