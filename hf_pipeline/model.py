@@ -191,15 +191,17 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def rank_label(self, rank: int) -> str:
         """What global rank ``rank`` runs, for messages: ``"stage 1"``, ``"stages 0, 2 of replica 1"``."""
-        pp = self.plan.pp_size
-        idx = [s.index for s in self.plan.stages_for_rank(rank % pp)]
+        replica, pp_rank, _ = self.dims.place(rank)
+        idx = [s.index for s in self.plan.stages_for_rank(pp_rank)]
         label = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
-        return label + (f" of replica {rank // pp}" if self.dims.dp_size > 1 else "")
+        return label + (f" of replica {replica}" if self.dims.dp_size > 1 else "")
 
     def _spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
         groups = (self.dims.pp_group, self.dims.dp_group)
-        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=self._renew_groups)
+        # Tensor-parallel stages hold DTensors bound to their mesh's groups, which fresh groups cannot replace.
+        recover = self._renew_groups if self.dims.tp_size == 1 else None
+        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=recover)
 
     def _renew_groups(self) -> None:
         # Fresh groups after a failure stopped these (faults.py); stages, schedules, sync groups: rebuilt on use.
@@ -438,6 +440,7 @@ def load_pipelined(
     split_method: str = "auto",
     tune_batch: tuple[int, int] | None = None,
     max_memory: int | str | None = None,
+    **parallel: Any,
 ) -> PipelinedModel:
     """Build this rank's stages of ``path`` and return the :class:`PipelinedModel` (collective).
 
@@ -468,21 +471,18 @@ def load_pipelined(
             seq)`` of the training steps the choice plans for, and a per-rank memory budget (bytes or
             "20GiB") for their predicted peak; see :func:`hf_pipeline.tools.autotune.choose`. The choice is
             kept as ``model.auto_choice``.
+        **parallel: ``tp_size``, ``distributed_config`` or ``device_mesh``: tensor parallelism inside each stage
+            (see :func:`hf_pipeline.planning.tp_plan.parallel_request`).
     """
-    choose = None
-    if schedule == "auto" or n_microbatches == "auto":
-        from .tools.autotune import choose as auto_choose
+    from .tools.autotune import chooser
 
-        choose = functools.partial(auto_choose, tune_batch=tune_batch, max_memory=max_memory)
-    elif tune_batch is not None or max_memory is not None:
-        raise InputError(
-            "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
-        )
+    choose = chooser(schedule, n_microbatches, tune_batch=tune_batch, max_memory=max_memory)
     built = load_pipeline(
         auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
         attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
         n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
         split=split, dtype=dtype, split_method=split_method, agreed={"gather_output": gather_output}, choose=choose,
+        **parallel,
     )
     model = (TracedPipelinedModel if built.options.traced else PipelinedModel)(built, gather_output=gather_output)
     model.name_or_path = str(path)  # what was passed, as transformers' ``model.name_or_path``

@@ -138,6 +138,8 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", default=None,
                    help="pipeline schedule (default 1f1b; interleaved-1f1b with --virtual-stages > 1)")
     g.add_argument("--virtual-stages", type=_positive, default=None, help="stages per process")
+    g.add_argument("--tp-size", type=_positive, default=None,
+                   help="tensor-parallel processes per stage (LLaMA, Mistral, Qwen2; default 1)")
     g.add_argument("--n-microbatches", type=_positive, default=None,
                    help="microbatches per pipelined call (default: number of stages)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's)")

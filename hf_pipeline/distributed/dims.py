@@ -1,4 +1,8 @@
-"""How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline.
+"""How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline whose
+ranks are ``tp_size`` tensor-parallel ranks each.
+
+The mesh is ``(dp, pp, tp)``, tensor parallelism innermost (the ranks of one stage are neighbours):
+global rank ``(d * pp_size + p) * tp_size + t``.
 
 Example (``torchrun --nproc-per-node 4 script.py``, two-stage pipelines):
     >>> dims = ParallelDims.build(init_distributed(), pp_size=2)
@@ -20,55 +24,76 @@ __all__ = ["ParallelDims"]
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline.
+    """How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline, each
+    pipeline rank made of ``tp_size`` tensor-parallel ranks.
 
-    Global ranks ``[d * pp_size, (d + 1) * pp_size)`` form pipeline replica ``d``; with one
-    replica the pipeline's group is the context's (``ctx.group``, None for one process) and no mesh
-    is made. A mesh dimension that spans the whole job is given ``ctx.group`` too, so that a model
-    loaded with a group of its own (``groups.own_group``) never communicates in WORLD.
+    Global rank ``(d * pp_size + p) * tp_size + t`` is tensor-parallel slot ``t`` of pipeline rank ``p``
+    in replica ``d``. With one replica and no tensor parallelism the pipeline's group is the context's
+    (``ctx.group``, None for one process) and no mesh is made. A mesh dimension that spans the whole job
+    is given ``ctx.group`` too, so that a model loaded with a group of its own (``groups.own_group``)
+    never communicates in WORLD.
 
     Attributes:
-        pp_size, dp_size: ranks per pipeline, pipeline replicas.
-        pp_rank, dp_rank: this rank's place in its pipeline, and its replica.
-        pp_group, dp_group: this rank's pipeline group (``ctx.group`` with one replica, None for one
-            process) and data-parallel group (None with one replica).
-        mesh: the (dp, pp) device mesh with several replicas, else None.
+        pp_size, dp_size, tp_size: ranks per pipeline, pipeline replicas, tensor-parallel ranks per stage.
+        pp_rank, dp_rank, tp_rank: this rank's place in its pipeline, its replica, its place in its stage.
+        pp_group, dp_group, tp_group: this rank's pipeline group (``ctx.group`` when it spans the job,
+            None for one process), data-parallel group and tensor-parallel group (None when not needed).
+        mesh: the (dp, pp, tp) device mesh with several replicas or tensor-parallel ranks, else None.
     """
 
     pp_size: int
     dp_size: int = 1
+    tp_size: int = 1
     pp_rank: int = 0
     dp_rank: int = 0
+    tp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
     mesh: Any = None
 
     @classmethod
-    def build(cls, ctx: RankContext, pp_size: int) -> "ParallelDims":
-        """The dims of ``ctx``'s job for ``pp_size``-rank pipelines (collective with several replicas)."""
-        if ctx.world_size % pp_size:
+    def build(cls, ctx: RankContext, pp_size: int, tp_size: int = 1) -> "ParallelDims":
+        """The dims of ``ctx``'s job for ``pp_size``-rank pipelines of ``tp_size``-rank stages (collective
+        when a mesh is made)."""
+        if ctx.world_size % (pp_size * tp_size):
             raise InputError(
-                f"world size {ctx.world_size} is not a multiple of the pipeline size {pp_size} (= num_stages / "
-                f"virtual_stages); launch a multiple of {pp_size} processes or change num_stages"
+                f"world size {ctx.world_size} is not a multiple of pp_size x tp_size = {pp_size} x {tp_size} "
+                f"(pp_size = num_stages / virtual_stages); launch a multiple of {pp_size * tp_size} processes or "
+                "change num_stages / tp_size"
             )
-        dp_size = ctx.world_size // pp_size
+        dp_size = ctx.world_size // (pp_size * tp_size)
         if not ctx.is_distributed:
             return cls(pp_size=pp_size)
-        if dp_size == 1:
+        if dp_size == 1 and tp_size == 1:
             return cls(pp_size=pp_size, pp_rank=ctx.rank, pp_group=ctx.group)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+        mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size, tp_size), mesh_dim_names=("dp", "pp", "tp"))
+        groups = {name: mesh.get_group(name) for name in ("dp", "pp", "tp")}
         # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
-        pp_group, dp_group = (
-            ctx.group if g is dist.group.WORLD else g for g in (mesh.get_group("pp"), mesh.get_group("dp"))
-        )
-        ctx.apply_timeout(pp_group, dp_group)
+        groups = {name: ctx.group if g is dist.group.WORLD else g for name, g in groups.items()}
+        ctx.apply_timeout(*groups.values())
         return cls(
-            pp_size=pp_size, dp_size=dp_size, pp_rank=mesh.get_local_rank("pp"), dp_rank=mesh.get_local_rank("dp"),
-            pp_group=pp_group, dp_group=dp_group, mesh=mesh,
+            pp_size=pp_size, dp_size=dp_size, tp_size=tp_size, pp_rank=mesh.get_local_rank("pp"),
+            dp_rank=mesh.get_local_rank("dp"), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],
+            dp_group=groups["dp"] if dp_size > 1 else None, tp_group=groups["tp"] if tp_size > 1 else None, mesh=mesh,
         )
 
+    @property
+    def tp_mesh(self) -> Any:
+        """The 1-D tensor-parallel sub-mesh of this rank's stage (None without tensor parallelism)."""
+        return self.mesh["tp"] if self.tp_size > 1 else None
+
     def global_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline rank ``pp_rank`` in this rank's replica."""
+        """Global rank of pipeline rank ``pp_rank`` in this rank's replica (and tensor-parallel slot)."""
         return pp_rank if self.pp_group is None else dist.get_global_rank(self.pp_group, pp_rank)
+
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """``(dp_rank, pp_rank, tp_rank)`` of global rank ``rank``."""
+        return rank // (self.pp_size * self.tp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
+
+    def ranks(self, pp_ranks: tuple[int, ...], tp_rank: int) -> tuple[int, ...]:
+        """Global ranks of pipeline ranks ``pp_ranks`` at tensor-parallel slot ``tp_rank`` in every replica."""
+        pp, tp = self.pp_size, self.tp_size
+        return tuple(sorted((d * pp + r) * tp + tp_rank for d in range(self.dp_size) for r in pp_ranks))

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -42,10 +43,12 @@ from ..errors import InputError
 from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
+from ..planning.tp_plan import ParallelRequest, parallel_request
 from .identity import pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
+from .tensor_parallel import apply_tensor_parallel, shard_parts
 from .weights import CheckpointIndex, LoadReport, load_tensors, resolve_checkpoint
 
 __all__ = ["LoadedPipeline", "StageMaker", "load_pipeline", "wanted_tensors"]
@@ -127,6 +130,7 @@ def _resolve_options(
 ) -> tuple[PipelineOptions, Any]:
     """The resolved options and what ``choose`` picked for their ``"auto"`` values (None without it)."""
     auto_choice = None
+    resolve_kwargs = _with_parallel(resolve_kwargs, ctx, auto=choose is not None)
     if choose is not None:  # "auto" values replaced by concrete ones; the rest handed back as given
         resolve_kwargs, auto_choice = choose(config, ctx.world_size, device_type=ctx.device.type, **resolve_kwargs)
     options = PipelineOptions.resolve(config, ctx.world_size, **resolve_kwargs)
@@ -136,19 +140,43 @@ def _resolve_options(
     return options, auto_choice
 
 
-def _stage_roles(plan: StagePlan, pp_size: int) -> Callable[[int], str]:
+def _stage_roles(plan: StagePlan, dims: ParallelDims) -> Callable[[int], str]:
     """A rank's role in messages about it ("stage 1", "stages 0, 2")."""
 
     def stages_of(rank: int) -> str:
-        idx = [s.index for s in plan.stages_for_rank(rank % pp_size)]
+        idx = [s.index for s in plan.stages_for_rank(dims.place(rank)[1])]
         return f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
 
     return stages_of
 
 
+def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -> ParallelDims:
+    """The job's mesh (collective when there is one), also written into the plan it reports."""
+    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size)
+    maker.plan = dataclasses.replace(maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan)
+    return dims
+
+
+def _with_parallel(option_kwargs: dict[str, Any], ctx: RankContext, *, auto: bool) -> dict[str, Any]:
+    """``option_kwargs`` with ``tp_size`` / ``distributed_config`` / ``device_mesh`` turned into the one
+    ``parallel`` request of :meth:`PipelineOptions.resolve` (see
+    :func:`~hf_pipeline.planning.tp_plan.parallel_request`); ``auto``: an automatic schedule choice, which
+    plans pipelines without tensor parallelism."""
+    given = {k: option_kwargs.pop(k, None) for k in ("tp_size", "distributed_config", "device_mesh")}
+    parallel = parallel_request(**given, world_size=ctx.world_size)
+    if parallel == ParallelRequest():
+        return option_kwargs
+    if auto:
+        raise InputError(
+            "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism; name the "
+            "schedule and n_microbatches with tp_size / distributed_config / device_mesh"
+        )
+    return {**option_kwargs, "parallel": parallel}
+
+
 def _load_stages(
     maker: StageMaker, ckpt: pathlib.Path, local, *, ctx: RankContext, options: PipelineOptions,
-    rng_state: torch.Tensor, progress: bool | None, started: float,
+    rng_state: torch.Tensor, progress: bool | None, started: float, tp_mesh=None,
 ) -> tuple[list[nn.Module], LoadReport, float]:
     """Make this rank's meta stages, read their tensors, initialise what the checkpoint lacks, materialise.
 
@@ -159,11 +187,13 @@ def _load_stages(
     index = CheckpointIndex.from_directory(ckpt)
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)
+    parts = shard_parts(stages, options.tp_plan, tp_mesh)  # a tensor-parallel rank reads only its slices
     staged_at = time.perf_counter()
     tensors, report = load_tensors(
         index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
         progress=ctx.is_main_process if progress is None else progress,
         floating=[n for n, (_, dt) in wanted.items() if dt.is_floating_point], unexpected_hint=UNEXPECTED_HINT,
+        parts=parts,
     )
     read_at = time.perf_counter()
     keys = key_plan(maker.skeleton, maker.resolved, index)
@@ -171,6 +201,9 @@ def _load_stages(
     fresh = initialize_missing(maker.skeleton, keys.initialized, dtype=options.dtype, rng_state=rng_state)
     report.initialized = sorted(n for n in fresh if n in local_names)
     tensors.update({n: fresh[n] for n in report.initialized})
+    for n in set(report.initialized) & set(parts):  # drawn whole, as transformers draws them: keep the slice
+        dim, i, count = parts[n]
+        tensors[n] = tensors[n].chunk(count, dim)[i].clone()
     del fresh
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)
@@ -178,6 +211,8 @@ def _load_stages(
     for stage in stages:
         materialize(stage, tensors, device=ctx.device, tied=maker.resolved.tied, made=made)
         stage.eval()
+        if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
+            apply_tensor_parallel(stage, options.tp_plan, tp_mesh)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}
@@ -219,7 +254,8 @@ def load_pipeline(
         choose: ``choose(config, world_size, device_type=..., **option_kwargs) -> (option_kwargs, choice)``:
             replaces ``"auto"`` options before they are resolved (``autotune.choose``; the same
             arithmetic on every rank, so every rank resolves the same options).
-        **option_kwargs: the options of :meth:`PipelineOptions.resolve`.
+        **option_kwargs: the options of :meth:`PipelineOptions.resolve`, and one of ``tp_size`` / ``distributed_config``
+            / ``device_mesh``: tensor parallelism inside each stage (see :func:`_with_parallel`).
 
     Returns:
         This rank's :class:`LoadedPipeline`.
@@ -246,15 +282,15 @@ def load_pipeline(
     agreed_at = time.perf_counter()
     with collective_errors(ctx, "tracing the model" if options.traced else "planning the stages"):
         maker = front_end(config, options, ctx.device)
-    dims = ParallelDims.build(ctx, options.pp_size)
+    dims = _build_dims(ctx, maker, options)
     planned_at = time.perf_counter()
 
     local = maker.plan.stages_for_rank(dims.pp_rank)
     rng_state = agreed_rng_state(ctx)  # weights missing from the checkpoint are drawn from it, as transformers does
-    with collective_errors(ctx, "loading weights", describe=_stage_roles(maker.plan, options.pp_size)):
+    with collective_errors(ctx, "loading weights", describe=_stage_roles(maker.plan, dims)):
         stages, report, read_at = _load_stages(
-            maker, ckpt, local, ctx=ctx, options=options, rng_state=rng_state, progress=progress, started=planned_at
-        )
+            maker, ckpt, local, ctx=ctx, options=options, rng_state=rng_state, progress=progress, started=planned_at,
+            tp_mesh=dims.tp_mesh)
     # Where a load's wall time goes, for the benchmark's load-vs-read comparison (this rank's clock).
     report.seconds = {
         "config, options, agreement": agreed_at - started, "plan, dims": planned_at - agreed_at, **report.seconds,

@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import pathlib
 import re
 import sys
@@ -133,6 +135,7 @@ def load_tensors(
     progress: bool = False,
     floating: Collection[str] = (),
     unexpected_hint: str = _IGNORE_HINT,
+    parts: Mapping[str, tuple[int, int, int]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Read one stage's tensors, opening only the shards that hold them.
 
@@ -154,6 +157,8 @@ def load_tensors(
             integer or bool tensor for one of them raises, naming the key and the shard, instead of
             being kept in its stored dtype.
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
+        parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` equal parts
+            along ``dim`` (a tensor-parallel rank's slice); the header is checked against the whole shape.
 
     Returns:
         (stage name -> tensor, :class:`LoadReport`). Names served by one checkpoint key share one tensor.
@@ -182,7 +187,10 @@ def load_tensors(
         # Pass 1, headers only: shapes, sizes, dtypes and stale indexes fail here, before gigabytes are read.
         started = time.perf_counter()
         floating = set(floating)
-        plans = {s: _plan_shard(index, s, keys, by_key, wanted, floating, seen=seen) for s, keys in groups.items()}
+        plans = {
+            s: _plan_shard(index, s, keys, by_key, wanted, floating, parts or {}, seen=seen)
+            for s, keys in groups.items()
+        }
         headers_done = time.perf_counter()
         out, report = _read_shards(index, plans, by_key, device=device, progress=progress)
     except CheckpointError as e:
@@ -245,11 +253,27 @@ class _TensorPlan:
     shape: tuple[int, ...]
     stored: torch.dtype
     target: torch.dtype
+    part: tuple[int, int, int] | None = None  # (dim > 0, first, length): keep only these along dim
+
+
+def _part_plan(t: _TensorPlan, part: tuple[int, int, int]) -> _TensorPlan:
+    """``t`` narrowed to part ``index`` of ``count`` along ``dim``: along dim 0 a contiguous byte range
+    (only it is read); along a later dim the reader streams the rows and keeps the slice."""
+    dim, index, count = part
+    length = t.shape[dim] // count
+    if dim > 0:
+        return dataclasses.replace(t, part=(dim, index * length, length))
+    row = t.nbytes // t.shape[0] if t.shape[0] else 0
+    return dataclasses.replace(
+        t, offset=t.offset + index * length * row, nbytes=length * row, shape=(length, *t.shape[1:])
+    )
 
 
 def _plan_shard(
     index: CheckpointIndex, shard: str, keys: list[str], by_key: Mapping[str, list[str]], wanted: Mapping,
-    floating: Collection[str] = (), *, seen: dict[pathlib.Path, FileStamp | None] | None = None,
+    floating: Collection[str] = (),
+    parts: Mapping[str, tuple[int, int, int]] = {},  # noqa: B006 - read only
+    *, seen: dict[pathlib.Path, FileStamp | None] | None = None,
 ) -> list[_TensorPlan]:
     """Check one shard's header against what is wanted from it; what to read, in file order.
 
@@ -301,7 +325,9 @@ def _plan_shard(
         if stored_dtype.is_floating_point != target.is_floating_point:
             target = stored_dtype
         begin, stop = entry["data_offsets"]
-        plans.append(_TensorPlan(key, header.data_start + begin, stop - begin, stored_shape, stored_dtype, target))
+        plan = _TensorPlan(key, header.data_start + begin, stop - begin, stored_shape, stored_dtype, target)
+        part = parts.get(by_key[key][0])
+        plans.append(plan if part is None else _part_plan(plan, part))
     # File order: one forward sweep through the shard.
     return sorted(plans, key=lambda t: t.offset)
 
@@ -358,6 +384,8 @@ class _TensorReader:
         return self._bounce
 
     def read(self, f, t: _TensorPlan) -> torch.Tensor:
+        if t.part is not None:
+            return self._read_part(f, t)
         if self.device.type == "cpu" and t.target == t.stored:
             out = torch.empty(t.shape, dtype=t.stored)
             if t.nbytes:
@@ -373,6 +401,27 @@ class _TensorReader:
             chunk = bounce[: n * size]
             _readinto(f, t.offset + first * size, _as_bytes(chunk))
             flat[first : first + n].copy_(_from_little_endian(chunk.view(t.stored)))
+        return out
+
+
+    def _read_part(self, f, t: _TensorPlan) -> torch.Tensor:
+        """The slice ``t.part`` of a tensor along a dim > 0: whole outer rows streamed through the bounce
+        buffer, each keeping its slice, so the extra memory stays one chunk."""
+        dim, first, length = t.part
+        outer = math.prod(t.shape[:dim])
+        row = t.shape[dim:]  # one outer row, contiguous in the file
+        row_bytes = math.prod(row) * t.stored.itemsize
+        out = torch.empty((*t.shape[:dim], length, *t.shape[dim + 1 :]), dtype=t.target, device=self.device)
+        flat_out = out.view(outer, length, -1)
+        bounce = self._bounce_buffer()
+        per = max(1, len(bounce) // max(row_bytes, 1))  # outer rows per chunk
+        for o in range(0, outer, per):
+            n = min(per, outer - o)
+            size = n * row_bytes
+            chunk = bounce[:size] if size <= len(bounce) else torch.empty(size, dtype=torch.uint8)  # a row > _CHUNK
+            _readinto(f, t.offset + o * row_bytes, _as_bytes(chunk))
+            rows = _from_little_endian(chunk.view(t.stored)).view(n, row[0], -1)
+            flat_out[o : o + n].copy_(rows[:, first : first + length])
         return out
 
 

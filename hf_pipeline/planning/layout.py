@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.shards import local_tensor
+
 if TYPE_CHECKING:
     from .plan import StagePlan
 
@@ -138,7 +140,7 @@ def count_parameters(
             continue
         # A key outside the checkpoint layout is an adapter weight: counted on the rank that holds it.
         if local or key not in layout.holders or layout.owner_stage(key) in mine:
-            total += p.numel()
+            total += local_tensor(p).numel() if local else p.numel()  # a tensor-parallel shard: its own part
     if local or model.plan.pp_size == 1:
         return total
     device = model.device if model.ctx.backend == "nccl" else "cpu"

@@ -28,6 +28,7 @@ from ..compat import auto_model_mapping
 from ..errors import CheckpointNotFoundError, InputError
 from ..families.recipe import list_recipes
 from .schedules import ScheduleSpec, check_layout, choose_schedule, default_schedule, get_schedule
+from .tp_plan import ParallelRequest, tp_plan
 
 __all__ = [
     "SPLIT_METHODS", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts",
@@ -213,21 +214,37 @@ def _positive(name: str, value: Any) -> int:
 
 
 def _stage_counts(
-    spec: ScheduleSpec, world_size: int | None, virtual_stages: int | None, num_stages: int | None
+    spec: ScheduleSpec, world_size: int | None, virtual_stages: int | None, num_stages: int | None,
+    parallel: ParallelRequest,
 ) -> tuple[int, int, int]:
-    """(virtual_stages, num_stages, pp_size) with their defaults, checked against the world size."""
+    """(virtual_stages, num_stages, pp_size) with their defaults, checked against the world size and
+    the tensor-parallel ranks per stage."""
+    tp = parallel.tp_size
     if virtual_stages is None:
         virtual_stages = spec.default_virtual_stages()
+    if world_size is not None and world_size % tp:
+        raise InputError(f"tp_size={tp} does not divide the world size {world_size}; launch a multiple of {tp} ranks")
     if num_stages is None:
-        num_stages = (world_size or 1) * virtual_stages
+        num_stages = (parallel.pp_size or (world_size or tp) // tp) * virtual_stages
     if num_stages % virtual_stages:
         raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
     pp_size = num_stages // virtual_stages
-    if world_size is not None and world_size % pp_size:
+    if parallel.pp_size is not None and parallel.pp_size != pp_size:
         raise InputError(
-            f"num_stages={num_stages} with virtual_stages={virtual_stages} needs a multiple of {pp_size} "
-            f"processes, but the world size is {world_size}; launch {pp_size} (or k x {pp_size}) processes or "
-            "change num_stages"
+            f"pp_size={parallel.pp_size} conflicts with num_stages={num_stages} / virtual_stages={virtual_stages}"
+            f" = {pp_size} ranks per pipeline; pass one of them"
+        )
+    if world_size is not None and world_size % (pp_size * tp):
+        raise InputError(
+            f"num_stages={num_stages} with virtual_stages={virtual_stages} and tp_size={tp} needs a multiple of "
+            f"{pp_size * tp} processes, but the world size is {world_size}; launch {pp_size * tp} (or k x "
+            f"{pp_size * tp}) processes or change num_stages / tp_size"
+        )
+    replicas = (world_size or pp_size * tp) // (pp_size * tp)
+    if parallel.dp_size is not None and parallel.dp_size != replicas:
+        raise InputError(
+            f"dp size {parallel.dp_size} (dp_replicate_size / the mesh's 'dp' dim) conflicts with world size "
+            f"{world_size} / (pp_size {pp_size} x tp_size {tp}) = {replicas} pipeline replicas"
         )
     return virtual_stages, num_stages, pp_size
 
@@ -242,7 +259,9 @@ class PipelineOptions:
         virtual_stages: stages per rank.
         num_stages: stages in one pipeline.
         pp_size: ranks in one pipeline (``num_stages / virtual_stages``).
-        dp_size: pipeline replicas (``world_size / pp_size``; 1 when planning without a world).
+        dp_size: pipeline replicas (``world_size / (pp_size x tp_size)``; 1 when planning without a world).
+        tp_size: tensor-parallel ranks per stage (1: none).
+        tp_plan: ``(module pattern, style)`` pairs sharding each stage (empty without tensor parallelism).
         n_microbatches: microbatches per pipelined call.
         dtype: the weights' dtype.
         split: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
@@ -262,12 +281,14 @@ class PipelineOptions:
     split: str | tuple[str, ...]
     traced: bool
     schedule_note: str = ""
+    tp_size: int = 1
+    tp_plan: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # Here, not in resolve, so options made with dataclasses.replace (autotune.with_schedule) are
         # checked too. Only what the placement needs: forward and generate run with any microbatch
         # count, and a training schedule's microbatch rules are checked when training starts (train.py).
-        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches"):
+        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size"):
             _positive(name, getattr(self, name))
         if self.num_stages != self.pp_size * self.virtual_stages:
             raise InputError(
@@ -290,6 +311,7 @@ class PipelineOptions:
         dtype: Any = None,
         split: str | Sequence[str] | Mapping[str, Any] = "auto",
         split_method: str = "auto",
+        parallel: ParallelRequest | None = None,
     ) -> "PipelineOptions":
         """Defaults and checks for the options of ``config``'s model, before anything is built.
 
@@ -310,6 +332,8 @@ class PipelineOptions:
             split_method: "auto" (the recipe when ``config.model_type`` has one with a head for the
                 model class, else the tracer),
                 "recipe" or "trace".
+            parallel: tensor-parallel ranks per stage, pipeline ranks, replicas and plan asked for
+                (:func:`~hf_pipeline.planning.tp_plan.parallel_request`); default none.
 
         Raises:
             InputError, ScheduleError: naming the option and what to change.
@@ -329,7 +353,8 @@ class PipelineOptions:
         if num_stages is not None:
             _positive("num_stages", num_stages)
         spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
-        virtual_stages, num_stages, pp_size = _stage_counts(spec, world_size, virtual_stages, num_stages)
+        parallel = parallel or ParallelRequest()
+        virtual_stages, num_stages, pp_size = _stage_counts(spec, world_size, virtual_stages, num_stages, parallel)
         if n_microbatches is None:
             n_microbatches = num_stages
         note = ""
@@ -343,10 +368,12 @@ class PipelineOptions:
             virtual_stages=virtual_stages,
             num_stages=num_stages,
             pp_size=pp_size,
-            dp_size=(world_size or pp_size) // pp_size,
+            dp_size=(world_size or pp_size * parallel.tp_size) // (pp_size * parallel.tp_size),
             n_microbatches=n_microbatches,
             dtype=parse_dtype(dtype, config),
             split=split_value,
             traced=traced,
             schedule_note=note,
+            tp_size=parallel.tp_size,
+            tp_plan=tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced),
         )

@@ -82,6 +82,10 @@ class StagePlan:
     total_params: int
     total_bytes: int
     tied: tuple[tuple[str, ...], ...] = ()
+    # The mesh the plan runs on: pipeline replicas, tensor-parallel ranks per stage and what they shard.
+    dp_size: int = 1
+    tp_size: int = 1
+    tp_plan: tuple[tuple[str, str], ...] = ()
     _by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +127,7 @@ class StagePlan:
             "dtype": str(self.dtype).removeprefix("torch."),
             "total_params": self.total_params,
             "total_bytes": self.total_bytes,
+            "mesh": {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size}, "tp_plan": dict(self.tp_plan),
             "stages": [
                 {
                     "index": s.index,
@@ -169,6 +174,11 @@ class StagePlan:
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = [head]
+        if self.dp_size > 1 or self.tp_size > 1:  # each rank's place: global rank = (dp x pp + pp rank) x tp + tp rank
+            lines.append(f"mesh: dp={self.dp_size} x pp={self.pp_size} x tp={self.tp_size}, tp innermost; "
+                         + (f"each stage rank holds 1/{self.tp_size} of " + ", ".join(
+                             f"{k} ({v})" for k, v in self.tp_plan) + ", the rest whole" if self.tp_plan else
+                            "every rank holds its stages whole"))
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
         return "\n".join(lines)

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -141,6 +142,18 @@ def _candidates(
                 if spec.training_problem(pp_size=pp, virtual_stages=v, n_microbatches=m) is None:
                     out.append(Candidate(schedule=spec.name, virtual_stages=v, n_microbatches=m))
     return out
+
+
+def chooser(schedule: Any, n_microbatches: Any, *, tune_batch: Any, max_memory: Any):
+    """:func:`choose` with ``tune_batch`` / ``max_memory`` bound, when ``schedule`` or ``n_microbatches`` is
+    ``"auto"``; else None (and those two, which only plan the choice, are refused)."""
+    if schedule == "auto" or n_microbatches == "auto":
+        return functools.partial(choose, tune_batch=tune_batch, max_memory=max_memory)
+    if tune_batch is not None or max_memory is not None:
+        raise InputError(
+            "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
+        )
+    return None
 
 
 def choose(

@@ -3,7 +3,8 @@
 Lives here:
 
 * :mod:`.step`: ``model.train_step`` (one global batch forward and backward through torch's
-  schedules, gradients synced) and ``clip_grad_norm_``.
+  schedules, gradients synced) and ``clip_grad_norm_``; :mod:`.flat_reduce` (gradients summed in flat
+  buckets).
 * :mod:`.inference_loss`: the loss a pipelined ``forward()`` returns, whose backward points at
   ``train_step``.
 * :mod:`.checkpoint`: ``save_pretrained`` as a normal HF checkpoint written by every rank, in

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.agreement import collective_errors
+from ..distributed.shards import full_tensor
 from ..errors import CheckpointExistsError, InputError, InternalError
 from ..loading.weights import SAVE_STAGING_PREFIX
 from ..planning.options import parse_size
@@ -127,8 +128,10 @@ def _my_tensors(model) -> dict[str, torch.Tensor]:
         for name, t in stage.state_dict(keep_vars=True).items():
             key = layout.key_of.get(name, name)
             if key in layout.saved and key not in out and layout.owner_stage(key) == stage.spec.index:
-                out[key] = t.detach()
-    return out
+                # A tensor-parallel shard is gathered whole (collective over the stage's tensor-parallel
+                # ranks, all in this same order): the checkpoint is transformers' own, unsharded.
+                out[key] = full_tensor(t.detach())
+    return out if model.dims.tp_rank == 0 else {}  # tensor-parallel ranks hold the same whole tensors
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -162,8 +165,13 @@ def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
     return _RankShare(tensors=tensors, shards=shards, optimizer_state=opt_state, plan=plan)
 
 
-def _check_target(final: pathlib.Path, paths: list[str]) -> None:
-    """The same directory on every rank, and not a file."""
+def _check_target(final: pathlib.Path, paths: list[str], *, tp_size: int = 1, with_state: bool = False) -> None:
+    """The same directory on every rank, and not a file; no training state under tensor parallelism (yet)."""
+    if with_state and tp_size > 1:
+        raise InputError(
+            "save_pretrained with training state (optimizer, scheduler, step, trainer_state) is not supported "
+            f"with tp_size={tp_size} yet; save the weights alone (save_pretrained(directory))"
+        )
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise InputError(
@@ -240,7 +248,7 @@ def save_pretrained(
 
     # 1. Checks and plans on every rank; nothing is written before every rank has passed them.
     with collective_errors(ctx, "preparing the checkpoint"):
-        _check_target(final, paths)
+        _check_target(final, paths, tp_size=model.dims.tp_size, with_state=with_state)
         share = _rank_share(model, max_shard_size, optimizer)
     plans: list[_RankPlan] = _gather(model, share.plan)
 

@@ -46,18 +46,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import flatten_dense_tensors, unflatten_dense_tensors
 from ..distributed.agreement import fingerprint, raise_on_any_rank
+from ..distributed.shards import is_sharded, local_tensor, norm_power
 from ..errors import InputError, InputTypeError, TrainingError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..planning.schedules import check_training
 from ..runtime import weight_pass
 from ..runtime.cache import signature
 from ..runtime.checks import check_microbatches, check_model_inputs
+from .flat_reduce import all_reduce_flat
 
 __all__ = ["TrainStepState", "clip_grad_norm_", "train_step"]
 
-_BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of at most this size
 # Inputs a training step cannot take: caches and precomputed encoder outputs belong to generation.
 _NOT_FOR_TRAINING = ("past_key_values", "encoder_outputs", "cache_position", "use_cache", "logits_to_keep")
 
@@ -94,22 +94,25 @@ def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
 
 
 def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGroup | None:
-    """The process group of these pipeline ranks in every data-parallel replica (None: nothing to reduce)."""
-    ctx, pp, dp = model.ctx, model.plan.pp_size, model.dims.dp_size
-    ranks = tuple(sorted(d * pp + r for d in range(dp) for r in pp_ranks))
+    """The process group of these pipeline ranks in every data-parallel replica, at this rank's
+    tensor-parallel slot (None: nothing to reduce)."""
+    ctx, dims = model.ctx, model.dims
+    ranks = dims.ranks(pp_ranks, dims.tp_rank)
     if len(ranks) == 1 or not ctx.is_distributed:
         return None
     if len(ranks) == ctx.world_size:
         return ctx.group
     if len(pp_ranks) == 1:
-        return model.dims.dp_group  # one pipeline rank in every replica: the data-parallel group
-    if dp == 1 and len(pp_ranks) == pp:
-        return model.dims.pp_group or ctx.group
-    if ranks not in made:
-        # Collective over the world: every rank creates every group, in the same (sorted) order.
-        made[ranks] = dist.new_group(list(ranks))
-        if isinstance(made[ranks], dist.ProcessGroup):  # non-members get a placeholder
-            ctx.apply_timeout(made[ranks])
+        return dims.dp_group  # one pipeline rank in every replica: the data-parallel group
+    if dims.dp_size == 1 and len(pp_ranks) == dims.pp_size:
+        return dims.pp_group or ctx.group
+    # Collective over the world: every rank creates every slot's group, in the same (sorted) order.
+    for slot in range(dims.tp_size):
+        key = dims.ranks(pp_ranks, slot)
+        if key not in made:
+            made[key] = dist.new_group(list(key))
+            if isinstance(made[key], dist.ProcessGroup):  # non-members get a placeholder
+                ctx.apply_timeout(made[key])
     return made[ranks]
 
 
@@ -317,33 +320,14 @@ def _sync_gradients(state: TrainStepState) -> None:
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             entries.append((e, total))
         if group is not None:
-            _all_reduce_flat([t for _, t in entries], group)
+            # A tensor-parallel shard's gradient is reduced as the local tensor it is (same slot everywhere).
+            all_reduce_flat([local_tensor(t) for _, t in entries], group)
         for e, total in entries:
             for p in e.params:
                 if p.grad is None:
                     p.grad = total.clone()
                 elif p.grad is not total:
                     p.grad.copy_(total)
-
-
-def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """In-place sum over ``group``, in flat buckets (one collective per bucket, not per tensor)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        bucket: list[torch.Tensor] = []
-        size = 0
-        items = by_dtype[dtype]
-        for i, t in enumerate(items):
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-            if size >= _BUCKET_BYTES or i == len(items) - 1:
-                flat = flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=group)
-                for dst, src in zip(bucket, unflatten_dense_tensors(flat, bucket)):
-                    dst.copy_(src)
-                bucket, size = [], 0
 
 
 def _agreed_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
@@ -443,8 +427,12 @@ def train_step(
     for p, old in stash:
         p.grad = old if p.grad is None else old.add_(p.grad)
 
-    # The last stage's rank of each replica holds its share of the global mean; the rest add 0.
-    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros(())
+    # The last stage's rank of each replica holds its share of the global mean; the rest add 0 (and so
+    # do its tensor-parallel peers, which computed the same loss).
+    if losses and model.dims.tp_rank == 0:
+        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+    else:
+        total = torch.zeros((), device=model.device)
     total = total.to(model.device)
     if loss_scale != 1.0:
         total = total / loss_scale
@@ -477,29 +465,25 @@ def clip_grad_norm_(
     state = _train_state(model)
     norm_type = float(norm_type)
     grads = [p.grad for p in state.norm_params if p.grad is not None]
-    device = model.device
-    if grads:
-        local = torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float32)
-    else:
-        local = torch.zeros((), device=device)
+    local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.tp_group)
     group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
     inf = norm_type == float("inf")
     if group is not None and dist.get_world_size(group) > 1:
-        if inf:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-            total = local
-        else:
-            powered = local**norm_type
-            dist.all_reduce(powered, group=group)
-            total = powered ** (1.0 / norm_type)
-    else:
-        total = local
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    total = local if inf else local ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise TrainingError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); lower the learning "
             "rate or use bf16 autocast with care, or pass error_if_nonfinite=False"
         )
-    params = [p for p in state.params if p.grad is not None]
+    params = [p for p in state.params if p.grad is not None and not is_sharded(p.grad)]
     if params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    # Tensor-parallel shards are scaled as local tensors, by the coefficient clip_grads_with_norm_ uses:
+    # DTensor refuses a plain-tensor factor, and the norm is already the whole model's.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in state.params:
+        if p.grad is not None and is_sharded(p.grad):
+            p.grad.to_local().mul_(coef.to(p.grad.device))
     return total
+

@@ -185,6 +185,11 @@ def load_training_state(
         before = _save_id(directory)
         try:
             state = _trainer_state(directory)
+            if optimizer is not None and model.dims.tp_size > 1:
+                raise InputError(
+                    f"load_training_state(optimizer=...) is not supported with tp_size={model.dims.tp_size} yet "
+                    "(optimizer states are saved whole, the parameters here are shards); resume with tp_size=1"
+                )
             if optimizer is not None:
                 _load_optimizer(model, optimizer, directory)
             if scheduler is not None:

@@ -198,6 +198,24 @@ def test_floating_tensors_are_cast_on_the_way(llama):
     assert report.bytes_read == sum(sd[k].numel() * 4 for k in names)
 
 
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
+def test_tensor_parallel_parts_read_only_a_slice(llama, monkeypatch, target):
+    """A part along dim 0 is a byte range of the shard (only it is read); one along dim 1 is streamed
+    through the bounce buffer (made small here, so the rows span several chunks) keeping the slice."""
+    directory, sd = llama
+    monkeypatch.setattr(weights, "_CHUNK", 256)
+    names = [n for n in _layers(sd, 1) if n.endswith(("q_proj.weight", "down_proj.weight", "norm.weight"))]
+    parts = {n: ((1 if "down_proj" in n else 0), 1, 2) for n in names if not n.endswith("norm.weight")}
+    tensors, report = load_tensors(CheckpointIndex.from_directory(directory), _wanted(sd, names, target), parts=parts)
+    for name in names:
+        want = sd[name] if name not in parts else sd[name].chunk(2, parts[name][0])[1]
+        assert tensors[name].shape == want.shape, name
+        torch.testing.assert_close(tensors[name], want.to(target), rtol=0, atol=0, msg=name)
+    q = next(n for n in parts if "q_proj" in n)
+    full = sum(sd[n].numel() * 4 for n in names)
+    assert report.bytes_read == full - sd[q].numel() * 4 // 2  # half of q_proj never read
+
+
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float64])
 def test_casts_in_small_chunks(llama, monkeypatch, target):
     # A bounce buffer of 100 bytes: 25 fp32 elements a step, so every tensor takes many uneven steps.

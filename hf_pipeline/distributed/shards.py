@@ -1,0 +1,50 @@
+"""Tensor-parallel shards (torch ``DTensor``) seen from code written for plain tensors.
+
+A stage under tensor parallelism holds some parameters as ``DTensor`` shards (``parallelize_module``
+makes them); the gradient sync, the norm and the checkpoint writer work on the local shard or on
+the whole tensor gathered from the stage's tensor-parallel ranks.
+
+Example:
+    >>> [local_tensor(p.grad) for p in stage.parameters()]   # what this rank holds, plain tensors
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["full_tensor", "is_sharded", "local_tensor", "norm_power"]
+
+
+def is_sharded(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a tensor-parallel ``DTensor`` (a parameter or a gradient)."""
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` as a plain tensor sharing its storage (``t`` itself when plain)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered from the tensor-parallel ranks for a ``DTensor`` (collective over
+    them: every one of them must call it, in the same order), ``t`` itself when plain."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def norm_power(
+    grads: list[torch.Tensor], norm_type: float, *, device: torch.device, tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``||grads||_p ** p`` (the max for p = inf) of one pipeline rank's gradients, as float32 on ``device``:
+    the plain ones as they are, the shards' part summed (max) over the stage's tensor-parallel group
+    (collective over it when given), so that a replicated tensor counts once and a sharded one whole."""
+    inf = norm_type == float("inf")
+    parts = []
+    for group in ([g for g in grads if not is_sharded(g)], [g.to_local() for g in grads if is_sharded(g)]):
+        norm = torch.nn.utils.get_total_norm(group, norm_type).to(device, torch.float32) if group else None
+        parts.append(torch.zeros((), device=device) if norm is None else (norm if inf else norm**norm_type))
+    plain, sharded = parts
+    if tp_group is not None:
+        dist.all_reduce(sharded, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=tp_group)
+    return torch.maximum(plain, sharded) if inf else plain + sharded

@@ -1,0 +1,181 @@
+"""Tensor parallelism inside each stage: the sizes the user asked for, and the plan that shards a stage.
+
+Three ways to ask, as transformers' ``from_pretrained`` takes them: ``tp_size=``,
+``distributed_config=DistributedConfig(pp_size=..., tp_size=...)`` (transformers' own class) and
+``device_mesh=`` (a torch ``DeviceMesh`` with dims named ``"pp"``, ``"tp"`` and optionally ``"dp"``).
+:func:`parallel_request` turns any of them into one :class:`ParallelRequest`; :func:`tp_plan` gives
+the module patterns and styles (``"colwise"`` / ``"rowwise"``) that shard a stage, from the
+config's ``base_model_tp_plan`` (LLaMA, Mistral, Qwen2) or the caller's ``tp_plan``, after checking
+that ``tp_size`` divides the heads.
+
+Example:
+    >>> dc = DistributedConfig(pp_size=2, tp_size=2)
+    >>> req = parallel_request(tp_size=None, distributed_config=dc, device_mesh=None, world_size=4)
+    >>> req.tp_size, req.pp_size
+    (2, 2)
+    >>> tp_plan(llama_config, 2)[:1]
+    (('layers.*.mlp.down_proj', 'rowwise'),)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import InputError
+
+__all__ = ["TP_STYLES", "ParallelRequest", "parallel_request", "tp_plan"]
+
+# The styles of transformers' plans this version applies (torch's ColwiseParallel / RowwiseParallel).
+TP_STYLES = ("colwise", "rowwise")
+
+# DistributedConfig fields this version cannot honour, with what a value other than the default asks for.
+_UNSUPPORTED = {
+    "fsdp_size": "FSDP inside stages", "fsdp_plan": "FSDP inside stages", "fsdp_cpu_offload": "FSDP inside stages",
+    "fsdp_mixed_precision": "FSDP inside stages", "enable_sequence_parallel": "sequence parallelism",
+    "enable_expert_parallel": "expert parallelism", "ep_size": "expert parallelism", "ep_plan": "expert parallelism",
+}
+_MESH_DIMS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelRequest:
+    """What the caller asked for: tensor-parallel ranks per stage, ranks per pipeline (None: from
+    ``num_stages``), pipeline replicas (None: whatever the world leaves) and a plan override.
+
+    Attributes:
+        tp_size: tensor-parallel ranks per stage (1: none).
+        pp_size: pipeline ranks, or None to take them from ``num_stages`` / the world size.
+        dp_size: pipeline replicas the caller named (``dp_replicate_size``, a mesh's ``"dp"``), else None.
+        plan: ``(module pattern, style)`` pairs replacing the config's plan, or None.
+    """
+
+    tp_size: int = 1
+    pp_size: int | None = None
+    dp_size: int | None = None
+    plan: tuple[tuple[str, str], ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "dp_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _from_distributed_config(dc: Any) -> ParallelRequest:
+    """transformers' ``DistributedConfig`` as a request; fields this version lacks are refused by name."""
+    defaults = {f.name: f.default for f in fields(dc)}
+    for name, what in _UNSUPPORTED.items():
+        value = getattr(dc, name, None)
+        unset = value is None or value == defaults.get(name) or (name.endswith("_size") and value == 1)
+        if name in defaults and not unset:
+            raise InputError(
+                f"distributed_config.{name}={value!r} asks for {what}, which pipeline=True does not do yet; "
+                f"leave {name} unset (pipeline replicas come from world size / (pp_size x tp_size))"
+            )
+    plan = dc.tp_plan
+    if plan is not None and plan != "auto" and not isinstance(plan, dict):
+        raise InputError(f"distributed_config.tp_plan must be 'auto', None or a dict of module -> style, got {plan!r}")
+    # Its __post_init__ turns unset sizes into 1: a 1 says nothing here, so the pipeline depth comes from
+    # num_stages (default world / tp_size) and the replicas from what the world leaves, as with tp_size=.
+    return ParallelRequest(
+        tp_size=dc.tp_size or 1, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
+        dp_size=dc.dp_replicate_size if (dc.dp_replicate_size or 1) > 1 else None,
+        plan=tuple(plan.items()) if isinstance(plan, dict) else None,
+    )
+
+
+def _from_mesh(mesh: Any, world_size: int) -> ParallelRequest:
+    """A torch ``DeviceMesh`` with named dims as a request; its layout must be the one the package builds."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not names or set(names) - set(_MESH_DIMS) or len(set(names)) != len(names) or "pp" not in names:
+        raise InputError(
+            f"device_mesh must have named dims among {list(_MESH_DIMS)} including 'pp' (e.g. init_device_mesh('cpu', "
+            f"(2, 2), mesh_dim_names=('pp', 'tp'))), got mesh_dim_names={names or None}"
+        )
+    sizes = dict(zip(names, mesh.mesh.shape))
+    if mesh.mesh.numel() != world_size:
+        raise InputError(f"device_mesh has {mesh.mesh.numel()} ranks {sizes}, but the world size is {world_size}")
+    order = [n for n in _MESH_DIMS if n in names]
+    if list(names) != order or mesh.mesh.flatten().tolist() != list(range(world_size)):
+        raise InputError(
+            f"device_mesh dims must be in the order {order} over ranks 0..{world_size - 1} in order (tensor "
+            f"parallelism innermost), got mesh_dim_names={names} over ranks {mesh.mesh.flatten().tolist()}"
+        )
+    return ParallelRequest(tp_size=sizes.get("tp", 1), pp_size=sizes["pp"], dp_size=sizes.get("dp"))
+
+
+def parallel_request(
+    *, tp_size: int | None, distributed_config: Any, device_mesh: Any, world_size: int | None
+) -> ParallelRequest:
+    """One :class:`ParallelRequest` from ``from_pretrained``'s ``tp_size``, ``distributed_config`` and ``device_mesh``.
+
+    Raises:
+        InputError: more than one of them given, a field this version does not support, a mesh of
+            other dims or layout, naming the argument.
+    """
+    given = [n for n, v in (("tp_size", tp_size), ("distributed_config", distributed_config),
+                            ("device_mesh", device_mesh)) if v is not None]
+    if len(given) > 1:
+        raise InputError(f"pass one of tp_size, distributed_config and device_mesh, not {' and '.join(given)}")
+    if distributed_config is not None:
+        from transformers.distributed import DistributedConfig
+
+        if not isinstance(distributed_config, DistributedConfig):
+            raise InputError(
+                f"distributed_config must be a transformers.distributed.DistributedConfig, got "
+                f"{type(distributed_config).__name__}"
+            )
+        return _from_distributed_config(distributed_config)
+    if device_mesh is not None:
+        return _from_mesh(device_mesh, world_size or 1)
+    return ParallelRequest(tp_size=1 if tp_size is None else tp_size)
+
+
+def _check_divides(config, tp_size: int) -> None:
+    """``tp_size`` must divide every dimension a plan shards, named by its config field."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value % tp_size:
+            raise InputError(
+                f"tp_size={tp_size} does not divide config.{name}={value}: each tensor-parallel rank holds an equal "
+                f"share; choose a tp_size that divides it"
+            )
+
+
+def tp_plan(config, tp_size: int, *, override=None, traced: bool = False) -> tuple[tuple[str, str], ...]:
+    """``(module pattern, style)`` pairs sharding a stage over ``tp_size`` ranks (empty for 1).
+
+    Patterns are module names, ``*`` standing for one block index, matched against the end of a
+    stage's module names (``"layers.*.mlp.up_proj"`` matches ``model.layers.3.mlp.up_proj``), as the
+    config's ``base_model_tp_plan`` names modules of the base model.
+
+    Args:
+        config: the transformers config.
+        tp_size: tensor-parallel ranks per stage.
+        override: the caller's plan (``DistributedConfig.tp_plan`` as pairs), else the config's.
+        traced: the stages come from the tracer, which has no module names to shard.
+
+    Raises:
+        InputError: no plan for the family, a style this version does not apply, or ``tp_size``
+            not dividing the heads / kv heads / MLP width (naming the config field).
+    """
+    if tp_size == 1:
+        return ()
+    family = getattr(config, "model_type", type(config).__name__)
+    plan = dict(override) if override else None
+    if plan is None:
+        base = getattr(config, "base_model_tp_plan", None)
+        if traced or not base:
+            raise InputError(
+                f"tp_size={tp_size}: the {family} family has no tensor-parallel plan (transformers' "
+                f"base_model_tp_plan is empty and no recipe carries one); load it with tp_size=1, or pass "
+                f"distributed_config=DistributedConfig(tp_size=..., tp_plan={{module: 'colwise' | 'rowwise'}})"
+            )
+        plan = dict(base)
+    bad = {k: v for k, v in plan.items() if v not in TP_STYLES}
+    if bad:
+        raise InputError(f"tp_plan styles {bad} are not supported with pipeline=True; use one of {list(TP_STYLES)}")
+    _check_divides(config, tp_size)
+    return tuple(sorted(plan.items()))
