@@ -108,7 +108,10 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
     # the state is found by name whatever the stage layout was.
     files = sorted((directory / OPTIMIZER_DIR).glob("pp-*.pt"))
     if not files:
-        raise CheckpointNotFoundError(f"{directory / OPTIMIZER_DIR} holds no optimizer state (saved with save_only_model?)")
+        raise CheckpointNotFoundError(
+            f"{directory / OPTIMIZER_DIR} holds no optimizer state: the checkpoint was saved with save_only_model, "
+            "resume from one saved without it"
+        )
     saved: dict[str, Any] = {}
     listed: set[str] = set()
     own = directory / OPTIMIZER_DIR / optimizer_file_name(model.dims.pp_rank)

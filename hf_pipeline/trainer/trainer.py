@@ -297,12 +297,11 @@ class PipelineTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
+        state = {"optimizer": self.optimizer, "scheduler": self.lr_scheduler}
         if self.adapter_model is not None:
-            load_adapter_training_state(self.pipelined, checkpoint, optimizer=self.optimizer, scheduler=self.lr_scheduler)
+            load_adapter_training_state(self.pipelined, checkpoint, **state)
         else:
-            load_training_state(
-                self.pipelined, checkpoint, optimizer=self.optimizer, scheduler=self.lr_scheduler, rng=False
-            )
+            load_training_state(self.pipelined, checkpoint, rng=False, **state)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is not None:

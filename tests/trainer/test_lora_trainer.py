@@ -148,3 +148,17 @@ def test_lora_trainer_on_one_process_equals_peft_trainer(llama_path, tmp_path):
 def test_lora_trainer_equals_peft_trainer(llama_path, tmp_path, world, num_stages, dp):
     results = run_distributed(_train_rank, world, llama_path, str(tmp_path / "runs"), num_stages, timeout=600)
     _check(results, llama_path, tmp_path / "runs", dp, num_stages)
+
+
+def test_resuming_from_a_directory_without_an_adapter_is_refused_by_name(llama_path, tmp_path):
+    import hf_pipeline
+    from hf_pipeline.errors import CheckpointNotFoundError
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(llama_path, pipeline=True, n_microbatches=2)
+    lora = peft.get_peft_model(model, _lora())
+    trainer = hf_pipeline.PipelineTrainer(model=lora, args=_args(tmp_path / "run", BATCH, max_steps=2), **_kwargs())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="adapter_model.safetensors does not exist"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "empty"))
+    trainer.train()  # still usable
+    assert trainer.state.global_step == 2
