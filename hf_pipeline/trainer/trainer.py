@@ -283,12 +283,12 @@ class PipelineTrainerMixin:
                 self.state.stateful_callbacks[name] = state
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        self._reload(resume_from_checkpoint)
+        self._reload_model(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
-        self._reload(self.state.best_model_checkpoint)
+        self._reload_model(self.state.best_model_checkpoint)
 
-    def _reload(self, directory: str) -> None:
+    def _reload_model(self, directory: str) -> None:
         if self.adapter_model is not None:
             reload_adapter(self.adapter_model, self.pipelined, directory)
         else:
