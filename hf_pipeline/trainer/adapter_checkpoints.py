@@ -14,7 +14,8 @@ package's data-only formats:
 * ``trainer_state.json``, written by the trainer once every rank has written its files.
 
 Resuming loads the adapter into the stages (``PeftModel.load_adapter``: each rank keeps the keys of
-its own stages), then the optimizer and scheduler from these files.
+its own stages), then the optimizer and scheduler from these files. A checkpoint without
+``trainer_state.json`` is one whose save did not finish, and is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..training.checkpoint_format import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME
+from ..training.checkpoint_format import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..training.durable import save_torch
 from ..training.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
 from ..training.training_state import optimizer_file_name, optimizer_state_by_key, rng_file_name
@@ -79,6 +80,11 @@ def reload_adapter(peft_model, model, directory: str | os.PathLike) -> None:
             raise CheckpointNotFoundError(
                 f"{path} does not exist: resume_from_checkpoint= must name a checkpoint the Trainer wrote for this "
                 "PEFT model (adapter_config.json and adapter_model.safetensors)"
+            )
+        if not (path.parent / TRAINER_STATE_NAME).is_file():  # written last, once every rank's files are there
+            raise CheckpointNotFoundError(
+                f"{path.parent} has no {TRAINER_STATE_NAME}: the save of this checkpoint did not finish; resume from "
+                "an earlier checkpoint (or remove this one and pass resume_from_checkpoint=True)"
             )
     with collective_errors(model.ctx, "loading the adapter checkpoint"):
         active = peft_model.active_adapters[0]

@@ -162,3 +162,20 @@ def test_resuming_from_a_directory_without_an_adapter_is_refused_by_name(llama_p
         trainer.train(resume_from_checkpoint=str(tmp_path / "empty"))
     trainer.train()  # still usable
     assert trainer.state.global_step == 2
+
+
+def test_resuming_from_an_unfinished_adapter_checkpoint_is_refused(llama_path, tmp_path):
+    """A checkpoint whose trainer_state.json (written last) is missing was cut short: refused, not resumed at step 0."""
+    import hf_pipeline
+    from hf_pipeline.errors import CheckpointNotFoundError
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(llama_path, pipeline=True, n_microbatches=2)
+    lora = peft.get_peft_model(model, _lora())
+    trainer = hf_pipeline.PipelineTrainer(
+        model=lora, args=_args(tmp_path / "run", BATCH, max_steps=2, eval_strategy="no"), **_kwargs())
+    trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "optimizer" / "pp-00000.pt").is_file()
+    (checkpoint / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="save of this checkpoint did not finish"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
