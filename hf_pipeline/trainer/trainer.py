@@ -17,7 +17,7 @@ stages live on several ranks:
   gathered across ranks.
 * **Checkpoints.** Written by every rank (:mod:`.checkpoints`) and read back as data only. A PEFT
   model wrapping the pipelined one (``get_peft_model(model, LoraConfig(...))``) is checkpointed as
-  transformers checkpoints one: its adapter in PEFT's format plus the training state
+  transformers' Trainer checkpoints one: its adapter in PEFT's format plus the training state
   (:mod:`.adapter_checkpoints`).
 
 Every rank runs the same loop on the same batches, so every rank's ``TrainerState`` (global step,
