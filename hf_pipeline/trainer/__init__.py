@@ -9,6 +9,7 @@ Lives here:
 * :mod:`.data`: data loaders that give every rank of the job the same global batch (each
   data-parallel replica takes its rows inside ``train_step``), and the item count of a step.
 * :mod:`.checkpoints`: Trainer checkpoints in the package's data-only format, and resuming from them.
+* :mod:`.adapter_checkpoints`: the same for a PEFT model wrapping a pipelined one (adapter + training state).
 
 May import: every room below it (``errors`` up to ``auto``); transformers' Trainer.
 """

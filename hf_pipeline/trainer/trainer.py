@@ -15,7 +15,10 @@ stages live on several ranks:
   ``compat.ACCELERATE_PREPARED_FLAG``), and the model is never moved: its stages are placed.
 * **Evaluation.** The pipelined forward gives every rank the whole batch's outputs, so nothing is
   gathered across ranks.
-* **Checkpoints.** Written by every rank (:mod:`.checkpoints`) and read back as data only.
+* **Checkpoints.** Written by every rank (:mod:`.checkpoints`) and read back as data only. A PEFT
+  model wrapping the pipelined one (``get_peft_model(model, LoraConfig(...))``) is checkpointed as
+  transformers' Trainer checkpoints one: its adapter in PEFT's format plus the training state
+  (:mod:`.adapter_checkpoints`).
 
 Every rank runs the same loop on the same batches, so every rank's ``TrainerState`` (global step,
 log history) is the same.
@@ -44,6 +47,7 @@ from ..errors import UsageError
 from ..families.losses import get_loss
 from ..training.checkpoint_format import TRAINER_STATE_NAME
 from ..training.training_state import load_training_state
+from .adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
 from .checkpoints import reload_weights, restore_rng
 from .data import count_items, single_process_loader
 from .refusals import check_arguments, check_model, pipelined_model_of
@@ -74,6 +78,8 @@ class PipelineTrainerMixin:
         check_model(model, given.get("model_init"))
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         self.pipelined = pipelined_model_of(model)
+        # A PEFT model wrapping the pipelined one: its checkpoints are the adapter and the training state.
+        self.adapter_model = model if model is not self.pipelined else None
         check_arguments(args, self.pipelined, compute_loss_func=given.get("compute_loss_func"))
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
         super().__init__(model, args, **given)
@@ -226,8 +232,13 @@ class PipelineTrainerMixin:
     # Checkpoints: written by every rank, read back as data
     # ----------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the model as a transformers checkpoint. Collective: every rank calls it."""
-        self.pipelined.save_pretrained(output_dir or self.args.output_dir, tokenizer=self.processing_class)
+        """Save the model as a transformers checkpoint (a PEFT model: its adapter, in PEFT's format). Collective:
+        every rank calls it."""
+        output_dir = output_dir or self.args.output_dir
+        if self.adapter_model is not None:
+            save_adapter_checkpoint(self.adapter_model, self.pipelined, output_dir, tokenizer=self.processing_class)
+            return
+        self.pipelined.save_pretrained(output_dir, tokenizer=self.processing_class)
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.hp_search_backend is None and trial is None:
@@ -235,11 +246,18 @@ class PipelineTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         with_state = not self.args.save_only_model
-        self.pipelined.save_pretrained(
-            output_dir, optimizer=self.optimizer if with_state else None,
-            scheduler=self.lr_scheduler if with_state else None, step=self.state.global_step,
-            tokenizer=self.processing_class,
-        )
+        optimizer, scheduler = (self.optimizer, self.lr_scheduler) if with_state else (None, None)
+        if self.adapter_model is not None:
+            save_adapter_checkpoint(
+                self.adapter_model, self.pipelined, output_dir, optimizer=optimizer, scheduler=scheduler,
+                tokenizer=self.processing_class,
+            )
+            self.pipelined.ctx.barrier()  # every rank's files are written before trainer_state.json
+        else:
+            self.pipelined.save_pretrained(
+                output_dir, optimizer=optimizer, scheduler=scheduler, step=self.state.global_step,
+                tokenizer=self.processing_class,
+            )
         best = self.state.best_global_step
         if best and os.path.exists(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
             self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
@@ -265,16 +283,25 @@ class PipelineTrainerMixin:
                 self.state.stateful_callbacks[name] = state
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        reload_weights(self.pipelined, resume_from_checkpoint)
+        self._reload_model(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
-        reload_weights(self.pipelined, self.state.best_model_checkpoint)
+        self._reload_model(self.state.best_model_checkpoint)
+
+    def _reload_model(self, directory: str) -> None:
+        if self.adapter_model is not None:
+            reload_adapter(self.adapter_model, self.pipelined, directory)
+        else:
+            reload_weights(self.pipelined, directory)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is not None:
-            load_training_state(
-                self.pipelined, checkpoint, optimizer=self.optimizer, scheduler=self.lr_scheduler, rng=False
-            )
+        if checkpoint is None:
+            return
+        state = {"optimizer": self.optimizer, "scheduler": self.lr_scheduler}
+        if self.adapter_model is not None:
+            load_adapter_training_state(self.pipelined, checkpoint, **state)
+        else:
+            load_training_state(self.pipelined, checkpoint, rng=False, **state)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is not None:

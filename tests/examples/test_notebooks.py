@@ -21,8 +21,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 240  # one cell; the launch cells are the long ones (seconds at tiny size)
 
 
-def test_there_are_four_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04"]
+def test_there_are_five_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
 
 
 def _outputs(nb, kind: str) -> list:
@@ -80,3 +80,19 @@ def test_saved_outputs_are_a_full_run_of_the_bundled_models(stem):
         # not just frequent words
         assert len(tops) == 4 and all(t.split("'")[1].strip() not in ("the", ",", ".") for t in tops), tops
         assert any(w in tops[0] for w in ("name", "size", "path", "contents", "length", "mode")), tops[0]
+
+
+def test_saved_outputs_of_the_lora_notebook_are_a_full_run_that_learns():
+    """05's stored outputs: every step's loss of a full-size run, falling, equal to transformers.Trainer + peft."""
+    import re
+
+    path = ROOT / "notebooks" / "05_finetune_lora.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    steps = int(re.search(r"STEPS = \d+ if TINY else (\d+)", nb.cells[1].source).group(1))
+    text = _saved_text(path)
+    losses = [float(v) for v in re.search(r"^loss: (.*)$", text, re.M).group(1).split()]
+    assert len(losses) == steps, "saved from a NOTEBOOK_TINY run; execute the notebook at full size and save it"
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses  # the adapter learned the text
+    worst = float(re.search(r"largest difference from transformers.Trainer \+ peft: (\S+)", text).group(1))
+    assert worst < 1e-4
+    assert any("image/png" in o.get("data", {}) for o in _outputs(nb, "display_data")), "the loss curve is shown"
