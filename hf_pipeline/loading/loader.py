@@ -285,12 +285,11 @@ def load_pipeline(
     dims = _build_dims(ctx, maker, options)
     planned_at = time.perf_counter()
 
-    local = maker.plan.stages_for_rank(dims.pp_rank)
     rng_state = agreed_rng_state(ctx)  # weights missing from the checkpoint are drawn from it, as transformers does
     with collective_errors(ctx, "loading weights", describe=_stage_roles(maker.plan, dims)):
         stages, report, read_at = _load_stages(
-            maker, ckpt, local, ctx=ctx, options=options, rng_state=rng_state, progress=progress, started=planned_at,
-            tp_mesh=dims.tp_mesh)
+            maker, ckpt, maker.plan.stages_for_rank(dims.pp_rank), ctx=ctx, options=options, rng_state=rng_state,
+            progress=progress, started=planned_at, tp_mesh=dims.tp_mesh)
     # Where a load's wall time goes, for the benchmark's load-vs-read comparison (this rank's clock).
     report.seconds = {
         "config, options, agreement": agreed_at - started, "plan, dims": planned_at - agreed_at, **report.seconds,
