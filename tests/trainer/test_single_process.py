@@ -55,6 +55,18 @@ def test_refused_at_construction_naming_the_argument(llama_path, tmp_path, overr
     trainer.train()
 
 
+def test_a_tensor_parallel_model_is_refused_naming_tp_size(tmp_path):
+    # The refusal reads the model's mesh; a stand-in with the attributes the table reads keeps this in-process.
+    from types import SimpleNamespace
+
+    from hf_pipeline.trainer.refusals import check_arguments
+
+    model = SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=2))
+    with pytest.raises(UsageError, match="tensor parallelism.*tp_size=2"):
+        check_arguments(_args(tmp_path, 4), model)
+    check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=1)))
+
+
 def test_an_unpipelined_model_is_refused(llama_path, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_path)
     with pytest.raises(UsageError, match="PipelineTrainer trains a pipelined model.*LlamaForCausalLM"):
