@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"generation"},
     {"training"},
     {"tools"},
+    {"serving"},
     {"model"},
     {"auto"},
     {"__init__"},
