@@ -117,7 +117,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake: queue.Queue[None] = queue.Queue()
         self._ids = itertools.count()
-        self._rounds = itertools.count()
+        self.rounds = 0  # rounds run (generate calls), counted alike on every rank
         self._rng = random.Random()
         self.draining = False
         self.stopped = False
@@ -183,7 +183,7 @@ class Engine:
                 pass
             return {"op": "idle"}
         self.running = batch
-        return {"op": "round", "plan": RoundPlan.of(next(self._rounds), batch, self._rng).to_json()}
+        return {"op": "round", "plan": RoundPlan.of(self.rounds, batch, self._rng).to_json()}
 
     def step(self) -> bool:
         """One round on every rank (collective). Returns False once the engine has stopped."""
@@ -195,6 +195,7 @@ class Engine:
             self.stopped = True
             raise UsageError(msg["message"])
         if msg["op"] == "round":
+            self.rounds += 1
             self._run_round(RoundPlan(**msg["plan"]))
         return True
 
@@ -245,13 +246,14 @@ class Engine:
                                       **self._generate_kwargs(plan))
         except PipelineError as e:
             # Every rank raised the same error (generate agrees on its inputs first): fail the batch, serve on.
+            out = None
             for h in self.running:
                 h.fail(str(e))
-            return
         finally:
             if channel is not None:
                 channel.close()
-        for w, row in zip(writers, out[:, width:].tolist()):
-            w.finish(row, self.pad)
-        self.running = []
+            self.running = []
+        if out is not None:
+            for w, row in zip(writers, out[:, width:].tolist()):
+                w.finish(row, self.pad)
 
