@@ -206,21 +206,39 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
     return app
 
 
-def _start_http(app, host: str, port: int) -> tuple[Any, threading.Thread, str | None]:
+def _listen(host: str, port: int) -> tuple[Any, str | None]:
+    """A listening socket on ``host:port`` (ours, so a taken port is an error we word, not uvicorn's exit)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        return None, f"cannot listen on {host}:{port} ({e.strerror or e}); pass a free --port or another --host"
+    return sock, None
+
+
+def _start_http(app, host: str, port: int) -> tuple[Any, threading.Thread | None, str | None]:
     """uvicorn in a thread (it leaves signals to the main thread); the server, its thread, and an
-    error message when it could not listen."""
+    error message when it could not start."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, name="hf-pipeline-http", daemon=True)
+    sock, failed = _listen(host, port)
+    if failed:
+        return None, None, failed
+    # log_config=None: uvicorn leaves the process's logging configuration alone.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hf-pipeline-http", daemon=True)
     thread.start()
     end = time.monotonic() + _STARTUP_S
     while not server.started and thread.is_alive() and time.monotonic() < end:
         time.sleep(0.05)
     if not server.started:
         server.should_exit = True
-        return server, thread, f"cannot listen on {host}:{port} (in use, or not an address of this machine)"
+        return server, thread, f"the HTTP server did not start on {host}:{port} in {_STARTUP_S:g} s"
     return server, thread, None
 
 

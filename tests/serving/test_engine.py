@@ -184,3 +184,17 @@ def test_a_request_past_its_timeout_is_cancelled_with_504(bundled):
     r = client.post("/v1/completions", json={"model": "m", "prompt": "Return the", "max_tokens": 4})
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
     assert engine.queued == 0  # cancelled: no round will run it
+
+
+def test_serve_on_a_taken_port_is_one_line_exit_2(capsys):
+    import socket
+
+    from hf_pipeline import cli
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code = cli.main(["serve", "--port", str(busy.getsockname()[1])])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on 127.0.0.1" in err and "--port" in err and "Traceback" not in err, err
