@@ -198,3 +198,24 @@ def test_serve_on_a_taken_port_is_one_line_exit_2(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "cannot listen on 127.0.0.1" in err and "--port" in err and "Traceback" not in err, err
+
+
+def test_a_client_that_leaves_cancels_its_request(bundled):
+    import asyncio
+
+    from hf_pipeline.serving.server import _Api
+
+    tok, model, _ = bundled
+    engine = Engine(model, tok)  # no rounds run: the request waits in the queue until the client leaves
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    handle = engine.submit(CompletionRequest(prompt_ids=[1, 5], max_new_tokens=4))
+
+    async def read():
+        return [x async for x in _Api(engine, tok, "m", 60).events(Gone(), [handle], 1)]
+
+    assert asyncio.run(read()) == []
+    assert handle.cancelled and engine.queued == 0
