@@ -15,9 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -27,7 +27,7 @@ from ..compat import default_store
 
 __all__ = ["TokenChannel", "broadcast_json"]
 
-_POLL_S = 0.002  # how often rank 0's reader looks for the next step's tokens
+_WAIT = datetime.timedelta(milliseconds=100)  # how often rank 0's reader looks whether the round is over
 
 
 def _tensor_device(ctx) -> torch.device:
@@ -88,7 +88,8 @@ class TokenChannel:
         self.step += 1
 
     def end(self) -> None:
-        pass
+        if self.ctx.rank != 0:
+            self._store.set(self._key(self.step), "null")  # the round is over: rank 0's reader stops at once
 
     # -------------------------------------------------------------- rank 0
     def start_reader(self) -> None:
@@ -101,18 +102,24 @@ class TokenChannel:
         step = 0
         while True:
             key = self._key(step)
-            if not self._store.check([key]):
-                if self._stop.is_set():
+            try:
+                # Blocks in the store's client, without the GIL: polling from Python would take the GIL
+                # from this process's main thread, which is running the ring meanwhile.
+                self._store.wait([key], _WAIT)
+            except dist.DistStoreError:  # not there yet: the wait timed out
+                if self._stop.is_set() and not self._store.check([key]):
                     return  # closed once generate returned: every step was written before it did
-                time.sleep(_POLL_S)
                 continue
             tokens = json.loads(self._store.get(key))
             self._store.delete_key(key)
+            if tokens is None:
+                return
             self.deliver(step, tokens)
             step += 1
 
     def close(self) -> None:
-        """Stop the reader once it has read every step written (call it after ``generate`` returned)."""
+        """Stop the reader once it has read every step written (call it after ``generate`` returned; the
+        end mark normally stopped it already, a failed round's missing mark costs one wait)."""
         self._stop.set()
         if self._reader is not None:
             self._reader.join()

@@ -10,8 +10,11 @@ timeout. :meth:`Engine.drain` refuses new requests, serves the queued ones and t
 
 Example (every rank; ``torchrun --nproc_per_node 2 script.py``):
     >>> engine = Engine(model, tok)
+    >>> def client():                                  # rank 0, any thread
+    ...     print(engine.submit(CompletionRequest(prompt_ids=ids, max_new_tokens=16)).result())
+    ...     engine.drain()                             # serve what is queued, then stop every rank
     >>> if model.ctx.rank == 0:
-    ...     threading.Thread(target=lambda: print(engine.submit(req).result()) or engine.drain()).start()
+    ...     threading.Thread(target=client).start()
     >>> engine.serve_forever()
 """
 
@@ -21,6 +24,7 @@ import itertools
 import queue
 import random
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -28,11 +32,14 @@ import torch
 
 from ..errors import PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
+from ..log import get_logger
 from .channel import TokenChannel, broadcast_json
 from .handles import Choice, CompletionRequest, Handle
 from .scheduler import RoundPlan, StaticBatcher
 
 __all__ = ["Engine"]
+
+log = get_logger(__name__)
 
 
 def _eos_ids(model) -> set[int]:
@@ -81,7 +88,7 @@ class _ChoiceWriter:
             return len(text)  # an incomplete multi-byte character: wait for the next token
         return max((k for s in self.handle.request.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
-    def finish(self, row: list[int], pad: int | None) -> None:
+    def finish(self, row: list[int]) -> None:
         """The round is over: take what the stream missed from the final ``row`` and end the choice."""
         self.add(row[self.seen:])
 
@@ -196,7 +203,11 @@ class Engine:
             raise UsageError(msg["message"])
         if msg["op"] == "round":
             self.rounds += 1
-            self._run_round(RoundPlan(**msg["plan"]))
+            start = time.perf_counter()
+            plan = RoundPlan(**msg["plan"])
+            self._run_round(plan)
+            log.debug("round %d: %d rows, %d new tokens at most, %.3f s", plan.round_id, len(plan.rows),
+                      plan.max_new_tokens, time.perf_counter() - start)
         return True
 
     def serve_forever(self) -> None:
@@ -255,5 +266,5 @@ class Engine:
             self.running = []
         if out is not None:
             for w, row in zip(writers, out[:, width:].tolist()):
-                w.finish(row, self.pad)
+                w.finish(row)
 

@@ -177,7 +177,7 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "draining" if engine.draining else "ok", "queued": engine.queued,
-                "running": len(engine.running), "world_size": engine.ctx.world_size}
+                "running": len(engine.running), "rounds": engine.rounds, "world_size": engine.ctx.world_size}
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
