@@ -249,7 +249,8 @@ class Engine:
                     w.add([t])
 
         # Replicas (dp > 1) each choose their own rows' tokens: no per-step stream, the final ids only.
-        channel = TokenChannel(self.ctx, plan.round_id, deliver) if self.model.dims.dp_size == 1 else None
+        streams = plan.stream and self.model.dims.dp_size == 1
+        channel = TokenChannel(self.ctx, plan.round_id, deliver) if streams else None
         if channel is not None:
             channel.start_reader()
         try:

@@ -32,6 +32,8 @@ class CompletionRequest:
         seed: sampling seed; a seeded request runs in a generate call of its own, so its tokens
             depend on its seed alone, not on the requests it was queued with.
         n: choices to generate for the prompt (sampling only: greedy choices would be equal).
+        stream: hand tokens over as they are chosen; False: at the end of the round (a round with no
+            streamed request skips the per-step hand-over from the last stage, which costs it time).
     """
 
     prompt_ids: Sequence[int]
@@ -42,6 +44,7 @@ class CompletionRequest:
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
     n: int = 1
+    stream: bool = True
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]

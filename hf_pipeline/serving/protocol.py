@@ -103,7 +103,7 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
 
 
 def _build(prompts: list[list[int]], common: dict[str, Any]) -> ParsedRequest:
-    requests = [CompletionRequest(prompt_ids=p, **common["options"]) for p in prompts]
+    requests = [CompletionRequest(prompt_ids=p, stream=common["stream"], **common["options"]) for p in prompts]
     return ParsedRequest(requests=requests, stream=common["stream"], include_usage=common["include_usage"],
                          prompt_tokens=sum(len(p) for p in prompts))
 

@@ -98,6 +98,7 @@ class RoundPlan:
         temperature / top_p: 0 for greedy; the batch's sampling parameters.
         stop / stop_token_ids: the batch's stop strings and extra stop ids.
         seed: the call's seed (the request's own, or drawn on rank 0 for unseeded sampling).
+        stream: whether some request of the round streams (tokens then come back every step).
     """
 
     round_id: int
@@ -108,6 +109,7 @@ class RoundPlan:
     stop: list[str]
     stop_token_ids: list[int]
     seed: int | None
+    stream: bool = True
 
     @classmethod
     def of(cls, round_id: int, handles: list[Handle], rng: random.Random) -> RoundPlan:
@@ -117,6 +119,7 @@ class RoundPlan:
             round_id=round_id, rows=[list(h.request.prompt_ids) for h in handles for _ in range(h.request.n)],
             max_new_tokens=max(h.request.max_new_tokens for h in handles), temperature=first.temperature,
             top_p=first.top_p, stop=list(first.stop), stop_token_ids=list(first.stop_token_ids), seed=seed,
+            stream=any(h.request.stream for h in handles),
         )
 
     def to_json(self) -> dict[str, Any]:
