@@ -136,8 +136,7 @@ def test_refusals_name_the_field(bundled):
 
 
 def test_the_app_refuses_bad_bodies_with_400_and_serves_the_next(bundled):
-    from fastapi.testclient import TestClient
-
+    TestClient = pytest.importorskip("fastapi.testclient").TestClient
     from hf_pipeline.serving.server import build_app
 
     tok, model, ref = bundled
@@ -174,8 +173,7 @@ def test_the_app_refuses_bad_bodies_with_400_and_serves_the_next(bundled):
 
 
 def test_a_request_past_its_timeout_is_cancelled_with_504(bundled):
-    from fastapi.testclient import TestClient
-
+    TestClient = pytest.importorskip("fastapi.testclient").TestClient
     from hf_pipeline.serving.server import build_app
 
     tok, model, _ = bundled
@@ -189,6 +187,7 @@ def test_a_request_past_its_timeout_is_cancelled_with_504(bundled):
 def test_serve_on_a_taken_port_is_one_line_exit_2(capsys):
     import socket
 
+    pytest.importorskip("uvicorn")
     from hf_pipeline import cli
 
     with socket.socket() as busy:
@@ -203,6 +202,7 @@ def test_serve_on_a_taken_port_is_one_line_exit_2(capsys):
 def test_a_client_that_leaves_cancels_its_request(bundled):
     import asyncio
 
+    pytest.importorskip("fastapi")
     from hf_pipeline.serving.server import _Api
 
     tok, model, _ = bundled
