@@ -29,6 +29,8 @@ __all__ = [
     "RankError",
     "RecipeError",
     "ScheduleError",
+    "ServerBusy",
+    "ServingRequestError",
     "TraceError",
     "TrainingError",
     "UsageError",
@@ -120,6 +122,24 @@ class UsageError(PipelineError, RuntimeError):
 
 class TrainingError(PipelineError, RuntimeError):
     """A training step produced something it cannot go on from (a non-finite gradient norm)."""
+
+
+class ServingRequestError(InputError):
+    """A request to the serving engine or its HTTP API that cannot be served as asked (``param``: the
+    request field to change, as OpenAI's error objects name it)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ServerBusy(PipelineError, RuntimeError):
+    """The serving engine cannot take a request now: its queue is full (retry later) or it is draining
+    to stop (``draining``)."""
+
+    def __init__(self, message: str, *, draining: bool = False):
+        super().__init__(message)
+        self.draining = draining
 
 
 class InternalError(PipelineError, RuntimeError):

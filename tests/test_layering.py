@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"training"},
     {"adapters"},
     {"tools"},
+    {"serving"},
     {"model"},
     {"auto"},
     {"trainer"},

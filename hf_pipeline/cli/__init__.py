@@ -3,12 +3,13 @@
     hf-pipeline plan PATH --stages 4 --dtype bf16 --batch 8 --seq 2048
     hf-pipeline generate --num-processes 2 "The function returns"
     hf-pipeline train --num-processes 2 --data notes.txt --output-dir my-model --steps 200
+    hf-pipeline serve PATH --num-processes 2 --port 8000   # OpenAI-compatible HTTP API
     hf-pipeline convert PATH OUT --stages 4          # one safetensors file per stage
     hf-pipeline convert OUT BACK --merge            # standard shards again
     hf-pipeline bench --quick
     hf-pipeline env
 
-``generate`` and ``train`` are collective programs: with ``--num-processes N`` (and, for several
+``generate``, ``serve`` and ``train`` are collective programs: with ``--num-processes N`` (and, for several
 hosts, ``--num-machines`` / ``--machine-rank`` / ``--main-process-ip`` / ``--main-process-port``, as
 ``accelerate launch``) the command starts N processes itself with torch's elastic launcher (as torchrun), each
 running ``python -m hf_pipeline.cli <command> ...``; run under ``torchrun`` / ``accelerate launch``
@@ -19,7 +20,7 @@ exit code 2, no traceback; ``HF_PIPELINE_TRACEBACK=1`` shows the traceback.
 
 Lives here: ``parser`` (every command's options), ``launch`` (``--num-processes``), ``options``
 (what several commands read from their arguments) and one module per command group (``plan``
-with ``convert``, ``generate``, ``train``, ``env`` with ``bench``); ``main`` and the decision
+with ``convert``, ``generate``, ``serve``, ``train``, ``env`` with ``bench``); ``main`` and the decision
 which errors are user mistakes are in this file. The command line is the top room: it may import
 every other room of the package, and nothing in the package imports it.
 """
@@ -36,11 +37,13 @@ from .generate import cmd_generate
 from .launch import launch
 from .parser import PROG, build_parser
 from .plan import cmd_convert, cmd_plan
+from .serve import cmd_serve
 from .train import cmd_train
 
 __all__ = ["CLIError", "build_parser", "env_info", "main"]
 
-_COMMANDS = {"plan": cmd_plan, "generate": cmd_generate, "train": cmd_train, "convert": cmd_convert, "env": cmd_env}
+_COMMANDS = {"plan": cmd_plan, "generate": cmd_generate, "train": cmd_train, "convert": cmd_convert, "env": cmd_env,
+             "serve": cmd_serve}
 _benchmark_script = benchmark_script  # the name tests/tools/test_cli.py asks for
 
 # ------------------------------------------------------------------------------------ which errors are mistakes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import sys
 from typing import Sequence
 
@@ -58,6 +59,7 @@ def launch(args, argv: Sequence[str]) -> int:
     """
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.utils.distributed import get_free_port
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -106,6 +108,13 @@ def launch(args, argv: Sequence[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, sys.executable)("-m", "hf_pipeline.cli", *strip_launch_args(argv))
+    except SignalException as e:
+        # SIGTERM / SIGINT to this process: the agent has passed it on to every process and waited for them
+        # (up to 30 s). `serve` drains on it and stops cleanly: a normal end. Others: killed by the signal.
+        if args.command == "serve" and e.sigval in (signal.SIGTERM, signal.SIGINT):
+            return 0
+        print(f"{PROG}: stopped by signal {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         # The first process to fail decides; the agent then stops the others (SIGTERM: negative codes).
         rank, failure = e.get_first_failure()

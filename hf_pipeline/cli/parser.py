@@ -198,6 +198,29 @@ def _add_generate(sub) -> None:
     _add_launch(p)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        prog=f"{PROG} serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a pipelined model",
+        description="Serve a pipelined causal LM over HTTP on rank 0 (OpenAI's API; static batches per round). "
+        "SIGTERM drains the queue and stops every process.",
+        formatter_class=_FORMAT,
+    )
+    p.add_argument("path", nargs="?", type=_existing_path, default=None,
+                   help="checkpoint directory or cached hub id (default: --model, else the bundled model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_positive, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients pass (default: the folder name)")
+    p.add_argument("--max-batch", type=_positive, default=8, help="rows per generate round at most (default 8)")
+    p.add_argument("--max-queue", type=_positive, default=64,
+                   help="queued requests at most; more are answered 429 (default 64)")
+    p.add_argument("--request-timeout", type=_positive_float, default=600.0,
+                   help="seconds before a request is cancelled and answered 504 (default 600)")
+    _add_load(p)
+    _add_launch(p)
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -318,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_FORMAT,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{plan,generate,train,bench,convert,env}", parser_class=_Parser)
-    for add in (_add_plan, _add_generate, _add_train, _add_bench, _add_convert, _add_env):
+    sub = parser.add_subparsers(dest="command", metavar="{plan,generate,serve,train,bench,convert,env}",
+                                parser_class=_Parser)
+    for add in (_add_plan, _add_generate, _add_serve, _add_train, _add_bench, _add_convert, _add_env):
         add(sub)
     return parser

@@ -24,7 +24,7 @@ from hf_pipeline import cli
 from hf_pipeline.tools.default_model import default_model_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-COMMANDS = ("plan", "generate", "train", "convert", "env")
+COMMANDS = ("plan", "generate", "serve", "train", "convert", "env")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -59,7 +59,7 @@ def test_help_for_every_command(capsys):
         assert e.value.code == 0
         out = capsys.readouterr().out
         assert out.startswith(f"usage: hf-pipeline {command}"), out[:200]
-    for command in ("generate", "train"):  # the launcher options, spelled as accelerate launch does
+    for command in ("generate", "serve", "train"):  # the launcher options, spelled as accelerate launch does
         extra = ["--data", str(ROOT), "--output-dir", "x"] if command == "train" else []
         assert cli.build_parser().parse_args([command, "--num_processes", "2", *extra]).num_processes == 2
         with pytest.raises(SystemExit):

@@ -1,0 +1,39 @@
+"""``hf-pipeline serve``: an OpenAI-compatible HTTP server over a pipelined model (every rank runs it)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from ..errors import CLIError
+from .options import load_config, load_kwargs, load_tokenizer, local_path, model_path
+
+__all__ = ["cmd_serve"]
+
+
+def _check_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        missing = e.name
+    else:
+        return
+    raise CLIError(f"serving needs FastAPI and uvicorn ({missing} is missing): pip install 'hf-pipeline[serve]'")
+
+
+def cmd_serve(args) -> int:
+    """``hf-pipeline serve PATH``: load the model on every rank, listen on rank 0 until SIGTERM."""
+    import hf_pipeline
+    from hf_pipeline.serving import Engine
+    from hf_pipeline.serving.server import serve
+
+    _check_extra()
+    path = local_path(args.path, args.download) if args.path is not None else model_path(args)
+    if load_config(path).is_encoder_decoder:
+        raise CLIError(f"{args.path or path} is an encoder-decoder model; serve serves causal LMs")
+    tok = load_tokenizer(path)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **load_kwargs(args))
+    name = args.served_model_name or pathlib.Path(args.path or path).name
+    engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue)
+    serve(engine, tok, model_name=name, host=args.host, port=args.port, timeout_s=args.request_timeout)
+    return 0

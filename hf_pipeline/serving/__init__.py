@@ -1,0 +1,18 @@
+"""Serving: a request engine over the pipelined ``generate`` and an OpenAI-compatible HTTP API.
+
+Lives here: :mod:`.handles` (a request and the handle its tokens arrive on), :mod:`.scheduler`
+(which queued requests share a round: static batches today, the part continuous batching will
+replace), :mod:`.channel` (plans from rank 0 to every rank as JSON, tokens back to rank 0),
+:mod:`.engine` (the queue and the rounds, on every rank), :mod:`.protocol` (OpenAI request bodies
+checked and turned into requests) and :mod:`.server` (the FastAPI app and uvicorn on rank 0;
+FastAPI is imported only there (the CLI imports it when serving), so the engine needs no web stack).
+
+May import: the base modules and every room below the model facade (``distributed`` up to ``tools``);
+it talks to the model only through its public methods (``generate``, ``config``, ``ctx``).
+"""
+
+from .engine import Engine
+from .handles import Choice, CompletionRequest, Delta, Handle
+from .scheduler import StaticBatcher
+
+__all__ = ["Choice", "CompletionRequest", "Delta", "Engine", "Handle", "StaticBatcher"]

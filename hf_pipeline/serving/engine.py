@@ -1,0 +1,271 @@
+"""The serving engine: a request queue on rank 0, rounds of pipelined ``generate`` on every rank.
+
+Every rank runs :meth:`Engine.serve_forever` (or :meth:`Engine.step` in a loop). Each round rank 0
+takes a batch from its queue (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its
+plan as JSON, and every rank runs the model's collective ``generate`` on it; the tokens stream back
+to rank 0 step by step (:class:`~hf_pipeline.serving.channel.TokenChannel`) into each request's
+:class:`~hf_pipeline.serving.handles.Handle`. When idle, rank 0 still broadcasts an empty plan every
+``idle_s`` seconds, so the other ranks never sit in one collective longer than the process group's
+timeout. :meth:`Engine.drain` refuses new requests, serves the queued ones and then stops every rank.
+
+Example (every rank; ``torchrun --nproc_per_node 2 script.py``):
+    >>> engine = Engine(model, tok)
+    >>> def client():                                  # rank 0, any thread
+    ...     print(engine.submit(CompletionRequest(prompt_ids=ids, max_new_tokens=16)).result())
+    ...     engine.drain()                             # serve what is queued, then stop every rank
+    >>> if model.ctx.rank == 0:
+    ...     threading.Thread(target=client).start()
+    >>> engine.serve_forever()
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..errors import PipelineError, ServerBusy, ServingRequestError, UsageError
+from ..generation.config import generation_config
+from ..log import get_logger
+from .channel import TokenChannel, broadcast_json
+from .handles import Choice, CompletionRequest, Handle
+from .scheduler import RoundPlan, StaticBatcher
+
+__all__ = ["Engine"]
+
+log = get_logger(__name__)
+
+
+def _eos_ids(model) -> set[int]:
+    eos = generation_config(model).eos_token_id
+    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+class _ChoiceWriter:
+    """Appends one row's tokens to one choice: ends it at a stop id (EOS or the request's), at a
+    stop string (the text is cut before it) or at its own ``max_new_tokens``; until then it holds
+    back a text tail that may still become a stop string, or an incomplete character."""
+
+    def __init__(self, handle: Handle, index: int, tokenizer: Any, stop_ids: set[int]):
+        self.handle, self.index, self.tokenizer, self.stop_ids = handle, index, tokenizer, stop_ids
+        self.seen = 0  # tokens of the row consumed (the stop token included)
+
+    def _text(self, ids: list[int]) -> tuple[str, bool]:
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        found = [i for i in (text.find(s) for s in self.handle.request.stop) if i >= 0]
+        return (text[: min(found)], True) if found else (text, False)
+
+    def add(self, tokens: list[int]) -> None:
+        def write(choices: list[Choice]) -> None:
+            c = choices[self.index]
+            for t in tokens:
+                if c.finish_reason is not None:
+                    return
+                self.seen += 1
+                if t in self.stop_ids:
+                    c.finish_reason = "stop"
+                else:
+                    c.token_ids.append(t)
+                text, stopped = self._text(c.token_ids)
+                if stopped:
+                    c.finish_reason = "stop"
+                elif c.finish_reason is None and len(c.token_ids) >= self.handle.request.max_new_tokens:
+                    c.finish_reason = "length"
+                c.text = text if c.finish_reason else text[: len(text) - self._held(text)]
+        self.handle.update(write)
+
+    def _held(self, text: str) -> int:
+        """Characters at the end of ``text`` a reader must not see yet."""
+        if text.endswith("\ufffd"):
+            return len(text)  # an incomplete multi-byte character: wait for the next token
+        return max((k for s in self.handle.request.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+    def finish(self, row: list[int]) -> None:
+        """The round is over: take what the stream missed from the final ``row`` and end the choice."""
+        self.add(row[self.seen:])
+
+        def end(choices: list[Choice]) -> None:
+            c = choices[self.index]
+            if c.finish_reason is None:
+                text, _ = self._text(c.token_ids)
+                full = len(c.token_ids) >= self.handle.request.max_new_tokens
+                c.text, c.finish_reason = text, "length" if full else "stop"
+        self.handle.update(end)
+
+
+class Engine:
+    """Serves completion requests with a pipelined model; runs on every rank.
+
+    Args:
+        model: a pipelined causal LM (``hf_pipeline.AutoModelForCausalLM.from_pretrained(..., pipeline=True)``).
+        tokenizer: its tokenizer (text, stop strings); needed on every rank when requests use ``stop``.
+        max_batch: rows per round at most.
+        max_queue: queued requests at most; :meth:`submit` raises :class:`ServerBusy` beyond it.
+        idle_s: how long rank 0 waits for a request before an empty round.
+    """
+
+    def __init__(self, model, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64, idle_s: float = 0.5):
+        self.model, self.tokenizer, self.ctx = model, tokenizer, model.ctx
+        context = getattr(model.config, "max_position_embeddings", None)
+        self.batcher = StaticBatcher(max_rows=max_batch, context=context)
+        self.context, self.max_queue, self.idle_s = context, max_queue, idle_s
+        self.eos = _eos_ids(model)
+        pad = generation_config(model).pad_token_id
+        self.pad = int(pad) if pad is not None else (min(self.eos) if self.eos else 0)
+        self._queue: deque[Handle] = deque()
+        self._lock = threading.Lock()
+        self._wake: queue.Queue[None] = queue.Queue()
+        self._ids = itertools.count()
+        self.rounds = 0  # rounds run (generate calls), counted alike on every rank
+        self._rng = random.Random()
+        self.draining = False
+        self.stopped = False
+        self.running: list[Handle] = []
+
+    # -------------------------------------------------------------- rank 0: requests in
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return sum(not h.done for h in self._queue)
+
+    def check(self, req: CompletionRequest) -> None:
+        """Refuse what no round could serve: a prompt too long for the context, a token outside the vocabulary."""
+        vocab = getattr(self.model.config, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise ServingRequestError(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})",
+                                      param="prompt")
+        if self.context is not None and len(req.prompt_ids) + req.max_new_tokens > self.context:
+            raise ServingRequestError(
+                f"the prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.max_new_tokens}) exceeds the "
+                f"model's context of {self.context} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(req.prompt_ids) < self.context else "prompt",
+            )
+        if req.stop and self.tokenizer is None:
+            raise ServingRequestError("stop strings need the engine's tokenizer", param="stop")
+
+    def submit(self, req: CompletionRequest) -> Handle:
+        """Queue ``req`` (rank 0 only; thread-safe).
+
+        Returns:
+            Its :class:`Handle`.
+        Raises:
+            ServingRequestError: the request cannot be served (its ``param`` names the field).
+            ServerBusy: the queue is full, or the engine is draining (``draining``).
+        """
+        self.check(req)
+        with self._lock:
+            if self.draining or self.stopped:
+                raise ServerBusy("the server is shutting down; retry on another replica", draining=True)
+            if sum(not h.done for h in self._queue) >= self.max_queue:
+                raise ServerBusy(f"the request queue is full ({self.max_queue} waiting); retry later")
+            handle = Handle(req, f"cmpl-{next(self._ids)}")
+            self._queue.append(handle)
+        self._wake.put(None)
+        return handle
+
+    def drain(self) -> None:
+        """Refuse new requests, serve the queued ones, then stop every rank (safe from a signal handler)."""
+        self.draining = True
+        self._wake.put(None)
+
+    # -------------------------------------------------------------- every rank: rounds
+    def _next_plan(self) -> dict[str, Any]:
+        """Rank 0: the next round's plan (waits up to ``idle_s`` for a request)."""
+        with self._lock:
+            batch = self.batcher.take(self._queue)
+        if not batch:
+            if self.draining:
+                return {"op": "stop"}
+            try:
+                self._wake.get(timeout=self.idle_s)
+            except queue.Empty:
+                pass
+            return {"op": "idle"}
+        self.running = batch
+        return {"op": "round", "plan": RoundPlan.of(self.rounds, batch, self._rng).to_json()}
+
+    def step(self) -> bool:
+        """One round on every rank (collective). Returns False once the engine has stopped."""
+        msg = broadcast_json(self.ctx, self._next_plan() if self.ctx.rank == 0 else None)
+        if msg["op"] == "stop":
+            self.stopped = True
+            return False
+        if msg["op"] == "error":
+            self.stopped = True
+            raise UsageError(msg["message"])
+        if msg["op"] == "round":
+            self.rounds += 1
+            start = time.perf_counter()
+            plan = RoundPlan(**msg["plan"])
+            self._run_round(plan)
+            log.debug("round %d: %d rows, %d new tokens at most, %.3f s", plan.round_id, len(plan.rows),
+                      plan.max_new_tokens, time.perf_counter() - start)
+        return True
+
+    def serve_forever(self) -> None:
+        """Run rounds until :meth:`drain` (on rank 0) has served the queue. Collective."""
+        while self.step():
+            pass
+
+    def stop_with_error(self, message: str) -> None:
+        """Rank 0, before the first round: make every rank raise ``message`` (say, the port is taken)."""
+        broadcast_json(self.ctx, {"op": "error", "message": message})
+        self.stopped = True
+
+    def _writers(self, plan: RoundPlan) -> list[_ChoiceWriter]:
+        stop_ids = self.eos | set(plan.stop_token_ids)
+        return [_ChoiceWriter(h, i, self.tokenizer, stop_ids) for h in self.running for i in range(h.request.n)]
+
+    def _generate_kwargs(self, plan: RoundPlan) -> dict[str, Any]:
+        kw: dict[str, Any] = {"max_new_tokens": plan.max_new_tokens, "pad_token_id": self.pad, "seed": plan.seed}
+        if plan.temperature > 0:
+            kw.update(do_sample=True, temperature=plan.temperature, top_p=plan.top_p)
+        else:
+            kw.update(do_sample=False)
+        if plan.stop_token_ids:
+            kw["eos_token_id"] = sorted(self.eos | set(plan.stop_token_ids))
+        if plan.stop:
+            kw.update(stop_strings=list(plan.stop), tokenizer=self.tokenizer)
+        return kw
+
+    def _run_round(self, plan: RoundPlan) -> None:
+        """Every rank: left-pad the rows, run ``generate``, and on rank 0 hand each choice its tokens."""
+        width = max(len(r) for r in plan.rows)
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in plan.rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in plan.rows], dtype=torch.long)
+        writers = self._writers(plan) if self.ctx.rank == 0 else []
+
+        def deliver(step: int, tokens: list[int]) -> None:
+            for w, t in zip(writers, tokens):
+                if w.seen == step:  # each choice takes each step once, in order
+                    w.add([t])
+
+        # Replicas (dp > 1) each choose their own rows' tokens: no per-step stream, the final ids only.
+        streams = plan.stream and self.model.dims.dp_size == 1
+        channel = TokenChannel(self.ctx, plan.round_id, deliver) if streams else None
+        if channel is not None:
+            channel.start_reader()
+        try:
+            out = self.model.generate(input_ids=ids, attention_mask=mask, streamer=channel,
+                                      **self._generate_kwargs(plan))
+        except PipelineError as e:
+            # Every rank raised the same error (generate agrees on its inputs first): fail the batch, serve on.
+            out = None
+            for h in self.running:
+                h.fail(str(e))
+        finally:
+            if channel is not None:
+                channel.close()
+            self.running = []
+        if out is not None:
+            for w, row in zip(writers, out[:, width:].tolist()):
+                w.finish(row)
+

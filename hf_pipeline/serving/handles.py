@@ -1,0 +1,196 @@
+"""A request to the serving engine, and the handle its caller reads the completion from as it grows.
+
+Example:
+    >>> handle = engine.submit(CompletionRequest(prompt_ids=[1, 5, 9], max_new_tokens=8))
+    >>> for delta in handle:                       # blocks until the next tokens arrive
+    ...     print(delta.index, delta.text, delta.finish_reason)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from ..errors import ServingRequestError
+
+__all__ = ["Choice", "CompletionRequest", "Delta", "Handle"]
+
+
+@dataclass(kw_only=True)
+class CompletionRequest:
+    """One completion request: a tokenized prompt and how to continue it.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (not empty).
+        max_new_tokens: tokens to generate at most per choice.
+        temperature: 0 for greedy decoding, else the sampling temperature.
+        top_p: nucleus sampling (with temperature > 0).
+        stop: strings that end a choice; the text stops before the first one found.
+        stop_token_ids: token ids that end a choice, besides the model's EOS.
+        seed: sampling seed; a seeded request runs in a generate call of its own, so its tokens
+            depend on its seed alone, not on the requests it was queued with.
+        n: choices to generate for the prompt (sampling only: greedy choices would be equal).
+        stream: hand tokens over as they are chosen; False: at the end of the round (a round with no
+            streamed request skips the per-step hand-over from the last stage, which costs it time).
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None
+    n: int = 1
+    stream: bool = True
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(int(t) for t in self.stop_token_ids)
+        if not self.prompt_ids:
+            raise ServingRequestError("the prompt is empty; pass at least one token", param="prompt")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ServingRequestError(f"max_tokens must be >= 1, got {self.max_new_tokens}", param="max_tokens")
+        if not 0 <= self.temperature <= 2:
+            raise ServingRequestError(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
+        if not 0 < self.top_p <= 1:
+            raise ServingRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ServingRequestError(f"n must be >= 1, got {self.n}", param="n")
+        if self.n > 1 and self.temperature == 0:
+            # transformers refuses num_return_sequences > 1 without sampling: every choice would be the same.
+            raise ServingRequestError(
+                f"n={self.n} needs sampling (temperature > 0): greedy choices would all be equal", param="n"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ServingRequestError("stop must hold non-empty strings", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(kw_only=True)
+class Choice:
+    """One choice of a request as far as it has come: its token ids (without the stop token) and the
+    text a reader may see (the decoded tokens up to a stop string, holding back a tail that may still
+    become one)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+
+
+@dataclass(kw_only=True)
+class Delta:
+    """What one choice gained since the reader last looked: new token ids, new text, and its
+    ``finish_reason`` once it is done."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class Handle:
+    """The caller's side of a submitted request: iterate it (threads) or ``async for`` over
+    :meth:`deltas` (asyncio) to get :class:`Delta` s as tokens arrive; :meth:`result` waits for all.
+
+    The engine writes, under one lock; every reader keeps its own cursor, so several readers (a
+    stream and a log) each see every delta once.
+    """
+
+    def __init__(self, request: CompletionRequest, request_id: str):
+        self.request, self.id = request, request_id
+        self.choices = [Choice() for _ in range(request.n)]
+        self.error: str | None = None
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # -------------------------------------------------------------- engine side
+    def update(self, fn: Any) -> None:
+        """Run ``fn(choices)`` under the lock, then wake every reader."""
+        with self._cond:
+            fn(self.choices)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def fail(self, message: str, reason: str = "error") -> None:
+        """End every unfinished choice with ``reason`` (``error``: ``message`` says why)."""
+        def end(choices: list[Choice]) -> None:
+            if reason == "error":
+                self.error = message
+            for c in choices:
+                c.finish_reason = c.finish_reason or reason
+        self.update(end)
+
+    def cancel(self) -> None:
+        """Stop producing tokens for this request: dropped from the queue, or from its round's output."""
+        self.fail("cancelled", reason="cancelled")
+
+    # -------------------------------------------------------------- reader side
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def cancelled(self) -> bool:
+        return any(c.finish_reason == "cancelled" for c in self.choices)
+
+    def _deltas_since(self, cursor: list[tuple[int, int, bool]]) -> list[Delta]:
+        out = []
+        for i, c in enumerate(self.choices):
+            n_ids, n_text, ended = cursor[i]
+            if ended or (len(c.token_ids) == n_ids and len(c.text) == n_text and c.finish_reason is None):
+                continue
+            out.append(Delta(index=i, token_ids=c.token_ids[n_ids:], text=c.text[n_text:],
+                             finish_reason=c.finish_reason))
+            cursor[i] = (len(c.token_ids), len(c.text), c.finish_reason is not None)
+        return out
+
+    def __iter__(self) -> Iterator[Delta]:
+        cursor = [(0, 0, False)] * len(self.choices)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self.done or bool(self._peek(cursor)))
+                deltas, done = self._deltas_since(cursor), self.done
+            yield from deltas
+            if done:
+                return
+
+    def _peek(self, cursor: list[tuple[int, int, bool]]) -> bool:
+        return any(not e and (len(c.token_ids) != n or len(c.text) != t) for c, (n, t, e) in zip(self.choices, cursor))
+
+    async def deltas(self, poll_s: float = 0.5) -> AsyncIterator[list[Delta]]:
+        """Async batches of deltas as they come; an empty batch every ``poll_s`` seconds without news
+        (so the caller can check its client and its deadline)."""
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        cursor = [(0, 0, False)] * len(self.choices)
+        try:
+            while True:
+                event.clear()
+                with self._cond:
+                    deltas, done = self._deltas_since(cursor), self.done
+                yield deltas
+                if done:
+                    return
+                try:
+                    await asyncio.wait_for(event.wait(), poll_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+    def result(self, timeout: float | None = None) -> list[Choice]:
+        """Wait until every choice is done (at most ``timeout`` seconds) and return the choices."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.done, timeout)
+            return [Choice(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason)
+                    for c in self.choices]

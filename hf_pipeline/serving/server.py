@@ -1,0 +1,277 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app on rank 0 in front of the :class:`Engine`.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream=true``: server-sent events ending with ``data: [DONE]``). Refusals are OpenAI's error
+objects: 400 naming the field, 429 while the queue is full, 503 while draining, 504 past the
+request timeout. A client that goes away cancels its request (checked at least every half second).
+
+:func:`serve` runs on every rank: rank 0 starts uvicorn in a thread and runs the engine's rounds in
+its main thread (where SIGTERM arrives and starts the drain); the other ranks run the rounds alone.
+
+Example (``torchrun --nproc_per_node 2 -m hf_pipeline.cli serve PATH --port 8000``), then:
+    >>> client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    >>> client.completions.create(model="default-model", prompt="Return the", max_tokens=8, temperature=0)
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+# Imported here, not in the functions: FastAPI reads the routes' annotations ("Request") from this module.
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..errors import CLIError, ServerBusy, ServingRequestError
+from ..log import get_logger
+from .engine import Engine
+from .handles import Handle
+from .protocol import ParsedRequest, error_body, parse_chat, parse_completion
+
+__all__ = ["build_app", "serve"]
+
+log = get_logger(__name__)
+_STARTUP_S = 60.0  # how long rank 0 waits for uvicorn to listen
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse(error_body(message, param, kind), status_code=status)
+
+
+def _submit_all(engine: Engine, parsed: ParsedRequest) -> list[Handle]:
+    handles: list[Handle] = []
+    try:
+        for req in parsed.requests:
+            handles.append(engine.submit(req))
+    except BaseException:
+        for h in handles:
+            h.cancel()
+        raise
+    return handles
+
+
+def _refusal(e: Exception):
+    if isinstance(e, ServerBusy):
+        return _error(503 if e.draining else 429, str(e), kind="server_error" if e.draining else "rate_limit_error")
+    return _error(400, str(e), getattr(e, "param", None))
+
+
+class _Api:
+    """The routes' shared state: the engine, the tokenizer, the served name, the request timeout."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, timeout_s: float):
+        self.engine, self.tokenizer, self.model_name, self.timeout_s = engine, tokenizer, model_name, timeout_s
+
+    async def events(self, request, handles: list[Handle], n: int) -> AsyncIterator[tuple[int, Any]]:
+        """``(choice index over all prompts, Delta)`` as they come; cancels every handle when the client
+        leaves or the timeout passes (then yields ``(None, message)`` last)."""
+        import asyncio
+
+        deadline = time.monotonic() + self.timeout_s
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, h: Handle) -> None:
+            async for batch in h.deltas():
+                for d in batch:
+                    await queue.put((k * n + d.index, d))
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(k, h)) for k, h in enumerate(handles)]
+        open_ = len(tasks)
+        try:
+            while open_:
+                try:
+                    item = await asyncio.wait_for(queue.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    if time.monotonic() > deadline:
+                        yield None, f"the request took longer than --request-timeout {self.timeout_s:g} s"
+                        return
+                    continue
+                if item is None:
+                    open_ -= 1
+                else:
+                    yield item
+        finally:
+            for h in handles:
+                if not h.done:
+                    h.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def complete(self, request, parsed: ParsedRequest, chat: bool):
+        try:
+            handles = _submit_all(self.engine, parsed)
+        except (ServingRequestError, ServerBusy) as e:
+            return _refusal(e)
+        n = parsed.requests[0].n
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if parsed.stream:
+            return StreamingResponse(self._sse(request, handles, n, rid, chat, parsed), media_type="text/event-stream")
+        texts: dict[int, str] = {}
+        reasons: dict[int, str | None] = {}
+        async for i, d in self.events(request, handles, n):
+            if i is None:
+                return _error(504, d, kind="timeout")
+            texts[i] = texts.get(i, "") + d.text
+            reasons[i] = d.finish_reason
+        if any(h.error for h in handles):
+            return _error(500, next(h.error for h in handles if h.error), kind="server_error")
+        choices = [self._choice(i, texts.get(i, ""), reasons.get(i), chat) for i in range(len(handles) * n)]
+        used = sum(len(c.token_ids) for h in handles for c in h.choices)
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices, "usage": self._usage(parsed, used),
+        }
+
+    @staticmethod
+    def _usage(parsed: ParsedRequest, used: int) -> dict[str, int]:
+        return {"prompt_tokens": parsed.prompt_tokens, "completion_tokens": used,
+                "total_tokens": parsed.prompt_tokens + used}
+
+    @staticmethod
+    def _choice(i: int, text: str, reason: str | None, chat: bool, delta: bool = False) -> dict[str, Any]:
+        if not chat:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        body = {"role": "assistant", "content": text}
+        return {"index": i, "delta" if delta else "message": body, "logprobs": None, "finish_reason": reason}
+
+    async def _sse(self, request, handles, n, rid, chat, parsed) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+            return f"data: {json.dumps({**body, **extra})}\n\n"
+
+        async for i, d in self.events(request, handles, n):
+            if i is None:
+                yield f"data: {json.dumps(error_body(d, kind='timeout'))}\n\n"
+            elif d.text or d.finish_reason:
+                yield chunk([self._choice(i, d.text, d.finish_reason, chat, delta=True)])
+        if parsed.include_usage:
+            used = sum(len(c.token_ids) for h in handles for c in h.choices)
+            yield chunk([], usage=self._usage(parsed, used))
+        yield "data: [DONE]\n\n"
+
+
+def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: float = 600.0):
+    """The FastAPI app serving ``engine`` (rank 0).
+
+    Args:
+        engine: the engine (its rounds run elsewhere: :func:`serve`, or a thread in tests).
+        tokenizer: the model's tokenizer (prompts, chat template, text).
+        model_name: the name clients pass as ``model``.
+        timeout_s: a request still running after this many seconds is cancelled (504).
+    Returns:
+        A ``fastapi.FastAPI``.
+    """
+    api = _Api(engine, tokenizer, model_name, timeout_s)
+    app = FastAPI(title="hf-pipeline", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "draining" if engine.draining else "ok", "queued": engine.queued,
+                "running": len(engine.running), "rounds": engine.rounds, "world_size": engine.ctx.world_size}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "hf-pipeline"}]}
+
+    async def handle(request: Request, parse, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return _error(400, f"the request body is not valid JSON: {e}")
+        try:
+            parsed = parse(body, tokenizer, model_name=model_name)
+        except ServingRequestError as e:
+            return _refusal(e)
+        return await api.complete(request, parsed, chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, parse_completion, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, parse_chat, chat=True)
+
+    return app
+
+
+def _listen(host: str, port: int) -> tuple[Any, str | None]:
+    """A listening socket on ``host:port`` (ours, so a taken port is an error we word, not uvicorn's exit)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        return None, f"cannot listen on {host}:{port} ({e.strerror or e}); pass a free --port or another --host"
+    return sock, None
+
+
+def _start_http(app, host: str, port: int) -> tuple[Any, threading.Thread | None, str | None]:
+    """uvicorn in a thread (it leaves signals to the main thread); the server, its thread, and an
+    error message when it could not start."""
+    import uvicorn
+
+    sock, failed = _listen(host, port)
+    if failed:
+        return None, None, failed
+    # log_config=None: uvicorn leaves the process's logging configuration alone.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hf-pipeline-http", daemon=True)
+    thread.start()
+    end = time.monotonic() + _STARTUP_S
+    while not server.started and thread.is_alive() and time.monotonic() < end:
+        time.sleep(0.05)
+    if not server.started:
+        server.should_exit = True
+        return server, thread, f"the HTTP server did not start on {host}:{port} in {_STARTUP_S:g} s"
+    return server, thread, None
+
+
+def serve(engine: Engine, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          timeout_s: float = 600.0) -> None:
+    """Serve until SIGTERM / SIGINT (then drain: queued requests are served, new ones get 503). Every rank.
+
+    Args:
+        engine: the engine, built on every rank.
+        tokenizer / model_name / timeout_s: as :func:`build_app`.
+        host / port: where rank 0 listens.
+    Raises:
+        CLIError: on every rank, when rank 0 cannot listen on ``host:port``.
+    """
+    # Every rank takes SIGTERM (the launcher sends it to all): rank 0 drains, the others follow its
+    # plans until the last one says stop.
+    previous = {s: signal.signal(s, (lambda *_: engine.drain()) if engine.ctx.rank == 0 else signal.SIG_IGN)
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    server = thread = None
+    try:
+        if engine.ctx.rank == 0:
+            server, thread, failed = _start_http(build_app(engine, tokenizer, model_name=model_name,
+                                                           timeout_s=timeout_s), host, port)
+            if failed:
+                engine.stop_with_error(failed)
+                raise CLIError(failed)
+            print(f"serving {model_name} on http://{host}:{port}/v1 ({engine.ctx.world_size} process(es))",
+                  flush=True)
+        engine.serve_forever()
+    finally:
+        if server is not None:
+            server.should_exit = True
+            thread.join(timeout=10)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    log.info("stopped serving")

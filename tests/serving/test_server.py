@@ -1,0 +1,208 @@
+"""``hf-pipeline serve --num-processes 2`` live on 127.0.0.1, queried with the official ``openai`` client:
+completions against transformers' greedy ``generate`` of each prompt alone, streamed against not
+streamed, chat through the tokenizer's template, a 400 then a good request, 429 with the queue full,
+and SIGTERM: the request in flight finishes, a new one gets 503, every process exits. The test stops
+what it started, always."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+from harness import free_port
+
+from hf_pipeline.tools.default_model import default_model_path
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PROMPTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_STARTUP_S = 240.0  # two processes importing torch and transformers on a loaded 2-core machine
+
+
+def _model_with_chat_template(tmp: pathlib.Path) -> pathlib.Path:
+    """The bundled model's files (links), its tokenizer given a chat template."""
+    src = default_model_path()
+    tmp.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json":
+            (tmp / f.name).symlink_to(f)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (tmp / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return tmp
+
+
+def _stop(proc: subprocess.Popen, children: list) -> None:
+    """Kill the launcher and every process it started (each rank is in a session of its own)."""
+    for p in children:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _wait_up(proc: subprocess.Popen, port: int, log: pathlib.Path) -> None:
+    import httpx
+
+    end = time.monotonic() + _STARTUP_S
+    while time.monotonic() < end:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["status"] == "ok":
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise AssertionError(f"the server did not answer in {_STARTUP_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _greedy(ref, tok, ids: list[int], n: int) -> str:
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def _parallel(fn, items) -> list:
+    results: list = [None] * len(items)
+
+    def run(i, item):
+        try:
+            results[i] = fn(item)
+        except Exception as e:  # noqa: BLE001 - returned to the test, which checks it
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, x)) for i, x in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return results
+
+
+def _check_completions(client, ref, tok) -> None:
+    lengths = [12, 5, 16, 20]
+    got = _parallel(lambda a: client.completions.create(model="tiny", prompt=a[0], max_tokens=a[1], temperature=0),
+                    list(zip(PROMPTS, lengths)))
+    for p, n, r in zip(PROMPTS, lengths, got):
+        assert not isinstance(r, Exception), r
+        assert r.choices[0].text == _greedy(ref, tok, tok(p)["input_ids"], n), p
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True)
+    chunks = list(streamed)
+    assert len(chunks) > 2  # token by token, not one piece at the end
+    assert "".join(c.choices[0].text for c in chunks) == got[2].choices[0].text
+    assert chunks[-1].choices[0].finish_reason == got[2].choices[0].finish_reason
+
+
+def _check_chat(client, ref, tok) -> None:
+    messages = [{"role": "user", "content": "Return the"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == _greedy(ref, tok, list(ids), 10)
+    assert r.choices[0].message.role == "assistant"
+    s = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in s) == r.choices[0].message.content
+
+
+def _check_400_then_good(client, openai) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x" * 3000, max_tokens=4)
+    assert e.value.body["param"] in ("prompt", "max_tokens"), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="other", prompt="x", max_tokens=4)
+    assert e.value.body["param"] == "model"
+    assert client.completions.create(model="tiny", prompt="Return the", max_tokens=3, temperature=0).choices[0].text
+
+
+def _check_queue_full(client, openai) -> None:
+    # --max-batch 2 --max-queue 4: a round runs at most 2, 4 more wait; the rest of 20 at once get 429.
+    got = _parallel(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=120, temperature=0),
+                    [PROMPTS[0]] * 20)
+    refused = [r for r in got if isinstance(r, openai.RateLimitError)]
+    served = [r for r in got if not isinstance(r, Exception)]
+    assert refused and served and len(refused) + len(served) == 20, got
+    assert len({r.choices[0].text for r in served}) == 1
+
+
+def _check_sigterm(proc, port: int, children: list, log: pathlib.Path, expected: str) -> None:
+    import httpx
+
+    # Some requests still queued when SIGTERM comes: the drain serves them all and refuses new ones.
+    body = {"model": "tiny", "prompt": "Return the", "max_tokens": 40, "temperature": 0}
+    url = f"http://127.0.0.1:{port}"
+
+    def post():
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    def wait(ready) -> None:
+        end = time.monotonic() + 60
+        while not ready(httpx.get(f"{url}/health").json()) and time.monotonic() < end:
+            time.sleep(0.01)
+
+    flights = [_parallel_start(post) for _ in range(2)]
+    wait(lambda h: h["running"] and not h["queued"])  # a round took them: the queue (of 4 at most) is empty
+    flights += [_parallel_start(post) for _ in range(4)]
+    wait(lambda h: h["queued"] >= 2)
+    proc.send_signal(signal.SIGTERM)
+    while httpx.get(f"{url}/health").json()["status"] != "draining":
+        time.sleep(0.01)
+    late = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert late.status_code == 503, late.text
+    assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+    for flight in flights:
+        flight.join(timeout=30)
+        assert flight.result.status_code == 200, flight.result.text
+        assert flight.result.json()["choices"][0]["text"] == expected
+    time.sleep(0.5)
+    assert not [p.pid for p in children if p.is_running() and p.status() != "zombie"]
+
+
+def _parallel_start(fn) -> threading.Thread:
+    t = threading.Thread(target=lambda: setattr(t, "result", fn()), daemon=True)
+    t.start()
+    return t
+
+
+def test_serve_two_processes_with_the_openai_client(tmp_path):
+    openai = pytest.importorskip("openai")
+    psutil = pytest.importorskip("psutil")
+    model = _model_with_chat_template(tmp_path / "tiny")
+    port, log = free_port(), tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_PIPELINE_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "hf_pipeline.cli", "serve", str(model), "--num-processes", "2", "--port", str(port),
+           "--served-model-name", "tiny", "--max-batch", "2", "--max-queue", "4"]
+    children: list = []
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        _wait_up(proc, port, log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len([c for c in children if "hf_pipeline.cli" in " ".join(c.cmdline())]) == 2
+        tok = transformers.AutoTokenizer.from_pretrained(model)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model).eval()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        _check_completions(client, ref, tok)
+        _check_chat(client, ref, tok)
+        _check_400_then_good(client, openai)
+        _check_queue_full(client, openai)
+        _check_sigterm(proc, port, children, log, _greedy(ref, tok, tok("Return the")["input_ids"], 40))
+    finally:
+        _stop(proc, children)
