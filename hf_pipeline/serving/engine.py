@@ -112,8 +112,13 @@ class Engine:
         idle_s: how long rank 0 waits for a request before an empty round.
     """
 
+    @property
+    def ctx(self):
+        # Read from the model each time: after a failure inside a stage the model's groups are made afresh.
+        return self.model.ctx
+
     def __init__(self, model, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64, idle_s: float = 0.5):
-        self.model, self.tokenizer, self.ctx = model, tokenizer, model.ctx
+        self.model, self.tokenizer = model, tokenizer
         context = getattr(model.config, "max_position_embeddings", None)
         self.batcher = StaticBatcher(max_rows=max_batch, context=context)
         self.context, self.max_queue, self.idle_s = context, max_queue, idle_s
