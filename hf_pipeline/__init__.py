@@ -17,11 +17,10 @@ from .auto import (
     AutoModelForTokenClassification,
 )
 from .distributed.context import init_distributed
-from .errors import PipelineError
+from .errors import NoSuchAttribute, PipelineError
 from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
 from .model import PipelinedModel
 from .tools.memory import plan_report
-from .trainer import PipelineTrainer
 from .training.checkpoint_format import latest_checkpoint
 from .training.training_state import load_training_state
 
@@ -51,3 +50,13 @@ __all__ = [
     "plan_report",
     "register_recipe",
 ]
+
+
+def __getattr__(name: str):
+    # PipelineTrainer is imported when first asked for: transformers.Trainer pulls in much (peft,
+    # accelerate's state, datasets), which loading and running a model never needs.
+    if name == "PipelineTrainer":
+        from .trainer import PipelineTrainer
+
+        return PipelineTrainer
+    raise NoSuchAttribute(f"module 'hf_pipeline' has no attribute {name!r}")

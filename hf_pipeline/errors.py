@@ -23,6 +23,7 @@ __all__ = [
     "InputError",
     "InputTypeError",
     "InternalError",
+    "NoSuchAttribute",
     "PipelineBroken",
     "PipelineError",
     "PlanError",
@@ -140,6 +141,10 @@ class ServerBusy(PipelineError, RuntimeError):
     def __init__(self, message: str, *, draining: bool = False):
         super().__init__(message)
         self.draining = draining
+
+
+class NoSuchAttribute(PipelineError, AttributeError):
+    """A name the package (or one of its objects) does not have."""
 
 
 class InternalError(PipelineError, RuntimeError):

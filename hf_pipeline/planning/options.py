@@ -235,10 +235,11 @@ def _stage_counts(
             f" = {pp_size} ranks per pipeline; pass one of them"
         )
     if world_size is not None and world_size % (pp_size * tp):
+        with_tp = f" and tp_size={tp}" if tp > 1 else ""
         raise InputError(
-            f"num_stages={num_stages} with virtual_stages={virtual_stages} and tp_size={tp} needs a multiple of "
+            f"num_stages={num_stages} with virtual_stages={virtual_stages}{with_tp} needs a multiple of "
             f"{pp_size * tp} processes, but the world size is {world_size}; launch {pp_size * tp} (or k x "
-            f"{pp_size * tp}) processes or change num_stages / tp_size"
+            f"{pp_size * tp}) processes or change num_stages{' / tp_size' if tp > 1 else ''}"
         )
     replicas = (world_size or pp_size * tp) // (pp_size * tp)
     if parallel.dp_size is not None and parallel.dp_size != replicas:
