@@ -145,5 +145,5 @@ def count_parameters(
         return total
     device = model.device if model.ctx.backend == "nccl" else "cpu"
     count = torch.tensor([total], dtype=torch.int64, device=device)
-    dist.all_reduce(count, group=model.dims.pp_group)  # None: the pipeline is the whole world
+    dist.all_reduce(count, group=model.dims.pp_group)  # the model's own group (None for one process)
     return int(count.item())
