@@ -349,3 +349,14 @@ def peft_freeze_base(tuner: Any, module: torch.nn.Module) -> None:
 
 
 __all__ += ["peft_create_and_replace", "peft_freeze_base", "peft_override_create_and_replace"]
+# --- for loading/tensor_parallel ----------------------------------------------------------------------
+# A packed weight (GPT-2's fused q, k, v) sharded block by block is torch's strided shard placement
+# (what transformers' packed styles use too); it has no public name yet.
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """A DTensor placement: ``split_factor`` blocks along ``dim``, each sharded over the mesh dim."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+__all__ += ["strided_shard"]

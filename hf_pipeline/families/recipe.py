@@ -92,6 +92,13 @@ class Recipe:
     # config.max_position_embeddings; "rotary" (LLaMA) and "relative" (T5) positions do not, and
     # transformers runs longer inputs for them.
     positions: str = "learned"
+    # Tensor parallelism for a family transformers gives no ``base_model_tp_plan`` (the ``[tp]`` table):
+    # module pattern -> style, as transformers' plans name them; per module pattern the attributes its
+    # forward reads that count heads or widths (divided by tp_size on each rank once it is sharded); the
+    # config fields tp_size must divide besides the heads.
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    tp_local: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    tp_divides: tuple[str, ...] = ()
 
     def match_head(self, class_name: str, base_class_name: str | None = None) -> HeadSpec | None:
         """The head for model class ``class_name``, or None.
@@ -166,12 +173,13 @@ def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, 
 
 
 # Fields of a recipe, by TOML section: the top level, each [[stacks]] table, each [heads.<Suffix>] table.
-_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions"}
+_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions", "tp"}
 _TOP_REQUIRED = ("model_types", "glue", "stacks", "heads")
 _STACK_FIELDS = {"name", "blocks", "embed", "final", "every_stage", "halves"}
 _STACK_REQUIRED = ("name", "blocks")
 _HEAD_FIELDS = {"modules", "outputs", "output_class", "loss", "pool", "split_last_dim", "choices", "stacks"}
 _HEAD_REQUIRED = ("modules", "outputs", "output_class")
+_TP_FIELDS = {"plan", "local", "divides"}
 
 
 def _check_table(source: str, where: str, raw: dict[str, Any], allowed: set[str], required: tuple[str, ...]) -> None:
@@ -269,6 +277,23 @@ def _parse_tied(data: dict[str, Any], source: str) -> tuple[tuple[str, ...], ...
     return tuple(_str_list(source, f"tied.groups[{i}]", g) for i, g in enumerate(groups))
 
 
+def _parse_tp(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``[tp]`` table: ``plan`` (module pattern -> style), ``local`` (module pattern -> attributes
+    divided by tp_size) and ``divides`` (config fields tp_size must divide). Styles are checked where
+    the plan is used (:func:`hf_pipeline.planning.tp_plan.tp_plan`), with the caller's plans."""
+    raw = _expect(source, "tp", data.get("tp", {}), dict)
+    _check_table(source, "tp", raw, _TP_FIELDS, ())
+    plan = _expect(source, "tp.plan", raw.get("plan", {}), dict)
+    for key, style in plan.items():
+        _expect(source, f"tp.plan.{key!r}", style, str)
+    local = _expect(source, "tp.local", raw.get("local", {}), dict)
+    return {
+        "tp_plan": tuple(plan.items()),
+        "tp_local": tuple((k, _str_list(source, f"tp.local.{k!r}", v)) for k, v in local.items()),
+        "tp_divides": _str_list(source, "tp.divides", raw.get("divides", [])),
+    }
+
+
 def _parse(data: dict[str, Any], source: str) -> Recipe:
     top = _parse_top(data, source)
     raw_stacks = _expect(source, "stacks", data["stacks"], list)
@@ -280,7 +305,9 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
         suffix: _parse_head(source, suffix, raw, stack_names)
         for suffix, raw in _expect(source, "heads", data["heads"], dict).items()
     }
-    return Recipe(source=source, stacks=stacks, heads=heads, tied=_parse_tied(data, source), **top)
+    return Recipe(
+        source=source, stacks=stacks, heads=heads, tied=_parse_tied(data, source), **top, **_parse_tp(data, source)
+    )
 
 
 def load_recipe(path: str | pathlib.Path) -> Recipe:

@@ -48,7 +48,7 @@ from .identity import pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
-from .tensor_parallel import apply_tensor_parallel, shard_parts
+from .tensor_parallel import apply_tensor_parallel, local_slice, shard_parts
 from .weights import CheckpointIndex, LoadReport, load_tensors, resolve_checkpoint
 
 __all__ = ["LoadedPipeline", "StageMaker", "load_pipeline", "wanted_tensors"]
@@ -202,8 +202,7 @@ def _load_stages(
     report.initialized = sorted(n for n in fresh if n in local_names)
     tensors.update({n: fresh[n] for n in report.initialized})
     for n in set(report.initialized) & set(parts):  # drawn whole, as transformers draws them: keep the slice
-        dim, i, count = parts[n]
-        tensors[n] = tensors[n].chunk(count, dim)[i].clone()
+        tensors[n] = local_slice(tensors[n], parts[n])
     del fresh
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)

@@ -135,7 +135,7 @@ def load_tensors(
     progress: bool = False,
     floating: Collection[str] = (),
     unexpected_hint: str = _IGNORE_HINT,
-    parts: Mapping[str, tuple[int, int, int]] | None = None,
+    parts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Read one stage's tensors, opening only the shards that hold them.
 
@@ -158,7 +158,8 @@ def load_tensors(
             being kept in its stored dtype.
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
         parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` equal parts
-            along ``dim`` (a tensor-parallel rank's slice); the header is checked against the whole shape.
+            along ``dim`` (a tensor-parallel rank's slice); ``(dim, index, count, packs)``: that part of each
+            of ``packs`` equal blocks, side by side (a packed tensor); the header is checked against the whole shape.
 
     Returns:
         (stage name -> tensor, :class:`LoadReport`). Names served by one checkpoint key share one tensor.
@@ -253,16 +254,20 @@ class _TensorPlan:
     shape: tuple[int, ...]
     stored: torch.dtype
     target: torch.dtype
-    part: tuple[int, int, int] | None = None  # (dim > 0, first, length): keep only these along dim
+    # (dim, ((first, length), ...)): keep only these ranges along dim (one per block of a packed tensor)
+    part: tuple[int, tuple[tuple[int, int], ...]] | None = None
 
 
-def _part_plan(t: _TensorPlan, part: tuple[int, int, int]) -> _TensorPlan:
-    """``t`` narrowed to part ``index`` of ``count`` along ``dim``: along dim 0 a contiguous byte range
-    (only it is read); along a later dim the reader streams the rows and keeps the slice."""
-    dim, index, count = part
-    length = t.shape[dim] // count
-    if dim > 0:
-        return dataclasses.replace(t, part=(dim, index * length, length))
+def _part_plan(t: _TensorPlan, part: tuple[int, ...]) -> _TensorPlan:
+    """``t`` narrowed to part ``index`` of ``count`` along ``dim`` (of each of its ``packs`` blocks when the
+    part says ``(dim, index, count, packs)``): along dim 0 one part is a contiguous byte range (only it
+    is read); otherwise the reader streams the rows and keeps the slices."""
+    dim, index, count, *rest = part
+    packs = rest[0] if rest else 1
+    length = t.shape[dim] // (count * packs)
+    if dim > 0 or packs > 1:
+        ranges = tuple(((p * count + index) * length, length) for p in range(packs))
+        return dataclasses.replace(t, part=(dim, ranges))
     row = t.nbytes // t.shape[0] if t.shape[0] else 0
     return dataclasses.replace(
         t, offset=t.offset + index * length * row, nbytes=length * row, shape=(length, *t.shape[1:])
@@ -272,7 +277,7 @@ def _part_plan(t: _TensorPlan, part: tuple[int, int, int]) -> _TensorPlan:
 def _plan_shard(
     index: CheckpointIndex, shard: str, keys: list[str], by_key: Mapping[str, list[str]], wanted: Mapping,
     floating: Collection[str] = (),
-    parts: Mapping[str, tuple[int, int, int]] = {},  # noqa: B006 - read only
+    parts: Mapping[str, tuple[int, ...]] = {},  # noqa: B006 - read only
     *, seen: dict[pathlib.Path, FileStamp | None] | None = None,
 ) -> list[_TensorPlan]:
     """Check one shard's header against what is wanted from it; what to read, in file order.
@@ -407,7 +412,8 @@ class _TensorReader:
     def _read_part(self, f, t: _TensorPlan) -> torch.Tensor:
         """The slice ``t.part`` of a tensor along a dim > 0: whole outer rows streamed through the bounce
         buffer, each keeping its slice, so the extra memory stays one chunk."""
-        dim, first, length = t.part
+        dim, ranges = t.part
+        length = sum(n for _, n in ranges)
         outer = math.prod(t.shape[:dim])
         row = t.shape[dim:]  # one outer row, contiguous in the file
         row_bytes = math.prod(row) * t.stored.itemsize
@@ -421,7 +427,10 @@ class _TensorReader:
             chunk = bounce[:size] if size <= len(bounce) else torch.empty(size, dtype=torch.uint8)  # a row > _CHUNK
             _readinto(f, t.offset + o * row_bytes, _as_bytes(chunk))
             rows = _from_little_endian(chunk.view(t.stored)).view(n, row[0], -1)
-            flat_out[o : o + n].copy_(rows[:, first : first + length])
+            at = 0
+            for first, width in ranges:
+                flat_out[o : o + n, at : at + width].copy_(rows[:, first : first + width])
+                at += width
         return out
 
 

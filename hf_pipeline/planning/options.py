@@ -376,5 +376,5 @@ class PipelineOptions:
             traced=traced,
             schedule_note=note,
             tp_size=parallel.tp_size,
-            tp_plan=tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced),
+            tp_plan=tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=spec.name),
         )

@@ -26,8 +26,9 @@ from ..errors import InputError
 
 __all__ = ["TP_STYLES", "ParallelRequest", "parallel_request", "tp_plan"]
 
-# The styles of transformers' plans this version applies (torch's ColwiseParallel / RowwiseParallel).
-TP_STYLES = ("colwise", "rowwise")
+# The styles of transformers' plans this version applies (torch's ColwiseParallel / RowwiseParallel, and
+# packed colwise for fused weights: see planning/mesh_rules.parse_style).
+TP_STYLES = ("colwise", "rowwise", "packed_colwise")
 
 # DistributedConfig fields this version cannot honour, with what a value other than the default asks for.
 _UNSUPPORTED = {
@@ -132,41 +133,53 @@ def parallel_request(
     return ParallelRequest(tp_size=1 if tp_size is None else tp_size)
 
 
-def _check_divides(config, tp_size: int) -> None:
-    """``tp_size`` must divide every dimension a plan shards, named by its config field."""
+def _check_divides(config, tp_size: int, extra: tuple[str, ...] = ()) -> None:
+    """``tp_size`` must divide every dimension a plan shards, named by its config field (``extra``: the
+    family's own fields, from its recipe: GPT-2's ``n_inner``, T5's ``d_ff``)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", *extra):
         value = getattr(text, name, None)
         if isinstance(value, int) and value % tp_size:
+            kv = name == "num_key_value_heads"
             raise InputError(
                 f"tp_size={tp_size} does not divide config.{name}={value}: each tensor-parallel rank holds an equal "
-                f"share; choose a tp_size that divides it"
+                f"share{' (k/v projections replicated across ranks are not supported yet)' if kv else ''}; "
+                f"choose a tp_size that divides it"
             )
 
 
-def tp_plan(config, tp_size: int, *, override=None, traced: bool = False) -> tuple[tuple[str, str], ...]:
+def tp_plan(
+    config, tp_size: int, *, override=None, traced: bool = False, schedule: str | None = None
+) -> tuple[tuple[str, str], ...]:
     """``(module pattern, style)`` pairs sharding a stage over ``tp_size`` ranks (empty for 1).
 
     Patterns are module names, ``*`` standing for one block index, matched against the end of a
     stage's module names (``"layers.*.mlp.up_proj"`` matches ``model.layers.3.mlp.up_proj``), as the
-    config's ``base_model_tp_plan`` names modules of the base model.
+    config's ``base_model_tp_plan`` names modules of the base model. A family transformers has no
+    plan for (GPT-2, BERT, T5) takes its recipe's ``[tp] plan``.
 
     Args:
         config: the transformers config.
         tp_size: tensor-parallel ranks per stage.
-        override: the caller's plan (``DistributedConfig.tp_plan`` as pairs), else the config's.
+        override: the caller's plan (``DistributedConfig.tp_plan`` as pairs), else the config's or the recipe's.
         traced: the stages come from the tracer, which has no module names to shard.
+        schedule: the pipeline schedule's name, checked against the schedules tensor parallelism runs.
 
     Raises:
-        InputError: no plan for the family, a style this version does not apply, or ``tp_size``
-            not dividing the heads / kv heads / MLP width (naming the config field).
+        InputError: no plan for the family, a style this version does not apply, a schedule that cannot
+            run tensor-parallel stages, or ``tp_size`` not dividing the heads / kv heads / MLP width
+            (naming the config field).
     """
     if tp_size == 1:
         return ()
+    from ..families.recipe import list_recipes
+    from .mesh_rules import check_tp_schedule, parse_style
+
     family = getattr(config, "model_type", type(config).__name__)
+    recipe = list_recipes().get(family)
     plan = dict(override) if override else None
     if plan is None:
-        base = getattr(config, "base_model_tp_plan", None)
+        base = getattr(config, "base_model_tp_plan", None) or (dict(recipe.tp_plan) if recipe is not None else None)
         if traced or not base:
             raise InputError(
                 f"tp_size={tp_size}: the {family} family has no tensor-parallel plan (transformers' "
@@ -174,8 +187,13 @@ def tp_plan(config, tp_size: int, *, override=None, traced: bool = False) -> tup
                 f"distributed_config=DistributedConfig(tp_size=..., tp_plan={{module: 'colwise' | 'rowwise'}})"
             )
         plan = dict(base)
-    bad = {k: v for k, v in plan.items() if v not in TP_STYLES}
+    bad = {k: v for k, v in plan.items() if parse_style(v) is None}
     if bad:
-        raise InputError(f"tp_plan styles {bad} are not supported with pipeline=True; use one of {list(TP_STYLES)}")
-    _check_divides(config, tp_size)
+        raise InputError(
+            f"tp_plan styles {bad} are not supported with pipeline=True; use one of ['colwise', 'rowwise', "
+            f"'packed_colwise', 'packed_colwise:K' (K blocks side by side, each sharded)]"
+        )
+    if schedule is not None:
+        check_tp_schedule(schedule, tp_size)
+    _check_divides(config, tp_size, recipe.tp_divides if recipe is not None else ())
     return tuple(sorted(plan.items()))

@@ -1,0 +1,75 @@
+"""Which mesh dims go with which families and schedules, as data.
+
+Tensor parallelism inside a stage needs a plan naming the modules to shard: the config's
+``base_model_tp_plan`` (transformers has one for LLaMA, Mistral, Qwen2) or, for a family transformers
+has none for, its recipe's ``[tp]`` table (GPT-2, BERT, T5). Every schedule runs tensor-parallel stages
+except those in :data:`TP_REFUSED_SCHEDULES`, each with the reason it is refused.
+
+Example:
+    >>> tp_plan_source(gpt2_config)
+    'recipe'
+    >>> check_tp_schedule("zbv-zero-bubble", 2)   # raises InputError naming the schedule, or passes
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import InputError
+from ..families.recipe import list_recipes
+
+__all__ = ["TP_REFUSED_SCHEDULES", "check_tp_schedule", "parse_style", "tp_families", "tp_plan_source"]
+
+# Schedules a tensor-parallel stage cannot run, with why (every other schedule of planning/schedules.py
+# runs them: gpipe, 1f1b, interleaved-1f1b and looped-bfs train equal to transformers on the tiny
+# LLaMA at pp2 x tp2).
+TP_REFUSED_SCHEDULES: dict[str, str] = {}
+
+
+def parse_style(style: str) -> tuple[str, int] | None:
+    """A plan style as ``(kind, packs)``: ``"colwise"`` / ``"rowwise"`` (one block), ``"packed_colwise"``
+    (transformers' two blocks side by side, each sharded) or ``"packed_colwise:K"`` (K blocks: GPT-2's
+    fused q, k, v is ``"packed_colwise:3"``). None for a style this version does not apply."""
+    if style in ("colwise", "rowwise"):
+        return style, 1
+    match = re.fullmatch(r"packed_colwise(?::(\d+))?", style)
+    if match is None or (match.group(1) is not None and int(match.group(1)) < 2):
+        return None
+    return "colwise", int(match.group(1) or 2)
+
+
+def tp_plan_source(config) -> str | None:
+    """Where ``config``'s tensor-parallel plan comes from: ``"config"`` (its ``base_model_tp_plan``),
+    ``"recipe"`` (its recipe's ``[tp]`` table) or None (no plan: tensor parallelism is refused)."""
+    if getattr(config, "base_model_tp_plan", None):
+        return "config"
+    recipe = list_recipes().get(getattr(config, "model_type", None))
+    return "recipe" if recipe is not None and recipe.tp_plan else None
+
+
+def tp_families() -> dict[str, str]:
+    """``model_type`` -> where its plan comes from, for every family with a recipe that tensor parallelism can shard."""
+    from transformers import AutoConfig
+
+    out = {}
+    for model_type in sorted(list_recipes()):
+        source = tp_plan_source(AutoConfig.for_model(model_type))
+        if source is not None:
+            out[model_type] = source
+    return out
+
+
+def check_tp_schedule(schedule: str, tp_size: int) -> None:
+    """Raise :class:`InputError` if ``schedule`` cannot run tensor-parallel stages (``tp_size`` > 1)."""
+    if tp_size > 1 and schedule in TP_REFUSED_SCHEDULES:
+        allowed = ", ".join(repr(s) for s in _schedules() if s not in TP_REFUSED_SCHEDULES)
+        raise InputError(
+            f"schedule={schedule!r} with tp_size={tp_size}: {TP_REFUSED_SCHEDULES[schedule]}; use one of {allowed}, "
+            f"or tp_size=1"
+        )
+
+
+def _schedules() -> list[str]:
+    from .schedules import SCHEDULES
+
+    return list(SCHEDULES)
