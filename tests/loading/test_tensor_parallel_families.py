@@ -39,8 +39,9 @@ NO_DROPOUT = {
 
 
 def _case(path, arch, save_dir):
-    import hf_pipeline
     from transformers.distributed import DistributedConfig
+
+    import hf_pipeline
 
     auto = getattr(hf_pipeline, tiny.AUTO[arch])
     model = auto.from_pretrained(
