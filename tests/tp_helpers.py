@@ -31,12 +31,12 @@ def _prompt(arch: str) -> dict[str, torch.Tensor]:
     return prompt
 
 
-def exercise(model, arch: str, *, pipelined: bool, generate: bool = True) -> dict:
-    """Logits of a padded batch, greedy tokens (``generate``), then ``STEPS`` AdamW steps with the
-    gradients clipped to norm 1: losses, norms and every parameter after them, by checkpoint key."""
+def exercise(model, arch: str, *, pipelined: bool, generate: bool = True, rows: int = 3) -> dict:
+    """Logits of a padded batch of ``rows``, greedy tokens (``generate``), then ``STEPS`` AdamW steps with
+    the gradients clipped to norm 1: losses, norms and every parameter after them, by checkpoint key."""
     out = {}
     with torch.no_grad():
-        out["logits"] = model(**tiny.sample_inputs(arch, batch=3, seq=9)).logits
+        out["logits"] = model(**tiny.sample_inputs(arch, batch=rows, seq=9)).logits
     if generate:
         out["tokens"] = model.generate(**_prompt(arch), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     model.train()

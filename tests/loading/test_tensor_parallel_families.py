@@ -30,6 +30,12 @@ from tp_helpers import compare, exercise
 pytestmark = pytest.mark.dist
 
 ARCHS = ("gpt2", "bert", "t5")
+# T5's decoder cut after its block 0: the second stage starts mid-stack and computes the position bias
+# from its replica of block 0's relative attention bias, sharded by heads too.
+KWARGS = {"gpt2": {}, "bert": {}, "t5": {"split": ["decoder.block.1"]}}
+# A zero-bubble schedule (its backward split into input and weight gradients) on the tiny LLaMA: every
+# schedule runs tensor-parallel stages (planning/mesh_rules.py), this one is the least like the others.
+ZERO_BUBBLE = {"schedule": "zbv-zero-bubble", "virtual_stages": 2, "n_microbatches": 4}
 # No dropout, so that a training step is deterministic on both sides.
 NO_DROPOUT = {
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
@@ -38,15 +44,15 @@ NO_DROPOUT = {
 }
 
 
-def _case(path, arch, save_dir):
+def _case(path, arch, save_dir, kwargs):
     from transformers.distributed import DistributedConfig
 
     import hf_pipeline
 
     auto = getattr(hf_pipeline, tiny.AUTO[arch])
+    kwargs = {"n_microbatches": 2, **kwargs}
     model = auto.from_pretrained(
-        path, pipeline=True, device="cpu", distributed_config=DistributedConfig(pp_size=2, tp_size=2),
-        n_microbatches=2,
+        path, pipeline=True, device="cpu", distributed_config=DistributedConfig(pp_size=2, tp_size=2), **kwargs
     )
     res = {"tp": model.dims.tp_size, "pp": model.dims.pp_size}
     if arch == "gpt2":  # what a rank holds of the fused q, k, v and what its attention counts
@@ -57,8 +63,9 @@ def _case(path, arch, save_dir):
         res["c_attn_slice"] = attn.c_attn.weight.to_local().clone()
         res["c_attn_key"] = model.param_layout.key_of.get(name + ".weight", name + ".weight")
         res["split_size"], res["num_heads"] = attn.split_size, attn.num_heads
-    res.update(exercise(model, arch, pipelined=True, generate=arch != "bert"))
-    model.save_pretrained(save_dir, max_shard_size="50KB")
+    res.update(exercise(model, arch, pipelined=True, generate=arch not in ("bert", "llama"), rows=4))
+    if save_dir is not None:
+        model.save_pretrained(save_dir, max_shard_size="50KB")
     return res
 
 
@@ -73,7 +80,8 @@ def _job(cases):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tpfam")
-    return {a: str(tiny.make_checkpoint(root / a, a, **NO_DROPOUT[a])) for a in ARCHS}
+    out = {a: str(tiny.make_checkpoint(root / a, a, **NO_DROPOUT[a])) for a in ARCHS}
+    return {**out, "llama": str(tiny.make_checkpoint(root / "llama", "llama"))}
 
 
 @pytest.mark.slow
@@ -81,10 +89,15 @@ def test_gpt2_bert_t5_at_pp2_by_tp2_equal_transformers_and_save_one_checkpoint(c
     import transformers
 
     saved = {a: str(tmp_path / f"saved-{a}") for a in ARCHS}
-    per_rank = run_distributed(_job, 4, [(checkpoints[a], a, saved[a]) for a in ARCHS], timeout=600)
+    cases = [(checkpoints[a], a, saved[a], KWARGS[a]) for a in ARCHS]
+    per_rank = run_distributed(_job, 4, [*cases, (checkpoints["llama"], "llama", None, ZERO_BUBBLE)], timeout=600)
+    llama = tiny.reference(checkpoints["llama"], "AutoModelForCausalLM")
+    ref = exercise(llama, "llama", pipelined=False, generate=False, rows=4)
+    for res in per_rank:
+        compare(f"llama zbv-zero-bubble pp2 x tp2 rank {res[-1]}", res[len(ARCHS)], ref)
     for i, arch in enumerate(ARCHS):
         ref_model = tiny.reference(checkpoints[arch], tiny.AUTO[arch])
-        ref = exercise(ref_model, arch, pipelined=False, generate=arch != "bert")
+        ref = exercise(ref_model, arch, pipelined=False, generate=arch != "bert", rows=4)
         for res in per_rank:
             rank, case = res[-1], res[i]
             assert (case["tp"], case["pp"]) == (2, 2), f"{arch}: mesh {case['tp']} {case['pp']}"
