@@ -59,6 +59,11 @@ def _case(path, arch, save_dir, kwargs):
         stage = model.stages[0]
         name = next(n for n, _ in stage.named_modules() if n.endswith("attn.c_attn"))
         attn = stage.get_submodule(name.rpartition(".")[0])
+        from hf_pipeline.loading.tensor_parallel import local_part, whole_tensor
+
+        weight = attn.c_attn.weight
+        res["c_attn_whole"] = whole_tensor(weight)  # gathered back to the checkpoint's layout
+        res["c_attn_part"] = torch.equal(local_part(res["c_attn_whole"], weight), weight.to_local())
         res["c_attn_local"] = tuple(attn.c_attn.weight.to_local().shape)
         res["c_attn_slice"] = attn.c_attn.weight.to_local().clone()
         res["c_attn_key"] = model.param_layout.key_of.get(name + ".weight", name + ".weight")
@@ -108,6 +113,7 @@ def test_gpt2_bert_t5_at_pp2_by_tp2_equal_transformers_and_save_one_checkpoint(c
                 whole = tiny.reference(checkpoints[arch], tiny.AUTO[arch]).get_parameter(case["c_attn_key"])
                 want = torch.cat([third.chunk(2, 1)[rank % 2] for third in whole.detach().chunk(3, 1)], 1)
                 assert torch.equal(case["c_attn_slice"], want), f"rank {rank} holds the wrong columns of c_attn"
+                assert torch.equal(case["c_attn_whole"], whole.detach()) and case["c_attn_part"], f"rank {rank}"
         # One normal HF checkpoint: plain transformers loads it and holds the trained parameters.
         back = getattr(transformers, tiny.AUTO[arch]).from_pretrained(saved[arch], dtype=torch.float32)
         trained = {**per_rank[0][i]["params"], **per_rank[2][i]["params"]}  # pipeline ranks 0 and 1 at tp rank 0
