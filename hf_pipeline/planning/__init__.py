@@ -4,8 +4,9 @@ Lives here: :mod:`.options` (the one place defaults and checks of a pipelined mo
 live), :mod:`.schedules` (torch's schedules as validated data and their rules), :mod:`.actions`
 (each rank's action list, the backward-fusing rewrite), :mod:`.simulate` (the step simulator),
 :mod:`.resolve` (a recipe resolved on the meta model, module costs), :mod:`.partition` (where to
-cut a row of costs), :mod:`.plan` (the stage plan and ``make_plan``) and :mod:`.layout` (where
-every checkpoint key lives under a plan).
+cut a row of costs), :mod:`.plan` (the stage plan and ``make_plan``), :mod:`.layout` (where
+every checkpoint key lives under a plan), :mod:`.tp_plan` (tensor-parallel requests and plans) and
+:mod:`.mesh_rules` (which families and schedules go with tensor parallelism, as data).
 
 May import: the base modules, :mod:`hf_pipeline.distributed` and :mod:`hf_pipeline.families`.
 Nothing here reads weights or communicates.

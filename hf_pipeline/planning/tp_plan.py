@@ -4,9 +4,9 @@ Three ways to ask, as transformers' ``from_pretrained`` takes them: ``tp_size=``
 ``distributed_config=DistributedConfig(pp_size=..., tp_size=...)`` (transformers' own class) and
 ``device_mesh=`` (a torch ``DeviceMesh`` with dims named ``"pp"``, ``"tp"`` and optionally ``"dp"``).
 :func:`parallel_request` turns any of them into one :class:`ParallelRequest`; :func:`tp_plan` gives
-the module patterns and styles (``"colwise"`` / ``"rowwise"``) that shard a stage, from the
-config's ``base_model_tp_plan`` (LLaMA, Mistral, Qwen2) or the caller's ``tp_plan``, after checking
-that ``tp_size`` divides the heads.
+the module patterns and styles (``"colwise"`` / ``"rowwise"`` / ``"packed_colwise[:K]"``) that shard
+a stage, from the config's ``base_model_tp_plan`` (LLaMA, Mistral, Qwen2), the recipe's ``[tp]`` plan
+(GPT-2, BERT, T5) or the caller's ``tp_plan``, after checking that ``tp_size`` divides the heads.
 
 Example:
     >>> dc = DistributedConfig(pp_size=2, tp_size=2)
