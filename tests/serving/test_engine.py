@@ -49,7 +49,7 @@ def _run(engine: Engine, handles: list[Handle]) -> None:
 
 def test_greedy_requests_batched_together_equal_each_alone(bundled):
     tok, model, ref = bundled
-    engine = Engine(model, tok, max_batch=8)
+    engine = Engine(model, tok, max_batch=8, batching="static")
     lengths = [12, 5, 12, 20]
     handles = [engine.submit(CompletionRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=m))
                for p, m in zip(PROMPTS, lengths)]
@@ -72,9 +72,10 @@ def test_greedy_requests_batched_together_equal_each_alone(bundled):
     assert streamed[-1].finish_reason == handles[3].result()[0].finish_reason
 
 
-def test_stop_strings_ids_seeds_and_cancellation(bundled):
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_stop_strings_ids_seeds_and_cancellation(bundled, batching):
     tok, model, ref = bundled
-    engine = Engine(model, tok, max_batch=8)
+    engine = Engine(model, tok, max_batch=8, batching=batching)
     ids = tok(PROMPTS[0])["input_ids"]
     full = _alone(ref, ids, 12)
     text = tok.decode(full, skip_special_tokens=True)
@@ -97,7 +98,9 @@ def test_stop_strings_ids_seeds_and_cancellation(bundled):
     assert [c.token_ids for c in a] == [r[: r.index(2)] if 2 in r else r for r in rows[:, len(ids):].tolist()]
     assert a[0].token_ids != a[1].token_ids
     assert cancelled.result()[0].finish_reason == "cancelled" and cancelled.result()[0].token_ids == []
-    assert engine.rounds == 4  # string-stop, id-stop and each seeded request: four calls; the cancelled one none
+    # Static: string-stop, id-stop and each seeded request: four calls; the cancelled one none. Continuous:
+    # one ring session, each row with its own stop criteria and generator.
+    assert engine.rounds == (4 if batching == "static" else 1)
 
 
 def test_batcher_groups_only_what_one_generate_call_can_serve():
