@@ -201,6 +201,7 @@ class ContinuousRing:
                     return
                 t += 1
         finally:
+            self._observe()
             for work, _ in self._sends:
                 work.wait()
             self._sends.clear()
@@ -365,6 +366,7 @@ class ContinuousRing:
                 a.values = torch.cat([_left_pad(a.values, grow_old, 2), _left_pad(b.values, grow_new, 2)])
         g.mask = torch.cat([_left_pad(g.mask, grow_old, 1), _left_pad(mask, grow_new, 1)])
         g.next_pos = torch.cat([g.next_pos, lengths])
+        self._observe()
         return out
 
     # ------------------------------------------------------------ last stage: tokens

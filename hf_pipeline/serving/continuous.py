@@ -78,6 +78,7 @@ class RingFeeder:
         self.engine, self.capacity, self.writer = engine, capacity, writer
         self.pending: deque[tuple[Handle, int, int | None]] = deque()  # (handle, choice index, seed) not yet in
         self.live: dict[int, tuple[Handle, int, Any]] = {}  # slot -> (handle, choice index, writer)
+        self.peak_rows = 0  # the most rows in flight at once (the pool bounds it)
 
     def _pull(self) -> None:
         """Move the oldest live queued request's choices to ``pending`` (under the engine's lock)."""
@@ -108,6 +109,7 @@ class RingFeeder:
             self.live[slot] = (handle, k, self.writer(handle, k, self.engine.tokenizer, stop_ids))
             rows.append(NewRow(slot=slot, prompt=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
                                temperature=req.temperature, top_p=req.top_p, seed=seed, index=k))
+        self.peak_rows = max(self.peak_rows, len(self.live))
         return rows
 
     def deliver(self, slot: int, token: int) -> bool:

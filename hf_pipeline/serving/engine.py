@@ -154,6 +154,8 @@ class Engine:
         self.pool = pool_rows(model, max_batch=max_batch, kv_cache_bytes=kv_cache_bytes, context=context)
         self.decode_steps = 0
         self.forwards = 0  # continuous: this rank's stage forward calls
+        self.peak_cache_bytes = 0  # continuous: the largest KV cache this rank held (the pool bounds it)
+        self.peak_rows = 0  # continuous, rank 0: the most rows in flight at once
         self.context, self.max_queue, self.idle_s = context, max_queue, idle_s
         self.eos = _eos_ids(model)
         pad = generation_config(model).pad_token_id
@@ -340,3 +342,6 @@ class Engine:
             self.running = []
         self.decode_steps += broadcast_json(self.ctx, ring.steps if self.ctx.rank == 0 else None)
         self.forwards += ring.forwards
+        self.peak_cache_bytes = max(self.peak_cache_bytes, ring.peak_cache_bytes)
+        if feeder is not None:
+            self.peak_rows = max(self.peak_rows, feeder.peak_rows)

@@ -1,9 +1,11 @@
-"""Continuous batching across ranks: a stream of requests with different prompts, limits, stop criteria and
-arrival times (later ones submitted while earlier ones decode) on LLaMA (GQA) and GPT-2, at 2 and 3 ranks.
-Every greedy request against transformers' ``generate`` of it alone; a seeded sampled request alone and
-inside the busy stream against the model's own seeded ``generate``; per-request stop strings and stop ids;
-a KV pool too small for the stream (requests wait, all are served, the cache stays within the pool); and
-fewer ring steps than static rounds of the same stream need (rows really join as others leave)."""
+"""Continuous batching across 3 ranks (one spawn; 2 ranks run it in ``test_server.py``, one process in
+``test_engine.py``): a stream of requests with different prompts, limits, stop criteria and arrival times
+(later ones submitted while earlier ones decode) on LLaMA (GQA) and GPT-2. Every greedy request against
+transformers' ``generate`` of it alone; a seeded sampled request alone and inside the busy stream against
+the model's own seeded ``generate``; per-request stop strings and stop ids; a KV pool too small for the
+stream (requests wait, all are served, never more rows than the pool); fewer ring steps than static rounds
+of the same stream need (rows really join as others leave); and a failure inside the ring fails the
+requests in flight, naming the stage, and the engine serves the next one."""
 
 from __future__ import annotations
 
@@ -38,11 +40,14 @@ def _serve(path: str, text: str, requests: list[dict], late: int, pool_rows: int
     tok = tiny.word_tokenizer(__import__("pathlib").Path(text))
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
     budget = None if pool_rows is None else pool_rows * row_kv_bytes(model, model.config.max_position_embeddings)
-    out: dict = {}
-    for batching in ("continuous", "static"):
-        engine = Engine(model, tok, max_batch=4, batching=batching, kv_cache_bytes=budget, idle_s=0.05)
+    out: dict = {"budget": budget}
+    pool = 4 if pool_rows is None else pool_rows
+    for batching in ("continuous", "static"):  # static rounds as wide as the continuous pool
+        engine = Engine(model, tok, max_batch=4 if batching == "continuous" else pool, batching=batching,
+                        kv_cache_bytes=budget if batching == "continuous" else None, idle_s=0.05)
         if model.ctx.rank != 0:
             engine.serve_forever()
+            out[batching] = {"peak": engine.peak_cache_bytes}
             continue
 
         def client(engine=engine, batching=batching):
@@ -64,12 +69,51 @@ def _serve(path: str, text: str, requests: list[dict], late: int, pool_rows: int
         engine.serve_forever()
         thread.join(timeout=60)
         out[batching].update(steps=engine.decode_steps, rounds=engine.rounds, mode=engine.batching, pool=engine.pool,
-                             seconds=time.perf_counter() - start)
-    return out if model.ctx.rank == 0 else None
+                             seconds=time.perf_counter() - start, peak=engine.peak_cache_bytes,
+                             peak_rows=engine.peak_rows)
+    return out
+
+
+def _fail_once(path: str) -> dict:
+    """Every rank: the last stage's token choice raises once; the requests in flight fail, the next is served."""
+    import hf_pipeline
+    from hf_pipeline.errors import InputError
+    from hf_pipeline.generation.continuous import ContinuousRing
+    from hf_pipeline.serving import CompletionRequest, Engine
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
+    engine, choose, calls = Engine(model, max_batch=4, idle_s=0.05), ContinuousRing._choose, []
+
+    def broken(ring, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise InputError("a logits processor failed")
+        return choose(ring, *args)
+
+    ContinuousRing._choose = broken
+    out: dict = {}
+
+    def client():
+        failed = [engine.submit(CompletionRequest(prompt_ids=[5, 6, 7], max_new_tokens=8)) for _ in range(2)]
+        out["failed"] = [(h.result(timeout=60)[0].finish_reason, h.error) for h in failed]
+        out["after"] = engine.submit(CompletionRequest(prompt_ids=[5, 6, 7], max_new_tokens=8)).result(timeout=60)
+        engine.drain()
+
+    thread = threading.Thread(target=client, daemon=True) if model.ctx.rank == 0 else None
+    if thread is not None:
+        thread.start()
+    try:
+        engine.serve_forever()
+    finally:
+        ContinuousRing._choose = choose
+    if thread is not None:
+        thread.join(timeout=60)
+        out["after"] = [c.token_ids for c in out["after"]]
+    return out
 
 
 def _job(cases):
-    return [_serve(*c) for c in cases]
+    return [_serve(*c) for c in cases], _fail_once(cases[0][0])
 
 
 def _expected(ref, tok, req: dict) -> tuple[list[int], str, str]:
@@ -89,13 +133,12 @@ def _expected(ref, tok, req: dict) -> tuple[list[int], str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_continuous_stream_equals_each_request_alone(tmp_path, world):
+def test_continuous_stream_equals_each_request_alone_at_3_ranks(tmp_path):
     import hf_pipeline
 
     text = tiny.text_file(tmp_path / "words.txt")
     tok = tiny.word_tokenizer(text)
-    archs = ["llama", "gpt2"] if world == 2 else ["llama"]
+    archs = ["llama", "gpt2"]
     cases, refs = [], {}
     for arch in archs:
         path = tiny.make_checkpoint(tmp_path / arch, arch, shards=1)
@@ -110,13 +153,25 @@ def test_continuous_stream_equals_each_request_alone(tmp_path, world):
         refs[arch] = (ref, requests)
         # GPT-2: a pool of 3 full-context rows (fewer than max_batch=4): requests wait for room.
         cases.append((str(path), str(text), requests, 6, 3 if arch == "gpt2" else None))
-    per_rank = run_distributed(_job, world, cases, timeout=300)
-    assert all(r is None for rank in per_rank[1:] for r in rank)
+    per_rank = run_distributed(_job, 3, cases, timeout=300)
+    failure = per_rank[0][1]
+    assert [r for r, _ in failure["failed"]] == ["error", "error"], failure
+    assert all("stage 2" in e and "a logits processor failed" in e for _, e in failure["failed"]), failure
+    ids = [5, 6, 7]
+    full = refs["llama"][0].generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert failure["after"] == [full[: full.index(2)] if 2 in full else full]
+    per_rank = [r[0] for r in per_rank]
+    for arch, *ranks in zip(archs, *per_rank):
+        # Every rank held a cache, within the pool where it is bounded (3 full-context rows).
+        assert all(r["continuous"]["peak"] > 0 for r in ranks), arch
+        if ranks[0]["budget"] is not None:
+            assert all(r["continuous"]["peak"] <= r["budget"] for r in ranks), arch
     for arch, got in zip(archs, per_rank[0]):
         ref, requests = refs[arch]
         cont, static = got["continuous"], got["static"]
         assert cont["mode"] == "continuous" and static["mode"] == "static"
-        assert cont["pool"] == (3 if arch == "gpt2" else 4)
+        # The pool's rows were all used, never more: the rest waited in the queue.
+        assert cont["pool"] == cont["peak_rows"] == (3 if arch == "gpt2" else 4)
         for k, req in enumerate(requests[:-1]):
             tokens, text_, reason = _expected(ref, tok, req)
             (got_tokens, got_text, got_reason), = cont["choices"][k]
