@@ -119,6 +119,25 @@ def test_batcher_groups_only_what_one_generate_call_can_serve():
         "r0", "r2"]
 
 
+def test_continuous_engine_settings_are_checked(bundled):
+    from hf_pipeline.errors import InputError, UsageError
+    from hf_pipeline.serving.continuous import pool_rows, row_kv_bytes
+
+    tok, model, _ = bundled
+    engine = Engine(model, tok)
+    assert engine.batching == "continuous" and engine.static_reason is None and engine.pool == 8
+    with pytest.raises(InputError, match="batching"):
+        Engine(model, tok, batching="dynamic")
+    per_row = row_kv_bytes(model, 512)
+    # The bundled model's one stage holds every layer: 2 (K, V) x layers x KV heads x head dim x 4 bytes per token.
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert per_row == 512 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    assert pool_rows(model, max_batch=8, kv_cache_bytes=3 * per_row + 1, context=512) == 3
+    with pytest.raises(UsageError, match="kv_cache_bytes"):
+        Engine(model, tok, kv_cache_bytes=per_row - 1)
+
+
 def test_refusals_name_the_field(bundled):
     tok, model, _ = bundled
     engine = Engine(model, tok, max_queue=1)
