@@ -24,13 +24,15 @@ the row's merged ``GenerationConfig``) and, when sampling, its own generator see
 
 Note (protocol): between consecutive stages, per op: an int64 header ``(4 + group_size,)`` =
 ``[run (1) or stop (0), rows kept, rows joining, JSON bytes, slot ids in row order (kept, then
-joining), -1...]``; the joining rows as JSON (uint8; prompt and sampling parameters) when any; the
-kept rows' hidden states ``(kept, 1, hidden)``; the joining rows' ``(joining, longest prompt,
-hidden)``. Last stage -> stage 0, per run op: int64 ``(group_size,)``, the chosen token of each row
-in header order. Each directed pair of ranks carries one kind of message in one order, so plain
-blocking receives pair up on any backend. Stage 0 stops the ring when a whole step had no rows and
-its feeder has nothing queued: a stop header for every group of that step, which each stage passes
-on before leaving.
+joining), -1...]``; the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros past the kept
+rows; sent for a stop too); then, when rows join, their JSON (uint8; prompt and sampling parameters)
+and hidden states ``(joining, longest prompt, hidden)``. The two fixed-size messages are received
+ahead (posted once the previous op's messages are), the others when the header gives their size.
+Last stage -> stage 0, per run op: int64 ``(group_size,)``, the chosen token of each row in header
+order, received ahead from the moment stage 0 sends the op. Each directed pair of ranks carries one
+kind of message stream, in order, so the receives pair up on any backend. Stage 0 stops the ring
+when a whole step had no rows and its feeder has nothing queued: a stop header for every group of
+that step, which each stage passes on before leaving.
 
 Example (every rank; stage 0 passes the feeder):
     >>> ring = ContinuousRing(model, groups=2, group_size=4, feeder=feeder if model.ctx.rank == 0 else None)
@@ -171,6 +173,8 @@ class ContinuousRing:
         self.forwards = 0  # stage forward calls on this rank
         self.peak_cache_bytes = 0
         self._stopping = False  # stage 0: this step stops the ring
+        self._tokens_ahead: dict[int, tuple[Any, torch.Tensor]] = {}  # stage 0: token receives posted ahead
+        self._ahead: tuple = ()  # other stages: the next op's header and kept-row receives
         self._busy = False  # stage 0: some row ran in this step
 
     # ------------------------------------------------------------ messages
@@ -188,10 +192,22 @@ class ContinuousRing:
         dist.recv(buf, src=self._peer(stage), group=self.model.dims.pp_group)
         return buf
 
+    def _post(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[Any, torch.Tensor]:
+        # Posted ahead, in the order the peer sends: the message lands while this rank computes.
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return dist.irecv(buf, src=self._peer(stage), group=self.model.dims.pp_group), buf
+
+    def _post_next_op(self) -> None:
+        """Non-first stage: receive the next op's fixed-size messages (header, kept rows) ahead."""
+        self._ahead = (self._post((4 + self.group_size,), torch.long, self.index - 1),
+                       self._post((self.group_size, 1, self.hidden), self.dtype, self.index - 1))
+
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
         """Serve until stage 0 finds a whole step without rows and nothing queued (collective)."""
         t = 0
+        if not self.first:
+            self._post_next_op()
         try:
             while True:
                 stop = False
@@ -211,47 +227,68 @@ class ContinuousRing:
         if self.first:
             header, new = self._plan(i, t)
             payload = self._json(new) if new else None
+            kept = None
         else:
-            header = self._recv((4 + self.group_size,), torch.long, self.index - 1)
-            payload = self._recv((int(header[3]),), torch.uint8, self.index - 1) if int(header[3]) else None
+            header, kept, payload, new_in = self._take(i)
             new = [NewRow(**r) for r in json.loads(bytes(payload.tolist()))] if payload is not None else []
         if int(header[0]) == 0:
-            if not self.last:
-                self._send(header, self.index + 1)
+            self._pass_on(header, None, None, None)
             return False
         n_old = int(header[1])
         old_slots = [int(s) for s in header[4: 4 + n_old]]
         self._keep(self.state[i], old_slots)
-        old_in = new_in = None
-        if not self.first:
-            if n_old:
-                old_in = self._recv((n_old, 1, self.hidden), self.dtype, self.index - 1)
-            if new:
-                new_in = self._recv((len(new), max(len(r.prompt) for r in new), self.hidden), self.dtype,
-                                    self.index - 1)
+        if self.first:
+            old_in = torch.tensor([[self.last_token[s]] for s in old_slots], dtype=torch.long, device=self.device)
         else:
-            if n_old:
-                old_in = torch.tensor([[self.last_token[s]] for s in old_slots], dtype=torch.long, device=self.device)
+            old_in = kept[:n_old]
         old_out = self._decode(self.state[i], old_in) if n_old else None
-        new_out = self._prefill(self.state[i], new, new_in) if new else None
+        new_out = self._prefill(self.state[i], new, None if self.first else new_in) if new else None
         self.state[i].slots = old_slots + [r.slot for r in new]
         if self.last:
             self._choose(i, header, new, old_out, new_out)
         else:
-            self._send(header, self.index + 1)
-            if payload is not None:
-                self._send(payload, self.index + 1)
-            for out in (old_out, new_out):
-                if out is not None:
-                    self._send(out.to(self.dtype), self.index + 1)
+            self._pass_on(header, old_out, payload, new_out)
         return True
+
+    def _take(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Non-first stage: this op's header, kept rows' hidden states and, when rows join, their JSON and
+        hidden states (received now: their size is in the header); then the next op's receives go up."""
+        (hw, header), (kw, kept) = self._ahead
+        hw.wait()
+        kw.wait()
+        payload = new_in = None
+        if int(header[3]):
+            payload = self._recv((int(header[3]),), torch.uint8, self.index - 1)
+            rows = json.loads(bytes(payload.tolist()))
+            new_in = self._recv((len(rows), max(len(r["prompt"]) for r in rows), self.hidden), self.dtype,
+                                self.index - 1)
+        # After a stop only the other groups' stops follow; after the last group's, nothing.
+        if int(header[0]) == 1 or i < self.groups - 1:
+            self._post_next_op()
+        return header, kept, payload, new_in
+
+    def _pass_on(self, header: torch.Tensor, old_out, payload, new_out) -> None:
+        """To the next stage, in the order it receives: header, kept rows (always ``group_size`` of them,
+        zeros past the kept ones, so it can post the receive ahead), then the joining rows' JSON and states."""
+        if self.last:
+            return
+        kept = torch.zeros(self.group_size, 1, self.hidden, dtype=self.dtype, device=self.device)
+        if old_out is not None:
+            kept[: old_out.shape[0]] = old_out.to(self.dtype)
+        self._send(header, self.index + 1)
+        self._send(kept, self.index + 1)
+        if payload is not None:
+            self._send(payload, self.index + 1)
+            self._send(new_out.to(self.dtype), self.index + 1)
 
     # ------------------------------------------------------------ stage 0: who runs
     def _plan(self, i: int, t: int) -> tuple[torch.Tensor, list[NewRow]]:
         """Stage 0: take group ``i``'s tokens of the last step, let rows leave and join; the header."""
         if t > 0:
             if self.n_stages > 1:
-                tokens = self._recv((self.group_size,), torch.long, self.n_stages - 1).tolist()
+                work, buf = self._tokens_ahead.pop(i)
+                work.wait()
+                tokens = buf.tolist()
             else:
                 tokens = self.local_tokens.pop(i).tolist()
             kept = []
@@ -276,6 +313,8 @@ class ContinuousRing:
             raise InternalError("the feeder admitted a row into a slot that is not free")
         order = kept + [r.slot for r in new]
         self.sent[i] = order
+        if self.n_stages > 1:  # this run op's tokens come back: post the receive now, in op order
+            self._tokens_ahead[i] = self._post((self.group_size,), torch.long, self.n_stages - 1)
         payload = len(self._json(new)) if new else 0
         header[:4] = torch.tensor([1, len(kept), len(new), payload])
         header[4: 4 + len(order)] = torch.tensor(order, dtype=torch.long)
