@@ -102,7 +102,8 @@ class RingFeeder:
             if not self.pending:
                 break
             handle, k, seed = self.pending.popleft()
-            if handle.done:
+            if handle.done:  # cancelled while it waited for a slot
+                self._forget(handle)
                 continue
             req, slot = handle.request, free.pop(0)
             stop_ids = self.engine.eos | set(req.stop_token_ids)
