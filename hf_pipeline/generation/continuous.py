@@ -24,10 +24,11 @@ the row's merged ``GenerationConfig``) and, when sampling, its own generator see
 
 Note (protocol): between consecutive stages, per op: an int64 header ``(4 + group_size,)`` =
 ``[run (1) or stop (0), rows kept, rows joining, JSON bytes, slot ids in row order (kept, then
-joining), -1...]``; the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros past the kept
-rows; sent for a stop too); then, when rows join, their JSON (uint8; prompt and sampling parameters)
-and hidden states ``(joining, longest prompt, hidden)``. The two fixed-size messages are received
-ahead (posted once the previous op's messages are), the others when the header gives their size.
+joining), -1...]`` and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros past the kept
+rows; sent for a stop too), both as bytes in one uint8 message; then, when rows join, their JSON
+(uint8; prompt and sampling parameters) and hidden states ``(joining, longest prompt, hidden)``. The
+fixed-size message is received ahead (posted once the previous op's messages are), the others when
+the header gives their size.
 Last stage -> stage 0, per run op: int64 ``(group_size,)``, the chosen token of each row in header
 order, received ahead from the moment stage 0 sends the op. Each directed pair of ranks carries one
 kind of message stream, in order, so the receives pair up on any backend. Stage 0 stops the ring
@@ -197,10 +198,15 @@ class ContinuousRing:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         return dist.irecv(buf, src=self._peer(stage), group=self.model.dims.pp_group), buf
 
+    @property
+    def _op_bytes(self) -> tuple[int, int]:
+        """Bytes of an op's fixed message: the int64 header, then the kept rows' states."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 8 * (4 + self.group_size), self.group_size * self.hidden * itemsize
+
     def _post_next_op(self) -> None:
-        """Non-first stage: receive the next op's fixed-size messages (header, kept rows) ahead."""
-        self._ahead = (self._post((4 + self.group_size,), torch.long, self.index - 1),
-                       self._post((self.group_size, 1, self.hidden), self.dtype, self.index - 1))
+        """Non-first stage: receive the next op's fixed-size message (header and kept rows' states) ahead."""
+        self._ahead = self._post((sum(self._op_bytes),), torch.uint8, self.index - 1)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -253,9 +259,11 @@ class ContinuousRing:
     def _take(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Non-first stage: this op's header, kept rows' hidden states and, when rows join, their JSON and
         hidden states (received now: their size is in the header); then the next op's receives go up."""
-        (hw, header), (kw, kept) = self._ahead
-        hw.wait()
-        kw.wait()
+        work, buf = self._ahead
+        work.wait()
+        head = self._op_bytes[0]
+        header = buf[:head].view(torch.long)
+        kept = buf[head:].view(self.dtype).view(self.group_size, 1, self.hidden)
         payload = new_in = None
         if int(header[3]):
             payload = self._recv((int(header[3]),), torch.uint8, self.index - 1)
@@ -275,8 +283,8 @@ class ContinuousRing:
         kept = torch.zeros(self.group_size, 1, self.hidden, dtype=self.dtype, device=self.device)
         if old_out is not None:
             kept[: old_out.shape[0]] = old_out.to(self.dtype)
-        self._send(header, self.index + 1)
-        self._send(kept, self.index + 1)
+        # One message for both (the header as bytes, then the states' bytes): one hand-over per op, not two.
+        self._send(torch.cat([header.view(torch.uint8), kept.view(-1).view(torch.uint8)]), self.index + 1)
         if payload is not None:
             self._send(payload, self.index + 1)
             self._send(new_out.to(self.dtype), self.index + 1)
