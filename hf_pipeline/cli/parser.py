@@ -203,7 +203,8 @@ def _add_serve(sub) -> None:
         "serve",
         prog=f"{PROG} serve",
         help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a pipelined model",
-        description="Serve a pipelined causal LM over HTTP on rank 0 (OpenAI's API; static batches per round). "
+        description="Serve a pipelined causal LM over HTTP on rank 0 (OpenAI's API; continuous batching in the "
+        "decode ring, or static batches per round). "
         "SIGTERM drains the queue and stops every process.",
         formatter_class=_FORMAT,
     )
@@ -212,7 +213,15 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_positive, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass (default: the folder name)")
-    p.add_argument("--max-batch", type=_positive, default=8, help="rows per generate round at most (default 8)")
+    p.add_argument("--max-batch", type=_positive, default=8,
+                   help="rows in flight (continuous) or per generate round (static) at most (default 8)")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous: requests join the running decode ring as others finish; static: rounds of "
+                   "one generate call, each as long as its longest row (default continuous; models the ring "
+                   "does not serve, such as encoder-decoders or data-parallel replicas, run static rounds)")
+    p.add_argument("--kv-cache-mb", type=_positive, default=None,
+                   help="continuous: KV-cache memory per rank for the rows in flight; requests that do not fit "
+                   "wait in the queue (default: --max-batch rows)")
     p.add_argument("--max-queue", type=_positive, default=64,
                    help="queued requests at most; more are answered 429 (default 64)")
     p.add_argument("--request-timeout", type=_positive_float, default=600.0,

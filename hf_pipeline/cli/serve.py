@@ -34,6 +34,8 @@ def cmd_serve(args) -> int:
     tok = load_tokenizer(path)
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **load_kwargs(args))
     name = args.served_model_name or pathlib.Path(args.path or path).name
-    engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue)
+    budget = None if args.kv_cache_mb is None else args.kv_cache_mb * 2**20
+    engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, batching=args.batching,
+                    kv_cache_bytes=budget)
     serve(engine, tok, model_name=name, host=args.host, port=args.port, timeout_s=args.request_timeout)
     return 0

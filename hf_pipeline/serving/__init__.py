@@ -1,14 +1,17 @@
 """Serving: a request engine over the pipelined ``generate`` and an OpenAI-compatible HTTP API.
 
-Lives here: :mod:`.handles` (a request and the handle its tokens arrive on), :mod:`.scheduler`
-(which queued requests share a round: static batches today, the part continuous batching will
-replace), :mod:`.channel` (plans from rank 0 to every rank as JSON, tokens back to rank 0),
-:mod:`.engine` (the queue and the rounds, on every rank), :mod:`.protocol` (OpenAI request bodies
-checked and turned into requests) and :mod:`.server` (the FastAPI app and uvicorn on rank 0;
-FastAPI is imported only there (the CLI imports it when serving), so the engine needs no web stack).
+Lives here: :mod:`.handles` (a request and the handle its tokens arrive on), :mod:`.continuous`
+(rank 0's side of the continuous decode ring: the queue as its feeder, the slot pool),
+:mod:`.scheduler` (which queued requests share a static round), :mod:`.channel` (plans from rank 0
+to every rank as JSON, tokens back to rank 0), :mod:`.engine` (the queue and the rounds, on every
+rank), :mod:`.protocol` (OpenAI request bodies checked and turned into requests) and :mod:`.server`
+(the FastAPI app and uvicorn on rank 0; FastAPI is imported only there (the CLI imports it when
+serving), so the engine needs no web stack).
 
-May import: the base modules and every room below the model facade (``distributed`` up to ``tools``);
-it talks to the model only through its public methods (``generate``, ``config``, ``ctx``).
+May import: the base modules and every room below the model facade (``distributed`` up to ``tools``;
+the continuous ring itself is :mod:`hf_pipeline.generation.continuous`). It talks to the model through
+its public methods (``generate``, ``config``, ``ctx``), the ring through its stages and plan, and wraps
+a ring session in the model's failure spreading (``model._spreading_failures``) as ``generate`` is.
 """
 
 from .engine import Engine

@@ -1,10 +1,21 @@
-"""The serving engine: a request queue on rank 0, rounds of pipelined ``generate`` on every rank.
+"""The serving engine: a request queue on rank 0, continuous batching in the decode ring or static rounds.
 
-Every rank runs :meth:`Engine.serve_forever` (or :meth:`Engine.step` in a loop). Each round rank 0
-takes a batch from its queue (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its
-plan as JSON, and every rank runs the model's collective ``generate`` on it; the tokens stream back
-to rank 0 step by step (:class:`~hf_pipeline.serving.channel.TokenChannel`) into each request's
-:class:`~hf_pipeline.serving.handles.Handle`. When idle, rank 0 still broadcasts an empty plan every
+Every rank runs :meth:`Engine.serve_forever` (or :meth:`Engine.step` in a loop).
+
+``batching="continuous"`` (the default): when requests wait, rank 0 broadcasts a ``ring`` plan and
+every rank enters the long-lived decode ring of :mod:`hf_pipeline.generation.continuous`; requests
+join free slots between steps as others finish, each with its own prompt, ``max_new_tokens``, stop
+criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline.serving.handles.Handle`
+as they come (:mod:`.continuous` is rank 0's side). The ring ends once a whole step ran no row and
+nothing is queued. Models the ring does not serve fall back to static rounds (``engine.batching``
+then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models (T5), data-parallel
+replicas, tensor parallelism, several stages per rank and sliding-window caches.
+
+``batching="static"``: each round rank 0 takes a batch from its queue
+(:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its plan as JSON, and every rank
+runs the model's collective ``generate`` on it; the tokens stream back to rank 0 step by step
+(:class:`~hf_pipeline.serving.channel.TokenChannel`) into each request's handle; a round lasts as
+long as its longest row. When idle, rank 0 still broadcasts an empty plan every
 ``idle_s`` seconds, so the other ranks never sit in one collective longer than the process group's
 timeout. :meth:`Engine.drain` refuses new requests, serves the queued ones and then stops every rank.
 
@@ -30,10 +41,12 @@ from typing import Any
 
 import torch
 
-from ..errors import PipelineError, ServerBusy, ServingRequestError, UsageError
+from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
+from ..generation.continuous import ContinuousRing, continuous_refusal
 from ..log import get_logger
 from .channel import TokenChannel, broadcast_json
+from .continuous import RingFeeder, pool_rows
 from .handles import Choice, CompletionRequest, Handle
 from .scheduler import RoundPlan, StaticBatcher
 
@@ -107,9 +120,19 @@ class Engine:
     Args:
         model: a pipelined causal LM (``hf_pipeline.AutoModelForCausalLM.from_pretrained(..., pipeline=True)``).
         tokenizer: its tokenizer (text, stop strings); needed on every rank when requests use ``stop``.
-        max_batch: rows per round at most.
+        max_batch: rows in flight (continuous) or per round (static) at most.
         max_queue: queued requests at most; :meth:`submit` raises :class:`ServerBusy` beyond it.
         idle_s: how long rank 0 waits for a request before an empty round.
+        batching: ``"continuous"`` (rows join the running ring as others leave) or ``"static"`` (rounds
+            of one ``generate`` call each); models the ring does not serve run static rounds.
+        kv_cache_bytes: continuous only: KV-cache memory per rank for the slot pool; rows that would
+            not fit (a full-context row on the most loaded stage each) wait in the queue. None: ``max_batch``.
+
+    Attributes:
+        batching: the batching in use; ``static_reason`` says why static when continuous was asked for.
+        rounds: rounds run (static ``generate`` calls or continuous ring sessions), alike on every rank.
+        decode_steps: ring steps run over all rounds (static: each round's longest row; continuous:
+            steps in which some row ran), alike on every rank.
     """
 
     @property
@@ -117,10 +140,22 @@ class Engine:
         # Read from the model each time: after a failure inside a stage the model's groups are made afresh.
         return self.model.ctx
 
-    def __init__(self, model, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64, idle_s: float = 0.5):
+    def __init__(self, model, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64, idle_s: float = 0.5,
+                 batching: str = "continuous", kv_cache_bytes: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         context = getattr(model.config, "max_position_embeddings", None)
         self.batcher = StaticBatcher(max_rows=max_batch, context=context)
+        if batching not in ("continuous", "static"):
+            raise InputError(f"batching must be 'continuous' or 'static', got {batching!r}")
+        self.static_reason = continuous_refusal(model) if batching == "continuous" else None
+        self.batching = "static" if batching == "static" or self.static_reason else "continuous"
+        if self.static_reason:
+            log.info("serving in static rounds: %s", self.static_reason)
+        self.pool = pool_rows(model, max_batch=max_batch, kv_cache_bytes=kv_cache_bytes, context=context)
+        self.decode_steps = 0
+        self.forwards = 0  # continuous: this rank's stage forward calls
+        self.peak_cache_bytes = 0  # continuous: the largest KV cache this rank held (the pool bounds it)
+        self.peak_rows = 0  # continuous, rank 0: the most rows in flight at once
         self.context, self.max_queue, self.idle_s = context, max_queue, idle_s
         self.eos = _eos_ids(model)
         pad = generation_config(model).pad_token_id
@@ -184,8 +219,15 @@ class Engine:
     # -------------------------------------------------------------- every rank: rounds
     def _next_plan(self) -> dict[str, Any]:
         """Rank 0: the next round's plan (waits up to ``idle_s`` for a request)."""
+        if self.batching == "continuous":
+            with self._lock:
+                while self._queue and self._queue[0].done:
+                    self._queue.popleft()
+                batch = list(self._queue)[:1]
+            if batch:
+                return {"op": "ring"}
         with self._lock:
-            batch = self.batcher.take(self._queue)
+            batch = self.batcher.take(self._queue) if self.batching == "static" else []
         if not batch:
             if self.draining:
                 return {"op": "stop"}
@@ -206,6 +248,9 @@ class Engine:
         if msg["op"] == "error":
             self.stopped = True
             raise UsageError(msg["message"])
+        if msg["op"] == "ring":
+            self.rounds += 1
+            self._run_ring()
         if msg["op"] == "round":
             self.rounds += 1
             start = time.perf_counter()
@@ -259,8 +304,9 @@ class Engine:
         if channel is not None:
             channel.start_reader()
         try:
-            out = self.model.generate(input_ids=ids, attention_mask=mask, streamer=channel,
-                                      **self._generate_kwargs(plan))
+            out, stats = self.model.generate(input_ids=ids, attention_mask=mask, streamer=channel,
+                                             return_stats=True, **self._generate_kwargs(plan))
+            self.decode_steps += stats.steps
         except PipelineError as e:
             # Every rank raised the same error (generate agrees on its inputs first): fail the batch, serve on.
             out = None
@@ -274,3 +320,28 @@ class Engine:
             for w, row in zip(writers, out[:, width:].tolist()):
                 w.finish(row)
 
+
+    def _ring_shape(self) -> tuple[int, int]:
+        """(groups, slots per group): one group per stage fills the pipe; the pool's rows shared out."""
+        groups = self.model.plan.num_stages
+        return groups, -(-self.pool // groups)
+
+    def _run_ring(self) -> None:
+        """Every rank: the continuous ring until it runs dry; a failure inside it fails the requests it held."""
+        groups, size = self._ring_shape()
+        feeder = RingFeeder(self, self.pool, _ChoiceWriter) if self.ctx.rank == 0 else None
+        ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder)
+        try:
+            with self.model._spreading_failures("serving (continuous batching)"):
+                ring.run()
+        except PipelineError as e:
+            log.warning("the continuous ring failed: %s", e)
+            if feeder is not None:
+                feeder.fail_all(str(e))
+        finally:
+            self.running = []
+        self.decode_steps += broadcast_json(self.ctx, ring.steps if self.ctx.rank == 0 else None)
+        self.forwards += ring.forwards
+        self.peak_cache_bytes = max(self.peak_cache_bytes, ring.peak_cache_bytes)
+        if feeder is not None:
+            self.peak_rows = max(self.peak_rows, feeder.peak_rows)

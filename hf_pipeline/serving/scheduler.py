@@ -1,9 +1,9 @@
-"""Which queued requests run together: the static-batch scheduler of the serving engine.
+"""Which queued requests run together in static rounds (``Engine(..., batching="static")``).
 
-Today every round is one pipelined ``generate`` call over a static batch: the requests it takes
-start together and the round ends when its longest row ends. Continuous batching (rows joining and
-leaving the decode ring between tokens) will replace this module's :class:`StaticBatcher`; the
-engine asks it only for "the next batch" and the handles never see the difference.
+A static round is one pipelined ``generate`` call over a static batch: the requests it takes start
+together and the round ends when its longest row ends. The default, continuous batching (rows
+joining and leaving the decode ring between tokens, :mod:`.continuous`), needs no batches; static
+rounds also serve the models the ring does not (encoder-decoders, data-parallel replicas).
 
 A batch holds requests that can share one ``generate`` call:
   * the same sampling parameters (greedy, or the same temperature and top_p), the same stop strings

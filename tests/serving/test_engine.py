@@ -49,7 +49,7 @@ def _run(engine: Engine, handles: list[Handle]) -> None:
 
 def test_greedy_requests_batched_together_equal_each_alone(bundled):
     tok, model, ref = bundled
-    engine = Engine(model, tok, max_batch=8)
+    engine = Engine(model, tok, max_batch=8, batching="static")
     lengths = [12, 5, 12, 20]
     handles = [engine.submit(CompletionRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=m))
                for p, m in zip(PROMPTS, lengths)]
@@ -72,9 +72,10 @@ def test_greedy_requests_batched_together_equal_each_alone(bundled):
     assert streamed[-1].finish_reason == handles[3].result()[0].finish_reason
 
 
-def test_stop_strings_ids_seeds_and_cancellation(bundled):
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_stop_strings_ids_seeds_and_cancellation(bundled, batching):
     tok, model, ref = bundled
-    engine = Engine(model, tok, max_batch=8)
+    engine = Engine(model, tok, max_batch=8, batching=batching)
     ids = tok(PROMPTS[0])["input_ids"]
     full = _alone(ref, ids, 12)
     text = tok.decode(full, skip_special_tokens=True)
@@ -97,7 +98,9 @@ def test_stop_strings_ids_seeds_and_cancellation(bundled):
     assert [c.token_ids for c in a] == [r[: r.index(2)] if 2 in r else r for r in rows[:, len(ids):].tolist()]
     assert a[0].token_ids != a[1].token_ids
     assert cancelled.result()[0].finish_reason == "cancelled" and cancelled.result()[0].token_ids == []
-    assert engine.rounds == 4  # string-stop, id-stop and each seeded request: four calls; the cancelled one none
+    # Static: string-stop, id-stop and each seeded request: four calls; the cancelled one none. Continuous:
+    # one ring session, each row with its own stop criteria and generator.
+    assert engine.rounds == (4 if batching == "static" else 1)
 
 
 def test_batcher_groups_only_what_one_generate_call_can_serve():
@@ -114,6 +117,25 @@ def test_batcher_groups_only_what_one_generate_call_can_serve():
     assert batcher.take(queue) == []
     assert [x.id for x in StaticBatcher(max_rows=2).take(deque([h(0), h(1, n=2, temperature=1.0), h(2), h(3)]))] == [
         "r0", "r2"]
+
+
+def test_continuous_engine_settings_are_checked(bundled):
+    from hf_pipeline.errors import InputError, UsageError
+    from hf_pipeline.serving.continuous import pool_rows, row_kv_bytes
+
+    tok, model, _ = bundled
+    engine = Engine(model, tok)
+    assert engine.batching == "continuous" and engine.static_reason is None and engine.pool == 8
+    with pytest.raises(InputError, match="batching"):
+        Engine(model, tok, batching="dynamic")
+    per_row = row_kv_bytes(model, 512)
+    # The bundled model's one stage holds every layer: 2 (K, V) x layers x KV heads x head dim x 4 bytes per token.
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert per_row == 512 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    assert pool_rows(model, max_batch=8, kv_cache_bytes=3 * per_row + 1, context=512) == 3
+    with pytest.raises(UsageError, match="kv_cache_bytes"):
+        Engine(model, tok, kv_cache_bytes=per_row - 1)
 
 
 def test_refusals_name_the_field(bundled):
@@ -219,3 +241,30 @@ def test_a_client_that_leaves_cancels_its_request(bundled):
 
     assert asyncio.run(read()) == []
     assert handle.cancelled and engine.queued == 0
+
+
+def test_ring_feeder_fills_free_slots_within_the_pool_and_frees_them():
+    import random
+    import threading as th
+    from types import SimpleNamespace
+
+    from hf_pipeline.serving.continuous import RingFeeder
+    from hf_pipeline.serving.engine import _ChoiceWriter
+
+    handles = [Handle(CompletionRequest(prompt_ids=[1, 2], max_new_tokens=2), "a"),
+               Handle(CompletionRequest(prompt_ids=[3], temperature=0.5, seed=9, n=2), "b"),
+               Handle(CompletionRequest(prompt_ids=[4]), "c"), Handle(CompletionRequest(prompt_ids=[5]), "d")]
+    engine = SimpleNamespace(_lock=th.Lock(), _queue=deque(handles), _rng=random.Random(0), running=[], eos={2},
+                             tokenizer=None)
+    engine.queued = 4
+    feeder = RingFeeder(engine, capacity=3, writer=_ChoiceWriter)
+    rows = feeder.admit([0, 1, 5, 7])  # 4 free slots, but a pool of 3 rows: a, then both choices of b
+    assert [(r.slot, r.prompt, r.index, r.seed) for r in rows] == [(0, [1, 2], 0, None), (1, [3], 0, 9), (5, [3], 1, 9)]
+    assert feeder.admit([7]) == [] and not feeder.idle()  # full: nothing joins, c and d wait
+    handles[2].cancel()
+    assert not feeder.deliver(0, 11) and feeder.deliver(0, 12)  # a's second token ends it ("length"), slot 0 frees
+    assert handles[0].result()[0].token_ids == [11, 12] and handles[0] not in engine.running
+    assert feeder.deliver(1, 2)  # EOS ends b's first choice
+    rows = feeder.admit([0, 1])  # c was cancelled while it waited: skipped; d joins
+    assert [(r.slot, r.prompt) for r in rows] == [(0, [5])] and handles[2] not in engine.running
+    assert feeder.peak_rows == 3
