@@ -98,6 +98,28 @@ def _ratio(x, world: int) -> bool:
     return isinstance(x, float) and math.isfinite(x) and 1e-3 < x < 2 * world
 
 
+def _check_serve(serve: dict, sizes: dict) -> None:
+    """The serve section: every contender served the whole stream, its figures derived from its own
+    requests' times, and its greedy tokens those of the served pipeline where they must be."""
+    from benchmarks.serve import request_stream
+
+    stream = request_stream(sizes)
+    assert serve["requests"] == len(stream) == sizes["serve_requests"] and not serve["mismatches"]
+    assert serve["requested_tokens"] == sum(r["max_new_tokens"] for r in stream)
+    assert set(serve["contenders"]) == {"served", "static", "hf_continuous", "hf_native_pp"}, serve
+    for key, row in serve["contenders"].items():
+        assert "error" not in row, (key, row)
+        assert row["tokens"] == serve["requested_tokens"] and len(row["latencies"]) == len(stream), key
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"]), key
+        assert 0 < row["latency_p50"] <= row["latency_p99"] <= max(row["latencies"]) + 1e-9, key
+        assert row["seconds"] >= stream[-1]["arrival"], key  # the last request is served after it arrived
+        assert row["throughput_vs_served"] == pytest.approx(
+            row["tokens_per_s"] / serve["contenders"]["served"]["tokens_per_s"]), key
+    for key in ("served", "static", "hf_continuous"):
+        assert serve["contenders"][key]["tokens_equal_served"] == len(stream), key
+    assert serve["contenders"]["hf_continuous"]["batching"] == "continuous"
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_quick_benchmark_runs_every_section(tmp_path):
@@ -124,8 +146,10 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     md = (out / "results.md").read_text()
     assert not res["errors"], res["errors"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing", "## LoRA"):
+    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing", "## LoRA",
+                   "## Serve"):
         assert header in md
+    _check_serve(res["serve"], res["sizes"])
     ck = res["checkpointing"]
     assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
     for row in ck["ranks"]:  # measured and predicted, both runs, every rank
