@@ -48,7 +48,9 @@ def markdown(res: dict[str, Any]) -> list:
         f"{sv['max_batch']} rows per batch; the train section's model. Each server gets one warm-up request, then "
         "the stream at its arrival times. Throughput: generated tokens over the time from the first arrival to "
         "the last token; latency: a request's arrival to its last token (queueing included); time to first token "
-        "likewise. Ratios against the served pipeline: above 1 is more tokens/s, or a longer wait.", "",
+        "likewise. Ratios against the served pipeline: above 1 is more tokens/s, or a longer wait. Tokens equal "
+        "served: requests whose greedy tokens are the served pipeline's (required of the static Engine and of "
+        "transformers' continuous batching; reported for transformers' native pipeline).", "",
         _table(sv), "",
     ]
     if sv.get("mismatches"):
