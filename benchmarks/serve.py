@@ -123,8 +123,12 @@ def serve_engine(task: dict, out: dict) -> None:
     if has_option and task["batching"]:
         kwargs["batching"] = task["batching"]
     engine = Engine(model, None, **kwargs)
-    # What ran: the Engine's own setting when it has the option; static batches before it had one.
-    out["batching"] = (getattr(engine, "batching", None) or task["batching"] or "default") if has_option else "static"
+    # What ran: the Engine's own setting when it has the option (and why it fell back to static, if it
+    # did); static batches before it had one.
+    ran = getattr(engine, "batching", None) or task["batching"] or "default"
+    out["batching"] = str(ran) if has_option else "static"
+    if getattr(engine, "static_reason", None):
+        out["batching"] += f" ({engine.static_reason})"
     out["engine_has_batching_option"] = has_option
     feeder = None
     if model.ctx.rank == 0:
