@@ -44,6 +44,7 @@ def _contender(results: list[dict]) -> tuple[dict[str, Any], list[list[int]] | N
     main = next(r for r in results if r.get("records"))
     row = _stats(main["records"])
     row["batching"] = main.get("batching")
+    row["task_seconds"] = max(r["wall_seconds"] for r in results)  # loading, warm-up and the stream
     return row, [r["tokens"] for r in main["records"]]
 
 

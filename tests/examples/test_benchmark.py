@@ -1,5 +1,6 @@
 """The benchmark script at tiny size (``--quick``), so it cannot rot: every section runs and reports."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -86,6 +87,44 @@ def test_report_tables_are_data_rendered_once():
     assert render(["Load:", "", table, ""]) == (
         "Load:\n\n| ranks | peak | read |\n|---|---|---|\n| 2 | error: out of memory | |\n| 4 |  | 1.00x |\n"
     )
+
+
+def test_serve_stream_is_seeded_and_wrong_tokens_are_errors():
+    # The serve section's stream is the same for every contender (one seed), and its results turn a
+    # contender's wrong tokens or token counts into errors, so no speed figure stands for them.
+    from benchmarks.config import Sizes
+    from benchmarks.serve import CONTENDERS, request_stream
+    from benchmarks.serve_results import summarize
+
+    sizes = Sizes.quick()
+    sz = dataclasses.asdict(sizes)
+    stream = request_stream(sz)
+    assert stream == request_stream(sz) and stream != request_stream(sz, seed=1)
+    assert [r["arrival"] for r in stream] == sorted(r["arrival"] for r in stream) and stream[0]["arrival"] == 0
+    lo, hi = sizes.serve_new_tokens
+    assert all(lo <= r["max_new_tokens"] <= hi and r["prompt"] for r in stream)
+
+    def records(shift: float, wrong: int | None = None) -> list[dict]:
+        return [{"arrival": r["arrival"], "first": r["arrival"] + shift, "done": r["arrival"] + 2 * shift,
+                 "tokens": [7 if i == wrong else 5] * r["max_new_tokens"]} for i, r in enumerate(stream)]
+
+    def find_with(by_label: dict[str, list[dict]]):
+        return lambda world, label: [{"ok": True, "wall_seconds": 1.0, "records": by_label[label]}]
+
+    good = {label: records(0.1 * (k + 1)) for k, label in enumerate(CONTENDERS.values())}
+    res = summarize(sizes, find_with(good))
+    assert not res["mismatches"] and res["requested_tokens"] == sum(r["max_new_tokens"] for r in stream)
+    rows = res["contenders"]
+    assert rows["static"]["latency_p50_vs_served"] == pytest.approx(2.0)  # twice the served pipeline's waits
+    assert rows["static"]["tokens_equal_served"] == len(stream)
+    bad = dict(good, **{CONTENDERS["hf_continuous"]: records(0.3, wrong=1)})
+    want = f"{CONTENDERS['hf_continuous']}: greedy tokens differ from the served pipeline's in 1 of {len(stream)}"
+    assert summarize(sizes, find_with(bad))["mismatches"] == [want + " requests"]
+    short = dict(good, **{CONTENDERS["static"]: [dict(r, tokens=r["tokens"][1:]) for r in good[CONTENDERS["static"]]]})
+    assert any("token counts" in m for m in summarize(sizes, find_with(short))["mismatches"])
+    native = dict(good, **{CONTENDERS["hf_native_pp"]: records(0.4, wrong=0)})  # reported, not required
+    res = summarize(sizes, find_with(native))
+    assert not res["mismatches"] and res["contenders"]["hf_native_pp"]["tokens_equal_served"] == len(stream) - 1
 
 
 def _files(root: pathlib.Path) -> dict[str, bytes]:
