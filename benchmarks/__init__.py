@@ -30,6 +30,11 @@ baseline runs in the same invocation):
             and step time, without and with ``activation_checkpointing_enable()``, at seq 1024 on 2 ranks
             (1F1B), beside the memory planner's prediction of live activations + gradients.
 
+  serve     one seeded request stream (mixed prompt and output lengths, Poisson arrivals) through the
+            serving Engine (default batching, then static batches) on 2 ranks, transformers' continuous
+            batching on one process and transformers' native pipeline (``pp_size``, static batches):
+            throughput, p50 / p99 latency, time to first token, each against the served pipeline.
+
 Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
 ``--out`` defaults to ``bench_results/`` (committed) for full runs and to ``bench_out/quick/`` (ignored
 by git) for ``--quick``, whose tiny sizes make numbers that only show the script works.
@@ -37,7 +42,7 @@ by git) for ``--quick``, whose tiny sizes make numbers that only show the script
 The package, by job: ``config`` (sizes, schedules, sections), ``checkpoints`` (the random
 checkpoints), ``meters`` (peak RSS, page cache, plain reads), ``timing`` (medians, inputs, one
 message's hop), ``torch_pipeline`` (the same pipelines without hf_pipeline), ``split_backward``;
-one module per section measuring (``load``, ``train``, ``generate``: the tasks each rank runs), its
+one module per section measuring (``load``, ``train``, ``generate``, ``serve``: the tasks each rank runs), its
 results (``<section>_results``: results.json's part) and its tables (``<section>_tables``);
 ``processes`` (fresh processes per launch), ``run`` (one run), ``report`` (results.md and README's
 block, rendered once by ``tables.render``), ``cli`` (the command line).

@@ -13,7 +13,7 @@ SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2),
     ("dualpipev", 2), ("auto", None), ("zbv-zero-bubble" + MEASURED, 2),
 ]
-SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora")
+SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora", "serve")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +51,12 @@ class Sizes:
     ckpt_batch: int = 4
     ckpt_microbatches: int = 4
     ckpt_reps: int = 2
+    # serve: the seeded request stream (the train section's model)
+    serve_requests: int = 32
+    serve_rate: float = 4.0  # requests per second, Poisson arrivals
+    serve_prompt_len: tuple[int, int] = (8, 64)
+    serve_new_tokens: tuple[int, int] = (8, 48)
+    serve_batch: int = 8
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -59,4 +65,5 @@ class Sizes:
             load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
             vocab=256, seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, prefill_chunk=2,
             new_tokens=8, gen_reps=1, ckpt_seq=64, ckpt_batch=4, ckpt_microbatches=2, ckpt_reps=1,
+            serve_requests=6, serve_rate=50.0, serve_prompt_len=(2, 8), serve_new_tokens=(2, 6), serve_batch=4,
         )

@@ -1,5 +1,6 @@
 """The benchmark script at tiny size (``--quick``), so it cannot rot: every section runs and reports."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -88,6 +89,44 @@ def test_report_tables_are_data_rendered_once():
     )
 
 
+def test_serve_stream_is_seeded_and_wrong_tokens_are_errors():
+    # The serve section's stream is the same for every contender (one seed), and its results turn a
+    # contender's wrong tokens or token counts into errors, so no speed figure stands for them.
+    from benchmarks.config import Sizes
+    from benchmarks.serve import CONTENDERS, request_stream
+    from benchmarks.serve_results import summarize
+
+    sizes = Sizes.quick()
+    sz = dataclasses.asdict(sizes)
+    stream = request_stream(sz)
+    assert stream == request_stream(sz) and stream != request_stream(sz, seed=1)
+    assert [r["arrival"] for r in stream] == sorted(r["arrival"] for r in stream) and stream[0]["arrival"] == 0
+    lo, hi = sizes.serve_new_tokens
+    assert all(lo <= r["max_new_tokens"] <= hi and r["prompt"] for r in stream)
+
+    def records(shift: float, wrong: int | None = None) -> list[dict]:
+        return [{"arrival": r["arrival"], "first": r["arrival"] + shift, "done": r["arrival"] + 2 * shift,
+                 "tokens": [7 if i == wrong else 5] * r["max_new_tokens"]} for i, r in enumerate(stream)]
+
+    def find_with(by_label: dict[str, list[dict]]):
+        return lambda world, label: [{"ok": True, "wall_seconds": 1.0, "records": by_label[label]}]
+
+    good = {label: records(0.1 * (k + 1)) for k, label in enumerate(CONTENDERS.values())}
+    res = summarize(sizes, find_with(good))
+    assert not res["mismatches"] and res["requested_tokens"] == sum(r["max_new_tokens"] for r in stream)
+    rows = res["contenders"]
+    assert rows["static"]["latency_p50_vs_served"] == pytest.approx(2.0)  # twice the served pipeline's waits
+    assert rows["static"]["tokens_equal_served"] == len(stream)
+    bad = dict(good, **{CONTENDERS["hf_continuous"]: records(0.3, wrong=1)})
+    want = f"{CONTENDERS['hf_continuous']}: greedy tokens differ from the served pipeline's in 1 of {len(stream)}"
+    assert summarize(sizes, find_with(bad))["mismatches"] == [want + " requests"]
+    short = dict(good, **{CONTENDERS["static"]: [dict(r, tokens=r["tokens"][1:]) for r in good[CONTENDERS["static"]]]})
+    assert any("token counts" in m for m in summarize(sizes, find_with(short))["mismatches"])
+    native = dict(good, **{CONTENDERS["hf_native_pp"]: records(0.4, wrong=0)})  # reported, not required
+    res = summarize(sizes, find_with(native))
+    assert not res["mismatches"] and res["contenders"]["hf_native_pp"]["tokens_equal_served"] == len(stream) - 1
+
+
 def _files(root: pathlib.Path) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 
@@ -96,6 +135,28 @@ def _ratio(x, world: int) -> bool:
     """A speed ratio of ``world`` ranks against one process: finite, positive, and not beyond what
     ``world`` times the compute could give (doubled: one timed repetition on a shared machine)."""
     return isinstance(x, float) and math.isfinite(x) and 1e-3 < x < 2 * world
+
+
+def _check_serve(serve: dict, sizes: dict) -> None:
+    """The serve section: every contender served the whole stream, its figures derived from its own
+    requests' times, and its greedy tokens those of the served pipeline where they must be."""
+    from benchmarks.serve import request_stream
+
+    stream = request_stream(sizes)
+    assert serve["requests"] == len(stream) == sizes["serve_requests"] and not serve["mismatches"]
+    assert serve["requested_tokens"] == sum(r["max_new_tokens"] for r in stream)
+    assert set(serve["contenders"]) == {"served", "static", "hf_continuous", "hf_native_pp"}, serve
+    for key, row in serve["contenders"].items():
+        assert "error" not in row, (key, row)
+        assert row["tokens"] == serve["requested_tokens"] and len(row["latencies"]) == len(stream), key
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"]), key
+        assert 0 < row["latency_p50"] <= row["latency_p99"] <= max(row["latencies"]) + 1e-9, key
+        assert row["seconds"] >= stream[-1]["arrival"], key  # the last request is served after it arrived
+        assert row["throughput_vs_served"] == pytest.approx(
+            row["tokens_per_s"] / serve["contenders"]["served"]["tokens_per_s"]), key
+    for key in ("served", "static", "hf_continuous"):
+        assert serve["contenders"][key]["tokens_equal_served"] == len(stream), key
+    assert serve["contenders"]["hf_continuous"]["batching"] == "continuous"
 
 
 @pytest.mark.dist
@@ -124,8 +185,10 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     md = (out / "results.md").read_text()
     assert not res["errors"], res["errors"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing", "## LoRA"):
+    for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing", "## LoRA",
+                   "## Serve"):
         assert header in md
+    _check_serve(res["serve"], res["sizes"])
     ck = res["checkpointing"]
     assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
     for row in ck["ranks"]:  # measured and predicted, both runs, every rank

@@ -7,30 +7,25 @@ what it started, always."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 import transformers
-from harness import free_port
+from live_server import LiveServer, start_server
 
 from hf_pipeline.tools.default_model import default_model_path
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-_STARTUP_S = 240.0  # two processes importing torch and transformers on a loaded 2-core machine
 
 
 def _model_with_chat_template(tmp: pathlib.Path) -> pathlib.Path:
@@ -43,32 +38,6 @@ def _model_with_chat_template(tmp: pathlib.Path) -> pathlib.Path:
     config = json.loads((src / "tokenizer_config.json").read_text())
     (tmp / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return tmp
-
-
-def _stop(proc: subprocess.Popen, children: list) -> None:
-    """Kill the launcher and every process it started (each rank is in a session of its own)."""
-    for p in children:
-        try:
-            p.kill()
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def _wait_up(proc: subprocess.Popen, port: int, log: pathlib.Path) -> None:
-    import httpx
-
-    end = time.monotonic() + _STARTUP_S
-    while time.monotonic() < end:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["status"] == "ok":
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise AssertionError(f"the server did not answer in {_STARTUP_S} s:\n{log.read_text()[-3000:]}")
 
 
 def _greedy(ref, tok, ids: list[int], n: int) -> str:
@@ -137,8 +106,10 @@ def _check_queue_full(client, openai) -> None:
     assert len({r.choices[0].text for r in served}) == 1
 
 
-def _check_sigterm(proc, port: int, children: list, log: pathlib.Path, expected: str) -> None:
+def _check_sigterm(server: LiveServer, expected: str) -> None:
     import httpx
+
+    proc, port, children = server.proc, server.port, server.children
 
     # Some requests still queued when SIGTERM comes: the drain serves them all and refuses new ones.
     body = {"model": "tiny", "prompt": "Return the", "max_tokens": 40, "temperature": 0}
@@ -161,7 +132,7 @@ def _check_sigterm(proc, port: int, children: list, log: pathlib.Path, expected:
         time.sleep(0.01)
     late = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert late.status_code == 503, late.text
-    assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+    assert proc.wait(timeout=90) == 0, server.tail()
     # Every request accepted before the signal is served (200); one of the last four that reached the
     # server only after it is refused at submission as draining (the threads post at once, but not all
     # need have arrived). "shutting down" is only ever answered at submission, never to a queued request.
@@ -184,31 +155,20 @@ def _parallel_start(fn) -> threading.Thread:
 
 def test_serve_two_processes_with_the_openai_client(tmp_path):
     openai = pytest.importorskip("openai")
-    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("psutil")
     model = _model_with_chat_template(tmp_path / "tiny")
-    port, log = free_port(), tmp_path / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_PIPELINE_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "hf_pipeline.cli", "serve", str(model), "--num-processes", "2", "--port", str(port),
-           "--served-model-name", "tiny", "--max-batch", "2", "--max-queue", "4"]
-    children: list = []
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    server = start_server(model, tmp_path / "server.log", "--max-batch", "2", "--max-queue", "4")
     try:
-        _wait_up(proc, port, log)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len([c for c in children if "hf_pipeline.cli" in " ".join(c.cmdline())]) == 2
+        server.wait_up()
+        assert len(server.ranks()) == 2
         tok = transformers.AutoTokenizer.from_pretrained(model)
         ref = transformers.AutoModelForCausalLM.from_pretrained(model).eval()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list()] == ["tiny"]
         _check_completions(client, ref, tok)
         _check_chat(client, ref, tok)
         _check_400_then_good(client, openai)
         _check_queue_full(client, openai)
-        _check_sigterm(proc, port, children, log, _greedy(ref, tok, tok("Return the")["input_ids"], 40))
+        _check_sigterm(server, _greedy(ref, tok, tok("Return the")["input_ids"], 40))
     finally:
-        _stop(proc, children)
+        server.stop()
