@@ -209,6 +209,9 @@ class ContinuousRing:
         self._ahead = self._post((sum(self._op_bytes),), torch.uint8, self.index - 1)
 
     # ------------------------------------------------------------ the loop
+    # No autograd: the group caches live across steps for as long as the ring has rows, so a graph recorded
+    # on them would keep every step's activations alive while the server is busy (memory growing with load).
+    @torch.no_grad()
     def run(self) -> None:
         """Serve until stage 0 finds a whole step without rows and nothing queued (collective)."""
         t = 0
