@@ -13,6 +13,9 @@ takes that third step; the parent resumes it on one process. Against transformer
 - the file holds every state tensor whole (``exp_avg`` of ``q_proj`` has the full parameter's shape),
   one file per pipeline rank, so the format is the one an unsharded run writes.
 
+Each rank's parameters (its tensor-parallel slices and whole tensors) equal what ``plan_report(...,
+tp_size=2)`` (``hf-pipeline plan --tp-size 2``) predicts for its pipeline rank, exactly.
+
 The same job runs PipelineTrainer at pp2 x tp2 (4 steps, checkpoint every 2, evaluation) and
 resumes it from checkpoint-2: its logs and parameters equal transformers' Trainer on one process
 (tolerances as in tests/trainer/test_trainer.py).
@@ -96,6 +99,8 @@ def _job(path, save_dir, trainer_out):
     losses.append(_step(model, opt, sched, 3))
     out = {"losses": losses, "params": _gathered(model), "dims": (model.dims.dp_size, model.dims.pp_size,
                                                                   model.dims.tp_size)}
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in model.checkpoint_named_parameters()]
+    out["held"] = (model.dims.pp_rank, sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local))
     out["pp4"] = _resumed(save_dir, PP4)
     out["pp2xtp2"] = _resumed(save_dir, PP2_TP2)
     out["trainer"] = _trainer_run(path, trainer_out)
@@ -154,6 +159,17 @@ def test_state_saved_at_pp2_by_tp2_resumes_at_pp4_one_process_and_pp2_by_tp2(tmp
         assert res["pp2xtp2"]["loss"] == res["losses"][2], f"rank {rank}"
         for key, want in res["params"].items():
             assert torch.equal(res["pp2xtp2"]["params"][key], want), f"rank {rank}: {key} not bitwise after resume"
+
+    # `hf-pipeline plan --tp-size 2` predicts exactly the parameters each pp2 x tp2 rank held.
+    from hf_pipeline.tools.memory import plan_report
+
+    plan = plan_report(path, stages=2, tp_size=2, n_microbatches=2, batch=2, seq=8)
+    for rank, res in enumerate(per_rank):
+        pp_rank, params, nbytes = res["held"]
+        predicted = [s for s in plan.stages if s.rank == pp_rank]
+        assert (params, nbytes) == (sum(s.params for s in predicted), plan.ranks[pp_rank].weight_bytes), rank
+    whole = plan_report(path, stages=2, n_microbatches=2, batch=2, seq=8)
+    assert plan.ranks[0].weight_bytes < whole.ranks[0].weight_bytes  # the prediction sees the slices
 
     # One process resumes the same checkpoint.
     from hf_pipeline.training.checkpoint import load_training_state
