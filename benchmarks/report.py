@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from benchmarks import checkpointing, generate_tables, load_tables, lora_tables, train_tables
+from benchmarks import checkpointing, generate_tables, load_tables, lora_tables, mesh, train_tables
 from benchmarks.tables import render
 from hf_pipeline.training.checkpoint import replace_file
 
@@ -68,6 +68,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         blocks += checkpointing.markdown(res)
     if "lora" in res:
         blocks += lora_tables.markdown(res)
+    if "mesh" in res:
+        blocks += mesh.markdown(res)
     return render(blocks + _footer(res))
 
 
