@@ -11,8 +11,9 @@ what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds
 * gradients: as the parameters (same dtype; reduce-scattered to the shard under fsdp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` as ``torch.optim.AdamW`` makes them (``zeros_like`` of the
   parameter: same dtype and shard), 2 x the rank's parameter bytes.
-* fsdp's all-gathers: the whole (tp-local) parameters of the largest block, twice (the one running
-  and the one prefetched), during forward and backward.
+* fsdp's all-gathers: the whole (tp-local) parameters of the largest unit it gathers at once (a
+  block, or the stage's other modules together: embeddings, norm, LM head), twice (the one running
+  and the one prefetched), in forward, backward and decoding.
 * activations: the stage run on fake tensors with the tp-local parameter shapes (so attention runs
   on heads / tp, the MLP on intermediate / tp, as on a real tensor-parallel rank), for the rows of
   one pipeline: the global batch split over dp x fsdp.
@@ -85,14 +86,14 @@ class MeshRankMemory:
     weight_bytes: int
     grad_bytes: int
     optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq
-    fsdp_gather_bytes: int  # whole parameters of the largest block, twice (running + prefetched); 0 without fsdp
+    fsdp_gather_bytes: int  # whole parameters of the largest unit, twice (running + prefetched); 0 without fsdp
     activation_bytes: int  # peak live activations of its in-flight microbatches
     p2p_buffer_bytes: int
     train_peak_bytes: int  # all of the above
     checkpointed_activation_bytes: int  # the same with activation checkpointing (the pipeline report's every_n_layers)
     checkpointed_train_peak_bytes: int
     kv_cache_bytes: int
-    generate_peak_bytes: int  # whole tp-local weights (fsdp gathered for decoding) + KV cache
+    generate_peak_bytes: int  # weights + fsdp gather + KV cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +144,7 @@ class MeshReport:
             "before fsdp",
             "note: train peak = weights + grads + AdamW (exp_avg, exp_avg_sq: zeros_like(parameter), its dtype and "
             "shard) + fsdp gather + activations + P2P buffers; fsdp's padding of dim 0 is not counted",
-            "note: generate peak = whole tp-local weights (fsdp gathers them for decoding) + KV cache",
+            "note: generate peak = weights + fsdp gather (decoding gathers one unit at a time too) + KV cache",
         ])
 
 
@@ -220,7 +221,7 @@ def _rank(r, pipeline, fsdp_size: int) -> MeshRankMemory:
         p2p_buffer_bytes=r.p2p_buffer_bytes, train_peak_bytes=held + r.activation_bytes,
         checkpointed_activation_bytes=r.checkpointed_activation_bytes,
         checkpointed_train_peak_bytes=held + r.checkpointed_activation_bytes, kv_cache_bytes=r.kv_cache_bytes,
-        generate_peak_bytes=r.weight_bytes + r.kv_cache_bytes,
+        generate_peak_bytes=weights + gather + r.kv_cache_bytes,
     )
 
 

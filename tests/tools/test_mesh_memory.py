@@ -36,9 +36,9 @@ def test_fsdp_shards_parameters_gradients_and_adamw_and_gathers_the_largest_bloc
     assert two.mesh.fsdp == 2 and r.params == 501  # ceil(1001 / 2)
     assert (r.weight_bytes, r.grad_bytes, r.optimizer_bytes, r.fsdp_gather_bytes) == (2002, 2002, 4004, 600)
     assert r.train_peak_bytes == 4 * 2002 + 600 + 50 + 8
-    # Activations, P2P buffers and the KV cache are per rank's rows, not sharded by fsdp; decoding gathers weights.
+    # Activations, P2P buffers and the KV cache are per rank's rows, not sharded by fsdp; decoding gathers units.
     assert (r.activation_bytes, r.p2p_buffer_bytes, r.kv_cache_bytes) == (50, 8, 16)
-    assert r.generate_peak_bytes == 4004 + 16
+    assert r.generate_peak_bytes == 2002 + 600 + 16 and one.generate_peak_bytes == 4004 + 16
     assert with_fsdp(report, 3).ranks[0].weight_bytes == 1335  # ceil(4004 / 3)
 
 
