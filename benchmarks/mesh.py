@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Any
 
+from _common import trim_host_heap  # scripts/_common.py
+
 from benchmarks.config import Sizes
 from benchmarks.meters import PeakMeter
 from benchmarks.tables import Table, gb
@@ -57,6 +59,10 @@ def mesh_rank(task: dict, out: dict) -> None:
     except PipelineError as e:  # every rank gets it: a feature this version does not have (yet)
         out["refused"] = f"{type(e).__name__}: {e}"
         return
+    # The meshes run one after another in one process: what the previous one freed goes back to the OS
+    # first, or this load would reuse it unseen (glibc keeps freed heap) and its peak would read low.
+    gc.collect()
+    trim_host_heap()
     sync()
     with PeakMeter() as meter:
         model = AutoModelForCausalLM.from_pretrained(task["path"], pipeline=True, device="cpu", progress=False,
@@ -90,6 +96,7 @@ def mesh_rank(task: dict, out: dict) -> None:
     out.update(step_seconds=seconds, train_kept_bytes=_kept(model)[1])
     del model, opt
     gc.collect()
+    trim_host_heap()
     sync()
 
 
