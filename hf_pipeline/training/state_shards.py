@@ -8,9 +8,10 @@ run saved on one mesh resumes on any other (pp2 x tp2 -> pp4 -> one process) and
 is the same with or without sharding. These two functions are the only place that knows how a
 state tensor is sharded; a layout of another kind (a packed projection) replaces them alone.
 
-Saving gathers one tensor at a time (``full_tensor``, collective over the parameter's mesh), so a
-rank never holds more than one whole state tensor beyond its own shards, and only the rank that
-writes its pipeline rank's file keeps it (:func:`writes_pipeline_state`). Loading cuts the whole
+Saving gathers one tensor at a time (``full_tensor``, collective over the parameter's mesh): a rank
+that does not write drops each whole tensor at once, so it never holds more than one beyond its own
+shards; the one rank per pipeline rank that writes its file (:func:`writes_pipeline_state`) keeps
+them for it, the size of that file, as an unsharded run's writer does. Loading cuts the whole
 tensor read from the file with torch's own ``distribute_tensor(..., src_data_rank=None)``: each rank
 keeps its slice of the tensor it read itself, with no communication.
 
