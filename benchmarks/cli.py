@@ -8,7 +8,7 @@ import pathlib
 import sys
 
 import benchmarks
-from benchmarks import checkpointing, generate, load, lora, serve, train
+from benchmarks import checkpointing, generate, load, lora, mesh, serve, train
 from benchmarks.config import SECTIONS
 from benchmarks.processes import ROOT, run_worker
 from benchmarks.report import to_markdown, update_readme
@@ -18,7 +18,9 @@ from hf_pipeline.training.checkpoint import replace_file
 __all__ = ["main"]
 
 # Every task a launched rank can run, by the name its job file gives.
-TASKS = {**load.TASKS, **train.TASKS, **generate.TASKS, **checkpointing.TASKS, **lora.TASKS, **serve.TASKS}
+TASKS = {
+    **load.TASKS, **train.TASKS, **generate.TASKS, **checkpointing.TASKS, **lora.TASKS, **serve.TASKS, **mesh.TASKS,
+}
 
 
 def _parser() -> argparse.ArgumentParser:

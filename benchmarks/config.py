@@ -13,7 +13,7 @@ SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2),
     ("dualpipev", 2), ("auto", None), ("zbv-zero-bubble" + MEASURED, 2),
 ]
-SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora", "serve")
+SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora", "serve", "mesh")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from benchmarks import checkpointing, generate_tables, load_tables, lora_tables, serve_tables, train_tables
+from benchmarks import checkpointing, generate_tables, load_tables, lora_tables, mesh, serve_tables, train_tables
 from benchmarks.tables import render
 from hf_pipeline.training.checkpoint import replace_file
 
@@ -70,6 +70,8 @@ def to_markdown(res: dict[str, Any]) -> str:
         blocks += lora_tables.markdown(res)
     if "serve" in res:
         blocks += serve_tables.markdown(res)
+    if "mesh" in res:
+        blocks += mesh.markdown(res)
     return render(blocks + _footer(res))
 
 

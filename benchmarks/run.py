@@ -17,6 +17,7 @@ from benchmarks import (
     load_results,
     lora,
     lora_results,
+    mesh,
     serve,
     serve_results,
     train,
@@ -64,6 +65,8 @@ def _launches(sections: list[str], sizes: Sizes, ckpts: dict[str, str], *, quick
         per_section.append(lora.launches(sizes, ckpts))
     if "serve" in sections:
         per_section.append(serve.launches(sizes, ckpts))
+    if "mesh" in sections:
+        per_section.append(mesh.launches(sizes, ckpts))
     launches: dict[int, list[dict]] = {}
     for jobs in per_section:
         for world, tasks in jobs.items():
@@ -124,6 +127,8 @@ def summarize(raw: dict[int, list[list[dict]]], sections: list[str], sizes: Size
     if "serve" in sections:
         summary["serve"] = serve_results.summarize(sizes, find)
         summary["errors"] += summary["serve"]["mismatches"]  # a speed figure for wrong tokens is an error
+    if "mesh" in sections:
+        summary["mesh"] = mesh.summarize(sizes, find)
     return summary
 
 
@@ -131,7 +136,7 @@ def merge(previous: dict[str, Any], new: dict[str, Any], sections: list[str]) ->
     """``previous`` results with a partial rerun's ``new`` ones: only its sections replaced, the run listed."""
     # A partial rerun replaces only its sections (bubble numbers live in the train section).
     merged = dict(previous)
-    for key in ("load", "train", "generate", "checkpointing", "lora", "serve"):
+    for key in ("load", "train", "generate", "checkpointing", "lora", "serve", "mesh"):
         if key in new:
             merged[key] = new[key]
     run = {k: new[k] for k in ("command", "date", "seconds") if k in new}

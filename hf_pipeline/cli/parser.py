@@ -154,8 +154,15 @@ def _add_plan(sub) -> None:
                                    "rank's memory.", formatter_class=_FORMAT)
     p.add_argument("path", type=_existing_path, help="checkpoint directory, config.json file or cached hub id")
     _add_download(p)
-    p.add_argument("--stages", "--num-stages", dest="stages", type=_positive, default=2,
-                   help="total pipeline stages (default 2)")
+    p.add_argument("--stages", "--num-stages", dest="stages", type=_positive, default=None,
+                   help="total pipeline stages (default 2; with --num-processes, what --tp-size x --fsdp-size leave)")
+    # Its own dest: a "num_processes" attribute makes the CLI launch that many processes.
+    p.add_argument("--num-processes", dest="mesh_processes", type=_positive, default=None,
+                   help="ranks of the job: plan the mesh they form (replicas are what pp x tp x fsdp leave)")
+    p.add_argument("--tp-size", type=_positive, default=1, help="tensor-parallel ranks per stage (default 1)")
+    p.add_argument("--fsdp-size", type=_positive, default=1,
+                   help="ranks each stage's parameters, gradients and optimizer states are sharded over (FSDP2; "
+                        "default 1)")
     p.add_argument("--virtual-stages", type=_positive, default=None,
                    help="stages per rank (default 1, or 2 for interleaved schedules)")
     p.add_argument("--schedule", default=None,

@@ -9,7 +9,8 @@ __all__ = ["cmd_convert", "cmd_plan"]
 
 
 def cmd_plan(args) -> int:
-    """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone."""
+    """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone (for a mesh with
+    ``--num-processes`` / ``--tp-size`` / ``--fsdp-size``)."""
     config = load_config(args.path, args.download)
     auto = auto_class_for(config, args.auto_class)
     from ..runtime.checks import max_positions
@@ -22,11 +23,18 @@ def cmd_plan(args) -> int:
             f"pass --seq {limit} or less"
         )
 
-    report = plan_report(
-        config, stages=args.stages, virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype,
-        batch=args.batch, seq=args.seq, n_microbatches=args.n_microbatches, auto_class=auto,
-        split=split_option(args.split), checkpoint_every_n_layers=args.checkpoint_every_n_layers,
+    common = dict(
+        virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype, batch=args.batch, seq=args.seq,
+        n_microbatches=args.n_microbatches, auto_class=auto, split=split_option(args.split),
+        checkpoint_every_n_layers=args.checkpoint_every_n_layers,
     )
+    if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1:
+        report = plan_report(config, stages=args.stages or 2, **common)
+    else:  # a mesh: every rank's share of it
+        from ..tools.mesh_memory import mesh_report
+
+        report = mesh_report(config, num_processes=args.mesh_processes, tp_size=args.tp_size,
+                             fsdp_size=args.fsdp_size, stages=args.stages, **common)
     print(report.to_json() if args.json else report)
     return 0
 

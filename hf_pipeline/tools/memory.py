@@ -57,9 +57,12 @@ from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan, compress_blocks, human_count
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
+from ..planning.tp_plan import ParallelRequest
 from ..training.activation_checkpointing import CheckpointingSettings, apply_checkpointing
 from .activation_memory import CheckpointProbe, measure_saved_bytes
 from .kv_cache import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
+from .mesh_shares import fsdp_unit_bytes, tp_local_shapes
+from .mesh_shares import human_bytes as _human
 
 __all__ = [
     "MemoryReport",
@@ -100,15 +103,17 @@ def _eager_decisions() -> Iterator[None]:
         masking.find_packed_sequence_indices = original
 
 
-def _fake_stage(stage: StageModule, mode, dtype: torch.dtype) -> None:
-    """Give a meta stage fake CPU parameters (ties kept) and fake copies of its buffers."""
+def _fake_stage(stage: StageModule, mode, dtype: torch.dtype, shapes: dict[str, tuple] | None = None) -> None:
+    """Give a meta stage fake CPU parameters (ties kept; of ``shapes`` where given: a tensor-parallel
+    rank's slices) and fake copies of its buffers."""
     made: dict[int, nn.Parameter] = {}
     for name, p in list(stage.named_parameters(remove_duplicate=False)):
         owner_name, _, attr = name.rpartition(".")
         owner = stage.get_submodule(owner_name)
         if id(p) not in made:
+            shape = (shapes or {}).get(name, p.shape)
             with mode:
-                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype),
+                made[id(p)] = nn.Parameter(torch.empty(shape, dtype=dtype if p.is_floating_point() else p.dtype),
                                            requires_grad=p.requires_grad)
         setattr(owner, attr, made[id(p)])  # nn.Module registers a Parameter (or replaces it)
     for name, b in list(stage.named_buffers()):
@@ -132,24 +137,32 @@ class _StageRun:
     recv_bytes: int  # tensors received from the previous stage per microbatch
     checkpointed_bytes: int  # kept for backward by one microbatch with activation checkpointing (loss included)
     recompute_bytes: int  # with checkpointing: how far a microbatch's backward (its recomputes) goes above that
+    tp_saved: tuple[int, int]  # (parameters, bytes) of the stage's that a tensor-parallel rank does not hold
+    units: list[int]  # parameter bytes of each unit fsdp would gather whole (blocks, then the rest)
 
 
 def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int,
-                     has_loss: bool, every_n_layers: int = 1) -> list[_StageRun]:
-    """Run every stage once in training mode on fake tensors; measure what each saves and sends."""
+                     has_loss: bool, every_n_layers: int = 1, tp=((), 1)) -> list[_StageRun]:
+    """Run every stage once in training mode on fake tensors (``tp``: plan and size, each tensor-parallel
+    rank's slices of the parameters); measure what each saves and sends."""
     from ..compat import FakeTensorMode
 
     stages = [build_stage(skeleton, resolved, spec) for spec in plan.stages]  # deepcopy outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     results: list[_StageRun] = []
     with _eager_decisions():
-        for stage in stages:
-            _fake_stage(stage, mode, plan.dtype)
+        shapes = [tp_local_shapes(stage, *tp) for stage in stages]
+        itemsize = torch.empty((), dtype=plan.dtype).element_size()
+        units = [fsdp_unit_bytes(stage, shape, itemsize) for stage, shape in zip(stages, shapes)]
+        saved = [(n := sum(stage.get_parameter(k).numel() - math.prod(v) for k, v in shape.items()), n * itemsize)
+                 for stage, shape in zip(stages, shapes)]
+        for stage, shape in zip(stages, shapes):
+            _fake_stage(stage, mode, plan.dtype, shape)
             stage.train()
         with mode:
             inputs = stages[0].glue.prepare_inputs(skeleton, _dummy_inputs(skeleton.config, microbatch, seq))
             received: tuple[torch.Tensor, ...] = ()
-            for stage in stages:
+            for stage, unit in zip(stages, units):
                 params = list(stage.parameters())
                 # Bound now (defaults): the call runs inside measure_saved_bytes, before the loop moves on.
                 def run(stage=stage, received=received):
@@ -170,21 +183,14 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
                 recv = sum(t.numel() * t.element_size() for t in received)
                 results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send,
                                          recv_bytes=recv, checkpointed_bytes=kept + loss,
-                                         recompute_bytes=probe.backward_extra_bytes))
+                                         recompute_bytes=probe.backward_extra_bytes, units=unit,
+                                         tp_saved=saved[stages.index(stage)]))
                 # as torch's PipelineStage does: the next stage gets detached leaves that require grad
                 received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
     return results
 
 
 # ----------------------------------------------------------------------------- report
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 _count = human_count  # the plan's own format, so the two reports agree
 
 
@@ -206,6 +212,7 @@ class StageMemory:
     kv_bytes_per_token: int
     # batch x seq tokens over this stage's decoder layers, sliding-window layers capped at the window
     kv_cache_bytes: int
+    largest_unit_bytes: int = 0  # the largest block (or the stage's other modules together): what fsdp gathers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,6 +354,7 @@ def plan_report(
     auto_class: str | type = "AutoModelForCausalLM",
     split: str | Sequence[str] = "auto",
     checkpoint_every_n_layers: int = 1,
+    tp_size: int = 1,
 ) -> MemoryReport:
     """Predict per-stage and per-rank memory without reading any weights.
 
@@ -364,6 +372,8 @@ def plan_report(
         split: as ``from_pretrained``'s ``split``.
         checkpoint_every_n_layers: the activation checkpointing (``every_n_layers`` of
             ``activation_checkpointing_enable``) the report's "with checkpointing" figures assume.
+        tp_size: tensor-parallel ranks per stage: the figures are one such rank's (its parameter slices,
+            heads; see :mod:`.mesh_memory`, whose ``mesh_report`` adds fsdp and replicas).
 
     Returns:
         :class:`MemoryReport`.
@@ -374,6 +384,7 @@ def plan_report(
     options = PipelineOptions.resolve(
         config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
         n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
+        parallel=ParallelRequest(tp_size=tp_size),
     )
     spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
     # The planner plans training.
@@ -391,10 +402,11 @@ def plan_report(
     microbatch = max(1, math.ceil(batch / m))
     has_loss = resolved.head.loss is not None
     runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=has_loss,
-                            every_n_layers=CheckpointingSettings(every_n_layers=checkpoint_every_n_layers).every_n_layers)
+                            every_n_layers=CheckpointingSettings(every_n_layers=checkpoint_every_n_layers).every_n_layers,
+                            tp=(options.tp_plan, options.tp_size))
     generative = bool(getattr(skeleton, "can_generate", lambda: False)())
     stage_rows = _stage_rows(config, resolved, plan, runs, generative=generative, dtype=options.dtype, batch=batch,
-                             seq=seq)
+                             seq=seq, tp_size=options.tp_size)
     orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=m, virtual_stages=virtual_stages, training=True)
     rank_rows = [_rank_row(rank, stage_rows, orders[rank], n_microbatches=m) for rank in range(pp_size)]
     is_config = isinstance(path_or_config, (transformers.PretrainedConfig, dict))
@@ -409,7 +421,7 @@ def plan_report(
 
 
 def _stage_rows(
-    config, resolved, plan, runs, *, generative: bool, dtype: torch.dtype, batch: int, seq: int
+    config, resolved, plan, runs, *, generative: bool, dtype: torch.dtype, batch: int, seq: int, tp_size: int = 1
 ) -> list[StageMemory]:
     """One :class:`StageMemory` per stage: its plan entry, its fake run's activations and its KV cache."""
     decoder = resolved.stacks[-1].blocks
@@ -418,12 +430,13 @@ def _stage_rows(
         # The stack that decodes, and so keeps a KV cache, is the last one in execution order (the only
         # stack of a decoder-only model; an encoder-decoder's decoder); earlier stacks run once per request.
         layers = [decoder.index(b) for b in s.attention_blocks if b in decoder] if generative else []
-        rows.append(StageMemory(
-            index=s.index, rank=s.rank, modules=s.modules, params=s.params, weight_bytes=s.nbytes,
+        rows.append(StageMemory(  # a tensor-parallel rank's share: its parameter slices, KV heads / tp
+            index=s.index, rank=s.rank, modules=s.modules, params=s.params - run.tp_saved[0],
+            weight_bytes=s.nbytes - run.tp_saved[1], largest_unit_bytes=max(run.units),
             activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes,
             checkpointed_activation_bytes=run.checkpointed_bytes, recompute_bytes=run.recompute_bytes,
-            kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=dtype),
-            kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=dtype, batch=batch, seq=seq),
+            kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=dtype) // tp_size,
+            kv_cache_bytes=kv_cache_bytes(config, layers=layers, dtype=dtype, batch=batch, seq=seq) // tp_size,
         ))
     return rows
 

@@ -31,6 +31,7 @@ from ..loading.weights import load_tensors
 from ..log import get_logger
 from ..training.checkpoint_format import RNG_DIR, is_complete_checkpoint, why_incomplete
 from ..training.state_files import read_rng_state, set_rng_state
+from ..training.state_shards import sharded_state
 from ..training.training_state import rng_file_name
 
 logger = get_logger(__name__)
@@ -64,8 +65,8 @@ def reload_weights(model, directory: str | os.PathLike) -> None:
         with torch.no_grad():
             for stage in model.stages:
                 for name, t in stage.state_dict(keep_vars=True).items():
-                    if name in tensors:
-                        t.copy_(tensors[name])
+                    if name in tensors:  # a sharded tensor keeps this rank's slice of the whole one read
+                        t.copy_(sharded_state(t, tensors[name]))
 
 
 def restore_rng(model, directory: str | os.PathLike) -> bool:

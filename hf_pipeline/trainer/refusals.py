@@ -125,17 +125,6 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        # Trainer checkpoints carry the optimizer state, which is not saved under tensor parallelism yet
-        # (training_state refuses it), and the Trainer has not been checked against transformers on a tp mesh.
-        applies=lambda args, model, extra: getattr(getattr(model, "dims", None), "tp_size", 1) > 1,
-        message=lambda args, model: (
-            f"PipelineTrainer does not train a model with tensor parallelism yet (it was loaded with "
-            f"tp_size={model.dims.tp_size}): its checkpoints need the optimizer state, which is not saved under "
-            "tensor parallelism; load the model without tp_size / distributed_config / device_mesh, or train with "
-            "model.train_step"
-        ),
-    ),
-    Refusal(
         applies=lambda args, model, extra: _lacks_checkpointing(args, model),
         message=lambda args, model: (
             f"{_checkpointing_name(args)}=True needs {type(model).__name__}.activation_checkpointing_enable "

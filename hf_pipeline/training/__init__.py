@@ -11,7 +11,8 @@ Lives here:
   named steps; :mod:`.checkpoint_format` (the file names, when a directory is a complete
   checkpoint, ``latest_checkpoint``); :mod:`.staging` (crash-safe publication, index last);
   :mod:`.durable` (flushed writes, a full disk named); :mod:`.training_state` (optimizer,
-  scheduler and RNG state beside the weights, ``load_training_state``).
+  scheduler and RNG state beside the weights, ``load_training_state``); :mod:`.state_shards` (a sharded
+  parameter's optimizer state gathered whole to save, cut to the rank's shard to load).
 * :mod:`.data`: fixed-length rows from a local file, the same batches on every rank.
 * :mod:`.activation_checkpointing`: transformers' ``activation_checkpointing_enable`` / ``_disable`` on
   the stages (non-reentrant, ``every_n_layers`` over the whole model's layers).

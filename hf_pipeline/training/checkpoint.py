@@ -151,6 +151,7 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
 def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
     tensors = _my_tensors(model)
     shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
+    # The first replica's ranks gather sharded states whole; one rank per pipeline rank keeps them (None elsewhere).
     opt_state = optimizer_state_by_key(model, optimizer) if optimizer is not None and model.dims.dp_rank == 0 else None
 
     def sizes(key: str) -> tuple[str, int, int]:
@@ -165,13 +166,8 @@ def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
     return _RankShare(tensors=tensors, shards=shards, optimizer_state=opt_state, plan=plan)
 
 
-def _check_target(final: pathlib.Path, paths: list[str], *, tp_size: int = 1, with_state: bool = False) -> None:
-    """The same directory on every rank, and not a file; no training state under tensor parallelism (yet)."""
-    if with_state and tp_size > 1:
-        raise InputError(
-            "save_pretrained with training state (optimizer, scheduler, step, trainer_state) is not supported "
-            f"with tp_size={tp_size} yet; save the weights alone (save_pretrained(directory))"
-        )
+def _check_target(final: pathlib.Path, paths: list[str]) -> None:
+    """The same directory on every rank, and not a file."""
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise InputError(
@@ -248,7 +244,7 @@ def save_pretrained(
 
     # 1. Checks and plans on every rank; nothing is written before every rank has passed them.
     with collective_errors(ctx, "preparing the checkpoint"):
-        _check_target(final, paths, tp_size=model.dims.tp_size, with_state=with_state)
+        _check_target(final, paths)
         share = _rank_share(model, max_shard_size, optimizer)
     plans: list[_RankPlan] = _gather(model, share.plan)
 

@@ -6,7 +6,9 @@ checkpoint key, with ``optimizer/index.json``), ``scheduler.json``, ``rng/rank-X
 (every global rank's RNG states) and ``trainer_state.json``. Nothing is unpickled freely on load
 (a checkpoint may come from anywhere; see :mod:`.state_files`). :func:`load_training_state` restores them, so a
 resumed run continues bitwise where it stopped (same world size, CPU). Optimizer states are keyed
-by checkpoint key, not by parameter index, so a run may resume with another stage layout.
+by checkpoint key, not by parameter index, and saved whole (a sharded parameter's states gathered,
+see :mod:`.state_shards`), so a run may resume with another stage layout or mesh (pp2 x tp2 -> pp4
+-> one process).
 
 Example:
     >>> model.save_pretrained("out/checkpoint-100", optimizer=opt, scheduler=sched, step=100)
@@ -44,6 +46,7 @@ from .checkpoint_format import (
 from .durable import save_torch, write_json
 from .save_lock import LOCK_NAME
 from .state_files import json_state, load_safe_pickle, read_rng_state, rng_state, set_rng_state, write_rng_state
+from .state_shards import gathered_state, sharded_state, writes_pipeline_state
 
 logger = get_logger(__name__)
 
@@ -80,8 +83,14 @@ def _key_of_parameter(model) -> dict[int, str]:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
-def optimizer_state_by_key(model, optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter indices replaced by checkpoint keys.
+def optimizer_state_by_key(model, optimizer) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` with parameter indices replaced by checkpoint keys, every tensor whole.
+
+    Collective over the meshes of sharded parameters (every rank of the first replica calls it).
+
+    Returns:
+        The state to write, or None on a rank that does not write its pipeline rank's file (a
+        tensor-parallel or fsdp rank other than the first: it only takes part in the gathers).
 
     Raises:
         InputError: the optimizer holds a parameter of none of this rank's stages.
@@ -96,9 +105,20 @@ def optimizer_state_by_key(model, optimizer) -> dict[str, Any]:
                 raise InputError(f"{_FOREIGN_PARAMETER} (this rank's parameters only)")
             index_to_key[i] = key_of_param[id(p)]
             i += 1
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # Sharded parameters' states are gathered whole, one tensor at a time, in the same order on every rank
+    # of their mesh (see :mod:`.state_shards`); a rank that does not write drops each one at once.
+    keep = writes_pipeline_state(model.dims)
+    state = {}
+    for i, entries in sd["state"].items():
+        whole = {name: gathered_state(params[i], value) for name, value in sorted(entries.items())}
+        if keep:
+            state[index_to_key[i]] = whole
+    if not keep:
+        return None
     return {
         "format": FORMAT_VERSION,
-        "state": {index_to_key[i]: s for i, s in sd["state"].items()},
+        "state": state,
         "param_groups": [{**g, "params": [index_to_key[i] for i in g["params"]]} for g in sd["param_groups"]],
     }
 
@@ -185,11 +205,6 @@ def load_training_state(
         before = _save_id(directory)
         try:
             state = _trainer_state(directory)
-            if optimizer is not None and model.dims.tp_size > 1:
-                raise InputError(
-                    f"load_training_state(optimizer=...) is not supported with tp_size={model.dims.tp_size} yet "
-                    "(optimizer states are saved whole, the parameters here are shards); resume with tp_size=1"
-                )
             if optimizer is not None:
                 _load_optimizer(model, optimizer, directory)
             if scheduler is not None:
@@ -300,7 +315,10 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
     for i, key in enumerate(keys):
         if key in files and key in saved[files[key]]["state"]:
             state[i] = saved[files[key]]["state"][key]
-    _check_same_model(model, directory, files, keys, state, [p for g in optimizer.param_groups for p in g["params"]])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    _check_same_model(model, directory, files, keys, state, params)
+    # Whole tensors in the file, shards here: each rank keeps its slice of what it read (see :mod:`.state_shards`).
+    state = {i: {name: sharded_state(params[i], v) for name, v in entries.items()} for i, entries in state.items()}
     groups, i = [], 0
     for saved_group, group in zip(groups_from["param_groups"], optimizer.param_groups):
         n = len(group["params"])

@@ -186,9 +186,18 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert not res["errors"], res["errors"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     for header in ("## Load", "## Train", "## Generate", "## Bubble", "## Activation checkpointing", "## LoRA",
-                   "## Serve"):
+                   "## Serve", "## Meshes"):
         assert header in md
     _check_serve(res["serve"], res["sizes"])
+    meshes = {row["mesh"]: row for row in res["mesh"]["meshes"]}  # 4 ranks each; a refused mesh says why
+    assert set(meshes) == {"pp4", "pp2 x tp2", "pp2 x fsdp2"} and all("error" not in r for r in meshes.values()), meshes
+    for name in ("pp4", "pp2 x tp2"):
+        ranks = meshes[name]["ranks"]
+        assert len(ranks) == 4 and all(r["kept_bytes"] > 0 and min(r["step_seconds"]) > 0 for r in ranks), ranks
+    # a pp2 x tp2 rank keeps half of its stage's sharded weights: less than the half of the model a pp2 rank would
+    whole = sum(r["kept_bytes"] for r in meshes["pp4"]["ranks"])
+    assert max(r["kept_bytes"] for r in meshes["pp2 x tp2"]["ranks"]) < whole / 2, (meshes, whole)
+    assert "ranks" in meshes["pp2 x fsdp2"] or meshes["pp2 x fsdp2"]["refused"], meshes["pp2 x fsdp2"]
     ck = res["checkpointing"]
     assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
     for row in ck["ranks"]:  # measured and predicted, both runs, every rank

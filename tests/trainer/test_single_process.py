@@ -55,16 +55,15 @@ def test_refused_at_construction_naming_the_argument(llama_path, tmp_path, overr
     trainer.train()
 
 
-def test_a_tensor_parallel_model_is_refused_naming_tp_size(tmp_path):
-    # The refusal reads the model's mesh; a stand-in with the attributes the table reads keeps this in-process.
+def test_a_tensor_parallel_model_is_not_refused(tmp_path):
+    # Its checkpoints carry the optimizer state gathered whole (tests/training/test_tp_resume.py trains one);
+    # a stand-in with the attributes the table reads keeps this in-process.
     from types import SimpleNamespace
 
     from hf_pipeline.trainer.refusals import check_arguments
 
-    model = SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=2))
-    with pytest.raises(UsageError, match="tensor parallelism.*tp_size=2"):
-        check_arguments(_args(tmp_path, 4), model)
-    check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=1)))
+    for tp in (1, 2):
+        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=tp)))
 
 
 def test_an_unpipelined_model_is_refused(llama_path, tmp_path):

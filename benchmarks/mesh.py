@@ -1,0 +1,164 @@
+"""Mesh section: per-rank load memory, bytes read and one training step, for several meshes of 4 ranks.
+
+For each mesh of :data:`MESHES` (``from_pretrained`` keyword arguments, data: a mesh the package
+refuses is recorded as ``refused: <message>``, so a row starts to measure once its feature exists),
+every rank:
+
+* loads the load section's checkpoint (>= 1 GB): the peak RSS above the post-import baseline, the
+  bytes it read, and the bytes of parameters it keeps (its tensor-parallel slices / fsdp shards);
+* loads the train section's model and times ``train_step`` + AdamW (the median of a few steps
+  after a warm-up; informational on a 2-core machine, where 4 ranks share 2 cores).
+
+Results side (:func:`summarize`): per mesh, per rank, peak / kept (target <= 1.05x) and bytes read
+/ kept (about 1: a tensor-parallel rank reads its slices, not the whole stage).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+from _common import trim_host_heap  # scripts/_common.py
+
+from benchmarks.config import Sizes
+from benchmarks.meters import PeakMeter
+from benchmarks.tables import Table, gb
+from benchmarks.timing import batch, sync
+
+__all__ = ["MESHES", "TASKS", "launches", "markdown", "summarize"]
+
+WORLD = 4
+# (name, from_pretrained keyword arguments) on WORLD ranks.
+MESHES: list[tuple[str, dict[str, Any]]] = [
+    ("pp4", {"num_stages": 4}),
+    ("pp2 x tp2", {"num_stages": 2, "tp_size": 2}),
+    ("pp2 x fsdp2", {"num_stages": 2, "fsdp_size": 2}),
+]
+STEPS = 2  # timed steps after one warm-up
+
+
+def _kept(model) -> tuple[int, int]:
+    """(parameters, bytes) this rank holds: the local part of a sharded one."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in model.checkpoint_named_parameters()]
+    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
+
+
+def mesh_rank(task: dict, out: dict) -> None:
+    """One mesh on this rank: the load's memory and bytes, then the train step's time (or the refusal)."""
+    import torch
+
+    from hf_pipeline import AutoModelForCausalLM
+    from hf_pipeline.errors import PipelineError
+
+    kwargs = task["kwargs"]
+    out.update(mesh=task["mesh"], kwargs=kwargs)
+    try:  # the warm-up (lazy imports, process groups) on the tiny checkpoint; a refused mesh stops here
+        AutoModelForCausalLM.from_pretrained(task["warmup"], pipeline=True, device="cpu", progress=False, **kwargs)
+    except PipelineError as e:  # every rank gets it: a feature this version does not have (yet)
+        out["refused"] = f"{type(e).__name__}: {e}"
+        return
+    # The meshes run one after another in one process: what the previous one freed goes back to the OS
+    # first, or this load would reuse it unseen (glibc keeps freed heap) and its peak would read low.
+    gc.collect()
+    trim_host_heap()
+    sync()
+    with PeakMeter() as meter:
+        model = AutoModelForCausalLM.from_pretrained(task["path"], pipeline=True, device="cpu", progress=False,
+                                                     **kwargs)
+        with torch.no_grad():  # read every weight once, as a first forward would (local parts: no collectives)
+            for _, p in model.checkpoint_named_parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).sum()
+    params, kept = _kept(model)
+    dims = model.dims
+    out.update(peak_rss=meter.peak, resettable=meter.resettable, kept_params=params, kept_bytes=kept,
+               bytes_read=model.load_report.bytes_read,
+               place=[dims.dp_rank, getattr(dims, "fsdp_rank", 0), dims.pp_rank, dims.tp_rank])
+    del model
+    gc.collect()
+    sync()
+
+    model = AutoModelForCausalLM.from_pretrained(task["train_path"], pipeline=True, device="cpu", progress=False,
+                                                 n_microbatches=task["sizes"]["n_microbatches"], **kwargs)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = batch(task["sizes"])
+    seconds = []
+    for step in range(STEPS + 1):
+        sync()
+        t = time.perf_counter()
+        model.train_step(data)
+        opt.step()
+        opt.zero_grad()
+        if step:
+            seconds.append(time.perf_counter() - t)
+    out.update(step_seconds=seconds, train_kept_bytes=_kept(model)[1])
+    del model, opt
+    gc.collect()
+    trim_host_heap()
+    sync()
+
+
+TASKS = {"mesh_rank": mesh_rank}
+
+
+def launches(sizes: Sizes, ckpts: dict[str, str]) -> dict[int, list[dict]]:
+    """The mesh section's tasks: every mesh, in one launch of :data:`WORLD` ranks."""
+    from dataclasses import asdict
+
+    sz = asdict(sizes)
+    return {WORLD: [
+        {"task": "mesh_rank", "label": f"mesh {name}", "mesh": name, "kwargs": kwargs, "path": ckpts["load"],
+         "warmup": ckpts["warmup"], "train_path": ckpts["train"], "sizes": sz}
+        for name, kwargs in MESHES
+    ]}
+
+
+# --------------------------------------------------------------------------------------------- results
+def summarize(sizes: Sizes, find) -> dict[str, Any]:
+    """results.json's ``mesh``: per mesh, per rank figures and the worst ratios, or why it did not run."""
+    meshes = []
+    for name, kwargs in MESHES:
+        ranks = find(WORLD, f"mesh {name}")
+        row: dict[str, Any] = {"mesh": name, "kwargs": kwargs}
+        failed = [r.get("error", "") for r in ranks if not r.get("ok")]
+        refused = {r["refused"] for r in ranks if r.get("ok") and "refused" in r}
+        if failed or refused or not ranks:
+            row["refused" if refused and not failed else "error"] = "; ".join(sorted(refused) or failed) or "no ranks"
+            meshes.append(row)
+            continue
+        row["ranks"] = [{k: r[k] for k in ("place", "peak_rss", "kept_bytes", "kept_params", "bytes_read",
+                                          "step_seconds", "resettable")} for r in ranks]
+        row["peak_over_kept"] = max(r["peak_rss"] / r["kept_bytes"] for r in ranks)
+        row["read_over_kept"] = max(r["bytes_read"] / r["kept_bytes"] for r in ranks)
+        row["step_seconds"] = statistics.median(s for r in ranks for s in r["step_seconds"])
+        meshes.append(row)
+    return {"world": WORLD, "steps": STEPS, "meshes": meshes}
+
+
+def markdown(res: dict[str, Any]) -> list:
+    """The mesh section's block of results.md."""
+    mesh = res.get("mesh")
+    if not mesh:
+        return []
+    t = Table(["mesh", "rank (dp, fsdp, pp, tp)", "kept", "bytes read", "read / kept", "peak RSS", "peak / kept",
+               "train step (s, median)"])
+    for row in mesh["meshes"]:
+        if "ranks" not in row:
+            t.add(row["mesh"], None, None, None, None, None, None, f"{'refused' if 'refused' in row else 'error'}: "
+                  f"{(row.get('refused') or row.get('error', ''))[:160]}")
+            continue
+        for r in row["ranks"]:
+            kept = r["kept_bytes"]
+            t.add(row["mesh"], str(tuple(r["place"])), gb(kept), gb(r["bytes_read"]), f"{r['bytes_read'] / kept:.2f}x",
+                  gb(r["peak_rss"]), f"{r['peak_rss'] / kept:.2f}x", f"{statistics.median(r['step_seconds']):.3f}")
+    return [
+        "## Meshes: per-rank load memory and a train step on 4 ranks", "",
+        f"The load section's checkpoint loaded on {mesh['world']} ranks as each mesh (``from_pretrained`` "
+        "keyword arguments in results.json): the parameters each rank keeps (tensor-parallel slices, fsdp "
+        "shards), the bytes it read, and its peak RSS above the post-import baseline while loading. Then the "
+        f"train section's model on the same mesh: ``train_step`` + AdamW, median of {mesh['steps']} steps after a "
+        "warm-up (informational: 4 ranks share the machine's cores). A mesh this version refuses says why.", "",
+        t, "",
+    ]

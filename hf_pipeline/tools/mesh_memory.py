@@ -1,0 +1,231 @@
+"""Per-rank memory on a mesh: pipeline ranks x tensor-parallel ranks x fsdp ranks x replicas, from the config alone.
+
+:func:`mesh_report` plans the pipeline with :func:`~hf_pipeline.tools.memory.plan_report` run on
+what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds:
+
+* parameters: each module the tensor-parallel plan names (``colwise`` / ``rowwise``, the config's
+  ``base_model_tp_plan``) holds 1/tp of its sharded weights (:func:`tp_local_shapes`, the slices the
+  loader reads); the rest (embeddings, norms, the LM head, a row-parallel bias) is whole. With
+  fsdp, every parameter is then split in fsdp equal parts (FSDP2 shards dim 0; its padding of a dim
+  0 that fsdp does not divide is left out).
+* gradients: as the parameters (same dtype; reduce-scattered to the shard under fsdp).
+* AdamW: ``exp_avg`` and ``exp_avg_sq`` as ``torch.optim.AdamW`` makes them (``zeros_like`` of the
+  parameter: same dtype and shard), 2 x the rank's parameter bytes.
+* fsdp's all-gathers: the whole (tp-local) parameters of the largest unit it gathers at once (a
+  block, or the stage's other modules together: embeddings, norm, LM head), twice (the one running
+  and the one prefetched), in forward, backward and decoding.
+* activations: the stage run on fake tensors with the tp-local parameter shapes (so attention runs
+  on heads / tp, the MLP on intermediate / tp, as on a real tensor-parallel rank), for the rows of
+  one pipeline: the global batch split over dp x fsdp.
+* KV cache: the rank's heads, (KV heads / tp) per layer.
+
+Example:
+    >>> print(mesh_report("meta-llama/Llama-3-70B", num_processes=16, tp_size=4, fsdp_size=2, batch=16, seq=4096))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..errors import InputError
+from .memory import plan_report
+from .mesh_shares import fsdp_unit_bytes, human_bytes, tp_local_shapes
+
+__all__ = [
+    "MeshRankMemory", "MeshReport", "MeshShape", "fsdp_share", "fsdp_unit_bytes", "mesh_report", "mesh_shape",
+    "tp_local_shapes", "with_fsdp",
+]  # fsdp_unit_bytes and tp_local_shapes live in .mesh_shares (the planner uses them too)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshShape:
+    """The job's mesh: ``dp`` replicas of an ``fsdp`` x ``pp`` x ``tp`` block of ranks."""
+
+    dp: int
+    fsdp: int
+    pp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "fsdp", "pp", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} size must be a positive integer, got {value!r}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.fsdp * self.pp * self.tp
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x fsdp={self.fsdp} x pp={self.pp} x tp={self.tp} = {self.world} ranks"
+
+
+def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size: int = 1) -> MeshShape:
+    """The mesh of ``num_processes`` ranks with these sizes; the replicas (dp) are what is left.
+
+    Raises:
+        InputError: ``pp_size x tp_size x fsdp_size`` does not divide ``num_processes``.
+    """
+    block = pp_size * tp_size * fsdp_size
+    if num_processes < 1 or num_processes % block:
+        raise InputError(
+            f"--num-processes {num_processes} is not a multiple of pp x tp x fsdp = {pp_size} x {tp_size} x "
+            f"{fsdp_size} = {block}; pass a multiple of {block}, or change --stages / --tp-size / --fsdp-size"
+        )
+    return MeshShape(dp=num_processes // block, fsdp=fsdp_size, pp=pp_size, tp=tp_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshRankMemory:
+    """What every rank at pipeline rank ``pp_rank`` holds (the same at every tp / fsdp / dp slot), bytes."""
+
+    pp_rank: int
+    params: int  # parameters this rank holds (tp slices, fsdp shard)
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int  # AdamW exp_avg + exp_avg_sq
+    fsdp_gather_bytes: int  # whole parameters of the largest unit, twice (running + prefetched); 0 without fsdp
+    activation_bytes: int  # peak live activations of its in-flight microbatches
+    p2p_buffer_bytes: int
+    train_peak_bytes: int  # all of the above
+    checkpointed_activation_bytes: int  # the same with activation checkpointing (the pipeline report's every_n_layers)
+    checkpointed_train_peak_bytes: int
+    kv_cache_bytes: int
+    generate_peak_bytes: int  # weights + fsdp gather + KV cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshReport:
+    """:func:`mesh_report`'s answer: the mesh, the pipeline plan of one tensor-parallel rank, per-rank memory."""
+
+    mesh: MeshShape
+    batch: int  # the global batch; each pipeline (dp x fsdp of them) takes batch / (dp x fsdp) rows
+    pipeline: Any  # the MemoryReport of one tensor-parallel rank's pipeline (weights before fsdp)
+    ranks: tuple[MeshRankMemory, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mesh": {**asdict(self.mesh), "world": self.mesh.world}, "batch": self.batch,
+                "pipeline": self.pipeline.to_dict(), "ranks": [asdict(r) for r in self.ranks]}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        p = self.pipeline
+        ckpt = f"ckpt every {p.checkpoint_every_n_layers}"
+        rows = [("pp rank", "params", "weights", "grads", "AdamW", "fsdp gather", "activations", "train peak",
+                 f"activations ({ckpt})", f"train peak ({ckpt})", f"KV cache ({p.batch}x{p.seq})", "generate peak")]
+        for r in self.ranks:
+            rows.append((str(r.pp_rank), _count(r.params), *(human_bytes(b) for b in (
+                r.weight_bytes, r.grad_bytes, r.optimizer_bytes, r.fsdp_gather_bytes, r.activation_bytes,
+                r.train_peak_bytes, r.checkpointed_activation_bytes, r.checkpointed_train_peak_bytes,
+                r.kv_cache_bytes, r.generate_peak_bytes))))
+        return rows
+
+    def _summary(self) -> str:
+        m, p = self.mesh, self.pipeline
+        rows = max(1, self.batch // (m.dp * m.fsdp))
+        return (
+            f"mesh: {m}; each of the {m.pp} pipeline ranks is {m.tp} tensor-parallel x {m.fsdp} fsdp rank(s), "
+            f"{m.dp} replica(s); global batch {self.batch} = {rows} rows per pipeline x {m.dp * m.fsdp}, "
+            f"seq {p.seq}, {p.n_microbatches} microbatches, {p.dtype}"
+        )
+
+    def __str__(self) -> str:
+        rows = self._rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        table = "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        return "\n".join([
+            str(self.pipeline), "", self._summary(), "Per rank (every tp / fsdp / dp slot of a pipeline rank alike):",
+            table,
+            "note: the table above is one tensor-parallel rank's pipeline (its parameter slices, heads / tp), "
+            "before fsdp",
+            "note: train peak = weights + grads + AdamW (exp_avg, exp_avg_sq: zeros_like(parameter), its dtype and "
+            "shard) + fsdp gather + activations + P2P buffers; fsdp's padding of dim 0 is not counted",
+            "note: generate peak = weights + fsdp gather (decoding gathers one unit at a time too) + KV cache",
+        ])
+
+
+def _count(n: int) -> str:
+    from ..planning.plan import human_count
+
+    return human_count(n)
+
+
+def mesh_report(
+    path_or_config: Any,
+    *,
+    num_processes: int | None = None,
+    tp_size: int = 1,
+    fsdp_size: int = 1,
+    stages: int | None = None,
+    virtual_stages: int | None = None,
+    batch: int = 1,
+    **plan_kwargs: Any,
+) -> MeshReport:
+    """Predict every rank's memory on a pp x tp x fsdp (x dp) mesh, from the config alone.
+
+    Args:
+        path_or_config: as :func:`~hf_pipeline.tools.memory.plan_report`.
+        num_processes: ranks in the job (default: one replica, stages x tp x fsdp).
+        tp_size: tensor-parallel ranks per stage.
+        fsdp_size: ranks each parameter is sharded over (FSDP2), per pipeline rank.
+        stages: total pipeline stages (default: what the world leaves, num_processes / (tp x fsdp),
+            x virtual_stages; 2 without num_processes).
+        virtual_stages: stages per pipeline rank.
+        batch: the global batch (sequences per step), split over dp x fsdp pipelines.
+        plan_kwargs: the rest of :func:`~hf_pipeline.tools.memory.plan_report`'s arguments (dtype, seq, ...).
+
+    Returns:
+        :class:`MeshReport`.
+
+    Raises:
+        InputError: sizes that do not divide the world, a batch that does not split over dp x fsdp,
+            or tensor parallelism for a family without a plan (named by the options' checks).
+    """
+    if fsdp_size < 1 or tp_size < 1:
+        raise InputError(f"--tp-size and --fsdp-size must be >= 1, got {tp_size} and {fsdp_size}")
+    per_rank_stages = virtual_stages or 1
+    if stages is None:  # as from_pretrained: the pipeline takes what the tensor-parallel and fsdp ranks leave
+        stages = (2 if num_processes is None else max(1, num_processes // (tp_size * fsdp_size))) * per_rank_stages
+    pp = max(1, stages // per_rank_stages)
+    mesh = mesh_shape(num_processes or pp * tp_size * fsdp_size, pp_size=pp, tp_size=tp_size, fsdp_size=fsdp_size)
+    pipelines = mesh.dp * mesh.fsdp
+    if batch % pipelines:
+        raise InputError(
+            f"--batch {batch} does not split over dp x fsdp = {mesh.dp} x {mesh.fsdp} = {pipelines} data-parallel "
+            f"ranks; pass a multiple of {pipelines}"
+        )
+    pipeline = plan_report(path_or_config, stages=stages, virtual_stages=virtual_stages, batch=batch // pipelines,
+                           tp_size=tp_size, **plan_kwargs)
+    return MeshReport(mesh=mesh, batch=batch, pipeline=pipeline,
+                      ranks=tuple(_rank(r, pipeline, fsdp_size) for r in pipeline.ranks))
+
+
+def fsdp_share(nbytes: int, fsdp_size: int) -> int:
+    """One fsdp rank's share of ``nbytes`` of parameters (or their gradients / optimizer states)."""
+    return -(-nbytes // fsdp_size)
+
+
+def _rank(r, pipeline, fsdp_size: int) -> MeshRankMemory:
+    """One pipeline rank's figures under fsdp (``fsdp_size`` 1: the pipeline's own)."""
+    mine = [s for s in pipeline.stages if s.rank == r.rank]
+    weights = fsdp_share(r.weight_bytes, fsdp_size)
+    gather = 2 * max(s.largest_unit_bytes for s in mine) if fsdp_size > 1 else 0
+    held = 4 * weights + gather + r.p2p_buffer_bytes  # weights, grads, 2 AdamW states, gathers, P2P buffers
+    return MeshRankMemory(
+        pp_rank=r.rank, params=fsdp_share(sum(s.params for s in mine), fsdp_size), weight_bytes=weights,
+        grad_bytes=weights, optimizer_bytes=2 * weights, fsdp_gather_bytes=gather, activation_bytes=r.activation_bytes,
+        p2p_buffer_bytes=r.p2p_buffer_bytes, train_peak_bytes=held + r.activation_bytes,
+        checkpointed_activation_bytes=r.checkpointed_activation_bytes,
+        checkpointed_train_peak_bytes=held + r.checkpointed_activation_bytes, kv_cache_bytes=r.kv_cache_bytes,
+        generate_peak_bytes=weights + gather + r.kv_cache_bytes,
+    )
+
+
+def with_fsdp(report: MeshReport, fsdp_size: int) -> MeshReport:
+    """``report`` re-sharded over ``fsdp_size`` (the arithmetic alone: the pipeline plan is kept)."""
+    mesh = replace(report.mesh, fsdp=fsdp_size)
+    return replace(report, mesh=mesh, ranks=tuple(_rank(r, report.pipeline, fsdp_size) for r in report.pipeline.ranks))

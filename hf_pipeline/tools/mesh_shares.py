@@ -1,0 +1,80 @@
+"""What one rank of a mesh holds of a stage's parameters: tensor-parallel slices, fsdp's units.
+
+Used by the memory planner (:mod:`.memory`, which runs the stages on these shapes) and by
+:mod:`.mesh_memory` (the per-rank report of a mesh).
+
+Example:
+    >>> tp_local_shapes(stage, options.tp_plan, 2)["model.layers.0.self_attn.q_proj.weight"]   # (heads*hd/2, hidden)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..loading.tensor_parallel import shard_parts
+
+__all__ = ["fsdp_unit_bytes", "human_bytes", "tp_local_shapes"]
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as B, KiB, MiB, GiB or TiB (two decimals above bytes)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+class _PlannedMesh:
+    """The two things :func:`shard_parts` asks of a tensor-parallel mesh, for planning without one (rank 0)."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+
+def tp_local_shapes(stage: nn.Module, tp_plan: tuple[tuple[str, str], ...], tp_size: int) -> dict[str, tuple]:
+    """Parameter name -> the shape one tensor-parallel rank holds, for the parameters ``tp_plan`` shards.
+
+    Args:
+        stage: a stage module (meta or real).
+        tp_plan: ``(module pattern, style)`` pairs, as ``PipelineOptions.tp_plan``.
+        tp_size: tensor-parallel ranks per stage.
+
+    Returns:
+        Only the sharded parameters' names (the others are held whole).
+    """
+    if tp_size == 1 or not tp_plan:
+        return {}
+    out = {}
+    for name, (dim, _, count) in shard_parts([stage], tp_plan, _PlannedMesh(tp_size)).items():
+        shape = list(stage.get_parameter(name).shape)
+        shape[dim] //= count
+        out[name] = tuple(shape)
+    return out
+
+
+def fsdp_unit_bytes(stage: nn.Module, local_shapes: dict[str, tuple], itemsize: int) -> list[int]:
+    """Bytes of each unit fsdp gathers whole at once: every block, and the stage's other modules together.
+
+    Args:
+        stage: a stage module (meta).
+        local_shapes: :func:`tp_local_shapes` of the stage (the tensor-parallel rank's slices).
+        itemsize: bytes per parameter element (the model's dtype).
+    """
+    size = {id(p): itemsize * _numel(local_shapes.get(n, tuple(p.shape))) for n, p in stage.named_parameters()}
+    blocks = [{id(p) for p in m.parameters()} for _, m in stage.blocks]
+    rest = set(size) - set().union(*blocks)
+    return [sum(size[i] for i in unit) for unit in [*blocks, rest]]
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
