@@ -52,6 +52,7 @@ from .key_renames import checkpoint_key_renames
 from .safetensors_header import SAFETENSORS_DTYPES, read_header, read_shard_header
 
 __all__ = [
+    "chunk_bounds",
     "CheckpointError",
     "CheckpointIndex",
     "CheckpointNotFoundError",
@@ -157,7 +158,7 @@ def load_tensors(
             integer or bool tensor for one of them raises, naming the key and the shard, instead of
             being kept in its stored dtype.
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
-        parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` equal parts
+        parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` parts (as torch.chunk cuts)
             along ``dim`` (a tensor-parallel rank's slice); the header is checked against the whole shape.
 
     Returns:
@@ -256,16 +257,24 @@ class _TensorPlan:
     part: tuple[int, int, int] | None = None  # (dim > 0, first, length): keep only these along dim
 
 
+def chunk_bounds(size: int, index: int, count: int) -> tuple[int, int]:
+    """``(first, length)`` of part ``index`` of ``count`` of ``size`` rows, split as ``torch.chunk`` (and
+    FSDP2) split them: ``ceil(size / count)`` rows each, the last parts shorter or empty."""
+    step = -(-size // count)
+    first = min(index * step, size)
+    return first, min(step, size - first)
+
+
 def _part_plan(t: _TensorPlan, part: tuple[int, int, int]) -> _TensorPlan:
     """``t`` narrowed to part ``index`` of ``count`` along ``dim``: along dim 0 a contiguous byte range
     (only it is read); along a later dim the reader streams the rows and keeps the slice."""
     dim, index, count = part
-    length = t.shape[dim] // count
+    first, length = chunk_bounds(t.shape[dim], index, count)
     if dim > 0:
-        return dataclasses.replace(t, part=(dim, index * length, length))
+        return dataclasses.replace(t, part=(dim, first, length))
     row = t.nbytes // t.shape[0] if t.shape[0] else 0
     return dataclasses.replace(
-        t, offset=t.offset + index * length * row, nbytes=length * row, shape=(length, *t.shape[1:])
+        t, offset=t.offset + first * row, nbytes=length * row, shape=(length, *t.shape[1:])
     )
 
 
