@@ -85,13 +85,34 @@ def _meta_parameters(stage: nn.Module, chunks: Mapping[str, torch.Tensor], tied:
         made[name] = twin
 
 
+def _fill(stage: nn.Module, chunks: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Allocate the local shards module by module (``to_empty``), copy each chunk in and drop it from
+    ``chunks``: a rank never holds much more than what it keeps (all chunks plus all shards would be 2x)."""
+    filled: set[int] = set()
+    for module_name, module in stage.named_modules():
+        direct = list(module.named_parameters(recurse=False))
+        if not direct or all(id(p) in filled for _, p in direct):
+            continue  # a module sharing another's (tied) parameter: allocated and filled there
+        if any(id(p) in filled for _, p in direct):
+            raise InternalError(f"{module_name}: some of its parameters are tied to another module's and some not")
+        module.to_empty(device=device, recurse=False)  # this module's shards only (FSDP's sharded parameters)
+        with torch.no_grad():
+            for attr, p in module.named_parameters(recurse=False):
+                name = f"{module_name}.{attr}" if module_name else attr
+                chunk, local = chunks.pop(name), p.to_local()
+                if local.shape != chunk.shape:
+                    raise InternalError(f"{name}: shard {tuple(local.shape)}, read {tuple(chunk.shape)}")
+                local.copy_(chunk)
+                filled.add(id(p))
+
+
 def shard_stages(
-    stages: list[nn.Module], chunks: Mapping[str, torch.Tensor], *, mesh, device: torch.device,
+    stages: list[nn.Module], chunks: dict[str, torch.Tensor], *, mesh, device: torch.device,
     tied: tuple[tuple[str, ...], ...] = (),
 ) -> None:
     """Shard this rank's meta ``stages`` over ``mesh`` (FSDP2) and fill the local shards with ``chunks``
-    (stage name -> this rank's dim-0 chunk, read with :func:`fsdp_parts`). Communicates nothing:
-    ``fully_shard`` and the copies are local; the first forward all-gathers."""
+    (stage name -> this rank's dim-0 chunk, read with :func:`fsdp_parts`; each is dropped from it once
+    copied). Communicates nothing: ``fully_shard`` and the copies are local; the first forward all-gathers."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     _check_no_shared(stages, tied)
@@ -102,16 +123,10 @@ def shard_stages(
         for unit in _units(stage):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-        stage.to_empty(device=device)  # allocates this rank's shards only (FSDP's sharded parameters)
+        _fill(stage, chunks, device)
         for name, buf in buffers.items():
             owner_name, _, attr = name.rpartition(".")
             setattr(stage.get_submodule(owner_name), attr, buf.to(device))
-        with torch.no_grad():
-            for name, p in stage.named_parameters():
-                local = p.to_local()
-                if local.shape != chunks[name].shape:
-                    raise InternalError(f"{name}: shard {tuple(local.shape)}, read {tuple(chunks[name].shape)}")
-                local.copy_(chunks[name])
         for module in stage.modules():
             if isinstance(module, FSDPModule):
                 # Sum, not mean (see the module docstring); forced as a plain SUM, which gloo also runs.

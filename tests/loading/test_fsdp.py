@@ -12,8 +12,9 @@ compares, on every rank, with transformers on one process:
   or a second sum over the same ranks, would show as a 2x gradient in the first step's norm;
 - ``save_pretrained``: one normal checkpoint that plain transformers loads, with the trained values.
 
-It also checks that each rank keeps half of its stages' parameter elements (FSDP's dim-0 chunks)
-and that bad requests fail on every rank at load with one message naming the argument.
+It also checks that each rank keeps half of its stages' parameter elements (FSDP's dim-0 chunks) and
+reads exactly those bytes from the checkpoint, and that bad requests fail on every rank at load with one
+message naming the argument.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _case(path, arch, kwargs, save_dir=None):
     res = {"dims": (model.dims.pp_size, model.dims.dp_size, model.dims.fsdp_size), "plan": str(model.plan)}
     local = [p.to_local() if hasattr(p, "to_local") else p for s in model.stages for p in s.parameters()]
     res["kept"] = sum(t.numel() for t in local)
+    res["read"] = model.load_report.bytes_read  # fp32 checkpoint: 4 bytes per element read
     with torch.no_grad():
         res["logits"] = model(**tiny.sample_inputs(arch, batch=3, seq=9)).logits
     prompt = tiny.sample_inputs(arch, batch=2, seq=6)
@@ -64,6 +66,7 @@ def _check(what, res, ref):
     assert "mesh: fsdp=2 x pp=2" in res["plan"], res["plan"]
     # Dim-0 chunks of every tensor: half of the elements, give or take the odd rows of a chunk.
     assert abs(res["kept"] - res["whole"] / 2) <= 0.02 * res["whole"], f"{what}: keeps {res['kept']} of {res['whole']}"
+    assert res["read"] == 4 * res["kept"], f"{what}: read {res['read']} bytes to keep {res['kept']} elements"
     diff = (res["logits"] - ref["logits"]).abs().max().item()
     assert diff <= 1e-5, f"{what}: logits max abs diff {diff}"
     assert torch.equal(res["tokens"], ref["tokens"]), f"{what}: greedy tokens {res['tokens']} != {ref['tokens']}"
