@@ -9,8 +9,10 @@ import torch.distributed as dist
 from ..compat import flatten_dense_tensors, unflatten_dense_tensors
 from ..distributed.context import RankContext
 from ..distributed.dims import ParallelDims
+from ..distributed.shards import is_sharded
+from ..errors import TrainingError
 
-__all__ = ["BUCKET_BYTES", "all_reduce_flat", "fsdp_sync_group"]
+__all__ = ["BUCKET_BYTES", "all_reduce_flat", "fsdp_sync_group", "refuse_unsharded"]
 
 BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of at most this size
 
@@ -55,3 +57,15 @@ def fsdp_sync_group(
             if isinstance(made[key], dist.ProcessGroup):  # non-members get a placeholder
                 ctx.apply_timeout(made[key])
     return made[dims.ranks(pp_ranks, 0, (dims.dp_rank,))]
+
+
+def refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Under FSDP every trainable parameter must be one of FSDP's shards: a plain one added after loading
+    (a LoRA adapter) would get no reduce-scatter and, its key held on one pipeline rank, no sum here, so
+    each fsdp rank would step it with its own rows' gradient alone."""
+    plain = [name for name, p in named if not is_sharded(p)]
+    if plain:
+        raise TrainingError(
+            f"training with fsdp_size > 1 needs every trainable parameter sharded by FSDP, but {plain[:3]} "
+            f"({len(plain)} in all) were added after loading (an adapter?); train them without fsdp_size"
+        )

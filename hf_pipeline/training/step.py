@@ -56,7 +56,7 @@ from ..planning.schedules import check_training
 from ..runtime import weight_pass
 from ..runtime.cache import signature
 from ..runtime.checks import check_microbatches, check_model_inputs
-from .flat_reduce import all_reduce_flat, fsdp_sync_group
+from .flat_reduce import all_reduce_flat, fsdp_sync_group, refuse_unsharded
 
 __all__ = ["TrainStepState", "clip_grad_norm_", "train_step"]
 
@@ -151,6 +151,8 @@ def _new_train_state(model) -> TrainStepState:
             entry = by_key.setdefault(key, _LocalKey(key=key, params=[], shared=len(layout.holders.get(key, ())) > 1))
             entry.params.append(p)
     local = list(by_key.values())
+    if model.dims.fsdp_size > 1:
+        refuse_unsharded([(e.key, p) for e in local for p in e.params])
     # Buckets: keys grouped by the set of pipeline ranks holding them. The set of all such rank
     # sets is derived from the plan alone, so every rank creates the same groups in the same order.
     all_sets = sorted({layout.pp_ranks(k) for k in layout.holders if k in layout.parameters})

@@ -86,3 +86,15 @@ def test_chunks_are_torch_chunk_as_fsdp2_cuts_them(rows, count):
     for i in range(count):
         first, length = chunk_bounds(rows, i, count)
         assert torch.equal(t.narrow(0, first, length), want[i]), (rows, count, i)
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_cli_takes_fsdp_size_beside_tp_size(command, tmp_path):
+    from hf_pipeline import cli
+    from hf_pipeline.cli.options import load_kwargs
+
+    (tmp_path / "d.txt").write_text("text\n")
+    required = ["--data", str(tmp_path / "d.txt"), "--output-dir", str(tmp_path / "out")] if command == "train" else []
+    args = cli.build_parser().parse_args([command, *required, "--fsdp-size", "2"])
+    assert load_kwargs(args)["fsdp_size"] == 2
+    assert "fsdp_size" not in load_kwargs(cli.build_parser().parse_args([command, *required]))
