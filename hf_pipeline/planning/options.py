@@ -213,6 +213,12 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _positive_if_given(**values: Any) -> None:
+    for name, value in values.items():
+        if value is not None:
+            _positive(name, value)
+
+
 def _stage_counts(
     spec: ScheduleSpec, world_size: int | None, virtual_stages: int | None, num_stages: int | None,
     parallel: ParallelRequest, traced: bool = False,
@@ -377,8 +383,7 @@ class PipelineOptions:
             split_method == "auto"
             and (recipe is None or recipe.match_head(model_class.__name__, _base_class_name(config)) is None)
         )
-        for name, value in (("virtual_stages", virtual_stages), ("num_stages", num_stages)):
-            _ = value is None or _positive(name, value)
+        _positive_if_given(virtual_stages=virtual_stages, num_stages=num_stages)
         spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
         parallel = parallel or ParallelRequest()
         counts = _stage_counts(spec, world_size, virtual_stages, num_stages, parallel, traced)

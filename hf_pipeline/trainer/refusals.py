@@ -13,6 +13,9 @@ from ..errors import UsageError
 
 __all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
 
+# The model's mesh sizes that shard its parameters (its optimizer state is not saved under them yet).
+_SHARDING = ("tp_size", "fsdp_size")
+
 
 def pipelined_model_of(model: Any):
     """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
@@ -127,12 +130,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         # Trainer checkpoints carry the optimizer state, which is not saved under tensor parallelism yet
         # (training_state refuses it), and the Trainer has not been checked against transformers on a tp mesh.
-        applies=lambda args, model, extra: getattr(getattr(model, "dims", None), "tp_size", 1) > 1,
+        applies=lambda args, model, extra: any(getattr(getattr(model, "dims", None), n, 1) > 1 for n in _SHARDING),
         message=lambda args, model: (
-            f"PipelineTrainer does not train a model with tensor parallelism yet (it was loaded with "
-            f"tp_size={model.dims.tp_size}): its checkpoints need the optimizer state, which is not saved under "
-            "tensor parallelism; load the model without tp_size / distributed_config / device_mesh, or train with "
-            "model.train_step"
+            "PipelineTrainer does not train a model with tensor parallelism or FSDP yet (it was loaded with "
+            + ", ".join(f"{n}={getattr(model.dims, n)}" for n in _SHARDING if getattr(model.dims, n, 1) > 1)
+            + "): its checkpoints need the optimizer "
+            "state, which is not saved under them; load the model without tp_size / fsdp_size / distributed_config "
+            "/ device_mesh, or train with model.train_step"
         ),
     ),
     Refusal(

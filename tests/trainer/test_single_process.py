@@ -65,6 +65,8 @@ def test_a_tensor_parallel_model_is_refused_naming_tp_size(tmp_path):
     with pytest.raises(UsageError, match="tensor parallelism.*tp_size=2"):
         check_arguments(_args(tmp_path, 4), model)
     check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=1)))
+    with pytest.raises(UsageError, match="or FSDP.*fsdp_size=2"):
+        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(fsdp_size=2)))
 
 
 def test_an_unpipelined_model_is_refused(llama_path, tmp_path):
