@@ -41,16 +41,12 @@ def fsdp_parts(stages: list[nn.Module], mesh) -> dict[str, tuple[int, int, int]]
     return {name: (0, rank, count) for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)}
 
 
-def _units(module: nn.Module) -> list[nn.Module]:
-    """The blocks: items of the outermost ``nn.ModuleList``s (decoder layers, T5 blocks), each its own
-    FSDP unit so that one block's parameters are gathered at a time."""
-    out: list[nn.Module] = []
-    for child in module.children():
-        if isinstance(child, nn.ModuleList):
-            out += [m for m in child if any(True for _ in m.parameters())]
-        else:
-            out += _units(child)
-    return out
+def _units(stage: nn.Module) -> list[nn.Module]:
+    """The stage's whole blocks (decoder layers, T5 blocks), each its own FSDP unit so that one block's
+    parameters are gathered at a time. A block cut at a stage boundary is not one: the glue calls its
+    halves' modules, never the block, so FSDP's hooks on the block would never gather it; its
+    parameters go with the stage's root unit."""
+    return [layer for (_, layer), half in zip(stage.blocks, stage.block_halves) if half is None]
 
 
 def _check_no_shared(stages: list[nn.Module], tied: tuple[tuple[str, ...], ...]) -> None:
