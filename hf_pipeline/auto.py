@@ -18,6 +18,7 @@ _PIPELINE_KWARGS = (
     "n_microbatches", "num_stages", "virtual_stages", "schedule", "split", "dtype", "device", "gather_output",
     "revision", "cache_dir", "subfolder", "attn_implementation", "trust_remote_code", "progress", "config",
     "split_method", "tune_batch", "max_memory", "tp_size", "distributed_config", "device_mesh",
+    "fsdp_size",
 )
 # transformers' from_pretrained arguments that change nothing here, and why.
 _NO_OPS = {

@@ -32,6 +32,7 @@ from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
 from .distributed.groups import renew_groups
 from .errors import InputError, TraceError
+from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
 from .planning.layout import ParamLayout, count_parameters, param_layout
@@ -199,9 +200,10 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     def _spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
         groups = (self.dims.pp_group, self.dims.dp_group)
-        # Tensor-parallel stages hold DTensors bound to their mesh's groups, which fresh groups cannot replace.
-        recover = self._renew_groups if self.dims.tp_size == 1 else None
-        return spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=recover)
+        # Tensor-parallel and FSDP stages hold DTensors bound to their mesh's groups, which fresh groups cannot replace.
+        recover = None if self.dims.sharded else self._renew_groups
+        calling = spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=recover)
+        return resharded_after(self.stages, calling) if self.dims.fsdp_size > 1 else calling  # see its Note
 
     def _renew_groups(self) -> None:
         # Fresh groups after a failure stopped these (faults.py); stages, schedules, sync groups: rebuilt on use.

@@ -102,7 +102,7 @@ def model_path(args) -> str:
 def load_kwargs(args) -> dict[str, Any]:
     """``from_pretrained`` keywords of the ``model`` option group (the ones given)."""
     kw: dict[str, Any] = {"dtype": args.dtype}
-    for key in ("schedule", "virtual_stages", "n_microbatches", "device", "tp_size"):
+    for key in ("schedule", "virtual_stages", "n_microbatches", "device", "tp_size", "fsdp_size"):
         if getattr(args, key) is not None:
             kw[key] = getattr(args, key)
     return kw

@@ -140,6 +140,8 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", type=_positive, default=None, help="stages per process")
     g.add_argument("--tp-size", type=_positive, default=None,
                    help="tensor-parallel processes per stage (LLaMA, Mistral, Qwen2; default 1)")
+    g.add_argument("--fsdp-size", type=_positive, default=None,
+                   help="data-parallel processes sharding each stage's parameters with FSDP (default 1)")
     g.add_argument("--n-microbatches", type=_positive, default=None,
                    help="microbatches per pipelined call (default: number of stages)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's)")

@@ -5,8 +5,8 @@ Lives here, lowest first:
 - :mod:`.shutdown`: a clean interpreter exit (the group destroyed, its worker threads idle).
 - :mod:`.context`: ``init_distributed``, ``RankContext``, ``destroy_distributed``: the process
   group, device and collective timeout from the launcher's environment.
-- :mod:`.dims`: ``ParallelDims``, how the ranks form ``dp_size`` replicas of a pipeline of
-  ``tp_size``-rank stages: the (dp, pp, tp) mesh, built once here.
+- :mod:`.dims`: ``ParallelDims``, how the ranks form ``dp_size`` replicas (or FSDP ranks) of a pipeline
+  of ``tp_size``-rank stages: the (dp or fsdp, pp, tp) mesh, built once here.
 - :mod:`.shards`: tensor-parallel shards (``DTensor``) seen as plain tensors: local or gathered.
 - :mod:`.groups`: the process groups a model owns (``own_group``, ``renew_groups``): made at load,
   made afresh after a failure stopped them; WORLD is never used by a model's calls.

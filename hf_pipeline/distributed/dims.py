@@ -1,12 +1,20 @@
-"""How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline whose
-ranks are ``tp_size`` tensor-parallel ranks each.
+"""How the job's ranks form pipelines: ``dp_size`` data-parallel ranks of a ``pp_size``-rank pipeline
+whose ranks are ``tp_size`` tensor-parallel ranks each. Of the data-parallel ranks, ``fsdp_size`` hold
+one shard each of their stages' parameters (FSDP2): they take their own rows of the batch like
+replicas, but hold 1/fsdp_size of the weights.
 
 The mesh is ``(dp, pp, tp)``, tensor parallelism innermost (the ranks of one stage are neighbours):
-global rank ``(d * pp_size + p) * tp_size + t``.
+global rank ``(d * pp_size + p) * tp_size + t``. With FSDP its data-parallel dim is named ``"fsdp"``
+(``(fsdp, pp, tp)``): the FSDP ranks are data-parallel ranks, so the same formula places every rank and
+everything that splits a batch over ``dp_size`` splits it over them. The fsdp dim is outermost because
+it talks least often (one all-gather and one reduce-scatter per stage per step), the pipeline's
+point-to-point traffic runs every microbatch, and tensor parallelism on every matmul.
 
 Example (``torchrun --nproc-per-node 4 script.py``, two-stage pipelines):
     >>> dims = ParallelDims.build(init_distributed(), pp_size=2)
     >>> dims.dp_size, dims.pp_rank, dims.dp_rank     # (2, 1, 1) on global rank 3
+    >>> dims = ParallelDims.build(init_distributed(), pp_size=2, fsdp_size=2)
+    >>> dims.dp_size, dims.fsdp_rank, dims.fsdp_mesh.size()     # (2, 1, 2) on global rank 3
 """
 
 from __future__ import annotations
@@ -34,16 +42,21 @@ class ParallelDims:
     never communicates in WORLD.
 
     Attributes:
-        pp_size, dp_size, tp_size: ranks per pipeline, pipeline replicas, tensor-parallel ranks per stage.
+        pp_size, dp_size, tp_size: ranks per pipeline, data-parallel ranks (pipeline replicas, or FSDP
+            ranks), tensor-parallel ranks per stage.
+        fsdp_size: of the ``dp_size`` data-parallel ranks, how many shard each stage's parameters (1: none;
+            else ``dp_size``: one replica of FSDP-sharded pipelines).
         pp_rank, dp_rank, tp_rank: this rank's place in its pipeline, its replica, its place in its stage.
         pp_group, dp_group, tp_group: this rank's pipeline group (``ctx.group`` when it spans the job,
             None for one process), data-parallel group and tensor-parallel group (None when not needed).
-        mesh: the (dp, pp, tp) device mesh with several replicas or tensor-parallel ranks, else None.
+        mesh: the (dp, pp, tp) device mesh with several replicas or tensor-parallel ranks ((fsdp, pp, tp)
+            with FSDP), else None.
     """
 
     pp_size: int
     dp_size: int = 1
     tp_size: int = 1
+    fsdp_size: int = 1
     pp_rank: int = 0
     dp_rank: int = 0
     tp_rank: int = 0
@@ -53,9 +66,9 @@ class ParallelDims:
     mesh: Any = None
 
     @classmethod
-    def build(cls, ctx: RankContext, pp_size: int, tp_size: int = 1) -> "ParallelDims":
-        """The dims of ``ctx``'s job for ``pp_size``-rank pipelines of ``tp_size``-rank stages (collective
-        when a mesh is made)."""
+    def build(cls, ctx: RankContext, pp_size: int, tp_size: int = 1, fsdp_size: int = 1) -> "ParallelDims":
+        """The dims of ``ctx``'s job for ``pp_size``-rank pipelines of ``tp_size``-rank stages, sharded over
+        ``fsdp_size`` data-parallel ranks (collective when a mesh is made)."""
         if ctx.world_size % (pp_size * tp_size):
             raise InputError(
                 f"world size {ctx.world_size} is not a multiple of pp_size x tp_size = {pp_size} x {tp_size} "
@@ -63,22 +76,51 @@ class ParallelDims:
                 "change num_stages / tp_size"
             )
         dp_size = ctx.world_size // (pp_size * tp_size)
+        if fsdp_size > 1 and dp_size != fsdp_size:
+            raise InputError(
+                f"fsdp_size={fsdp_size} must equal world size {ctx.world_size} / (pp_size {pp_size} x tp_size "
+                f"{tp_size}) = {dp_size}: replicas of FSDP-sharded pipelines (HSDP) are not supported; launch "
+                f"{pp_size * tp_size * fsdp_size} processes or change fsdp_size"
+            )
         if not ctx.is_distributed:
             return cls(pp_size=pp_size)
         if dp_size == 1 and tp_size == 1:
             return cls(pp_size=pp_size, pp_rank=ctx.rank, pp_group=ctx.group)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size, tp_size), mesh_dim_names=("dp", "pp", "tp"))
-        groups = {name: mesh.get_group(name) for name in ("dp", "pp", "tp")}
+        names = ("fsdp" if fsdp_size > 1 else "dp", "pp", "tp")
+        mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size, tp_size), mesh_dim_names=names)
+        groups = {name: mesh.get_group(name) for name in names}
         # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
         groups = {name: ctx.group if g is dist.group.WORLD else g for name, g in groups.items()}
         ctx.apply_timeout(*groups.values())
         return cls(
-            pp_size=pp_size, dp_size=dp_size, tp_size=tp_size, pp_rank=mesh.get_local_rank("pp"),
-            dp_rank=mesh.get_local_rank("dp"), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],
-            dp_group=groups["dp"] if dp_size > 1 else None, tp_group=groups["tp"] if tp_size > 1 else None, mesh=mesh,
+            pp_size=pp_size, dp_size=dp_size, tp_size=tp_size, fsdp_size=fsdp_size, pp_rank=mesh.get_local_rank("pp"),
+            dp_rank=mesh.get_local_rank(names[0]), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],
+            dp_group=groups[names[0]] if dp_size > 1 else None, tp_group=groups["tp"] if tp_size > 1 else None,
+            mesh=mesh,
         )
+
+    @property
+    def fsdp_mesh(self) -> Any:
+        """The 1-D FSDP sub-mesh of this rank's stage (None without FSDP)."""
+        return self.mesh["fsdp"] if self.fsdp_size > 1 else None
+
+    @property
+    def fsdp_rank(self) -> int:
+        """This rank's FSDP shard index (0 without FSDP)."""
+        return self.dp_rank % self.fsdp_size
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The group over which a stage's DTensor shards are split: the tensor-parallel ranks, or the fsdp
+        ranks (None when stages hold whole tensors)."""
+        return self.dp_group if self.fsdp_size > 1 else self.tp_group
+
+    @property
+    def sharded(self) -> bool:
+        """Whether stages hold DTensor shards (tensor parallelism or FSDP), bound to this mesh's groups."""
+        return self.tp_size > 1 or self.fsdp_size > 1
 
     @property
     def tp_mesh(self) -> Any:
@@ -93,7 +135,9 @@ class ParallelDims:
         """``(dp_rank, pp_rank, tp_rank)`` of global rank ``rank``."""
         return rank // (self.pp_size * self.tp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
 
-    def ranks(self, pp_ranks: tuple[int, ...], tp_rank: int) -> tuple[int, ...]:
-        """Global ranks of pipeline ranks ``pp_ranks`` at tensor-parallel slot ``tp_rank`` in every replica."""
+    def ranks(self, pp_ranks: tuple[int, ...], tp_rank: int, dp_ranks=None) -> tuple[int, ...]:
+        """Global ranks of pipeline ranks ``pp_ranks`` at tensor-parallel slot ``tp_rank`` in every replica
+        (in data-parallel ranks ``dp_ranks`` only, when given)."""
         pp, tp = self.pp_size, self.tp_size
-        return tuple(sorted((d * pp + r) * tp + tp_rank for d in range(self.dp_size) for r in pp_ranks))
+        dps = range(self.dp_size) if dp_ranks is None else dp_ranks
+        return tuple(sorted((d * pp + r) * tp + tp_rank for d in dps for r in pp_ranks))

@@ -61,7 +61,7 @@ def renew_groups(
         The new context and dims: the same ranks and sizes, fresh groups.
     """
     fresh = own_group(ctx)
-    renewed = ParallelDims.build(fresh, dims.pp_size, dims.tp_size)
+    renewed = ParallelDims.build(fresh, dims.pp_size, dims.tp_size, dims.fsdp_size)
     release_groups(ctx.group, dims.pp_group, dims.dp_group, dims.tp_group, *made)
     return fresh, renewed
 

@@ -13,7 +13,8 @@ Lives here:
   checkpoint keys), :mod:`.weights` (per-stage, shard-by-shard reading) and :mod:`.missing_weights`
   (what the checkpoint lacks, initialised as transformers does);
 - :mod:`.loader` (``load_pipeline``: options -> agreement (:mod:`.identity`) -> front end -> wanted
-  tensors -> load -> materialise; every entry point loads through it).
+  tensors -> load -> materialise; every entry point loads through it); :mod:`.tensor_parallel` and
+  :mod:`.fsdp` (a loaded stage sharded over its mesh's tp or fsdp dim, each rank reading only its part).
 
 May import: the base modules and the rooms below it (``distributed``, ``families``, ``planning``,
 ``runtime``).

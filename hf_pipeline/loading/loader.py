@@ -44,6 +44,7 @@ from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
+from .fsdp import fsdp_parts, shard_stages
 from .identity import pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
@@ -152,31 +153,33 @@ def _stage_roles(plan: StagePlan, dims: ParallelDims) -> Callable[[int], str]:
 
 def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -> ParallelDims:
     """The job's mesh (collective when there is one), also written into the plan it reports."""
-    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size)
-    maker.plan = dataclasses.replace(maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan)
+    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size, options.fsdp_size)
+    maker.plan = dataclasses.replace(
+        maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan, fsdp_size=dims.fsdp_size
+    )
     return dims
 
 
 def _with_parallel(option_kwargs: dict[str, Any], ctx: RankContext, *, auto: bool) -> dict[str, Any]:
-    """``option_kwargs`` with ``tp_size`` / ``distributed_config`` / ``device_mesh`` turned into the one
+    """``option_kwargs`` with ``tp_size`` / ``fsdp_size`` / ``distributed_config`` / ``device_mesh`` turned into the one
     ``parallel`` request of :meth:`PipelineOptions.resolve` (see
     :func:`~hf_pipeline.planning.tp_plan.parallel_request`); ``auto``: an automatic schedule choice, which
     plans pipelines without tensor parallelism."""
-    given = {k: option_kwargs.pop(k, None) for k in ("tp_size", "distributed_config", "device_mesh")}
+    given = {k: option_kwargs.pop(k, None) for k in ("tp_size", "fsdp_size", "distributed_config", "device_mesh")}
     parallel = parallel_request(**given, world_size=ctx.world_size)
     if parallel == ParallelRequest():
         return option_kwargs
     if auto:
         raise InputError(
-            "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism; name the "
-            "schedule and n_microbatches with tp_size / distributed_config / device_mesh"
+            "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism or FSDP; name the "
+            "schedule and n_microbatches with tp_size / fsdp_size / distributed_config / device_mesh"
         )
     return {**option_kwargs, "parallel": parallel}
 
 
 def _load_stages(
     maker: StageMaker, ckpt: pathlib.Path, local, *, ctx: RankContext, options: PipelineOptions,
-    rng_state: torch.Tensor, progress: bool | None, started: float, tp_mesh=None,
+    rng_state: torch.Tensor, progress: bool | None, started: float, dims: ParallelDims,
 ) -> tuple[list[nn.Module], LoadReport, float]:
     """Make this rank's meta stages, read their tensors, initialise what the checkpoint lacks, materialise.
 
@@ -187,7 +190,10 @@ def _load_stages(
     index = CheckpointIndex.from_directory(ckpt)
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)
-    parts = shard_parts(stages, options.tp_plan, tp_mesh)  # a tensor-parallel rank reads only its slices
+    # A tensor-parallel or FSDP rank reads only its slices.
+    parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
+    if dims.fsdp_size > 1:
+        parts = fsdp_parts(stages, dims.fsdp_mesh)
     staged_at = time.perf_counter()
     tensors, report = load_tensors(
         index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
@@ -206,12 +212,14 @@ def _load_stages(
     del fresh
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)
+    if dims.fsdp_size > 1:
+        shard_stages(stages, tensors, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied)
     made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
-    for stage in stages:
+    for stage in stages if dims.fsdp_size == 1 else ():
         materialize(stage, tensors, device=ctx.device, tied=maker.resolved.tied, made=made)
         stage.eval()
         if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
-            apply_tensor_parallel(stage, options.tp_plan, tp_mesh)
+            apply_tensor_parallel(stage, options.tp_plan, dims.tp_mesh)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}
@@ -253,8 +261,8 @@ def load_pipeline(
         choose: ``choose(config, world_size, device_type=..., **option_kwargs) -> (option_kwargs, choice)``:
             replaces ``"auto"`` options before they are resolved (``autotune.choose``; the same
             arithmetic on every rank, so every rank resolves the same options).
-        **option_kwargs: the options of :meth:`PipelineOptions.resolve`, and one of ``tp_size`` / ``distributed_config``
-            / ``device_mesh``: tensor parallelism inside each stage (see :func:`_with_parallel`).
+        **option_kwargs: the options of :meth:`PipelineOptions.resolve`, and ``tp_size`` / ``fsdp_size`` or one of
+            ``distributed_config`` / ``device_mesh``: tensor parallelism or FSDP in each stage (:func:`_with_parallel`).
 
     Returns:
         This rank's :class:`LoadedPipeline`.
@@ -288,7 +296,7 @@ def load_pipeline(
     with collective_errors(ctx, "loading weights", describe=_stage_roles(maker.plan, dims)):
         stages, report, read_at = _load_stages(
             maker, ckpt, maker.plan.stages_for_rank(dims.pp_rank), ctx=ctx, options=options, rng_state=rng_state,
-            progress=progress, started=planned_at, tp_mesh=dims.tp_mesh)
+            progress=progress, started=planned_at, dims=dims)
     # Where a load's wall time goes, for the benchmark's load-vs-read comparison (this rank's clock).
     report.seconds = {
         "config, options, agreement": agreed_at - started, "plan, dims": planned_at - agreed_at, **report.seconds,

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..compat import strided_shard
 from ..errors import InternalError
 from ..planning.mesh_rules import parse_style
+from .weights import chunk_bounds
 
 __all__ = ["apply_tensor_parallel", "local_part", "local_slice", "plan_for_stage", "shard_parts", "whole_tensor"]
 
@@ -97,7 +98,8 @@ def local_slice(tensor: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
     """This rank's slice ``part`` (from :func:`shard_parts`) of a whole ``tensor``, with its own storage."""
     dim, index, count, *packs = part
     blocks = tensor.chunk(packs[0], dim) if packs else (tensor,)
-    return torch.cat([b.chunk(count, dim)[index] for b in blocks], dim).clone()
+    # Cut as torch.chunk (and FSDP2) cut, by bounds: chunk() gives fewer than ``count`` parts when they run out.
+    return torch.cat([b.narrow(dim, *chunk_bounds(b.shape[dim], index, count)) for b in blocks], dim).clone()
 
 
 def whole_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from .key_renames import checkpoint_key_renames
 from .safetensors_header import SAFETENSORS_DTYPES, read_header, read_shard_header
 
 __all__ = [
+    "chunk_bounds",
     "CheckpointError",
     "CheckpointIndex",
     "CheckpointNotFoundError",
@@ -157,9 +158,10 @@ def load_tensors(
             integer or bool tensor for one of them raises, naming the key and the shard, instead of
             being kept in its stored dtype.
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
-        parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` equal parts
-            along ``dim`` (a tensor-parallel rank's slice); ``(dim, index, count, packs)``: that part of each
-            of ``packs`` equal blocks, side by side (a packed tensor); the header is checked against the whole shape.
+        parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` parts along
+            ``dim``, cut as ``torch.chunk`` cuts (a tensor-parallel or fsdp rank's slice); ``(dim, index, count,
+            packs)``: that part of each of ``packs`` equal blocks, side by side (a packed tensor); the header is
+            checked against the whole shape.
 
     Returns:
         (stage name -> tensor, :class:`LoadReport`). Names served by one checkpoint key share one tensor.
@@ -258,19 +260,28 @@ class _TensorPlan:
     part: tuple[int, tuple[tuple[int, int], ...]] | None = None
 
 
+def chunk_bounds(size: int, index: int, count: int) -> tuple[int, int]:
+    """``(first, length)`` of part ``index`` of ``count`` of ``size`` rows, split as ``torch.chunk`` (and
+    FSDP2) split them: ``ceil(size / count)`` rows each, the last parts shorter or empty."""
+    step = -(-size // count)
+    first = min(index * step, size)
+    return first, min(step, size - first)
+
+
 def _part_plan(t: _TensorPlan, part: tuple[int, ...]) -> _TensorPlan:
     """``t`` narrowed to part ``index`` of ``count`` along ``dim`` (of each of its ``packs`` blocks when the
     part says ``(dim, index, count, packs)``): along dim 0 one part is a contiguous byte range (only it
     is read); otherwise the reader streams the rows and keeps the slices."""
     dim, index, count, *rest = part
     packs = rest[0] if rest else 1
-    length = t.shape[dim] // (count * packs)
+    block = t.shape[dim] // packs
+    first, length = chunk_bounds(block, index, count)
     if dim > 0 or packs > 1:
-        ranges = tuple(((p * count + index) * length, length) for p in range(packs))
+        ranges = tuple((p * block + first, length) for p in range(packs))
         return dataclasses.replace(t, part=(dim, ranges))
     row = t.nbytes // t.shape[0] if t.shape[0] else 0
     return dataclasses.replace(
-        t, offset=t.offset + index * length * row, nbytes=length * row, shape=(length, *t.shape[1:])
+        t, offset=t.offset + first * row, nbytes=length * row, shape=(length, *t.shape[1:])
     )
 
 

@@ -213,19 +213,30 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _positive_if_given(**values: Any) -> None:
+    for name, value in values.items():
+        if value is not None:
+            _positive(name, value)
+
+
 def _stage_counts(
     spec: ScheduleSpec, world_size: int | None, virtual_stages: int | None, num_stages: int | None,
-    parallel: ParallelRequest,
+    parallel: ParallelRequest, traced: bool = False,
 ) -> tuple[int, int, int]:
     """(virtual_stages, num_stages, pp_size) with their defaults, checked against the world size and
     the tensor-parallel ranks per stage."""
-    tp = parallel.tp_size
+    tp, fsdp = parallel.tp_size, parallel.fsdp_size
     if virtual_stages is None:
         virtual_stages = spec.default_virtual_stages()
     if world_size is not None and world_size % tp:
         raise InputError(f"tp_size={tp} does not divide the world size {world_size}; launch a multiple of {tp} ranks")
+    if world_size is not None and world_size % (tp * fsdp):
+        raise InputError(
+            f"fsdp_size={fsdp} (x tp_size={tp}) does not divide the world size {world_size}; launch a multiple of "
+            f"{tp * fsdp} ranks or change fsdp_size"
+        )
     if num_stages is None:
-        num_stages = (parallel.pp_size or (world_size or tp) // tp) * virtual_stages
+        num_stages = (parallel.pp_size or (world_size or tp * fsdp) // (tp * fsdp)) * virtual_stages
     if num_stages % virtual_stages:
         raise InputError(f"num_stages={num_stages} is not a multiple of virtual_stages={virtual_stages}")
     pp_size = num_stages // virtual_stages
@@ -241,13 +252,34 @@ def _stage_counts(
             f"{pp_size * tp} processes, but the world size is {world_size}; launch {pp_size * tp} (or k x "
             f"{pp_size * tp}) processes or change num_stages{' / tp_size' if tp > 1 else ''}"
         )
-    replicas = (world_size or pp_size * tp) // (pp_size * tp)
+    replicas = (world_size or pp_size * tp * fsdp) // (pp_size * tp)
+    if fsdp > 1 and replicas != fsdp:
+        raise InputError(
+            f"fsdp_size={fsdp} must equal world size {world_size} / (pp_size {pp_size} x tp_size {tp}) = {replicas}: "
+            "replicas of FSDP-sharded pipelines (HSDP) are not supported; change num_stages or fsdp_size"
+        )
+    _refuse_with_fsdp(spec, fsdp, traced)
     if parallel.dp_size is not None and parallel.dp_size != replicas:
         raise InputError(
             f"dp size {parallel.dp_size} (dp_replicate_size / the mesh's 'dp' dim) conflicts with world size "
             f"{world_size} / (pp_size {pp_size} x tp_size {tp}) = {replicas} pipeline replicas"
         )
     return virtual_stages, num_stages, pp_size
+
+
+def _refuse_with_fsdp(spec: ScheduleSpec, fsdp: int, traced: bool) -> None:
+    """What FSDP stages cannot run: traced stages (no blocks to make units of), and the zero-bubble
+    schedules, which defer weight gradients past the backward in which FSDP reduce-scatters them."""
+    if fsdp > 1 and traced:
+        raise InputError(
+            f"fsdp_size={fsdp}: FSDP needs the stages of a recipe (its blocks are the FSDP units), and this model "
+            "is split by the tracer (no recipe for its family or head); load it without fsdp_size"
+        )
+    if fsdp > 1 and spec.zero_bubble:
+        raise InputError(
+            f"fsdp_size={fsdp} with the zero-bubble schedule {spec.name!r} is not supported (its deferred weight "
+            "gradients miss FSDP's reduce-scatter); use '1f1b', 'gpipe' or 'interleaved-1f1b'"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +294,7 @@ class PipelineOptions:
         pp_size: ranks in one pipeline (``num_stages / virtual_stages``).
         dp_size: pipeline replicas (``world_size / (pp_size x tp_size)``; 1 when planning without a world).
         tp_size: tensor-parallel ranks per stage (1: none).
+        fsdp_size: data-parallel ranks sharding each stage's parameters with FSDP2 (1: none).
         tp_plan: ``(module pattern, style)`` pairs sharding each stage (empty without tensor parallelism).
         n_microbatches: microbatches per pipelined call.
         dtype: the weights' dtype.
@@ -284,12 +317,13 @@ class PipelineOptions:
     schedule_note: str = ""
     tp_size: int = 1
     tp_plan: tuple[tuple[str, str], ...] = ()
+    fsdp_size: int = 1
 
     def __post_init__(self) -> None:
         # Here, not in resolve, so options made with dataclasses.replace (autotune.with_schedule) are
         # checked too. Only what the placement needs: forward and generate run with any microbatch
         # count, and a training schedule's microbatch rules are checked when training starts (train.py).
-        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size"):
+        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size", "fsdp_size"):
             _positive(name, getattr(self, name))
         if self.num_stages != self.pp_size * self.virtual_stages:
             raise InputError(
@@ -349,13 +383,11 @@ class PipelineOptions:
             split_method == "auto"
             and (recipe is None or recipe.match_head(model_class.__name__, _base_class_name(config)) is None)
         )
-        if virtual_stages is not None:
-            _positive("virtual_stages", virtual_stages)
-        if num_stages is not None:
-            _positive("num_stages", num_stages)
+        _positive_if_given(virtual_stages=virtual_stages, num_stages=num_stages)
         spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
         parallel = parallel or ParallelRequest()
-        virtual_stages, num_stages, pp_size = _stage_counts(spec, world_size, virtual_stages, num_stages, parallel)
+        counts = _stage_counts(spec, world_size, virtual_stages, num_stages, parallel, traced)
+        virtual_stages, num_stages, pp_size = counts
         if n_microbatches is None:
             n_microbatches = num_stages
         note = ""
@@ -369,7 +401,7 @@ class PipelineOptions:
             virtual_stages=virtual_stages,
             num_stages=num_stages,
             pp_size=pp_size,
-            dp_size=(world_size or pp_size * parallel.tp_size) // (pp_size * parallel.tp_size),
+            dp_size=(world_size or pp_size * parallel.tp_size * parallel.fsdp_size) // (pp_size * parallel.tp_size),
             n_microbatches=n_microbatches,
             dtype=parse_dtype(dtype, config),
             split=split_value,
@@ -377,4 +409,5 @@ class PipelineOptions:
             schedule_note=note,
             tp_size=parallel.tp_size,
             tp_plan=tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=spec.name),
+            fsdp_size=parallel.fsdp_size,
         )

@@ -86,6 +86,7 @@ class StagePlan:
     dp_size: int = 1
     tp_size: int = 1
     tp_plan: tuple[tuple[str, str], ...] = ()
+    fsdp_size: int = 1  # of the dp_size data-parallel ranks, those sharding each stage's parameters (FSDP2)
     _by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -174,7 +175,9 @@ class StagePlan:
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = [head]
-        if self.dp_size > 1 or self.tp_size > 1:  # each rank's place: global rank = (dp x pp + pp rank) x tp + tp rank
+        if self.fsdp_size > 1:  # global rank = fsdp rank x pp + pp rank; each runs its own rows
+            lines.append(f"mesh: fsdp={self.fsdp_size} x pp={self.pp_size}; each keeps 1/{self.fsdp_size} of a tensor")
+        elif self.dp_size > 1 or self.tp_size > 1:  # global rank = (dp x pp + pp rank) x tp + tp rank
             lines.append(f"mesh: dp={self.dp_size} x pp={self.pp_size} x tp={self.tp_size}, tp innermost; "
                          + (f"each stage rank holds 1/{self.tp_size} of " + ", ".join(
                              f"{k} ({v})" for k, v in self.tp_plan) + ", the rest whole" if self.tp_plan else

@@ -1,8 +1,10 @@
 """Tensor parallelism inside each stage: the sizes the user asked for, and the plan that shards a stage.
 
-Three ways to ask, as transformers' ``from_pretrained`` takes them: ``tp_size=``,
-``distributed_config=DistributedConfig(pp_size=..., tp_size=...)`` (transformers' own class) and
-``device_mesh=`` (a torch ``DeviceMesh`` with dims named ``"pp"``, ``"tp"`` and optionally ``"dp"``).
+Three ways to ask, as transformers' ``from_pretrained`` takes them: ``tp_size=`` / ``fsdp_size=``,
+``distributed_config=DistributedConfig(pp_size=..., tp_size=...)`` or ``DistributedConfig(fsdp_size=...)``
+(transformers' own class, which refuses ``fsdp_size`` together with ``pp_size``: the pipeline depth then
+comes from ``num_stages``) and ``device_mesh=`` (a torch ``DeviceMesh`` with dims named ``"pp"``,
+``"tp"`` and optionally ``"dp"`` or ``"fsdp"``).
 :func:`parallel_request` turns any of them into one :class:`ParallelRequest`; :func:`tp_plan` gives
 the module patterns and styles (``"colwise"`` / ``"rowwise"`` / ``"packed_colwise[:K]"``) that shard
 a stage, from the config's ``base_model_tp_plan`` (LLaMA, Mistral, Qwen2), the recipe's ``[tp]`` plan
@@ -32,11 +34,11 @@ TP_STYLES = ("colwise", "rowwise", "packed_colwise")
 
 # DistributedConfig fields this version cannot honour, with what a value other than the default asks for.
 _UNSUPPORTED = {
-    "fsdp_size": "FSDP inside stages", "fsdp_plan": "FSDP inside stages", "fsdp_cpu_offload": "FSDP inside stages",
-    "fsdp_mixed_precision": "FSDP inside stages", "enable_sequence_parallel": "sequence parallelism",
+    "fsdp_plan": "a custom FSDP plan (each block is one FSDP unit here)", "fsdp_cpu_offload": "FSDP CPU offload",
+    "fsdp_mixed_precision": "FSDP mixed precision", "enable_sequence_parallel": "sequence parallelism",
     "enable_expert_parallel": "expert parallelism", "ep_size": "expert parallelism", "ep_plan": "expert parallelism",
 }
-_MESH_DIMS = ("dp", "pp", "tp")
+_MESH_DIMS = ("dp", "fsdp", "pp", "tp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,18 +51,30 @@ class ParallelRequest:
         pp_size: pipeline ranks, or None to take them from ``num_stages`` / the world size.
         dp_size: pipeline replicas the caller named (``dp_replicate_size``, a mesh's ``"dp"``), else None.
         plan: ``(module pattern, style)`` pairs replacing the config's plan, or None.
+        fsdp_size: data-parallel ranks sharding each stage's parameters with FSDP2 (1: none).
     """
 
     tp_size: int = 1
     pp_size: int | None = None
     dp_size: int | None = None
     plan: tuple[tuple[str, str], ...] | None = None
+    fsdp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "dp_size"):
+        for name in ("tp_size", "pp_size", "dp_size", "fsdp_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
+        if self.fsdp_size > 1 and self.tp_size > 1:
+            raise InputError(
+                f"fsdp_size={self.fsdp_size} with tp_size={self.tp_size}: FSDP and tensor parallelism inside the "
+                "same stages are not supported together yet; pass one of them"
+            )
+        if self.fsdp_size > 1 and (self.dp_size or 1) > 1:
+            raise InputError(
+                f"fsdp_size={self.fsdp_size} with {self.dp_size} pipeline replicas (dp_replicate_size / the mesh's "
+                "'dp' dim): replicas of FSDP-sharded pipelines (HSDP) are not supported yet; leave the replicas unset"
+            )
 
 
 def _from_distributed_config(dc: Any) -> ParallelRequest:
@@ -72,7 +86,7 @@ def _from_distributed_config(dc: Any) -> ParallelRequest:
         if name in defaults and not unset:
             raise InputError(
                 f"distributed_config.{name}={value!r} asks for {what}, which pipeline=True does not do yet; "
-                f"leave {name} unset (pipeline replicas come from world size / (pp_size x tp_size))"
+                f"leave {name} unset (pipeline replicas come from world size / (pp_size x tp_size x fsdp_size))"
             )
     plan = dc.tp_plan
     if plan is not None and plan != "auto" and not isinstance(plan, dict):
@@ -82,7 +96,7 @@ def _from_distributed_config(dc: Any) -> ParallelRequest:
     return ParallelRequest(
         tp_size=dc.tp_size or 1, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
         dp_size=dc.dp_replicate_size if (dc.dp_replicate_size or 1) > 1 else None,
-        plan=tuple(plan.items()) if isinstance(plan, dict) else None,
+        plan=tuple(plan.items()) if isinstance(plan, dict) else None, fsdp_size=dc.fsdp_size or 1,
     )
 
 
@@ -103,22 +117,29 @@ def _from_mesh(mesh: Any, world_size: int) -> ParallelRequest:
             f"device_mesh dims must be in the order {order} over ranks 0..{world_size - 1} in order (tensor "
             f"parallelism innermost), got mesh_dim_names={names} over ranks {mesh.mesh.flatten().tolist()}"
         )
-    return ParallelRequest(tp_size=sizes.get("tp", 1), pp_size=sizes["pp"], dp_size=sizes.get("dp"))
+    return ParallelRequest(
+        tp_size=sizes.get("tp", 1), pp_size=sizes["pp"], dp_size=sizes.get("dp"), fsdp_size=sizes.get("fsdp", 1)
+    )
 
 
 def parallel_request(
-    *, tp_size: int | None, distributed_config: Any, device_mesh: Any, world_size: int | None
+    *, tp_size: int | None, distributed_config: Any, device_mesh: Any, world_size: int | None,
+    fsdp_size: int | None = None,
 ) -> ParallelRequest:
-    """One :class:`ParallelRequest` from ``from_pretrained``'s ``tp_size``, ``distributed_config`` and ``device_mesh``.
+    """One :class:`ParallelRequest` from ``from_pretrained``'s ``tp_size`` / ``fsdp_size`` (together or
+    alone), ``distributed_config`` and ``device_mesh``.
 
     Raises:
         InputError: more than one of them given, a field this version does not support, a mesh of
             other dims or layout, naming the argument.
     """
-    given = [n for n, v in (("tp_size", tp_size), ("distributed_config", distributed_config),
+    sizes = " / ".join(n for n, v in (("tp_size", tp_size), ("fsdp_size", fsdp_size)) if v is not None)
+    given = [n for n, v in ((sizes, sizes or None), ("distributed_config", distributed_config),
                             ("device_mesh", device_mesh)) if v is not None]
     if len(given) > 1:
-        raise InputError(f"pass one of tp_size, distributed_config and device_mesh, not {' and '.join(given)}")
+        raise InputError(
+            f"pass one of tp_size / fsdp_size, distributed_config and device_mesh, not {' and '.join(given)}"
+        )
     if distributed_config is not None:
         from transformers.distributed import DistributedConfig
 
@@ -130,7 +151,7 @@ def parallel_request(
         return _from_distributed_config(distributed_config)
     if device_mesh is not None:
         return _from_mesh(device_mesh, world_size or 1)
-    return ParallelRequest(tp_size=1 if tp_size is None else tp_size)
+    return ParallelRequest(tp_size=1 if tp_size is None else tp_size, fsdp_size=1 if fsdp_size is None else fsdp_size)
 
 
 def _check_divides(config, tp_size: int, extra: tuple[str, ...] = ()) -> None:

@@ -13,6 +13,8 @@ from ..errors import UsageError
 
 __all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
 
+# The model's mesh sizes that shard its parameters (its optimizer state is not saved under them yet).
+
 
 def pipelined_model_of(model: Any):
     """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
@@ -122,6 +124,16 @@ REFUSALS: tuple[Refusal, ...] = (
         message=lambda args, model: (
             "compute_loss_func= is not supported by PipelineTrainer: the loss is computed on the last stage "
             "by the model's own loss inside the pipeline schedule; remove compute_loss_func"
+        ),
+    ),
+    Refusal(
+        # Trainer checkpoints carry the optimizer state, which is not saved under FSDP yet (training_state
+        # refuses it), and the Trainer has not been checked against transformers on an fsdp mesh.
+        applies=lambda args, model, extra: getattr(getattr(model, "dims", None), "fsdp_size", 1) > 1,
+        message=lambda args, model: (
+            f"PipelineTrainer does not train a model with FSDP yet (it was loaded with fsdp_size="
+            f"{model.dims.fsdp_size}): its checkpoints need the optimizer state, which is not saved under it; load "
+            "the model without fsdp_size / distributed_config / device_mesh, or train with model.train_step"
         ),
     ),
     Refusal(

@@ -120,8 +120,8 @@ class _RankShare:
 
 def _my_tensors(model) -> dict[str, torch.Tensor]:
     """checkpoint key -> tensor, for the keys whose first holding stage is on this rank (replica 0 only)."""
-    if model.dims.dp_rank != 0:
-        return {}  # replicas hold the same values: the first one writes
+    if model.dims.dp_rank != 0 and model.dims.fsdp_size == 1:
+        return {}  # replicas hold the same values: the first one writes (FSDP ranks hold chunks: all gather)
     layout = model.param_layout
     out: dict[str, torch.Tensor] = {}
     for stage in model.stages:
@@ -131,7 +131,8 @@ def _my_tensors(model) -> dict[str, torch.Tensor]:
                 # A tensor-parallel shard is gathered whole (collective over the stage's tensor-parallel
                 # ranks, all in this same order): the checkpoint is transformers' own, unsharded.
                 out[key] = full_tensor(t.detach())
-    return out if model.dims.tp_rank == 0 else {}  # tensor-parallel ranks hold the same whole tensors
+    # Tensor-parallel ranks (and FSDP ranks) hold the same whole tensors now: the first one writes them.
+    return out if model.dims.tp_rank == 0 and model.dims.dp_rank == 0 else {}
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -166,8 +167,13 @@ def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
     return _RankShare(tensors=tensors, shards=shards, optimizer_state=opt_state, plan=plan)
 
 
-def _check_target(final: pathlib.Path, paths: list[str]) -> None:
-    """The same directory on every rank, and not a file."""
+def _check_target(final: pathlib.Path, paths: list[str], *, fsdp_size: int = 1, with_state: bool = False) -> None:
+    """The same directory on every rank, and not a file; no training state under FSDP (yet)."""
+    if with_state and fsdp_size > 1:
+        raise InputError(
+            "save_pretrained with training state (optimizer, scheduler, step, trainer_state) is not supported "
+            f"with fsdp_size={fsdp_size} yet; save the weights alone (save_pretrained(directory))"
+        )
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise InputError(
@@ -244,7 +250,7 @@ def save_pretrained(
 
     # 1. Checks and plans on every rank; nothing is written before every rank has passed them.
     with collective_errors(ctx, "preparing the checkpoint"):
-        _check_target(final, paths)
+        _check_target(final, paths, fsdp_size=model.dims.fsdp_size, with_state=with_state)
         share = _rank_share(model, max_shard_size, optimizer)
     plans: list[_RankPlan] = _gather(model, share.plan)
 

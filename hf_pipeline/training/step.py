@@ -17,7 +17,9 @@ the same batch. What it adds around the schedule:
 * **Data parallelism.** With ``world = pp x dp`` each replica takes rows
   ``[dp_rank * B/dp, (dp_rank+1) * B/dp)`` of the global batch; since every loss is already
   divided by the global item count, gradients are *summed* over replicas, which is the
-  token-weighted average — the gradient of the full batch on one pipeline.
+  token-weighted average — the gradient of the full batch on one pipeline. FSDP ranks are data-parallel
+  ranks too, but each stage's reduce-scatter sums their gradients (torch's ``PipelineStage`` runs it once,
+  after the last backward) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
 * **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added
   back after the sync, so the sync never counts them twice; ``loss_scale=1/k`` scales a step's
   gradients as ``(loss / k).backward()`` would.
@@ -54,7 +56,7 @@ from ..planning.schedules import check_training
 from ..runtime import weight_pass
 from ..runtime.cache import signature
 from ..runtime.checks import check_microbatches, check_model_inputs
-from .flat_reduce import all_reduce_flat
+from .flat_reduce import all_reduce_flat, fsdp_sync_group, refuse_unsharded
 
 __all__ = ["TrainStepState", "clip_grad_norm_", "train_step"]
 
@@ -97,6 +99,8 @@ def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGrou
     """The process group of these pipeline ranks in every data-parallel replica, at this rank's
     tensor-parallel slot (None: nothing to reduce)."""
     ctx, dims = model.ctx, model.dims
+    if dims.fsdp_size > 1:
+        return fsdp_sync_group(ctx, dims, pp_ranks, made)
     ranks = dims.ranks(pp_ranks, dims.tp_rank)
     if len(ranks) == 1 or not ctx.is_distributed:
         return None
@@ -147,6 +151,8 @@ def _new_train_state(model) -> TrainStepState:
             entry = by_key.setdefault(key, _LocalKey(key=key, params=[], shared=len(layout.holders.get(key, ())) > 1))
             entry.params.append(p)
     local = list(by_key.values())
+    if model.dims.fsdp_size > 1:
+        refuse_unsharded([(e.key, p) for e in local for p in e.params])
     # Buckets: keys grouped by the set of pipeline ranks holding them. The set of all such rank
     # sets is derived from the plan alone, so every rank creates the same groups in the same order.
     all_sets = sorted({layout.pp_ranks(k) for k in layout.holders if k in layout.parameters})
@@ -465,7 +471,7 @@ def clip_grad_norm_(
     state = _train_state(model)
     norm_type = float(norm_type)
     grads = [p.grad for p in state.norm_params if p.grad is not None]
-    local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.tp_group)
+    local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)
     group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
     inf = norm_type == float("inf")
     if group is not None and dist.get_world_size(group) > 1:

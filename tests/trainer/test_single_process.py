@@ -64,6 +64,8 @@ def test_a_tensor_parallel_model_is_not_refused(tmp_path):
 
     for tp in (1, 2):
         check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=tp)))
+    with pytest.raises(UsageError, match="FSDP.*fsdp_size=2"):
+        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(fsdp_size=2)))
 
 
 def test_an_unpipelined_model_is_refused(llama_path, tmp_path):
