@@ -158,10 +158,9 @@ def load_tensors(
             integer or bool tensor for one of them raises, naming the key and the shard, instead of
             being kept in its stored dtype.
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
-        parts: stage name -> ``(dim, index, count)``: read only part ``index`` of ``count`` parts along
-            ``dim``, cut as ``torch.chunk`` cuts (a tensor-parallel or fsdp rank's slice); ``(dim, index, count,
-            packs)``: that part of each of ``packs`` equal blocks, side by side (a packed tensor); the header is
-            checked against the whole shape.
+        parts: stage name -> ``(dim, index, count)``: only part ``index`` of ``count`` along ``dim`` as torch.chunk
+            cuts (a tp / fsdp rank's slice); ``(dim, index, count, packs)``: that part of each of ``packs`` equal
+            blocks side by side (a packed tensor); the header is checked against the whole shape.
 
     Returns:
         (stage name -> tensor, :class:`LoadReport`). Names served by one checkpoint key share one tensor.

@@ -24,12 +24,10 @@ import pytest
 import tiny
 import torch
 from harness import run_distributed
-from test_tensor_parallel import _bad, _gathered, _reference
+from test_tensor_parallel import _bad
+from tp_helpers import compare, exercise
 
 pytestmark = pytest.mark.dist
-
-LR, EPS, STEPS, NEW = 1e-3, 1e-5, 2, 5
-
 
 def _case(path, arch, kwargs, save_dir=None):
     import hf_pipeline
@@ -39,19 +37,7 @@ def _case(path, arch, kwargs, save_dir=None):
     local = [p.to_local() if hasattr(p, "to_local") else p for s in model.stages for p in s.parameters()]
     res["kept"] = sum(t.numel() for t in local)
     res["read"] = model.load_report.bytes_read  # fp32 checkpoint: 4 bytes per element read
-    with torch.no_grad():
-        res["logits"] = model(**tiny.sample_inputs(arch, batch=3, seq=9)).logits
-    prompt = tiny.sample_inputs(arch, batch=2, seq=6)
-    res["tokens"] = model.generate(**prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    res["losses"], res["norms"] = [], []
-    for step in range(STEPS):
-        res["losses"].append(float(model.train_step(tiny.make_batch(arch, 8, seed=step + 1))))
-        res["norms"].append(float(model.clip_grad_norm_(1.0)))
-        opt.step()
-        opt.zero_grad()
-    res["params"] = _gathered(model)
+    res.update(exercise(model, arch, pipelined=True))
     res["whole"] = sum(t.numel() for t in res["params"].values())
     if save_dir is not None:
         model.save_pretrained(save_dir, max_shard_size="50KB")
@@ -62,23 +48,17 @@ def _job(cases, bad):
     return {"cases": [_case(*c) for c in cases], "bad": [_bad(*b) for b in bad]}
 
 
+def _reference(path, arch):
+    return exercise(tiny.reference(path, "AutoModelForCausalLM"), arch, pipelined=False)
+
+
 def _check(what, res, ref):
     assert res["dims"] == (2, 2, 2), f"{what}: (pp, dp, fsdp) = {res['dims']}"
     assert "mesh: fsdp=2 x pp=2" in res["plan"], res["plan"]
     # Dim-0 chunks of every tensor: half of the elements, give or take the odd rows of a chunk.
     assert abs(res["kept"] - res["whole"] / 2) <= 0.02 * res["whole"], f"{what}: keeps {res['kept']} of {res['whole']}"
     assert res["read"] == 4 * res["kept"], f"{what}: read {res['read']} bytes to keep {res['kept']} elements"
-    diff = (res["logits"] - ref["logits"]).abs().max().item()
-    assert diff <= 1e-5, f"{what}: logits max abs diff {diff}"
-    assert torch.equal(res["tokens"], ref["tokens"]), f"{what}: greedy tokens {res['tokens']} != {ref['tokens']}"
-    for got, want in zip(res["losses"] + res["norms"], ref["losses"] + ref["norms"], strict=True):
-        assert abs(got - want) <= 1e-5 * abs(want), (
-            f"{what}: losses/norms {res['losses']} {res['norms']} != {ref['losses']} {ref['norms']}"
-        )
-    for key, got in res["params"].items():
-        want = ref["params"][key]
-        d = (got - want).abs().max().item()
-        assert d <= 1e-5, f"{what}: parameter {key} after {STEPS} AdamW steps: max abs diff {d}"
+    compare(what, res, ref)
 
 
 @pytest.fixture(scope="module")
