@@ -14,12 +14,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["full_tensor", "is_sharded", "local_tensor", "norm_power"]
+__all__ = ["full_tensor", "is_replicated", "is_sharded", "local_tensor", "norm_power"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
     """Whether ``t`` is a tensor-parallel ``DTensor`` (a parameter or a gradient)."""
     return isinstance(t, DTensor)
+
+
+def is_replicated(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a ``DTensor`` whose every rank holds all of it (Replicate on every mesh dim)."""
+    return isinstance(t, DTensor) and all(p.is_replicate() for p in t.placements)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +46,10 @@ def norm_power(
     (collective over it when given), so that a replicated tensor counts once and a sharded one whole."""
     inf = norm_type == float("inf")
     parts = []
-    for group in ([g for g in grads if not is_sharded(g)], [g.to_local() for g in grads if is_sharded(g)]):
+    # A DTensor replicated on every dim (torch's RowwiseParallel bias, a user plan's Replicate) is whole on each
+    # rank: it counts as a plain tensor, or the sum over the group would count it once per rank.
+    whole = [local_tensor(g) for g in grads if not is_sharded(g) or is_replicated(g)]
+    for group in (whole, [g.to_local() for g in grads if is_sharded(g) and not is_replicated(g)]):
         norm = torch.nn.utils.get_total_norm(group, norm_type).to(device, torch.float32) if group else None
         parts.append(torch.zeros((), device=device) if norm is None else (norm if inf else norm**norm_type))
     plain, sharded = parts
