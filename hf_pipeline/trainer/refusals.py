@@ -127,13 +127,13 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        # Trainer checkpoints carry the optimizer state, which is not saved under FSDP yet (training_state
-        # refuses it), and the Trainer has not been checked against transformers on an fsdp mesh.
+        # The Trainer's data split, evaluation and checkpoints have not been checked against transformers'
+        # Trainer on an fsdp mesh yet (train_step and the training state have: tests/training/test_tp_resume.py).
         applies=lambda args, model, extra: getattr(getattr(model, "dims", None), "fsdp_size", 1) > 1,
         message=lambda args, model: (
             f"PipelineTrainer does not train a model with FSDP yet (it was loaded with fsdp_size="
-            f"{model.dims.fsdp_size}): its checkpoints need the optimizer state, which is not saved under it; load "
-            "the model without fsdp_size / distributed_config / device_mesh, or train with model.train_step"
+            f"{model.dims.fsdp_size}); load the model without fsdp_size / distributed_config / device_mesh (tp_size "
+            "works), or train with model.train_step and save_pretrained(optimizer=...)"
         ),
     ),
     Refusal(

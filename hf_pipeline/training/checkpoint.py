@@ -122,17 +122,23 @@ def _my_tensors(model) -> dict[str, torch.Tensor]:
     """checkpoint key -> tensor, for the keys whose first holding stage is on this rank (replica 0 only)."""
     if model.dims.dp_rank != 0 and model.dims.fsdp_size == 1:
         return {}  # replicas hold the same values: the first one writes (FSDP ranks hold chunks: all gather)
+    # Tensor-parallel ranks (and FSDP ranks) see the same whole tensors once gathered: the first one writes
+    # them; the others drop each one at once, so they never hold more than one whole tensor.
+    writes = model.dims.tp_rank == 0 and model.dims.dp_rank == 0
     layout = model.param_layout
     out: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for stage in model.stages:
         for name, t in stage.state_dict(keep_vars=True).items():
             key = layout.key_of.get(name, name)
-            if key in layout.saved and key not in out and layout.owner_stage(key) == stage.spec.index:
-                # A tensor-parallel shard is gathered whole (collective over the stage's tensor-parallel
+            if key in layout.saved and key not in seen and layout.owner_stage(key) == stage.spec.index:
+                seen.add(key)
+                # A sharded tensor is gathered whole (collective over the stage's tensor-parallel / fsdp
                 # ranks, all in this same order): the checkpoint is transformers' own, unsharded.
-                out[key] = full_tensor(t.detach())
-    # Tensor-parallel ranks (and FSDP ranks) hold the same whole tensors now: the first one writes them.
-    return out if model.dims.tp_rank == 0 and model.dims.dp_rank == 0 else {}
+                whole = full_tensor(t.detach())
+                if writes:
+                    out[key] = whole
+    return out
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -152,8 +158,10 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
 def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
     tensors = _my_tensors(model)
     shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
-    # The first replica's ranks gather sharded states whole; one rank per pipeline rank keeps them (None elsewhere).
-    opt_state = optimizer_state_by_key(model, optimizer) if optimizer is not None and model.dims.dp_rank == 0 else None
+    # The first replica's ranks gather sharded states whole (every fsdp rank: they hold the chunks); one rank
+    # per pipeline rank keeps them (None elsewhere).
+    gathers = model.dims.dp_rank == 0 or model.dims.fsdp_size > 1
+    opt_state = optimizer_state_by_key(model, optimizer) if optimizer is not None and gathers else None
 
     def sizes(key: str) -> tuple[str, int, int]:
         return key, tensors[key].numel(), tensors[key].numel() * tensors[key].element_size()
@@ -167,13 +175,8 @@ def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
     return _RankShare(tensors=tensors, shards=shards, optimizer_state=opt_state, plan=plan)
 
 
-def _check_target(final: pathlib.Path, paths: list[str], *, fsdp_size: int = 1, with_state: bool = False) -> None:
-    """The same directory on every rank, and not a file; no training state under FSDP (yet)."""
-    if with_state and fsdp_size > 1:
-        raise InputError(
-            "save_pretrained with training state (optimizer, scheduler, step, trainer_state) is not supported "
-            f"with fsdp_size={fsdp_size} yet; save the weights alone (save_pretrained(directory))"
-        )
+def _check_target(final: pathlib.Path, paths: list[str]) -> None:
+    """The same directory on every rank, and not a file."""
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise InputError(
@@ -250,7 +253,7 @@ def save_pretrained(
 
     # 1. Checks and plans on every rank; nothing is written before every rank has passed them.
     with collective_errors(ctx, "preparing the checkpoint"):
-        _check_target(final, paths, fsdp_size=model.dims.fsdp_size, with_state=with_state)
+        _check_target(final, paths)
         share = _rank_share(model, max_shard_size, optimizer)
     plans: list[_RankPlan] = _gather(model, share.plan)
 

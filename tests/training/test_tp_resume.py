@@ -1,9 +1,11 @@
-"""Training state under tensor parallelism, resumed on other mesh shapes: pp2 x tp2 -> pp4 -> one process.
+"""Training state under tensor parallelism and FSDP, resumed on other mesh shapes: pp2 x tp2 -> pp4 / pp2 x
+fsdp2 -> one process.
 
 One 4-rank job loads a 4-layer LLaMA at pp2 x tp2, trains 2 steps (``train_step``, ``clip_grad_norm_``,
 AdamW, a StepLR halving the LR each step) and saves with optimizer, scheduler and step. It goes on
-for a third step (the uninterrupted run), then resumes the checkpoint at pp4 and at pp2 x tp2 and
-takes that third step; the parent resumes it on one process. Against transformers on one process
+for a third step (the uninterrupted run), then resumes the checkpoint at pp4, at pp2 x tp2 and at
+pp2 x fsdp2 and takes that third step (the fsdp run saves its state again, compared with transformers'
+AdamW state); the parent resumes it on one process. Against transformers on one process
 (3 uninterrupted steps):
 
 - the resumed step's loss (relative 1e-5) and every parameter after it (abs 1e-5; a step moves a
@@ -40,6 +42,7 @@ pytestmark = pytest.mark.dist
 LR, EPS, TOL = 1e-3, 1e-5, 1e-5
 PP2_TP2 = {"tp_size": 2, "num_stages": 2, "n_microbatches": 2}
 PP4 = {"num_stages": 4, "n_microbatches": 2}
+PP2_FSDP2 = {"fsdp_size": 2, "num_stages": 2, "n_microbatches": 2}
 
 
 def _new_run(path, kwargs):
@@ -68,13 +71,16 @@ def _gathered(model) -> dict[str, torch.Tensor]:
             for n, p in model.checkpoint_named_parameters()}
 
 
-def _resumed(path, kwargs) -> dict:
+def _resumed(path, kwargs, save_to=None) -> dict:
     from hf_pipeline.training.checkpoint import load_training_state
 
     model, opt, sched = _new_run(path, kwargs)
     state = load_training_state(model, path, optimizer=opt, scheduler=sched)
-    return {"step": state["step"], "loss": _step(model, opt, sched, 3), "params": _gathered(model),
-            "dims": (model.dims.dp_size, model.dims.pp_size, model.dims.tp_size)}
+    out = {"step": state["step"], "loss": _step(model, opt, sched, 3), "params": _gathered(model),
+           "dims": (model.dims.dp_size, model.dims.pp_size, model.dims.tp_size)}
+    if save_to is not None:  # the state after the third step, saved from this mesh
+        model.save_pretrained(save_to, optimizer=opt, scheduler=sched, step=3, max_shard_size="50KB")
+    return out
 
 
 def _trainer_run(path, out) -> dict:
@@ -92,7 +98,7 @@ def _trainer_run(path, out) -> dict:
     return res
 
 
-def _job(path, save_dir, trainer_out):
+def _job(path, save_dir, trainer_out, fsdp_dir):
     model, opt, sched = _new_run(path, PP2_TP2)
     losses = [_step(model, opt, sched, step) for step in (1, 2)]
     model.save_pretrained(save_dir, optimizer=opt, scheduler=sched, step=2, max_shard_size="50KB")
@@ -103,6 +109,7 @@ def _job(path, save_dir, trainer_out):
     out["held"] = (model.dims.pp_rank, sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local))
     out["pp4"] = _resumed(save_dir, PP4)
     out["pp2xtp2"] = _resumed(save_dir, PP2_TP2)
+    out["pp2xfsdp2"] = _resumed(save_dir, PP2_FSDP2, save_to=fsdp_dir)
     out["trainer"] = _trainer_run(path, trainer_out)
     return out
 
@@ -120,7 +127,8 @@ def _reference(path) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {n: p.detach() for n, p in ref.named_parameters()}}
+    return {"losses": losses, "params": {n: p.detach() for n, p in ref.named_parameters()},
+            "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in ref.named_parameters()}}
 
 
 def _check_resumed(what: str, got: dict, ref: dict) -> None:
@@ -138,7 +146,8 @@ def test_state_saved_at_pp2_by_tp2_resumes_at_pp4_one_process_and_pp2_by_tp2(tmp
 
     path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
     save_dir = tmp_path / "checkpoint-2"
-    per_rank = run_distributed(_job, 4, path, str(save_dir), str(tmp_path / "trainer"), timeout=600)
+    fsdp_dir = tmp_path / "checkpoint-3-fsdp"
+    per_rank = run_distributed(_job, 4, path, str(save_dir), str(tmp_path / "trainer"), str(fsdp_dir), timeout=600)
     ref = _reference(path)
 
     # The file format is the unsharded one: whole tensors, one file per pipeline rank.
@@ -155,10 +164,22 @@ def test_state_saved_at_pp2_by_tp2_resumes_at_pp4_one_process_and_pp2_by_tp2(tmp
             assert abs(got - want) <= TOL * abs(want), f"rank {rank}: uninterrupted losses {res['losses']} {ref}"
         _check_resumed(f"rank {rank} pp4", res["pp4"], ref)
         _check_resumed(f"rank {rank} pp2 x tp2", res["pp2xtp2"], ref)
+        _check_resumed(f"rank {rank} pp2 x fsdp2", res["pp2xfsdp2"], ref)
         # Same mesh, same arithmetic: the resumed run is the uninterrupted one, bit for bit.
         assert res["pp2xtp2"]["loss"] == res["losses"][2], f"rank {rank}"
         for key, want in res["params"].items():
             assert torch.equal(res["pp2xtp2"]["params"][key], want), f"rank {rank}: {key} not bitwise after resume"
+
+    # Saved from pp2 x fsdp2 after the third step: every state gathered whole from its dim-0 chunks, equal to
+    # transformers' AdamW state by name (a chunk from the wrong rank, or one rank's chunk alone, would differ
+    # by the size of the state itself).
+    saved = {}
+    for name in sorted(set(index["state_files"].values())):
+        saved.update(torch.load(fsdp_dir / "optimizer" / name, weights_only=True)["state"])
+    assert set(saved) == set(ref["exp_avg"]), sorted(set(ref["exp_avg"]) ^ set(saved))
+    for key, want in ref["exp_avg"].items():
+        d = (saved[key]["exp_avg"] - want).abs().max().item()
+        assert d <= 1e-6, f"fsdp-saved exp_avg of {key}: max abs diff {d} (largest value {want.abs().max().item()})"
 
     # `hf-pipeline plan --tp-size 2` predicts exactly the parameters each pp2 x tp2 rank held.
     from hf_pipeline.tools.memory import plan_report
