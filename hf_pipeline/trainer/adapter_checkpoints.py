@@ -30,7 +30,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from ..training.checkpoint_format import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..training.durable import save_torch
 from ..training.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
-from ..training.training_state import optimizer_file_name, optimizer_state_by_key, rng_file_name
+from ..training.training_state import optimizer_file_name, optimizer_keys, optimizer_state_by_key, rng_file_name
 
 __all__ = ["ADAPTER_WEIGHTS_NAME", "load_adapter_training_state", "reload_adapter", "save_adapter_checkpoint"]
 
@@ -57,10 +57,12 @@ def save_adapter_checkpoint(
         if ctx.is_main_process and tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         if optimizer is not None:
-            if model.dims.dp_rank == 0:  # replicas hold the same state: the first one writes
+            # Replicas hold the same state: the first one writes (one rank of it per pipeline rank: None elsewhere).
+            state = optimizer_state_by_key(model, optimizer) if model.dims.dp_rank == 0 else None
+            if state is not None:
                 path = directory / OPTIMIZER_DIR / optimizer_file_name(model.dims.pp_rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                save_torch(optimizer_state_by_key(model, optimizer), path)
+                save_torch(state, path)
             path = directory / RNG_DIR / rng_file_name(ctx.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             write_rng_state(path, rng_state())
@@ -128,8 +130,7 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
         listed |= {k for g in part["param_groups"] for k in g["params"]}
         if groups_from is None or path == own:
             groups_from = part["param_groups"]
-    mine = optimizer_state_by_key(model, optimizer)  # this optimizer's groups, by name (no state needed)
-    keys = [k for g in mine["param_groups"] for k in g["params"]]
+    keys = [k for group in optimizer_keys(model, optimizer) for k in group]  # this optimizer's, by name
     missing = [k for k in keys if k not in listed]
     if missing or len(groups_from) != len(optimizer.param_groups):
         raise CheckpointError(

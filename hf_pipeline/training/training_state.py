@@ -53,6 +53,7 @@ logger = get_logger(__name__)
 __all__ = [
     "load_training_state",
     "optimizer_file_name",
+    "optimizer_keys",
     "optimizer_state_by_key",
     "rng_file_name",
     "stage_main_training_state",
@@ -83,6 +84,21 @@ def _key_of_parameter(model) -> dict[int, str]:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
+def optimizer_keys(model, optimizer) -> list[list[str]]:
+    """The checkpoint key of every parameter of ``optimizer``, group by group (no communication).
+
+    Raises:
+        InputError: the optimizer holds a parameter of none of this rank's stages.
+    """
+    key_of_param = _key_of_parameter(model)
+    out = []
+    for group in optimizer.param_groups:
+        if any(id(p) not in key_of_param for p in group["params"]):
+            raise InputError(f"{_FOREIGN_PARAMETER} (this rank's parameters only)")
+        out.append([key_of_param[id(p)] for p in group["params"]])
+    return out
+
+
 def optimizer_state_by_key(model, optimizer) -> dict[str, Any] | None:
     """``optimizer.state_dict()`` with parameter indices replaced by checkpoint keys, every tensor whole.
 
@@ -95,16 +111,8 @@ def optimizer_state_by_key(model, optimizer) -> dict[str, Any] | None:
     Raises:
         InputError: the optimizer holds a parameter of none of this rank's stages.
     """
-    key_of_param = _key_of_parameter(model)
     sd = optimizer.state_dict()
-    index_to_key: dict[int, str] = {}
-    i = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in key_of_param:
-                raise InputError(f"{_FOREIGN_PARAMETER} (this rank's parameters only)")
-            index_to_key[i] = key_of_param[id(p)]
-            i += 1
+    index_to_key = dict(enumerate(k for group in optimizer_keys(model, optimizer) for k in group))
     params = [p for group in optimizer.param_groups for p in group["params"]]
     # Sharded parameters' states are gathered whole, one tensor at a time, in the same order on every rank
     # of their mesh (see :mod:`.state_shards`); a rank that does not write drops each one at once.
