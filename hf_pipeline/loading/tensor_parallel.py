@@ -40,7 +40,7 @@ from ..errors import InternalError
 from ..planning.mesh_rules import parse_style
 from .weights import chunk_bounds
 
-__all__ = ["apply_tensor_parallel", "local_part", "local_slice", "plan_for_stage", "shard_parts", "whole_tensor"]
+__all__ = ["apply_tensor_parallel", "local_slice", "plan_for_stage", "shard_parts"]
 
 
 def _pattern(text: str) -> re.Pattern:
@@ -100,24 +100,6 @@ def local_slice(tensor: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
     blocks = tensor.chunk(packs[0], dim) if packs else (tensor,)
     # Cut as torch.chunk (and FSDP2) cut, by bounds: chunk() gives fewer than ``count`` parts when they run out.
     return torch.cat([b.narrow(dim, *chunk_bounds(b.shape[dim], index, count)) for b in blocks], dim).clone()
-
-
-def whole_tensor(param: torch.Tensor) -> torch.Tensor:
-    """``param`` whole and detached, in the checkpoint's layout (a packed one too: its strided placement
-    says how); collective over the tensor-parallel ranks for a shard."""
-    from torch.distributed.tensor import DTensor
-
-    return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
-
-
-def local_part(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``whole`` (a tensor of ``param``'s whole shape, e.g. an optimizer state
-    saved whole) as ``param`` is sharded, packed layouts included; no communication."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(param, DTensor):
-        return whole
-    return distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 def _wrap_read_slices(stage: nn.Module, by_name: dict[str, str], tp_mesh) -> None:

@@ -59,11 +59,12 @@ def _case(path, arch, save_dir, kwargs):
         stage = model.stages[0]
         name = next(n for n, _ in stage.named_modules() if n.endswith("attn.c_attn"))
         attn = stage.get_submodule(name.rpartition(".")[0])
-        from hf_pipeline.loading.tensor_parallel import local_part, whole_tensor
+        from hf_pipeline.training.state_shards import gathered_state, sharded_state
 
-        weight = attn.c_attn.weight
-        res["c_attn_whole"] = whole_tensor(weight)  # gathered back to the checkpoint's layout
-        res["c_attn_part"] = torch.equal(local_part(res["c_attn_whole"], weight), weight.to_local())
+        weight = attn.c_attn.weight.detach()
+        # The checkpoints' own gather and cut (training state) on the packed placement.
+        res["c_attn_whole"] = gathered_state(weight, weight)  # gathered back to the checkpoint's layout
+        res["c_attn_part"] = torch.equal(sharded_state(weight, res["c_attn_whole"]).to_local(), weight.to_local())
         res["c_attn_local"] = tuple(attn.c_attn.weight.to_local().shape)
         res["c_attn_slice"] = attn.c_attn.weight.to_local().clone()
         res["c_attn_key"] = model.param_layout.key_of.get(name + ".weight", name + ".weight")
