@@ -55,6 +55,7 @@ from ..compat import generation_helper
 from ..errors import InternalError
 from .config import prepare_generation_config
 from .kv_cache import cache_nbytes, new_cache
+from .mailbox import Mailbox
 from .sampling import left_padded_position_ids, row_generators, select_tokens
 
 __all__ = ["ContinuousRing", "Feeder", "NewRow", "continuous_refusal"]
@@ -168,7 +169,9 @@ class ContinuousRing:
         self.sent: list[list[int]] = [[] for _ in range(groups)]  # stage 0: the rows each group ran last
         self.last_token: dict[int, int] = {}  # stage 0: each row's token to feed next
         self.local_tokens: dict[int, torch.Tensor] = {}  # one stage: the chosen tokens, without a send
-        self._sends: list[tuple[Any, torch.Tensor]] = []
+        # Sends are kept alive until done by the ring's own mailbox (receives are posted here: they carry no key).
+        self._mail = Mailbox(pp_rank=model.dims.pp_rank, rank_of=lambda stage: model.plan.stages[stage].rank,
+                             dims=model.dims, device=self.device)
         self._configs: dict[tuple, Any] = {}
         self.steps = 0  # stage 0: steps in which some row ran
         self.forwards = 0  # stage forward calls on this rank
@@ -183,10 +186,8 @@ class ContinuousRing:
         return self.model.dims.global_rank(self.model.plan.stages[stage].rank)
 
     def _send(self, tensor: torch.Tensor, stage: int) -> None:
-        tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, dst=self._peer(stage), group=self.model.dims.pp_group), tensor))
-        if len(self._sends) > 64:
-            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        self._mail.send(tensor, self.model.plan.stages[stage].rank)
+        self._mail.prune()
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -227,9 +228,7 @@ class ContinuousRing:
                 t += 1
         finally:
             self._observe()
-            for work, _ in self._sends:
-                work.wait()
-            self._sends.clear()
+            self._mail.close()
 
     def _op(self, i: int, t: int) -> bool:
         """Group ``i`` of step ``t`` on this stage; False when it was a stop."""
