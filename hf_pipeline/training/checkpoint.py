@@ -63,6 +63,7 @@ from .checkpoint_format import (
 from .durable import fsync, replace_file, reporting_full_disk, write_json
 from .save_lock import acquire_save_lock, check_inside, release_save_lock
 from .staging import SaveProgress, publish, remove_failed_save, shard_file_names
+from .state_shards import writes_pipeline_state
 from .training_state import (
     load_training_state,
     optimizer_file_name,
@@ -124,7 +125,7 @@ def _my_tensors(model) -> dict[str, torch.Tensor]:
         return {}  # replicas hold the same values: the first one writes (FSDP ranks hold chunks: all gather)
     # Tensor-parallel ranks (and FSDP ranks) see the same whole tensors once gathered: the first one writes
     # them; the others drop each one at once, so they never hold more than one whole tensor.
-    writes = model.dims.tp_rank == 0 and model.dims.dp_rank == 0
+    writes = writes_pipeline_state(model.dims)
     layout = model.param_layout
     out: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
