@@ -13,8 +13,6 @@ from ..errors import UsageError
 
 __all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
 
-# The model's mesh sizes that shard its parameters (its optimizer state is not saved under them yet).
-
 
 def pipelined_model_of(model: Any):
     """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
@@ -127,13 +125,13 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        # The Trainer's data split, evaluation and checkpoints have not been checked against transformers'
-        # Trainer on an fsdp mesh yet (train_step and the training state have: tests/training/test_tp_resume.py).
-        applies=lambda args, model, extra: getattr(getattr(model, "dims", None), "fsdp_size", 1) > 1,
+        # A pipeline loaded with fsdp_size trains under PipelineTrainer (tests/trainer/test_trainer_fsdp.py); a PEFT
+        # adapter on it has not been checked against transformers + peft there (its adapter state is not sharded).
+        applies=lambda args, model, extra: bool(extra.get("adapter")) and getattr(model.dims, "fsdp_size", 1) > 1,
         message=lambda args, model: (
-            f"PipelineTrainer does not train a model with FSDP yet (it was loaded with fsdp_size="
-            f"{model.dims.fsdp_size}); load the model without fsdp_size / distributed_config / device_mesh (tp_size "
-            "works), or train with model.train_step and save_pretrained(optimizer=...)"
+            f"PipelineTrainer does not train a PEFT adapter on a model loaded with fsdp_size={model.dims.fsdp_size} "
+            "yet; load the model without fsdp_size / distributed_config / device_mesh for LoRA (tp_size works), or "
+            "train the whole model at fsdp_size (pass the pipelined model itself)"
         ),
     ),
     Refusal(
@@ -153,7 +151,8 @@ def check_arguments(args: Any, model: Any, **extra: Any) -> None:
     Args:
         args: the ``TrainingArguments``.
         model: the :class:`~hf_pipeline.model.PipelinedModel` (unwrapped).
-        extra: other constructor arguments some refusals look at (``compute_loss_func``).
+        extra: other constructor arguments some refusals look at (``compute_loss_func``; ``adapter``: the
+            Trainer's model is a PEFT model wrapping the pipelined one).
 
     Raises:
         UsageError: naming the argument and what to pass instead.

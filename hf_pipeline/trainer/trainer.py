@@ -80,7 +80,8 @@ class PipelineTrainerMixin:
         self.pipelined = pipelined_model_of(model)
         # A PEFT model wrapping the pipelined one: its checkpoints are the adapter and the training state.
         self.adapter_model = model if model is not self.pipelined else None
-        check_arguments(args, self.pipelined, compute_loss_func=given.get("compute_loss_func"))
+        extra = {"compute_loss_func": given.get("compute_loss_func"), "adapter": self.adapter_model is not None}
+        check_arguments(args, self.pipelined, **extra)
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
         super().__init__(model, args, **given)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from an accelerate launch config
@@ -319,5 +320,6 @@ class PipelineTrainer(PipelineTrainerMixin, Trainer):
     Raises:
         UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
             an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
-            ``compute_loss_func``, label smoothing; see :mod:`.refusals`).
+            ``compute_loss_func``, label smoothing, a PEFT adapter on a model loaded with ``fsdp_size``;
+            see :mod:`.refusals`).
     """

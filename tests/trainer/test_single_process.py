@@ -55,17 +55,21 @@ def test_refused_at_construction_naming_the_argument(llama_path, tmp_path, overr
     trainer.train()
 
 
-def test_a_tensor_parallel_model_is_not_refused(tmp_path):
-    # Its checkpoints carry the optimizer state gathered whole (tests/training/test_tp_resume.py trains one);
-    # a stand-in with the attributes the table reads keeps this in-process.
+def test_a_tensor_parallel_or_fsdp_model_is_not_refused_but_an_adapter_on_fsdp_is(tmp_path):
+    # Their checkpoints carry the optimizer state gathered whole (tests/training/test_tp_resume.py trains at tp,
+    # tests/trainer/test_trainer_fsdp.py at fsdp); a stand-in with the attributes the table reads keeps this
+    # in-process.
     from types import SimpleNamespace
 
     from hf_pipeline.trainer.refusals import check_arguments
 
-    for tp in (1, 2):
-        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=tp)))
-    with pytest.raises(UsageError, match="FSDP.*fsdp_size=2"):
-        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(fsdp_size=2)))
+    for dims in ({"tp_size": 2}, {"fsdp_size": 1}, {"fsdp_size": 2}):
+        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(**dims)))
+    check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=2)),
+                    adapter=True)
+    with pytest.raises(UsageError, match="PEFT adapter.*fsdp_size=2"):
+        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(fsdp_size=2)),
+                        adapter=True)
 
 
 def test_an_unpipelined_model_is_refused(llama_path, tmp_path):
