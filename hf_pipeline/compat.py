@@ -360,3 +360,19 @@ def strided_shard(dim: int, split_factor: int) -> Any:
 
 
 __all__ += ["strided_shard"]
+# --- for distributed/groups (renewing a tensor-parallel mesh) ----------------------------------------
+# A DeviceMesh names its process groups (``_dim_group_names``) and looks each up by name on use; there
+# is no public way to point a mesh at other groups. After a failure stopped the groups, the fresh
+# mesh's names go into the old mesh object, so every DTensor, optimizer state and parallel style that
+# holds that object (torch's Colwise/RowwiseParallel hooks capture it) communicates in the new groups.
+def mesh_group_names(mesh: Any) -> list[str]:
+    """The names of the process groups ``mesh`` communicates in, one per mesh dim."""
+    return list(mesh._dim_group_names)
+
+
+def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
+    """Make ``mesh`` communicate in the process groups named ``names`` (one per mesh dim, same ranks)."""
+    mesh._dim_group_names = list(names)
+
+
+__all__ += ["mesh_group_names", "set_mesh_group_names"]

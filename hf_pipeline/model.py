@@ -199,16 +199,16 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def _spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
-        groups = (self.dims.pp_group, self.dims.dp_group)
-        # Tensor-parallel and FSDP stages hold DTensors bound to their mesh's groups, which fresh groups cannot replace.
-        recover = None if self.dims.sharded else self._renew_groups
+        groups = (self.dims.pp_group, self.dims.dp_group, self.dims.tp_group)
+        # FSDP2 keeps its process groups itself, which fresh groups cannot replace (distributed/groups.py's Note).
+        recover = None if self.dims.fsdp_size > 1 else self._renew_groups
         calling = spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=recover)
         return resharded_after(self.stages, calling) if self.dims.fsdp_size > 1 else calling  # see its Note
 
     def _renew_groups(self) -> None:
         # Fresh groups after a failure stopped these (faults.py); stages, schedules, sync groups: rebuilt on use.
         made = [group for group, _ in self.train_step_state.buckets] if self.train_step_state else []
-        self.ctx, self.dims = renew_groups(self.ctx, self.dims, *made)
+        self.ctx, self.dims = renew_groups(self.ctx, self.dims, *made, stages=self.stages)
         self.runtime, self.train_step_state = self._new_runtime(), None
 
     def checkpoint_named_parameters(self):

@@ -11,22 +11,34 @@ Note (order): ``dist.new_group`` is collective over the whole job and names grou
 counter, so every rank must create the same groups in the same order. Both functions here create
 them in a fixed order derived from the world size and the pipeline size alone.
 
+Note (tensor parallelism): a stage's ``DTensor`` parameters, their gradients, the optimizer's state
+made from them and torch's parallel styles (their hooks, the package's ``LocalParallel``) all hold the
+device mesh object the stage was sharded over, which communicates in the groups it names. Rather than
+replace each of those (the optimizer's state is out of reach), :func:`renew_groups` points that mesh
+object at the fresh mesh's groups (:func:`rebind_meshes`): one change that every holder sees, the
+``Parameter`` objects and the optimizer's references untouched. FSDP2 is not renewed: ``fully_shard``
+keeps the process group objects themselves (its mesh info and parameter groups), not the mesh.
+
 Example (inside the loader):
     >>> ctx = own_group(init_distributed())
     >>> dims = ParallelDims.build(ctx, pp_size=2)
-    >>> ctx, dims = renew_groups(ctx, dims)    # after a failure, on every rank
+    >>> ctx, dims = renew_groups(ctx, dims, stages=model.stages)    # after a failure, on every rank
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import torch.distributed as dist
+from torch import nn
 
+from ..compat import mesh_group_names, set_mesh_group_names
+from ..errors import InternalError
 from .context import RankContext
 from .dims import ParallelDims
 
-__all__ = ["own_group", "release_groups", "renew_groups"]
+__all__ = ["own_group", "rebind_meshes", "release_groups", "renew_groups"]
 
 
 def own_group(ctx: RankContext) -> RankContext:
@@ -46,7 +58,7 @@ def own_group(ctx: RankContext) -> RankContext:
 
 
 def renew_groups(
-    ctx: RankContext, dims: ParallelDims, *made: dist.ProcessGroup | None
+    ctx: RankContext, dims: ParallelDims, *made: dist.ProcessGroup | None, stages: Iterable[nn.Module] = ()
 ) -> tuple[RankContext, ParallelDims]:
     """New groups in place of ``ctx``'s and ``dims``'s (collective: every rank calls it, in the same order).
 
@@ -56,14 +68,46 @@ def renew_groups(
         ctx: the model's rank context.
         dims: the model's parallel dims.
         *made: other groups made over the old ones (the training step's), destroyed with them.
+        stages: this rank's stages; their tensor-parallel meshes are pointed at the fresh groups
+            (:func:`rebind_meshes`).
 
     Returns:
         The new context and dims: the same ranks and sizes, fresh groups.
+
+    Raises:
+        InternalError: the stages hold FSDP2 shards (not renewable: see the module Note).
     """
+    if dims.fsdp_size > 1:
+        raise InternalError("FSDP2 stages keep their process groups themselves; they cannot be given fresh ones")
     fresh = own_group(ctx)
     renewed = ParallelDims.build(fresh, dims.pp_size, dims.tp_size, dims.fsdp_size)
+    rebind_meshes(stages, renewed)
     release_groups(ctx.group, dims.pp_group, dims.dp_group, dims.tp_group, *made)
     return fresh, renewed
+
+
+def rebind_meshes(stages: Iterable[nn.Module], dims: ParallelDims) -> int:
+    """Point every device mesh the ``DTensor`` parameters of ``stages`` live on at ``dims``'s groups.
+
+    Each such mesh (the tensor-parallel sub-mesh, by its dim names) takes the process group names of
+    the same dims of ``dims.mesh``, which has the same ranks; the mesh object stays, so its every
+    holder follows (see the module Note).
+
+    Args:
+        stages: this rank's stage modules.
+        dims: the fresh dims (their ``mesh`` made over the fresh groups).
+
+    Returns:
+        How many mesh objects were pointed at the fresh groups (0 without sharded parameters).
+    """
+    from torch.distributed.tensor import DTensor
+
+    meshes = {id(p.device_mesh): p.device_mesh for s in stages for p in s.parameters() if isinstance(p, DTensor)}
+    for mesh in meshes.values():
+        names = mesh.mesh_dim_names
+        target = dims.mesh if names == dims.mesh.mesh_dim_names else dims.mesh[names]
+        set_mesh_group_names(mesh, mesh_group_names(target))
+    return len(meshes)
 
 
 def release_groups(*groups: dist.ProcessGroup | None) -> None:
