@@ -5,8 +5,10 @@ evaluation, checkpoints, callbacks); this subclass changes only what differs for
 stages live on several ranks:
 
 * **Data.** Every rank gets the same global batch of ``per_device_train_batch_size x dp`` rows
-  (``dp`` pipeline replicas), in the order transformers' Trainer gives on one process with that
-  batch; each replica trains on its own rows of it inside ``model.train_step`` (:mod:`.data`).
+  (``dp`` pipeline replicas, or the fsdp ranks of a model loaded with ``fsdp_size``), in the order
+  transformers' Trainer gives on one process with that batch; each replica trains on its own rows of
+  it inside ``model.train_step`` (:mod:`.data`). Under FSDP the Trainer's optimizer steps each rank's
+  parameter shards, and checkpoints gather the state whole as for any other mesh.
 * **The step.** ``training_step`` is ``model.train_step`` (forward and backward through the
   pipeline schedule); its gradients are scaled as transformers' Trainer scales its loss under
   gradient accumulation (see :meth:`PipelineTrainer.loss_scale`). Clipping is
