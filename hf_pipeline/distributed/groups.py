@@ -17,7 +17,10 @@ device mesh object the stage was sharded over, which communicates in the groups 
 replace each of those (the optimizer's state is out of reach), :func:`renew_groups` points that mesh
 object at the fresh mesh's groups (:func:`rebind_meshes`): one change that every holder sees, the
 ``Parameter`` objects and the optimizer's references untouched. FSDP2 is not renewed: ``fully_shard``
-keeps the process group objects themselves (its mesh info and parameter groups), not the mesh.
+keeps the process group objects themselves (each parameter group's mesh info), not only the mesh, and a
+step that failed half-way leaves its per-step state behind (pending reduce-scatters, the root's
+post-backward callback, unsharded parameters); resetting those means reaching into FSDP2's private
+state, which no public API offers, so a failure under FSDP still ends the job (``PipelineBroken``).
 
 Example (inside the loader):
     >>> ctx = own_group(init_distributed())
