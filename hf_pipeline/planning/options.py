@@ -258,7 +258,7 @@ def _stage_counts(
             f"fsdp_size={fsdp} must equal world size {world_size} / (pp_size {pp_size} x tp_size {tp}) = {replicas}: "
             "replicas of FSDP-sharded pipelines (HSDP) are not supported; change num_stages or fsdp_size"
         )
-    _refuse_with_fsdp(spec, fsdp, traced)
+    _refuse_with_fsdp(fsdp, traced)
     if parallel.dp_size is not None and parallel.dp_size != replicas:
         raise InputError(
             f"dp size {parallel.dp_size} (dp_replicate_size / the mesh's 'dp' dim) conflicts with world size "
@@ -267,18 +267,15 @@ def _stage_counts(
     return virtual_stages, num_stages, pp_size
 
 
-def _refuse_with_fsdp(spec: ScheduleSpec, fsdp: int, traced: bool) -> None:
-    """What FSDP stages cannot run: traced stages (no blocks to make units of), and the zero-bubble
-    schedules, which defer weight gradients past the backward in which FSDP reduce-scatters them."""
+def _refuse_with_fsdp(fsdp: int, traced: bool) -> None:
+    """What FSDP stages cannot run: traced stages (no blocks to make units of). Every schedule runs, the
+    zero-bubble ones included: torch's runtime reduce-scatters a stage's gradients once, at the
+    REDUCE_GRAD action it places after the stage's last W (``PipelineStage.perform_reduce_grad``), so the
+    deferred weight gradients (``runtime/weight_pass.py``) are in it."""
     if fsdp > 1 and traced:
         raise InputError(
             f"fsdp_size={fsdp}: FSDP needs the stages of a recipe (its blocks are the FSDP units), and this model "
             "is split by the tracer (no recipe for its family or head); load it without fsdp_size"
-        )
-    if fsdp > 1 and spec.zero_bubble:
-        raise InputError(
-            f"fsdp_size={fsdp} with the zero-bubble schedule {spec.name!r} is not supported (its deferred weight "
-            "gradients miss FSDP's reduce-scatter); use '1f1b', 'gpipe' or 'interleaved-1f1b'"
         )
 
 
