@@ -242,7 +242,8 @@ def _expected_slice(tensor: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor
 @pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
 def test_slices_read_only_their_bytes(tmp_path, monkeypatch, target, chunk):
     """Every slice equals slicing the whole tensor, and the file bytes read (counted at the read itself) and
-    bytes_read are the slices' bytes alone: streaming whole rows would read 2-4x as much."""
+    bytes_read are the slices' bytes alone: streaming whole rows would read 2x-7x as much (a whole tensor
+    for an empty part)."""
     torch.manual_seed(0)
     sd = {name: torch.randn(shape) for name, shape, _ in _SLICES}
     save_file(sd, str(tmp_path / weights.SINGLE_NAME))
@@ -263,8 +264,8 @@ def test_slices_read_only_their_bytes(tmp_path, monkeypatch, target, chunk):
         torch.testing.assert_close(tensors[name], want.to(target), rtol=0, atol=0, msg=name)
         kept += want.numel() * 4
     assert sum(read) == report.bytes_read == kept
-    if chunk > 1000 and target == torch.float32:  # in place: one read per run of adjacent bytes, none per element
-        assert len(read) <= sum(math.prod(shape[: part[0]]) * len(part) for _, shape, part in _SLICES)
+    if chunk > 1000 and target == torch.float32:  # in place: at most one read per block of each outer row
+        assert len(read) <= sum(math.prod(shape[: part[0]]) * (part[3:] or (1,))[0] for _, shape, part in _SLICES)
 
 
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float64])
