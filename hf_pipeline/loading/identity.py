@@ -42,11 +42,18 @@ def parallel_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in PARALLEL_ARGUMENTS:
         value = kwargs.get(name)
+        # Anything else is described by its type: resolving the options refuses it by name on every rank.
         if name == "device_mesh" and value is not None:
-            names, shape = getattr(value, "mesh_dim_names", None), tuple(getattr(value, "shape", ()))
-            value = f"mesh_dim_names={names}, shape={shape}"
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if isinstance(value, DeviceMesh):
+                value = f"mesh_dim_names={value.mesh_dim_names}, shape={tuple(value.shape)}"
+            else:
+                value = type(value).__name__
         elif name == "distributed_config" and value is not None:
-            value = value.to_dict() if hasattr(value, "to_dict") else type(value).__name__
+            from transformers.distributed import DistributedConfig
+
+            value = value.to_dict() if isinstance(value, DistributedConfig) else type(value).__name__
         out[name] = value
     return out
 
