@@ -16,9 +16,46 @@ from typing import Any, Mapping
 
 from .checkpoint import INDEX_NAME
 
-__all__ = ["pipeline_identity"]
+__all__ = ["PARALLEL_ARGUMENTS", "parallel_arguments", "pipeline_identity"]
 
 _TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
+
+
+# from_pretrained's arguments that shape the mesh, compared as given before any rank resolves them.
+PARALLEL_ARGUMENTS = ("tp_size", "fsdp_size", "distributed_config", "device_mesh")
+
+
+def parallel_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The mesh arguments among ``kwargs`` as the caller gave them, comparable across ranks.
+
+    Compared before the options are resolved: a rank resolving another mesh would otherwise fail alone
+    (an invalid mesh) or be named by what follows from it (``pp_size``, ``num_stages``) instead of the
+    argument. A ``DeviceMesh`` is described by its dim names and shape (one string: a mismatch names
+    ``device_mesh`` and shows both), a ``DistributedConfig`` by its fields (``distributed_config.tp_size``).
+
+    Args:
+        kwargs: ``from_pretrained``'s keyword arguments (only :data:`PARALLEL_ARGUMENTS` are read).
+
+    Returns:
+        argument name -> its value or description (None where not given).
+    """
+    out: dict[str, Any] = {}
+    for name in PARALLEL_ARGUMENTS:
+        value = kwargs.get(name)
+        # Anything else is described by its type: resolving the options refuses it by name on every rank.
+        if name == "device_mesh" and value is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if isinstance(value, DeviceMesh):
+                value = f"mesh_dim_names={value.mesh_dim_names}, shape={tuple(value.shape)}"
+            else:
+                value = type(value).__name__
+        elif name == "distributed_config" and value is not None:
+            from transformers.distributed import DistributedConfig
+
+            value = value.to_dict() if isinstance(value, DistributedConfig) else type(value).__name__
+        out[name] = value
+    return out
 
 
 def pipeline_identity(

@@ -45,7 +45,7 @@ from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
 from .fsdp import fsdp_parts, shard_stages
-from .identity import pipeline_identity
+from .identity import parallel_arguments, pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
@@ -226,6 +226,16 @@ def _load_stages(
     return stages, report, read_at
 
 
+def _agreed_context(device, option_kwargs: dict[str, Any]) -> RankContext:
+    """The model's own group over every rank (groups.py: a failure inside a call stops it, never WORLD), once
+    every rank gave the same mesh arguments: compared as given, before any rank resolves them (one may be
+    invalid on its own rank, or resolve to another mesh), so the error names the argument."""
+    ctx = own_group(init_distributed(device=device))
+    given = parallel_arguments(option_kwargs)
+    check_same_on_all_ranks(ctx, "from_pretrained's mesh arguments", given, hint=_AGREE_HINT)
+    return ctx
+
+
 def load_pipeline(
     auto_class: str | type,
     path: str | os.PathLike,
@@ -271,8 +281,7 @@ def load_pipeline(
     raises on every rank (naming the failing rank) instead of leaving the others waiting.
     """
     started = time.perf_counter()
-    # The model's own group over every rank (groups.py): a failure inside a call stops it, never WORLD.
-    ctx = own_group(init_distributed(device=device))
+    ctx = _agreed_context(device, option_kwargs)
     with collective_errors(ctx, "reading the checkpoint config"):
         ckpt = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir, subfolder=subfolder)
         config = _read_config(

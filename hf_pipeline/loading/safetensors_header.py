@@ -13,10 +13,11 @@ import math
 import pathlib
 import struct
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 from ..errors import CheckpointError
 
-__all__ = ["SAFETENSORS_DTYPES", "ShardHeader", "read_header", "read_shard_header"]
+__all__ = ["SAFETENSORS_DTYPES", "ShardHeader", "read_header", "read_shard_header", "slice_byte_ranges"]
 
 _MAX_HEADER = 100_000_000  # safetensors refuses larger headers too; a bigger length field means corruption
 
@@ -140,3 +141,33 @@ def _data_end(entries: dict[str, dict]) -> int:
 def read_header(path: pathlib.Path) -> dict[str, dict]:
     """The tensor entries of a safetensors header (see :func:`read_shard_header`)."""
     return read_shard_header(path).entries
+
+
+def slice_byte_ranges(
+    offset: int, shape: Sequence[int], itemsize: int, dim: int, ranges: Sequence[tuple[int, int]]
+) -> Iterator[tuple[int, int]]:
+    """Where a slice of a stored (row-major) tensor lies in its file, so that only its bytes are read.
+
+    Args:
+        offset: file offset of the tensor's first byte; ``shape``, ``itemsize``: as stored.
+        dim, ranges: keep indices ``first .. first + length - 1`` along ``dim`` for each ``(first, length)``.
+
+    Returns:
+        ``(file offset, byte count)`` pairs in file order, adjacent ones joined. Their concatenation is the
+        slice laid out contiguously: for each index of the dims before ``dim``, each range in turn.
+    """
+    inner = math.prod(shape[dim + 1 :]) * itemsize  # bytes of one index along dim within one outer row
+    row = shape[dim] * inner
+    start = end = -1
+    for o in range(math.prod(shape[:dim])):
+        for first, length in ranges:
+            if not length or not inner:
+                continue
+            begin = offset + o * row + first * inner
+            if begin != end:
+                if end > start:
+                    yield start, end - start
+                start = begin
+            end = begin + length * inner
+    if end > start:
+        yield start, end - start

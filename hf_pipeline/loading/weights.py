@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import re
 import sys
@@ -49,7 +48,7 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .key_renames import checkpoint_key_renames
-from .safetensors_header import SAFETENSORS_DTYPES, read_header, read_shard_header
+from .safetensors_header import SAFETENSORS_DTYPES, read_header, read_shard_header, slice_byte_ranges
 
 __all__ = [
     "chunk_bounds",
@@ -269,18 +268,19 @@ def chunk_bounds(size: int, index: int, count: int) -> tuple[int, int]:
 
 def _part_plan(t: _TensorPlan, part: tuple[int, ...]) -> _TensorPlan:
     """``t`` narrowed to part ``index`` of ``count`` along ``dim`` (of each of its ``packs`` blocks when the
-    part says ``(dim, index, count, packs)``): along dim 0 one part is a contiguous byte range (only it
-    is read); otherwise the reader streams the rows and keeps the slices."""
+    part says ``(dim, index, count, packs)``): along dim 0 one part is a contiguous byte range; otherwise the
+    reader reads the slice's byte ranges in each outer row (``slice_byte_ranges``). Either way ``nbytes``
+    becomes the bytes read, so the report counts what a rank read, not the whole tensor."""
     dim, index, count, *rest = part
     packs = rest[0] if rest else 1
     block = t.shape[dim] // packs
     first, length = chunk_bounds(block, index, count)
+    per_index = t.nbytes // t.shape[dim] if t.shape[dim] else 0  # bytes of one index along dim, all outer rows
     if dim > 0 or packs > 1:
         ranges = tuple((p * block + first, length) for p in range(packs))
-        return dataclasses.replace(t, part=(dim, ranges))
-    row = t.nbytes // t.shape[0] if t.shape[0] else 0
+        return dataclasses.replace(t, part=(dim, ranges), nbytes=packs * length * per_index)
     return dataclasses.replace(
-        t, offset=t.offset + first * row, nbytes=length * row, shape=(length, *t.shape[1:])
+        t, offset=t.offset + first * per_index, nbytes=length * per_index, shape=(length, *t.shape[1:])
     )
 
 
@@ -420,27 +420,39 @@ class _TensorReader:
 
 
     def _read_part(self, f, t: _TensorPlan) -> torch.Tensor:
-        """The slice ``t.part`` of a tensor along a dim > 0: whole outer rows streamed through the bounce
-        buffer, each keeping its slice, so the extra memory stays one chunk."""
+        """The slice ``t.part`` of a tensor along a dim > 0 (or of a packed tensor's blocks): only its byte
+        ranges are read, straight into the result when it keeps its dtype on CPU, else through the bounce
+        buffer, filled with several ranges at a time, so the extra memory stays one chunk."""
         dim, ranges = t.part
         length = sum(n for _, n in ranges)
-        outer = math.prod(t.shape[:dim])
-        row = t.shape[dim:]  # one outer row, contiguous in the file
-        row_bytes = math.prod(row) * t.stored.itemsize
         out = torch.empty((*t.shape[:dim], length, *t.shape[dim + 1 :]), dtype=t.target, device=self.device)
-        flat_out = out.view(outer, length, -1)
+        if self.device.type == "cpu" and t.target == t.stored:
+            dest, at = _as_bytes(out), 0
+            for offset, n in slice_byte_ranges(t.offset, t.shape, t.stored.itemsize, dim, ranges):
+                _readinto(f, offset, dest[at : at + n])
+                at += n
+            return _from_little_endian(out)
+        size = t.stored.itemsize
         bounce = self._bounce_buffer()
-        per = max(1, len(bounce) // max(row_bytes, 1))  # outer rows per chunk
-        for o in range(0, outer, per):
-            n = min(per, outer - o)
-            size = n * row_bytes
-            chunk = bounce[:size] if size <= len(bounce) else torch.empty(size, dtype=torch.uint8)  # a row > _CHUNK
-            _readinto(f, t.offset + o * row_bytes, _as_bytes(chunk))
-            rows = _from_little_endian(chunk.view(t.stored)).view(n, row[0], -1)
-            at = 0
-            for first, width in ranges:
-                flat_out[o : o + n, at : at + width].copy_(rows[:, first : first + width])
-                at += width
+        capacity = len(bounce) // size * size  # whole elements; every range is whole elements too
+        view, flat = _as_bytes(bounce), out.view(-1)
+        filled = done = 0  # bytes in the bounce buffer; elements of out written
+
+        def flush() -> None:
+            nonlocal filled, done
+            n = filled // size
+            flat[done : done + n].copy_(_from_little_endian(bounce[:filled].view(t.stored)))
+            done, filled = done + n, 0
+
+        for offset, n in slice_byte_ranges(t.offset, t.shape, t.stored.itemsize, dim, ranges):
+            while n:
+                take = min(n, capacity - filled)
+                _readinto(f, offset, view[filled : filled + take])
+                filled, offset, n = filled + take, offset + take, n - take
+                if filled == capacity:
+                    flush()
+        if filled:
+            flush()
         return out
 
 

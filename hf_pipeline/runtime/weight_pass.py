@@ -29,6 +29,11 @@ computes the weight gradient in place, as autograd does. The linears hold nearly
 transformer's weight FLOPs; the rest (norms, embeddings) is cheap.
 On a device, W's matmuls run on the stage's device like the rest of its backward.
 
+Under FSDP2 the deferred gradients go into the gathered parameters' ``.grad``: torch's stage keeps a
+FSDP stage gathered, without reducing, through every I and W (``backward_maybe_with_nosync``), and its
+schedule runs the one reduce-scatter (``perform_reduce_grad``) at the REDUCE_GRAD action it places after
+the stage's last W, so W's gradients are in it (``tests/training/test_fsdp_zero_bubble.py``).
+
 The pending work is process-wide, not per stage: a rank runs one stage's backward at a time, and
 torch calls the builder right after each (so :func:`take` collects exactly that backward's work).
 A plain attribute, not a thread-local: on CUDA, autograd runs backward in its own device threads.

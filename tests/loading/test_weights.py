@@ -7,6 +7,7 @@ be damaged are copies, so the module-scoped checkpoints stay intact.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -200,8 +201,8 @@ def test_floating_tensors_are_cast_on_the_way(llama):
 
 @pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
 def test_tensor_parallel_parts_read_only_a_slice(llama, monkeypatch, target):
-    """A part along dim 0 is a byte range of the shard (only it is read); one along dim 1 is streamed
-    through the bounce buffer (made small here, so the rows span several chunks) keeping the slice."""
+    """A part along dim 0 is a byte range of the shard; one along dim 1 is the slice's range of each row,
+    read through the bounce buffer (made small here, so the slice spans several chunks) when cast."""
     directory, sd = llama
     monkeypatch.setattr(weights, "_CHUNK", 256)
     names = [n for n in _layers(sd, 1) if n.endswith(("q_proj.weight", "down_proj.weight", "norm.weight"))]
@@ -211,9 +212,60 @@ def test_tensor_parallel_parts_read_only_a_slice(llama, monkeypatch, target):
         want = sd[name] if name not in parts else sd[name].chunk(2, parts[name][0])[1]
         assert tensors[name].shape == want.shape, name
         torch.testing.assert_close(tensors[name], want.to(target), rtol=0, atol=0, msg=name)
-    q = next(n for n in parts if "q_proj" in n)
     full = sum(sd[n].numel() * 4 for n in names)
-    assert report.bytes_read == full - sd[q].numel() * 4 // 2  # half of q_proj never read
+    assert report.bytes_read == full - sum(sd[n].numel() * 4 // 2 for n in parts)  # half of each part never read
+
+
+# (name, shape, part): row-parallel slices of a 2-D and a 3-D tensor on dims 1 and 2, packed blocks along
+# dims 0 and 1, and uneven torch.chunk cuts (7 rows in 3 parts: 3, 3, 1; 5 in 4: 2, 2, 1, 0).
+_SLICES = [
+    ("rowwise", (6, 10), (1, 1, 2)),
+    ("deep1", (3, 7, 4), (1, 2, 3)),
+    ("deep2", (2, 3, 9), (2, 1, 4)),
+    ("packed0", (12, 5), (0, 1, 2, 3)),
+    ("packed1", (4, 15), (1, 0, 3, 3)),
+    ("uneven", (5, 5), (1, 3, 4)),
+    ("whole", (4, 6), (1, 0, 1)),
+]
+
+
+def _expected_slice(tensor: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
+    dim, index, count, *rest = part
+    pieces = []
+    for block in tensor.chunk(rest[0] if rest else 1, dim):
+        cuts = block.chunk(count, dim)  # fewer than count when uneven: the missing last parts are empty
+        pieces.append(cuts[index] if index < len(cuts) else block.narrow(dim, 0, 0))
+    return torch.cat(pieces, dim)
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 24])
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
+def test_slices_read_only_their_bytes(tmp_path, monkeypatch, target, chunk):
+    """Every slice equals slicing the whole tensor, and the file bytes read (counted at the read itself) and
+    bytes_read are the slices' bytes alone: streaming whole rows would read 2x-7x as much (a whole tensor
+    for an empty part)."""
+    torch.manual_seed(0)
+    sd = {name: torch.randn(shape) for name, shape, _ in _SLICES}
+    save_file(sd, str(tmp_path / weights.SINGLE_NAME))
+    monkeypatch.setattr(weights, "_CHUNK", chunk)  # 24 bytes: the bounce buffer holds 6 elements, a part spans many
+    read, real = [], weights._readinto
+
+    def counting(f, offset, buffer):
+        read.append(len(buffer))
+        real(f, offset, buffer)
+
+    monkeypatch.setattr(weights, "_readinto", counting)
+    parts = {name: part for name, _, part in _SLICES}
+    tensors, report = load_tensors(CheckpointIndex.from_directory(tmp_path), _wanted(sd, sd, target), parts=parts)
+    kept = 0
+    for name, _, part in _SLICES:
+        want = _expected_slice(sd[name], part)
+        assert tensors[name].shape == want.shape and tensors[name].dtype == target, name
+        torch.testing.assert_close(tensors[name], want.to(target), rtol=0, atol=0, msg=name)
+        kept += want.numel() * 4
+    assert sum(read) == report.bytes_read == kept
+    if chunk > 1000 and target == torch.float32:  # in place: at most one read per block of each outer row
+        assert len(read) <= sum(math.prod(shape[: part[0]]) * (part[3:] or (1,))[0] for _, shape, part in _SLICES)
 
 
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float64])

@@ -209,6 +209,20 @@ LOAD_CASES = {
     "gather_output differs between ranks": (
         lambda p: _load(p["llama"], gather_output=bool(_rank())), ("ValueError",),
         r"but gather_output differs: gather_output: rank 0: False; rank 1: True"),
+    # The mesh as given: named by argument, before a rank resolves another mesh (or an invalid one alone).
+    "tp_size differs between ranks": (
+        lambda p: _load(p["llama"], tp_size=(1, 2)[_rank()]), ("ValueError",),
+        r"mesh arguments must be the same on every rank but tp_size differs: tp_size: rank 0: 1; rank 1: 2"),
+    "fsdp_size differs between ranks": (
+        lambda p: _load(p["llama"], fsdp_size=(1, 2)[_rank()]), ("ValueError",),
+        r"but fsdp_size differs: fsdp_size: rank 0: 1; rank 1: 2"),
+    "device_mesh dim names differ between ranks": (
+        lambda p: _load(p["llama"], device_mesh=_mesh((("pp",), ("tp",))[_rank()])), ("ValueError",),
+        r"but device_mesh differs: device_mesh: rank 0: .mesh_dim_names=\('pp',\), shape=\(2,\).; "
+        r"rank 1: .mesh_dim_names=\('tp',\), shape=\(2,\)"),
+    "device_mesh given on one rank only": (
+        lambda p: _load(p["llama"], device_mesh=_mesh(("pp",)) if _rank() else None), ("ValueError",),
+        r"but device_mesh differs: device_mesh: rank 0: None; rank 1: .mesh_dim_names=\('pp',\), shape=\(2,\)"),
     "checkpoint differs between ranks: another model's weights": (
         lambda p: _load(p[("llama", "llama_other_weights")[_rank()]]), ("ValueError",),
         r"but shard tails\.model-00001-of-\d+\.safetensors, .* differ: shard tails\.model-00001-of-\d+\.safetensors: "
@@ -308,6 +322,13 @@ def _with_labels(inputs: dict, labels=None) -> dict:
 
 def _rank() -> int:
     return int(os.environ["RANK"])
+
+
+def _mesh(names: tuple[str, ...]):
+    """A 1-D mesh over the whole world: it makes no new group, so building it differently per rank cannot hang."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2,), mesh_dim_names=names)
 
 
 def _m():

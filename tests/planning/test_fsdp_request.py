@@ -57,7 +57,6 @@ def test_options_size_the_pipeline_from_the_world_left_by_fsdp():
     for world, kw, needle in [
         (4, {"parallel": ParallelRequest(fsdp_size=3)}, "fsdp_size=3 (x tp_size=1) does not divide the world size 4"),
         (8, {"parallel": ParallelRequest(fsdp_size=2), "num_stages": 2}, "HSDP"),
-        (4, {"parallel": ParallelRequest(fsdp_size=2), "schedule": "zbv-zero-bubble"}, "zero-bubble"),
         (4, {"parallel": ParallelRequest(fsdp_size=2), "split_method": "trace"}, "split by the tracer"),
     ]:
         with pytest.raises(InputError) as e:
