@@ -35,6 +35,10 @@ MESHES: list[tuple[str, dict[str, Any]]] = [
     ("pp4", {"num_stages": 4}),
     ("pp2 x tp2", {"num_stages": 2, "tp_size": 2}),
     ("pp2 x fsdp2", {"num_stages": 2, "fsdp_size": 2}),
+    # HSDP: 2 replicas x 2 fsdp ranks of a one-rank pipeline running both stages (the fsdp chunks read twice)
+    # (4 microbatches: the batch's rows per data-parallel rank are a quarter of it).
+    ("dp2 x fsdp2 (2 stages per rank)",
+     {"num_stages": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b", "fsdp_size": 2, "n_microbatches": 4}),
 ]
 STEPS = 2  # timed steps after one warm-up
 
@@ -74,13 +78,13 @@ def mesh_rank(task: dict, out: dict) -> None:
     dims = model.dims
     out.update(peak_rss=meter.peak, resettable=meter.resettable, kept_params=params, kept_bytes=kept,
                bytes_read=model.load_report.bytes_read,
-               place=[dims.dp_rank, getattr(dims, "fsdp_rank", 0), dims.pp_rank, dims.tp_rank])
+               place=[dims.dp_rank // dims.fsdp_size, dims.fsdp_rank, dims.pp_rank, dims.tp_rank])  # mesh coordinates
     del model
     gc.collect()
     sync()
 
     model = AutoModelForCausalLM.from_pretrained(task["train_path"], pipeline=True, device="cpu", progress=False,
-                                                 n_microbatches=task["sizes"]["n_microbatches"], **kwargs)
+                                                 **{"n_microbatches": task["sizes"]["n_microbatches"], **kwargs})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = batch(task["sizes"])

@@ -19,7 +19,7 @@ averaging: every microbatch loss is already divided by the global batch's item c
 so the sum over data-parallel ranks is the gradient of the whole batch, as ``flat_reduce`` sums replicas.
 
 Example:
-    >>> parts = fsdp_parts(stages, dims.fsdp_mesh)          # name -> (0, fsdp rank, fsdp size)
+    >>> parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)          # name -> (0, fsdp rank, fsdp size)
     >>> shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=resolved.tied)
     >>> tensors, report = load_tensors(index, wanted, parts=parts, into=shards, ...)
     >>> set_buffers(stages, tensors, device)
@@ -39,9 +39,9 @@ from ..errors import InputError, InternalError
 __all__ = ["fsdp_parts", "resharded_after", "set_buffers", "shard_stages"]
 
 
-def fsdp_parts(stages: list[nn.Module], mesh) -> dict[str, tuple[int, int, int]]:
-    """Stage parameter name -> ``(0, index, count)``: the dim-0 chunk this fsdp rank reads of it."""
-    rank, count = mesh.get_local_rank(), mesh.size()
+def fsdp_parts(stages: list[nn.Module], rank: int, count: int) -> dict[str, tuple[int, int, int]]:
+    """Stage parameter name -> ``(0, rank, count)``: the dim-0 chunk fsdp rank ``rank`` of ``count`` reads
+    of it (every replica's fsdp rank ``rank`` alike, under HSDP)."""
     return {name: (0, rank, count) for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)}
 
 

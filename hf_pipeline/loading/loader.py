@@ -198,7 +198,7 @@ def _load_stages(
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
     shards: dict[str, torch.Tensor] = {}
     if dims.fsdp_size > 1:
-        parts = fsdp_parts(stages, dims.fsdp_mesh)
+        parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
         shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied)
     for n in set(fresh) & set(parts):  # keep the slice

@@ -44,7 +44,8 @@ def fsdp_sync_group(
     nothing to sum). Each stage's reduce-scatter has already summed its fsdp ranks' gradients into
     their chunks, so summing them again here would count them twice; only a key held on several
     pipeline ranks (a tied embedding and LM head) is summed, between the ranks at the same fsdp rank,
-    which hold the same chunk of it. Collective over the world the first time (every rank makes every
+    which hold the same chunk of it (under HSDP: of the same replica; FSDP2 has summed the replicas).
+    Collective over the world the first time (every rank makes every
     fsdp rank's group, in order); ``made`` keeps the groups made."""
     if len(pp_ranks) == 1:
         return None

@@ -19,7 +19,8 @@ the same batch. What it adds around the schedule:
   divided by the global item count, gradients are *summed* over replicas, which is the
   token-weighted average — the gradient of the full batch on one pipeline. FSDP ranks are data-parallel
   ranks too, but each stage's reduce-scatter sums their gradients (torch's ``PipelineStage`` runs it once,
-  after the last backward) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
+  after the last backward; with replicas of fsdp pipelines, HSDP, FSDP2 also all-reduces the chunks over
+  them) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
 * **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added
   back after the sync, so the sync never counts them twice; ``loss_scale=1/k`` scales a step's
   gradients as ``(loss / k).backward()`` would.
