@@ -35,10 +35,6 @@ MESHES: list[tuple[str, dict[str, Any]]] = [
     ("pp4", {"num_stages": 4}),
     ("pp2 x tp2", {"num_stages": 2, "tp_size": 2}),
     ("pp2 x fsdp2", {"num_stages": 2, "fsdp_size": 2}),
-    # HSDP: 2 replicas x 2 fsdp ranks of a one-rank pipeline running both stages (the fsdp chunks read twice)
-    # (4 microbatches: the batch's rows per data-parallel rank are a quarter of it).
-    ("dp2 x fsdp2 (2 stages per rank)",
-     {"num_stages": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b", "fsdp_size": 2, "n_microbatches": 4}),
 ]
 STEPS = 2  # timed steps after one warm-up
 
