@@ -15,7 +15,9 @@ transformers on one process:
 - ``save_pretrained(optimizer=...)`` after step 2 writes one normal checkpoint (one writer) that plain
   transformers loads with the trained values, and AdamW states gathered whole equal transformers';
 - the same mesh resumes it (``load_training_state``) and takes step 3: the same loss and parameters as
-  the uninterrupted run, bit for bit, and transformers' third step within 1e-5.
+  the uninterrupted run, bit for bit, and transformers' third step within 1e-5;
+- a base-model checkpoint loaded as a causal LM: the missing ``lm_head`` is drawn as transformers draws
+  it after the same ``torch.manual_seed`` (exactly), each rank keeping its chunk.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tp_helpers import EPS, LR, compare, gathered
 
 pytestmark = pytest.mark.dist
 
+SEED = 1234  # torch.manual_seed before loading a checkpoint without lm_head: it is drawn from the generator
 HSDP = {"fsdp_size": 2, "num_stages": 2, "virtual_stages": 2, "schedule": "interleaved-1f1b", "n_microbatches": 2}
 
 
@@ -49,7 +52,7 @@ def _step(model, opt, step: int) -> tuple[float, float]:
     return loss, norm
 
 
-def _job(path, save_dir):
+def _job(path, save_dir, base):
     from hf_pipeline.training.checkpoint import load_training_state
 
     model = _load(path)
@@ -74,6 +77,9 @@ def _job(path, save_dir):
     res["resumed_step"] = load_training_state(resumed, save_dir, optimizer=opt)["step"]
     res["resumed"] = _step(resumed, opt, 3)[0]
     res["resumed_params"] = gathered(resumed)
+    torch.manual_seed(SEED)
+    headless = _load(base)
+    res["initialized"], res["lm_head"] = headless.load_report.initialized, gathered(headless)["lm_head.weight"]
     return res
 
 
@@ -105,8 +111,11 @@ def test_dp2_by_fsdp2_equals_transformers_saves_and_resumes(tmp_path):
 
     path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
     save_dir = tmp_path / "checkpoint-2"
-    per_rank = run_distributed(_job, 4, path, str(save_dir), timeout=600)
+    base = str(tiny.make_checkpoint(tmp_path / "base", "llama", auto="AutoModel"))
+    per_rank = run_distributed(_job, 4, path, str(save_dir), base, timeout=600)
     ref = _reference(path)
+    torch.manual_seed(SEED)
+    head = tiny.reference(base, "AutoModelForCausalLM").lm_head.weight.detach()
     whole = sum(t.numel() for t in ref["params"].values())
     third = {"losses": [], "norms": [], "logits": ref["logits"], "params": ref["third_params"]}
     for rank, res in enumerate(per_rank):
@@ -121,6 +130,8 @@ def test_dp2_by_fsdp2_equals_transformers_saves_and_resumes(tmp_path):
             assert torch.equal(res["resumed_params"][key], want), f"{what}: {key} differs after the resumed step"
         assert abs(res["third"] - ref["losses"][2]) <= 1e-5 * ref["losses"][2], (what, res["third"], ref["losses"])
         compare(f"{what}, step 3", {**third, "params": res["third_params"]}, third)
+        assert res["initialized"] == ["lm_head.weight"], (what, res["initialized"])
+        assert torch.equal(res["lm_head"], head), f"{what}: the drawn lm_head differs from transformers'"
     saved = transformers.AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32)
     for key, want in per_rank[0]["params"].items():
         assert torch.equal(saved.get_parameter(key).detach(), want), f"saved {key} differs from the trained one"
