@@ -36,7 +36,7 @@ from torch import nn
 
 from ..errors import InputError, InternalError
 
-__all__ = ["fsdp_parts", "resharded_after", "set_buffers", "shard_stages"]
+__all__ = ["fsdp_parts", "resharded_after", "set_buffers", "shard_loaded", "shard_stages"]
 
 
 def fsdp_parts(stages: list[nn.Module], rank: int, count: int) -> dict[str, tuple[int, int, int]]:
@@ -121,7 +121,7 @@ def shard_stages(
         for :func:`~hf_pipeline.loading.weights.load_tensors` (``into``) to read into in place. Buffers
         keep their built values; :func:`set_buffers` puts in those read. Communicates nothing.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     _check_no_shared(stages, tied)
     shards: dict[str, torch.Tensor] = {}
@@ -134,13 +134,38 @@ def shard_stages(
         fully_shard(stage, mesh=mesh, reshard_after_forward=False)
         shards.update(_allocate(stage, device))
         set_buffers([stage], buffers, device)
-        for module in stage.modules():
-            if isinstance(module, FSDPModule):
-                # Sum, not mean (see the module docstring); forced as a plain SUM, which gloo also runs.
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        _sum_gradients(stage)
         stage.eval()
     return shards
+
+
+def shard_loaded(stages: list[nn.Module], *, mesh, tied: tuple[tuple[str, ...], ...] = ()) -> None:
+    """FSDP2 over stages loaded whole or tensor-parallel (their parameters real, tp's ``DTensor`` shards):
+    ``fully_shard`` over ``mesh``, as torchtitan composes them (tp first, then fsdp on the same parent
+    mesh); each parameter's local part is cut into its dim-0 chunks. Communicates nothing.
+
+    Note: unlike :func:`shard_stages` the rank first holds its whole tensor-parallel slices (read with
+    ``shard_parts``), 1/fsdp of which it keeps: the load's peak is fsdp_size x what it keeps.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    _check_no_shared(stages, tied)
+    for stage in stages:
+        for unit in _units(stage):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+        _sum_gradients(stage)
+        stage.eval()
+
+
+def _sum_gradients(stage: nn.Module) -> None:
+    """Sum, not mean (see the module docstring); forced as a plain SUM, which gloo also runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in stage.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def set_buffers(stages: list[nn.Module], tensors: Mapping[str, torch.Tensor], device: torch.device) -> None:

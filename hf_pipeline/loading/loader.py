@@ -44,7 +44,7 @@ from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
-from .fsdp import fsdp_parts, set_buffers, shard_stages
+from .fsdp import fsdp_parts, set_buffers, shard_loaded, shard_stages
 from .identity import pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
@@ -197,7 +197,8 @@ def _load_stages(
     # A tensor-parallel or FSDP rank reads only its slices; an FSDP rank reads them into its shards.
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
     shards: dict[str, torch.Tensor] = {}
-    if dims.fsdp_size > 1:
+    on_meta = dims.fsdp_size > 1 and not options.tp_plan  # with tensor parallelism: fsdp once tp is applied, below
+    if on_meta:
         parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
         shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied)
@@ -214,7 +215,7 @@ def _load_stages(
     report.initialized = sorted(fresh)
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)
-    if dims.fsdp_size > 1:
+    if on_meta:
         with torch.no_grad():
             for n, t in fresh.items():
                 shards[n].copy_(t)
@@ -222,11 +223,13 @@ def _load_stages(
     tensors.update(fresh)
     del fresh
     made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
-    for stage in stages if dims.fsdp_size == 1 else ():
+    for stage in stages if not on_meta else ():
         materialize(stage, tensors, device=ctx.device, tied=maker.resolved.tied, made=made)
         stage.eval()
         if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
             apply_tensor_parallel(stage, options.tp_plan, dims.tp_mesh)
+    if dims.fsdp_size > 1 and not on_meta:  # fsdp over tensor-parallel shards
+        shard_loaded(stages, mesh=dims.fsdp_mesh, tied=maker.resolved.tied)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}

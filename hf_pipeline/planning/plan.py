@@ -168,7 +168,8 @@ class StagePlan:
         lines = [head]
         if self.fsdp_size > 1:  # global rank = (replica x fsdp + fsdp rank) x pp + pp rank; each runs its own rows
             dp = f"dp={self.dp_size // self.fsdp_size} x " if self.dp_size > self.fsdp_size else ""  # HSDP replicas
-            lines.append(f"mesh: {dp}fsdp={self.fsdp_size} x pp={self.pp_size}; each keeps 1/{self.fsdp_size} "
+            tp = f" x tp={self.tp_size}, fsdp over tp's slices" if self.tp_size > 1 else ""
+            lines.append(f"mesh: {dp}fsdp={self.fsdp_size} x pp={self.pp_size}{tp}; each keeps 1/{self.fsdp_size} "
                          "of a tensor")
         elif self.dp_size > 1 or self.tp_size > 1:  # global rank = (dp x pp + pp rank) x tp + tp rank
             lines.append(f"mesh: dp={self.dp_size} x pp={self.pp_size} x tp={self.tp_size}, tp innermost; "

@@ -65,11 +65,6 @@ class ParallelRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if self.fsdp_size > 1 and self.tp_size > 1:
-            raise InputError(
-                f"fsdp_size={self.fsdp_size} with tp_size={self.tp_size}: FSDP and tensor parallelism inside the "
-                "same stages are not supported together yet; pass one of them"
-            )
 
 
 def _from_distributed_config(dc: Any) -> ParallelRequest:

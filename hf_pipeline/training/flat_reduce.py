@@ -52,12 +52,13 @@ def fsdp_sync_group(
     if len(pp_ranks) == dims.pp_size:
         return dims.pp_group
     for d in range(dims.dp_size):
-        key = dims.ranks(pp_ranks, 0, (d,))
-        if key not in made:
-            made[key] = dist.new_group(list(key))
-            if isinstance(made[key], dist.ProcessGroup):  # non-members get a placeholder
-                ctx.apply_timeout(made[key])
-    return made[dims.ranks(pp_ranks, 0, (dims.dp_rank,))]
+        for t in range(dims.tp_size):  # with tensor parallelism: between the ranks of the same tp slot too
+            key = dims.ranks(pp_ranks, t, (d,))
+            if key not in made:
+                made[key] = dist.new_group(list(key))
+                if isinstance(made[key], dist.ProcessGroup):  # non-members get a placeholder
+                    ctx.apply_timeout(made[key])
+    return made[dims.ranks(pp_ranks, dims.tp_rank, (dims.dp_rank,))]
 
 
 def refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.agreement import fingerprint, raise_on_any_rank
-from ..distributed.shards import is_sharded, local_tensor, norm_power
+from ..distributed.shards import is_sharded, local_tensor, mesh_norm_power, norm_power
 from ..errors import InputError, InputTypeError, TrainingError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..planning.schedules import check_training
@@ -472,7 +472,10 @@ def clip_grad_norm_(
     state = _train_state(model)
     norm_type = float(norm_type)
     grads = [p.grad for p in state.norm_params if p.grad is not None]
-    local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)
+    if model.dims.fsdp_size > 1 and model.dims.tp_size > 1:  # shards of two meshes: (fsdp, tp) and fsdp alone
+        local = mesh_norm_power(grads, norm_type, device=model.device)
+    else:
+        local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)
     group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
     inf = norm_type == float("inf")
     if group is not None and dist.get_world_size(group) > 1:

@@ -39,6 +39,7 @@ def test_fsdp_is_asked_for_by_keyword_config_or_mesh():
     assert _req(distributed_config=DistributedConfig(fsdp_size=2)) == ParallelRequest(fsdp_size=2)
     assert _req(device_mesh=_Mesh((2, 2), ("fsdp", "pp"))) == ParallelRequest(fsdp_size=2, pp_size=2)
     assert _req(tp_size=1, fsdp_size=2) == ParallelRequest(fsdp_size=2)  # accepted together
+    assert _req(tp_size=2, fsdp_size=2) == ParallelRequest(tp_size=2, fsdp_size=2)  # FSDP over tp's shards
     # Replicas of fsdp-sharded pipelines (HSDP): the mesh's dp dim.
     hsdp = ParallelRequest(fsdp_size=2, pp_size=1, dp_size=2)
     assert _req(device_mesh=_Mesh((2, 2, 1), ("dp", "fsdp", "pp"))) == hsdp
@@ -46,7 +47,6 @@ def test_fsdp_is_asked_for_by_keyword_config_or_mesh():
         fsdp_size=2, dp_size=2)
     for kw, needle in [
         ({"fsdp_size": 2, "distributed_config": DistributedConfig(tp_size=2)}, "not fsdp_size and distributed_config"),
-        ({"tp_size": 2, "fsdp_size": 2}, "fsdp_size=2 with tp_size=2"),
         ({"fsdp_size": 0}, "fsdp_size must be a positive integer"),
     ]:
         with pytest.raises(InputError) as e:
