@@ -8,7 +8,9 @@ contiguous byte range of the shard file), :func:`shard_stages` applies ``fully_s
 while it is still on the meta device and allocates only the local shards (``to_empty``), and the
 reader reads each chunk straight into its shard (``load_tensors(into=...)``). A rank so holds each
 byte once: reading chunks first and copying them into shards allocated afterwards held both at the
-peak (freed heap is not given back to the system, so the peak stays in the RSS).
+peak (freed heap is not given back to the system, so the peak stays in the RSS). With tensor
+parallelism too, :func:`shard_loaded` shards the loaded tensor-parallel stage instead (FSDP2 over the
+``DTensor`` shards, as torchtitan composes them): the rank reads its whole tensor-parallel slices first.
 
 ``reshard_after_forward=False``: with several microbatches in flight a stage runs the forwards of
 some before the backwards of others (1F1B), so resharding after each forward would all-gather every
@@ -145,7 +147,7 @@ def shard_loaded(stages: list[nn.Module], *, mesh, tied: tuple[tuple[str, ...], 
     mesh); each parameter's local part is cut into its dim-0 chunks. Communicates nothing.
 
     Note: unlike :func:`shard_stages` the rank first holds its whole tensor-parallel slices (read with
-    ``shard_parts``), 1/fsdp of which it keeps: the load's peak is fsdp_size x what it keeps.
+    ``shard_parts``), 1/fsdp of which it keeps, in new storage: the load's peak is the slices plus the shards.
     """
     from torch.distributed.fsdp import fully_shard
 
