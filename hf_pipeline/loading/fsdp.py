@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from ..errors import InputError, InternalError
+from ..planning.mesh_rules import parse_style
 
-__all__ = ["fsdp_parts", "resharded_after", "set_buffers", "shard_loaded", "shard_stages"]
+__all__ = ["fsdp_parts", "refuse_packed", "resharded_after", "set_buffers", "shard_loaded", "shard_stages"]
 
 
 def fsdp_parts(stages: list[nn.Module], rank: int, count: int) -> dict[str, tuple[int, int, int]]:
@@ -139,6 +140,18 @@ def shard_stages(
         _sum_gradients(stage)
         stage.eval()
     return shards
+
+
+def refuse_packed(plan: tuple[tuple[str, str], ...]) -> None:
+    """Refuse FSDP over a packed tensor-parallel projection (GPT-2's fused q, k, v): its bias is a strided
+    shard of dim 0 already, which FSDP's dim-0 chunks would nest in a second strided shard that
+    ``full_tensor`` (hence the saved checkpoint) does not put back in order."""
+    packed = [name for name, style in plan if (parse_style(style) or ("", 1))[1] > 1]
+    if packed:
+        raise InputError(
+            f"fsdp_size with tp_size: the tensor-parallel plan packs {packed} (fused projections sharded block by "
+            "block), which FSDP cannot shard again yet; load this model with tp_size or fsdp_size alone"
+        )
 
 
 def shard_loaded(stages: list[nn.Module], *, mesh, tied: tuple[tuple[str, ...], ...] = ()) -> None:

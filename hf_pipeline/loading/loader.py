@@ -44,7 +44,7 @@ from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
-from .fsdp import fsdp_parts, set_buffers, shard_loaded, shard_stages
+from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_loaded, shard_stages
 from .identity import pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
@@ -187,6 +187,8 @@ def _load_stages(
         ``(stages, report, read_at)``: the loaded stages, what was read (its ``seconds`` so far) and
         when the read ended (the caller times what follows it).
     """
+    if dims.fsdp_size > 1:
+        refuse_packed(options.tp_plan)
     index = CheckpointIndex.from_directory(ckpt)
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)

@@ -24,7 +24,8 @@ The same job then loads tp2 x fsdp2 (the mesh (fsdp=2, pp=1, tp=2): FSDP2 over t
 ``DTensor`` shards, as torchtitan composes them) and runs the same sequence with the same checks but the
 memory ones: a rank keeps about a quarter of the tensor-parallel layers, and the total norm sums the
 (fsdp, tp) shards over both groups and the fsdp-only ones (norms, embeddings) over fsdp alone (a sum over
-one group only was 1.22 instead of 1.39 in the first step).
+one group only was 1.22 instead of 1.39 in the first step). A packed projection (GPT-2's fused
+``c_attn``) is refused there, on every rank, naming it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import pytest
 import tiny
 import torch
 from harness import run_distributed
+from test_tensor_parallel import _bad
 from tp_helpers import EPS, LR, compare, gathered
 
 pytestmark = pytest.mark.dist
@@ -89,12 +91,13 @@ def _case(path, save_dir, kwargs):
     return res
 
 
-def _job(path, save_dir, base, tp_dir):
+def _job(path, save_dir, base, tp_dir, gpt2):
     res = _case(path, save_dir, HSDP)
     torch.manual_seed(SEED)
     headless = _load(base)
     res["initialized"], res["lm_head"] = headless.load_report.initialized, gathered(headless)["lm_head.weight"]
     res["tp"] = _case(path, tp_dir, TP_FSDP)
+    res["packed"] = _bad(gpt2, TP_FSDP)  # GPT-2's fused c_attn: refused under tp x fsdp, on every rank
     return res
 
 
@@ -139,7 +142,8 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
     save_dir = tmp_path / "checkpoint-2"
     base = str(tiny.make_checkpoint(tmp_path / "base", "llama", auto="AutoModel"))
     tp_dir = tmp_path / "tp-checkpoint-2"
-    per_rank = run_distributed(_job, 4, path, str(save_dir), base, str(tp_dir), timeout=600)
+    gpt2 = str(tiny.make_checkpoint(tmp_path / "gpt2", "gpt2"))
+    per_rank = run_distributed(_job, 4, path, str(save_dir), base, str(tp_dir), gpt2, timeout=600)
     ref = _reference(path)
     torch.manual_seed(SEED)
     head = tiny.reference(base, "AutoModelForCausalLM").lm_head.weight.detach()
@@ -157,6 +161,7 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
         assert tp["dims"] == (2, 1, 2, 1, rank // 2) and "fsdp=2 x pp=1 x tp=2" in tp["plan"], (tp["dims"], tp["plan"])
         assert tp["kept"] < 0.4 * whole, f"rank {rank} tp2 x fsdp2: keeps {tp['kept']} of {whole}"
         _check_case(f"rank {rank} tp2 x fsdp2", tp, ref)
+        assert res["packed"] is not None and "InputError" in res["packed"] and "c_attn" in res["packed"], res["packed"]
     for where, params in ((save_dir, per_rank[0]["params"]), (tp_dir, per_rank[0]["tp"]["params"])):
         saved = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
         for key, want in params.items():
