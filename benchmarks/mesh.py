@@ -74,13 +74,13 @@ def mesh_rank(task: dict, out: dict) -> None:
     dims = model.dims
     out.update(peak_rss=meter.peak, resettable=meter.resettable, kept_params=params, kept_bytes=kept,
                bytes_read=model.load_report.bytes_read,
-               place=[dims.dp_rank, getattr(dims, "fsdp_rank", 0), dims.pp_rank, dims.tp_rank])
+               place=[dims.dp_rank // dims.fsdp_size, dims.fsdp_rank, dims.pp_rank, dims.tp_rank])  # mesh coordinates
     del model
     gc.collect()
     sync()
 
     model = AutoModelForCausalLM.from_pretrained(task["train_path"], pipeline=True, device="cpu", progress=False,
-                                                 n_microbatches=task["sizes"]["n_microbatches"], **kwargs)
+                                                 **{"n_microbatches": task["sizes"]["n_microbatches"], **kwargs})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = batch(task["sizes"])

@@ -10,6 +10,13 @@ everything that splits a batch over ``dp_size`` splits it over them. The fsdp di
 it talks least often (one all-gather and one reduce-scatter per stage per step), the pipeline's
 point-to-point traffic runs every microbatch, and tensor parallelism on every matmul.
 
+Replicas of fsdp-sharded pipelines (HSDP: ``dp_size = replicas x fsdp_size``) make the mesh
+``(dp, fsdp, pp, tp)``: the replica dim outermost (it talks least: one gradient all-reduce of 1/fsdp
+of each tensor per step), global rank ``((r * fsdp_size + f) * pp_size + p) * tp_size + t``. That is
+the formula above with data-parallel rank ``d = r * fsdp_size + f``, so the batch is split over all
+``dp_size`` ranks as before; FSDP2 gets the 2-D ``(dp, fsdp)`` sub-mesh, shards over fsdp and
+all-reduces the reduce-scattered gradient chunks over dp.
+
 Example (``torchrun --nproc-per-node 4 script.py``, two-stage pipelines):
     >>> dims = ParallelDims.build(init_distributed(), pp_size=2)
     >>> dims.dp_size, dims.pp_rank, dims.dp_rank     # (2, 1, 1) on global rank 3
@@ -30,6 +37,25 @@ from .context import RankContext
 __all__ = ["ParallelDims"]
 
 
+def _data_rank(mesh, names: tuple[str, ...], fsdp_size: int) -> int:
+    """This rank's data-parallel index: its place on the mesh's first dim, or replica x fsdp + fsdp rank."""
+    if len(names) == 3:
+        return mesh.get_local_rank(names[0])
+    return mesh.get_local_rank("dp") * fsdp_size + mesh.get_local_rank("fsdp")
+
+
+def _data_group(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int) -> dist.ProcessGroup:
+    """This rank's group over every data-parallel rank of its pipeline slot (all replicas' fsdp ranks): the
+    group the batch is split over. Collective over the job: every rank makes every slot's group, in order."""
+    mine = None
+    block = pp_size * tp_size
+    for slot in range(block):
+        group = dist.new_group([d * block + slot for d in range(dp_size)])
+        if ctx.rank % block == slot:
+            mine = group
+    return mine
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline, each
@@ -45,12 +71,14 @@ class ParallelDims:
         pp_size, dp_size, tp_size: ranks per pipeline, data-parallel ranks (pipeline replicas, or FSDP
             ranks), tensor-parallel ranks per stage.
         fsdp_size: of the ``dp_size`` data-parallel ranks, how many shard each stage's parameters (1: none;
-            else ``dp_size``: one replica of FSDP-sharded pipelines).
+            ``dp_size``: one replica of FSDP-sharded pipelines; a divisor of it: ``dp_size / fsdp_size`` replicas).
         pp_rank, dp_rank, tp_rank: this rank's place in its pipeline, its replica, its place in its stage.
         pp_group, dp_group, tp_group: this rank's pipeline group (``ctx.group`` when it spans the job,
-            None for one process), data-parallel group and tensor-parallel group (None when not needed).
+            None for one process), data-parallel group (every replica's and fsdp rank: the batch's
+            split) and tensor-parallel group (None when not needed).
+        fsdp_group: the ranks sharing this rank's stage parameters' shards (None without FSDP).
         mesh: the (dp, pp, tp) device mesh with several replicas or tensor-parallel ranks ((fsdp, pp, tp)
-            with FSDP), else None.
+            with FSDP, (dp, fsdp, pp, tp) with replicas of FSDP pipelines), else None.
     """
 
     pp_size: int
@@ -63,6 +91,7 @@ class ParallelDims:
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
+    fsdp_group: dist.ProcessGroup | None = None
     mesh: Any = None
 
     @classmethod
@@ -76,10 +105,10 @@ class ParallelDims:
                 "change num_stages / tp_size"
             )
         dp_size = ctx.world_size // (pp_size * tp_size)
-        if fsdp_size > 1 and dp_size != fsdp_size:
+        if fsdp_size > 1 and dp_size % fsdp_size:
             raise InputError(
-                f"fsdp_size={fsdp_size} must equal world size {ctx.world_size} / (pp_size {pp_size} x tp_size "
-                f"{tp_size}) = {dp_size}: replicas of FSDP-sharded pipelines (HSDP) are not supported; launch "
+                f"fsdp_size={fsdp_size} does not divide the {dp_size} data-parallel ranks (world size "
+                f"{ctx.world_size} / (pp_size {pp_size} x tp_size {tp_size})); launch a multiple of "
                 f"{pp_size * tp_size * fsdp_size} processes or change fsdp_size"
             )
         if not ctx.is_distributed:
@@ -88,34 +117,49 @@ class ParallelDims:
             return cls(pp_size=pp_size, pp_rank=ctx.rank, pp_group=ctx.group)
         from torch.distributed.device_mesh import init_device_mesh
 
-        names = ("fsdp" if fsdp_size > 1 else "dp", "pp", "tp")
-        mesh = init_device_mesh(ctx.device.type, (dp_size, pp_size, tp_size), mesh_dim_names=names)
+        replicas = dp_size // fsdp_size
+        names: tuple[str, ...] = ("fsdp" if fsdp_size > 1 else "dp", "pp", "tp")
+        shape: tuple[int, ...] = (dp_size, pp_size, tp_size)
+        if fsdp_size > 1 and replicas > 1:  # HSDP: replicas of fsdp-sharded pipelines
+            names, shape = ("dp", *names), (replicas, fsdp_size, pp_size, tp_size)
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
         groups = {name: mesh.get_group(name) for name in names}
+        if len(names) == 4:  # every data-parallel rank of this pipeline slot: replicas x fsdp ranks
+            groups["data"] = _data_group(ctx, dp_size, pp_size, tp_size)
         # Sub-groups get torch's 30-minute default, not the job's timeout: a dead peer must not hang them.
         groups = {name: ctx.group if g is dist.group.WORLD else g for name, g in groups.items()}
         ctx.apply_timeout(*groups.values())
+        data = groups.get("data", groups[names[0]])
         return cls(
             pp_size=pp_size, dp_size=dp_size, tp_size=tp_size, fsdp_size=fsdp_size, pp_rank=mesh.get_local_rank("pp"),
-            dp_rank=mesh.get_local_rank(names[0]), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],
-            dp_group=groups[names[0]] if dp_size > 1 else None, tp_group=groups["tp"] if tp_size > 1 else None,
-            mesh=mesh,
+            dp_rank=_data_rank(mesh, names, fsdp_size), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],
+            dp_group=data if dp_size > 1 else None, tp_group=groups["tp"] if tp_size > 1 else None,
+            fsdp_group=groups["fsdp"] if fsdp_size > 1 else None, mesh=mesh,
         )
 
     @property
+    def replicas(self) -> int:
+        """Replicas of the fsdp-sharded pipeline (``dp_size / fsdp_size``; > 1 with FSDP: HSDP)."""
+        return self.dp_size // self.fsdp_size
+
+    @property
     def fsdp_mesh(self) -> Any:
-        """The 1-D FSDP sub-mesh of this rank's stage (None without FSDP)."""
-        return self.mesh["fsdp"] if self.fsdp_size > 1 else None
+        """The FSDP sub-mesh of this rank's stage: 1-D ``("fsdp",)``, or 2-D ``("dp", "fsdp")`` with
+        replicas (HSDP: FSDP2 shards over fsdp and replicates over dp); None without FSDP."""
+        if self.fsdp_size == 1:
+            return None
+        return self.mesh["dp", "fsdp"] if self.replicas > 1 else self.mesh["fsdp"]
 
     @property
     def fsdp_rank(self) -> int:
-        """This rank's FSDP shard index (0 without FSDP)."""
+        """This rank's FSDP shard index (0 without FSDP); its replica is ``dp_rank // fsdp_size``."""
         return self.dp_rank % self.fsdp_size
 
     @property
     def shard_group(self) -> dist.ProcessGroup | None:
         """The group over which a stage's DTensor shards are split: the tensor-parallel ranks, or the fsdp
         ranks (None when stages hold whole tensors)."""
-        return self.dp_group if self.fsdp_size > 1 else self.tp_group
+        return self.fsdp_group if self.fsdp_size > 1 else self.tp_group
 
     @property
     def sharded(self) -> bool:

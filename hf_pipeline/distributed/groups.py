@@ -85,7 +85,7 @@ def renew_groups(
     fresh = own_group(ctx)
     renewed = ParallelDims.build(fresh, dims.pp_size, dims.tp_size, dims.fsdp_size)
     rebind_meshes(stages, renewed)
-    release_groups(ctx.group, dims.pp_group, dims.dp_group, dims.tp_group, *made)
+    release_groups(ctx.group, dims.pp_group, dims.dp_group, dims.tp_group, dims.fsdp_group, *made)
     return fresh, renewed
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["full_tensor", "is_replicated", "is_sharded", "local_tensor", "norm_power"]
+__all__ = ["full_tensor", "is_replicated", "is_sharded", "local_tensor", "mesh_norm_power", "norm_power"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -56,3 +56,24 @@ def norm_power(
     if tp_group is not None:
         dist.all_reduce(sharded, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=tp_group)
     return torch.maximum(plain, sharded) if inf else plain + sharded
+
+
+def mesh_norm_power(grads: list[torch.Tensor], norm_type: float, *, device: torch.device) -> torch.Tensor:
+    """:func:`norm_power` for shards of several meshes at once (FSDP over tensor-parallel shards: a
+    parameter sharded on (fsdp, tp), another on fsdp alone): each shard's part is summed (max) over
+    the groups of exactly the mesh dims it is split on (collective over them, in a fixed order)."""
+    inf = norm_type == float("inf")
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    by_dims: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if is_sharded(g) and not is_replicated(g):
+            split = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+            by_dims.setdefault((g.device_mesh.mesh_dim_names, split), []).append(g)
+    total = norm_power([g for g in grads if not is_sharded(g) or is_replicated(g)], norm_type, device=device,
+                       tp_group=None)
+    for (_, split), group in sorted(by_dims.items(), key=lambda kv: str(kv[0])):
+        power = norm_power([g.to_local() for g in group], norm_type, device=device, tp_group=None)
+        for dim in split:
+            dist.all_reduce(power, op=op, group=group[0].device_mesh.get_group(dim))
+        total = torch.maximum(total, power) if inf else total + power
+    return total

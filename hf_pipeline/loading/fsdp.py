@@ -5,8 +5,12 @@ The fsdp ranks of a stage are data-parallel ranks (each runs its own rows of the
 (``ceil(rows / fsdp)`` rows each, the last ranks fewer or none). Loading stays per rank and no rank
 ever holds a whole tensor: :func:`fsdp_parts` names the chunk of each parameter the reader reads (a
 contiguous byte range of the shard file), :func:`shard_stages` applies ``fully_shard`` to the stage
-while it is still on the meta device, allocates only the local shards (``to_empty``) and copies the
-chunks in.
+while it is still on the meta device and allocates only the local shards (``to_empty``), and the
+reader reads each chunk straight into its shard (``load_tensors(into=...)``). A rank so holds each
+byte once: reading chunks first and copying them into shards allocated afterwards held both at the
+peak (freed heap is not given back to the system, so the peak stays in the RSS). With tensor
+parallelism too, :func:`shard_loaded` shards the loaded tensor-parallel stage instead (FSDP2 over the
+``DTensor`` shards, as torchtitan composes them): the rank reads its whole tensor-parallel slices first.
 
 ``reshard_after_forward=False``: with several microbatches in flight a stage runs the forwards of
 some before the backwards of others (1F1B), so resharding after each forward would all-gather every
@@ -17,8 +21,10 @@ averaging: every microbatch loss is already divided by the global batch's item c
 so the sum over data-parallel ranks is the gradient of the whole batch, as ``flat_reduce`` sums replicas.
 
 Example:
-    >>> parts = fsdp_parts(stages, dims.fsdp_mesh)          # name -> (0, fsdp rank, fsdp size)
-    >>> shard_stages(stages, tensors, mesh=dims.fsdp_mesh, device=device, tied=resolved.tied)
+    >>> parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)          # name -> (0, fsdp rank, fsdp size)
+    >>> shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=resolved.tied)
+    >>> tensors, report = load_tensors(index, wanted, parts=parts, into=shards, ...)
+    >>> set_buffers(stages, tensors, device)
     >>> stage.get_submodule("model.layers.0.mlp.up_proj").weight.to_local().shape   # (ceil(inter / fsdp), hidden)
 """
 
@@ -31,13 +37,14 @@ import torch
 from torch import nn
 
 from ..errors import InputError, InternalError
+from ..planning.mesh_rules import parse_style
 
-__all__ = ["fsdp_parts", "resharded_after", "shard_stages"]
+__all__ = ["fsdp_parts", "refuse_packed", "resharded_after", "set_buffers", "shard_loaded", "shard_stages"]
 
 
-def fsdp_parts(stages: list[nn.Module], mesh) -> dict[str, tuple[int, int, int]]:
-    """Stage parameter name -> ``(0, index, count)``: the dim-0 chunk this fsdp rank reads of it."""
-    rank, count = mesh.get_local_rank(), mesh.size()
+def fsdp_parts(stages: list[nn.Module], rank: int, count: int) -> dict[str, tuple[int, int, int]]:
+    """Stage parameter name -> ``(0, rank, count)``: the dim-0 chunk fsdp rank ``rank`` of ``count`` reads
+    of it (every replica's fsdp rank ``rank`` alike, under HSDP)."""
     return {name: (0, rank, count) for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)}
 
 
@@ -65,70 +72,124 @@ def _check_no_shared(stages: list[nn.Module], tied: tuple[tuple[str, ...], ...])
                 )
 
 
-def _meta_parameters(stage: nn.Module, chunks: Mapping[str, torch.Tensor], tied: tuple[tuple[str, ...], ...]) -> None:
+def _meta_parameters(stage: nn.Module, dtypes: Mapping[str, torch.dtype], tied: tuple[tuple[str, ...], ...]) -> None:
     """One meta Parameter of the whole shape per tensor (tied names within the stage share one), in the
-    dtype read, so FSDP shards each tensor once and the optimizer steps it once."""
+    dtype it is read or initialised in, so FSDP shards each tensor once and the optimizer steps it once."""
     groups = {name: g for g in tied for name in g}
     made: dict[str, nn.Parameter] = {}
     for name, p in list(stage.named_parameters(remove_duplicate=False)):
         twin = next((made[n] for n in (name, *groups.get(name, ())) if n in made), None)
         if twin is None:
-            if name not in chunks:
-                raise InternalError(f"no tensor loaded for stage parameter {name!r}")
-            twin = nn.Parameter(torch.empty(p.shape, dtype=chunks[name].dtype, device="meta"), p.requires_grad)
+            if name not in dtypes:
+                raise InternalError(f"no tensor read or initialised for stage parameter {name!r}")
+            twin = nn.Parameter(torch.empty(p.shape, dtype=dtypes[name], device="meta"), p.requires_grad)
         owner_name, _, attr = name.rpartition(".")
         setattr(stage.get_submodule(owner_name), attr, twin)
         made[name] = twin
 
 
-def _fill(stage: nn.Module, chunks: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Allocate the local shards module by module (``to_empty``), copy each chunk in and drop it from
-    ``chunks``: a rank never holds much more than what it keeps (all chunks plus all shards would be 2x)."""
-    filled: set[int] = set()
+def _allocate(stage: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Allocate the local shards module by module (``to_empty``: FSDP's sharded parameters, once per
+    tied Parameter). Returns stage name -> its local shard (detached, one tensor per Parameter), the
+    memory the reader reads into."""
+    local: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for module_name, module in stage.named_modules():
         direct = list(module.named_parameters(recurse=False))
-        if not direct or all(id(p) in filled for _, p in direct):
-            continue  # a module sharing another's (tied) parameter: allocated and filled there
-        if any(id(p) in filled for _, p in direct):
-            raise InternalError(f"{module_name}: some of its parameters are tied to another module's and some not")
-        module.to_empty(device=device, recurse=False)  # this module's shards only (FSDP's sharded parameters)
-        with torch.no_grad():
-            for attr, p in module.named_parameters(recurse=False):
-                name = f"{module_name}.{attr}" if module_name else attr
-                chunk, local = chunks.pop(name), p.to_local()
-                if local.shape != chunk.shape:
-                    raise InternalError(f"{name}: shard {tuple(local.shape)}, read {tuple(chunk.shape)}")
-                local.copy_(chunk)
-                filled.add(id(p))
+        if direct and not all(id(p) in local for _, p in direct):
+            if any(id(p) in local for _, p in direct):
+                raise InternalError(f"{module_name}: some of its parameters are tied to another module's and some not")
+            module.to_empty(device=device, recurse=False)  # this module's shards only
+        for attr, p in module.named_parameters(recurse=False):
+            shard = local.setdefault(id(p), p.to_local().detach())
+            out[f"{module_name}.{attr}" if module_name else attr] = shard
+    return out
 
 
 def shard_stages(
-    stages: list[nn.Module], chunks: dict[str, torch.Tensor], *, mesh, device: torch.device,
+    stages: list[nn.Module], dtypes: Mapping[str, torch.dtype], *, mesh, device: torch.device,
     tied: tuple[tuple[str, ...], ...] = (),
-) -> None:
-    """Shard this rank's meta ``stages`` over ``mesh`` (FSDP2) and fill the local shards with ``chunks``
-    (stage name -> this rank's dim-0 chunk, read with :func:`fsdp_parts`; each is dropped from it once
-    copied). Communicates nothing: ``fully_shard`` and the copies are local; the first forward all-gathers."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+) -> dict[str, torch.Tensor]:
+    """Shard this rank's meta ``stages`` over ``mesh`` (FSDP2) and allocate only the local shards.
+
+    Args:
+        stages: this rank's stages, on the meta device (their buffers real, as built).
+        dtypes: stage parameter name -> the dtype it is read (or initialised) in.
+        mesh: the fsdp mesh (1-D: FSDP; 2-D (replicate, shard): HSDP).
+        device: where the shards go.
+        tied: the tied name groups (one Parameter per group within a stage).
+
+    Returns:
+        stage parameter name -> its local shard, uninitialised: the dim-0 chunk of :func:`fsdp_parts`,
+        for :func:`~hf_pipeline.loading.weights.load_tensors` (``into``) to read into in place. Buffers
+        keep their built values; :func:`set_buffers` puts in those read. Communicates nothing.
+    """
+    from torch.distributed.fsdp import fully_shard
 
     _check_no_shared(stages, tied)
+    shards: dict[str, torch.Tensor] = {}
     for stage in stages:
-        # Buffers (rotary frequencies, position ids) are real already or read; to_empty would drop them.
-        buffers = {name: chunks.get(name, b) for name, b in stage.named_buffers()}
-        _meta_parameters(stage, chunks, tied)
+        # Buffers (rotary frequencies, position ids) are real already; to_empty would drop them.
+        buffers = dict(stage.named_buffers())
+        _meta_parameters(stage, dtypes, tied)
         for unit in _units(stage):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-        _fill(stage, chunks, device)
-        for name, buf in buffers.items():
-            owner_name, _, attr = name.rpartition(".")
-            setattr(stage.get_submodule(owner_name), attr, buf.to(device))
-        for module in stage.modules():
-            if isinstance(module, FSDPModule):
-                # Sum, not mean (see the module docstring); forced as a plain SUM, which gloo also runs.
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        shards.update(_allocate(stage, device))
+        set_buffers([stage], buffers, device)
+        _sum_gradients(stage)
         stage.eval()
+    return shards
+
+
+def refuse_packed(plan: tuple[tuple[str, str], ...]) -> None:
+    """Refuse FSDP over a packed tensor-parallel projection (GPT-2's fused q, k, v): its bias is a strided
+    shard of dim 0 already, which FSDP's dim-0 chunks would nest in a second strided shard that
+    ``full_tensor`` (hence the saved checkpoint) does not put back in order."""
+    packed = [name for name, style in plan if (parse_style(style) or ("", 1))[1] > 1]
+    if packed:
+        raise InputError(
+            f"fsdp_size with tp_size: the tensor-parallel plan packs {packed} (fused projections sharded block by "
+            "block), which FSDP cannot shard again yet; load this model with tp_size or fsdp_size alone"
+        )
+
+
+def shard_loaded(stages: list[nn.Module], *, mesh, tied: tuple[tuple[str, ...], ...] = ()) -> None:
+    """FSDP2 over stages loaded whole or tensor-parallel (their parameters real, tp's ``DTensor`` shards):
+    ``fully_shard`` over ``mesh``, as torchtitan composes them (tp first, then fsdp on the same parent
+    mesh); each parameter's local part is cut into its dim-0 chunks. Communicates nothing.
+
+    Note: unlike :func:`shard_stages` the rank first holds its whole tensor-parallel slices (read with
+    ``shard_parts``), 1/fsdp of which it keeps, in new storage: the load's peak is the slices plus the shards.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    _check_no_shared(stages, tied)
+    for stage in stages:
+        for unit in _units(stage):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+        _sum_gradients(stage)
+        stage.eval()
+
+
+def _sum_gradients(stage: nn.Module) -> None:
+    """Sum, not mean (see the module docstring); forced as a plain SUM, which gloo also runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in stage.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def set_buffers(stages: list[nn.Module], tensors: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """Put ``tensors``' values of the stages' buffers (stage name -> tensor) in, on ``device``."""
+    for stage in stages:
+        for name, _ in list(stage.named_buffers()):
+            if name in tensors:
+                owner_name, _, attr = name.rpartition(".")
+                setattr(stage.get_submodule(owner_name), attr, tensors[name].to(device))
 
 
 @contextlib.contextmanager

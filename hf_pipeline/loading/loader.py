@@ -44,7 +44,7 @@ from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
-from .fsdp import fsdp_parts, shard_stages
+from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_loaded, shard_stages
 from .identity import parallel_arguments, pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
@@ -187,39 +187,51 @@ def _load_stages(
         ``(stages, report, read_at)``: the loaded stages, what was read (its ``seconds`` so far) and
         when the read ended (the caller times what follows it).
     """
+    if dims.fsdp_size > 1:
+        refuse_packed(options.tp_plan)
     index = CheckpointIndex.from_directory(ckpt)
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)
-    # A tensor-parallel or FSDP rank reads only its slices.
+    keys = key_plan(maker.skeleton, maker.resolved, index)
+    local_names = {n for stage in stages for n in stage.state_dict()}
+    fresh = initialize_missing(maker.skeleton, keys.initialized, dtype=options.dtype, rng_state=rng_state)
+    fresh = {n: t for n, t in fresh.items() if n in local_names}  # drawn whole, as transformers draws them
+    # A tensor-parallel or FSDP rank reads only its slices; an FSDP rank reads them into its shards.
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
-    if dims.fsdp_size > 1:
-        parts = fsdp_parts(stages, dims.fsdp_mesh)
+    shards: dict[str, torch.Tensor] = {}
+    on_meta = dims.fsdp_size > 1 and not options.tp_plan  # with tensor parallelism: fsdp once tp is applied, below
+    if on_meta:
+        parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)
+        dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
+        shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied)
+    for n in set(fresh) & set(parts):  # keep the slice
+        fresh[n] = local_slice(fresh[n], parts[n])
     staged_at = time.perf_counter()
     tensors, report = load_tensors(
         index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
         progress=ctx.is_main_process if progress is None else progress,
         floating=[n for n, (_, dt) in wanted.items() if dt.is_floating_point], unexpected_hint=UNEXPECTED_HINT,
-        parts=parts,
+        parts=parts, into=shards,
     )
     read_at = time.perf_counter()
-    keys = key_plan(maker.skeleton, maker.resolved, index)
-    local_names = {n for stage in stages for n in stage.state_dict()}
-    fresh = initialize_missing(maker.skeleton, keys.initialized, dtype=options.dtype, rng_state=rng_state)
-    report.initialized = sorted(n for n in fresh if n in local_names)
-    tensors.update({n: fresh[n] for n in report.initialized})
-    for n in set(report.initialized) & set(parts):  # drawn whole, as transformers draws them: keep the slice
-        tensors[n] = local_slice(tensors[n], parts[n])
-    del fresh
+    report.initialized = sorted(fresh)
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)
-    if dims.fsdp_size > 1:
-        shard_stages(stages, tensors, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied)
+    if on_meta:
+        with torch.no_grad():
+            for n, t in fresh.items():
+                shards[n].copy_(t)
+        set_buffers(stages, tensors, ctx.device)
+    tensors.update(fresh)
+    del fresh
     made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
-    for stage in stages if dims.fsdp_size == 1 else ():
+    for stage in stages if not on_meta else ():
         materialize(stage, tensors, device=ctx.device, tied=maker.resolved.tied, made=made)
         stage.eval()
         if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
             apply_tensor_parallel(stage, options.tp_plan, dims.tp_mesh)
+    if dims.fsdp_size > 1 and not on_meta:  # fsdp over tensor-parallel shards
+        shard_loaded(stages, mesh=dims.fsdp_mesh, tied=maker.resolved.tied)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}

@@ -27,7 +27,7 @@ from typing import Collection, Mapping, Sequence
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, InternalError
 from ..log import progress_bar
 
 # Re-exported: hf_pipeline.loading.weights.resolve_checkpoint (README) and the index names stay importable here.
@@ -136,6 +136,7 @@ def load_tensors(
     floating: Collection[str] = (),
     unexpected_hint: str = _IGNORE_HINT,
     parts: Mapping[str, tuple[int, ...]] | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Read one stage's tensors, opening only the shards that hold them.
 
@@ -143,23 +144,22 @@ def load_tensors(
         index: the checkpoint's :class:`CheckpointIndex`.
         wanted: stage name -> (expected shape, target dtype). Floating tensors are cast to a floating
             target; integer/bool tensors keep their stored dtype unless the target is also non-floating.
-        aliases: stage name -> checkpoint keys tried in order when the name itself is not stored
-            (tied weights: ``lm_head.weight`` -> ``transformer.wte.weight``; base-model prefixes;
-            legacy names such as ``LayerNorm.gamma``).
-        device: where the tensors go. Each tensor's bytes are read from the file into its final
-            buffer (through a small bounce buffer when it is cast or goes to an accelerator).
+        aliases: stage name -> checkpoint keys tried in order when the name itself is not stored (tied
+            weights: ``lm_head.weight`` -> ``transformer.wte.weight``; base-model prefixes; ``LayerNorm.gamma``).
+        device: where the tensors go. Each tensor's bytes are read into its final buffer (through a
+            small bounce buffer when it is cast or goes to an accelerator).
         expected_keys: every key the whole model may hold (all stages and aliases). Checkpoint keys
             outside it raise, checked from the index alone. None skips the check.
         ignore_unexpected: regex patterns (``re.search``) of checkpoint keys never reported as unexpected.
         progress: show a tqdm bar over bytes (set it on one rank only); ``transformers.logging.disable_progress_bar()``
             and ``HF_HUB_DISABLE_PROGRESS_BARS`` hide it too.
-        floating: names that must be stored as floating point (the model's float parameters): an
-            integer or bool tensor for one of them raises, naming the key and the shard, instead of
-            being kept in its stored dtype.
+        floating: names that must be stored as floating point (the model's float parameters): an integer
+            or bool tensor for one of them raises, naming the key and the shard, instead of being kept as is.
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
         parts: stage name -> ``(dim, index, count)``: only part ``index`` of ``count`` along ``dim`` as torch.chunk
             cuts (a tp / fsdp rank's slice); ``(dim, index, count, packs)``: that part of each of ``packs`` equal
             blocks side by side (a packed tensor); the header is checked against the whole shape.
+        into: stage name -> a tensor of the shape and dtype read, filled in place (FSDP's local shards).
 
     Returns:
         (stage name -> tensor, :class:`LoadReport`). Names served by one checkpoint key share one tensor.
@@ -176,7 +176,6 @@ def load_tensors(
     by_key: dict[str, list[str]] = {}
     for name, key in source.items():
         by_key.setdefault(key, []).append(name)
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -193,7 +192,7 @@ def load_tensors(
             for s, keys in groups.items()
         }
         headers_done = time.perf_counter()
-        out, report = _read_shards(index, plans, by_key, device=device, progress=progress)
+        out, report = _read_shards(index, plans, by_key, device=device, progress=progress, into=into or {})
     except CheckpointError as e:
         changed = changed_while_read(index.directory, seen)
         if changed is not None:
@@ -208,9 +207,10 @@ def load_tensors(
 
 def _read_shards(
     index: CheckpointIndex, plans: Mapping[str, list[_TensorPlan]], by_key: Mapping[str, list[str]], *,
-    device: torch.device, progress: bool,
+    device: torch.device, progress: bool, into: Mapping[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], LoadReport]:
-    """Pass 2: open each planned shard once and read its tensors in file order (stage name -> tensor)."""
+    """Pass 2: open each planned shard once and read its tensors in file order (stage name -> tensor),
+    into the ``into`` tensor of one of a key's names where there is one."""
     report = LoadReport()
     out: dict[str, torch.Tensor] = {}
     reader = _TensorReader(device)
@@ -226,9 +226,13 @@ def _read_shards(
                 with _open_shard(path) as f:
                     for t in plan:
                         key = t.key
-                        tensor = reader.read(f, t)
+                        dests = [into[n] for n in by_key[key] if n in into]
+                        tensor = reader.read(f, t, into=dests[0] if dests else None)
+                        for dest in dests[1:]:
+                            if dest is not tensor:
+                                dest.copy_(tensor)  # names of one key with destinations of their own
                         for name in by_key[key]:
-                            out[name] = tensor
+                            out[name] = into.get(name, tensor)
                         report.keys_read.append(key)
                         report.bytes_read += t.nbytes
                         bar.update(t.nbytes)
@@ -398,15 +402,27 @@ class _TensorReader:
             self._bounce = torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=pin)
         return self._bounce
 
-    def read(self, f, t: _TensorPlan) -> torch.Tensor:
+    def read(self, f, t: _TensorPlan, *, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``t`` from the open shard ``f``: a new tensor, or ``into`` filled in place (its shape and
+        dtype those read, on this reader's device)."""
+        if into is not None:
+            wrong = (tuple(into.shape), into.dtype, into.device) != (t.shape, t.target, self.device)
+            if wrong or into.requires_grad or not into.is_contiguous():
+                raise InternalError(
+                    f"{t.key!r}: destination {tuple(into.shape)} {into.dtype} on {into.device} (contiguous "
+                    f"{into.is_contiguous()}, requires_grad {into.requires_grad}), read {tuple(t.shape)} {t.target} "
+                    f"on {self.device}: pass a detached contiguous tensor"
+                )
+            if t.part is not None:  # a slice along a dim > 0 (tensor parallelism): streamed, then copied in
+                return into.copy_(self._read_part(f, t))
         if t.part is not None:
             return self._read_part(f, t)
         if self.device.type == "cpu" and t.target == t.stored:
-            out = torch.empty(t.shape, dtype=t.stored)
+            out = torch.empty(t.shape, dtype=t.stored) if into is None else into
             if t.nbytes:
                 _readinto(f, t.offset, _as_bytes(out))
             return _from_little_endian(out)
-        out = torch.empty(t.shape, dtype=t.target, device=self.device)
+        out = torch.empty(t.shape, dtype=t.target, device=self.device) if into is None else into
         flat = out.view(-1)
         size = t.stored.itemsize
         bounce = self._bounce_buffer()
@@ -417,7 +433,6 @@ class _TensorReader:
             _readinto(f, t.offset + first * size, _as_bytes(chunk))
             flat[first : first + n].copy_(_from_little_endian(chunk.view(t.stored)))
         return out
-
 
     def _read_part(self, f, t: _TensorPlan) -> torch.Tensor:
         """The slice ``t.part`` of a tensor along a dim > 0 (or of a packed tensor's blocks): only its byte

@@ -252,17 +252,19 @@ def _stage_counts(
             f"{pp_size * tp} processes, but the world size is {world_size}; launch {pp_size * tp} (or k x "
             f"{pp_size * tp}) processes or change num_stages{' / tp_size' if tp > 1 else ''}"
         )
-    replicas = (world_size or pp_size * tp * fsdp) // (pp_size * tp)
-    if fsdp > 1 and replicas != fsdp:
+    data = (world_size or pp_size * tp * fsdp) // (pp_size * tp)  # data-parallel ranks: replicas x fsdp
+    if data % fsdp:
         raise InputError(
-            f"fsdp_size={fsdp} must equal world size {world_size} / (pp_size {pp_size} x tp_size {tp}) = {replicas}: "
-            "replicas of FSDP-sharded pipelines (HSDP) are not supported; change num_stages or fsdp_size"
+            f"fsdp_size={fsdp} does not divide world size {world_size} / (pp_size {pp_size} x tp_size {tp}) = {data} "
+            "data-parallel ranks (replicas of FSDP-sharded pipelines x fsdp_size); change num_stages or fsdp_size"
         )
     _refuse_with_fsdp(spec, fsdp, traced)
+    replicas = data // fsdp
     if parallel.dp_size is not None and parallel.dp_size != replicas:
+        with_fsdp = f" x fsdp_size {fsdp}" if fsdp > 1 else ""
         raise InputError(
             f"dp size {parallel.dp_size} (dp_replicate_size / the mesh's 'dp' dim) conflicts with world size "
-            f"{world_size} / (pp_size {pp_size} x tp_size {tp}) = {replicas} pipeline replicas"
+            f"{world_size} / (pp_size {pp_size} x tp_size {tp}{with_fsdp}) = {replicas} pipeline replicas"
         )
     return virtual_stages, num_stages, pp_size
 

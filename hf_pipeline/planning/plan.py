@@ -162,21 +162,15 @@ class StagePlan:
                     + ")"
                 )
             others = [m for m in s.modules if m not in s.blocks and not any(m.startswith(b + ".") for b in s.blocks)]
-            rows.append(
-                (
-                    str(s.index),
-                    str(s.rank),
-                    blocks,
-                    human(s.params),
-                    human(s.nbytes) + "B",
-                    f"{s.flops_per_token / 1e9:.3f}",
-                    ", ".join(others) or "-",
-                )
-            )
+            rows.append((str(s.index), str(s.rank), blocks, human(s.params), human(s.nbytes) + "B",
+                         f"{s.flops_per_token / 1e9:.3f}", ", ".join(others) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = [head]
-        if self.fsdp_size > 1:  # global rank = fsdp rank x pp + pp rank; each runs its own rows
-            lines.append(f"mesh: fsdp={self.fsdp_size} x pp={self.pp_size}; each keeps 1/{self.fsdp_size} of a tensor")
+        if self.fsdp_size > 1:  # global rank = (replica x fsdp + fsdp rank) x pp + pp rank; each runs its own rows
+            dp = f"dp={self.dp_size // self.fsdp_size} x " if self.dp_size > self.fsdp_size else ""  # HSDP replicas
+            tp = f" x tp={self.tp_size}, fsdp over tp's slices" if self.tp_size > 1 else ""
+            lines.append(f"mesh: {dp}fsdp={self.fsdp_size} x pp={self.pp_size}{tp}; each keeps 1/{self.fsdp_size} "
+                         "of a tensor")
         elif self.dp_size > 1 or self.tp_size > 1:  # global rank = (dp x pp + pp rank) x tp + tp rank
             lines.append(f"mesh: dp={self.dp_size} x pp={self.pp_size} x tp={self.tp_size}, tp innermost; "
                          + (f"each stage rank holds 1/{self.tp_size} of " + ", ".join(

@@ -65,16 +65,6 @@ class ParallelRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if self.fsdp_size > 1 and self.tp_size > 1:
-            raise InputError(
-                f"fsdp_size={self.fsdp_size} with tp_size={self.tp_size}: FSDP and tensor parallelism inside the "
-                "same stages are not supported together yet; pass one of them"
-            )
-        if self.fsdp_size > 1 and (self.dp_size or 1) > 1:
-            raise InputError(
-                f"fsdp_size={self.fsdp_size} with {self.dp_size} pipeline replicas (dp_replicate_size / the mesh's "
-                "'dp' dim): replicas of FSDP-sharded pipelines (HSDP) are not supported yet; leave the replicas unset"
-            )
 
 
 def _from_distributed_config(dc: Any) -> ParallelRequest:

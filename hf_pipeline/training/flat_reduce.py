@@ -44,19 +44,21 @@ def fsdp_sync_group(
     nothing to sum). Each stage's reduce-scatter has already summed its fsdp ranks' gradients into
     their chunks, so summing them again here would count them twice; only a key held on several
     pipeline ranks (a tied embedding and LM head) is summed, between the ranks at the same fsdp rank,
-    which hold the same chunk of it. Collective over the world the first time (every rank makes every
+    which hold the same chunk of it (under HSDP: of the same replica; FSDP2 has summed the replicas).
+    Collective over the world the first time (every rank makes every
     fsdp rank's group, in order); ``made`` keeps the groups made."""
     if len(pp_ranks) == 1:
         return None
     if len(pp_ranks) == dims.pp_size:
         return dims.pp_group
     for d in range(dims.dp_size):
-        key = dims.ranks(pp_ranks, 0, (d,))
-        if key not in made:
-            made[key] = dist.new_group(list(key))
-            if isinstance(made[key], dist.ProcessGroup):  # non-members get a placeholder
-                ctx.apply_timeout(made[key])
-    return made[dims.ranks(pp_ranks, 0, (dims.dp_rank,))]
+        for t in range(dims.tp_size):  # with tensor parallelism: between the ranks of the same tp slot too
+            key = dims.ranks(pp_ranks, t, (d,))
+            if key not in made:
+                made[key] = dist.new_group(list(key))
+                if isinstance(made[key], dist.ProcessGroup):  # non-members get a placeholder
+                    ctx.apply_timeout(made[key])
+    return made[dims.ranks(pp_ranks, dims.tp_rank, (dims.dp_rank,))]
 
 
 def refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:

@@ -19,7 +19,8 @@ the same batch. What it adds around the schedule:
   divided by the global item count, gradients are *summed* over replicas, which is the
   token-weighted average — the gradient of the full batch on one pipeline. FSDP ranks are data-parallel
   ranks too, but each stage's reduce-scatter sums their gradients (torch's ``PipelineStage`` runs it once,
-  after the last backward) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
+  after the last backward; with replicas of fsdp pipelines, HSDP, FSDP2 also all-reduces the chunks over
+  them) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
 * **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added
   back after the sync, so the sync never counts them twice; ``loss_scale=1/k`` scales a step's
   gradients as ``(loss / k).backward()`` would.
@@ -49,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.agreement import fingerprint, raise_on_any_rank
-from ..distributed.shards import is_sharded, local_tensor, norm_power
+from ..distributed.shards import is_sharded, local_tensor, mesh_norm_power, norm_power
 from ..errors import InputError, InputTypeError, TrainingError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..planning.schedules import check_training
@@ -471,7 +472,10 @@ def clip_grad_norm_(
     state = _train_state(model)
     norm_type = float(norm_type)
     grads = [p.grad for p in state.norm_params if p.grad is not None]
-    local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)
+    if model.dims.fsdp_size > 1 and model.dims.tp_size > 1:  # shards of two meshes: (fsdp, tp) and fsdp alone
+        local = mesh_norm_power(grads, norm_type, device=model.device)
+    else:
+        local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)
     group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
     inf = norm_type == float("inf")
     if group is not None and dist.get_world_size(group) > 1:

@@ -39,10 +39,14 @@ def test_fsdp_is_asked_for_by_keyword_config_or_mesh():
     assert _req(distributed_config=DistributedConfig(fsdp_size=2)) == ParallelRequest(fsdp_size=2)
     assert _req(device_mesh=_Mesh((2, 2), ("fsdp", "pp"))) == ParallelRequest(fsdp_size=2, pp_size=2)
     assert _req(tp_size=1, fsdp_size=2) == ParallelRequest(fsdp_size=2)  # accepted together
+    assert _req(tp_size=2, fsdp_size=2) == ParallelRequest(tp_size=2, fsdp_size=2)  # FSDP over tp's shards
+    # Replicas of fsdp-sharded pipelines (HSDP): the mesh's dp dim.
+    hsdp = ParallelRequest(fsdp_size=2, pp_size=1, dp_size=2)
+    assert _req(device_mesh=_Mesh((2, 2, 1), ("dp", "fsdp", "pp"))) == hsdp
+    assert _req(distributed_config=DistributedConfig(dp_replicate_size=2, fsdp_size=2)) == ParallelRequest(
+        fsdp_size=2, dp_size=2)
     for kw, needle in [
         ({"fsdp_size": 2, "distributed_config": DistributedConfig(tp_size=2)}, "not fsdp_size and distributed_config"),
-        ({"tp_size": 2, "fsdp_size": 2}, "fsdp_size=2 with tp_size=2"),
-        ({"device_mesh": _Mesh((2, 2, 1), ("dp", "fsdp", "pp"))}, "HSDP"),
         ({"fsdp_size": 0}, "fsdp_size must be a positive integer"),
     ]:
         with pytest.raises(InputError) as e:
@@ -54,9 +58,14 @@ def test_options_size_the_pipeline_from_the_world_left_by_fsdp():
     llama = tiny.config_for("llama")
     opts = PipelineOptions.resolve(llama, 4, parallel=ParallelRequest(fsdp_size=2), auto_class="AutoModelForCausalLM")
     assert (opts.pp_size, opts.dp_size, opts.fsdp_size) == (2, 2, 2)
+    # HSDP: 8 ranks of 2-stage pipelines leave 4 data-parallel ranks, 2 replicas of 2 fsdp ranks.
+    hsdp = PipelineOptions.resolve(llama, 8, parallel=ParallelRequest(fsdp_size=2), num_stages=2,
+                                   auto_class="AutoModelForCausalLM")
+    assert (hsdp.pp_size, hsdp.dp_size, hsdp.fsdp_size) == (2, 4, 2)
     for world, kw, needle in [
         (4, {"parallel": ParallelRequest(fsdp_size=3)}, "fsdp_size=3 (x tp_size=1) does not divide the world size 4"),
-        (8, {"parallel": ParallelRequest(fsdp_size=2), "num_stages": 2}, "HSDP"),
+        (8, {"parallel": ParallelRequest(fsdp_size=4), "num_stages": 4}, "fsdp_size=4 does not divide world size 8"),
+        (8, {"parallel": ParallelRequest(fsdp_size=2, dp_size=4), "num_stages": 2}, "= 2 pipeline replicas"),
         (4, {"parallel": ParallelRequest(fsdp_size=2), "split_method": "trace"}, "split by the tracer"),
     ]:
         with pytest.raises(InputError) as e:
@@ -71,11 +80,14 @@ def test_global_rank_places_fsdp_ranks_outermost():
     assert dims.ranks((0, 1), 0) == (0, 1, 2, 3)
     assert dims.ranks((0, 1), 0, (1,)) == (2, 3)  # a tied key's copies at fsdp rank 1
     assert not dataclasses.replace(dims, fsdp_size=1).sharded
-    # 8 ranks of 2-stage pipelines leave 4 data-parallel ranks: 2 fsdp ranks would need 2 replicas.
+    # HSDP: data-parallel rank = replica x fsdp_size + fsdp rank, so the formula is the same.
+    hsdp = ParallelDims(pp_size=2, dp_size=4, fsdp_size=2, dp_rank=3, pp_rank=1)
+    assert (hsdp.replicas, hsdp.fsdp_rank, hsdp.place(7)) == (2, 1, (3, 1, 0))
+    # 8 ranks of 2-stage pipelines leave 4 data-parallel ranks: 3 fsdp ranks do not divide them.
     ctx = RankContext(rank=0, world_size=8, local_rank=0, local_world_size=8, device=torch.device("cpu"),
                       backend="none", group=None)
-    with pytest.raises(InputError, match=r"fsdp_size=2 must equal world size 8 / \(pp_size 2 x tp_size 1\) = 4"):
-        ParallelDims.build(ctx, pp_size=2, fsdp_size=2)
+    with pytest.raises(InputError, match=r"fsdp_size=3 does not divide the 4 data-parallel ranks"):
+        ParallelDims.build(ctx, pp_size=2, fsdp_size=3)
 
 
 @pytest.mark.parametrize("rows,count", [(8, 2), (7, 2), (5, 4), (1, 2), (3, 3)])

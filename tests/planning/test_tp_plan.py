@@ -42,13 +42,14 @@ def test_the_three_ways_to_ask_give_one_request():
     assert _req(distributed_config=DistributedConfig(tp_size=2, tp_plan=plan)).plan == tuple(plan.items())
     assert _req(device_mesh=_Mesh((2, 2), ("pp", "tp"))) == ParallelRequest(tp_size=2, pp_size=2)
     assert _req(device_mesh=_Mesh((2, 2, 1), ("dp", "pp", "tp"))) == ParallelRequest(tp_size=1, pp_size=2, dp_size=2)
+    # FSDP over the tensor-parallel shards
+    assert _req(distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)) == ParallelRequest(tp_size=2, fsdp_size=2)
 
 
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
         ({"tp_size": 2, "distributed_config": DistributedConfig(tp_size=2)}, "not tp_size and distributed_config"),
-        ({"distributed_config": DistributedConfig(tp_size=2, fsdp_size=2)}, "fsdp_size=2 with tp_size=2"),
         ({"distributed_config": DistributedConfig(fsdp_size=2, fsdp_cpu_offload=True)}, "fsdp_cpu_offload=True"),
         ({"distributed_config": DistributedConfig(enable_sequence_parallel=True)}, "enable_sequence_parallel"),
         ({"distributed_config": {"tp_size": 2}}, "must be a transformers.distributed.DistributedConfig"),

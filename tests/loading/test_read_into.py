@@ -1,0 +1,51 @@
+"""``load_tensors(into=...)``: the reader fills the caller's tensors in place (FSDP's local shards)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_pipeline.errors import InternalError
+from hf_pipeline.loading import weights
+from hf_pipeline.loading.weights import CheckpointIndex, load_tensors
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(directory, reference state_dict) of a 2-layer Llama in several shards."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, tie_word_embeddings=False,
+    )
+    directory = tmp_path_factory.mktemp("llama")
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(directory, max_shard_size="20KB")
+    return directory, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
+def test_reads_each_part_into_the_given_tensor(llama, monkeypatch, target):
+    """The stored dtype is read straight into the tensor, a cast goes through the bounce buffer (100 bytes
+    here: many steps); both fill the caller's tensor (the same object comes back) with the chunk's values."""
+    directory, sd = llama
+    monkeypatch.setattr(weights, "_CHUNK", 100)
+    names = [n for n in sd if n.startswith("model.layers.1.")] + ["lm_head.weight"]
+    wanted = {n: (tuple(sd[n].shape), target) for n in names}
+    parts = {n: (0, 1, 3) for n in names}  # the last of 3 dim-0 chunks: ceil(rows / 3) or fewer rows
+    into = {n: torch.full_like(sd[n].chunk(3)[1], float("nan"), dtype=target) for n in names[::2]}
+    tensors, report = load_tensors(CheckpointIndex.from_directory(directory), wanted, parts=parts, into=into)
+    for n in names:
+        torch.testing.assert_close(tensors[n], sd[n].chunk(3)[1].to(target), rtol=0, atol=0, msg=n)
+        assert (n in into and tensors[n] is into[n]) == (n in into), n
+    assert report.bytes_read == sum(sd[n].chunk(3)[1].numel() * 4 for n in names)
+
+
+def test_a_destination_of_another_shape_or_dtype_is_refused(llama):
+    directory, sd = llama
+    name = "model.norm.weight"
+    wanted = {name: (tuple(sd[name].shape), torch.float32)}
+    for bad in (torch.zeros(3), torch.zeros(sd[name].shape, dtype=torch.float64)):
+        with pytest.raises(InternalError, match="destination"):
+            load_tensors(CheckpointIndex.from_directory(directory), wanted, into={name: bad})
