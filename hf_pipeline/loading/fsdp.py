@@ -89,11 +89,19 @@ def _fill(stage: nn.Module, chunks: dict[str, torch.Tensor], device: torch.devic
         direct = list(module.named_parameters(recurse=False))
         if not direct or all(id(p) in filled for _, p in direct):
             continue  # a module sharing another's (tied) parameter: allocated and filled there
-        if any(id(p) in filled for _, p in direct):
-            raise InternalError(f"{module_name}: some of its parameters are tied to another module's and some not")
+        # A module with some parameters tied to an earlier module's (BERT's MLM decoder: its bias is the
+        # head's ``bias``, its weight the embeddings' on another stage): those are filled already, and
+        # to_empty would empty them again, so they stay off the module while it allocates its own.
+        done = [(attr, p) for attr, p in direct if id(p) in filled]
+        for attr, _ in done:
+            delattr(module, attr)
         module.to_empty(device=device, recurse=False)  # this module's shards only (FSDP's sharded parameters)
+        for attr, p in done:
+            module.register_parameter(attr, p)
         with torch.no_grad():
             for attr, p in module.named_parameters(recurse=False):
+                if id(p) in filled:
+                    continue
                 name = f"{module_name}.{attr}" if module_name else attr
                 chunk, local = chunks.pop(name), p.to_local()
                 if local.shape != chunk.shape:
