@@ -61,7 +61,7 @@ def _check_no_shared(stages: list[nn.Module], tied: tuple[tuple[str, ...], ...])
                 raise InputError(
                     f"fsdp_size > 1: {name!r} is one tensor with a parameter of another stage on the same rank; "
                     "FSDP shards each stage on its own. Use a schedule that puts those stages on different ranks "
-                    "('1f1b', 'interleaved-1f1b') or load without fsdp_size"
+                    "('1f1b', 'interleaved-1f1b', 'interleaved-zero-bubble') or load without fsdp_size"
                 )
 
 
