@@ -21,7 +21,10 @@ and compares, on every rank, with transformers on one process:
   parameters, and whose logits equal those of the reference after the same steps.
 
 It also checks that each rank keeps half of its stages' parameter elements (FSDP's dim-0 chunks) and
-reads exactly those bytes from the checkpoint.
+reads exactly those bytes from the checkpoint, and that GPT-2 under ``zbv-zero-bubble`` (its V puts the
+first and the last stage, the embeddings and the head tied to them, on one rank, and FSDP shards each
+stage on its own) is refused on every rank at load, naming the tied parameter and the schedules that
+work, after which the same ranks load and train the cases above.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import pytest
 import tiny
 import torch
 from harness import run_distributed
+from test_tensor_parallel import _bad
 from tp_helpers import compare, exercise
 
 pytestmark = pytest.mark.dist
@@ -67,8 +71,8 @@ def _case(path, arch, save_dir):
     return res
 
 
-def _job(cases):
-    return [_case(*c) for c in cases]
+def _job(cases, bad):
+    return {"bad": _bad(*bad), "cases": [_case(*c) for c in cases]}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,13 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.slow
 def test_bert_t5_gpt2_zero_bubble_at_pp2_by_fsdp2_equal_transformers(checkpoints, tmp_path):
     saved = {a: str(tmp_path / f"saved-{a}") if a in SAVED else None for a in ARCHS}
-    per_rank = run_distributed(_job, 4, [(checkpoints[a], a, saved[a]) for a in ARCHS], timeout=600)
+    zbv = (checkpoints["gpt2"], {"fsdp_size": 2, "schedule": "zbv-zero-bubble", "virtual_stages": 2})
+    per_rank = run_distributed(_job, 4, [(checkpoints[a], a, saved[a]) for a in ARCHS], zbv, timeout=600)
+    for rank, results in enumerate(per_rank):
+        bad = results["bad"]
+        assert bad is not None and "fsdp_size > 1" in bad and "'lm_head.weight'" in bad, f"rank {rank}: {bad}"
+        assert "'interleaved-zero-bubble'" in bad, f"rank {rank}: {bad}"
+    per_rank = [results["cases"] for results in per_rank]
     for i, arch in enumerate(ARCHS):
         ref_model = tiny.reference(checkpoints[arch], tiny.AUTO[arch])
         ref = exercise(ref_model, arch, pipelined=False, generate=arch != "bert", rows=4)
