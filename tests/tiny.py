@@ -39,6 +39,7 @@ AUTO = {
     "gpt2": "AutoModelForCausalLM",
     "bert": "AutoModelForMaskedLM",
     "t5": "AutoModelForSeq2SeqLM",
+    "mistral": "AutoModelForCausalLM",
 }
 
 VOCAB = 96

@@ -68,7 +68,7 @@ def _check_no_shared(stages: list[nn.Module], tied: tuple[tuple[str, ...], ...])
                 raise InputError(
                     f"fsdp_size > 1: {name!r} is one tensor with a parameter of another stage on the same rank; "
                     "FSDP shards each stage on its own. Use a schedule that puts those stages on different ranks "
-                    "('1f1b', 'interleaved-1f1b') or load without fsdp_size"
+                    "('1f1b', 'interleaved-1f1b', 'interleaved-zero-bubble') or load without fsdp_size"
                 )
 
 
@@ -97,9 +97,15 @@ def _allocate(stage: nn.Module, device: torch.device) -> dict[str, torch.Tensor]
     for module_name, module in stage.named_modules():
         direct = list(module.named_parameters(recurse=False))
         if direct and not all(id(p) in local for _, p in direct):
-            if any(id(p) in local for _, p in direct):
-                raise InternalError(f"{module_name}: some of its parameters are tied to another module's and some not")
+            # A module with some parameters tied to an earlier module's (BERT's MLM decoder: its bias is the
+            # head's ``bias``, its weight the embeddings' on another stage): those are allocated already, and
+            # to_empty would allocate them again, so they stay off the module while it allocates its own.
+            done = [(attr, p) for attr, p in direct if id(p) in local]
+            for attr, _ in done:
+                delattr(module, attr)
             module.to_empty(device=device, recurse=False)  # this module's shards only
+            for attr, p in done:
+                module.register_parameter(attr, p)
         for attr, p in module.named_parameters(recurse=False):
             shard = local.setdefault(id(p), p.to_local().detach())
             out[f"{module_name}.{attr}" if module_name else attr] = shard

@@ -1,14 +1,16 @@
 """Tensor parallelism for the families transformers has no plan for (GPT-2, BERT, T5), from their
-recipes' ``[tp]`` plans, equals single-process transformers.
+recipes' ``[tp]`` plans, and for Mistral, from transformers' own ``base_model_tp_plan``, equals
+single-process transformers.
 
 One 4-rank job (pp=2 x tp=2) loads a tiny GPT-2 (fused q, k, v ``c_attn`` sharded third by third,
-``Conv1D`` weights (in, out)), BERT for masked LM and T5 (its relative attention bias sharded by
-heads, also on the stage that holds a replica of it), and compares, on every rank, with transformers
-on one process:
+``Conv1D`` weights (in, out)), BERT for masked LM, T5 (its relative attention bias sharded by
+heads, also on the stage that holds a replica of it) and Mistral with a 4-token sliding window
+(shorter than the 9-token batch and the 11 tokens generated, so that every rank's heads must mask
+by the window), and compares, on every rank, with transformers on one process:
 
 - forward logits of a padded batch (max abs diff 1e-5: the sharded matmuls change only the summation
   order of the row-parallel projections, ~1e-7 here);
-- greedy ``generate`` tokens (GPT-2, T5: the per-stage KV caches hold each rank's heads);
+- greedy ``generate`` tokens (GPT-2, T5, Mistral: the per-stage KV caches hold each rank's heads);
 - two ``train_step`` + ``clip_grad_norm_`` + AdamW steps: losses and norms (relative 1e-5) and every
   parameter afterwards, gathered whole from its shards, by name (abs 1e-5; a wrong gradient, e.g. one
   not summed over the ranks, moves a parameter by ~lr = 1e-3);
@@ -29,18 +31,20 @@ from tp_helpers import compare, exercise
 
 pytestmark = pytest.mark.dist
 
-ARCHS = ("gpt2", "bert", "t5")
+ARCHS = ("gpt2", "bert", "t5", "mistral")
+WINDOW = 4
 # T5's decoder cut after its block 0: the second stage starts mid-stack and computes the position bias
 # from its replica of block 0's relative attention bias, sharded by heads too.
-KWARGS = {"gpt2": {}, "bert": {}, "t5": {"split": ["decoder.block.1"]}}
+KWARGS = {"gpt2": {}, "bert": {}, "t5": {"split": ["decoder.block.1"]}, "mistral": {}}
 # A zero-bubble schedule (its backward split into input and weight gradients) on the tiny LLaMA: every
 # schedule runs tensor-parallel stages (planning/mesh_rules.py), this one is the least like the others.
 ZERO_BUBBLE = {"schedule": "zbv-zero-bubble", "virtual_stages": 2, "n_microbatches": 4}
-# No dropout, so that a training step is deterministic on both sides.
-NO_DROPOUT = {
+# No dropout, so that a training step is deterministic on both sides (Mistral has none: its window).
+OVERRIDES = {
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
     "t5": {"dropout_rate": 0.0},
+    "mistral": {"sliding_window": WINDOW},
 }
 
 
@@ -69,6 +73,9 @@ def _case(path, arch, save_dir, kwargs):
         res["c_attn_slice"] = attn.c_attn.weight.to_local().clone()
         res["c_attn_key"] = model.param_layout.key_of.get(name + ".weight", name + ".weight")
         res["split_size"], res["num_heads"] = attn.split_size, attn.num_heads
+    if arch == "mistral":  # transformers' own plan: a rank holds half of the query heads' rows
+        q = next(p for n, p in model.stages[0].named_parameters() if n.endswith("self_attn.q_proj.weight"))
+        res["q_local_rows"] = q.to_local().shape[0]
     res.update(exercise(model, arch, pipelined=True, generate=arch not in ("bert", "llama"), rows=4))
     if save_dir is not None:
         model.save_pretrained(save_dir, max_shard_size="50KB")
@@ -86,12 +93,22 @@ def _job(cases):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tpfam")
-    out = {a: str(tiny.make_checkpoint(root / a, a, **NO_DROPOUT[a])) for a in ARCHS}
+    out = {a: str(tiny.make_checkpoint(root / a, a, **OVERRIDES[a])) for a in ARCHS}
     return {**out, "llama": str(tiny.make_checkpoint(root / "llama", "llama"))}
 
 
+def _check_window_matters(path, logits):
+    """Mistral's window changes its logits on the test batch (so a stage that ignored it would fail)."""
+    import transformers
+
+    full = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, sliding_window=None).eval()
+    with torch.no_grad():
+        diff = (full(**tiny.sample_inputs("mistral", batch=4, seq=9)).logits - logits).abs().max().item()
+    assert diff > 1e-3, f"a {WINDOW}-token window changes the logits by only {diff}"
+
+
 @pytest.mark.slow
-def test_gpt2_bert_t5_at_pp2_by_tp2_equal_transformers_and_save_one_checkpoint(checkpoints, tmp_path):
+def test_gpt2_bert_t5_mistral_at_pp2_by_tp2_equal_transformers_and_save_one_checkpoint(checkpoints, tmp_path):
     import transformers
 
     saved = {a: str(tmp_path / f"saved-{a}") for a in ARCHS}
@@ -104,10 +121,14 @@ def test_gpt2_bert_t5_at_pp2_by_tp2_equal_transformers_and_save_one_checkpoint(c
     for i, arch in enumerate(ARCHS):
         ref_model = tiny.reference(checkpoints[arch], tiny.AUTO[arch])
         ref = exercise(ref_model, arch, pipelined=False, generate=arch != "bert", rows=4)
+        if arch == "mistral":
+            _check_window_matters(checkpoints[arch], ref["logits"])
         for res in per_rank:
             rank, case = res[-1], res[i]
             assert (case["tp"], case["pp"]) == (2, 2), f"{arch}: mesh {case['tp']} {case['pp']}"
             compare(f"{arch} pp2 x tp2 rank {rank}", case, ref)
+            if arch == "mistral":
+                assert case["q_local_rows"] == 16, f"rank {rank}: q_proj rows {case['q_local_rows']} of 32"
             if arch == "gpt2":
                 assert case["c_attn_local"] == (32, 48) and (case["split_size"], case["num_heads"]) == (16, 2), case
                 # rank t holds [q_t, k_t, v_t]: the t-th half of each third of the checkpoint's columns
