@@ -12,7 +12,7 @@ Tiers (markers registered in pyproject.toml), marked explicitly in each test fil
 - ``slow``: measured 15 s or more on a 2-core machine; ``@pytest.mark.slow`` (with ``dist`` when it
   spawns). Never in the quick tier.
 - ``unit``: every other test (added here): one process, in-process equivalence included;
-  ``-m unit`` runs them all in under a minute.
+  ``-m unit -n 2`` runs them all in under a minute on 2 cores (pytest-xdist workers).
 
 Test folders mirror the package's subpackages (``tests/loading`` tests ``hf_pipeline/loading``);
 ``tests/model`` holds what goes through the model facade as a whole, ``tests/examples`` the

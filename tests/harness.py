@@ -11,9 +11,16 @@ a loaded machine's slow start-up does not eat it; start-up has its own allowance
 :data:`STARTUP_TIMEOUT_S`. :func:`last_run_timing` says how long the latest run's start-up and
 run took, for tests that bound a run's duration without counting start-up.
 
-``fn`` must be a module-level function (it is pickled by name into spawned processes); the tests
-directory and the repository root are on ``sys.path`` in every child, so test modules import. The
-harness itself imports only torch in the children, never transformers.
+``fn`` must be a module-level function (it is pickled by name into the ranks); the tests
+directory and the repository root are on ``sys.path`` in every child, so test modules import.
+
+The ranks are forked from one server process (multiprocessing's ``forkserver``) that imported torch,
+transformers and hf_pipeline once, when the first run started: a fresh interpreter per rank spent
+about 5 s of CPU importing them, which over the suite's hundreds of ranks was most of its time on a
+2-core machine. Each rank still gets the environment the parent has at the call (plus the rank's
+own); a run whose environment differs from the server's in a variable libraries read at import
+(``HF_*``, ``TRANSFORMERS_*``, ``TORCH*``, ``OMP_*``, ...) is spawned fresh instead
+(:func:`_start_method`), so no test sees a value imported under another environment.
 
 Example:
     >>> def _ranks():
@@ -26,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import pathlib
 import pickle
@@ -60,6 +68,17 @@ _JOIN_S = 10.0  # time a finished child gets to exit (destroying its process gro
 # ``timeout`` starts: seconds when idle, ten times that on a busy 2-core machine. Only a rank stuck
 # in start-up ever waits this long; one that crashes is seen at once by its exit code.
 STARTUP_TIMEOUT_S = 300.0
+# What the fork server imports once for every rank (module names; ``tiny`` and ``harness`` live in tests/).
+_PRELOAD = (
+    "torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.fsdp",
+    "transformers", "safetensors", "hf_pipeline", "tiny", "harness",
+)
+# Environment variables read when a library is imported (not when it is called): a rank whose value differs
+# from the fork server's must import afresh. hf_pipeline's own (HF_PIPELINE_*) are read at call time.
+_IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "PYTHON")
+# The rank defaults the fork server is started with, so its imports see what every rank has.
+_SERVER_DEFAULTS = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+_SERVER_ENV: dict[str, str] | None = None  # the fork server's environment, once it runs
 # Set by tests/conftest.py around each test: the node id of a test *not* marked ``dist`` (which must not
 # spawn ranks: ``-m unit`` would run it), None otherwise or outside pytest.
 SPAWN_GUARD: str | None = None
@@ -129,8 +148,37 @@ def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str]) -> d
     return env
 
 
+def _import_time_changes(env: dict[str, str], server: dict[str, str]) -> list[str]:
+    """Variables libraries read at import whose value in ``env`` is not the fork server's ``server``."""
+    names = set(env) | set(server)
+    return sorted(
+        n for n in names
+        if n.startswith(_IMPORT_TIME_ENV) and not n.startswith("HF_PIPELINE_") and env.get(n) != server.get(n)
+    )
+
+
+def _start_method(env: dict[str, str]) -> str:
+    """``"forkserver"`` (ranks forked from the server that imported the libraries once), or ``"spawn"``
+    when ``env`` changes a variable read at import (see :data:`_IMPORT_TIME_ENV`)."""
+    global _SERVER_ENV
+    if _SERVER_ENV is None:
+        server = {**os.environ, **_SERVER_DEFAULTS}
+        saved = dict(os.environ)
+        os.environ.update(server)  # the server inherits the environment it is started in
+        try:
+            mp.set_forkserver_preload(list(_PRELOAD))
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _SERVER_ENV = server
+    return "spawn" if _import_time_changes(env, _SERVER_ENV) else "forkserver"
+
+
 def _child(rank: int, env: dict[str, str], payload: bytes, out: Any) -> None:
     """Body of one rank: set the env, unpickle and run ``fn``, report back, destroy the group."""
+    # The whole environment, as a spawned child inherits it: a forked one has the server's from its start.
+    os.environ.clear()
     os.environ.update(env)  # before fn is unpickled: importing its module may read the env
     try:
         import torch
@@ -231,14 +279,15 @@ def run_distributed(
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as e:  # noqa: BLE001 - turned into a message that says what to change
         raise TypeError(f"run_distributed needs a module-level fn and picklable arguments: {e}") from e
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     port = free_port()
     extra = {str(k): str(v) for k, v in (env or {}).items()}
+    envs = [{**os.environ, **_rank_env(r, world_size, port, extra)} for r in range(world_size)]
+    ctx = mp.get_context(_start_method(envs[0]))
+    out = ctx.Queue()
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, _rank_env(r, world_size, port, extra), payload, out),
+            args=(r, envs[r], payload, out),
             name=f"rank{r}",
             daemon=True,
         )

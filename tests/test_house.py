@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import pathlib
 import shutil
 import subprocess
@@ -42,6 +43,11 @@ def _code() -> list[pathlib.Path]:
     return _sources(PACKAGE, ROOT / "benchmarks", ROOT / "scripts")
 
 
+@functools.cache  # each file parsed once for every test that walks it
+def _tree(path: pathlib.Path) -> ast.AST:
+    return ast.parse(path.read_text())
+
+
 def _rel(path: pathlib.Path) -> str:
     return str(path.relative_to(ROOT))
 
@@ -54,7 +60,7 @@ def test_modules_are_short():
 def test_functions_are_short():
     long = []
     for path in _code():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
@@ -67,7 +73,7 @@ def test_every_deliberate_error_is_a_library_class():
     # CLI could not tell a refused input from a bug. Re-raising a caught exception is fine.
     bad = []
     for path in _sources(PACKAGE):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Raise) and node.exc is not None:
                 exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
                 if isinstance(exc, ast.Name) and exc.id in BUILTIN_ERRORS:
@@ -127,7 +133,7 @@ def _private_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
 
 
 def test_private_library_apis_only_through_compat():
-    trees = {path: ast.parse(path.read_text()) for path in _sources(PACKAGE)}
+    trees = {path: _tree(path) for path in _sources(PACKAGE)}
     own = _own_private_names([t for p, t in trees.items() if p.name != "compat.py"])
     bad = [
         f"{_rel(path)}:{line} {what}"
@@ -145,7 +151,7 @@ def test_no_marker_attributes_on_foreign_objects():
     for path in _sources(PACKAGE):
         text = path.read_text()
         allowed = set()  # object.__setattr__ in a frozen dataclass's __post_init__ is that idiom, not a marker
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.FunctionDef) and node.name == "__post_init__":
                 allowed.update(range(node.lineno, node.end_lineno + 1))
         for i, line in enumerate(text.splitlines(), 1):

@@ -10,6 +10,7 @@ cycle) and of lower rooms, never of a higher one.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import hf_pipeline
@@ -38,6 +39,7 @@ LAYERS: list[set[str]] = [
 ]
 
 
+@functools.cache  # one walk of the package for every test and every import resolved
 def _modules() -> dict[str, pathlib.Path]:
     """Dotted module name below hf_pipeline ("loading.weights", "errors", "training") -> file."""
     found = {}
@@ -57,6 +59,7 @@ def _resolve(module: str, level: int, target: str | None) -> str:
     return ".".join(base + (target.split(".") if target else [])) or "__init__"
 
 
+@functools.cache  # parsed once for the three tests that read the graph
 def _imports() -> dict[str, list[tuple[str, list[str], int]]]:
     """module -> [(imported module, names, line)] for every relative import in the package."""
     modules = _modules()

@@ -210,8 +210,9 @@ def test_json_is_never_seen_half_written_while_two_threads_write_it(tmp_path):
 
     def writer(tag):
         try:
-            for i in range(400):
-                run.result["sections"][f"{tag}{i % 7}"] = {"status": "ok", "figures": {"i": i, "pad": "x" * 20000}}
+            # 3 x 150 writes of ~50 kB: with a plain truncate-and-write, the reader sees partial files at once.
+            for i in range(150):
+                run.result["sections"][f"{tag}{i % 7}"] = {"status": "ok", "figures": {"i": i, "pad": "x" * 8000}}
                 run.write()
         except Exception as e:  # a write that fails (its temporary file renamed away by the other) fails the test
             bad.append(f"writer {tag}: {type(e).__name__}: {e}")

@@ -240,7 +240,9 @@ SPLITS = [  # (SplitPoint dict, the names it means)
 @pytest.mark.parametrize("traced", [False, True], ids=["recipe", "trace"])
 def test_split_points_plan_as_the_names_they_mean(traced):
     config, prefix = (_opt_config(), "model.decoder.layers") if traced else (tiny.config_for("llama"), "model.layers")
-    for spec, names in SPLITS:
+    # Split points become names before either front end sees them; tracing (two traces a spec) checks one
+    # spec with both kinds of point.
+    for spec, names in SPLITS[2:] if traced else SPLITS:
         spec = {k.format(p=prefix): v for k, v in spec.items()}
         names = [n.format(p=prefix) for n in names]
         by_points, by_names = _plan(config, spec, traced=traced), _plan(config, names, traced=traced)

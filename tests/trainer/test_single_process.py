@@ -26,20 +26,23 @@ def _pipelined(path):
     return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2)
 
 
-@pytest.mark.parametrize(
-    "overrides, extra, named",
-    [
-        ({"per_device_train_batch_size": 3}, {}, "per_device_train_batch_size=3"),
-        ({"torch_compile": True}, {}, "torch_compile=True"),
-        ({"fsdp": "full_shard"}, {}, "fsdp="),
-        ({"fp16": True}, {}, "fp16=True"),
-        ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor=0.1"),
-        ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}, "compute_loss_func"),
-        ({}, {"model_init": lambda: None}, "model_init"),
-    ],
-)
-def test_refused_at_construction_naming_the_argument(llama_path, tmp_path, overrides, extra, named):
-    model = _pipelined(llama_path)
+REFUSED = [  # (TrainingArguments overrides, other constructor arguments, what the message names)
+    ({"per_device_train_batch_size": 3}, {}, "per_device_train_batch_size=3"),
+    ({"torch_compile": True}, {}, "torch_compile=True"),
+    ({"fsdp": "full_shard"}, {}, "fsdp="),
+    ({"fp16": True}, {}, "fp16=True"),
+    ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor=0.1"),
+    ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}, "compute_loss_func"),
+    ({}, {"model_init": lambda: None}, "model_init"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused_model(llama_path):
+    return _pipelined(llama_path)
+
+
+def _refuse(model, tmp_path, overrides, extra, named) -> None:
     args = {"per_device_train_batch_size": 4, **overrides}
     batch = args.pop("per_device_train_batch_size")
     try:
@@ -49,10 +52,22 @@ def test_refused_at_construction_naming_the_argument(llama_path, tmp_path, overr
         return
     with pytest.raises(UsageError, match=named.replace("(", r"\(")):
         hf_pipeline.PipelineTrainer(model=model, args=built, train_dataset=_dataset("llama"), **extra)
-    # Nothing ran: the model still trains.
+
+
+@pytest.mark.parametrize("overrides, extra, named", REFUSED)
+def test_refused_at_construction_naming_the_argument(refused_model, tmp_path, overrides, extra, named):
+    _refuse(refused_model, tmp_path, overrides, extra, named)
+
+
+def test_a_model_every_refusal_was_raised_for_still_trains(llama_path, tmp_path):
+    # Nothing ran before any refusal: one model refused by every case in turn then trains.
+    model = _pipelined(llama_path)
+    for i, case in enumerate(REFUSED):
+        _refuse(model, tmp_path / str(i), *case)
     trainer = hf_pipeline.PipelineTrainer(model=model, args=_args(tmp_path / "ok", 4), train_dataset=_dataset("llama"),
                                           eval_dataset=_dataset("llama", 8))
     trainer.train()
+    assert trainer.state.global_step > 0
 
 
 def test_a_tensor_parallel_or_fsdp_model_is_not_refused_but_an_adapter_on_fsdp_is(tmp_path):
