@@ -175,7 +175,7 @@ def _start_method(env: dict[str, str]) -> str:
     return "spawn" if _import_time_changes(env, _SERVER_ENV) else "forkserver"
 
 
-def _child(rank: int, env: dict[str, str], payload: bytes, out: Any) -> None:
+def _child(rank: int, env: dict[str, str], payload: bytes, out: Any, release: Any) -> None:
     """Body of one rank: set the env, unpickle and run ``fn``, report back, destroy the group."""
     # The whole environment, as a spawned child inherits it: a forked one has the server's from its start.
     os.environ.clear()
@@ -200,6 +200,10 @@ def _child(rank: int, env: dict[str, str], payload: bytes, out: Any) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a peer may already be gone
                 pass
+        # Then stay up until every rank has reported or the parent gave up: rank 0 hosts the rendezvous
+        # store, and a rank that left at once would take it from peers still naming who failed. (A forked
+        # rank exits in no time; a spawned one used to linger in interpreter teardown, which hid this.)
+        release.wait(STARTUP_TIMEOUT_S)
 
 
 def _round_trips(obj: Any) -> bool:
@@ -283,11 +287,11 @@ def run_distributed(
     extra = {str(k): str(v) for k, v in (env or {}).items()}
     envs = [{**os.environ, **_rank_env(r, world_size, port, extra)} for r in range(world_size)]
     ctx = mp.get_context(_start_method(envs[0]))
-    out = ctx.Queue()
+    out, release = ctx.Queue(), ctx.Event()
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, envs[r], payload, out),
+            args=(r, envs[r], payload, out, release),
             name=f"rank{r}",
             daemon=True,
         )
@@ -328,6 +332,7 @@ def run_distributed(
                 deadline = min(deadline, time.monotonic() + failure_grace)
     finally:
         ended = time.monotonic()
+        release.set()  # every rank reported (or never will): they may leave
         started = ready if ready is not None else ended
         _LAST_RUN = RunTiming(startup_s=started - spawned, run_s=ended - started)
         # Always reap: finished children get time to exit, the rest (or all, on Ctrl-C) are killed.
