@@ -57,8 +57,8 @@ def _during_read(monkeypatch, save) -> None:
     real = weights._TensorReader.read
     done = []
 
-    def read(self, f, t):
-        out = real(self, f, t)
+    def read(self, f, t, **kwargs):
+        out = real(self, f, t, **kwargs)
         if not done:
             done.append(save())
         return out
