@@ -162,6 +162,34 @@ _EXPECTED = {  # call -> (culprit, its own exception type, what the others' Rank
 
 
 @pytest.mark.dist
+def assert_told(res: dict, expected: dict, stage_of=lambda rank: rank) -> None:
+    """Every failed call of ``expected`` (call -> (culprit rank, its own type, what the others are told)) raised
+    on this rank within seconds: the culprit its own error, every other rank a RankError naming only it."""
+    rank = res["rank"]
+    for call, (culprit, own_type, told) in expected.items():
+        got = res["failed"][call]
+        # Told within seconds (the culprit waits 2 s to see whether every rank failed alike), far below the
+        # collective timeout: a rank left waiting for it (a pipeline peer, a tp all-reduce) would show here.
+        assert got["type"] is not None and got["seconds"] < _FAST_S, (call, rank, got)
+        if rank == culprit:
+            assert got["type"] == own_type, (call, rank, got)
+        else:
+            assert got["type"] == "RankError", (call, rank, got)
+            assert got["message"].startswith(f"rank {culprit} (stage {stage_of(culprit)}) {told}"), (call, rank, got)
+            assert list(got["failures"]) == [culprit]
+
+
+def assert_parameters_equal(res: dict, ref, start: dict) -> float:
+    """Every parameter this rank returned equals transformers' ``ref`` (ATOL); returns how far the step moved them."""
+    moved = 0.0
+    for key, p in res["params"].items():
+        want = ref.get_parameter(key).detach()
+        diff = (p - want).abs().max().item()
+        assert diff <= ATOL, f"rank {res['rank']}: {key} differs from transformers by {diff:.3g}"
+        moved = max(moved, (want - start[key]).abs().max().item())
+    return moved
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_failing_stage_leaves_the_pipeline_working(tmp_path, world):
@@ -170,25 +198,9 @@ def test_a_failing_stage_leaves_the_pipeline_working(tmp_path, world):
     ref, logits, ids, start = _reference(path)
     for res in results:
         rank = res["rank"]
-        for call, (culprit, own_type, told) in _EXPECTED.items():
-            culprit = world - 1 if culprit == "last" else culprit
-            got = res["failed"][call]
-            # Told within seconds (the culprit waits 2 s to see whether every rank failed alike), far
-            # below the collective timeout: a rank left waiting for it would show here.
-            assert got["type"] is not None and got["seconds"] < _FAST_S, (call, rank, got)
-            if rank == culprit:
-                assert got["type"] == own_type, (call, rank, got)
-            else:
-                assert got["type"] == "RankError", (call, rank, got)
-                assert got["message"].startswith(f"rank {culprit} (stage {culprit}) {told}"), (call, rank, got)
-                assert list(got["failures"]) == [culprit]
+        assert_told(res, {c: (world - 1 if who == "last" else who, *rest) for c, (who, *rest) in _EXPECTED.items()})
         torch.testing.assert_close(res["logits"], logits, atol=ATOL, rtol=0)
         assert torch.equal(res["ids"], ids), (rank, res["ids"], ids)
         assert res["grads_kept"], f"rank {rank}: a failed train_step changed .grad"
-        moved = 0.0
-        for key, p in res["params"].items():
-            want = ref.get_parameter(key).detach()
-            diff = (p - want).abs().max().item()
-            assert diff <= ATOL, f"rank {rank}: {key} differs from transformers by {diff:.3g}"
-            moved = max(moved, (want - start[key]).abs().max().item())
+        moved = assert_parameters_equal(res, ref, start)
         assert moved > 1e-3, "the SGD step hardly moved the parameters: the comparison would not see a bad gradient"
