@@ -24,6 +24,7 @@ so the sum over data-parallel ranks is the gradient of the whole batch, as ``fla
 
 Example:
     >>> parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)          # name -> (0, fsdp rank, fsdp size)
+    >>> # with tp: parts = fsdp_parts(..., tp_parts=shard_parts(...)); shard_stages(..., tp=(plan, tp_mesh, tp_parts))
     >>> shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=resolved.tied)
     >>> tensors, report = load_tensors(index, wanted, parts=parts, into=shards, ...)
     >>> set_buffers(stages, tensors, device)
