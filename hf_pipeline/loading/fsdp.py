@@ -9,8 +9,10 @@ while it is still on the meta device and allocates only the local shards (``to_e
 reader reads each chunk straight into its shard (``load_tensors(into=...)``). A rank so holds each
 byte once: reading chunks first and copying them into shards allocated afterwards held both at the
 peak (freed heap is not given back to the system, so the peak stays in the RSS). With tensor
-parallelism too, :func:`shard_loaded` shards the loaded tensor-parallel stage instead (FSDP2 over the
-``DTensor`` shards, as torchtitan composes them): the rank reads its whole tensor-parallel slices first.
+parallelism too (FSDP2 over the tp ``DTensor`` shards, as torchtitan composes them), the meta stage is
+made tensor-parallel first, then sharded: a rank's shard of a tp-sharded tensor is the dim-0 chunk of
+its tp slice, which :func:`fsdp_parts` names as the tp part then the chunk, so the reader reads just
+those bytes (a colwise weight: one byte range; a rowwise one: the tp columns of the chunk's rows).
 
 ``reshard_after_forward=False``: with several microbatches in flight a stage runs the forwards of
 some before the backwards of others (1F1B), so resharding after each forward would all-gather every
@@ -22,6 +24,7 @@ so the sum over data-parallel ranks is the gradient of the whole batch, as ``fla
 
 Example:
     >>> parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)          # name -> (0, fsdp rank, fsdp size)
+    >>> # with tp: parts = fsdp_parts(..., tp_parts=shard_parts(...)); shard_stages(..., tp=(plan, tp_mesh, tp_parts))
     >>> shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=resolved.tied)
     >>> tensors, report = load_tensors(index, wanted, parts=parts, into=shards, ...)
     >>> set_buffers(stages, tensors, device)
@@ -38,14 +41,25 @@ from torch import nn
 
 from ..errors import InputError, InternalError
 from ..planning.mesh_rules import parse_style
+from .tensor_parallel import apply_tensor_parallel
+from .weights import chunk_bounds
 
-__all__ = ["fsdp_parts", "refuse_packed", "resharded_after", "set_buffers", "shard_loaded", "shard_stages"]
+__all__ = ["fsdp_parts", "refuse_packed", "resharded_after", "set_buffers", "shard_stages"]
 
 
-def fsdp_parts(stages: list[nn.Module], rank: int, count: int) -> dict[str, tuple[int, int, int]]:
+def fsdp_parts(
+    stages: list[nn.Module], rank: int, count: int, tp_parts: Mapping[str, tuple] | None = None,
+) -> dict[str, tuple]:
     """Stage parameter name -> ``(0, rank, count)``: the dim-0 chunk fsdp rank ``rank`` of ``count`` reads
-    of it (every replica's fsdp rank ``rank`` alike, under HSDP)."""
-    return {name: (0, rank, count) for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)}
+    of it (every replica's fsdp rank ``rank`` alike, under HSDP); ``(tp part, (0, rank, count))`` for a
+    tensor in ``tp_parts`` (:func:`~hf_pipeline.loading.tensor_parallel.shard_parts`): the chunk of the
+    tp slice, as FSDP2 chunks a ``DTensor``'s local tensor."""
+    tp_parts = tp_parts or {}
+    chunk = (0, rank, count)
+    return {
+        name: (tp_parts[name], chunk) if name in tp_parts else chunk
+        for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)
+    }
 
 
 def _units(stage: nn.Module) -> list[nn.Module]:
@@ -72,9 +86,14 @@ def _check_no_shared(stages: list[nn.Module], tied: tuple[tuple[str, ...], ...])
                 )
 
 
-def _meta_parameters(stage: nn.Module, dtypes: Mapping[str, torch.dtype], tied: tuple[tuple[str, ...], ...]) -> None:
-    """One meta Parameter of the whole shape per tensor (tied names within the stage share one), in the
-    dtype it is read or initialised in, so FSDP shards each tensor once and the optimizer steps it once."""
+def _meta_parameters(
+    stage: nn.Module, dtypes: Mapping[str, torch.dtype], tied: tuple[tuple[str, ...], ...],
+    tp_parts: Mapping[str, tuple] | None = None,
+) -> None:
+    """One meta Parameter of the whole shape (of its tp slice, for a tensor in ``tp_parts``) per tensor (tied
+    names within the stage share one), in the dtype it is read or initialised in, so FSDP shards each
+    tensor once and the optimizer steps it once."""
+    tp_parts = tp_parts or {}
     groups = {name: g for g in tied for name in g}
     made: dict[str, nn.Parameter] = {}
     for name, p in list(stage.named_parameters(remove_duplicate=False)):
@@ -82,7 +101,11 @@ def _meta_parameters(stage: nn.Module, dtypes: Mapping[str, torch.dtype], tied: 
         if twin is None:
             if name not in dtypes:
                 raise InternalError(f"no tensor read or initialised for stage parameter {name!r}")
-            twin = nn.Parameter(torch.empty(p.shape, dtype=dtypes[name], device="meta"), p.requires_grad)
+            shape = list(p.shape)
+            if name in tp_parts:
+                dim, index, count = tp_parts[name][:3]
+                shape[dim] = chunk_bounds(shape[dim], index, count)[1]
+            twin = nn.Parameter(torch.empty(shape, dtype=dtypes[name], device="meta"), p.requires_grad)
         owner_name, _, attr = name.rpartition(".")
         setattr(stage.get_submodule(owner_name), attr, twin)
         made[name] = twin
@@ -114,7 +137,7 @@ def _allocate(stage: nn.Module, device: torch.device) -> dict[str, torch.Tensor]
 
 def shard_stages(
     stages: list[nn.Module], dtypes: Mapping[str, torch.dtype], *, mesh, device: torch.device,
-    tied: tuple[tuple[str, ...], ...] = (),
+    tied: tuple[tuple[str, ...], ...] = (), tp: tuple | None = None,
 ) -> dict[str, torch.Tensor]:
     """Shard this rank's meta ``stages`` over ``mesh`` (FSDP2) and allocate only the local shards.
 
@@ -124,9 +147,10 @@ def shard_stages(
         mesh: the fsdp mesh (1-D: FSDP; 2-D (replicate, shard): HSDP).
         device: where the shards go.
         tied: the tied name groups (one Parameter per group within a stage).
+        tp: ``(plan, tp_mesh, tp_parts)`` to make the stages tensor-parallel first (FSDP over tp).
 
     Returns:
-        stage parameter name -> its local shard, uninitialised: the dim-0 chunk of :func:`fsdp_parts`,
+        stage parameter name -> its local shard, uninitialised: the part of :func:`fsdp_parts`,
         for :func:`~hf_pipeline.loading.weights.load_tensors` (``into``) to read into in place. Buffers
         keep their built values; :func:`set_buffers` puts in those read. Communicates nothing.
     """
@@ -137,7 +161,9 @@ def shard_stages(
     for stage in stages:
         # Buffers (rotary frequencies, position ids) are real already; to_empty would drop them.
         buffers = dict(stage.named_buffers())
-        _meta_parameters(stage, dtypes, tied)
+        _meta_parameters(stage, dtypes, tied, tp[2] if tp else None)
+        if tp:  # the meta tp slices become tp DTensors, which fully_shard then chunks (no data moves)
+            apply_tensor_parallel(stage, tp[0], tp[1])
         for unit in _units(stage):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False)
         fully_shard(stage, mesh=mesh, reshard_after_forward=False)
@@ -158,25 +184,6 @@ def refuse_packed(plan: tuple[tuple[str, str], ...]) -> None:
             f"fsdp_size with tp_size: the tensor-parallel plan packs {packed} (fused projections sharded block by "
             "block), which FSDP cannot shard again yet; load this model with tp_size or fsdp_size alone"
         )
-
-
-def shard_loaded(stages: list[nn.Module], *, mesh, tied: tuple[tuple[str, ...], ...] = ()) -> None:
-    """FSDP2 over stages loaded whole or tensor-parallel (their parameters real, tp's ``DTensor`` shards):
-    ``fully_shard`` over ``mesh``, as torchtitan composes them (tp first, then fsdp on the same parent
-    mesh); each parameter's local part is cut into its dim-0 chunks. Communicates nothing.
-
-    Note: unlike :func:`shard_stages` the rank first holds its whole tensor-parallel slices (read with
-    ``shard_parts``), 1/fsdp of which it keeps, in new storage: the load's peak is the slices plus the shards.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    _check_no_shared(stages, tied)
-    for stage in stages:
-        for unit in _units(stage):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-        fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-        _sum_gradients(stage)
-        stage.eval()
 
 
 def _sum_gradients(stage: nn.Module) -> None:

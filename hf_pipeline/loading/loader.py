@@ -44,7 +44,7 @@ from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
-from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_loaded, shard_stages
+from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
@@ -199,11 +199,14 @@ def _load_stages(
     # A tensor-parallel or FSDP rank reads only its slices; an FSDP rank reads them into its shards.
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
     shards: dict[str, torch.Tensor] = {}
-    on_meta = dims.fsdp_size > 1 and not options.tp_plan  # with tensor parallelism: fsdp once tp is applied, below
-    if on_meta:
-        parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size)
+    on_meta = dims.fsdp_size > 1
+    if on_meta:  # with tensor parallelism: each tp slice's fsdp chunk, read into the 2-D shard
+        tp = (options.tp_plan, dims.tp_mesh, parts) if options.tp_plan else None
+        parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
-        shards = shard_stages(stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied)
+        shards = shard_stages(
+            stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp
+        )
     for n in set(fresh) & set(parts):  # keep the slice
         fresh[n] = local_slice(fresh[n], parts[n])
     staged_at = time.perf_counter()
@@ -230,8 +233,6 @@ def _load_stages(
         stage.eval()
         if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
             apply_tensor_parallel(stage, options.tp_plan, dims.tp_mesh)
-    if dims.fsdp_size > 1 and not on_meta:  # fsdp over tensor-parallel shards
-        shard_loaded(stages, mesh=dims.fsdp_mesh, tied=maker.resolved.tied)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}

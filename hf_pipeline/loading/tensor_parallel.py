@@ -94,8 +94,13 @@ def shard_parts(stages, plan: tuple[tuple[str, str], ...], tp_mesh) -> dict[str,
     return out
 
 
-def local_slice(tensor: torch.Tensor, part: tuple[int, ...]) -> torch.Tensor:
-    """This rank's slice ``part`` (from :func:`shard_parts`) of a whole ``tensor``, with its own storage."""
+def local_slice(tensor: torch.Tensor, part: tuple) -> torch.Tensor:
+    """This rank's slice ``part`` (from :func:`shard_parts`, or a tuple of such parts, each cut from the one
+    before: FSDP's chunk of a tp slice) of a whole ``tensor``, with its own storage."""
+    if part and isinstance(part[0], tuple):
+        for step in part:
+            tensor = local_slice(tensor, step)
+        return tensor
     dim, index, count, *packs = part
     blocks = tensor.chunk(packs[0], dim) if packs else (tensor,)
     # Cut as torch.chunk (and FSDP2) cut, by bounds: chunk() gives fewer than ``count`` parts when they run out.

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import re
 import sys
@@ -158,7 +159,8 @@ def load_tensors(
         unexpected_hint: what the unexpected-keys error advises (default: ``ignore_unexpected``).
         parts: stage name -> ``(dim, index, count)``: only part ``index`` of ``count`` along ``dim`` as torch.chunk
             cuts (a tp / fsdp rank's slice); ``(dim, index, count, packs)``: that part of each of ``packs`` equal
-            blocks side by side (a packed tensor); the header is checked against the whole shape.
+            blocks side by side (a packed tensor); a tuple of parts: each of the one before (FSDP over tp);
+            the header is checked against the whole shape.
         into: stage name -> a tensor of the shape and dtype read, filled in place (FSDP's local shards).
 
     Returns:
@@ -270,22 +272,40 @@ def chunk_bounds(size: int, index: int, count: int) -> tuple[int, int]:
     return first, min(step, size - first)
 
 
-def _part_plan(t: _TensorPlan, part: tuple[int, ...]) -> _TensorPlan:
+def _part_plan(t: _TensorPlan, part: tuple) -> _TensorPlan:
     """``t`` narrowed to part ``index`` of ``count`` along ``dim`` (of each of its ``packs`` blocks when the
     part says ``(dim, index, count, packs)``): along dim 0 one part is a contiguous byte range; otherwise the
     reader reads the slice's byte ranges in each outer row (``slice_byte_ranges``). Either way ``nbytes``
-    becomes the bytes read, so the report counts what a rank read, not the whole tensor."""
+    becomes the bytes read, so the report counts what a rank read, not the whole tensor. A composed part (a
+    tuple of parts: FSDP's dim-0 chunk of a tp slice) narrows in turn."""
+    if part and isinstance(part[0], tuple):
+        for step in part:
+            t = _part_plan(t, step)
+        return t
     dim, index, count, *rest = part
     packs = rest[0] if rest else 1
     block = t.shape[dim] // packs
     first, length = chunk_bounds(block, index, count)
-    per_index = t.nbytes // t.shape[dim] if t.shape[dim] else 0  # bytes of one index along dim, all outer rows
     if dim > 0 or packs > 1:
+        if t.part is not None:
+            raise InternalError(f"{t.key!r}: a second slice {part} along a dim > 0 of the slice {t.part}")
+        per_index = t.nbytes // t.shape[dim] if t.shape[dim] else 0  # bytes of one index along dim, all outer rows
         ranges = tuple((p * block + first, length) for p in range(packs))
         return dataclasses.replace(t, part=(dim, ranges), nbytes=packs * length * per_index)
+    # Dim 0: the offset moves by whole stored rows; a row read holds only a slice's columns, if one was taken.
+    stored_row = math.prod(t.shape[1:]) * t.stored.itemsize
+    read_row = t.nbytes // t.shape[0] if t.shape[0] else 0
     return dataclasses.replace(
-        t, offset=t.offset + first * per_index, nbytes=length * per_index, shape=(length, *t.shape[1:])
+        t, offset=t.offset + first * stored_row, nbytes=length * read_row, shape=(length, *t.shape[1:])
     )
+
+
+def _read_shape(t: _TensorPlan) -> tuple[int, ...]:
+    """The shape of what is read of ``t``: its (dim-0 narrowed) shape, less what its slice leaves out."""
+    if t.part is None:
+        return t.shape
+    dim, ranges = t.part
+    return (*t.shape[:dim], sum(n for _, n in ranges), *t.shape[dim + 1 :])
 
 
 def _plan_shard(
@@ -406,17 +426,15 @@ class _TensorReader:
         """Tensor ``t`` from the open shard ``f``: a new tensor, or ``into`` filled in place (its shape and
         dtype those read, on this reader's device)."""
         if into is not None:
-            wrong = (tuple(into.shape), into.dtype, into.device) != (t.shape, t.target, self.device)
+            wrong = (tuple(into.shape), into.dtype, into.device) != (_read_shape(t), t.target, self.device)
             if wrong or into.requires_grad or not into.is_contiguous():
                 raise InternalError(
                     f"{t.key!r}: destination {tuple(into.shape)} {into.dtype} on {into.device} (contiguous "
-                    f"{into.is_contiguous()}, requires_grad {into.requires_grad}), read {tuple(t.shape)} {t.target} "
+                    f"{into.is_contiguous()}, requires_grad {into.requires_grad}), read {_read_shape(t)} {t.target} "
                     f"on {self.device}: pass a detached contiguous tensor"
                 )
-            if t.part is not None:  # a slice along a dim > 0 (tensor parallelism): streamed, then copied in
-                return into.copy_(self._read_part(f, t))
-        if t.part is not None:
-            return self._read_part(f, t)
+        if t.part is not None:  # a slice along a dim > 0 (tensor parallelism): only its byte ranges
+            return self._read_part(f, t, into)
         if self.device.type == "cpu" and t.target == t.stored:
             out = torch.empty(t.shape, dtype=t.stored) if into is None else into
             if t.nbytes:
@@ -434,13 +452,13 @@ class _TensorReader:
             flat[first : first + n].copy_(_from_little_endian(chunk.view(t.stored)))
         return out
 
-    def _read_part(self, f, t: _TensorPlan) -> torch.Tensor:
+    def _read_part(self, f, t: _TensorPlan, into: torch.Tensor | None = None) -> torch.Tensor:
         """The slice ``t.part`` of a tensor along a dim > 0 (or of a packed tensor's blocks): only its byte
         ranges are read, straight into the result when it keeps its dtype on CPU, else through the bounce
-        buffer, filled with several ranges at a time, so the extra memory stays one chunk."""
+        buffer, filled with several ranges at a time, so the extra memory stays one chunk. ``into``: the
+        (checked) tensor to fill instead of a new one."""
         dim, ranges = t.part
-        length = sum(n for _, n in ranges)
-        out = torch.empty((*t.shape[:dim], length, *t.shape[dim + 1 :]), dtype=t.target, device=self.device)
+        out = torch.empty(_read_shape(t), dtype=t.target, device=self.device) if into is None else into
         if self.device.type == "cpu" and t.target == t.stored:
             dest, at = _as_bytes(out), 0
             for offset, n in slice_byte_ranges(t.offset, t.shape, t.stored.itemsize, dim, ranges):

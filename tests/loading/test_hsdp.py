@@ -21,8 +21,9 @@ transformers on one process:
   it after the same ``torch.manual_seed`` (exactly), each rank keeping its chunk.
 
 The same job then loads tp2 x fsdp2 (the mesh (fsdp=2, pp=1, tp=2): FSDP2 over the tensor-parallel
-``DTensor`` shards, as torchtitan composes them) and runs the same sequence with the same checks but the
-memory ones: a rank keeps about a quarter of the tensor-parallel layers, and the total norm sums the
+``DTensor`` shards, as torchtitan composes them) and runs the same sequence with the same checks: a rank
+keeps about a quarter of the tensor-parallel layers and reads exactly the bytes it keeps (its fsdp chunk
+of its tp slice of each tensor), and the total norm sums the
 (fsdp, tp) shards over both groups and the fsdp-only ones (norms, embeddings) over fsdp alone (a sum over
 one group only was 1.22 instead of 1.39 in the first step). A packed projection (GPT-2's fused
 ``c_attn``) is refused there, on every rank, naming it.
@@ -71,7 +72,7 @@ def _case(path, save_dir, kwargs):
     dims = model.dims
     local = [p.to_local() for s in model.stages for p in s.parameters()]
     res = {"dims": (dims.dp_size, dims.replicas, dims.fsdp_size, dims.pp_size, dims.fsdp_rank), "plan": str(model.plan),
-           "kept": sum(t.numel() for t in local), "read": model.load_report.bytes_read}
+           "kept": sum(t.numel() for t in local), "read": model.load_report.bytes_read, "loaded": gathered(model)}
     with torch.no_grad():
         res["logits"] = model(**tiny.sample_inputs("llama", batch=4, seq=9)).logits
     res["tokens"] = model.generate(**_prompt(), max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -148,6 +149,7 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
     torch.manual_seed(SEED)
     head = tiny.reference(base, "AutoModelForCausalLM").lm_head.weight.detach()
     whole = sum(t.numel() for t in ref["params"].values())
+    stored = {n: p.detach() for n, p in tiny.reference(path, "AutoModelForCausalLM").named_parameters()}
     for rank, res in enumerate(per_rank):
         what = f"rank {rank} dp2 x fsdp2"
         assert res["dims"] == (4, 2, 2, 1, rank % 2), f"{what}: (dp, replicas, fsdp, pp, fsdp rank) {res['dims']}"
@@ -160,7 +162,13 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
         tp = res["tp"]  # tp2 x fsdp2: each rank keeps a quarter of the tensor-parallel layers' weights
         assert tp["dims"] == (2, 1, 2, 1, rank // 2) and "fsdp=2 x pp=1 x tp=2" in tp["plan"], (tp["dims"], tp["plan"])
         assert tp["kept"] < 0.4 * whole, f"rank {rank} tp2 x fsdp2: keeps {tp['kept']} of {whole}"
+        # Each rank reads only its fsdp chunk of its tp slice (a whole slice read was 2.47x what it keeps).
+        assert tp["read"] == 4 * tp["kept"], f"rank {rank} tp2 x fsdp2: read {tp['read']} to keep {tp['kept']}"
         _check_case(f"rank {rank} tp2 x fsdp2", tp, ref)
+        for case, loaded in ((what, res["loaded"]), (f"rank {rank} tp2 x fsdp2", tp["loaded"])):
+            assert set(loaded) == set(stored), (case, sorted(set(loaded) ^ set(stored)))
+            for key, want in stored.items():  # the shards' placements put the bytes read back in place
+                assert torch.equal(loaded[key], want), f"{case}: loaded {key} differs"
         assert res["packed"] is not None and "InputError" in res["packed"] and "c_attn" in res["packed"], res["packed"]
     for where, params in ((save_dir, per_rank[0]["params"]), (tp_dir, per_rank[0]["tp"]["params"])):
         saved = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)

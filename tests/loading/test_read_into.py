@@ -49,3 +49,24 @@ def test_a_destination_of_another_shape_or_dtype_is_refused(llama):
     for bad in (torch.zeros(3), torch.zeros(sd[name].shape, dtype=torch.float64)):
         with pytest.raises(InternalError, match="destination"):
             load_tensors(CheckpointIndex.from_directory(directory), wanted, into={name: bad})
+
+
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
+def test_a_chunk_of_a_tensor_parallel_slice_is_read_into_the_tensor(llama, monkeypatch, target):
+    """FSDP over tensor parallelism: fsdp rank 1 of 3's dim-0 chunk of tp rank 1 of 2's slice, colwise (a row
+    range of a row range) and rowwise (the chunk's rows x the tp columns), equals slicing the whole tensor,
+    straight into the caller's tensor, and reads exactly the bytes kept (a whole slice read counts 3x)."""
+    directory, sd = llama
+    monkeypatch.setattr(weights, "_CHUNK", 100)
+    tp = {"model.layers.1.mlp.up_proj.weight": (0, 1, 2), "model.layers.1.mlp.down_proj.weight": (1, 1, 2),
+          "model.layers.1.self_attn.o_proj.weight": (1, 1, 2)}
+    names = [*tp, "model.layers.1.input_layernorm.weight"]  # a replicated norm: a plain dim-0 chunk
+    parts = {n: (tp[n], (0, 1, 3)) if n in tp else (0, 1, 3) for n in names}
+    want = {n: sd[n].chunk(2, tp[n][0])[1].chunk(3)[1] if n in tp else sd[n].chunk(3)[1] for n in names}
+    into = {n: torch.full(want[n].shape, float("nan"), dtype=target) for n in names}
+    wanted = {n: (tuple(sd[n].shape), target) for n in names}
+    tensors, report = load_tensors(CheckpointIndex.from_directory(directory), wanted, parts=parts, into=into)
+    for n in names:
+        assert tensors[n] is into[n], n
+        torch.testing.assert_close(tensors[n], want[n].to(target), rtol=0, atol=0, msg=n)
+    assert report.bytes_read == sum(want[n].numel() * 4 for n in names)
