@@ -161,7 +161,6 @@ _EXPECTED = {  # call -> (culprit, its own exception type, what the others' Rank
 }
 
 
-@pytest.mark.dist
 def assert_told(res: dict, expected: dict, stage_of=lambda rank: rank) -> None:
     """Every failed call of ``expected`` (call -> (culprit rank, its own type, what the others are told)) raised
     on this rank within seconds: the culprit its own error, every other rank a RankError naming only it."""
@@ -190,6 +189,7 @@ def assert_parameters_equal(res: dict, ref, start: dict) -> float:
     return moved
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_failing_stage_leaves_the_pipeline_working(tmp_path, world):
