@@ -376,3 +376,22 @@ def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
 
 
 __all__ += ["mesh_group_names", "set_mesh_group_names"]
+# --- for loading/fsdp (a packed bias kept whole on each fsdp rank) ---------------------------------
+# FSDP2 takes a per-parameter mesh from ``shard_placement_fn`` (``ShardPlacementResult``, its mesh info
+# types have no public name yet), and a (fsdp ranks, 1) view of the fsdp mesh, sharing its root mesh so
+# that FSDP can concatenate it with the tp mesh, comes from ``DeviceMesh._unflatten``.
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh`` (1-D) as a mesh of ``sizes`` named ``names`` over the same ranks (collective over the world)."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def whole_placement(mesh: Any) -> Any:
+    """A ``shard_placement_fn`` result: shard dim 0 over ``mesh``'s 1-rank dim 1, replicate over its dim 0
+    (FSDP2 all-reduces the gradient over dim 0's ranks)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    return ShardPlacementResult(Shard(0), HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0))
+
+
+__all__ += ["unflatten_mesh", "whole_placement"]

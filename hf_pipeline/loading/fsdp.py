@@ -39,6 +39,7 @@ from typing import ContextManager, Iterator, Mapping
 import torch
 from torch import nn
 
+from ..compat import unflatten_mesh, whole_placement
 from ..errors import InputError, InternalError
 from ..planning.mesh_rules import parse_style
 from .tensor_parallel import apply_tensor_parallel
@@ -56,10 +57,47 @@ def fsdp_parts(
     tp slice, as FSDP2 chunks a ``DTensor``'s local tensor."""
     tp_parts = tp_parts or {}
     chunk = (0, rank, count)
+    whole = _packed_dim0(tp_parts)  # kept whole on each fsdp rank (see _whole_placement): its tp slice alone
     return {
-        name: (tp_parts[name], chunk) if name in tp_parts else chunk
+        name: (tp_parts[name] if name in whole else (tp_parts[name], chunk)) if name in tp_parts else chunk
         for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)
     }
+
+
+def _packed_dim0(tp_parts: Mapping[str, tuple]) -> set[str]:
+    """The names whose tp part is a packed one along dim 0 (GPT-2's fused ``c_attn`` bias): a strided shard
+    of the dim FSDP would chunk again."""
+    return {name for name, part in tp_parts.items() if part[0] == 0 and len(part) > 3 and part[3] > 1}
+
+
+def _whole_mesh(mesh, plan: tuple[tuple[str, str], ...]):
+    """The fsdp mesh as (fsdp ranks, 1) when the plan packs a projection, else None; collective over the
+    world (made on every rank, whatever its stages hold, as the plan is the same everywhere)."""
+    if not any((parse_style(style) or ("", 1))[1] > 1 for _, style in plan):
+        return None
+    return unflatten_mesh(mesh, (mesh.size(), 1), ("fsdp_whole", "fsdp_one"))
+
+
+def _whole_placement(stage: nn.Module, tp_parts: Mapping[str, tuple], whole_mesh):
+    """``fully_shard``'s ``shard_placement_fn``: each tensor packed along dim 0 (GPT-2's fused ``c_attn`` bias)
+    stays whole on every fsdp rank; every other parameter FSDP's default dim-0 chunk.
+
+    Why: tp rank t holds such a bias as ``[q_t, k_t, v_t]`` (a strided shard of dim 0), and FSDP2 can only
+    chunk a 1-D tensor along dim 0, keeping on fsdp rank f the f-th contiguous chunk of ``[q_t, k_t, v_t]``
+    (``q_t`` and half of ``k_t`` on 2 fsdp ranks). The forward would be right (the all-gather concatenates
+    the chunks) but no DTensor placement describes those chunks, so ``full_tensor`` (the gathered state, the
+    saved checkpoint) would put the values out of order. FSDP2's own per-parameter mesh instead shards the
+    bias over a 1-rank dim and replicates it over the fsdp ranks (HSDP's placement): ``(Replicate(),
+    <1-rank shard>, <tp's strided shard>)``, which ``full_tensor`` gathers right, and whose gradient FSDP
+    all-reduces over the fsdp ranks. Such a bias is small (3 x hidden); a weight packed along dim 0 would be
+    kept whole the same way.
+    """
+    if whole_mesh is None:
+        return None
+    packed = _packed_dim0(tp_parts)
+    held = {id(p) for name, p in stage.named_parameters(remove_duplicate=False) if name in packed}
+    whole = whole_placement(whole_mesh)
+    return lambda p: whole if id(p) in held else None
 
 
 def _units(stage: nn.Module) -> list[nn.Module]:
@@ -157,6 +195,7 @@ def shard_stages(
     from torch.distributed.fsdp import fully_shard
 
     _check_no_shared(stages, tied)
+    whole_mesh = _whole_mesh(mesh, tp[0]) if tp else None
     shards: dict[str, torch.Tensor] = {}
     for stage in stages:
         # Buffers (rotary frequencies, position ids) are real already; to_empty would drop them.
@@ -164,9 +203,10 @@ def shard_stages(
         _meta_parameters(stage, dtypes, tied, tp[2] if tp else None)
         if tp:  # the meta tp slices become tp DTensors, which fully_shard then chunks (no data moves)
             apply_tensor_parallel(stage, tp[0], tp[1])
+        placement = _whole_placement(stage, tp[2], whole_mesh) if tp else None
         for unit in _units(stage):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-        fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement)
         shards.update(_allocate(stage, device))
         set_buffers([stage], buffers, device)
         _sum_gradients(stage)
@@ -174,15 +214,16 @@ def shard_stages(
     return shards
 
 
-def refuse_packed(plan: tuple[tuple[str, str], ...]) -> None:
-    """Refuse FSDP over a packed tensor-parallel projection (GPT-2's fused q, k, v): its bias is a strided
-    shard of dim 0 already, which FSDP's dim-0 chunks would nest in a second strided shard that
-    ``full_tensor`` (hence the saved checkpoint) does not put back in order."""
+def refuse_packed(plan: tuple[tuple[str, str], ...], *, replicas: int = 1) -> None:
+    """Refuse HSDP (``replicas`` > 1) over a packed tensor-parallel projection (GPT-2's fused q, k, v): its
+    bias is kept whole on each fsdp rank by a (fsdp ranks, 1) mesh (:func:`_whole_placement`), made from the
+    1-D fsdp mesh only. Plain FSDP over such a plan is loaded."""
     packed = [name for name, style in plan if (parse_style(style) or ("", 1))[1] > 1]
-    if packed:
+    if packed and replicas > 1:
         raise InputError(
-            f"fsdp_size with tp_size: the tensor-parallel plan packs {packed} (fused projections sharded block by "
-            "block), which FSDP cannot shard again yet; load this model with tp_size or fsdp_size alone"
+            f"fsdp_size with tp_size and {replicas} replicas: the tensor-parallel plan packs {packed} (fused "
+            "projections sharded block by block), which HSDP cannot shard yet; launch fsdp_size x pp_size x "
+            "tp_size processes (one replica) or load without tp_size"
         )
 
 

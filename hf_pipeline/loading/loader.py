@@ -188,7 +188,7 @@ def _load_stages(
         when the read ended (the caller times what follows it).
     """
     if dims.fsdp_size > 1:
-        refuse_packed(options.tp_plan)
+        refuse_packed(options.tp_plan, replicas=dims.replicas)
     index = CheckpointIndex.from_directory(ckpt)
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)

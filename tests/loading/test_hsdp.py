@@ -25,8 +25,10 @@ The same job then loads tp2 x fsdp2 (the mesh (fsdp=2, pp=1, tp=2): FSDP2 over t
 keeps about a quarter of the tensor-parallel layers and reads exactly the bytes it keeps (its fsdp chunk
 of its tp slice of each tensor), and the total norm sums the
 (fsdp, tp) shards over both groups and the fsdp-only ones (norms, embeddings) over fsdp alone (a sum over
-one group only was 1.22 instead of 1.39 in the first step). A packed projection (GPT-2's fused
-``c_attn``) is refused there, on every rank, naming it.
+one group only was 1.22 instead of 1.39 in the first step). GPT-2 (untied, no dropout) runs the same
+sequence on that mesh: its packed ``c_attn`` bias (tp rank t holds ``[q_t, k_t, v_t]``) is kept whole
+on each fsdp rank, and every gathered tensor, the saved checkpoint and the resumed step equal
+transformers' (FSDP's dim-0 chunk of it gathered the values out of order, some repeated).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import pytest
 import tiny
 import torch
 from harness import run_distributed
-from test_tensor_parallel import _bad
 from tp_helpers import EPS, LR, compare, gathered
 
 pytestmark = pytest.mark.dist
@@ -45,8 +46,11 @@ HSDP = {"fsdp_size": 2, "num_stages": 2, "virtual_stages": 2, "schedule": "inter
 TP_FSDP = {**HSDP, "tp_size": 2}  # FSDP2 over the tensor-parallel shards: a (fsdp=2, pp=1, tp=2) mesh
 
 
-def _prompt():
-    return tiny.sample_inputs("llama", batch=4, seq=6)  # a row per data-parallel rank (fewer are refused)
+GPT2 = {"tie_word_embeddings": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # no shared stage
+
+
+def _prompt(arch):
+    return tiny.sample_inputs(arch, batch=4, seq=6)  # a row per data-parallel rank (fewer are refused)
 
 
 def _load(path, kwargs=HSDP):  # noqa: B006 - read only
@@ -55,15 +59,15 @@ def _load(path, kwargs=HSDP):  # noqa: B006 - read only
     return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
 
 
-def _step(model, opt, step: int) -> tuple[float, float]:
-    loss = float(model.train_step(tiny.make_batch("llama", 8, seed=step)))
+def _step(model, opt, step: int, arch: str = "llama") -> tuple[float, float]:
+    loss = float(model.train_step(tiny.make_batch(arch, 8, seed=step)))
     norm = float(model.clip_grad_norm_(1.0))
     opt.step()
     opt.zero_grad()
     return loss, norm
 
 
-def _case(path, save_dir, kwargs):
+def _case(path, save_dir, kwargs, arch="llama"):
     """Load, forward, generate, two clipped AdamW steps, save with the optimizer, a third step; then the
     save resumed on the same mesh and its third step."""
     from hf_pipeline.training.checkpoint import load_training_state
@@ -74,44 +78,44 @@ def _case(path, save_dir, kwargs):
     res = {"dims": (dims.dp_size, dims.replicas, dims.fsdp_size, dims.pp_size, dims.fsdp_rank), "plan": str(model.plan),
            "kept": sum(t.numel() for t in local), "read": model.load_report.bytes_read, "loaded": gathered(model)}
     with torch.no_grad():
-        res["logits"] = model(**tiny.sample_inputs("llama", batch=4, seq=9)).logits
-    res["tokens"] = model.generate(**_prompt(), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        res["logits"] = model(**tiny.sample_inputs(arch, batch=4, seq=9)).logits
+    res["tokens"] = model.generate(**_prompt(arch), max_new_tokens=5, do_sample=False, pad_token_id=0)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    res["losses"], res["norms"] = (list(x) for x in zip(*[_step(model, opt, step) for step in (1, 2)]))
+    res["losses"], res["norms"] = (list(x) for x in zip(*[_step(model, opt, step, arch) for step in (1, 2)]))
     res["params"] = gathered(model)
     model.save_pretrained(save_dir, optimizer=opt, step=2, max_shard_size="50KB")
-    res["third"] = _step(model, opt, 3)[0]
+    res["third"] = _step(model, opt, 3, arch)[0]
     res["third_params"] = gathered(model)
     resumed = _load(save_dir, kwargs)
     resumed.train()
     opt = torch.optim.AdamW(resumed.parameters(), lr=LR, eps=EPS)
     res["resumed_step"] = load_training_state(resumed, save_dir, optimizer=opt)["step"]
-    res["resumed"] = _step(resumed, opt, 3)[0]
+    res["resumed"] = _step(resumed, opt, 3, arch)[0]
     res["resumed_params"] = gathered(resumed)
     return res
 
 
-def _job(path, save_dir, base, tp_dir, gpt2):
+def _job(path, save_dir, base, tp_dir, gpt2, gpt2_dir):
     res = _case(path, save_dir, HSDP)
     torch.manual_seed(SEED)
     headless = _load(base)
     res["initialized"], res["lm_head"] = headless.load_report.initialized, gathered(headless)["lm_head.weight"]
     res["tp"] = _case(path, tp_dir, TP_FSDP)
-    res["packed"] = _bad(gpt2, TP_FSDP)  # GPT-2's fused c_attn: refused under tp x fsdp, on every rank
+    res["packed"] = _case(gpt2, gpt2_dir, TP_FSDP, "gpt2")  # GPT-2's fused c_attn under tp x fsdp
     return res
 
 
-def _reference(path) -> dict:
+def _reference(path, arch="llama") -> dict:
     ref = tiny.reference(path, "AutoModelForCausalLM")
     with torch.no_grad():
-        out = {"logits": ref(**tiny.sample_inputs("llama", batch=4, seq=9)).logits}
-    out["tokens"] = ref.generate(**_prompt(), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        out = {"logits": ref(**tiny.sample_inputs(arch, batch=4, seq=9)).logits}
+    out["tokens"] = ref.generate(**_prompt(arch), max_new_tokens=5, do_sample=False, pad_token_id=0)
     ref.train()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     out["losses"], out["norms"] = [], []
     for step in (1, 2, 3):
-        loss = ref(**tiny.make_batch("llama", 8, seed=step)).loss
+        loss = ref(**tiny.make_batch(arch, 8, seed=step)).loss
         loss.backward()
         out["losses"].append(float(loss.detach()))
         out["norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
@@ -143,13 +147,15 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
     save_dir = tmp_path / "checkpoint-2"
     base = str(tiny.make_checkpoint(tmp_path / "base", "llama", auto="AutoModel"))
     tp_dir = tmp_path / "tp-checkpoint-2"
-    gpt2 = str(tiny.make_checkpoint(tmp_path / "gpt2", "gpt2"))
-    per_rank = run_distributed(_job, 4, path, str(save_dir), base, str(tp_dir), gpt2, timeout=600)
-    ref = _reference(path)
+    gpt2 = str(tiny.make_checkpoint(tmp_path / "gpt2", "gpt2", **GPT2))
+    gpt2_dir = tmp_path / "gpt2-checkpoint-2"
+    per_rank = run_distributed(_job, 4, path, str(save_dir), base, str(tp_dir), gpt2, str(gpt2_dir), timeout=600)
+    ref, ref_gpt2 = _reference(path), _reference(gpt2, "gpt2")
     torch.manual_seed(SEED)
     head = tiny.reference(base, "AutoModelForCausalLM").lm_head.weight.detach()
     whole = sum(t.numel() for t in ref["params"].values())
     stored = {n: p.detach() for n, p in tiny.reference(path, "AutoModelForCausalLM").named_parameters()}
+    want_gpt2 = {n: p.detach() for n, p in tiny.reference(gpt2, "AutoModelForCausalLM").named_parameters()}
     for rank, res in enumerate(per_rank):
         what = f"rank {rank} dp2 x fsdp2"
         assert res["dims"] == (4, 2, 2, 1, rank % 2), f"{what}: (dp, replicas, fsdp, pp, fsdp rank) {res['dims']}"
@@ -169,15 +175,21 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
             assert set(loaded) == set(stored), (case, sorted(set(loaded) ^ set(stored)))
             for key, want in stored.items():  # the shards' placements put the bytes read back in place
                 assert torch.equal(loaded[key], want), f"{case}: loaded {key} differs"
-        assert res["packed"] is not None and "InputError" in res["packed"] and "c_attn" in res["packed"], res["packed"]
-    for where, params in ((save_dir, per_rank[0]["params"]), (tp_dir, per_rank[0]["tp"]["params"])):
+        packed, case = res["packed"], f"rank {rank} GPT-2 tp2 x fsdp2"  # c_attn.bias whole on each fsdp rank
+        assert packed["read"] == 4 * packed["kept"], f"{case}: read {packed['read']} to keep {packed['kept']}"
+        _check_case(case, packed, ref_gpt2)
+        assert set(packed["loaded"]) == set(want_gpt2), (case, sorted(set(packed["loaded"]) ^ set(want_gpt2)))
+        for key, want in want_gpt2.items():
+            assert torch.equal(packed["loaded"][key], want), f"{case}: loaded {key} differs"
+    for where, params, want_ref in ((save_dir, per_rank[0]["params"], ref), (tp_dir, per_rank[0]["tp"]["params"], ref),
+                                    (gpt2_dir, per_rank[0]["packed"]["params"], ref_gpt2)):
         saved = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
         for key, want in params.items():
             assert torch.equal(saved.get_parameter(key).detach(), want), f"{where}: saved {key} differs"
         states = {}
         for name in sorted((where / "optimizer").glob("pp-*.pt")):
             states.update(torch.load(name, weights_only=True)["state"])
-        assert set(states) == set(ref["exp_avg"]), sorted(set(states) ^ set(ref["exp_avg"]))
-        for key, want in ref["exp_avg"].items():
+        assert set(states) == set(want_ref["exp_avg"]), sorted(set(states) ^ set(want_ref["exp_avg"]))
+        for key, want in want_ref["exp_avg"].items():
             d = (states[key]["exp_avg"] - want).abs().max().item()
             assert d <= 1e-6, f"{where}: saved exp_avg of {key}: max abs diff {d} (largest {want.abs().max().item()})"

@@ -70,3 +70,24 @@ def test_a_chunk_of_a_tensor_parallel_slice_is_read_into_the_tensor(llama, monke
         assert tensors[n] is into[n], n
         torch.testing.assert_close(tensors[n], want[n].to(target), rtol=0, atol=0, msg=n)
     assert report.bytes_read == sum(want[n].numel() * 4 for n in names)
+
+
+def test_a_packed_dim0_part_is_read_whole_on_each_fsdp_rank_and_refused_under_hsdp():
+    """GPT-2's c_attn bias (packed along dim 0) is read as its whole tp slice on every fsdp rank (FSDP keeps
+    it whole there); its weight (packed along dim 1) and plain tensors get the fsdp rank's dim-0 chunk."""
+    from hf_pipeline.errors import InputError
+    from hf_pipeline.loading.fsdp import fsdp_parts, refuse_packed
+
+    stage = torch.nn.Module()
+    stage.c_attn = torch.nn.Linear(4, 12)  # names only: fsdp_parts reads no values
+    stage.ln = torch.nn.LayerNorm(4)
+    tp = {"c_attn.bias": (0, 1, 2, 3), "c_attn.weight": (1, 1, 2, 3)}
+    parts = fsdp_parts([stage], 1, 2, tp_parts=tp)
+    assert parts["c_attn.bias"] == (0, 1, 2, 3), parts
+    assert parts["c_attn.weight"] == ((1, 1, 2, 3), (0, 1, 2)), parts
+    assert parts["ln.weight"] == (0, 1, 2), parts
+    plan = (("h.*.attn.c_attn", "packed_colwise:3"), ("h.*.mlp.c_fc", "colwise"))
+    refuse_packed(plan)  # plain FSDP over tp: loaded
+    with pytest.raises(InputError, match=r"c_attn.*HSDP"):
+        refuse_packed(plan, replicas=2)
+    refuse_packed((("h.*.mlp.c_fc", "colwise"),), replicas=2)
