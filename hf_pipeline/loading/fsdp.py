@@ -12,7 +12,9 @@ peak (freed heap is not given back to the system, so the peak stays in the RSS).
 parallelism too (FSDP2 over the tp ``DTensor`` shards, as torchtitan composes them), the meta stage is
 made tensor-parallel first, then sharded: a rank's shard of a tp-sharded tensor is the dim-0 chunk of
 its tp slice, which :func:`fsdp_parts` names as the tp part then the chunk, so the reader reads just
-those bytes (a colwise weight: one byte range; a rowwise one: the tp columns of the chunk's rows).
+those bytes (a colwise weight: one byte range; a rowwise one: the tp columns of the chunk's rows). A
+tensor packed along dim 0 (GPT-2's fused ``c_attn`` bias) is the exception: each fsdp rank keeps its
+whole tp slice, replicated over the fsdp ranks (see :func:`_whole_placement` for why).
 
 ``reshard_after_forward=False``: with several microbatches in flight a stage runs the forwards of
 some before the backwards of others (1F1B), so resharding after each forward would all-gather every
@@ -54,7 +56,8 @@ def fsdp_parts(
     """Stage parameter name -> ``(0, rank, count)``: the dim-0 chunk fsdp rank ``rank`` of ``count`` reads
     of it (every replica's fsdp rank ``rank`` alike, under HSDP); ``(tp part, (0, rank, count))`` for a
     tensor in ``tp_parts`` (:func:`~hf_pipeline.loading.tensor_parallel.shard_parts`): the chunk of the
-    tp slice, as FSDP2 chunks a ``DTensor``'s local tensor."""
+    tp slice, as FSDP2 chunks a ``DTensor``'s local tensor; the tp part alone (the whole slice) for a tensor
+    packed along dim 0, which every fsdp rank keeps whole (:func:`_whole_placement`)."""
     tp_parts = tp_parts or {}
     chunk = (0, rank, count)
     whole = _packed_dim0(tp_parts)  # kept whole on each fsdp rank (see _whole_placement): its tp slice alone
