@@ -1,7 +1,6 @@
 """The benchmark script at tiny size (``--quick``), so it cannot rot: every section runs and reports."""
 
 import dataclasses
-import importlib.util
 import json
 import math
 import pathlib
@@ -12,16 +11,13 @@ import time
 
 import pytest
 import torch
+from scripts_module import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("hf_pipeline_benchmark", ROOT / "scripts" / "benchmark.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmark.py", "hf_pipeline_benchmark")
 
 
 def test_random_checkpoint_is_a_real_sharded_checkpoint(tmp_path):

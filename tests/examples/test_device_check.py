@@ -9,7 +9,6 @@ watchdog of the time budget.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -20,6 +19,7 @@ import sys
 import pytest
 import torch
 from harness import free_port
+from scripts_module import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "device_check.py"
@@ -176,11 +176,7 @@ def test_budget_watchdog_writes_the_figures_and_ends_the_run(tmp_path):
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT.name, "device_check")
 
 
 def test_json_is_never_seen_half_written_while_two_threads_write_it(tmp_path):

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+from scripts_module import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.dist  # runs ruff in a subprocess
 def test_house_figures_of_this_checkout_meet_the_rules(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("house_figures", ROOT / "scripts" / "house_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("house_figures.py", "house_figures")
     got = module.figures(ROOT)
     assert got["modules over 500 lines (package, scripts, benchmarks)"] == 0
     assert got["functions over 80 lines"] == 0

@@ -4,7 +4,6 @@ flat from a warm-up batch to the end of the load, and a clean stop on SIGTERM.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 import torch
 import transformers
 from live_server import ROOT, rss_bytes, start_server
+from scripts_module import load_script
 
 from hf_pipeline.tools.default_model import default_model_path
 
@@ -35,11 +35,7 @@ ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _load_test():
-    spec = importlib.util.spec_from_file_location("load_test", ROOT / "scripts" / "load_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("load_test.py", "load_test")
 
 
 def _expected(model) -> dict[int, tuple[str, int]]:
