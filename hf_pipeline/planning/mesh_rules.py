@@ -9,6 +9,7 @@ Example:
     >>> tp_plan_source(gpt2_config)
     'recipe'
     >>> check_tp_schedule("zbv-zero-bubble", 2)   # raises InputError naming the schedule, or passes
+    >>> check_fsdp_schedule("dualpipev", 2)       # likewise for FSDP stages
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import re
 from ..errors import InputError
 from ..families.recipe import list_recipes
 
-__all__ = ["TP_REFUSED_SCHEDULES", "check_tp_schedule", "parse_style", "tp_families", "tp_plan_source"]
+__all__ = [
+    "FSDP_REFUSED_SCHEDULES", "TP_REFUSED_SCHEDULES", "check_fsdp_schedule", "check_tp_schedule", "parse_style",
+    "tp_families", "tp_plan_source",
+]
 
 # Schedules a tensor-parallel stage cannot run, with why. None today: every schedule of
 # planning/schedules.py (gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zero-bubble,
@@ -26,6 +30,12 @@ __all__ = ["TP_REFUSED_SCHEDULES", "check_tp_schedule", "parse_style", "tp_famil
 # the zero-bubble schedules' split backward (input gradients first, weight gradients later) goes
 # through the DTensor shards unchanged. A schedule found not to is added here with its reason.
 TP_REFUSED_SCHEDULES: dict[str, str] = {}
+
+# Schedules FSDP stages cannot train with, each with the reason (none: every schedule runs, the zero-bubble
+# ones included, since torch's runtime reduce-scatters a stage's gradients once, at the REDUCE_GRAD action
+# it places after the stage's last W (``PipelineStage.perform_reduce_grad``), so the deferred weight
+# gradients of ``runtime/weight_pass.py`` are in it; tests/training/test_fsdp_zero_bubble.py).
+FSDP_REFUSED_SCHEDULES: dict[str, str] = {}
 
 
 def parse_style(style: str) -> tuple[str, int] | None:
@@ -64,11 +74,24 @@ def tp_families() -> dict[str, str]:
 def check_tp_schedule(schedule: str, tp_size: int) -> None:
     """Raise :class:`InputError` if ``schedule`` cannot run tensor-parallel stages (``tp_size`` > 1)."""
     if tp_size > 1 and schedule in TP_REFUSED_SCHEDULES:
-        allowed = ", ".join(repr(s) for s in _schedules() if s not in TP_REFUSED_SCHEDULES)
         raise InputError(
-            f"schedule={schedule!r} with tp_size={tp_size}: {TP_REFUSED_SCHEDULES[schedule]}; use one of {allowed}, "
-            f"or tp_size=1"
+            f"schedule={schedule!r} with tp_size={tp_size}: {TP_REFUSED_SCHEDULES[schedule]}; use one of "
+            f"{_allowed(TP_REFUSED_SCHEDULES)}, or tp_size=1"
         )
+
+
+def check_fsdp_schedule(schedule: str, fsdp_size: int) -> None:
+    """Raise :class:`InputError` if ``schedule`` cannot train FSDP stages (``fsdp_size`` > 1)."""
+    if fsdp_size > 1 and schedule in FSDP_REFUSED_SCHEDULES:
+        raise InputError(
+            f"fsdp_size={fsdp_size} with the schedule {schedule!r} is not supported "
+            f"({FSDP_REFUSED_SCHEDULES[schedule]}); use one of {_allowed(FSDP_REFUSED_SCHEDULES)}, or fsdp_size=1"
+        )
+
+
+def _allowed(refused: dict[str, str]) -> str:
+    """The schedules ``refused`` leaves, quoted, for a message."""
+    return ", ".join(repr(s) for s in _schedules() if s not in refused)
 
 
 def _schedules() -> list[str]:

@@ -27,6 +27,7 @@ import transformers
 from ..compat import auto_model_mapping
 from ..errors import CheckpointNotFoundError, InputError
 from ..families.recipe import list_recipes
+from .mesh_rules import check_fsdp_schedule
 from .schedules import ScheduleSpec, check_layout, choose_schedule, default_schedule, get_schedule
 from .tp_plan import ParallelRequest, tp_plan
 
@@ -269,26 +270,15 @@ def _stage_counts(
     return virtual_stages, num_stages, pp_size
 
 
-# Schedules FSDP stages cannot train with, each with the reason (none: every schedule runs, the zero-bubble
-# ones included, since torch's runtime reduce-scatters a stage's gradients once, at the REDUCE_GRAD action
-# it places after the stage's last W (``PipelineStage.perform_reduce_grad``), so the deferred weight
-# gradients of ``runtime/weight_pass.py`` are in it; tests/training/test_fsdp_zero_bubble.py).
-FSDP_REFUSED_SCHEDULES: dict[str, str] = {}
-
-
 def _refuse_with_fsdp(spec: ScheduleSpec, fsdp: int, traced: bool) -> None:
     """What FSDP stages cannot run: traced stages (no blocks to make units of) and the schedules of
-    :data:`FSDP_REFUSED_SCHEDULES`."""
+    :data:`~hf_pipeline.planning.mesh_rules.FSDP_REFUSED_SCHEDULES`."""
     if fsdp > 1 and traced:
         raise InputError(
             f"fsdp_size={fsdp}: FSDP needs the stages of a recipe (its blocks are the FSDP units), and this model "
             "is split by the tracer (no recipe for its family or head); load it without fsdp_size"
         )
-    if fsdp > 1 and spec.name in FSDP_REFUSED_SCHEDULES:
-        raise InputError(
-            f"fsdp_size={fsdp} with the schedule {spec.name!r} is not supported ({FSDP_REFUSED_SCHEDULES[spec.name]}); "
-            "use '1f1b', 'gpipe' or 'interleaved-1f1b'"
-        )
+    check_fsdp_schedule(spec.name, fsdp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Which schedules FSDP stages train with: all of them (``planning.options.FSDP_REFUSED_SCHEDULES`` is empty),
+"""Which schedules FSDP stages train with: all of them (``planning.mesh_rules.FSDP_REFUSED_SCHEDULES`` is empty),
 and a schedule put in that table is refused by name with its reason. The numbers of the zero-bubble ones
 under FSDP: tests/training/test_fsdp_zero_bubble.py."""
 
@@ -8,7 +8,7 @@ import pytest
 import tiny
 
 from hf_pipeline.errors import InputError
-from hf_pipeline.planning import options
+from hf_pipeline.planning import mesh_rules
 from hf_pipeline.planning.options import PipelineOptions
 from hf_pipeline.planning.tp_plan import ParallelRequest
 
@@ -23,11 +23,11 @@ def _resolve(schedule: str) -> PipelineOptions:
 
 
 def test_zero_bubble_schedules_resolve_with_fsdp(monkeypatch):
-    assert options.FSDP_REFUSED_SCHEDULES == {}
+    assert mesh_rules.FSDP_REFUSED_SCHEDULES == {}
     for schedule in ZERO_BUBBLE:
         opts = _resolve(schedule)
         assert (opts.schedule.name, opts.pp_size, opts.fsdp_size) == (schedule, 2, 2)
-    monkeypatch.setitem(options.FSDP_REFUSED_SCHEDULES, "dualpipev", "its halves overlap")
+    monkeypatch.setitem(mesh_rules.FSDP_REFUSED_SCHEDULES, "dualpipev", "its halves overlap")
     with pytest.raises(InputError, match=r"fsdp_size=2 with the schedule 'dualpipev' is not supported \(its halves"):
         _resolve("dualpipev")
     _resolve("zbv-zero-bubble")  # the others still run
