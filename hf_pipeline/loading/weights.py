@@ -433,38 +433,24 @@ class _TensorReader:
                     f"{into.is_contiguous()}, requires_grad {into.requires_grad}), read {_read_shape(t)} {t.target} "
                     f"on {self.device}: pass a detached contiguous tensor"
                 )
-        if t.part is not None:  # a slice along a dim > 0 (tensor parallelism): only its byte ranges
-            return self._read_part(f, t, into)
-        if self.device.type == "cpu" and t.target == t.stored:
-            out = torch.empty(t.shape, dtype=t.stored) if into is None else into
-            if t.nbytes:
-                _readinto(f, t.offset, _as_bytes(out))
-            return _from_little_endian(out)
-        out = torch.empty(t.shape, dtype=t.target, device=self.device) if into is None else into
-        flat = out.view(-1)
-        size = t.stored.itemsize
-        bounce = self._bounce_buffer()
-        per = len(bounce) // size  # whole elements per chunk
-        for first in range(0, flat.numel(), per):
-            n = min(per, flat.numel() - first)
-            chunk = bounce[: n * size]
-            _readinto(f, t.offset + first * size, _as_bytes(chunk))
-            flat[first : first + n].copy_(_from_little_endian(chunk.view(t.stored)))
-        return out
-
-    def _read_part(self, f, t: _TensorPlan, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The slice ``t.part`` of a tensor along a dim > 0 (or of a packed tensor's blocks): only its byte
-        ranges are read, straight into the result when it keeps its dtype on CPU, else through the bounce
-        buffer, filled with several ranges at a time, so the extra memory stays one chunk. ``into``: the
-        (checked) tensor to fill instead of a new one."""
-        dim, ranges = t.part
         out = torch.empty(_read_shape(t), dtype=t.target, device=self.device) if into is None else into
-        if self.device.type == "cpu" and t.target == t.stored:
+        if t.part is None:  # the whole tensor (or a dim-0 part: its plan already narrowed): one byte range
+            ranges = [(t.offset, t.nbytes)] if t.nbytes else []
+        else:  # a slice along a dim > 0 (tensor parallelism), or a packed tensor's blocks: only their bytes
+            dim, kept = t.part
+            ranges = slice_byte_ranges(t.offset, t.shape, t.stored.itemsize, dim, kept)
+        if self.device.type == "cpu" and t.target == t.stored:  # straight into the result
             dest, at = _as_bytes(out), 0
-            for offset, n in slice_byte_ranges(t.offset, t.shape, t.stored.itemsize, dim, ranges):
+            for offset, n in ranges:
                 _readinto(f, offset, dest[at : at + n])
                 at += n
             return _from_little_endian(out)
+        self._read_cast(f, t, ranges, out)
+        return out
+
+    def _read_cast(self, f, t: _TensorPlan, ranges, out: torch.Tensor) -> None:
+        """Fill ``out`` (cast, or on an accelerator) with the bytes of ``ranges`` through the bounce buffer,
+        several ranges or one range's pieces at a time, so the extra memory stays one chunk."""
         size = t.stored.itemsize
         bounce = self._bounce_buffer()
         capacity = len(bounce) // size * size  # whole elements; every range is whole elements too
@@ -477,7 +463,7 @@ class _TensorReader:
             flat[done : done + n].copy_(_from_little_endian(bounce[:filled].view(t.stored)))
             done, filled = done + n, 0
 
-        for offset, n in slice_byte_ranges(t.offset, t.shape, t.stored.itemsize, dim, ranges):
+        for offset, n in ranges:
             while n:
                 take = min(n, capacity - filled)
                 _readinto(f, offset, view[filled : filled + take])
@@ -486,7 +472,6 @@ class _TensorReader:
                     flush()
         if filled:
             flush()
-        return out
 
 
 _CHUNK = 16 << 20  # bytes per cast / transfer step: small next to any stage, large enough for full-speed reads
