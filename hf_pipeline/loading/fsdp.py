@@ -73,10 +73,15 @@ def _packed_dim0(tp_parts: Mapping[str, tuple]) -> set[str]:
     return {name for name, part in tp_parts.items() if part[0] == 0 and len(part) > 3 and part[3] > 1}
 
 
+def _packed_modules(plan: tuple[tuple[str, str], ...]) -> list[str]:
+    """The plan's module patterns whose style packs blocks side by side (GPT-2's fused ``c_attn``)."""
+    return [name for name, style in plan if (parse_style(style) or ("", 1))[1] > 1]
+
+
 def _whole_mesh(mesh, plan: tuple[tuple[str, str], ...]):
     """The fsdp mesh as (fsdp ranks, 1) when the plan packs a projection, else None; collective over the
     world (made on every rank, whatever its stages hold, as the plan is the same everywhere)."""
-    if not any((parse_style(style) or ("", 1))[1] > 1 for _, style in plan):
+    if not _packed_modules(plan):
         return None
     return unflatten_mesh(mesh, (mesh.size(), 1), ("fsdp_whole", "fsdp_one"))
 
@@ -221,7 +226,7 @@ def refuse_packed(plan: tuple[tuple[str, str], ...], *, replicas: int = 1) -> No
     """Refuse HSDP (``replicas`` > 1) over a packed tensor-parallel projection (GPT-2's fused q, k, v): its
     bias is kept whole on each fsdp rank by a (fsdp ranks, 1) mesh (:func:`_whole_placement`), made from the
     1-D fsdp mesh only. Plain FSDP over such a plan is loaded."""
-    packed = [name for name, style in plan if (parse_style(style) or ("", 1))[1] > 1]
+    packed = _packed_modules(plan)
     if packed and replicas > 1:
         raise InputError(
             f"fsdp_size with tp_size and {replicas} replicas: the tensor-parallel plan packs {packed} (fused "
