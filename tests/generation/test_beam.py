@@ -9,7 +9,7 @@ microbatching:
     also with ``prefill_chunk_size`` and ``no_repeat_ngram_size`` (a processor reading each beam's past);
   * with ``return_dict_in_generate=True`` the output is transformers' class, and its
     ``sequences_scores``, per-step ``scores`` and ``logits`` (beam and greedy: rows that finished
-    early included) match to 1e-5 (fp32, only the summation order differs), ``beam_indices`` exactly;
+    early included) match to 1e-3 relative (fp32, see TOL), ``beam_indices`` exactly;
   * seeded sampling's dict equals the one-process pipelined run (the per-row stream is not transformers');
   * two data-parallel replicas (world 2, one stage each) give the same beams;
   * refused beam arguments (num_return_sequences > num_beams, num_beams=2.5, beam sampling,
@@ -24,7 +24,12 @@ import torch
 from harness import run_distributed
 
 NEW = 6  # new tokens per request
-TOL = 1e-5  # fp32 scores and logits: same kernels, only the summation order may differ (relative to 1 + |value|)
+# fp32 scores and logits, relative to 1 + |value|. The pipeline runs transformers' own modules on each
+# microbatch, and is bitwise equal to transformers run on those same rows; but transformers itself gives a
+# batch of 4 and two batches of 2 different roundings where the GEMM blocking depends on the row count
+# (T5 here, logits up to ~30: up to 3.6e-5 relative, measured on an AVX-512 AMD EPYC). What this must catch (a
+# wrong cache, mask, position bias or processor) moves scores by 1e-1 or more, so 1e-3 sits between.
+TOL = 1e-3
 ARCHS = ("llama", "gpt2", "t5")
 SAMPLE = dict(do_sample=True, temperature=0.9, top_k=20, seed=5)
 REFUSED = (  # (kwargs, error class, start of its message)
