@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..generation.continuous import NewRow
-from ..tools.kv_cache import kv_cache_bytes
+from ..planning.kv_cache_sizes import kv_cache_bytes
 from .handles import Handle
 
 __all__ = ["RingFeeder", "pool_rows", "row_kv_bytes"]

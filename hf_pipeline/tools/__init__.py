@@ -1,7 +1,7 @@
 """Tools around a pipelined model: the memory planner, the profiler, autotuning, convert, the default model.
 
-Lives here: :mod:`.memory` (per-rank memory predicted from the config, with :mod:`.kv_cache` for
-the KV-cache sizes and :mod:`.activation_memory` for what a forward keeps, checkpointed or not;
+Lives here: :mod:`.memory` (per-rank memory predicted from the config, with the KV-cache sizes
+of :mod:`hf_pipeline.planning.kv_cache_sizes` and :mod:`.activation_memory` for what a forward keeps;
 :mod:`.mesh_memory` for every rank of a pp x tp x fsdp x dp mesh, with :mod:`.mesh_shares` for a
 tensor-parallel rank's parameter slices and fsdp's units),
 :mod:`.checkpoint_budget` (activation checkpointing to a memory budget), :mod:`.profile` (recording

@@ -53,6 +53,7 @@ from ..errors import InputError
 from ..loading.stages import StageModule, build_stage, recipe_front_end
 from ..loading.weights import resolve_checkpoint
 from ..planning.actions import schedule_actions
+from ..planning.kv_cache_sizes import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan, compress_blocks, human_count
 from ..planning.resolve import ResolvedRecipe
@@ -60,7 +61,6 @@ from ..planning.schedules import check_training
 from ..planning.tp_plan import ParallelRequest
 from ..training.activation_checkpointing import CheckpointingSettings, apply_checkpointing
 from .activation_memory import CheckpointProbe, measure_saved_bytes
-from .kv_cache import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 from .mesh_shares import fsdp_unit_bytes, tp_local_shapes
 from .mesh_shares import human_bytes as _human
 
