@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"loading"},
     {"generation"},
+    {"continuous_batching"},
     {"training"},
     {"adapters"},
     {"tools"},

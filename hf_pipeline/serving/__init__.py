@@ -1,7 +1,6 @@
 """Serving: a request engine over the pipelined ``generate`` and an OpenAI-compatible HTTP API.
 
-Lives here: :mod:`.handles` (a request and the handle its tokens arrive on), :mod:`.continuous`
-(rank 0's side of the continuous decode ring: the queue as its feeder, the slot pool),
+Lives here: :mod:`.handles` (a request and the handle its tokens arrive on),
 :mod:`.scheduler` (which queued requests share a static round), :mod:`.channel` (plans from rank 0
 to every rank as JSON, tokens back to rank 0), :mod:`.engine` (the queue and the rounds, on every
 rank), :mod:`.protocol` (OpenAI request bodies checked and turned into requests) and :mod:`.server`
@@ -9,9 +8,10 @@ rank), :mod:`.protocol` (OpenAI request bodies checked and turned into requests)
 serving), so the engine needs no web stack).
 
 May import: the base modules and every room below the model facade (``distributed`` up to ``tools``;
-the continuous ring itself is :mod:`hf_pipeline.generation.continuous`). It talks to the model through
-its public methods (``generate``, ``config``, ``ctx``), the ring through its stages and plan, and wraps
-a ring session in the model's failure spreading (``model._spreading_failures``) as ``generate`` is.
+continuous batching, the ring with its feeder, slot pool and KV budget, is
+:mod:`hf_pipeline.continuous_batching`, which the engine wires to its queue). It talks to the model
+through its public methods (``generate``, ``config``, ``ctx``), the ring through its stages and plan,
+and wraps a ring session in the model's failure spreading (``model._spreading_failures``) as ``generate`` is.
 """
 
 from .engine import Engine

@@ -3,10 +3,11 @@
 Every rank runs :meth:`Engine.serve_forever` (or :meth:`Engine.step` in a loop).
 
 ``batching="continuous"`` (the default): when requests wait, rank 0 broadcasts a ``ring`` plan and
-every rank enters the long-lived decode ring of :mod:`hf_pipeline.generation.continuous`; requests
+every rank enters the long-lived decode ring of :mod:`hf_pipeline.continuous_batching.ring`; requests
 join free slots between steps as others finish, each with its own prompt, ``max_new_tokens``, stop
 criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline.serving.handles.Handle`
-as they come (:mod:`.continuous` is rank 0's side). The ring ends once a whole step ran no row and
+as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, within the slot pool of
+:mod:`hf_pipeline.continuous_batching.kv_budget`). The ring ends once a whole step ran no row and
 nothing is queued. Models the ring does not serve fall back to static rounds (``engine.batching``
 then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models (T5), data-parallel
 replicas, tensor parallelism, several stages per rank and sliding-window caches.
@@ -41,12 +42,13 @@ from typing import Any
 
 import torch
 
+from ..continuous_batching.feeder import RingFeeder
+from ..continuous_batching.kv_budget import pool_rows
+from ..continuous_batching.ring import ContinuousRing, continuous_refusal
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
-from ..generation.continuous import ContinuousRing, continuous_refusal
 from ..log import get_logger
 from .channel import TokenChannel, broadcast_json
-from .continuous import RingFeeder, pool_rows
 from .handles import Choice, CompletionRequest, Handle
 from .scheduler import RoundPlan, StaticBatcher
 

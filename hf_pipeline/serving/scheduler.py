@@ -2,7 +2,7 @@
 
 A static round is one pipelined ``generate`` call over a static batch: the requests it takes start
 together and the round ends when its longest row ends. The default, continuous batching (rows
-joining and leaving the decode ring between tokens, :mod:`.continuous`), needs no batches; static
+joining and leaving the decode ring between tokens, :mod:`hf_pipeline.continuous_batching`), needs no batches; static
 rounds also serve the models the ring does not (encoder-decoders, data-parallel replicas).
 
 A batch holds requests that can share one ``generate`` call:

@@ -120,8 +120,8 @@ def test_batcher_groups_only_what_one_generate_call_can_serve():
 
 
 def test_continuous_engine_settings_are_checked(bundled):
+    from hf_pipeline.continuous_batching.kv_budget import pool_rows, row_kv_bytes
     from hf_pipeline.errors import InputError, UsageError
-    from hf_pipeline.serving.continuous import pool_rows, row_kv_bytes
 
     tok, model, _ = bundled
     engine = Engine(model, tok)
@@ -241,30 +241,3 @@ def test_a_client_that_leaves_cancels_its_request(bundled):
 
     assert asyncio.run(read()) == []
     assert handle.cancelled and engine.queued == 0
-
-
-def test_ring_feeder_fills_free_slots_within_the_pool_and_frees_them():
-    import random
-    import threading as th
-    from types import SimpleNamespace
-
-    from hf_pipeline.serving.continuous import RingFeeder
-    from hf_pipeline.serving.engine import _ChoiceWriter
-
-    handles = [Handle(CompletionRequest(prompt_ids=[1, 2], max_new_tokens=2), "a"),
-               Handle(CompletionRequest(prompt_ids=[3], temperature=0.5, seed=9, n=2), "b"),
-               Handle(CompletionRequest(prompt_ids=[4]), "c"), Handle(CompletionRequest(prompt_ids=[5]), "d")]
-    engine = SimpleNamespace(_lock=th.Lock(), _queue=deque(handles), _rng=random.Random(0), running=[], eos={2},
-                             tokenizer=None)
-    engine.queued = 4
-    feeder = RingFeeder(engine, capacity=3, writer=_ChoiceWriter)
-    rows = feeder.admit([0, 1, 5, 7])  # 4 free slots, but a pool of 3 rows: a, then both choices of b
-    assert [(r.slot, r.prompt, r.index, r.seed) for r in rows] == [(0, [1, 2], 0, None), (1, [3], 0, 9), (5, [3], 1, 9)]
-    assert feeder.admit([7]) == [] and not feeder.idle()  # full: nothing joins, c and d wait
-    handles[2].cancel()
-    assert not feeder.deliver(0, 11) and feeder.deliver(0, 12)  # a's second token ends it ("length"), slot 0 frees
-    assert handles[0].result()[0].token_ids == [11, 12] and handles[0] not in engine.running
-    assert feeder.deliver(1, 2)  # EOS ends b's first choice
-    rows = feeder.admit([0, 1])  # c was cancelled while it waited: skipped; d joins
-    assert [(r.slot, r.prompt) for r in rows] == [(0, [5])] and handles[2] not in engine.running
-    assert feeder.peak_rows == 3

@@ -1,11 +1,12 @@
-"""Continuous batching across 3 ranks (one spawn; 2 ranks run it in ``test_server.py``, one process in
-``test_engine.py``): a stream of requests with different prompts, limits, stop criteria and arrival times
-(later ones submitted while earlier ones decode) on LLaMA (GQA) and GPT-2. Every greedy request against
-transformers' ``generate`` of it alone; a seeded sampled request alone and inside the busy stream against
-the model's own seeded ``generate``; per-request stop strings and stop ids; a KV pool too small for the
-stream (requests wait, all are served, never more rows than the pool); fewer ring steps than static rounds
-of the same stream need (rows really join as others leave); and a failure inside the ring fails the
-requests in flight, naming the stage, and the engine serves the next one."""
+"""Continuous batching across 3 ranks (one spawn; 2 ranks run it in ``tests/serving/test_server.py``, one
+process in ``tests/serving/test_engine.py``): a stream of requests with different prompts, limits, stop
+criteria and arrival times (later ones submitted while earlier ones decode) on LLaMA (GQA) and GPT-2.
+Every greedy request against transformers' ``generate`` of it alone; a seeded sampled request alone and
+inside the busy stream against the model's own seeded ``generate``; per-request stop strings and stop
+ids; a KV pool too small for the stream (requests wait, all are served, never more rows than the pool);
+fewer ring steps than static rounds of the same stream need (rows really join as others leave); and a
+failure inside the ring fails the requests in flight, naming the stage, and the engine serves the next
+one."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def _serve(path: str, text: str, requests: list[dict], late: int, pool_rows: int
     """Every rank: one engine; rank 0 submits the first ``late`` requests, the rest once the first has
     tokens (while it decodes), then the same stream to a static engine for its step count."""
     import hf_pipeline
+    from hf_pipeline.continuous_batching.kv_budget import row_kv_bytes
     from hf_pipeline.serving import CompletionRequest, Engine
-    from hf_pipeline.serving.continuous import row_kv_bytes
 
     tok = tiny.word_tokenizer(__import__("pathlib").Path(text))
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
@@ -77,8 +78,8 @@ def _serve(path: str, text: str, requests: list[dict], late: int, pool_rows: int
 def _fail_once(path: str) -> dict:
     """Every rank: the last stage's token choice raises once; the requests in flight fail, the next is served."""
     import hf_pipeline
+    from hf_pipeline.continuous_batching.ring import ContinuousRing
     from hf_pipeline.errors import InputError
-    from hf_pipeline.generation.continuous import ContinuousRing
     from hf_pipeline.serving import CompletionRequest, Engine
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)

@@ -1,13 +1,14 @@
-"""Continuous batching in the decode ring: rows join free slots between steps as others finish.
+"""The continuous decode ring: rows join free slots between steps as others finish.
 
 A long-lived ring over the pipeline's stages (one stage per rank). Its ``groups`` microbatches are
 each a group of ``group_size`` slots; stage 0 runs group ``i`` of step ``t`` after group ``i - 1``,
-and every other stage follows it one op behind, as in :mod:`.timetable` (``groups`` equal to the
-number of stages fills the pipe). Before each of its ops, stage 0 (whose rank holds the request
-queue, through a :class:`Feeder`) hands the tokens that came back to the feeder, which says which
-rows finished (stop ids, stop strings, ``max_new_tokens``, a cancelled request), and lets queued
-rows into the group's free slots. It sends that decision down the pipe with the activations, so
-every stage knows which rows of its group cache stay, which leave and which join:
+and every other stage follows it one op behind, as in :mod:`hf_pipeline.generation.timetable`
+(``groups`` equal to the number of stages fills the pipe). Before each of its ops, stage 0 (whose
+rank holds the request queue, through a :class:`~.feeder.Feeder`) hands the tokens that came back to
+the feeder, which says which rows finished (stop ids, stop strings, ``max_new_tokens``, a cancelled
+request), and lets queued rows into the group's free slots. It sends that decision down the pipe
+with the activations, so every stage knows which rows of its group cache stay, which leave and
+which join:
 
   * rows that stay run one decode step on the group's cache;
   * rows that leave are dropped from it (``Cache.batch_select_indices``), and cache columns that
@@ -20,15 +21,15 @@ every stage knows which rows of its group cache stay, which leave and which join
 
 The last stage chooses each row's token from its own logits processors (transformers', built from
 the row's merged ``GenerationConfig``) and, when sampling, its own generator seeded from
-``(seed, choice index)`` (``sampling.row_seed``): a row's tokens never depend on its neighbours.
+``(seed, choice index)`` (``generation.sampling.row_seed``): a row's tokens never depend on its neighbours.
 
-Note (protocol): between consecutive stages, per op: an int64 header ``(4 + group_size,)`` =
-``[run (1) or stop (0), rows kept, rows joining, JSON bytes, slot ids in row order (kept, then
-joining), -1...]`` and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros past the kept
-rows; sent for a stop too), both as bytes in one uint8 message; then, when rows join, their JSON
-(uint8; prompt and sampling parameters) and hidden states ``(joining, longest prompt, hidden)``. The
-fixed-size message is received ahead (posted once the previous op's messages are), the others when
-the header gives their size.
+Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
+``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
+its layout is in :mod:`.wire`) and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros
+past the kept rows; sent for a stop too), both as bytes in one uint8 message; then, when rows join,
+their JSON (:func:`~.wire.pack_rows`: prompt and sampling parameters) and hidden states ``(joining,
+longest prompt, hidden)``. The fixed-size message is received ahead (posted once the previous op's
+messages are), the others when the header gives their size.
 Last stage -> stage 0, per run op: int64 ``(group_size,)``, the chosen token of each row in header
 order, received ahead from the moment stage 0 sends the op. Each directed pair of ranks carries one
 kind of message stream, in order, so the receives pair up on any backend. Stage 0 stops the ring
@@ -42,9 +43,8 @@ Example (every rank; stage 0 passes the feeder):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,51 +53,14 @@ from transformers.cache_utils import DynamicLayer
 
 from ..compat import generation_helper
 from ..errors import InternalError
-from .config import prepare_generation_config
-from .kv_cache import cache_nbytes, new_cache
-from .mailbox import Mailbox
-from .sampling import left_padded_position_ids, row_generators, select_tokens
+from ..generation.config import prepare_generation_config
+from ..generation.kv_cache import cache_nbytes, new_cache
+from ..generation.mailbox import Mailbox
+from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
+from .feeder import Feeder
+from .wire import NewRow, OpHeader, pack_rows, unpack_rows
 
-__all__ = ["ContinuousRing", "Feeder", "NewRow", "continuous_refusal"]
-
-
-@dataclass(kw_only=True)
-class NewRow:
-    """A row joining the ring: one choice of one request, as every stage needs it (plain JSON data).
-
-    Attributes:
-        slot: the slot it takes (global slot id; group ``slot // group_size``).
-        prompt: its prompt's token ids.
-        max_new_tokens: its own limit (the feeder ends it; the processors see it as transformers would).
-        temperature / top_p: 0 for greedy; its sampling parameters.
-        seed: its request's seed (sampling).
-        index: its choice index within the request (seeds its generator with ``seed``).
-    """
-
-    slot: int
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.prompt:
-            raise InternalError("a row joining the ring needs a prompt of at least one token")
-
-
-class Feeder(Protocol):
-    """Stage 0's view of the request queue (the serving engine implements it)."""
-
-    def deliver(self, slot: int, token: int) -> bool:
-        """The row in ``slot`` got ``token``; returns True when the row is done (its slot frees)."""
-
-    def admit(self, free: list[int]) -> list[NewRow]:
-        """Rows to start in some of the ``free`` slots (of one group) now."""
-
-    def idle(self) -> bool:
-        """Whether nothing waits to be admitted."""
+__all__ = ["ContinuousRing", "continuous_refusal"]
 
 
 def continuous_refusal(model: Any) -> str | None:
@@ -203,7 +166,7 @@ class ContinuousRing:
     def _op_bytes(self) -> tuple[int, int]:
         """Bytes of an op's fixed message: the int64 header, then the kept rows' states."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 8 * (4 + self.group_size), self.group_size * self.hidden * itemsize
+        return OpHeader.nbytes(self.group_size), self.group_size * self.hidden * itemsize
 
     def _post_next_op(self) -> None:
         """Non-first stage: receive the next op's fixed-size message (header and kept rows' states) ahead."""
@@ -233,17 +196,16 @@ class ContinuousRing:
     def _op(self, i: int, t: int) -> bool:
         """Group ``i`` of step ``t`` on this stage; False when it was a stop."""
         if self.first:
-            header, new = self._plan(i, t)
-            payload = self._json(new) if new else None
+            header, new, payload = self._plan(i, t)
             kept = None
         else:
             header, kept, payload, new_in = self._take(i)
-            new = [NewRow(**r) for r in json.loads(bytes(payload.tolist()))] if payload is not None else []
-        if int(header[0]) == 0:
+            new = unpack_rows(payload) if payload is not None else []
+        if not header.run:
             self._pass_on(header, None, None, None)
             return False
-        n_old = int(header[1])
-        old_slots = [int(s) for s in header[4: 4 + n_old]]
+        old_slots = list(header.kept)
+        n_old = len(old_slots)
         self._keep(self.state[i], old_slots)
         if self.first:
             old_in = torch.tensor([[self.last_token[s]] for s in old_slots], dtype=torch.long, device=self.device)
@@ -258,26 +220,26 @@ class ContinuousRing:
             self._pass_on(header, old_out, payload, new_out)
         return True
 
-    def _take(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _take(self, i: int) -> tuple[OpHeader, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Non-first stage: this op's header, kept rows' hidden states and, when rows join, their JSON and
         hidden states (received now: their size is in the header); then the next op's receives go up."""
         work, buf = self._ahead
         work.wait()
         head = self._op_bytes[0]
-        header = buf[:head].view(torch.long)
+        header = OpHeader.unpack(buf[:head].view(torch.long))
         kept = buf[head:].view(self.dtype).view(self.group_size, 1, self.hidden)
         payload = new_in = None
-        if int(header[3]):
-            payload = self._recv((int(header[3]),), torch.uint8, self.index - 1)
-            rows = json.loads(bytes(payload.tolist()))
-            new_in = self._recv((len(rows), max(len(r["prompt"]) for r in rows), self.hidden), self.dtype,
+        if header.payload_bytes:
+            payload = self._recv((header.payload_bytes,), torch.uint8, self.index - 1)
+            rows = unpack_rows(payload)
+            new_in = self._recv((len(rows), max(len(r.prompt) for r in rows), self.hidden), self.dtype,
                                 self.index - 1)
         # After a stop only the other groups' stops follow; after the last group's, nothing.
-        if int(header[0]) == 1 or i < self.groups - 1:
+        if header.run or i < self.groups - 1:
             self._post_next_op()
         return header, kept, payload, new_in
 
-    def _pass_on(self, header: torch.Tensor, old_out, payload, new_out) -> None:
+    def _pass_on(self, header: OpHeader, old_out, payload, new_out) -> None:
         """To the next stage, in the order it receives: header, kept rows (always ``group_size`` of them,
         zeros past the kept ones, so it can post the receive ahead), then the joining rows' JSON and states."""
         if self.last:
@@ -286,14 +248,16 @@ class ContinuousRing:
         if old_out is not None:
             kept[: old_out.shape[0]] = old_out.to(self.dtype)
         # One message for both (the header as bytes, then the states' bytes): one hand-over per op, not two.
-        self._send(torch.cat([header.view(torch.uint8), kept.view(-1).view(torch.uint8)]), self.index + 1)
+        packed = header.pack(self.group_size, self.device)
+        self._send(torch.cat([packed.view(torch.uint8), kept.view(-1).view(torch.uint8)]), self.index + 1)
         if payload is not None:
             self._send(payload, self.index + 1)
             self._send(new_out.to(self.dtype), self.index + 1)
 
     # ------------------------------------------------------------ stage 0: who runs
-    def _plan(self, i: int, t: int) -> tuple[torch.Tensor, list[NewRow]]:
-        """Stage 0: take group ``i``'s tokens of the last step, let rows leave and join; the header."""
+    def _plan(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None]:
+        """Stage 0: take group ``i``'s tokens of the last step, let rows leave and join; the header, the
+        joining rows and their JSON (None when none join)."""
         if t > 0:
             if self.n_stages > 1:
                 work, buf = self._tokens_ahead.pop(i)
@@ -310,12 +274,10 @@ class ContinuousRing:
                     self.last_token.pop(slot, None)
         else:
             kept = []
-        header = torch.full((4 + self.group_size,), -1, dtype=torch.long, device=self.device)
         if i == 0 and t > 0:
             self._stopping = not any(self.sent) and self.feeder.idle()
         if t > 0 and self._stopping:
-            header[:4] = torch.tensor([0, 0, 0, 0])
-            return header, []
+            return OpHeader.stop(), [], None
         base = i * self.group_size
         free = [s for s in range(base, base + self.group_size) if s not in kept]
         new = self.feeder.admit(free) if free else []
@@ -325,20 +287,16 @@ class ContinuousRing:
         self.sent[i] = order
         if self.n_stages > 1:  # this run op's tokens come back: post the receive now, in op order
             self._tokens_ahead[i] = self._post((self.group_size,), torch.long, self.n_stages - 1)
-        payload = len(self._json(new)) if new else 0
-        header[:4] = torch.tensor([1, len(kept), len(new), payload])
-        header[4: 4 + len(order)] = torch.tensor(order, dtype=torch.long)
+        payload = pack_rows(new, self.device) if new else None
+        header = OpHeader(run=True, kept=tuple(kept), joining=tuple(r.slot for r in new),
+                          payload_bytes=0 if payload is None else payload.numel())
         if i == 0:
             self._busy = False
         if order:
             if not self._busy:
                 self.steps += 1
             self._busy = True
-        return header, new
-
-    def _json(self, new: list[NewRow]) -> torch.Tensor:
-        data = json.dumps([r.__dict__ for r in new]).encode()
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        return header, new, payload
 
     # ------------------------------------------------------------ every stage: caches
     def _observe(self) -> None:
@@ -435,7 +393,7 @@ class ContinuousRing:
         gen = row_generators(r.seed if r.seed is not None else 0, [r.index], self.device)[0] if do_sample else None
         return _Row(ids=prompt, processors=processors, generator=gen)
 
-    def _choose(self, i: int, header: torch.Tensor, new: list[NewRow], old_out, new_out) -> None:
+    def _choose(self, i: int, header: OpHeader, new: list[NewRow], old_out, new_out) -> None:
         """Last stage: each row's token from its own processors (and generator), back to stage 0."""
         slots = self.state[i].slots
         group = range(i * self.group_size, (i + 1) * self.group_size)

@@ -1,0 +1,111 @@
+"""The continuous ring's feeder: rank 0's request queue as the rows that join free slots, the slot pool.
+
+:class:`Feeder` is what the ring (:class:`~hf_pipeline.continuous_batching.ring.ContinuousRing`)
+asks of stage 0's queue; :class:`RingFeeder` is the serving engine's: it lets queued requests'
+choices into free slots (a request with ``n`` choices is ``n`` rows, each seeded from ``(seed,
+choice index)``), never more rows in flight than its capacity (the pool,
+:func:`~hf_pipeline.continuous_batching.kv_budget.pool_rows`), hands each token to its request's
+handle (through the engine's per-choice writer) as it comes and ends a row at a stop id, a stop
+string, its own ``max_new_tokens`` or when its request is cancelled.
+
+Example (rank 0, inside the engine):
+    >>> feeder = RingFeeder(engine, capacity=pool_rows(model, max_batch=8, kv_cache_bytes=2**30, context=512),
+    ...                     writer=_ChoiceWriter)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+from .wire import NewRow
+
+__all__ = ["Feeder", "RingFeeder"]
+
+
+class Feeder(Protocol):
+    """Stage 0's view of the request queue, as the ring calls it (:class:`RingFeeder` implements it)."""
+
+    def deliver(self, slot: int, token: int) -> bool:
+        """The row in ``slot`` got ``token``; returns True when the row is done (its slot frees)."""
+
+    def admit(self, free: list[int]) -> list[NewRow]:
+        """Rows to start in some of the ``free`` slots (of one group) now."""
+
+    def idle(self) -> bool:
+        """Whether nothing waits to be admitted."""
+
+
+class RingFeeder:
+    """Rank 0: the engine's queue as the ring's :class:`Feeder`.
+
+    Args:
+        engine: the serving engine (its queue, lock, tokenizer, EOS ids and random seeds; the
+            requests are its handles, :class:`~hf_pipeline.serving.handles.Handle`).
+        capacity: rows in flight at most (:func:`~.kv_budget.pool_rows`).
+        writer: the engine's per-choice writer class (``writer(handle, index, tokenizer, stop_ids)``).
+    """
+
+    def __init__(self, engine: Any, capacity: int, writer: Any):
+        self.engine, self.capacity, self.writer = engine, capacity, writer
+        self.pending: deque[tuple[Any, int, int | None]] = deque()  # (handle, choice index, seed) not yet in
+        self.live: dict[int, tuple[Any, int, Any]] = {}  # slot -> (handle, choice index, writer)
+        self.peak_rows = 0  # the most rows in flight at once (the pool bounds it)
+
+    def _pull(self) -> None:
+        """Move the oldest live queued request's choices to ``pending`` (under the engine's lock)."""
+        engine = self.engine
+        with engine._lock:
+            while engine._queue and not self.pending:
+                handle = engine._queue.popleft()
+                if handle.done:
+                    continue
+                req = handle.request
+                seed = None if req.greedy else (req.seed if req.seed is not None else engine._rng.randrange(2**31))
+                self.pending.extend((handle, k, seed) for k in range(req.n))
+                engine.running.append(handle)
+
+    def admit(self, free: list[int]) -> list[NewRow]:
+        rows: list[NewRow] = []
+        free = list(free)
+        while free and len(self.live) < self.capacity:
+            if not self.pending:
+                self._pull()
+            if not self.pending:
+                break
+            handle, k, seed = self.pending.popleft()
+            if handle.done:  # cancelled while it waited for a slot
+                self._forget(handle)
+                continue
+            req, slot = handle.request, free.pop(0)
+            stop_ids = self.engine.eos | set(req.stop_token_ids)
+            self.live[slot] = (handle, k, self.writer(handle, k, self.engine.tokenizer, stop_ids))
+            rows.append(NewRow(slot=slot, prompt=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
+                               temperature=req.temperature, top_p=req.top_p, seed=seed, index=k))
+        self.peak_rows = max(self.peak_rows, len(self.live))
+        return rows
+
+    def deliver(self, slot: int, token: int) -> bool:
+        handle, k, writer = self.live[slot]
+        if handle.choices[k].finish_reason is None:
+            writer.add([token])
+        if handle.choices[k].finish_reason is None:
+            return False
+        del self.live[slot]
+        self._forget(handle)
+        return True
+
+    def _forget(self, handle: Any) -> None:
+        if handle.done and handle in self.engine.running:
+            self.engine.running.remove(handle)
+
+    def idle(self) -> bool:
+        return not self.pending and self.engine.queued == 0
+
+    def fail_all(self, message: str) -> None:
+        """A failure inside the ring: every request in it or waiting for a slot ends with ``message``."""
+        for handle, _, _ in list(self.live.values()) + list(self.pending):
+            handle.fail(message)
+        self.live.clear()
+        self.pending.clear()
+        self.engine.running = []

@@ -1,0 +1,61 @@
+"""The continuous ring's KV budget: how many rows the slot pool may hold in a rank's KV-cache memory.
+
+A row may grow to the model's full context, so the pool is sized for full-context rows on the stage
+that holds the most decoder layers (its KV cache is the largest): :func:`row_kv_bytes` is one such
+row's bytes, from the config alone (:func:`hf_pipeline.planning.kv_cache_sizes.kv_cache_bytes`), and
+:func:`pool_rows` how many of them a budget holds, at most ``max_batch``. Rows beyond the pool wait
+in the queue (:class:`~hf_pipeline.continuous_batching.feeder.RingFeeder` admits up to it).
+
+Example (the serving engine's pool):
+    >>> pool = pool_rows(model, max_batch=8, kv_cache_bytes=2**30, context=model.config.max_position_embeddings)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UsageError
+from ..planning.kv_cache_sizes import kv_cache_bytes
+
+__all__ = ["pool_rows", "row_kv_bytes"]
+
+
+def row_kv_bytes(model: Any, context: int) -> int:
+    """KV-cache bytes one row of ``context`` tokens takes on the stage with the most decoder layers.
+
+    Returns:
+        context x layers of the stage x KV heads x head dim x 2 (K and V) x dtype bytes (sliding
+        layers capped at their window), the largest over the stages.
+    """
+    decoder = model.resolved.stacks[-1].blocks
+    per_stage = [
+        kv_cache_bytes(model.config, layers=[decoder.index(b) for b in s.attention_blocks if b in decoder],
+                       dtype=model.dtype, batch=1, seq=context)
+        for s in model.plan.stages
+    ]
+    return max(per_stage)
+
+
+def pool_rows(model: Any, *, max_batch: int, kv_cache_bytes: int | None, context: int | None) -> int:
+    """Rows the ring may hold at once: ``max_batch``, fewer when ``kv_cache_bytes`` cannot hold them.
+
+    Args:
+        model: the pipelined model.
+        max_batch: rows in flight at most.
+        kv_cache_bytes: KV-cache memory per rank for the pool (None: no bound beyond ``max_batch``).
+        context: the model's context (positions a row may reach); None: no memory bound can be computed.
+    Returns:
+        The pool's rows (>= 1).
+    Raises:
+        UsageError: the budget cannot hold one full-context row.
+    """
+    if kv_cache_bytes is None or context is None:
+        return max_batch
+    per_row = row_kv_bytes(model, context)
+    rows = min(max_batch, kv_cache_bytes // max(per_row, 1))
+    if rows < 1:
+        raise UsageError(
+            f"kv_cache_bytes={kv_cache_bytes} cannot hold one request of the full context ({context} tokens need "
+            f"{per_row} bytes on the most loaded stage); raise the budget or serve a model with a shorter context"
+        )
+    return rows

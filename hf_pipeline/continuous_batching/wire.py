@@ -1,0 +1,132 @@
+"""What travels down the continuous ring with each op: its header (a typed message) and the joining rows.
+
+Stage 0 decides, before each op of a group, which rows stay, which leave and which join; every
+other stage learns it from the op's :class:`OpHeader`, sent ahead of the activations, and, when rows
+join, from their :class:`NewRow` list as JSON. Both own their packing into tensors and their parsing
+back, as torch's pipelining ``_Action`` owns its string form, so no stage reads a field by position.
+
+Note (layout): the header is an int64 tensor of ``OpHeader.FIELDS + group_size`` entries::
+
+    [run (1) or stop (0), rows kept, rows joining, JSON bytes, slots kept..., slots joining..., -1...]
+
+a fixed size for a given ``group_size``, so the next stage can post its receive before the op is
+planned. A stop is ``[0, 0, 0, 0, -1...]``. ``tests/continuous_batching/test_wire.py`` pins the layout.
+
+Example:
+    >>> header = OpHeader(run=True, kept=(2, 0), joining=(1,), payload_bytes=97)
+    >>> header.pack(group_size=4).tolist()
+    [1, 2, 1, 97, 2, 0, 1, -1]
+    >>> OpHeader.unpack(header.pack(group_size=4)) == header
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InternalError
+
+__all__ = ["NewRow", "OpHeader", "pack_rows", "unpack_rows"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpHeader:
+    """One op of one group, as stage 0 planned it: whether it runs, and the slots of its rows in row order.
+
+    Attributes:
+        run: True for an op that runs its rows; False for a stop (the ring ends after this step).
+        kept: slots of the rows that stay, in the order of the group's cache rows.
+        joining: slots of the rows that join after them (their prompts run on a fresh cache).
+        payload_bytes: size of the joining rows' JSON (:func:`pack_rows`), sent after the header; 0 when none join.
+    """
+
+    run: bool
+    kept: tuple[int, ...] = ()
+    joining: tuple[int, ...] = ()
+    payload_bytes: int = 0
+
+    FIELDS = 4  # entries before the slots: run, rows kept, rows joining, JSON bytes
+
+    def __post_init__(self) -> None:
+        if not self.run and (self.kept or self.joining or self.payload_bytes):
+            raise InternalError(f"a stop header carries no rows, got {self}")
+        if bool(self.joining) != (self.payload_bytes > 0):
+            raise InternalError(f"joining rows and their JSON come together, got {self}")
+
+    @classmethod
+    def stop(cls) -> OpHeader:
+        """The header that stops the ring (one per group of the last step)."""
+        return cls(run=False)
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Every row's slot in row order: the kept rows, then the joining ones."""
+        return self.kept + self.joining
+
+    @classmethod
+    def nbytes(cls, group_size: int) -> int:
+        """Bytes of a packed header for groups of ``group_size`` slots (the same for every op)."""
+        return 8 * (cls.FIELDS + group_size)
+
+    def pack(self, group_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The int64 tensor ``(FIELDS + group_size,)`` sent down the ring (layout in the module docstring)."""
+        slots = self.slots
+        if len(slots) > group_size:
+            raise InternalError(f"{len(slots)} rows do not fit a group of {group_size} slots")
+        values = [int(self.run), len(self.kept), len(self.joining), self.payload_bytes, *slots]
+        return torch.tensor(values + [-1] * (group_size - len(slots)), dtype=torch.long, device=device)
+
+    @classmethod
+    def unpack(cls, tensor: torch.Tensor) -> OpHeader:
+        """The header a packed int64 tensor holds (the inverse of :meth:`pack`)."""
+        values = [int(v) for v in tensor.tolist()]
+        if len(values) < cls.FIELDS:
+            raise InternalError(f"a ring header has at least {cls.FIELDS} entries, got {values}")
+        run, n_kept, n_joining, payload_bytes = values[: cls.FIELDS]
+        slots = values[cls.FIELDS:]
+        n = n_kept + n_joining
+        valid = n_kept >= 0 and n_joining >= 0 and n <= len(slots) and all(s >= 0 for s in slots[:n])
+        if run not in (0, 1) or not valid or any(s != -1 for s in slots[n:]):
+            raise InternalError(f"not a ring header: {values}")
+        return cls(run=bool(run), kept=tuple(slots[:n_kept]), joining=tuple(slots[n_kept:n]),
+                   payload_bytes=payload_bytes)
+
+
+@dataclass(kw_only=True)
+class NewRow:
+    """A row joining the ring: one choice of one request, as every stage needs it (plain JSON data).
+
+    Attributes:
+        slot: the slot it takes (global slot id; group ``slot // group_size``).
+        prompt: its prompt's token ids.
+        max_new_tokens: its own limit (the feeder ends it; the processors see it as transformers would).
+        temperature / top_p: 0 for greedy; its sampling parameters.
+        seed: its request's seed (sampling).
+        index: its choice index within the request (seeds its generator with ``seed``).
+    """
+
+    slot: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise InternalError("a row joining the ring needs a prompt of at least one token")
+
+
+def pack_rows(rows: list[NewRow], device: torch.device | str | None = None) -> torch.Tensor:
+    """The joining rows as JSON bytes (uint8), their ``payload_bytes`` in the header."""
+    data = json.dumps([r.__dict__ for r in rows]).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def unpack_rows(payload: torch.Tensor) -> list[NewRow]:
+    """The joining rows a uint8 JSON payload holds (the inverse of :func:`pack_rows`)."""
+    return [NewRow(**r) for r in json.loads(bytes(payload.tolist()))]
