@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"loading"},
     {"generation"},
     {"training"},
+    {"memory"},
     {"adapters"},
     {"tools"},
     {"serving"},

@@ -389,7 +389,7 @@ def test_world2_equals_transformers_recomputes_and_keeps_what_the_planner_predic
 @pytest.mark.dist
 @pytest.mark.slow
 def test_world3_equals_transformers_and_planner_matches_a_real_stage(checkpoints):
-    from hf_pipeline.tools.memory import plan_report
+    from hf_pipeline.memory.planner import plan_report
 
     cases = _cases(checkpoints, WORLD3)
     per_rank = run_distributed(_job_kept, 3, cases, timeout=600)
