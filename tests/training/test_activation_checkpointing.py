@@ -398,7 +398,7 @@ def test_world3_equals_transformers_and_planner_matches_a_real_stage(checkpoints
         _check(f"world 3 {arch} {sched} v{v}", per_rank, i, *cases[i][:3], refs)
     reports = {n: plan_report(KEPT_CONFIG(), stages=3, batch=3 * KEPT_MB, seq=KEPT_SEQ, checkpoint_every_n_layers=n)
                for n in (1, 2)}
-    for rank in range(2):  # the last stage's loss is measured in tests/tools/test_memory.py
+    for rank in range(2):  # the last stage's loss is measured in tests/memory/test_planner.py
         held = per_rank[rank]["kept"]
         predicted = {None: reports[1].stages[rank].activation_bytes,
                      **{n: reports[n].stages[rank].checkpointed_activation_bytes for n in (1, 2)}}
