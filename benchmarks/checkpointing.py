@@ -97,7 +97,7 @@ def launches(sizes: Sizes, ckpts: dict[str, str]) -> dict[int, list[dict]]:
 
 
 def _prediction(sizes: Sizes, path: str) -> list[dict[str, int]]:
-    from hf_pipeline.tools.memory import plan_report
+    from hf_pipeline.memory.planner import plan_report
 
     report = plan_report(
         path, stages=sizes.world, schedule="1f1b", dtype="float32", batch=sizes.ckpt_batch, seq=sizes.ckpt_seq,

@@ -19,8 +19,8 @@ from .auto import (
 from .distributed.context import init_distributed
 from .errors import NoSuchAttribute, PipelineError
 from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
+from .memory.planner import plan_report
 from .model import PipelinedModel
-from .tools.memory import plan_report
 from .training.checkpoint_format import latest_checkpoint
 from .training.training_state import load_training_state
 

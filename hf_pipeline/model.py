@@ -338,7 +338,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved
         1F1B <-> looped BFS <-> interleaved zero bubble; ZBV <-> DualPipeV), and/or another microbatch
         count. Same arguments on every rank. Built torch stages and schedules are dropped."""
-        from .tools.autotune import with_schedule
+        from .planning.auto_choice import with_schedule
 
         n_microbatches = self.n_microbatches if n_microbatches is None else n_microbatches
         options = with_schedule(self.options, schedule, n_microbatches)
@@ -356,15 +356,16 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def tune(self, batch: dict[str, Any], **kwargs: Any):
         """Time ``train_step`` on ``batch`` for each schedule of this placement and microbatch count, keep the
-        fastest; returns the :class:`~hf_pipeline.tools.autotune.AutoChoice`. Collective. See ``autotune.py``."""
-        from .tools.autotune import tune
+        fastest; returns the :class:`~hf_pipeline.planning.auto_choice.AutoChoice`. Collective. See
+        ``tools/schedule_tuning.py``."""
+        from .tools.schedule_tuning import tune
 
         return tune(self, batch, **kwargs)
 
     def measure_split(self, batch: dict[str, Any], **kwargs: Any):
-        """Time each stage on ``batch``; return the split balanced on those times, an ``autotune.SplitAdvice`` (load
-        with ``split=advice.split``). Collective. See ``autotune.py``."""
-        from .tools.autotune import measure_split
+        """Time each stage on ``batch``; return the split balanced on those times, a ``split_advice.SplitAdvice`` (load
+        with ``split=advice.split``). Collective. See ``split_advice.py``."""
+        from .tools.split_advice import measure_split
 
         return measure_split(self, batch, **kwargs)
 
@@ -471,12 +472,12 @@ def load_pipelined(
             recipe for ``config.model_type`` when there is one, else the tracer.
         tune_batch, max_memory: with ``schedule="auto"`` and/or ``n_microbatches="auto"``: the ``(batch,
             seq)`` of the training steps the choice plans for, and a per-rank memory budget (bytes or
-            "20GiB") for their predicted peak; see :func:`hf_pipeline.tools.autotune.choose`. The choice is
+            "20GiB") for their predicted peak; see :func:`hf_pipeline.memory.auto_choice_costs.choose`. The choice is
             kept as ``model.auto_choice``.
         **parallel: ``tp_size``, ``distributed_config`` or ``device_mesh``: tensor parallelism inside each stage
             (see :func:`hf_pipeline.planning.tp_plan.parallel_request`).
     """
-    from .tools.autotune import chooser
+    from .memory.auto_choice_costs import chooser
 
     choose = chooser(schedule, n_microbatches, tune_batch=tune_batch, max_memory=max_memory)
     built = load_pipeline(

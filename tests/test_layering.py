@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"generation"},
     {"continuous_batching"},
     {"training"},
+    {"memory"},
     {"adapters"},
     {"tools"},
     {"serving"},

@@ -13,8 +13,8 @@ def cmd_plan(args) -> int:
     ``--num-processes`` / ``--tp-size`` / ``--fsdp-size``)."""
     config = load_config(args.path, args.download)
     auto = auto_class_for(config, args.auto_class)
+    from ..memory.planner import plan_report
     from ..runtime.checks import max_positions
-    from ..tools.memory import plan_report
 
     limit = max_positions(config)
     if args.seq is not None and limit is not None and args.seq > limit:
@@ -31,7 +31,7 @@ def cmd_plan(args) -> int:
     if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1:
         report = plan_report(config, stages=args.stages or 2, **common)
     else:  # a mesh: every rank's share of it
-        from ..tools.mesh_memory import mesh_report
+        from ..memory.mesh_report import mesh_report
 
         report = mesh_report(config, num_processes=args.mesh_processes, tp_size=args.tp_size,
                              fsdp_size=args.fsdp_size, stages=args.stages, **common)

@@ -66,7 +66,7 @@ class LoadedPipeline:
     stages: list[nn.Module]
     checkpoint_dir: pathlib.Path | None
     load_report: LoadReport
-    auto_choice: Any = None  # what schedule="auto" / n_microbatches="auto" chose (autotune.AutoChoice)
+    auto_choice: Any = None  # what schedule="auto" / n_microbatches="auto" chose (planning.auto_choice.AutoChoice)
 
 
 def check_dtype_supported(dtype: torch.dtype, device: torch.device) -> None:
@@ -282,7 +282,7 @@ def load_pipeline(
         progress: show a progress bar while reading (default: on the main process).
         agreed: the caller's other arguments that must be the same on every rank (``gather_output``).
         choose: ``choose(config, world_size, device_type=..., **option_kwargs) -> (option_kwargs, choice)``:
-            replaces ``"auto"`` options before they are resolved (``autotune.choose``; the same
+            replaces ``"auto"`` options before they are resolved (``memory.auto_choice_costs.choose``; the same
             arithmetic on every rank, so every rank resolves the same options).
         **option_kwargs: the options of :meth:`PipelineOptions.resolve`, and ``tp_size`` / ``fsdp_size`` or one of
             ``distributed_config`` / ``device_mesh``: tensor parallelism or FSDP in each stage (:func:`_with_parallel`).

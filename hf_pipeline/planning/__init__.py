@@ -3,6 +3,8 @@
 Lives here: :mod:`.options` (the one place defaults and checks of a pipelined model's options
 live), :mod:`.schedules` (torch's schedules as validated data and their rules), :mod:`.actions`
 (each rank's action list, the backward-fusing rewrite), :mod:`.simulate` (the step simulator),
+:mod:`.auto_choice` (the rules of ``schedule="auto"``: candidates costed by the simulator, the pick,
+switching a loaded model's schedule),
 :mod:`.resolve` (a recipe resolved on the meta model, module costs), :mod:`.partition` (where to
 cut a row of costs), :mod:`.plan` (the stage plan and ``make_plan``), :mod:`.layout` (where
 every checkpoint key lives under a plan), :mod:`.tp_plan` (tensor-parallel requests and plans) and

@@ -1,7 +1,7 @@
 """KV-cache sizes from a config alone: per token, per layer kind (full or sliding-window), per stage.
 
 Pure config arithmetic, so it lives with planning: the memory planner
-(:func:`hf_pipeline.tools.memory.plan_report`) and the serving engine's KV budget both read it. The
+(:func:`hf_pipeline.memory.planner.plan_report`) and the serving engine's KV budget both read it. The
 sizes follow transformers' own ``DynamicCache`` layers built from the config (no weights, no
 forward pass).
 """

@@ -319,7 +319,7 @@ class PipelineOptions:
     fsdp_size: int = 1
 
     def __post_init__(self) -> None:
-        # Here, not in resolve, so options made with dataclasses.replace (autotune.with_schedule) are
+        # Here, not in resolve, so options made with dataclasses.replace (auto_choice.with_schedule) are
         # checked too. Only what the placement needs: forward and generate run with any microbatch
         # count, and a training schedule's microbatch rules are checked when training starts (train.py).
         for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size", "fsdp_size"):

@@ -433,7 +433,7 @@ def make_plan(
             schedule, one microbatch per stage).
         measured_flops: per-token costs, in the FLOPs of a block, that replace the FLOP count of the
             named modules (the head and loss as measured on the device:
-            :func:`hf_pipeline.tools.autotune.measure_split`).
+            :func:`hf_pipeline.tools.split_advice.measure_split`).
     Returns:
         The :class:`StagePlan`.
     """

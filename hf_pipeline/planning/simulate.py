@@ -3,7 +3,8 @@
 Each rank runs its actions (:func:`~hf_pipeline.planning.actions.schedule_actions`) in torch's
 order; an action starts when its rank is free and its input exists (:func:`action_input`). The
 dependency graph depends on the schedule and placement alone and is built once
-(``_step_graph``), so the planner and the autotuner can simulate many candidate splits cheaply.
+(``_step_graph``), so the planner and the automatic schedule choice (``auto_choice.py``) can
+simulate many candidate splits cheaply.
 
 Example:
     >>> simulate_step("1f1b", pp_size=2, virtual_stages=1, n_microbatches=4, stage_cost=[1.0, 1.0])

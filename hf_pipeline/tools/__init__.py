@@ -1,14 +1,12 @@
-"""Tools around a pipelined model: the memory planner, the profiler, autotuning, convert, the default model.
+"""What users run as tools around a pipelined model: profiling, measured tuning, converting, the default model.
 
-Lives here: :mod:`.memory` (per-rank memory predicted from the config, with the KV-cache sizes
-of :mod:`hf_pipeline.planning.kv_cache_sizes` and :mod:`.activation_memory` for what a forward keeps;
-:mod:`.mesh_memory` for every rank of a pp x tp x fsdp x dp mesh, with :mod:`.mesh_shares` for a
-tensor-parallel rank's parameter slices and fsdp's units),
-:mod:`.checkpoint_budget` (activation checkpointing to a memory budget), :mod:`.profile` (recording
-per-action timings) and :mod:`.timeline` (what a recording shows), :mod:`.autotune`
-(``schedule="auto"``) and :mod:`.split_advice` (measured splits), :mod:`.convert` (per-stage
-re-sharding) and :mod:`.default_model` (the bundled checkpoints).
+Lives here: :mod:`.profile` (recording per-action timings) and :mod:`.timeline` (what a recording
+shows), :mod:`.schedule_tuning` (``model.tune``: schedules timed by running them) and
+:mod:`.split_advice` (``model.measure_split``: a split balanced on measured stage times),
+:mod:`.checkpoint_budget` (activation checkpointing to a memory budget), :mod:`.convert` (per-stage
+re-sharding) and :mod:`.default_model` (the bundled checkpoints). Memory planning lives in
+:mod:`hf_pipeline.memory`; the load-time ``schedule="auto"`` rules in :mod:`hf_pipeline.planning.auto_choice`.
 
-May import: the base modules and every room below it (``distributed`` up to ``training``); the
+May import: the base modules and every room below it (``distributed`` up to ``memory``); the
 model facade (``model.py``) and the command line (``cli``) sit above it.
 """

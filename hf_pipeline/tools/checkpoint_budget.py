@@ -63,7 +63,7 @@ class CheckpointingChoice:
 
 def predicted_activation_peak(model, batch: int, seq: int, every_n_layers: int) -> tuple[int, int]:
     """(fullest rank's predicted activation peak without checkpointing, with ``every_n_layers``), in bytes."""
-    from .memory import plan_report
+    from ..memory.planner import plan_report
 
     report = plan_report(
         model.config, stages=model.plan.num_stages, virtual_stages=model.options.virtual_stages,

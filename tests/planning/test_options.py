@@ -122,7 +122,7 @@ def test_three_ranks_two_microbatches_no_schedule_named_trains_like_transformers
 
 
 def test_the_memory_report_says_which_schedule_was_chosen_and_why():
-    from hf_pipeline.tools.memory import plan_report
+    from hf_pipeline.memory.planner import plan_report
 
     chosen = plan_report(tiny.config_for("llama"), stages=3, n_microbatches=2, batch=2, seq=8)
     assert chosen.schedule == "gpipe"

@@ -389,7 +389,7 @@ def test_world2_equals_transformers_recomputes_and_keeps_what_the_planner_predic
 @pytest.mark.dist
 @pytest.mark.slow
 def test_world3_equals_transformers_and_planner_matches_a_real_stage(checkpoints):
-    from hf_pipeline.tools.memory import plan_report
+    from hf_pipeline.memory.planner import plan_report
 
     cases = _cases(checkpoints, WORLD3)
     per_rank = run_distributed(_job_kept, 3, cases, timeout=600)
@@ -398,7 +398,7 @@ def test_world3_equals_transformers_and_planner_matches_a_real_stage(checkpoints
         _check(f"world 3 {arch} {sched} v{v}", per_rank, i, *cases[i][:3], refs)
     reports = {n: plan_report(KEPT_CONFIG(), stages=3, batch=3 * KEPT_MB, seq=KEPT_SEQ, checkpoint_every_n_layers=n)
                for n in (1, 2)}
-    for rank in range(2):  # the last stage's loss is measured in tests/tools/test_memory.py
+    for rank in range(2):  # the last stage's loss is measured in tests/memory/test_planner.py
         held = per_rank[rank]["kept"]
         predicted = {None: reports[1].stages[rank].activation_bytes,
                      **{n: reports[n].stages[rank].checkpointed_activation_bytes for n in (1, 2)}}

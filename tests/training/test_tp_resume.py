@@ -182,7 +182,7 @@ def test_state_saved_at_pp2_by_tp2_resumes_at_pp4_one_process_and_pp2_by_tp2(tmp
         assert d <= 1e-6, f"fsdp-saved exp_avg of {key}: max abs diff {d} (largest value {want.abs().max().item()})"
 
     # `hf-pipeline plan --tp-size 2` predicts exactly the parameters each pp2 x tp2 rank held.
-    from hf_pipeline.tools.memory import plan_report
+    from hf_pipeline.memory.planner import plan_report
 
     plan = plan_report(path, stages=2, tp_size=2, n_microbatches=2, batch=2, seq=8)
     for rank, res in enumerate(per_rank):

@@ -1,7 +1,7 @@
-"""Choosing the schedule, virtual stages and microbatch count: ``schedule="auto"``, ``n_microbatches="auto"``.
+"""The rules of ``schedule="auto"`` / ``n_microbatches="auto"``: candidates, their simulated cost, the pick.
 
-At load (:func:`choose`), every candidate (schedule, virtual stages, microbatches) that can train
-the planned batch is costed by **simulating one training step**: each rank runs its actions in
+Every candidate (schedule, virtual stages, microbatches) that can train the planned batch is
+costed by **simulating one training step** (:func:`choose_candidate`): each rank runs its actions in
 the order torch's schedule lists them (:func:`hf_pipeline.planning.simulate.simulate_step`), an action
 starting when its rank is free and its input exists (a forward after the previous stage's
 forward, a backward after the next stage's backward, a weight-gradient pass after its input
@@ -10,42 +10,38 @@ the microbatch's tokens — forward 1x, full backward 2x, input and weight backw
 fixed overhead per action (Python, communication, a smaller matmul's lower FLOP rate), written as
 the compute of :data:`OVERHEAD_TOKENS` tokens of one rank's share of the model. The simulation
 sees what the bubble formulas do not: stage imbalance, the schedule's real order and the cost of
-many small microbatches. With ``max_memory``, candidates whose predicted training peak
-(:func:`hf_pipeline.tools.memory.plan_report`) does not fit are left out. The choice is pure arithmetic
-on the config, so every rank makes the same one.
+many small microbatches. With ``max_memory``, candidates whose predicted training peak does not
+fit are left out. The choice is pure arithmetic on the config, so every rank makes the same one.
 
-:func:`tune` measures instead: on a loaded model and a real batch it times ``train_step`` for each
-schedule that keeps the loaded stage placement and each microbatch count that fits the batch, and
-switches the model to the fastest (collective; the step time is the slowest rank's).
+Two inputs come from above this room and are passed in: the stage plan of a candidate's options
+(the loader's own front end builds it on a meta model, ``loading.stages.recipe_front_end``) and,
+with ``max_memory``, its predicted training peak (the memory planner's fake-tensor run,
+``memory.planner.plan_report``). :mod:`hf_pipeline.memory.auto_choice_costs` binds both; every rule
+of the choice stays here. :func:`with_schedule` switches a loaded model's options to another
+schedule of the same stage placement (``model.set_schedule``); measuring schedules by running them
+is a tool, :mod:`hf_pipeline.tools.schedule_tuning`.
 
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="auto", n_microbatches="auto",
     ...                                              tune_batch=(16, 512))
     >>> print(model.auto_choice)            # every candidate, its estimate, and the one chosen
-    >>> print(model.tune(batch))            # measured among the schedules of the loaded placement
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import Any, Callable
 
 from ..errors import InputError
-from ..planning.options import PipelineOptions, parse_size
-from ..planning.schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
-from ..planning.simulate import simulate_step
-from .split_advice import SplitAdvice, fit_stage_costs, measure_split  # re-exported: their home before
+from .options import PipelineOptions, parse_size
+from .plan import StagePlan
+from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
+from .simulate import simulate_step
 
 __all__ = [
-    "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "SplitAdvice", "choose", "fit_stage_costs",
-    "measure_split",
-    "simulate_step", "tune", "with_schedule",
+    "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "PredictedPeak", "StagePlanOf",
+    "choose_candidate", "microbatch_counts", "same_placement", "with_schedule",
 ]
 
 AUTO = "auto"
@@ -55,6 +51,11 @@ AUTO = "auto"
 # benchmark's microbatch cost); CUDA: kernel launches and NCCL latency are worth more tokens.
 OVERHEAD_TOKENS = {"cpu": 24, "cuda": 256}
 _DEFAULT_OVERHEAD_TOKENS = 64
+
+# (config, options) -> the stage plan the loader builds for those options.
+StagePlanOf = Callable[[Any, PipelineOptions], StagePlan]
+# (config, options, candidate, rows, seq) -> the fullest rank's predicted training peak in bytes.
+PredictedPeak = Callable[..., int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +77,7 @@ class Estimate:
             no bubble, no overhead); 1.0 is perfect overlap. None when the candidate was measured only.
         idle: the simulated idle fraction of the busiest rank's step.
         peak_bytes: predicted training peak of the fullest rank (with ``max_memory`` only).
-        measured_seconds: median measured step time (``tune`` only).
+        measured_seconds: median measured step time (:func:`~hf_pipeline.tools.schedule_tuning.tune` only).
         note: why the candidate was left out, if it was.
     """
 
@@ -115,7 +116,8 @@ class AutoChoice:
 
 
 # ----------------------------------------------------------------------------- candidates
-def _microbatch_counts(rows: int, fixed: int | None) -> list[int]:
+def microbatch_counts(rows: int, fixed: int | None) -> list[int]:
+    """The microbatch counts to try for ``rows`` rows: ``fixed`` alone, or every divisor up to 64."""
     if fixed is not None:
         return [fixed]
     return [m for m in range(1, min(rows, 64) + 1) if rows % m == 0]
@@ -137,28 +139,17 @@ def _candidates(
                 continue
             pp = stages // v
             fixed = None if n_microbatches == AUTO else n_microbatches
-            counts = [stages] if n_microbatches is None else _microbatch_counts(rows // (world_size // pp), fixed)
+            counts = [stages] if n_microbatches is None else microbatch_counts(rows // (world_size // pp), fixed)
             for m in counts:
                 if spec.training_problem(pp_size=pp, virtual_stages=v, n_microbatches=m) is None:
                     out.append(Candidate(schedule=spec.name, virtual_stages=v, n_microbatches=m))
     return out
 
 
-def chooser(schedule: Any, n_microbatches: Any, *, tune_batch: Any, max_memory: Any):
-    """:func:`choose` with ``tune_batch`` / ``max_memory`` bound, when ``schedule`` or ``n_microbatches`` is
-    ``"auto"``; else None (and those two, which only plan the choice, are refused)."""
-    if schedule == "auto" or n_microbatches == "auto":
-        return functools.partial(choose, tune_batch=tune_batch, max_memory=max_memory)
-    if tune_batch is not None or max_memory is not None:
-        raise InputError(
-            "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
-        )
-    return None
-
-
-def choose(
-    config, world_size: int, *, device_type: str, tune_batch: tuple[int, int] | None = None, max_memory: Any = None,
-    overhead_tokens: float | None = None, **option_kwargs: Any,
+def choose_candidate(
+    config, world_size: int, *, device_type: str, stage_plan: StagePlanOf, predicted_peak: PredictedPeak,
+    tune_batch: tuple[int, int] | None = None, max_memory: Any = None, overhead_tokens: float | None = None,
+    **option_kwargs: Any,
 ) -> tuple[dict[str, Any], AutoChoice]:
     """Replace ``schedule="auto"`` / ``n_microbatches="auto"`` in ``option_kwargs`` by the best candidate.
 
@@ -166,6 +157,9 @@ def choose(
         config: the model config.
         world_size: processes in the job.
         device_type: "cpu", "cuda", ...: picks the per-action overhead (:data:`OVERHEAD_TOKENS`).
+        stage_plan: the stage plan of ``(config, options)``, as the loader will build it (costs per stage).
+        predicted_peak: ``(config, options, candidate, rows=, seq=)`` -> the fullest rank's training
+            peak in bytes; called with ``max_memory`` only.
         tune_batch: ``(batch, seq)`` of the training steps to plan for (default ``(8 x world_size,
             min(512, max positions))``).
         max_memory: per-rank budget (bytes or "20GiB"): candidates whose predicted training peak is
@@ -205,7 +199,7 @@ def choose(
     plans: dict[tuple, Any] = {}  # one plan per distinct split (see _estimate)
     estimates = [
         _estimate(config, world_size, c, option_kwargs, plans, batch=batch, seq=seq, overhead_tokens=tokens,
-                  budget=budget)
+                  budget=budget, stage_plan=stage_plan, predicted_peak=predicted_peak)
         for c in cands
     ]
     usable = [e for e in estimates if e.usable]
@@ -227,11 +221,9 @@ def choose(
 
 def _estimate(
     config, world_size: int, c: Candidate, option_kwargs: dict[str, Any], plans: dict[tuple, Any], *, batch: int,
-    seq: int, overhead_tokens: float, budget: int | None,
+    seq: int, overhead_tokens: float, budget: int | None, stage_plan: StagePlanOf, predicted_peak: PredictedPeak,
 ) -> Estimate:
     """One candidate's simulated training step (and, with a memory budget, its predicted peak)."""
-    from ..loading.stages import recipe_front_end
-
     opts = PipelineOptions.resolve(config, world_size, **{  # the layout checks of loading, too
         **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
         "n_microbatches": c.n_microbatches,
@@ -244,7 +236,7 @@ def _estimate(
     if key not in plans:
         # The loader's own front end (the plan from_pretrained will build); the tracer's split is
         # costed as balanced, since tracing every candidate would cost more than it tells.
-        plans[key] = None if opts.traced else recipe_front_end(config, opts).plan
+        plans[key] = None if opts.traced else stage_plan(config, opts)
     plan = plans[key]
     rows = batch // opts.dp_size
     mb_tokens = rows * seq / c.n_microbatches
@@ -258,93 +250,15 @@ def _estimate(
     ideal = 3 * total * rows * seq / opts.pp_size
     peak, note = None, ""
     if budget is not None:
-        peak = _predicted_peak(config, opts, c, rows=rows, seq=seq)
+        peak = predicted_peak(config, opts, c, rows=rows, seq=seq)
         if peak > budget:
             note = f"predicted peak {peak / 2**20:.0f} MiB > max_memory {budget / 2**20:.0f} MiB"
     return Estimate(candidate=c, relative_step=step / ideal, idle=1 - max(busy.values()) / step, peak_bytes=peak,
                     note=note)
 
 
-def _predicted_peak(config, opts: PipelineOptions, c: Candidate, *, rows: int, seq: int) -> int:
-    """The largest rank's predicted training peak for candidate ``c`` (:func:`.memory.plan_report`)."""
-    from .memory import plan_report
-
-    report = plan_report(
-        config, stages=opts.num_stages, virtual_stages=opts.virtual_stages, schedule=c.schedule, dtype=opts.dtype,
-        batch=rows, seq=seq, n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
-    )
-    return max(r.train_peak_bytes for r in report.ranks)
-
-
-# ----------------------------------------------------------------------------- measured
-def tune(
-    model: Any, batch: Mapping[str, Any], *, schedules: Sequence[str] | None = None,
-    n_microbatches: Sequence[int] | None = None,
-    steps: int = 2,
-) -> AutoChoice:
-    """Time ``train_step`` on ``batch`` for each schedule of the loaded placement and microbatch
-    count, and switch the model to the fastest (collective: every rank passes the same batch).
-
-    Gradients are cleared afterwards (set to None); the weights are not changed.
-
-    Args:
-        model: a loaded :class:`~hf_pipeline.model.PipelinedModel`.
-        batch: a training batch, as for ``train_step``.
-        schedules: the schedules to try (default: every schedule that places the stages as loaded).
-        n_microbatches: the counts to try (default: every count that divides the batch's rows per
-            replica, 1..64, and that the schedule trains).
-        steps: timed steps per candidate, after one untimed.
-    """
-    import torch.distributed as dist
-
-    plan, dims = model.plan, model.dims
-    first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
-    rows, seq = int(first.shape[0]), int(first.shape[-1])
-    if schedules is not None:
-        names = list(schedules)
-    else:
-        names = [s.name for s in SCHEDULES.values() if _same_placement(s, model.options)]
-    cands = []
-    for name in names:
-        # Refused before any step when it would need other stages (the message of set_schedule).
-        spec = with_schedule(model.options, name, model.n_microbatches).schedule
-        local_rows = rows // dims.dp_size
-        for m in (list(n_microbatches) if n_microbatches is not None else _microbatch_counts(local_rows, None)):
-            problem = spec.training_problem(pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=m)
-            if local_rows % m == 0 and problem is None:
-                cands.append(Candidate(schedule=spec.name, virtual_stages=plan.virtual_stages, n_microbatches=m))
-    if not cands:
-        raise InputError(
-            f"no schedule of the loaded placement trains a batch of {rows} rows; pass n_microbatches= counts "
-            "that divide it"
-        )
-    before = (model.schedule.name, model.n_microbatches)
-    estimates = []
-    try:
-        for c in cands:
-            model.set_schedule(c.schedule, n_microbatches=c.n_microbatches)
-            times = []
-            for i in range(steps + 1):
-                t = time.perf_counter()
-                model.train_step(batch)
-                took = torch.tensor([time.perf_counter() - t])
-                if dist.is_initialized():
-                    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the pipeline is as slow as its slowest rank
-                if i:
-                    times.append(float(took))
-            estimates.append(Estimate(candidate=c, measured_seconds=statistics.median(times)))
-    except BaseException:
-        model.set_schedule(before[0], n_microbatches=before[1])
-        raise
-    finally:
-        for p in model.parameters():
-            p.grad = None
-    best = min(estimates, key=lambda e: e.measured_seconds)
-    model.set_schedule(best.candidate.schedule, n_microbatches=best.candidate.n_microbatches)
-    return AutoChoice(chosen=best.candidate, estimates=tuple(estimates), basis="measured", batch=rows, seq=seq)
-
-
-def _same_placement(spec: ScheduleSpec, options: PipelineOptions) -> bool:
+# ----------------------------------------------------------------------------- switching
+def same_placement(spec: ScheduleSpec, options: PipelineOptions) -> bool:
     """Whether ``spec`` runs the stages ``options`` placed, as they are (same layout and count per rank)."""
     here = options.schedule
     return spec.layout == here.layout and spec.multi == here.multi and spec.accepts_virtual(options.virtual_stages)
@@ -353,7 +267,7 @@ def _same_placement(spec: ScheduleSpec, options: PipelineOptions) -> bool:
 def with_schedule(options: PipelineOptions, schedule: str, n_microbatches: int) -> PipelineOptions:
     """``options`` with another schedule of the same stage placement and another microbatch count."""
     spec = get_schedule(schedule)
-    if not _same_placement(spec, options):
+    if not same_placement(spec, options):
         raise InputError(
             f"schedule {spec.name!r} places stages differently from the loaded {options.schedule.name!r} "
             f"({options.virtual_stages} per rank, {options.schedule.layout} layout); reload the model to use it"

@@ -1,6 +1,6 @@
 """What a stage's forward keeps alive for backward, with and without activation checkpointing.
 
-The memory planner (``memory.py``) runs each stage once on fake tensors and sums what autograd
+The memory planner (:mod:`.planner`) runs each stage once on fake tensors and sums what autograd
 saves (:func:`measure_saved_bytes`). With activation checkpointing a checkpointed block saves nothing
 through autograd's hooks: torch's non-reentrant ``checkpoint`` holds the block's *inputs* instead (in
 the closure that recomputes it) and, in backward, recomputes the block, whose saved tensors then

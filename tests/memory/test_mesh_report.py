@@ -16,7 +16,7 @@ import tiny
 
 from hf_pipeline import cli
 from hf_pipeline.errors import InputError
-from hf_pipeline.tools.mesh_memory import MeshReport, MeshShape, mesh_shape, with_fsdp
+from hf_pipeline.memory.mesh_report import MeshReport, MeshShape, mesh_shape, with_fsdp
 
 
 def _pipeline():

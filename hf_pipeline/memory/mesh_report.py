@@ -1,6 +1,6 @@
 """Per-rank memory on a mesh: pipeline ranks x tensor-parallel ranks x fsdp ranks x replicas, from the config alone.
 
-:func:`mesh_report` plans the pipeline with :func:`~hf_pipeline.tools.memory.plan_report` run on
+:func:`mesh_report` plans the pipeline with :func:`~hf_pipeline.memory.planner.plan_report` run on
 what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds:
 
 * parameters: each module the tensor-parallel plan names (``colwise`` / ``rowwise``, the config's
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import InputError
-from .memory import plan_report
 from .mesh_shares import fsdp_unit_bytes, human_bytes, tp_local_shapes
+from .planner import plan_report
 
 __all__ = [
     "MeshRankMemory", "MeshReport", "MeshShape", "fsdp_share", "fsdp_unit_bytes", "mesh_report", "mesh_shape",
@@ -168,7 +168,7 @@ def mesh_report(
     """Predict every rank's memory on a pp x tp x fsdp (x dp) mesh, from the config alone.
 
     Args:
-        path_or_config: as :func:`~hf_pipeline.tools.memory.plan_report`.
+        path_or_config: as :func:`~hf_pipeline.memory.planner.plan_report`.
         num_processes: ranks in the job (default: one replica, stages x tp x fsdp).
         tp_size: tensor-parallel ranks per stage.
         fsdp_size: ranks each parameter is sharded over (FSDP2), per pipeline rank.
@@ -176,7 +176,7 @@ def mesh_report(
             x virtual_stages; 2 without num_processes).
         virtual_stages: stages per pipeline rank.
         batch: the global batch (sequences per step), split over dp x fsdp pipelines.
-        plan_kwargs: the rest of :func:`~hf_pipeline.tools.memory.plan_report`'s arguments (dtype, seq, ...).
+        plan_kwargs: the rest of :func:`~hf_pipeline.memory.planner.plan_report`'s arguments (dtype, seq, ...).
 
     Returns:
         :class:`MeshReport`.

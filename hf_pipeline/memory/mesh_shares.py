@@ -1,7 +1,7 @@
 """What one rank of a mesh holds of a stage's parameters: tensor-parallel slices, fsdp's units.
 
-Used by the memory planner (:mod:`.memory`, which runs the stages on these shapes) and by
-:mod:`.mesh_memory` (the per-rank report of a mesh).
+Used by the memory planner (:mod:`.planner`, which runs the stages on these shapes) and by
+:mod:`.mesh_report` (the per-rank report of a mesh).
 
 Example:
     >>> tp_local_shapes(stage, options.tp_plan, 2)["model.layers.0.self_attn.q_proj.weight"]   # (heads*hd/2, hidden)

@@ -20,15 +20,11 @@ from harness import run_distributed
 from hf_pipeline.families.glue import attention_kinds
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import build_stage, materialize, meta_model
+from hf_pipeline.memory.planner import _peak_in_flight, plan_report
+from hf_pipeline.memory.saved_tensors import measure_saved_bytes
+from hf_pipeline.planning.kv_cache_sizes import kv_cache_bytes_per_token, kv_cache_tokens
 from hf_pipeline.planning.plan import make_plan
 from hf_pipeline.planning.resolve import resolve_recipe
-from hf_pipeline.tools.memory import (
-    _peak_in_flight,
-    kv_cache_bytes_per_token,
-    kv_cache_tokens,
-    measure_saved_bytes,
-    plan_report,
-)
 
 TOL = 0.10
 

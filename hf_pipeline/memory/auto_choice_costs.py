@@ -1,0 +1,83 @@
+"""The load-time ``schedule="auto"`` choice, costed on what only the rooms above planning can build.
+
+The rules of the choice (candidates, the simulated step, ties, the memory budget) are
+:func:`hf_pipeline.planning.auto_choice.choose_candidate`'s. It needs two figures per candidate that
+planning cannot compute, since both build the model on the meta device: the stage plan the loader
+will build (``loading.stages.recipe_front_end``: its FLOPs per stage) and, with ``max_memory``, the
+fullest rank's predicted training peak (:func:`~hf_pipeline.memory.planner.plan_report`, a
+fake-tensor run of those stages). This module passes both in, so it sits in the lowest room that
+holds the memory planner; :func:`chooser` is what every load calls (``model.load_pipelined``).
+
+Example:
+    >>> kwargs, choice = choose(config, 2, device_type="cpu", tune_batch=(16, 512), schedule="auto",
+    ...                         n_microbatches="auto", max_memory="20GiB")
+    >>> print(choice)                      # every candidate, its estimate (and peak), and the one chosen
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..errors import InputError
+from ..loading.stages import recipe_front_end
+from ..planning.auto_choice import AutoChoice, Candidate, choose_candidate
+from ..planning.options import PipelineOptions
+from ..planning.plan import StagePlan
+from .planner import plan_report
+
+__all__ = ["choose", "chooser", "predicted_training_peak"]
+
+
+def chooser(schedule: Any, n_microbatches: Any, *, tune_batch: Any, max_memory: Any):
+    """:func:`choose` with ``tune_batch`` / ``max_memory`` bound, when ``schedule`` or ``n_microbatches`` is
+    ``"auto"``; else None (and those two, which only plan the choice, are refused)."""
+    if schedule == "auto" or n_microbatches == "auto":
+        return functools.partial(choose, tune_batch=tune_batch, max_memory=max_memory)
+    if tune_batch is not None or max_memory is not None:
+        raise InputError(
+            "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
+        )
+    return None
+
+
+def choose(
+    config, world_size: int, *, device_type: str, tune_batch: tuple[int, int] | None = None, max_memory: Any = None,
+    overhead_tokens: float | None = None, **option_kwargs: Any,
+) -> tuple[dict[str, Any], AutoChoice]:
+    """Replace ``schedule="auto"`` / ``n_microbatches="auto"`` in ``option_kwargs`` by the best candidate.
+
+    :func:`~hf_pipeline.planning.auto_choice.choose_candidate` (whose arguments these are) with the
+    loader's stage plan and :func:`predicted_training_peak` as its costs.
+
+    Args:
+        config: the model config.
+        world_size: processes in the job.
+        device_type: "cpu", "cuda", ...: picks the per-action overhead.
+        tune_batch: ``(batch, seq)`` of the training steps to plan for.
+        max_memory: per-rank budget (bytes or "20GiB"): candidates whose predicted training peak is
+            larger are left out.
+        overhead_tokens: overrides the per-action overhead.
+        **option_kwargs: :meth:`PipelineOptions.resolve`'s arguments, ``"auto"`` where to choose.
+
+    Returns:
+        (the arguments with concrete values, the :class:`~hf_pipeline.planning.auto_choice.AutoChoice`).
+    """
+    return choose_candidate(
+        config, world_size, device_type=device_type, stage_plan=_loader_plan, predicted_peak=predicted_training_peak,
+        tune_batch=tune_batch, max_memory=max_memory, overhead_tokens=overhead_tokens, **option_kwargs,
+    )
+
+
+def _loader_plan(config, options: PipelineOptions) -> StagePlan:
+    # The loader's own front end: the plan from_pretrained will build for these options.
+    return recipe_front_end(config, options).plan
+
+
+def predicted_training_peak(config, opts: PipelineOptions, c: Candidate, *, rows: int, seq: int) -> int:
+    """The largest rank's predicted training peak for candidate ``c`` (:func:`.planner.plan_report`)."""
+    report = plan_report(
+        config, stages=opts.num_stages, virtual_stages=opts.virtual_stages, schedule=c.schedule, dtype=opts.dtype,
+        batch=rows, seq=seq, n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
+    )
+    return max(r.train_peak_bytes for r in report.ranks)
