@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,7 +31,8 @@ from .distributed.context import RankContext
 from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
 from .distributed.groups import renew_groups
-from .errors import InputError, TraceError
+from .errors import InputError, InputTypeError, TraceError
+from .load_options import LoadOptions
 from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
@@ -422,71 +423,29 @@ class TracedPipelinedModel(PipelinedModel):
 
 
 def load_pipelined(
-    auto_class: str | type,
-    path: str | os.PathLike,
-    *,
-    n_microbatches: int | None = None,
-    num_stages: int | None = None,
-    virtual_stages: int | None = None,
-    schedule: str | None = None,
-    split: str | Sequence[str] | Mapping[str, Any] = "auto",
-    dtype: Any = None,
-    device: str | torch.device | None = None,
-    gather_output: bool = True,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    subfolder: str = "",
-    attn_implementation: str | None = None,
-    trust_remote_code: bool = False,
-    progress: bool | None = None,
-    config=None,
-    split_method: str = "auto",
-    tune_batch: tuple[int, int] | None = None,
-    max_memory: int | str | None = None,
-    **parallel: Any,
+    auto_class: str | type, path: str | os.PathLike, options: LoadOptions | None = None, /, **kwargs: Any
 ) -> PipelinedModel:
     """Build this rank's stages of ``path`` and return the :class:`PipelinedModel` (collective).
 
     Args:
         auto_class: transformers Auto class (or name) the checkpoint is loaded as.
         path: local HF checkpoint directory, or a hub id present in the local cache.
-        n_microbatches: microbatches per pipelined call (default: number of stages).
-        num_stages: total stages (default world size x virtual_stages; fewer ranks per pipeline than
-            the world size gives data-parallel replicas).
-        virtual_stages: stages per rank (default: what the schedule needs, 1 or 2).
-        schedule: a name from :data:`hf_pipeline.planning.schedules.SCHEDULES` (default "1f1b", or
-            "interleaved-1f1b" with virtual_stages > 1).
-        split: "auto" (cost balanced, cutting a block between its attention and MLP halves where
-            the recipe allows and that balances better), "uniform" (whole blocks), or what starts
-            stages 1..S-1: block FQNs or a block's second half ("model.layers.4.post_attention_layernorm"),
-            or torch's ``split_spec`` form ``{"model.layers.4": SplitPoint.BEGINNING}`` (see
-            :func:`hf_pipeline.planning.options.split_starts`).
-        dtype: weights dtype ("auto" = the config's).
-        device: force a device ("cpu"); default cuda:LOCAL_RANK when available.
-        gather_output: give outputs to every rank (else only the last stage's rank).
-        revision, cache_dir, subfolder: as transformers' (a hub id is looked up in the local cache only).
-        attn_implementation: "eager", "sdpa", ...: the attention every stage runs, as transformers'.
-        trust_remote_code: refused (True) for a checkpoint with its own modelling code; see :func:`load_pipeline`.
-        split_method: "recipe" (a recipe from ``model_recipes/`` must exist), "trace" (split with
-            torch.export, see ``trace.py``: forward and training, no generation), or "auto": the
-            recipe for ``config.model_type`` when there is one, else the tracer.
-        tune_batch, max_memory: with ``schedule="auto"`` and/or ``n_microbatches="auto"``: the ``(batch,
-            seq)`` of the training steps the choice plans for, and a per-rank memory budget (bytes or
-            "20GiB") for their predicted peak; see :func:`hf_pipeline.memory.auto_choice_costs.choose`. The choice is
-            kept as ``model.auto_choice``.
-        **parallel: ``tp_size``, ``distributed_config`` or ``device_mesh``: tensor parallelism inside each stage
-            (see :func:`hf_pipeline.planning.tp_plan.parallel_request`).
+        options: the :class:`~hf_pipeline.load_options.LoadOptions` (each field says what it does and where it
+            acts); or give them as keyword arguments instead.
+        **kwargs: the fields of :class:`~hf_pipeline.load_options.LoadOptions`, when ``options`` is not given.
+
+    Raises:
+        InputTypeError: ``options`` and keyword arguments together, or a keyword that is no option.
     """
     from .memory.auto_choice_costs import chooser
 
-    choose = chooser(schedule, n_microbatches, tune_batch=tune_batch, max_memory=max_memory)
-    built = load_pipeline(
-        auto_class, path, config=config, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
-        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, device=device, progress=progress,
-        n_microbatches=n_microbatches, num_stages=num_stages, virtual_stages=virtual_stages, schedule=schedule,
-        split=split, dtype=dtype, split_method=split_method, agreed={"gather_output": gather_output}, choose=choose,
-        **parallel,
-    )
-    model = (TracedPipelinedModel if built.options.traced else PipelinedModel)(built, gather_output=gather_output)
+    if options is not None and kwargs:
+        raise InputTypeError(f"pass the options either as a LoadOptions or as keywords, not both ({sorted(kwargs)})")
+    if options is None:
+        options = LoadOptions.from_kwargs(kwargs)
+    choose = chooser(options.schedule, options.n_microbatches, **options.acting_in("choose"))
+    built = load_pipeline(auto_class, path, options, choose=choose)
+    model_class = TracedPipelinedModel if built.options.traced else PipelinedModel
+    model = model_class(built, gather_output=options.gather_output)
     model.name_or_path = str(path)  # what was passed, as transformers' ``model.name_or_path``
     return model

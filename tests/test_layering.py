@@ -21,6 +21,7 @@ PACKAGE = pathlib.Path(hf_pipeline.__file__).parent
 LAYERS: list[set[str]] = [
     {"errors"},
     {"compat", "log"},
+    {"load_options"},
     {"distributed"},
     {"families"},
     {"planning"},

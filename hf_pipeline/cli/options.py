@@ -100,9 +100,8 @@ def model_path(args) -> str:
 
 
 def load_kwargs(args) -> dict[str, Any]:
-    """``from_pretrained`` keywords of the ``model`` option group (the ones given)."""
-    kw: dict[str, Any] = {"dtype": args.dtype}
-    for key in ("schedule", "virtual_stages", "n_microbatches", "device", "tp_size", "fsdp_size"):
-        if getattr(args, key) is not None:
-            kw[key] = getattr(args, key)
-    return kw
+    """``from_pretrained`` keywords of the ``model`` option group: the load options with a flag
+    (:func:`hf_pipeline.load_options.cli_fields`) that were given."""
+    from ..load_options import cli_fields
+
+    return {f.name: getattr(args, f.name) for f in cli_fields() if getattr(args, f.name) is not None}

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from ..errors import CLIError
+from ..load_options import cli_fields
 
 __all__ = ["LAUNCH_OPTIONS", "PROG", "build_parser", "version"]
 
@@ -135,17 +136,12 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", type=_existing_path, default=None,
                    help="checkpoint directory or cached hub id (default: the bundled model)")
     _add_download(g)
-    g.add_argument("--schedule", default=None,
-                   help="pipeline schedule (default 1f1b; interleaved-1f1b with --virtual-stages > 1)")
-    g.add_argument("--virtual-stages", type=_positive, default=None, help="stages per process")
-    g.add_argument("--tp-size", type=_positive, default=None,
-                   help="tensor-parallel processes per stage (LLaMA, Mistral, Qwen2; default 1)")
-    g.add_argument("--fsdp-size", type=_positive, default=None,
-                   help="data-parallel processes sharding each stage's parameters with FSDP (default 1)")
-    g.add_argument("--n-microbatches", type=_positive, default=None,
-                   help="microbatches per pipelined call (default: number of stages)")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (the checkpoint's)")
-    g.add_argument("--device", type=_device, default=None, help="force a device type, e.g. cpu")
+    # The load options with a flag, each defined once (hf_pipeline.load_options); a flag not given leaves the
+    # option at its default (cli.options.load_kwargs reads them back).
+    types = {"positive": _positive, "device": _device, "text": None}
+    for f in cli_fields():
+        g.add_argument("--" + f.name.replace("_", "-"), type=types[f.metadata["cli_type"]], default=None,
+                       help=f.metadata["cli"])
 
 
 # ------------------------------------------------------------------------------------ one per command

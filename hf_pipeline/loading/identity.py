@@ -16,16 +16,12 @@ from typing import Any, Mapping
 
 from .checkpoint import INDEX_NAME
 
-__all__ = ["PARALLEL_ARGUMENTS", "parallel_arguments", "pipeline_identity"]
+__all__ = ["parallel_arguments", "pipeline_identity"]
 
 _TAIL_BYTES = 4096  # of each shard, in the checkpoint's identity
 
 
-# from_pretrained's arguments that shape the mesh, compared as given before any rank resolves them.
-PARALLEL_ARGUMENTS = ("tp_size", "fsdp_size", "distributed_config", "device_mesh")
-
-
-def parallel_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def parallel_arguments(mesh: Mapping[str, Any]) -> dict[str, Any]:
     """The mesh arguments among ``kwargs`` as the caller gave them, comparable across ranks.
 
     Compared before the options are resolved: a rank resolving another mesh would otherwise fail alone
@@ -34,14 +30,14 @@ def parallel_arguments(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     ``device_mesh`` and shows both), a ``DistributedConfig`` by its fields (``distributed_config.tp_size``).
 
     Args:
-        kwargs: ``from_pretrained``'s keyword arguments (only :data:`PARALLEL_ARGUMENTS` are read).
+        mesh: the mesh options as given (``LoadOptions.acting_in("mesh")``: ``tp_size``, ``fsdp_size``,
+            ``distributed_config``, ``device_mesh``).
 
     Returns:
         argument name -> its value or description (None where not given).
     """
     out: dict[str, Any] = {}
-    for name in PARALLEL_ARGUMENTS:
-        value = kwargs.get(name)
+    for name, value in mesh.items():
         # Anything else is described by its type: resolving the options refuses it by name on every rank.
         if name == "device_mesh" and value is not None:
             from torch.distributed.device_mesh import DeviceMesh

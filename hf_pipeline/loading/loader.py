@@ -15,7 +15,7 @@ of every local stage with one Parameter per tied group across all of them (so an
 tied tensor once).
 
 Example:
-    >>> loaded = load_pipeline(transformers.AutoModelForCausalLM, path, n_microbatches=4)
+    >>> loaded = load_pipeline(transformers.AutoModelForCausalLM, path, LoadOptions(n_microbatches=4))
     >>> loaded.stage_maker.plan.num_stages, [s.spec.index for s in loaded.stages]
     (2, [0])
 """
@@ -40,6 +40,7 @@ from ..distributed.context import RankContext, init_distributed
 from ..distributed.dims import ParallelDims
 from ..distributed.groups import own_group
 from ..errors import InputError
+from ..load_options import LoadOptions
 from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
@@ -127,11 +128,15 @@ def _read_config(ckpt: pathlib.Path, config, *, attn_implementation: str | None,
 
 
 def _resolve_options(
-    config, ctx: RankContext, choose: Callable[..., tuple[dict[str, Any], Any]] | None, resolve_kwargs: dict[str, Any]
+    config, ctx: RankContext, choose: Callable[..., tuple[dict[str, Any], Any]] | None, asked: LoadOptions,
+    auto_class: str | type,
 ) -> tuple[PipelineOptions, Any]:
     """The resolved options and what ``choose`` picked for their ``"auto"`` values (None without it)."""
     auto_choice = None
-    resolve_kwargs = _with_parallel(resolve_kwargs, ctx, auto=choose is not None)
+    resolve_kwargs = {**asked.acting_in("resolve"), "auto_class": auto_class}
+    parallel = _parallel(asked, ctx, auto=choose is not None)
+    if parallel is not None:
+        resolve_kwargs["parallel"] = parallel
     if choose is not None:  # "auto" values replaced by concrete ones; the rest handed back as given
         resolve_kwargs, auto_choice = choose(config, ctx.world_size, device_type=ctx.device.type, **resolve_kwargs)
     options = PipelineOptions.resolve(config, ctx.world_size, **resolve_kwargs)
@@ -160,21 +165,20 @@ def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -
     return dims
 
 
-def _with_parallel(option_kwargs: dict[str, Any], ctx: RankContext, *, auto: bool) -> dict[str, Any]:
-    """``option_kwargs`` with ``tp_size`` / ``fsdp_size`` / ``distributed_config`` / ``device_mesh`` turned into the one
-    ``parallel`` request of :meth:`PipelineOptions.resolve` (see
-    :func:`~hf_pipeline.planning.tp_plan.parallel_request`); ``auto``: an automatic schedule choice, which
-    plans pipelines without tensor parallelism."""
-    given = {k: option_kwargs.pop(k, None) for k in ("tp_size", "fsdp_size", "distributed_config", "device_mesh")}
-    parallel = parallel_request(**given, world_size=ctx.world_size)
+def _parallel(asked: LoadOptions, ctx: RankContext, *, auto: bool) -> ParallelRequest | None:
+    """The one ``parallel`` request of :meth:`PipelineOptions.resolve` from the mesh options (``tp_size`` /
+    ``fsdp_size`` / ``distributed_config`` / ``device_mesh``: see
+    :func:`~hf_pipeline.planning.tp_plan.parallel_request`); None when they ask for none. ``auto``: an
+    automatic schedule choice, which plans pipelines without tensor parallelism."""
+    parallel = parallel_request(**asked.acting_in("mesh"), world_size=ctx.world_size)
     if parallel == ParallelRequest():
-        return option_kwargs
+        return None
     if auto:
         raise InputError(
             "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism or FSDP; name the "
             "schedule and n_microbatches with tp_size / fsdp_size / distributed_config / device_mesh"
         )
-    return {**option_kwargs, "parallel": parallel}
+    return parallel
 
 
 def _load_stages(
@@ -239,12 +243,12 @@ def _load_stages(
     return stages, report, read_at
 
 
-def _agreed_context(device, option_kwargs: dict[str, Any]) -> RankContext:
+def _agreed_context(asked: LoadOptions) -> RankContext:
     """The model's own group over every rank (groups.py: a failure inside a call stops it, never WORLD), once
     every rank gave the same mesh arguments: compared as given, before any rank resolves them (one may be
     invalid on its own rank, or resolve to another mesh), so the error names the argument."""
-    ctx = own_group(init_distributed(device=device))
-    given = parallel_arguments(option_kwargs)
+    ctx = own_group(init_distributed(device=asked.device))
+    given = parallel_arguments(asked.acting_in("mesh"))
     check_same_on_all_ranks(ctx, "from_pretrained's mesh arguments", given, hint=_AGREE_HINT)
     return ctx
 
@@ -252,40 +256,22 @@ def _agreed_context(device, option_kwargs: dict[str, Any]) -> RankContext:
 def load_pipeline(
     auto_class: str | type,
     path: str | os.PathLike,
+    asked: LoadOptions | None = None,
     *,
-    config=None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    subfolder: str = "",
-    attn_implementation: str | None = None,
-    trust_remote_code: bool = False,
-    device: str | torch.device | None = None,
-    progress: bool | None = None,
-    agreed: dict[str, Any] | None = None,
     choose: Callable[..., tuple[dict[str, Any], Any]] | None = None,
-    **option_kwargs: Any,
 ) -> LoadedPipeline:
     """Resolve the options, make this rank's stages and load their weights (collective).
 
     Args:
         auto_class: the transformers (Auto) class the checkpoint is loaded as.
         path: a local HF checkpoint directory, or a hub id in the local cache.
-        config: a config to use instead of the checkpoint's ``config.json``.
-        revision, cache_dir, subfolder: which cached hub snapshot, which cache, and the folder inside
-            the directory or snapshot that holds the checkpoint (see :func:`resolve_checkpoint`).
-        attn_implementation: ``"eager"``, ``"sdpa"``, ...: set on the config before the model is
-            built, so every stage's attention runs it; transformers checks it there, as in its own
-            ``from_pretrained``.
-        trust_remote_code: True is refused for a checkpoint with its own modelling code (stages are
-            built from transformers' classes only); for any other checkpoint it changes nothing.
-        device: force a device ("cpu"); default ``cuda:LOCAL_RANK`` when available.
-        progress: show a progress bar while reading (default: on the main process).
-        agreed: the caller's other arguments that must be the same on every rank (``gather_output``).
-        choose: ``choose(config, world_size, device_type=..., **option_kwargs) -> (option_kwargs, choice)``:
+        asked: what the caller asked for (default: every option's default). Each concern goes where it acts
+            (:meth:`~hf_pipeline.load_options.LoadOptions.acting_in`): ``"read"`` to finding the checkpoint
+            (:func:`resolve_checkpoint`) and its config (:func:`_read_config`), ``"mesh"`` and ``"resolve"`` to
+            :meth:`PipelineOptions.resolve`, ``"place"`` to the device and the progress bar here.
+        choose: ``choose(config, world_size, device_type=..., **resolve_kwargs) -> (resolve_kwargs, choice)``:
             replaces ``"auto"`` options before they are resolved (``memory.auto_choice_costs.choose``; the same
             arithmetic on every rank, so every rank resolves the same options).
-        **option_kwargs: the options of :meth:`PipelineOptions.resolve`, and ``tp_size`` / ``fsdp_size`` or one of
-            ``distributed_config`` / ``device_mesh``: tensor parallelism or FSDP in each stage (:func:`_with_parallel`).
 
     Returns:
         This rank's :class:`LoadedPipeline`.
@@ -293,18 +279,18 @@ def load_pipeline(
     Every step that can fail on one rank only is wrapped in an agreement, so a failure anywhere
     raises on every rank (naming the failing rank) instead of leaving the others waiting.
     """
+    asked = LoadOptions() if asked is None else asked
+    read = asked.acting_in("read")
     started = time.perf_counter()
-    ctx = _agreed_context(device, option_kwargs)
+    ctx = _agreed_context(asked)
     with collective_errors(ctx, "reading the checkpoint config"):
-        ckpt = resolve_checkpoint(path, revision=revision, cache_dir=cache_dir, subfolder=subfolder)
-        config = _read_config(
-            ckpt, config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-        )
-        options, auto_choice = _resolve_options(config, ctx, choose, {**option_kwargs, "auto_class": auto_class})
-        identity = pipeline_identity(options, config, ckpt, device_type=ctx.device.type, arguments={
-            "split_method": option_kwargs.get("split_method", "auto"), "attn_implementation": attn_implementation,
-            "trust_remote_code": trust_remote_code, **(agreed or {}),
-        })
+        ckpt = resolve_checkpoint(path, revision=read["revision"], cache_dir=read["cache_dir"],
+                                  subfolder=read["subfolder"])
+        config = _read_config(ckpt, read["config"], attn_implementation=read["attn_implementation"],
+                              trust_remote_code=read["trust_remote_code"])
+        options, auto_choice = _resolve_options(config, ctx, choose, asked, auto_class)
+        identity = pipeline_identity(options, config, ckpt, device_type=ctx.device.type,
+                                     arguments=asked.agreed_as_given())
     # The same pipeline from the same checkpoint everywhere, or a named error on every rank: a split,
     # microbatch count or dtype of its own, or other files, on one rank would give wrong numbers or a hang.
     check_same_on_all_ranks(ctx, "from_pretrained arguments and checkpoint", identity, hint=_AGREE_HINT)
@@ -318,7 +304,7 @@ def load_pipeline(
     with collective_errors(ctx, "loading weights", describe=_stage_roles(maker.plan, dims)):
         stages, report, read_at = _load_stages(
             maker, ckpt, maker.plan.stages_for_rank(dims.pp_rank), ctx=ctx, options=options, rng_state=rng_state,
-            progress=progress, started=planned_at, dims=dims)
+            progress=asked.progress, started=planned_at, dims=dims)
     # Where a load's wall time goes, for the benchmark's load-vs-read comparison (this rank's clock).
     report.seconds = {
         "config, options, agreement": agreed_at - started, "plan, dims": planned_at - agreed_at, **report.seconds,
