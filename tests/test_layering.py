@@ -28,6 +28,8 @@ LAYERS: list[set[str]] = [
     {"loading"},
     {"generation"},
     {"training"},
+    {"recompute"},
+    {"checkpointing"},
     {"adapters"},
     {"tools"},
     {"serving"},

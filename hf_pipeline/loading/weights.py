@@ -32,7 +32,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, InternalError
 from ..log import progress_bar
 
 # Re-exported: hf_pipeline.loading.weights.resolve_checkpoint (README) and the index names stay importable here.
-from .checkpoint import (
+from .checkpoint_files import (
     BIN_INDEX_NAME,
     INDEX_NAME,
     SAVE_STAGING_PATTERN,

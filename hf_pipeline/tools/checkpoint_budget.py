@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import InputError, InputTypeError, UsageError
 from ..planning.options import parse_size
-from ..training.activation_checkpointing import (
+from ..recompute.layers import (
     CheckpointingSettings,
     check_checkpointable,
     checkpointed_layers,

@@ -59,7 +59,7 @@ from ..planning.plan import StagePlan, compress_blocks, human_count
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
 from ..planning.tp_plan import ParallelRequest
-from ..training.activation_checkpointing import CheckpointingSettings, apply_checkpointing
+from ..recompute.layers import CheckpointingSettings, apply_checkpointing
 from .activation_memory import CheckpointProbe, measure_saved_bytes
 from .mesh_shares import fsdp_unit_bytes, tp_local_shapes
 from .mesh_shares import human_bytes as _human
