@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     import transformers
 
     from hf_pipeline.checkpointing.training_state import load_training_state
-    from hf_pipeline.loading.weights import resolve_checkpoint
+    from hf_pipeline.loading.checkpoint_files import resolve_checkpoint
     from hf_pipeline.log import StepProgress
     from hf_pipeline.training.loop import run_training
 

@@ -50,8 +50,8 @@ import transformers
 from torch import nn
 
 from ..errors import InputError
+from ..loading.checkpoint_files import resolve_checkpoint
 from ..loading.stages import StageModule, build_stage, recipe_front_end
-from ..loading.weights import resolve_checkpoint
 from ..planning.actions import schedule_actions
 from ..planning.kv_cache_sizes import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 from ..planning.options import PipelineOptions, load_config

@@ -320,7 +320,7 @@ def _assert_only_checkpoint_added(directory: pathlib.Path) -> None:
 
 
 def test_save_into_existing_directory_keeps_user_files_and_removes_only_stale_weights(tmp_path):
-    from hf_pipeline.loading.weights import CheckpointIndex
+    from hf_pipeline.loading.checkpoint_files import CheckpointIndex
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")
     out = tmp_path / "out"
@@ -492,7 +492,7 @@ def test_save_killed_at_each_phase_leaves_old_or_new_checkpoint(tmp_path, phase,
     import warnings
 
     from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
-    from hf_pipeline.loading.weights import CheckpointIndex
+    from hf_pipeline.loading.checkpoint_files import CheckpointIndex
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")
     results = run_distributed(
