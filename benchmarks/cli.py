@@ -13,7 +13,7 @@ from benchmarks.config import SECTIONS
 from benchmarks.processes import ROOT, run_worker
 from benchmarks.report import to_markdown, update_readme
 from benchmarks.run import merge, run_benchmark
-from hf_pipeline.training.checkpoint import replace_file
+from hf_pipeline.checkpointing.durable import replace_file
 
 __all__ = ["main"]
 

@@ -10,7 +10,7 @@ import pathlib
 from typing import Any
 
 from benchmarks.config import Sizes
-from hf_pipeline.loading.weights import CheckpointIndex, checkpoint_nbytes
+from hf_pipeline.loading.checkpoint_files import CheckpointIndex, checkpoint_nbytes
 
 __all__ = ["summarize"]
 

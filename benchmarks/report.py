@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks import checkpointing, generate_tables, load_tables, lora_tables, mesh, serve_tables, train_tables
 from benchmarks.tables import render
-from hf_pipeline.training.checkpoint import replace_file
+from hf_pipeline.checkpointing.durable import replace_file
 
 __all__ = ["README_END", "README_START", "readme_tables", "to_markdown", "update_readme"]
 

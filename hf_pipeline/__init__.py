@@ -16,13 +16,13 @@ from .auto import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
+from .checkpointing.layout import latest_checkpoint
+from .checkpointing.training_state import load_training_state
 from .distributed.context import init_distributed
 from .errors import NoSuchAttribute, PipelineError
 from .families.recipe import Recipe, RecipeError, get_recipe, list_recipes, register_recipe
 from .memory.planner import plan_report
 from .model import PipelinedModel
-from .training.checkpoint_format import latest_checkpoint
-from .training.training_state import load_training_state
 
 __version__ = "0.1.0"
 

@@ -41,9 +41,9 @@ from .planning.options import PipelineOptions
 from .planning.plan import StagePlan
 from .planning.resolve import ResolvedRecipe
 from .planning.schedules import ScheduleSpec
+from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
-from .training.activation_checkpointing import ActivationCheckpointingMixin
 from .training.inference_loss import inference_only
 
 if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
@@ -72,11 +72,12 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     ``resize_token_embeddings``, ``set_input_embeddings`` / ``set_output_embeddings``, ``tie_weights``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
 
-    What the feature modules (``generation/``, ``training/``, ``tools/``) read of it — the typed
-    surface they may rely on: ``ctx``, ``dims``, ``plan``, ``param_layout``, ``config``, ``resolved``,
-    ``skeleton``, ``stage_maker``, ``options``, ``schedule``, ``n_microbatches``, ``stages``, ``runtime``,
-    ``device``, ``check_inputs``, ``training``, ``train_step_state``, and the methods ``rank_label``,
-    ``prepare_inputs``, ``batch_size``, ``checkpoint_named_parameters``. Nothing else, nothing private.
+    What the feature modules (``generation/``, ``training/``, ``checkpointing/``, ``recompute/``,
+    ``tools/``) read of it — the typed surface they may rely on: ``ctx``, ``dims``, ``plan``,
+    ``param_layout``, ``config``, ``resolved``, ``skeleton``, ``stage_maker``, ``options``, ``schedule``,
+    ``n_microbatches``, ``stages``, ``runtime``, ``device``, ``check_inputs``, ``training``,
+    ``train_step_state``, and the methods ``rank_label``, ``prepare_inputs``, ``batch_size``,
+    ``checkpoint_named_parameters``. Nothing else, nothing private.
     """
 
     def __init__(self, built: LoadedPipeline, *, gather_output: bool = True):
@@ -329,7 +330,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     ):
         """As transformers' (non-reentrant; ``every_n_layers`` over the whole model's layers). With
         ``memory_budget_bytes`` (and the ``budget_batch=(batch, seq)`` it plans for): the fewest checkpointed layers
-        whose predicted per-rank activation peak fits; returns that choice. See ``activation_checkpointing.py``."""
+        whose predicted per-rank activation peak fits; returns that choice. See ``recompute/layers.py``."""
         from .tools.checkpoint_budget import enable_checkpointing
 
         return enable_checkpointing(self, activation_checkpointing_kwargs, every_n_layers, offload,
@@ -378,11 +379,11 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write a normal HF checkpoint; every rank writes its own tensors. See ``training/checkpoint.py``. With
+        """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpointing/save.py``. With
         adapters added by ``add_adapter`` / ``load_adapter``: the active adapter, as transformers (``adapters/``)."""
         if self._hf_peft_config_loaded:
             return self.save_adapter(save_directory, **kwargs)
-        from .training.checkpoint import save_pretrained
+        from .checkpointing.save import save_pretrained
 
         with self._spreading_failures("save_pretrained"):
             return save_pretrained(self, save_directory, **kwargs)

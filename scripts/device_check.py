@@ -79,8 +79,8 @@ from _common import barrier, gather_objects
 from device_check_sections import Sections
 from device_check_support import SIZES, first_divergences, format_value
 
+from hf_pipeline.checkpointing.durable import replace_file
 from hf_pipeline.distributed.context import destroy_distributed, init_distributed
-from hf_pipeline.training.checkpoint import replace_file
 
 __all__ = ["Run", "first_divergences", "main"]
 

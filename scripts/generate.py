@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         path = str(default_model_path())
     else:
-        from hf_pipeline.loading.weights import resolve_checkpoint
+        from hf_pipeline.loading.checkpoint_files import resolve_checkpoint
 
         # A hub id from the local cache, no network; transformers reads the directory.
         path = str(resolve_checkpoint(args.model))

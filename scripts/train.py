@@ -111,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- training
 def _resume_from(args, out: pathlib.Path) -> str | None:
     """``--resume-from``, else with ``--resume`` the latest complete checkpoint in ``out`` (None: start fresh)."""
-    from hf_pipeline.training.checkpoint import latest_checkpoint
+    from hf_pipeline.checkpointing.layout import latest_checkpoint
 
     if args.resume and args.resume_from is None:
         found = latest_checkpoint(out)
@@ -159,9 +159,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    from hf_pipeline.loading.weights import resolve_checkpoint
+    from hf_pipeline.checkpointing.training_state import load_training_state
+    from hf_pipeline.loading.checkpoint_files import resolve_checkpoint
     from hf_pipeline.log import StepProgress
-    from hf_pipeline.training.checkpoint import load_training_state
     from hf_pipeline.training.loop import run_training
 
     out = pathlib.Path(args.output_dir)

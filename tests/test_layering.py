@@ -30,6 +30,8 @@ LAYERS: list[set[str]] = [
     {"generation"},
     {"continuous_batching"},
     {"training"},
+    {"recompute"},
+    {"checkpointing"},
     {"memory"},
     {"adapters"},
     {"tools"},

@@ -53,7 +53,7 @@ def test_the_automatic_choice_takes_the_options_that_act_there():
 
 
 def test_the_checkpoint_is_found_with_the_options_that_act_there():
-    from hf_pipeline.loading.weights import resolve_checkpoint
+    from hf_pipeline.loading.checkpoint_files import resolve_checkpoint
 
     read = set(LoadOptions().acting_in("read")) - {"config", "attn_implementation", "trust_remote_code"}
     assert read <= _keywords(resolve_checkpoint)

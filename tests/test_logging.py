@@ -100,7 +100,8 @@ def test_weight_loading_bar_is_hidden_by_transformers_switch(tmp_path, capsys, b
     import tiny
     import torch
 
-    from hf_pipeline.loading.weights import CheckpointIndex, load_tensors
+    from hf_pipeline.loading.checkpoint_files import CheckpointIndex
+    from hf_pipeline.loading.weights import load_tensors
 
     index = CheckpointIndex.from_directory(tiny.make_checkpoint(tmp_path / "ckpt", "llama"))
     wanted = {k: (tuple(h["shape"]), torch.float32) for k, h in _headers(index, sorted(index.keys())[:2]).items()}
@@ -113,7 +114,7 @@ def test_weight_loading_bar_is_hidden_by_transformers_switch(tmp_path, capsys, b
 
 
 def _headers(index, keys):
-    from hf_pipeline.loading.weights import read_header
+    from hf_pipeline.loading.safetensors_header import read_header
 
     out = {}
     for shard, names in index.shards_for(keys).items():

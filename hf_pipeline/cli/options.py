@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from ..errors import CLIError, PipelineError
+from ..errors import CheckpointNotFoundError, CLIError, PipelineError
 
 __all__ = [
     "auto_class_for", "flat", "load_config", "load_kwargs", "load_tokenizer", "local_path", "model_path",
@@ -47,7 +47,7 @@ def local_path(path_or_id: str, download: bool = False) -> str:
     """
     if pathlib.Path(path_or_id).expanduser().is_file():
         return str(pathlib.Path(path_or_id).expanduser())
-    from ..loading.weights import CheckpointNotFoundError, resolve_checkpoint
+    from ..loading.checkpoint_files import resolve_checkpoint
 
     try:
         return str(resolve_checkpoint(path_or_id, download=download))

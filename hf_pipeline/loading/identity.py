@@ -14,7 +14,7 @@ import pathlib
 from dataclasses import fields
 from typing import Any, Mapping
 
-from .checkpoint import INDEX_NAME
+from .checkpoint_files import INDEX_NAME
 
 __all__ = ["parallel_arguments", "pipeline_identity"]
 

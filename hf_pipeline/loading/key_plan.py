@@ -19,7 +19,7 @@ from torch import nn
 
 from ..compat import transformers_load_exceptions
 from ..planning.resolve import ResolvedRecipe
-from .checkpoint import CheckpointIndex
+from .checkpoint_files import CheckpointIndex
 from .key_renames import checkpoint_key_renames
 
 __all__ = ["UNEXPECTED_HINT", "KeyPlan", "key_plan", "log_load_report", "wanted_tensors"]

@@ -45,13 +45,14 @@ from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
+from .checkpoint_files import CheckpointIndex, resolve_checkpoint
 from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
 from .tensor_parallel import apply_tensor_parallel, local_slice, shard_parts
-from .weights import CheckpointIndex, LoadReport, load_tensors, resolve_checkpoint
+from .weights import LoadReport, load_tensors
 
 __all__ = ["LoadedPipeline", "StageMaker", "load_pipeline", "wanted_tensors"]
 

@@ -2,7 +2,7 @@
 
 A stage's parameter names equal the checkpoint keys, so loading is: map each wanted name to a key
 (trying aliases for tied weights, base-model prefixes and the key renames transformers applies,
-see :func:`checkpoint_key_renames`), group the keys by shard, check every shard header we need
+see :func:`~.key_renames.checkpoint_key_renames`), group the keys by shard, check every shard header we need
 (size, keys, shapes, dtypes, offsets) *before* reading any data, then open each needed shard once
 and read each tensor's bytes straight into its destination tensor. Shards holding none of the
 stage's tensors are never opened and nothing is memory-mapped, so peak host memory is one stage's
@@ -28,49 +28,12 @@ from typing import Collection, Mapping, Sequence
 
 import torch
 
-from ..errors import CheckpointError, CheckpointNotFoundError, InternalError
+from ..errors import CheckpointError, InternalError
 from ..log import progress_bar
+from .checkpoint_files import CheckpointIndex, FileStamp, changed_while_read, file_stamp, name_listing
+from .safetensors_header import SAFETENSORS_DTYPES, read_shard_header, slice_byte_ranges
 
-# Re-exported: hf_pipeline.loading.weights.resolve_checkpoint (README) and the index names stay importable here.
-from .checkpoint import (
-    BIN_INDEX_NAME,
-    INDEX_NAME,
-    SAVE_STAGING_PATTERN,
-    SAVE_STAGING_PREFIX,
-    SINGLE_NAME,
-    CheckpointIndex,
-    FileStamp,
-    changed_while_read,
-    checkpoint_nbytes,
-    file_stamp,
-    load_pytorch_file,
-    name_listing,
-    pytorch_files,
-    resolve_checkpoint,
-)
-from .key_renames import checkpoint_key_renames
-from .safetensors_header import SAFETENSORS_DTYPES, read_header, read_shard_header, slice_byte_ranges
-
-__all__ = [
-    "chunk_bounds",
-    "CheckpointError",
-    "CheckpointIndex",
-    "CheckpointNotFoundError",
-    "LoadReport",
-    "BIN_INDEX_NAME",
-    "INDEX_NAME",
-    "SAVE_STAGING_PATTERN",
-    "SAVE_STAGING_PREFIX",
-    "SINGLE_NAME",
-    "checkpoint_key_renames",
-    "checkpoint_nbytes",
-    "load_pytorch_file",
-    "load_tensors",
-    "pytorch_files",
-    "read_header",
-    "resolve_checkpoint",
-    "resolve_keys",
-]
+__all__ = ["LoadReport", "chunk_bounds", "load_tensors", "resolve_keys"]
 
 
 @dataclass(kw_only=True)

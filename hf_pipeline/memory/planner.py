@@ -52,8 +52,8 @@ import transformers
 from torch import nn
 
 from ..errors import InputError
+from ..loading.checkpoint_files import resolve_checkpoint
 from ..loading.stages import StageModule, build_stage, recipe_front_end
-from ..loading.weights import resolve_checkpoint
 from ..planning.actions import schedule_actions
 from ..planning.kv_cache_sizes import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 from ..planning.options import PipelineOptions, load_config
@@ -61,7 +61,7 @@ from ..planning.plan import StagePlan
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
 from ..planning.tp_plan import ParallelRequest
-from ..training.activation_checkpointing import CheckpointingSettings, apply_checkpointing
+from ..recompute.layers import CheckpointingSettings, apply_checkpointing
 from .mesh_shares import fsdp_unit_bytes, tp_local_shapes
 from .report import MemoryReport, RankMemory, StageMemory
 from .saved_tensors import CheckpointProbe, measure_saved_bytes

@@ -6,7 +6,7 @@ through autograd's hooks: torch's non-reentrant ``checkpoint`` holds the block's
 the closure that recomputes it) and, in backward, recomputes the block, whose saved tensors then
 live until that block's backward is done. :class:`CheckpointProbe` is the checkpoint function the
 planner installs on the fake stages (with the layer choice of
-:func:`~hf_pipeline.training.activation_checkpointing.apply_checkpointing`, so it is the one the
+:func:`~hf_pipeline.recompute.layers.apply_checkpointing`, so it is the one the
 model makes): it records each checkpointed block's inputs (kept per microbatch) and measures what
 the block saves when it runs un-checkpointed (its recompute, one block at a time).
 

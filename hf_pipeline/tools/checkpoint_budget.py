@@ -1,7 +1,7 @@
 """Activation checkpointing to a memory budget: the fewest checkpointed layers whose predicted peak fits.
 
 ``model.activation_checkpointing_enable(memory_budget_bytes="6GiB", budget_batch=(8, 2048))`` asks the
-memory planner (:func:`~hf_pipeline.tools.memory.plan_report`, the same fake-tensor measurement
+memory planner (:func:`~hf_pipeline.memory.planner.plan_report`, the same fake-tensor measurement
 ``hf-pipeline plan`` prints) for every rank's predicted peak of live activations in a training step of
 ``batch`` sequences of ``seq`` tokens under the model's schedule and microbatches, and checkpoints as
 few layers as fit: none when the model fits without checkpointing, else the largest
@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import InputError, InputTypeError, UsageError
 from ..planning.options import parse_size
-from ..training.activation_checkpointing import (
+from ..recompute.layers import (
     CheckpointingSettings,
     check_checkpointable,
     checkpointed_layers,

@@ -38,22 +38,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import ConvertError, InputError
+from ..errors import CheckpointError, ConvertError, InputError
 from ..families.recipe import list_recipes
-from ..loading.loader import wanted_tensors
-from ..loading.stages import recipe_front_end
-from ..loading.weights import (
+from ..loading.checkpoint_files import (
     BIN_INDEX_NAME,
     INDEX_NAME,
     SINGLE_NAME,
-    CheckpointError,
     CheckpointIndex,
     load_pytorch_file,
     pytorch_files,
-    read_header,
     resolve_checkpoint,
-    resolve_keys,
 )
+from ..loading.loader import wanted_tensors
+from ..loading.safetensors_header import read_header
+from ..loading.stages import recipe_front_end
+from ..loading.weights import resolve_keys
 from ..log import get_logger
 from ..planning.options import PipelineOptions, load_config, parse_size
 from ..planning.plan import StagePlan

@@ -25,12 +25,12 @@ import os
 import pathlib
 from typing import Any
 
+from ..checkpointing.durable import save_torch
+from ..checkpointing.layout import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
+from ..checkpointing.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
+from ..checkpointing.training_state import optimizer_file_name, optimizer_keys, optimizer_state_by_key, rng_file_name
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..training.checkpoint_format import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
-from ..training.durable import save_torch
-from ..training.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
-from ..training.training_state import optimizer_file_name, optimizer_keys, optimizer_state_by_key, rng_file_name
 
 __all__ = ["ADAPTER_WEIGHTS_NAME", "load_adapter_training_state", "reload_adapter", "save_adapter_checkpoint"]
 

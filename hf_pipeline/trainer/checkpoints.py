@@ -6,7 +6,7 @@
   index), written collectively by ``model.save_pretrained`` (each rank writes its stages' tensors);
 * the optimizer state per pipeline rank (``optimizer/``, keyed by checkpoint key, read back with
   ``weights_only=True``), the scheduler as ``scheduler.json`` and every rank's RNG states as
-  ``rng/rank-XXXXX.safetensors`` (:mod:`hf_pipeline.training.training_state`);
+  ``rng/rank-XXXXX.safetensors`` (:mod:`hf_pipeline.checkpointing.training_state`);
 * ``trainer_state.json``: transformers' own ``TrainerState`` (global step, log history, callbacks'
   state), so the Trainer's checkpoint rotation, ``resume_from_checkpoint=True`` and
   ``load_best_model_at_end`` find what they expect.
@@ -23,16 +23,16 @@ import pathlib
 
 import torch
 
+from ..checkpointing.layout import RNG_DIR, is_complete_checkpoint, why_incomplete
+from ..checkpointing.state_files import read_rng_state, set_rng_state
+from ..checkpointing.state_shards import sharded_state
+from ..checkpointing.training_state import rng_file_name
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointNotFoundError
-from ..loading.checkpoint import CheckpointIndex
+from ..loading.checkpoint_files import CheckpointIndex
 from ..loading.key_plan import UNEXPECTED_HINT, wanted_tensors
 from ..loading.weights import load_tensors
 from ..log import get_logger
-from ..training.checkpoint_format import RNG_DIR, is_complete_checkpoint, why_incomplete
-from ..training.state_files import read_rng_state, set_rng_state
-from ..training.state_shards import sharded_state
-from ..training.training_state import rng_file_name
 
 logger = get_logger(__name__)
 

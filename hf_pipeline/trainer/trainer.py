@@ -45,10 +45,10 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 from transformers.utils import can_return_loss, find_labels
 
+from ..checkpointing.layout import TRAINER_STATE_NAME
+from ..checkpointing.training_state import load_training_state
 from ..errors import UsageError
 from ..families.losses import get_loss
-from ..training.checkpoint_format import TRAINER_STATE_NAME
-from ..training.training_state import load_training_state
 from .adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
 from .checkpoints import reload_weights, restore_rng
 from .data import count_items, single_process_loader

@@ -157,9 +157,9 @@ def test_the_same_checkpoint_at_another_path_on_each_rank_loads(tmp_path):
 
 
 def test_load_training_state_says_why_a_directory_is_not_a_checkpoint(tmp_path):
+    from hf_pipeline.checkpointing.training_state import load_training_state
     from hf_pipeline.distributed.context import init_distributed
-    from hf_pipeline.loading.weights import SAVE_STAGING_PREFIX
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.loading.checkpoint_files import SAVE_STAGING_PREFIX
 
     model = types.SimpleNamespace(ctx=init_distributed(device="cpu"))  # one process: only the refusal runs
     good = tiny.make_checkpoint(tmp_path / "run" / "checkpoint-5", "llama")

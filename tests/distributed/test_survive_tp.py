@@ -29,7 +29,7 @@ from test_survive import _outcome, _raise_once, assert_parameters_equal, assert_
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-LR, EPS = 1e-2, 1e-5  # eps far above the tiny model's smallest gradients, as tests/training/test_tp_resume.py
+LR, EPS = 1e-2, 1e-5  # eps far above the tiny model's smallest gradients, as tests/checkpointing/test_tp_resume.py
 ATOL = 1e-5
 _TIMEOUT_S = 60  # the collective timeout of the job: every failure here must be over far sooner
 

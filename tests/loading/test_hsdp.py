@@ -70,7 +70,7 @@ def _step(model, opt, step: int, arch: str = "llama") -> tuple[float, float]:
 def _case(path, save_dir, kwargs, arch="llama"):
     """Load, forward, generate, two clipped AdamW steps, save with the optimizer, a third step; then the
     save resumed on the same mesh and its third step."""
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     model = _load(path, kwargs)
     dims = model.dims

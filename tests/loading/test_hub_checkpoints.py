@@ -20,7 +20,8 @@ import torch
 import transformers
 from harness import run_distributed
 
-from hf_pipeline.loading.weights import CheckpointError, CheckpointIndex
+from hf_pipeline.errors import CheckpointError
+from hf_pipeline.loading.checkpoint_files import CheckpointIndex
 
 SEED = 1234  # torch.manual_seed before every load: missing weights are drawn from torch's generator
 N_POS = tiny.config_for("bert").max_position_embeddings

@@ -20,7 +20,7 @@ import threading
 import pytest
 
 from hf_pipeline.errors import CheckpointExistsError, CheckpointNotFoundError, InputError, InternalError, RankError
-from hf_pipeline.loading.weights import resolve_checkpoint
+from hf_pipeline.loading.checkpoint_files import resolve_checkpoint
 from hf_pipeline.tools.default_model import BUNDLED_MODEL_DIR
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 
 from hf_pipeline.errors import CheckpointChangedError, CheckpointError
-from hf_pipeline.loading import checkpoint, weights
-from hf_pipeline.loading.weights import CheckpointIndex, load_tensors
+from hf_pipeline.loading import checkpoint_files, weights
+from hf_pipeline.loading.checkpoint_files import CheckpointIndex
+from hf_pipeline.loading.weights import load_tensors
 
 _CHANGED = r"the checkpoint .* changed while it was read: {file} {how}.*Wait for the save to finish and load again"
 
@@ -41,7 +42,7 @@ def ckpt(saves, tmp_path):
 
 
 def _shards(directory: pathlib.Path) -> list[str]:
-    return sorted(set(json.loads((directory / weights.INDEX_NAME).read_text())["weight_map"].values()))
+    return sorted(set(json.loads((directory / checkpoint_files.INDEX_NAME).read_text())["weight_map"].values()))
 
 
 def _wanted(directory: pathlib.Path) -> dict:
@@ -83,9 +84,9 @@ def test_the_index_rewritten_during_the_read_is_named(ckpt, monkeypatch):
     last = _shards(ckpt)[-1]
 
     def save():
-        index = json.loads((ckpt / weights.INDEX_NAME).read_text())
+        index = json.loads((ckpt / checkpoint_files.INDEX_NAME).read_text())
         index["metadata"]["total_size"] += 1
-        (ckpt / weights.INDEX_NAME).write_text(json.dumps(index))
+        (ckpt / checkpoint_files.INDEX_NAME).write_text(json.dumps(index))
         (ckpt / last).unlink()
 
     _during_read(monkeypatch, save)
@@ -101,11 +102,11 @@ def test_a_shard_missing_because_the_index_changed_while_it_was_checked(ckpt, mo
 
     def loads(text, *args, **kwargs):
         out = real_loads(text, *args, **kwargs)
-        (ckpt / weights.INDEX_NAME).write_text(text.replace('"metadata": {', '"metadata": {"x": 1, ', 1))
+        (ckpt / checkpoint_files.INDEX_NAME).write_text(text.replace('"metadata": {', '"metadata": {"x": 1, ', 1))
         (ckpt / last).unlink(missing_ok=True)
         return out
 
-    monkeypatch.setattr(checkpoint.json, "loads", loads)
+    monkeypatch.setattr(checkpoint_files.json, "loads", loads)
     with pytest.raises(CheckpointChangedError, match=_CHANGED.format(file=r"model\.safetensors\.index\.json",
                                                                      how="was rewritten")):
         CheckpointIndex.from_directory(ckpt)

@@ -8,7 +8,8 @@ import transformers
 
 from hf_pipeline.errors import InternalError
 from hf_pipeline.loading import weights
-from hf_pipeline.loading.weights import CheckpointIndex, load_tensors
+from hf_pipeline.loading.checkpoint_files import CheckpointIndex
+from hf_pipeline.loading.weights import load_tensors
 
 
 @pytest.fixture(scope="module")

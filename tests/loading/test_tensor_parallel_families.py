@@ -63,7 +63,7 @@ def _case(path, arch, save_dir, kwargs):
         stage = model.stages[0]
         name = next(n for n, _ in stage.named_modules() if n.endswith("attn.c_attn"))
         attn = stage.get_submodule(name.rpartition(".")[0])
-        from hf_pipeline.training.state_shards import gathered_state, sharded_state
+        from hf_pipeline.checkpointing.state_shards import gathered_state, sharded_state
 
         weight = attn.c_attn.weight.detach()
         # The checkpoints' own gather and cut (training state) on the packed placement.

@@ -23,16 +23,17 @@ import transformers
 from harness import run_distributed
 from safetensors.torch import load_file, save_file
 
+from hf_pipeline.errors import CheckpointError, CheckpointNotFoundError
 from hf_pipeline.loading import weights
-from hf_pipeline.loading.weights import (
-    CheckpointError,
+from hf_pipeline.loading.checkpoint_files import (
+    INDEX_NAME,
+    SINGLE_NAME,
     CheckpointIndex,
-    CheckpointNotFoundError,
-    checkpoint_key_renames,
     checkpoint_nbytes,
-    load_tensors,
     resolve_checkpoint,
 )
+from hf_pipeline.loading.key_renames import checkpoint_key_renames
+from hf_pipeline.loading.weights import load_tensors
 
 TINY = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -52,7 +53,7 @@ def llama(tmp_path_factory):
     )
     directory = tmp_path_factory.mktemp("llama")
     sd = _save(transformers.LlamaForCausalLM(cfg), directory, "20KB")
-    assert len(set(json.loads((directory / weights.INDEX_NAME).read_text())["weight_map"].values())) >= 3
+    assert len(set(json.loads((directory / INDEX_NAME).read_text())["weight_map"].values())) >= 3
     return directory, sd
 
 
@@ -75,7 +76,7 @@ def single(tmp_path_factory):
     )
     directory = tmp_path_factory.mktemp("single")
     sd = _save(transformers.LlamaForCausalLM(cfg), directory, "10GB")
-    assert not (directory / weights.INDEX_NAME).exists() and (directory / weights.SINGLE_NAME).is_file()
+    assert not (directory / INDEX_NAME).exists() and (directory / SINGLE_NAME).is_file()
     return directory, sd
 
 
@@ -114,7 +115,7 @@ def _layers(sd, *layers):
 
 
 def _shard_of(directory, key):
-    return json.loads((directory / weights.INDEX_NAME).read_text())["weight_map"][key]
+    return json.loads((directory / INDEX_NAME).read_text())["weight_map"][key]
 
 
 def _open_under(directory, *, mapped: bool = True) -> list[str]:
@@ -159,10 +160,10 @@ def test_index_of_sharded_checkpoint(llama, spy):
 def test_single_file_checkpoint(single):
     directory, sd = single
     index = CheckpointIndex.from_directory(directory)
-    assert index.weight_map == dict.fromkeys(sd, weights.SINGLE_NAME)
-    assert checkpoint_nbytes(index) == (directory / weights.SINGLE_NAME).stat().st_size
+    assert index.weight_map == dict.fromkeys(sd, SINGLE_NAME)
+    assert checkpoint_nbytes(index) == (directory / SINGLE_NAME).stat().st_size
     tensors, report = load_tensors(index, _wanted(sd, sd), expected_keys=set(sd))
-    assert report.files_opened == [weights.SINGLE_NAME]
+    assert report.files_opened == [SINGLE_NAME]
     assert sorted(report.keys_read) == sorted(sd)
     for name, ref in sd.items():
         torch.testing.assert_close(tensors[name], ref, rtol=0, atol=0, msg=name)
@@ -246,7 +247,7 @@ def test_slices_read_only_their_bytes(tmp_path, monkeypatch, target, chunk):
     for an empty part)."""
     torch.manual_seed(0)
     sd = {name: torch.randn(shape) for name, shape, _ in _SLICES}
-    save_file(sd, str(tmp_path / weights.SINGLE_NAME))
+    save_file(sd, str(tmp_path / SINGLE_NAME))
     monkeypatch.setattr(weights, "_CHUNK", chunk)  # 24 bytes: the bounce buffer holds 6 elements, a part spans many
     read, real = [], weights._readinto
 
@@ -291,7 +292,7 @@ def test_peak_memory_is_the_tensors_alone(tmp_path, target):
     # Each byte is held once: no mapped shard pages, no clone. The peak RSS (VmHWM, file pages
     # included) during loading stays within the loaded bytes plus the cast's bounce buffer.
     ref = {"big": torch.randn(6 * 1024 * 1024), "small": torch.randn(3, 5)}  # 24 MiB of fp32
-    save_file(ref, tmp_path / weights.SINGLE_NAME)
+    save_file(ref, tmp_path / SINGLE_NAME)
     index = CheckpointIndex.from_directory(tmp_path)
     wanted = {k: (tuple(v.shape), target) for k, v in ref.items()}
     import gc
@@ -310,7 +311,7 @@ def test_peak_memory_is_the_tensors_alone(tmp_path, target):
 def test_big_endian_hosts_swap_bytes(tmp_path, monkeypatch):
     # safetensors data is little-endian; on a big-endian host every element's bytes are reversed.
     ref = {"w": torch.randn(4, 3), "i": torch.arange(6, dtype=torch.int16)}
-    save_file(ref, tmp_path / weights.SINGLE_NAME)
+    save_file(ref, tmp_path / SINGLE_NAME)
     monkeypatch.setattr(weights.sys, "byteorder", "big")
     tensors, _ = load_tensors(
         CheckpointIndex.from_directory(tmp_path), {"w": ((4, 3), torch.float32), "i": ((6,), torch.int16)}
@@ -328,7 +329,7 @@ def test_integer_buffers_keep_their_dtype(tmp_path):
         "position_ids": torch.arange(8).unsqueeze(0),
         "mask": torch.ones(2, 2, dtype=torch.bool),
     }
-    save_file(ref, tmp_path / weights.SINGLE_NAME)
+    save_file(ref, tmp_path / SINGLE_NAME)
     wanted = {"w": ((3, 4), torch.float16), "position_ids": ((1, 8), torch.float16), "mask": ((2, 2), torch.bool)}
     tensors, report = load_tensors(CheckpointIndex.from_directory(tmp_path), wanted)
     assert tensors["w"].dtype == torch.float16
@@ -469,7 +470,7 @@ def test_shard_missing_at_index_time(llama_copy):
     key = "model.layers.3.self_attn.q_proj.weight"
     shard = _shard_of(directory, key)
     first = next(
-        k for k, s in json.loads((directory / weights.INDEX_NAME).read_text())["weight_map"].items() if s == shard
+        k for k, s in json.loads((directory / INDEX_NAME).read_text())["weight_map"].items() if s == shard
     )
     (directory / shard).unlink()
     with pytest.raises(CheckpointError, match=rf"{shard}.*{first}"):
@@ -487,7 +488,7 @@ def test_shard_deleted_after_indexing(llama_copy):
 
 def test_index_names_a_nonexistent_file(llama_copy):
     directory, _ = llama_copy
-    index_path = directory / weights.INDEX_NAME
+    index_path = directory / INDEX_NAME
     data = json.loads(index_path.read_text())
     data["weight_map"]["model.norm.weight"] = "model-99999-of-99999.safetensors"
     index_path.write_text(json.dumps(data))
@@ -498,8 +499,8 @@ def test_index_names_a_nonexistent_file(llama_copy):
 @pytest.mark.parametrize("text", ["{not json", '{"metadata": {}}', '{"weight_map": ["a"]}'])
 def test_unreadable_index(llama_copy, text):
     directory, _ = llama_copy
-    (directory / weights.INDEX_NAME).write_text(text)
-    with pytest.raises(CheckpointError, match=weights.INDEX_NAME):
+    (directory / INDEX_NAME).write_text(text)
+    with pytest.raises(CheckpointError, match=INDEX_NAME):
         CheckpointIndex.from_directory(directory)
 
 
@@ -660,7 +661,7 @@ def test_resolve_local_directory(llama):
 def test_resolve_a_file_says_pass_the_directory(llama):
     directory, _ = llama
     with pytest.raises(CheckpointNotFoundError, match="directory"):
-        resolve_checkpoint(directory / weights.INDEX_NAME)
+        resolve_checkpoint(directory / INDEX_NAME)
 
 
 def test_resolve_hub_id_from_the_local_cache(offline_cache, single):
@@ -707,7 +708,7 @@ def test_resolve_missing_revision(offline_cache, single):
 def _rename_keys(src: pathlib.Path, dst: pathlib.Path, rename, extra=None) -> pathlib.Path:
     """Copy a sharded checkpoint with every key rewritten by rename (None drops it); extra(keys) adds tensors."""
     shutil.copytree(src, dst)
-    index = json.loads((dst / weights.INDEX_NAME).read_text())
+    index = json.loads((dst / INDEX_NAME).read_text())
     weight_map = {}
     for shard in sorted(set(index["weight_map"].values())):
         tensors = {rename(k): v for k, v in load_file(dst / shard).items() if rename(k) is not None}
@@ -716,7 +717,7 @@ def _rename_keys(src: pathlib.Path, dst: pathlib.Path, rename, extra=None) -> pa
         save_file(tensors, dst / shard, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard))
     index["weight_map"] = weight_map
-    (dst / weights.INDEX_NAME).write_text(json.dumps(index))
+    (dst / INDEX_NAME).write_text(json.dumps(index))
     return dst
 
 
@@ -865,7 +866,7 @@ def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, whe
     index["weight_map"] = {k: (name if v == victim else v) for k, v in index["weight_map"].items()}
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="points outside the checkpoint directory"):
-        weights.CheckpointIndex.from_directory(path)
+        CheckpointIndex.from_directory(path)
     with pytest.raises(CheckpointError, match="points outside the checkpoint directory"):
         AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
     # A name inside the folder (a sub-folder included) is still a shard of the checkpoint.
@@ -873,4 +874,4 @@ def test_an_index_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path, whe
     shutil.move(str(path / victim), path / "sub" / victim)
     index["weight_map"] = {k: (f"sub/{victim}" if v == name else v) for k, v in index["weight_map"].items()}
     index_path.write_text(json.dumps(index))
-    assert f"sub/{victim}" in set(weights.CheckpointIndex.from_directory(path).weight_map.values())
+    assert f"sub/{victim}" in set(CheckpointIndex.from_directory(path).weight_map.values())

@@ -1,7 +1,7 @@
 """The mesh planner (``hf-pipeline plan --num-processes N --tp-size T --fsdp-size F``).
 
 The tensor-parallel share of the parameters is checked exactly against a real pp2 x tp2 load in
-tests/training/test_tp_resume.py (the same 4-rank job). Here: the fsdp arithmetic on a stand-in
+tests/checkpointing/test_tp_resume.py (the same 4-rank job). Here: the fsdp arithmetic on a stand-in
 pipeline (every figure sharded or not as FSDP2 does it), the mesh sizes and their refusals, and the
 CLI's mesh report from a config alone.
 """

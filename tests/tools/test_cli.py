@@ -137,7 +137,7 @@ def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_an_uncached_hub_id_is_downloaded_only_with_download(monkeypatch, capsys):
-    from hf_pipeline.loading import weights
+    from hf_pipeline.loading import checkpoint_files
 
     argvs = (["generate", "--model", "nobody/not-cached-anywhere"], ["plan", "nobody/not-cached-anywhere"])
     for argv in argvs:  # no flag: the real lookup (cache only, offline) and one line that names the flag
@@ -149,9 +149,9 @@ def test_an_uncached_hub_id_is_downloaded_only_with_download(monkeypatch, capsys
 
     def resolve(path_or_id, **kw):
         calls.append((path_or_id, kw.get("download", False)))
-        raise weights.CheckpointNotFoundError("stop here")  # nothing is fetched in a test
+        raise checkpoint_files.CheckpointNotFoundError("stop here")  # nothing is fetched in a test
 
-    monkeypatch.setattr(weights, "resolve_checkpoint", resolve)
+    monkeypatch.setattr(checkpoint_files, "resolve_checkpoint", resolve)
     for argv in argvs:
         cli.main(argv)
         cli.main([*argv, "--download"])

@@ -14,7 +14,7 @@ from harness import run_distributed
 from safetensors import safe_open
 
 from hf_pipeline.errors import InputError
-from hf_pipeline.loading.weights import INDEX_NAME, CheckpointIndex
+from hf_pipeline.loading.checkpoint_files import INDEX_NAME, CheckpointIndex
 from hf_pipeline.planning.options import parse_size
 from hf_pipeline.tools.convert import (
     SHARED_FILE,

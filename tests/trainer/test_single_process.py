@@ -71,7 +71,7 @@ def test_a_model_every_refusal_was_raised_for_still_trains(llama_path, tmp_path)
 
 
 def test_a_tensor_parallel_or_fsdp_model_is_not_refused_but_an_adapter_on_fsdp_is(tmp_path):
-    # Their checkpoints carry the optimizer state gathered whole (tests/training/test_tp_resume.py trains at tp,
+    # Their checkpoints carry the optimizer state gathered whole (tests/checkpointing/test_tp_resume.py trains at tp,
     # tests/trainer/test_trainer_fsdp.py at fsdp); a stand-in with the attributes the table reads keeps this
     # in-process.
     from types import SimpleNamespace

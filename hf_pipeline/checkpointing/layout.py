@@ -5,7 +5,8 @@ shard the index lists. The index is written last by a save (see :mod:`.staging`)
 whose index and shards are all there is a finished save; anything else (a killed save's staging
 directory, a new directory without index yet) is not, and :func:`latest_checkpoint` skips it.
 Training state, when saved, sits beside the weights under the names below (see
-:mod:`.training_state`).
+:mod:`.training_state`). The weight files' own names (``INDEX_NAME``, ``SINGLE_NAME``) are the
+reader's, :mod:`hf_pipeline.loading.checkpoint_files`: a save writes what the loader reads.
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ import os
 import pathlib
 import re
 
-from ..loading.weights import SAVE_STAGING_PREFIX
+from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PREFIX
 
 __all__ = [
     "FORMAT_VERSION",
-    "INDEX_NAME",
     "OLD_SCHEDULER_NAME",
     "OPTIMIZER_DIR",
     "RNG_DIR",
     "SAVE_ID_KEY",
     "SCHEDULER_NAME",
-    "SINGLE_NAME",
     "TRAINER_STATE_NAME",
     "WEIGHT_FILE_PATTERN",
     "is_complete_checkpoint",
@@ -33,8 +32,6 @@ __all__ = [
     "why_incomplete",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"  # replaced last: the instant a save becomes the checkpoint
-SINGLE_NAME = "model.safetensors"
 TRAINER_STATE_NAME = "trainer_state.json"
 SCHEDULER_NAME = "scheduler.json"
 OLD_SCHEDULER_NAME = "scheduler.pt"  # earlier versions: a pickle, read only with weights_only=True

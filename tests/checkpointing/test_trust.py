@@ -73,7 +73,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_training_state_is_stored_without_pickles_and_restores_exactly(checkpoint):
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src, target, model, opt, sched, draws = checkpoint
     assert (target / "scheduler.json").is_file() and not (target / "scheduler.pt").exists()
@@ -97,7 +97,7 @@ def test_training_state_is_stored_without_pickles_and_restores_exactly(checkpoin
 def test_a_pickle_that_runs_code_is_refused_not_run(checkpoint, tmp_path, where, how):
     import shutil
 
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src, target, model, *_ = checkpoint
     ckpt = tmp_path / "ckpt"
@@ -122,7 +122,7 @@ def test_a_pickle_that_runs_code_is_refused_not_run(checkpoint, tmp_path, where,
 def test_earlier_versions_pickles_of_plain_data_still_load(checkpoint, tmp_path):
     import shutil
 
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src, target, model, opt, sched, _ = checkpoint
     ckpt = tmp_path / "old"
@@ -150,7 +150,7 @@ def test_scheduler_state_json_cannot_hold_is_refused_naming_its_key(tmp_path):
 
 
 def test_another_models_training_state_is_refused_at_load_naming_key_and_shape(checkpoint, tmp_path):
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src, target, *_ = checkpoint
     wider = tiny.make_checkpoint(tmp_path / "wider", "llama", intermediate_size=48)
@@ -187,8 +187,8 @@ def test_save_never_writes_through_a_symlinked_subdirectory(checkpoint, tmp_path
 
 
 def test_second_save_into_a_directory_being_saved_is_refused_and_leaves_the_first_intact(checkpoint, tmp_path):
-    import hf_pipeline.training.checkpoint as ckpt
-    from hf_pipeline.training.checkpoint import is_complete_checkpoint
+    import hf_pipeline.checkpointing.save as ckpt
+    from hf_pipeline.checkpointing.layout import is_complete_checkpoint
 
     src, target, model, opt, sched, _ = checkpoint
     out = tmp_path / "out"
@@ -273,7 +273,8 @@ def _racing_job(src: str, root: str):
 def test_two_jobs_saving_into_one_directory_at_once(tmp_path):
     from harness import run_distributed
 
-    from hf_pipeline.training.checkpoint import is_complete_checkpoint, load_training_state
+    from hf_pipeline.checkpointing.layout import is_complete_checkpoint
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")
     results = run_distributed(_racing_job, 2, str(src), str(tmp_path), timeout=300)
@@ -290,8 +291,8 @@ def test_two_jobs_saving_into_one_directory_at_once(tmp_path):
 def test_a_load_racing_a_save_says_the_checkpoint_changed(checkpoint, tmp_path, monkeypatch):
     import shutil
 
-    import hf_pipeline.training.training_state as ts
-    from hf_pipeline.training.checkpoint import load_training_state
+    import hf_pipeline.checkpointing.training_state as ts
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src, target, model, opt, sched, _ = checkpoint
     ckpt = tmp_path / "ckpt"
@@ -319,7 +320,7 @@ def test_a_load_racing_a_save_says_the_checkpoint_changed(checkpoint, tmp_path, 
 def test_an_earlier_versions_numpy_rng_pickle_is_refused_with_a_way_out(checkpoint, tmp_path):
     import shutil
 
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     src, target, model, *_ = checkpoint
     ckpt = tmp_path / "old"

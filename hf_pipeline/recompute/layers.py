@@ -35,7 +35,8 @@ What the pipeline adds or fixes:
   in which the blocks' modules are no longer called, so there is nothing to checkpoint.
 
 The selective form to a memory budget (``memory_budget_bytes=`` of ``activation_checkpointing_enable``)
-is planned by the memory planner (:func:`~hf_pipeline.memory.planner.plan_report`), in ``checkpoint_budget.py``.
+is chosen with the memory planner's predictions (:func:`~hf_pipeline.memory.planner.plan_report`), above it:
+:func:`~hf_pipeline.tools.checkpoint_budget.enable_checkpointing`.
 
 Example:
     >>> model.activation_checkpointing_enable(every_n_layers=2)   # layers 0, 2, 4, ... of the whole model

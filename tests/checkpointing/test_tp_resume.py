@@ -72,7 +72,7 @@ def _gathered(model) -> dict[str, torch.Tensor]:
 
 
 def _resumed(path, kwargs, save_to=None) -> dict:
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     model, opt, sched = _new_run(path, kwargs)
     state = load_training_state(model, path, optimizer=opt, scheduler=sched)
@@ -193,7 +193,7 @@ def test_state_saved_at_pp2_by_tp2_resumes_at_pp4_one_process_and_pp2_by_tp2(tmp
     assert plan.ranks[0].weight_bytes < whole.ranks[0].weight_bytes  # the prediction sees the slices
 
     # One process resumes the same checkpoint.
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(str(save_dir), pipeline=True, device="cpu",
                                                              n_microbatches=2)

@@ -15,14 +15,14 @@ Everything else (a tokenizer, a README, scripts, subdirectories, ``notes.safeten
 ``save_pretrained(".")`` and saving back into the directory a model was loaded from are safe.
 
 Training state is written only when asked for (``optimizer=`` / ``scheduler=`` / ``step=`` /
-``trainer_state=``), beside the weights, and :func:`load_training_state` restores it so a resumed
+``trainer_state=``), beside the weights, and :func:`~.training_state.load_training_state` restores it so a resumed
 run continues bitwise where it stopped (see :mod:`.training_state` for the files). A plain
 ``save_pretrained(dir)`` writes none of it.
 
 A save is crash safe: a kill of any rank at any instant leaves the old or the new checkpoint
 complete (every rank stages its files, rank 0 moves them into place with the index last; see
-:mod:`.staging`). Where things live: the file names and :func:`latest_checkpoint` in
-:mod:`.checkpoint_format`, training state and :func:`load_training_state` in :mod:`.training_state`,
+:mod:`.staging`). Where things live: the file names and :func:`~.layout.latest_checkpoint` in
+:mod:`.layout`, training state and :func:`~.training_state.load_training_state` in :mod:`.training_state`,
 flushed writes and full-disk messages in :mod:`.durable`; this module plans and runs the save.
 
 Example:
@@ -49,40 +49,21 @@ import torch.distributed as dist
 from ..distributed.agreement import collective_errors
 from ..distributed.shards import full_tensor
 from ..errors import CheckpointExistsError, InputError, InternalError
-from ..loading.weights import SAVE_STAGING_PREFIX
+from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PREFIX
 from ..planning.options import parse_size
-from .checkpoint_format import (
-    INDEX_NAME,
-    OPTIMIZER_DIR,
-    RNG_DIR,
-    SAVE_ID_KEY,
-    WEIGHT_FILE_PATTERN,
-    is_complete_checkpoint,
-    latest_checkpoint,
-)
-from .durable import fsync, replace_file, reporting_full_disk, write_json
-from .save_lock import acquire_save_lock, check_inside, release_save_lock
+from .durable import fsync, reporting_full_disk, write_json
+from .layout import OPTIMIZER_DIR, RNG_DIR, SAVE_ID_KEY
+from .lock import acquire_save_lock, check_inside, release_save_lock
 from .staging import SaveProgress, publish, remove_failed_save, shard_file_names
 from .state_shards import writes_pipeline_state
 from .training_state import (
-    load_training_state,
     optimizer_file_name,
     optimizer_state_by_key,
     stage_main_training_state,
     stage_rank_training_state,
 )
 
-# Re-exported names (INDEX_NAME to replace_file) keep their import path from this module, where
-# they lived before the split (README, scripts and users import them from here).
-__all__ = [
-    "INDEX_NAME",
-    "WEIGHT_FILE_PATTERN",
-    "is_complete_checkpoint",
-    "latest_checkpoint",
-    "load_training_state",
-    "replace_file",
-    "save_pretrained",
-]
+__all__ = ["save_pretrained"]
 
 # Test hook: when set, called with the phase name on the rank passing it. Phases: "begin" (nothing
 # written), "shard" (after each of this rank's shard files is staged), "written" (this rank staged
@@ -303,7 +284,7 @@ def _make_staging(
 
     Raises:
         CheckpointExistsError: another save into ``final`` is running, or a directory the save writes
-            into is a symbolic link (see :mod:`.save_lock`).
+            into is a symbolic link (see :mod:`.lock`).
     """
     p = final
     while not p.exists():

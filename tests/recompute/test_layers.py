@@ -36,7 +36,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_pipeline.errors import InputError, InputTypeError, UsageError
 from hf_pipeline.loading.stages import meta_model
-from hf_pipeline.training.activation_checkpointing import CheckpointingSettings, checkpointed_layers
+from hf_pipeline.recompute.layers import CheckpointingSettings, checkpointed_layers
 
 GRAD_RTOL = 1e-5
 M = 4
@@ -227,7 +227,7 @@ def _kept_bytes_case(rank):
     from hf_pipeline.loading.stages import build_stage, materialize
     from hf_pipeline.planning.plan import make_plan
     from hf_pipeline.planning.resolve import resolve_recipe
-    from hf_pipeline.training.activation_checkpointing import apply_checkpointing
+    from hf_pipeline.recompute.layers import apply_checkpointing
     # Allocations of 64 KiB or more mapped and unmapped at once (no dynamic threshold): RSS follows live tensors.
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
 

@@ -67,7 +67,7 @@ def _params(model):
 def _save_resume_job(cases, root):
     import safetensors.torch
 
-    import hf_pipeline.training.checkpoint as ckpt
+    import hf_pipeline.checkpointing.training_state as ckpt
     from hf_pipeline.distributed.context import get_rank_context
 
     out = []
@@ -203,7 +203,7 @@ def test_resume_continues_bitwise(saved):
 
 @pytest.mark.dist
 def test_failed_save_leaves_no_complete_looking_checkpoint(saved):
-    from hf_pipeline.training.checkpoint import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
 
     runs, cases, results = saved
     # the disk error names the file and the disk it is on, on the rank that hit it and, quoted, on the other
@@ -223,7 +223,7 @@ def test_failed_save_leaves_no_complete_looking_checkpoint(saved):
 
 
 def test_latest_checkpoint_skips_what_a_crash_leaves(tmp_path):
-    from hf_pipeline.training.checkpoint import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
 
     def fake(name, complete):
         d = tmp_path / name
@@ -292,7 +292,7 @@ def _assert_user_files_kept(directory: pathlib.Path) -> None:
 
 
 def _weight_files(directory: pathlib.Path) -> set[str]:
-    from hf_pipeline.training.checkpoint import WEIGHT_FILE_PATTERN
+    from hf_pipeline.checkpointing.layout import WEIGHT_FILE_PATTERN
 
     return {
         p.name for p in directory.iterdir() if p.name == "model.safetensors" or WEIGHT_FILE_PATTERN.fullmatch(p.name)
@@ -320,7 +320,7 @@ def _assert_only_checkpoint_added(directory: pathlib.Path) -> None:
 
 
 def test_save_into_existing_directory_keeps_user_files_and_removes_only_stale_weights(tmp_path):
-    from hf_pipeline.loading.weights import CheckpointIndex
+    from hf_pipeline.loading.checkpoint_files import CheckpointIndex
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")
     out = tmp_path / "out"
@@ -436,7 +436,7 @@ def test_failed_save_leaves_nothing_and_training_state_only_when_asked(tmp_path)
     assert (tmp_path / "with-state" / "rng" / "rank-00000.safetensors").is_file()
     # a plain save over it: weights of another save than the training state, which is then refused
     model.save_pretrained(tmp_path / "with-state")
-    from hf_pipeline.training.checkpoint import load_training_state
+    from hf_pipeline.checkpointing.training_state import load_training_state
 
     with pytest.raises(ValueError, match="written by another save than its weights"):
         load_training_state(model, tmp_path / "with-state", optimizer=opt)
@@ -459,7 +459,7 @@ def _kill_job(src: str, root: str, phase: str, victim: int, nth: int):
     import signal
 
     import hf_pipeline
-    import hf_pipeline.training.checkpoint as ckpt
+    import hf_pipeline.checkpointing.save as ckpt
 
     root = pathlib.Path(root)
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(src, pipeline=True, device="cpu", n_microbatches=2)
@@ -491,8 +491,8 @@ def _kill_job(src: str, root: str, phase: str, victim: int, nth: int):
 def test_save_killed_at_each_phase_leaves_old_or_new_checkpoint(tmp_path, phase, victim, nth, expect):
     import warnings
 
-    from hf_pipeline.loading.weights import CheckpointIndex
-    from hf_pipeline.training.checkpoint import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.loading.checkpoint_files import CheckpointIndex
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")
     results = run_distributed(
@@ -585,7 +585,7 @@ def test_full_disk_is_named_on_every_rank_and_leaves_nothing(tmp_path):
 def test_replace_file_leaves_the_old_file_or_the_new_one(tmp_path, monkeypatch):
     # What the benchmark's README/results and the device check's JSON are written with: a write cut
     # short leaves the old file whole and no temporary file behind.
-    import hf_pipeline.training.checkpoint as ckpt
+    import hf_pipeline.checkpointing.durable as ckpt
 
     path = tmp_path / "results.json"
     path.write_text("old")

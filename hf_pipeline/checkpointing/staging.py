@@ -1,7 +1,7 @@
 """Crash-safe saving: files staged in a hidden directory, then moved into place with the index last.
 
 A kill of any rank at any instant leaves the old or the new checkpoint complete, and found by
-``from_pretrained(dir)`` and :func:`~.checkpoint_format.latest_checkpoint`: every rank writes (and
+``from_pretrained(dir)`` and :func:`~.layout.latest_checkpoint`: every rank writes (and
 fsyncs) its files into a hidden staging directory ``<dir>/.hf_pipeline.tmp-<save id>``; once every
 rank has finished (agreed through a collective), rank 0 moves them into place with ``os.replace``
 (:func:`publish`): first the shards, under names no file of the directory has
@@ -26,7 +26,7 @@ Only then are the stale weight files removed. Kill points:
 
 A killed save leaves its staging directory behind; the loader ignores it and warns, and the next
 save into the directory removes it. That is safe because rank 0 holds the directory's save lock
-from before the staging directory is made until after the clean-up (:mod:`.save_lock`): while it
+from before the staging directory is made until after the clean-up (:mod:`.lock`): while it
 does, no other save is running there, so no staging directory but this save's can be live. A
 save that fails (raises on any rank) removes what it wrote, and the directory too if it created
 it (:func:`remove_failed_save`).
@@ -41,18 +41,16 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..loading.weights import SAVE_STAGING_PATTERN
-from .checkpoint_format import (
-    INDEX_NAME,
+from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PATTERN, SINGLE_NAME
+from .durable import fsync
+from .layout import (
     OPTIMIZER_DIR,
     RNG_DIR,
     SCHEDULER_NAME,
-    SINGLE_NAME,
     TRAINER_STATE_NAME,
     WEIGHT_FILE_PATTERN,
 )
-from .durable import fsync
-from .save_lock import check_inside
+from .lock import check_inside
 
 __all__ = ["SaveProgress", "publish", "remove_failed_save", "shard_file_names"]
 

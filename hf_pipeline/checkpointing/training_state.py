@@ -30,10 +30,11 @@ import torch
 
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError
+from ..loading.checkpoint_files import INDEX_NAME
 from ..log import get_logger
-from .checkpoint_format import (
+from .durable import save_torch, write_json
+from .layout import (
     FORMAT_VERSION,
-    INDEX_NAME,
     OLD_SCHEDULER_NAME,
     OPTIMIZER_DIR,
     RNG_DIR,
@@ -43,8 +44,7 @@ from .checkpoint_format import (
     is_complete_checkpoint,
     why_incomplete,
 )
-from .durable import save_torch, write_json
-from .save_lock import LOCK_NAME
+from .lock import LOCK_NAME
 from .state_files import json_state, load_safe_pickle, read_rng_state, rng_state, set_rng_state, write_rng_state
 from .state_shards import gathered_state, sharded_state, writes_pipeline_state
 
