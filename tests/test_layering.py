@@ -28,12 +28,11 @@ LAYERS: list[set[str]] = [
     {"loading"},
     {"generation"},
     {"training"},
-    {"adapters"},
+    {"integrations"},
     {"tools"},
     {"serving"},
     {"model"},
     {"auto"},
-    {"trainer"},
     {"__init__"},
     {"cli"},
 ]

@@ -10,16 +10,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import UsageError
+from .peft_host import is_pipelined_model
 
 __all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
 
 
 def pipelined_model_of(model: Any):
     """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
-    from ..model import PipelinedModel
-
     for candidate in (model, getattr(getattr(model, "base_model", None), "model", None)):
-        if isinstance(candidate, PipelinedModel):
+        if is_pipelined_model(candidate):
             return candidate
     return None
 
