@@ -124,8 +124,8 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        # A pipeline loaded with fsdp_size trains under PipelineTrainer (tests/trainer/test_trainer_fsdp.py); a PEFT
-        # adapter on it has not been checked against transformers + peft there (its adapter state is not sharded).
+        # A pipeline loaded with fsdp_size trains under PipelineTrainer (tests/integrations/test_trainer_fsdp.py); a
+        # PEFT adapter on it has not been checked against transformers + peft there (its adapter state is not sharded).
         applies=lambda args, model, extra: bool(extra.get("adapter")) and getattr(model.dims, "fsdp_size", 1) > 1,
         message=lambda args, model: (
             f"PipelineTrainer does not train a PEFT adapter on a model loaded with fsdp_size={model.dims.fsdp_size} "
