@@ -56,7 +56,7 @@ def __getattr__(name: str):
     # PipelineTrainer is imported when first asked for: transformers.Trainer pulls in much (peft,
     # accelerate's state, datasets), which loading and running a model never needs.
     if name == "PipelineTrainer":
-        from .trainer import PipelineTrainer
+        from .integrations.trainer import PipelineTrainer
 
         return PipelineTrainer
     raise NoSuchAttribute(f"module 'hf_pipeline' has no attribute {name!r}")

@@ -1,10 +1,11 @@
-"""Every private torch and transformers API the package relies on, in one place.
+"""Every private torch, transformers and peft API the package relies on, in one place.
 
 Each name here reaches into another library's internals because the public API lacks what the
-package needs; the comment beside it says which public API is missing. Nothing else in the
-package imports a private torch or transformers name: when a torch or transformers release moves
-one, this is the only file to change, and ``pyproject.toml`` bounds the versions it was tested
-with (torch 2.13, transformers 5.24-5.25).
+package needs; the comment beside it says which public API is missing. The third-party methods the
+package replaces for a while (peft's, while a pipelined model is alive) are named here too, each
+with its reason. Nothing else in the package imports a private torch or transformers name: when a
+torch or transformers release moves one, this is the only file to change, and ``pyproject.toml``
+bounds the versions it was tested with (torch 2.13, transformers 5.24-5.25).
 """
 
 from __future__ import annotations
@@ -310,11 +311,11 @@ def storage_key(tensor: torch.Tensor) -> int:
 __all__ += ["schedule_has_loss", "schedule_stages", "storage_key"]
 
 
-# --- for trainer/ -----------------------------------------------------------------------------------
+# --- for integrations/ (the Trainer) ---------------------------------------------------------------
 # transformers.Trainer has no public hook for where its batches come from, how evaluation gathers,
 # how a checkpoint is written and read back, or how gradients are clipped: PipelineTrainer overrides
 # these underscored methods (and calls the helpers listed after them on itself). Named here so that a
-# transformers release renaming one fails a test (tests/trainer/test_single_process.py) instead of
+# transformers release renaming one fails a test (tests/integrations/test_trainer_single_process.py) instead of
 # silently falling back to the Trainer's own behaviour (DDP-style sharding, pickled checkpoints).
 TRAINER_OVERRIDES = (
     "_get_dataloader", "_set_signature_columns_if_needed", "_get_num_items_in_batch", "_track_num_input_tokens",
@@ -325,9 +326,9 @@ TRAINER_OVERRIDES = (
 TRAINER_HELPERS = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_get_output_dir", "_prepare_inputs")
 
 __all__ += ["TRAINER_HELPERS", "TRAINER_OVERRIDES"]
-# --- for adapters/ ----------------------------------------------------------------------------------
+# --- for integrations/ (peft) ----------------------------------------------------------------------
 # peft creates one adapter layer per target in the tuner's ``_create_and_replace`` and freezes the
-# rest with ``_mark_only_adapters_as_trainable``; neither has a public equivalent. The adapters room
+# rest with ``_mark_only_adapters_as_trainable``; neither has a public equivalent. The integrations room
 # replays the first per module (to draw each target's initial values from its one-process random
 # state) and applies the second to a stage with no target (peft would raise there instead).
 def peft_create_and_replace(tuner: Any) -> Any:
@@ -348,7 +349,33 @@ def peft_freeze_base(tuner: Any, module: torch.nn.Module) -> None:
     tuner._mark_only_adapters_as_trainable(module)
 
 
-__all__ += ["peft_create_and_replace", "peft_freeze_base", "peft_override_create_and_replace"]
+# peft's methods replaced while a pipelined model is alive (integrations/peft_patches.py installs the
+# wrappers and puts peft's own methods back; each wrapper calls peft's own method for any other model).
+# peft has no extension point for a model whose modules are spread over ranks, and its entry points
+# (``get_peft_model``, ``PeftModel.from_pretrained``, a PeftModel's methods) are called by the user on
+# peft, with no call of this package around them: peft consults nothing on the model object that could
+# route the injection (the tuner class comes from peft's registry keyed by the config's peft_type, and
+# the tuner is built and injects inside PeftModel's constructor). (module, class, method, reason):
+PEFT_PATCHED_METHODS = (
+    ("peft.tuners.tuners_utils", "BaseTuner", "inject_adapter",
+     "peft walks one process's modules by their local names and raises on a rank whose stages hold no target; "
+     "a pipelined model injects stage by stage with one-process names and one-process initial values"),
+    ("peft.peft_model", "PeftModel", "save_pretrained",
+     "peft writes what the local process holds from every rank; a pipelined model gathers its adapter to rank 0, "
+     "which writes it once under one-process keys"),
+    ("peft.peft_model", "PeftModel", "load_adapter",
+     "peft maps the file's keys to local module names; a pipelined model maps one-process keys to its stages"),
+)
+# A module global swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (a context
+# manager, integrations/peft_patches.reading_weights): peft looks ``modules_to_save`` copies up by its
+# own module names (``stages.1.classifier``), which a file written on one process cannot have.
+PEFT_WEIGHTS_READER = ("peft.peft_model", "load_peft_weights")
+
+
+__all__ += [
+    "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER", "peft_create_and_replace", "peft_freeze_base",
+    "peft_override_create_and_replace",
+]
 # --- for loading/tensor_parallel ----------------------------------------------------------------------
 # A packed weight (GPT-2's fused q, k, v) sharded block by block is torch's strided shard placement
 # (what transformers' packed styles use too); it has no public name yet.

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .adapters.host import AdapterHost
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.agreement import check_same_on_all_ranks
 from .distributed.context import RankContext
@@ -32,6 +31,7 @@ from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
 from .distributed.groups import renew_groups
 from .errors import InputError, InputTypeError, TraceError
+from .integrations.peft_host import AdapterHost
 from .load_options import LoadOptions
 from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
@@ -380,7 +380,8 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write a normal HF checkpoint; every rank writes its own tensors. See ``checkpointing/save.py``. With
-        adapters added by ``add_adapter`` / ``load_adapter``: the active adapter, as transformers (``adapters/``)."""
+        adapters added by ``add_adapter`` / ``load_adapter``: the active adapter, as transformers
+        (``integrations/peft_host.py``)."""
         if self._hf_peft_config_loaded:
             return self.save_adapter(save_directory, **kwargs)
         from .checkpointing.save import save_pretrained

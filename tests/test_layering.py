@@ -33,12 +33,11 @@ LAYERS: list[set[str]] = [
     {"recompute"},
     {"checkpointing"},
     {"memory"},
-    {"adapters"},
+    {"integrations"},
     {"tools"},
     {"serving"},
     {"model"},
     {"auto"},
-    {"trainer"},
     {"__init__"},
     {"cli"},
 ]

@@ -20,7 +20,7 @@ tp_size=2)`` (``hf-pipeline plan --tp-size 2``) predicts for its pipeline rank, 
 
 The same job runs PipelineTrainer at pp2 x tp2 (4 steps, checkpoint every 2, evaluation) and
 resumes it from checkpoint-2: its logs and parameters equal transformers' Trainer on one process
-(tolerances as in tests/trainer/test_trainer.py).
+(tolerances as in tests/integrations/test_trainer.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ adapter, not the base weights; the final adapter loads with ``PeftModel.from_pre
 process, is trained (``lora_B`` starts at zero), and gives the logits of the merged model the script
 wrote from the pipelined one (within 1e-5: merging only reorders fp32 sums), which differ from the
 base model's. ``--full``: checkpoints and a final model plain transformers loads. (Resuming,
-``--resume``, is the Trainer's ``resume_from_checkpoint=True``: tests/trainer.)
+``--resume``, is the Trainer's ``resume_from_checkpoint=True``: tests/integrations/.)
 """
 
 from __future__ import annotations

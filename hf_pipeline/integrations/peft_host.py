@@ -1,4 +1,4 @@
-"""What a pipelined model adds for adapters: peft's hooks and transformers' adapter methods.
+"""What a pipelined model adds for adapters: its handlers of peft's calls and transformers' adapter methods.
 
 ``PipelinedModel`` derives from :class:`AdapterHost`, which is transformers' own
 ``PeftAdapterMixin`` (``add_adapter``, ``load_adapter``, ``set_adapter``, ``disable_adapters``,
@@ -23,11 +23,11 @@ from torch import nn
 from transformers.integrations import PeftAdapterMixin
 
 from ..errors import InputError
-from . import peft_hooks
-from .inject import AdapterState, inject_on_stages, local_adapter_keys, wrapped_module_keys
-from .save import adapter_tensors, save_adapter_files, saving, write_peft_model
+from . import peft_patches
+from .peft_inject import AdapterState, inject_on_stages, local_adapter_keys, wrapped_module_keys
+from .peft_save import adapter_tensors, save_adapter_files, saving, write_peft_model
 
-__all__ = ["AdapterHost", "AdapterState"]
+__all__ = ["AdapterHost", "AdapterState", "is_pipelined_model"]
 
 _NO_STATE_DICT = "save_pretrained(state_dict=...) is not supported on a pipelined model: every rank's part is gathered"
 
@@ -42,7 +42,7 @@ class AdapterHost(PeftAdapterMixin):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        peft_hooks.install_when_imported(_install)
+        peft_patches.keep_while_alive(self, _HANDLERS)
 
     # peft's PeftModelForCausalLM reads it when wrapping a model; generate() of this model builds
     # its own inputs, so this is only the HF model's rule, for code that asks.
@@ -60,18 +60,13 @@ class AdapterHost(PeftAdapterMixin):
 
             self._require_grads_hook = embeddings.register_forward_hook(make_inputs_require_grads)
 
-    def add_adapter(self, *args: Any, **kwargs: Any) -> None:
-        peft_hooks.install_when_imported(_install)
-        return super().add_adapter(*args, **kwargs)
-
     def load_adapter(self, *args: Any, **kwargs: Any) -> None:
-        peft_hooks.install_when_imported(_install)
         name = kwargs.get("adapter_name") or (args[1] if len(args) > 1 else None) or "default"
         with self.loading_adapter(name):
             return super().load_adapter(*args, **kwargs)
 
     def attach_adapter(self, tuner, original, adapter_name: str, **kwargs: Any) -> None:
-        """peft's injection on this rank's stages (see :func:`~hf_pipeline.adapters.inject.inject_on_stages`).
+        """peft's injection on this rank's stages (see :func:`~hf_pipeline.integrations.peft_inject.inject_on_stages`).
         Collective only in that every rank must call it with the same config."""
         targets = inject_on_stages(tuner, original, self, adapter_name, **kwargs)
         if self.adapter_state is None:
@@ -135,14 +130,18 @@ def _save_peft_model(peft_model, original, save_directory, *args, **kwargs) -> N
 
 def _load_into_peft_model(peft_model, original, model_id, adapter_name, *args, **kwargs):
     model = peft_model.base_model.model
-    with model.loading_adapter(adapter_name), peft_hooks.reading_weights(lambda w: wrapped_module_keys(model, w)):
+    with model.loading_adapter(adapter_name), peft_patches.reading_weights(lambda w: wrapped_module_keys(model, w)):
         return original(peft_model, model_id, adapter_name, *args, **kwargs)
 
 
-def _install() -> None:
-    peft_hooks.install(
-        inject=lambda tuner, original, model, name, **kw: model.attach_adapter(tuner, original, name, **kw),
-        save=_save_peft_model,
-        load=_load_into_peft_model,
-        is_pipelined=lambda m: isinstance(m, AdapterHost) and isinstance(m, nn.Module),
-    )
+def is_pipelined_model(module: Any) -> bool:
+    """Whether ``module`` is a pipelined model (``PipelinedModel`` is the one module class hosting adapters here)."""
+    return isinstance(module, AdapterHost) and isinstance(module, nn.Module)
+
+
+_HANDLERS = peft_patches.PeftHandlers(
+    inject=lambda tuner, original, model, name, **kw: model.attach_adapter(tuner, original, name, **kw),
+    save=_save_peft_model,
+    load=_load_into_peft_model,
+    is_pipelined=is_pipelined_model,
+)

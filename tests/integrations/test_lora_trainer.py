@@ -1,6 +1,6 @@
 """PipelineTrainer on a PEFT (LoRA) model equals transformers.Trainer + peft on one process.
 
-The same arguments as tests/trainer/test_trainer.py (warm-up, accumulation 2, clipping, evaluation
+The same arguments as tests/integrations/test_trainer.py (warm-up, accumulation 2, clipping, evaluation
 and a checkpoint every 2 steps, 4 steps) on ``peft.get_peft_model(pipelined, LoraConfig(...))``
 under one seed, at 1 process (in this process), 2 ranks (2 stages) and 4 ranks (2 stages x 2
 replicas). Every rank checks, against ``transformers.Trainer`` training ``get_peft_model`` of the
@@ -16,7 +16,7 @@ unsplit model:
   a PEFT model's checkpoint), optimizer state per pipeline rank, RNG per rank; its adapter and the
   final ``save_model`` load with ``PeftModel.from_pretrained`` on one process, equal to the reference's.
 
-Tolerances: as tests/trainer/test_trainer.py (2e-5 against lr-sized moves of 1e-2).
+Tolerances: as tests/integrations/test_trainer.py (2e-5 against lr-sized moves of 1e-2).
 """
 
 from __future__ import annotations

@@ -10,16 +10,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import UsageError
+from .peft_host import is_pipelined_model
 
 __all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
 
 
 def pipelined_model_of(model: Any):
     """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
-    from ..model import PipelinedModel
-
     for candidate in (model, getattr(getattr(model, "base_model", None), "model", None)):
-        if isinstance(candidate, PipelinedModel):
+        if is_pipelined_model(candidate):
             return candidate
     return None
 
@@ -125,8 +124,8 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        # A pipeline loaded with fsdp_size trains under PipelineTrainer (tests/trainer/test_trainer_fsdp.py); a PEFT
-        # adapter on it has not been checked against transformers + peft there (its adapter state is not sharded).
+        # A pipeline loaded with fsdp_size trains under PipelineTrainer (tests/integrations/test_trainer_fsdp.py); a
+        # PEFT adapter on it has not been checked against transformers + peft there (its adapter state is not sharded).
         applies=lambda args, model, extra: bool(extra.get("adapter")) and getattr(model.dims, "fsdp_size", 1) > 1,
         message=lambda args, model: (
             f"PipelineTrainer does not train a PEFT adapter on a model loaded with fsdp_size={model.dims.fsdp_size} "

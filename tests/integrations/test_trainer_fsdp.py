@@ -1,7 +1,7 @@
 """PipelineTrainer on a pp2 x fsdp2 mesh against transformers.Trainer on one process, and resumed after a stop.
 
 One 4-rank job loads a tiny LLaMA with ``fsdp_size=2`` (two data-parallel ranks, each holding half of every
-stage's parameters as FSDP2 DTensor shards) and runs, with the arguments of tests/trainer/test_trainer.py
+stage's parameters as FSDP2 DTensor shards) and runs, with the arguments of tests/integrations/test_trainer.py
 (LR warm-up, gradient accumulation 2, ``max_grad_norm`` small enough to clip, evaluation and a checkpoint
 every 2 steps, 4 optimizer steps) and ``save_total_limit=1``:
 
@@ -15,7 +15,7 @@ every 2 steps, 4 optimizer steps) and ``save_total_limit=1``:
   uninterrupted run and to transformers', logs steps 3-4 as transformers does, and the rotation leaves only
   checkpoint-4; checkpoint-2 holds one RNG file per rank and one optimizer file per pipeline rank.
 
-Tolerances as in tests/trainer/test_trainer.py (2e-5: a step moves a parameter by about the LR, 1e-2; a
+Tolerances as in tests/integrations/test_trainer.py (2e-5: a step moves a parameter by about the LR, 1e-2; a
 missed clip, a wrong accumulation scale or a wrong optimizer-state shard fail).
 """
 

@@ -6,11 +6,11 @@ package's data-only formats:
 
 * the adapter in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors`` with one
   process's keys, ``README.md``): ``PeftModel.save_pretrained``, which gathers every rank's adapter
-  tensors and writes them once (:mod:`hf_pipeline.adapters.save`), so ``PeftModel.from_pretrained``
+  tensors and writes them once (:mod:`hf_pipeline.integrations.peft_save`), so ``PeftModel.from_pretrained``
   loads a checkpoint on one process;
 * the optimizer state per pipeline rank (``optimizer/pp-XXXXX.pt``, keyed by parameter name, read
   back with ``weights_only=True``), ``scheduler.json`` and every rank's ``rng/rank-XXXXX.safetensors``,
-  as :mod:`.checkpoints` writes them for a whole model;
+  as :mod:`.trainer_checkpoints` writes them for a whole model;
 * ``trainer_state.json``, written by the trainer once every rank has written its files.
 
 Resuming loads the adapter into the stages (``PeftModel.load_adapter``: each rank keeps the keys of

@@ -7,7 +7,7 @@ stages live on several ranks:
 * **Data.** Every rank gets the same global batch of ``per_device_train_batch_size x dp`` rows
   (``dp`` pipeline replicas, or the fsdp ranks of a model loaded with ``fsdp_size``), in the order
   transformers' Trainer gives on one process with that batch; each replica trains on its own rows of
-  it inside ``model.train_step`` (:mod:`.data`). Under FSDP the Trainer's optimizer steps each rank's
+  it inside ``model.train_step`` (:mod:`.trainer_data`). Under FSDP the Trainer's optimizer steps each rank's
   parameter shards, and checkpoints gather the state whole as for any other mesh.
 * **The step.** ``training_step`` is ``model.train_step`` (forward and backward through the
   pipeline schedule); its gradients are scaled as transformers' Trainer scales its loss under
@@ -17,10 +17,10 @@ stages live on several ranks:
   ``compat.ACCELERATE_PREPARED_FLAG``), and the model is never moved: its stages are placed.
 * **Evaluation.** The pipelined forward gives every rank the whole batch's outputs, so nothing is
   gathered across ranks.
-* **Checkpoints.** Written by every rank (:mod:`.checkpoints`) and read back as data only. A PEFT
+* **Checkpoints.** Written by every rank (:mod:`.trainer_checkpoints`) and read back as data only. A PEFT
   model wrapping the pipelined one (``get_peft_model(model, LoraConfig(...))``) is checkpointed as
   transformers' Trainer checkpoints one: its adapter in PEFT's format plus the training state
-  (:mod:`.adapter_checkpoints`).
+  (:mod:`.trainer_adapter_checkpoints`).
 
 Every rank runs the same loop on the same batches, so every rank's ``TrainerState`` (global step,
 log history) is the same.
@@ -49,10 +49,10 @@ from ..checkpointing.layout import TRAINER_STATE_NAME
 from ..checkpointing.training_state import load_training_state
 from ..errors import UsageError
 from ..families.losses import get_loss
-from .adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
-from .checkpoints import reload_weights, restore_rng
-from .data import count_items, single_process_loader
-from .refusals import check_arguments, check_model, pipelined_model_of
+from .trainer_adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
+from .trainer_checkpoints import reload_weights, restore_rng
+from .trainer_data import count_items, single_process_loader
+from .trainer_refusals import check_arguments, check_model, pipelined_model_of
 
 __all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
 
@@ -323,5 +323,5 @@ class PipelineTrainer(PipelineTrainerMixin, Trainer):
         UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
             an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
             ``compute_loss_func``, label smoothing, a PEFT adapter on a model loaded with ``fsdp_size``;
-            see :mod:`.refusals`).
+            see :mod:`.trainer_refusals`).
     """

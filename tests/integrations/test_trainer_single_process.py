@@ -72,11 +72,11 @@ def test_a_model_every_refusal_was_raised_for_still_trains(llama_path, tmp_path)
 
 def test_a_tensor_parallel_or_fsdp_model_is_not_refused_but_an_adapter_on_fsdp_is(tmp_path):
     # Their checkpoints carry the optimizer state gathered whole (tests/checkpointing/test_tp_resume.py trains at tp,
-    # tests/trainer/test_trainer_fsdp.py at fsdp); a stand-in with the attributes the table reads keeps this
+    # tests/integrations/test_trainer_fsdp.py at fsdp); a stand-in with the attributes the table reads keeps this
     # in-process.
     from types import SimpleNamespace
 
-    from hf_pipeline.trainer.refusals import check_arguments
+    from hf_pipeline.integrations.trainer_refusals import check_arguments
 
     for dims in ({"tp_size": 2}, {"fsdp_size": 1}, {"fsdp_size": 2}):
         check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(**dims)))
@@ -135,7 +135,7 @@ def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_argu
     import inspect
 
     from hf_pipeline.compat import TRAINER_HELPERS, TRAINER_OVERRIDES
-    from hf_pipeline.trainer import PipelineTrainerMixin
+    from hf_pipeline.integrations.trainer import PipelineTrainerMixin
 
     for name in TRAINER_OVERRIDES:
         theirs = inspect.signature(getattr(transformers.Trainer, name)).parameters

@@ -44,7 +44,7 @@ def _sft_rank(path: str, directory: str):
     from trl import SFTTrainer
 
     import hf_pipeline
-    from hf_pipeline.trainer import PipelineTrainerMixin
+    from hf_pipeline.integrations.trainer import PipelineTrainerMixin
 
     class PipelineSFTTrainer(PipelineTrainerMixin, SFTTrainer):
         pass
