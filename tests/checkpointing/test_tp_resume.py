@@ -33,7 +33,7 @@ import tiny
 import torch
 from harness import run_distributed
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "trainer"))  # test_trainer's helpers
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "integrations"))  # test_trainer's helpers
 from test_trainer import BATCH, STEPS, _args, _assert_logs_equal, _assert_params_equal, _kwargs, _logs  # noqa: E402
 from test_trainer import _reference as _trainer_reference  # noqa: E402
 
