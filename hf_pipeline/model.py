@@ -331,7 +331,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """As transformers' (non-reentrant; ``every_n_layers`` over the whole model's layers). With
         ``memory_budget_bytes`` (and the ``budget_batch=(batch, seq)`` it plans for): the fewest checkpointed layers
         whose predicted per-rank activation peak fits; returns that choice. See ``recompute/layers.py``."""
-        from .tools.checkpoint_budget import enable_checkpointing
+        from .memory.recompute_budget import enable_checkpointing
 
         return enable_checkpointing(self, activation_checkpointing_kwargs, every_n_layers, offload,
                                     memory_budget_bytes=memory_budget_bytes, budget_batch=budget_batch)

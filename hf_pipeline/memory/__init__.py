@@ -6,9 +6,11 @@ run once on fake tensors, per stage and per pipeline rank), :mod:`.report` (its 
 with and without activation checkpointing), :mod:`.mesh_shares` (a tensor-parallel rank's parameter
 slices and fsdp's units), :mod:`.mesh_report` (every rank of a pp x tp x fsdp x dp mesh) and
 :mod:`.auto_choice_costs` (the load-time ``schedule="auto"`` choice of
-:mod:`hf_pipeline.planning.auto_choice`, costed on the loader's stage plan and this room's peaks).
+:mod:`hf_pipeline.planning.auto_choice`, costed on the loader's stage plan and this room's peaks) and
+:mod:`.recompute_budget` (``activation_checkpointing_enable(memory_budget_bytes=...)``: the fewest
+recomputed layers whose predicted peak fits).
 
 May import: the base modules and the rooms below it, up to :mod:`hf_pipeline.loading` (the stages
-it measures) and :mod:`hf_pipeline.training` (the activation checkpointing it plans for). The tools,
+it measures) and :mod:`hf_pipeline.recompute` (the activation recomputation it plans for). The tools,
 the model facade and the command line sit above it.
 """

@@ -7,7 +7,7 @@ the whole model's layers as transformers counts them).
 
 The choice to a memory budget (``memory_budget_bytes=``) asks the memory planner for its predictions, and
 the planner applies this room's settings to measure; so that choice sits above the planner
-(:mod:`hf_pipeline.tools.checkpoint_budget`), not here.
+(:mod:`hf_pipeline.memory.recompute_budget`), not here.
 
 May import: the base modules (``errors``, ``compat``) and the rooms below it (``distributed`` up to
 ``training``); today it needs only the base modules, so the memory planner can import it.

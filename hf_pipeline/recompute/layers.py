@@ -36,7 +36,7 @@ What the pipeline adds or fixes:
 
 The selective form to a memory budget (``memory_budget_bytes=`` of ``activation_checkpointing_enable``)
 is chosen with the memory planner's predictions (:func:`~hf_pipeline.memory.planner.plan_report`), above it:
-:func:`~hf_pipeline.tools.checkpoint_budget.enable_checkpointing`.
+:func:`~hf_pipeline.memory.recompute_budget.enable_checkpointing`.
 
 Example:
     >>> model.activation_checkpointing_enable(every_n_layers=2)   # layers 0, 2, 4, ... of the whole model

@@ -3,9 +3,7 @@
 Lives here: :mod:`.profile` (recording per-action timings) and :mod:`.timeline` (what a recording
 shows), :mod:`.schedule_tuning` (``model.tune``: schedules timed by running them) and
 :mod:`.split_advice` (``model.measure_split``: a split balanced on measured stage times),
-:mod:`.checkpoint_budget` (activation recomputation to a memory budget: :mod:`hf_pipeline.recompute`'s
-layers chosen by the memory planner's predictions), :mod:`.convert` (per-stage
-re-sharding) and :mod:`.default_model` (the bundled checkpoints). Memory planning lives in
+:mod:`.convert` (per-stage re-sharding) and :mod:`.default_model` (the bundled checkpoints). Memory planning lives in
 :mod:`hf_pipeline.memory`; the load-time ``schedule="auto"`` rules in :mod:`hf_pipeline.planning.auto_choice`.
 
 May import: the base modules and every room below it (``distributed`` up to ``memory``); the

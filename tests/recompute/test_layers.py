@@ -123,7 +123,7 @@ def test_traced_model_is_refused(llama_path):
 
 
 def test_memory_budget_picks_the_fewest_layers_that_fit(llama_path):
-    from hf_pipeline.tools.checkpoint_budget import predicted_activation_peak
+    from hf_pipeline.memory.recompute_budget import predicted_activation_peak
 
     model = _load(llama_path, n_microbatches=2)
     shape = (4, 64)

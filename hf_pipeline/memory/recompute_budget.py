@@ -1,4 +1,8 @@
-"""Activation checkpointing to a memory budget: the fewest checkpointed layers whose predicted peak fits.
+"""Activation recomputation to a memory budget: the fewest checkpointed layers whose predicted peak fits.
+
+A memory-planning question, so it lives with the planner it asks (which itself applies
+:mod:`hf_pipeline.recompute`'s settings to measure).
+
 
 ``model.activation_checkpointing_enable(memory_budget_bytes="6GiB", budget_batch=(8, 2048))`` asks the
 memory planner (:func:`~hf_pipeline.memory.planner.plan_report`, the same fake-tensor measurement
@@ -63,7 +67,7 @@ class CheckpointingChoice:
 
 def predicted_activation_peak(model, batch: int, seq: int, every_n_layers: int) -> tuple[int, int]:
     """(fullest rank's predicted activation peak without checkpointing, with ``every_n_layers``), in bytes."""
-    from ..memory.planner import plan_report
+    from .planner import plan_report
 
     report = plan_report(
         model.config, stages=model.plan.num_stages, virtual_stages=model.options.virtual_stages,
