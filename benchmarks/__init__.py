@@ -1,11 +1,14 @@
 """Benchmarks side by side: every figure is a ratio against a baseline measured in the same run.
 
-    python scripts/benchmark.py                      # the full run (several minutes), writes bench_results/
-    python scripts/benchmark.py --quick              # tiny sizes, every section, seconds (what CI runs),
-                                                     # writes bench_out/quick/
-    python scripts/benchmark.py --sections train,generate   # rerun some sections, merged into results.json
-    python -m benchmarks [same options]               # the same, from the repository root
-    hf-pipeline bench [same options]
+    python -m benchmarks                      # the full run (several minutes), writes bench_results/
+    python -m benchmarks --quick              # tiny sizes, every section, seconds (what CI runs),
+                                              # writes bench_out/quick/
+    python -m benchmarks --sections train,generate   # rerun some sections, merged into results.json
+    hf-pipeline bench [same options]          # the same, from anywhere (runs python -m benchmarks of this checkout)
+
+Run ``python -m benchmarks`` from the repository root (``pip install -e .`` first); the host-memory
+figures and the random LLaMA configuration come from the developer tools beside it
+(:mod:`devtools.host_memory`, :mod:`devtools.llama`).
 
 Sections (multi-rank parts run under ``torchrun``, 1 thread per rank, OMP_NUM_THREADS=1; each
 baseline runs in the same invocation):
@@ -47,18 +50,3 @@ results (``<section>_results``: results.json's part) and its tables (``<section>
 ``processes`` (fresh processes per launch), ``run`` (one run), ``report`` (results.md and README's
 block, rendered once by ``tables.render``), ``cli`` (the command line).
 """
-
-import pathlib
-import sys
-
-# scripts/_common.py holds what the scripts share (host-memory figures, the random LLaMA config):
-# the benchmark is one of them, run as ``python scripts/benchmark.py`` or ``python -m benchmarks``.
-_SCRIPTS = str(pathlib.Path(__file__).resolve().parents[1] / "scripts")
-if _SCRIPTS not in sys.path:
-    sys.path.insert(0, _SCRIPTS)
-
-from benchmarks.cli import main  # noqa: E402
-from benchmarks.report import readme_tables, to_markdown, update_readme  # noqa: E402
-from benchmarks.run import merge, run_benchmark  # noqa: E402
-
-__all__ = ["main", "merge", "readme_tables", "run_benchmark", "to_markdown", "update_readme"]

@@ -16,11 +16,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from _common import host_peak_rss, host_rss, reset_host_peak  # scripts/_common.py
-
 from benchmarks.config import Sizes
 from benchmarks.tables import Table, gb
 from benchmarks.timing import median, sync
+from devtools.host_memory import host_peak_rss, host_rss, reset_host_peak
 
 __all__ = ["TASKS", "launches", "markdown", "summarize"]
 

@@ -7,11 +7,10 @@ import os
 import pathlib
 import time
 
-from _common import llama_config  # the scripts' one copy (scripts/_common.py)
-
 from benchmarks.config import Sizes
+from devtools.llama import llama_config
 
-__all__ = ["cache_dir", "checkpoints", "llama_config", "write_random_checkpoint"]
+__all__ = ["cache_dir", "checkpoints", "write_random_checkpoint"]
 
 
 def _shards(entries, itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:

@@ -1,4 +1,4 @@
-"""The benchmark's command line: ``python scripts/benchmark.py``, ``python -m benchmarks``, ``hf-pipeline bench``."""
+"""The benchmark's command line: ``python -m benchmarks`` and ``hf-pipeline bench``."""
 
 from __future__ import annotations
 

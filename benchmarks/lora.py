@@ -12,11 +12,10 @@ from __future__ import annotations
 import gc
 import os
 
-from _common import trim_host_heap  # scripts/_common.py
-
 from benchmarks.config import Sizes
 from benchmarks.meters import PeakMeter
 from benchmarks.timing import batch
+from devtools.host_memory import trim_host_heap
 
 __all__ = ["LORA_TARGETS", "TASKS", "launches"]
 

@@ -20,12 +20,11 @@ import statistics
 import time
 from typing import Any
 
-from _common import trim_host_heap  # scripts/_common.py
-
 from benchmarks.config import Sizes
 from benchmarks.meters import PeakMeter
 from benchmarks.tables import Table, gb
 from benchmarks.timing import batch, sync
+from devtools.host_memory import trim_host_heap
 
 __all__ = ["MESHES", "TASKS", "launches", "markdown", "summarize"]
 

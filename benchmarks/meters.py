@@ -13,7 +13,7 @@ import os
 import pathlib
 import time
 
-from _common import host_peak_rss, host_rss, reset_host_peak  # scripts/_common.py, shared with the device check
+from devtools.host_memory import host_peak_rss, host_rss, reset_host_peak
 
 __all__ = ["PeakMeter", "byte_ranges", "drop_page_cache", "plain_read", "touch"]
 

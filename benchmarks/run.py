@@ -94,7 +94,7 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
     ckpts = checkpoints(args, sizes)
     log(f"  checkpoints in {cache_dir(args)} (load checkpoint ready in {ckpts['load_seconds']} s)")
     results: dict[str, Any] = {
-        "command": "python scripts/benchmark.py " + " ".join(args.argv), "quick": bool(args.quick),
+        "command": "python -m benchmarks " + " ".join(args.argv), "quick": bool(args.quick),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "sizes": asdict(sizes),
     }

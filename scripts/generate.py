@@ -21,13 +21,9 @@ import json
 import pathlib
 import sys
 
-try:
-    import hf_pipeline
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    import hf_pipeline
-
 import transformers
+
+import hf_pipeline
 
 DEFAULT_PROMPTS = ["The pipeline", "A model is split into stages", "def generate(model, prompts"]
 

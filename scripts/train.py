@@ -38,10 +38,6 @@ import sys
 
 import torch
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(_ROOT))
-
 TASKS = {
     "causal_lm": "AutoModelForCausalLM",
     "masked_lm": "AutoModelForMaskedLM",

@@ -32,7 +32,7 @@ import sys
 from typing import Sequence
 
 from ..errors import CLIError, PipelineBroken, RankError, is_user_error
-from .env import benchmark_script, cmd_bench, cmd_env, env_info
+from .env import cmd_bench, cmd_env, env_info
 from .generate import cmd_generate
 from .launch import launch
 from .parser import PROG, build_parser
@@ -44,7 +44,6 @@ __all__ = ["CLIError", "build_parser", "env_info", "main"]
 
 _COMMANDS = {"plan": cmd_plan, "generate": cmd_generate, "train": cmd_train, "convert": cmd_convert, "env": cmd_env,
              "serve": cmd_serve}
-_benchmark_script = benchmark_script  # the name tests/tools/test_cli.py asks for
 
 # ------------------------------------------------------------------------------------ which errors are mistakes
 # The library's errors decide (errors.is_user_error: a PipelineError that is not an InternalError),

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 from typing import Any, Sequence
 
 from ..errors import CLIError
 from .parser import LAUNCH_OPTIONS, PROG, version
 
-__all__ = ["benchmark_script", "cmd_bench", "cmd_env", "env_info"]
+__all__ = ["benchmarks_checkout", "cmd_bench", "cmd_env", "env_info"]
 
 # The launcher's variables a bug report shows (set or not).
 _LAUNCHER_VARIABLES = (
@@ -22,34 +22,45 @@ _LAUNCHER_VARIABLES = (
 )
 
 
-def benchmark_script() -> pathlib.Path | None:
-    """``scripts/benchmark.py`` of the source checkout this package runs from; None when installed without it."""
-    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
-    return script if script.is_file() else None
+def benchmarks_checkout() -> pathlib.Path | None:
+    """The source checkout this package runs from, when it holds the ``benchmarks`` package; None when
+    installed without it."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    return root if (root / "benchmarks" / "__main__.py").is_file() else None
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    """``hf-pipeline bench ...``: ``scripts/benchmark.py``'s ``main(argv)`` (it launches its own processes)."""
-    script = benchmark_script()
-    if script is None:
+    """``hf-pipeline bench ...``: ``python -m benchmarks ...`` of the source checkout (it launches its own
+    processes), its output passed on line by line.
+
+    Raises:
+        SystemExit: with the benchmark's exit status, as if it had run in this process (its ``--help``
+            and its usage errors end the command as every other command's do).
+    """
+    root = benchmarks_checkout()
+    if root is None:
         if any(a in ("-h", "--help") for a in argv):
-            print(f"usage: {PROG} bench [benchmark options]\n\nRuns scripts/benchmark.py of a source checkout "
-                  "(git clone, then pip install -e .).")
+            print(f"usage: {PROG} bench [benchmark options]\n\nRuns the benchmarks (python -m benchmarks) of a "
+                  "source checkout (git clone, then pip install -e .).")
             return 0
         raise CLIError(
-            "`hf-pipeline bench` runs scripts/benchmark.py, which only a source checkout has; clone the repository "
-            "and `pip install -e .`"
+            "`hf-pipeline bench` runs the benchmarks package, which only a source checkout has; clone the "
+            "repository and `pip install -e .`"
         )
     if any(a.split("=")[0] in LAUNCH_OPTIONS for a in argv):
         raise CLIError(
             "bench starts its own processes (1, 2 and 4 ranks, as each section needs); drop the launch options"
         )
-    spec = importlib.util.spec_from_file_location("hf_pipeline_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    sys.argv[0] = f"{PROG} bench"
-    return int(module.main(list(argv)) or 0)
+    # The checkout's root is where `benchmarks` (and the `devtools` it uses) import from, as for the
+    # benchmark's own ranks; the working directory stays the caller's, so relative paths mean what they did.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    with subprocess.Popen([sys.executable, "-m", "benchmarks", *argv], env=env, stdout=subprocess.PIPE,
+                          text=True) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    sys.exit(proc.returncode)  # exit, not an error: the benchmark has said what went wrong
 
 
 def env_info() -> dict[str, Any]:

@@ -296,9 +296,9 @@ def _add_bench(sub) -> None:
     sub.add_parser(
         "bench",
         prog=f"{PROG} bench",
-        help="run the benchmarks (scripts/benchmark.py; a source checkout is needed)",
+        help="run the benchmarks (python -m benchmarks; a source checkout is needed)",
         add_help=False,
-        description="Pass every argument to scripts/benchmark.py (try `hf-pipeline bench --help`).",
+        description="Pass every argument to python -m benchmarks (try `hf-pipeline bench --help`).",
     )
 
 

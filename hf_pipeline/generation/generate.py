@@ -59,7 +59,8 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 
 from ..distributed.agreement import check_same_on_all_ranks
-from ..runtime.checks import check_generate_inputs, check_sequence_length
+from ..runtime.checks import check_sequence_length
+from ..runtime.prompt_checks import check_generate_inputs
 from .beam import beam_fill
 from .config import generation_config, prepare_generation_config
 from .outputs import build_output, pack, unpack

@@ -22,7 +22,6 @@ from transformers.utils import logging
 from ..errors import InputError
 from ..families.losses import check_sequence_labels
 from ..families.recipe import position_kind
-from .prompt_checks import check_generate_inputs, check_prompts  # re-exported: checks of every call live here
 
 logger = logging.get_logger(__name__)
 
@@ -30,12 +29,10 @@ __all__ = [
     "IGNORE_INDEX",
     "EMBEDDING_INDEX_DTYPES",
     "INDEX_TABLES",
-    "check_generate_inputs",
     "check_index_inputs",
     "check_labels",
     "check_microbatches",
     "check_model_inputs",
-    "check_prompts",
     "check_sequence_length",
     "check_token_ids",
     "index_table",

@@ -1,6 +1,7 @@
 """Checks of ``generate``'s prompts before anything else: prompt lists (text or token ids) and empty batches.
 
-Re-exported by :mod:`.checks`, where the other call checks live.
+Callers import them from here; the other call checks (shapes, ids, labels, microbatches) live in
+:mod:`.checks`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 :func:`default_model_path` returns a checkpoint shipped inside the package (sharded safetensors,
 config, tokenizer and a model card), each trained on the Python standard library's docstrings with
-this package's own pipelined trainer by ``scripts/make_default_model.py``; each README says how,
-with the final loss:
+this package's own pipelined trainer by :mod:`devtools.make_default_model` (a developer tool of the
+source checkout); each README says how, with the final loss:
 
 - ``default_model_path()`` (``"llama"``, ``hf_pipeline/assets/default-model``): a ~4M-parameter
   LLaMA that writes docstring-like English, by
-  ``torchrun --nproc_per_node 2 scripts/make_default_model.py --out hf_pipeline/assets/default-model``.
+  ``torchrun --nproc_per_node 2 -m devtools.make_default_model --out hf_pipeline/assets/default-model``.
 - ``default_model_path("t5")`` (``hf_pipeline/assets/default-t5``): a ~1.2M-parameter T5 that
   summarises a docstring (``"summarize: " + docstring`` -> its first sentence), by ``... --arch t5``.
 - ``default_model_path("bert")`` (``hf_pipeline/assets/default-bert``): a ~1.1M-parameter BERT

@@ -1,4 +1,4 @@
-"""The benchmark script at tiny size (``--quick``), so it cannot rot: every section runs and reports."""
+"""``python -m benchmarks`` at tiny size (``--quick``), so it cannot rot: every section runs and reports."""
 
 import dataclasses
 import json
@@ -11,23 +11,23 @@ import time
 
 import pytest
 import torch
-from scripts_module import load_script
+
+from benchmarks.checkpoints import write_random_checkpoint
+from benchmarks.config import MEASURED
+from benchmarks.report import readme_tables, to_markdown
+from benchmarks.run import merge
+from devtools.llama import llama_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    return load_script("benchmark.py", "hf_pipeline_benchmark")
 
 
 def test_random_checkpoint_is_a_real_sharded_checkpoint(tmp_path):
     import transformers
 
-    bench = _bench()
-    cfg = bench.llama_config(
+    cfg = llama_config(
         hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=128, max_pos=64, dtype="bfloat16"
     )
-    path = bench.write_random_checkpoint(tmp_path / "ck", cfg, shard_bytes=12_000)
+    path = write_random_checkpoint(tmp_path / "ck", cfg, shard_bytes=12_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 4
@@ -42,12 +42,11 @@ def test_random_checkpoint_is_a_real_sharded_checkpoint(tmp_path):
     )
     # a complete directory is a cache: not rewritten
     stamp = (path / shards[0]).stat().st_mtime_ns
-    bench.write_random_checkpoint(path, cfg, shard_bytes=12_000)
+    write_random_checkpoint(path, cfg, shard_bytes=12_000)
     assert (path / shards[0]).stat().st_mtime_ns == stamp
 
 
 def test_partial_rerun_replaces_only_its_sections():
-    bench = _bench()
     old = {
         "load": {"x": 1},
         "train": {"y": 2},
@@ -67,7 +66,7 @@ def test_partial_rerun_replaces_only_its_sections():
         "errors": [],
         "machine": {},
     }
-    merged = bench.merge(old, new, ["generate"])
+    merged = merge(old, new, ["generate"])
     assert merged["load"] == {"x": 1} and merged["train"] == {"y": 2} and merged["generate"] == {"z": 4}
     assert merged["runs"][-1]["sections"] == ["generate"]
 
@@ -165,7 +164,8 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     started = time.time()
     cmd = [
         sys.executable,
-        str(ROOT / "scripts" / "benchmark.py"),
+        "-m",
+        "benchmarks",
         "--quick",
         "--cache-dir",
         str(tmp_path / "cache"),
@@ -346,7 +346,7 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     # every fixed schedule in one job, steps taking turns: ratios against 1F1B and the measured perfect overlap, per
     # round
     paired = train["paired"]
-    fixed_names = [n for n in train["schedules"] if n not in ("auto", "gpipe") and not n.endswith(_bench().MEASURED)]
+    fixed_names = [n for n in train["schedules"] if n not in ("auto", "gpipe") and not n.endswith(MEASURED)]
     assert (
         list(paired["schedules"]) == fixed_names and len(paired["two_way_microbatched_seconds"]) == sizes["train_reps"]
     )
@@ -374,7 +374,6 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     # schedule="auto": measured beside the fixed choices, against the best of them
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
-    MEASURED = _bench().MEASURED
     best = max(
         row["tokens_per_s"]
         for name, row in train["schedules"].items()
@@ -444,22 +443,20 @@ def test_quick_benchmark_runs_every_section(tmp_path):
 
 def test_readme_tables_are_the_committed_results():
     # README's benchmark block is generated from bench_results/results.json; a new run that was not
-    # written back (python scripts/benchmark.py --update-readme) fails here instead of leaving stale figures.
-    bench = _bench()
+    # written back (python -m benchmarks --update-readme) fails here instead of leaving stale figures.
     res = json.loads((ROOT / "bench_results" / "results.json").read_text())
-    block = bench.readme_tables(res)
+    block = readme_tables(res)
     readme = (ROOT / "README.md").read_text()
     assert block in readme, (
         "README.md's benchmark tables differ from bench_results/results.json: "
-        "run python scripts/benchmark.py --update-readme"
+        "run python -m benchmarks --update-readme"
     )
     assert res["sizes"]["layers"] >= 12 and not res.get("quick")  # the committed results are a full run
 
 
 def test_committed_results_md_renders_results_json_with_each_section_once():
-    bench = _bench()
     res = json.loads((ROOT / "bench_results" / "results.json").read_text())
-    md = bench.to_markdown(res)
+    md = to_markdown(res)
     headers = [line for line in md.splitlines() if line.startswith("## ")]
     assert len(headers) == len(set(headers)), f"a section is rendered twice: {headers}"
     assert {"## Load: per-rank memory and bytes read", "## Bubble: measured idle fraction per rank vs theory"} <= set(
@@ -467,5 +464,5 @@ def test_committed_results_md_renders_results_json_with_each_section_once():
     )
     assert (ROOT / "bench_results" / "results.md").read_text() == md, (
         "bench_results/results.md differs from bench_results/results.json: "
-        "run python scripts/benchmark.py --update-readme"
+        "run python -m benchmarks --update-readme"
     )

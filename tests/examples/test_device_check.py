@@ -1,4 +1,4 @@
-"""scripts/device_check.py on CPU: the same sections a GPU run goes through, at tiny size.
+"""``python -m devtools.device_check`` on CPU: the same sections a GPU run goes through, at tiny size.
 
 Each run writes its JSON; the tests read the figures back (logits difference within the stated
 tolerance, greedy tokens equal, stage bytes and bytes read equal to the plan, losses and gradients
@@ -19,10 +19,11 @@ import sys
 import pytest
 import torch
 from harness import free_port
-from scripts_module import load_script
+
+from devtools.device_check.run import Run
+from devtools.device_check.support import first_divergences
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "device_check.py"
 SECTIONS = ("env", "checkpoint", "load", "reference", "forward", "generate", "train")
 TINY_PARAMS = 3_410_176  # --size tiny: hidden 256, 4 layers, vocab 2048, untied
 
@@ -50,7 +51,7 @@ def _run(cmd: list[str], out: pathlib.Path, *, expect_rc: int = 0) -> dict:
 
 def _script(tmp_path: pathlib.Path, *extra: str) -> tuple[list[str], pathlib.Path]:
     out = tmp_path / "device_check.json"
-    return [str(SCRIPT), "--device", "cpu", "--size", "tiny", "--out", str(out), *extra], out
+    return ["-m", "devtools.device_check", "--device", "cpu", "--size", "tiny", "--out", str(out), *extra], out
 
 
 def _assert_all_ok(result: dict) -> None:
@@ -175,10 +176,6 @@ def test_budget_watchdog_writes_the_figures_and_ends_the_run(tmp_path):
     assert result["sections"].get("train", {}).get("status") != "ok"  # cut short, not finished
 
 
-def _module():
-    return load_script(SCRIPT.name, "device_check")
-
-
 def test_json_is_never_seen_half_written_while_two_threads_write_it(tmp_path):
     # The main thread and the budget's watchdog both write the JSON. Whatever their interleaving, a
     # reader sees either no file or a whole one, and no temporary file stays behind. (With one
@@ -187,9 +184,8 @@ def test_json_is_never_seen_half_written_while_two_threads_write_it(tmp_path):
     import argparse
     import threading
 
-    mod = _module()
     out = tmp_path / "device_check.json"
-    run = mod.Run(argparse.Namespace(out=str(out), budget_s=3600.0, reserve_s=0.0, workdir=None))
+    run = Run(argparse.Namespace(out=str(out), budget_s=3600.0, reserve_s=0.0, workdir=None))
     stop = threading.Event()
     bad: list[str] = []
 
@@ -227,13 +223,12 @@ def test_json_is_never_seen_half_written_while_two_threads_write_it(tmp_path):
 
 
 def test_first_divergences_measures_the_gap_at_the_first_differing_token():
-    mod = _module()
     reference = torch.tensor([[5, 6, 7], [1, 2, 3], [4, 4, 4]])
     pipelined = torch.tensor([[5, 6, 7], [1, 9, 8], [0, 4, 4]])
     logits = [torch.zeros(3, 10) for _ in range(3)]
     logits[1][1, 2], logits[1][1, 9] = 3.0, 2.5  # row 1 parts at step 1: a gap of 0.5
     logits[0][2, 4], logits[0][2, 0] = 1.0, 1.0  # row 2 parts at step 0 on an exact tie
-    div = mod.first_divergences(pipelined, reference, logits)
+    div = first_divergences(pipelined, reference, logits)
     assert div == [
         {"row": 1, "step": 1, "reference_token": 2, "pipelined_token": 9, "gap": 0.5},
         {"row": 2, "step": 0, "reference_token": 4, "pipelined_token": 0, "gap": 0.0},

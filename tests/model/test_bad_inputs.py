@@ -609,6 +609,7 @@ def _write_table() -> None:
 # --------------------------------------------------------------------------- the checks alone
 def test_validation_helpers():
     from hf_pipeline.runtime import checks as validate
+    from hf_pipeline.runtime.prompt_checks import check_prompts
 
     assert validate.max_positions(tiny.config_for("gpt2")) == 128  # n_positions, through attribute_map
     assert validate.max_positions(tiny.config_for("t5")) is None  # relative positions: no limit
@@ -620,15 +621,15 @@ def test_validation_helpers():
     validate.check_microbatches(batch=6, n_microbatches=4, training=False)  # inference pads
     with pytest.raises(ValueError, match=r"e\.g\. 4 or 8"):
         validate.check_microbatches(batch=6, n_microbatches=4, training=True)
-    assert validate.check_prompts(["a", "b"]) == "text"
-    assert validate.check_prompts([[1, 2], [3]]) == "ids"
+    assert check_prompts(["a", "b"]) == "text"
+    assert check_prompts([[1, 2], [3]]) == "ids"
     for bad, pattern in [
         ("one string", "must be a list"), ([], "empty"), ([[1], []], "prompt 1 is an empty token list"),
         (["x", [1, 2]], "got a mix: ids .first at index 1., text .first at index 0."),
         (["x", 1.5], "got a float at index 1"), ([[1, True]], "got a list holding non-int items at index 0"),
     ]:
         with pytest.raises(ValueError, match=pattern):
-            validate.check_prompts(bad)
+            check_prompts(bad)
     ids = torch.zeros(2, 5, dtype=torch.long)
     validate.check_labels("causal_lm", ids, input_ids=ids)
     validate.check_labels("sequence_classification", torch.tensor([0, 1]), input_ids=ids)

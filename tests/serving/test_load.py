@@ -1,4 +1,4 @@
-"""200 concurrent requests against a live 2-process ``hf-pipeline serve`` (driven by scripts/load_test.py):
+"""200 concurrent requests against a live 2-process ``hf-pipeline serve`` (driven by devtools/load_test.py):
 every one answered 200 with transformers' greedy text and token count, none lost, the server's memory
 flat from a warm-up batch to the end of the load, and a clean stop on SIGTERM."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 from live_server import ROOT, rss_bytes, start_server
-from scripts_module import load_script
 
+from devtools import load_test as load
 from hf_pipeline.tools.default_model import default_model_path
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -32,10 +32,6 @@ LEAK_BOUND = 6 * 2**20
 # glibc hands freed blocks above this size back to the OS at once (its default threshold climbs to
 # 32 MiB as tensors are freed, and RSS then keeps each batch shape's peak): RSS follows live memory.
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-def _load_test():
-    return load_script("load_test.py", "load_test")
 
 
 def _expected(model) -> dict[int, tuple[str, int]]:
@@ -62,7 +58,6 @@ def test_200_concurrent_requests_none_lost_memory_flat(tmp_path):
     pytest.importorskip("psutil")
     import httpx
 
-    load = _load_test()
     model = default_model_path()
     server = start_server(model, tmp_path / "server.log", "--max-batch", "32", "--max-queue", str(REQUESTS + 8),
                           env=ALLOCATOR)
@@ -95,9 +90,10 @@ def test_200_concurrent_requests_none_lost_memory_flat(tmp_path):
               f"{sum(after) / 2**20:.1f} MiB; {json.dumps(report.summary())}")
         assert grown < LEAK_BOUND, f"the server grew by {grown / 2**20:.1f} MiB (per process: {before} -> {after})"
         # The script as a user runs it, tiny: its report says what the server answered.
-        cli = subprocess.run([sys.executable, str(ROOT / "scripts" / "load_test.py"), "--url", url, "--model",
+        cli = subprocess.run([sys.executable, "-m", "devtools.load_test", "--url", url, "--model",
                               "tiny", "--prompt", PROMPTS[0], "--requests", "4", "--concurrency", "2",
-                              "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, text=True, timeout=120)
+                              "--max-tokens", str(MAX_TOKENS), "--json"], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT)
         assert cli.returncode == 0, cli.stderr
         got = json.loads(cli.stdout)
         assert got["summary"]["ok"] == 4 and {o["text"] for o in got["outcomes"]} == {expected[0][0]}

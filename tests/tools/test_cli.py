@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from hf_pipeline import cli
+from hf_pipeline.cli.env import benchmarks_checkout
 from hf_pipeline.tools.default_model import default_model_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -71,8 +72,8 @@ def test_help_for_every_command(capsys):
 
 
 def test_bench_help_is_the_benchmark_scripts(capsys):
-    if cli._benchmark_script() is None:
-        pytest.skip("scripts/benchmark.py is not in this checkout")
+    if benchmarks_checkout() is None:
+        pytest.skip("benchmarks/ is not in this checkout")
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--help"])
     assert e.value.code == 0
@@ -424,7 +425,7 @@ def test_bundled_default_model_matches_its_model_card():
     stats = json.loads((path / "training_stats.json").read_text())
     card = (path / "README.md").read_text()
     assert f"**{stats['final_train_loss']:.3f}**" in card and f"**{stats['eval_loss']:.3f}**" in card
-    assert "scripts/make_default_model.py" in stats["command"]
+    assert "devtools.make_default_model" in stats["command"]
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert sum(p.numel() for p in model.parameters()) == stats["params"]
@@ -446,7 +447,7 @@ def test_make_default_model_script_runs_at_tiny_size(tmp_path):
 
     out = tmp_path / "model"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "scripts" / "make_default_model.py"), "--out", str(out),
+           "--master_port", str(free_port()), "-m", "devtools.make_default_model", "--out", str(out),
            "--tiny", "--steps", "2"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -4,7 +4,7 @@ The LLaMA default model's card and install checks are in test_cli.py. Here the t
 notebooks 03 and 04 are checked on text they never saw in training; random weights fail every
 "makes sense" assertion below (a random BERT's top 5 are arbitrary WordPiece pieces, a random T5
 writes no words of the docstring). The script that trains them runs at tiny size for each
-architecture, as ``scripts/make_default_model.py --tiny`` under torchrun.
+architecture, as ``devtools.make_default_model --tiny`` under torchrun.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _card_stats(path: pathlib.Path) -> dict:
     stats = json.loads((path / "training_stats.json").read_text())
     card = (path / "README.md").read_text()
     assert f"**{stats['final_train_loss']:.3f}**" in card and f"**{stats['eval_loss']:.3f}**" in card
-    assert "scripts/make_default_model.py" in stats["command"] and "model.train_step" in card
+    assert "devtools.make_default_model" in stats["command"] and "model.train_step" in card
     return stats
 
 
@@ -111,10 +111,11 @@ def test_make_default_model_script_runs_at_tiny_size(arch, tmp_path):
 
     out = tmp_path / "model"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "scripts" / "make_default_model.py"), "--arch", arch,
+           "--master_port", str(free_port()), "-m", "devtools.make_default_model", "--arch", arch,
            "--out", str(out), "--tiny", "--steps", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_PIPELINE_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     stats = _card_stats(out)

@@ -1,7 +1,7 @@
 """Load generator for any OpenAI-compatible server: N completion requests, C at a time; prints throughput
 and latency percentiles.
 
-    python scripts/load_test.py --url http://127.0.0.1:8000/v1 --model default-model \\
+    python -m devtools.load_test --url http://127.0.0.1:8000/v1 --model default-model \\
         --requests 200 --concurrency 200 --max-tokens 16 --prompt "Return the" --prompt "def"
 
 Every request is ``POST {url}/completions`` (greedy unless ``--temperature``), its prompt taken in turn
@@ -128,7 +128,8 @@ def run_load(url: str, model: str, prompts: list[str], *, requests: int = 200, c
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; 1 when a request failed."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m devtools.load_test", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the API's base URL (default: %(default)s)")
     p.add_argument("--model", required=True, help="the served model's name (GET /v1/models lists it)")
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several, used in turn)")

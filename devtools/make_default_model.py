@@ -1,8 +1,10 @@
 """Train a bundled model: a small LLaMA, T5 or BERT on the Python standard library's docstrings.
 
-    torchrun --nproc_per_node 2 scripts/make_default_model.py --out hf_pipeline/assets/default-model
-    torchrun --nproc_per_node 2 scripts/make_default_model.py --arch t5 --out hf_pipeline/assets/default-t5
-    torchrun --nproc_per_node 2 scripts/make_default_model.py --arch bert --out hf_pipeline/assets/default-bert
+Run from the repository root:
+
+    torchrun --nproc_per_node 2 -m devtools.make_default_model --out hf_pipeline/assets/default-model
+    torchrun --nproc_per_node 2 -m devtools.make_default_model --arch t5 --out hf_pipeline/assets/default-t5
+    torchrun --nproc_per_node 2 -m devtools.make_default_model --arch bert --out hf_pipeline/assets/default-bert
 
 Everything it needs ships with Python and this package: the text is every module, class and function
 docstring of the standard library's ``.py`` files (read with ``ast``, nothing imported), the
@@ -39,19 +41,14 @@ import tempfile
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _common.py, docstring_corpus.py, model_cards.py
-try:
-    import hf_pipeline
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    import hf_pipeline
-
 import torch
 import transformers
-from _common import broadcast_object, llama_config
-from docstring_corpus import BERT_SPECIALS, pack, paragraphs, stdlib_docstrings, summary_pairs, train_tokenizer
-from model_cards import model_card
 
+import hf_pipeline
+from devtools.collectives import broadcast_object
+from devtools.docstring_corpus import BERT_SPECIALS, pack, paragraphs, stdlib_docstrings, summary_pairs, train_tokenizer
+from devtools.llama import llama_config
+from devtools.model_cards import model_card
 from hf_pipeline.distributed.context import destroy_distributed, init_distributed
 
 SAMPLE_PROMPTS = ["Return the", "This module provides", "If the file does not exist,", "The default value is"]
@@ -61,7 +58,8 @@ FILL_MASK_PROMPTS = ["Return the [MASK] of the file.", "Return a new [MASK] of t
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="devtools.make_default_model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="which model to train (default llama)")
     # None: the architecture's default, from ARCHS[arch].defaults.
@@ -430,7 +428,7 @@ def _params(arch: Arch, config) -> int:
 
 def _command(world_size: int, argv: list[str] | None) -> str:
     args = " ".join(argv if argv is not None else sys.argv[1:])
-    return f"torchrun --nproc_per_node {world_size} scripts/make_default_model.py {args}"
+    return f"torchrun --nproc_per_node {world_size} -m devtools.make_default_model {args}"
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """The house's figures for a source tree: module and function sizes, builtin raises, private API uses, ruff.
 
-    python scripts/house_figures.py              # this checkout
-    python scripts/house_figures.py OTHER_TREE   # another one (an older commit: git archive REV | tar -x -C DIR)
+    python -m devtools.house_figures              # this checkout
+    python -m devtools.house_figures OTHER_TREE   # another one (an older commit: git archive REV | tar -x -C DIR)
 
 The rules and their limits are tests/test_house.py's; this prints how far a tree is from them with the
-same probes (imported from that file), so a before/after comparison counts the same things. ruff runs
-with this checkout's configuration on both trees.
+same probes (loaded from that file: tests/ is not a package), so a before/after comparison counts the
+same things. ruff runs with this checkout's configuration on both trees.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _builtin_raises(trees, builtin_errors) -> int:
 
 
 def _ruff_violations(root: pathlib.Path) -> int:
-    folders = [str(root / d) for d in ("hf_pipeline", "scripts", "tests", "benchmarks") if (root / d).exists()]
+    folders = [str(root / d) for d in ("hf_pipeline", "scripts", "tests", "benchmarks", "devtools")
+               if (root / d).exists()]
     out = subprocess.run(
         ["ruff", "check", "--no-cache", "--statistics", "-q", "--config", str(ROOT / "pyproject.toml"), *folders],
         capture_output=True, text=True,
@@ -53,7 +54,8 @@ def figures(root: pathlib.Path) -> dict[str, object]:
     """The figures of the checkout at ``root`` (this repository at any commit)."""
     house = _house()
     package = sorted((root / "hf_pipeline").rglob("*.py"))
-    others = sorted((root / "scripts").glob("*.py")) + sorted((root / "benchmarks").rglob("*.py"))
+    others = sorted((root / "scripts").glob("*.py")) + sorted(
+        p for folder in ("benchmarks", "devtools") for p in (root / folder).rglob("*.py"))
     trees = {p: ast.parse(p.read_text()) for p in package + others}
     functions = sorted(
         (node.end_lineno - node.lineno + 1, f"{p.relative_to(root)}:{node.name}")
@@ -66,8 +68,9 @@ def figures(root: pathlib.Path) -> dict[str, object]:
         "package modules": len(package),
         "package folders": len({p.parent for p in package}),
         "largest module (package)": max(_lines(p) for p in package),
-        "modules over 500 lines (package, scripts, benchmarks)": sum(_lines(p) > 500 for p in package + others),
-        "largest module (scripts, benchmarks)": max(_lines(p) for p in others),
+        "modules over 500 lines (package, scripts, benchmarks, devtools)": sum(
+            _lines(p) > 500 for p in package + others),
+        "largest module (scripts, benchmarks, devtools)": max(_lines(p) for p in others),
         "functions over 80 lines": sum(n > 80 for n, _ in functions),
         "longest function": f"{functions[-1][1]} ({functions[-1][0]} lines)",
         "builtin raises in hf_pipeline": _builtin_raises([trees[p] for p in package], house.BUILTIN_ERRORS),

@@ -1,6 +1,6 @@
 """The training text of the bundled models: docstrings of the Python standard library, and their tokenizers.
 
-``scripts/make_default_model.py`` trains each bundled model on what these functions make from
+:mod:`devtools.make_default_model` trains each bundled model on what these functions make from
 the stdlib's ``.py`` files (parsed with ``ast``, nothing imported): the docstrings, their
 paragraphs, extractive summary pairs, and packed rows of tokens.
 """

@@ -1,8 +1,9 @@
-"""The sections of ``scripts/device_check.py``: env, checkpoint, load, reference, forward, generate, train.
+"""The device check's sections: env, checkpoint, load, reference, forward, generate, train.
 
 One method of :class:`Sections` per section, each filling its figures and checks (the bounds and
-why each holds are in ``device_check.py``'s docstring); the model sizes and the tolerances by
-dtype are here too. ``device_check.py`` runs them in order under its time budget.
+why each holds are in :mod:`devtools.device_check`'s docstring; the model sizes and the tolerances
+by dtype are in :mod:`~devtools.device_check.support`). :mod:`~devtools.device_check.run` runs them
+in order under its time budget.
 """
 
 from __future__ import annotations
@@ -22,15 +23,10 @@ from typing import Any, Callable
 
 import torch
 import transformers
-from _common import (
-    broadcast_object,
-    gather_objects,
-    host_peak_rss,
-    host_rss,
-    reset_host_peak,
-    trim_host_heap,
-)
-from device_check_support import (
+
+import hf_pipeline
+from devtools.collectives import broadcast_object, gather_objects
+from devtools.device_check.support import (
     GRAD_RTOL,
     HOST_SLACK_BYTES,
     LOGITS_RTOL,
@@ -47,8 +43,7 @@ from device_check_support import (
     sync,
     timed,
 )
-
-import hf_pipeline
+from devtools.host_memory import host_peak_rss, host_rss, reset_host_peak, trim_host_heap
 
 __all__ = ["Sections"]
 

@@ -1,4 +1,4 @@
-"""The model cards (README.md) of the bundled models ``scripts/make_default_model.py`` writes.
+"""The model cards (README.md) of the bundled models :mod:`devtools.make_default_model` writes.
 
 One function per architecture fills the parts that differ (what the model is, its data, usage
 and samples); :func:`model_card` puts them into the shared card with the run's figures.

@@ -1,4 +1,4 @@
-"""Sizes, tolerances and measuring helpers of ``scripts/device_check.py`` (see its docstring for the bounds).
+"""Sizes, tolerances and measuring helpers of the device check (:mod:`devtools.device_check` states the bounds).
 
 The model shapes of each ``--size``, the tolerances by dtype, timing with the device drained,
 rank-0-only work that ends in a barrier, the inputs, and the comparison of two greedy generations.
@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from _common import barrier, is_distributed, llama_config
+
+from devtools.collectives import barrier, is_distributed
+from devtools.llama import llama_config
 
 __all__ = [
     "GRAD_RTOL", "HOST_SLACK_BYTES", "LOGITS_RTOL", "LOSS_RTOL", "SIZES", "WARMUP", "Size", "check", "empty_cache",
