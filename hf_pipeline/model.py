@@ -72,12 +72,9 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     ``resize_token_embeddings``, ``set_input_embeddings`` / ``set_output_embeddings``, ``tie_weights``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
 
-    What the feature modules (``generation/``, ``training/``, ``checkpointing/``, ``recompute/``,
-    ``tools/``) read of it — the typed surface they may rely on: ``ctx``, ``dims``, ``plan``,
-    ``param_layout``, ``config``, ``resolved``, ``skeleton``, ``stage_maker``, ``options``, ``schedule``,
-    ``n_microbatches``, ``stages``, ``runtime``, ``device``, ``check_inputs``, ``training``,
-    ``train_step_state``, and the methods ``rank_label``, ``prepare_inputs``, ``batch_size``,
-    ``checkpoint_named_parameters``. Nothing else, nothing private.
+    The rooms below it (generation, continuous batching, training, recompute, checkpointing, memory
+    planning, the integrations, the tools, serving) cannot import this class: they read it through
+    :class:`hf_pipeline.core.PipelineCore`, the typed contract it implements, and nothing else.
     """
 
     def __init__(self, built: LoadedPipeline, *, gather_output: bool = True):
@@ -199,7 +196,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         label = f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
         return label + (f" of replica {replica}" if self.dims.dp_size > 1 else "")
 
-    def _spreading_failures(self, what: str):
+    def spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
         groups = (self.dims.pp_group, self.dims.dp_group, self.dims.tp_group)
         # FSDP2 keeps its process groups itself, which fresh groups cannot replace (distributed/groups.py's Note).
@@ -274,7 +271,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         batch = self.batch_size(inputs)
         if self.plan.pp_size > 1:
             validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
-        with self._spreading_failures("a forward pass"):
+        with self.spreading_failures("a forward pass"):
             outputs = self._run_forward(inputs, batch)
         if outputs is None:
             return None
@@ -321,7 +318,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Forward + backward of one global batch; returns the mean loss on every rank. See ``training/step.py``."""
         from .training.step import train_step
 
-        with self._spreading_failures("a training step"):
+        with self.spreading_failures("a training step"):
             return train_step(self, batch, **kwargs)
 
     def activation_checkpointing_enable(
@@ -375,7 +372,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``training/step.py``."""
         from .training.step import clip_grad_norm_
 
-        with self._spreading_failures("clip_grad_norm_"):
+        with self.spreading_failures("clip_grad_norm_"):
             return clip_grad_norm_(self, max_norm, norm_type)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
@@ -386,7 +383,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
             return self.save_adapter(save_directory, **kwargs)
         from .checkpointing.save import save_pretrained
 
-        with self._spreading_failures("save_pretrained"):
+        with self.spreading_failures("save_pretrained"):
             return save_pretrained(self, save_directory, **kwargs)
 
     def generate(
@@ -397,7 +394,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
         if self.stage_maker.generate_refusal is not None:
             raise TraceError(self.stage_maker.generate_refusal)
-        with self._spreading_failures("generate"):
+        with self.spreading_failures("generate"):
             # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 

@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"planning"},
     {"runtime"},
     {"loading"},
+    {"core"},
     {"generation"},
     {"continuous_batching"},
     {"training"},
@@ -151,3 +152,66 @@ def test_import_graph_has_no_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def _core_members() -> set[str]:
+    from torch import nn
+
+    from hf_pipeline.core import PipelineCore
+
+    return set(dir(PipelineCore)) | set(PipelineCore.__annotations__) | set(dir(nn.Module)) | {"training"}
+
+
+def _untyped_model_reads(tree: ast.AST, declared: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each ``model`` parameter left unannotated or ``Any``, and each attribute a function reads
+    off a ``model: PipelineCore`` that the protocol does not declare."""
+    bad = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+            if a.arg != "model":
+                continue
+            ann = ast.unparse(a.annotation) if a.annotation else None
+            if ann in (None, "Any"):
+                bad.append((node.lineno, f"{node.name}(model: {ann}): annotate it as PipelineCore"))
+            elif ann == "PipelineCore":
+                reads = {n.attr for n in ast.walk(node)
+                         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "model"}
+                bad += [(node.lineno, f"{node.name} reads model.{r}, which PipelineCore does not declare")
+                        for r in sorted(reads - declared)]
+    return bad
+
+
+def test_rooms_below_the_model_read_it_only_through_the_core():
+    # The rooms between hf_pipeline.core and the model facade are handed the pipelined model but cannot import its
+    # class: each types it as PipelineCore (nn.Module where a peft or Trainer wrapper may come instead) and reads
+    # only what that protocol declares, so the contract is the protocol, not prose.
+    start, end = _layer("core"), _layer("model")
+    declared = _core_members()
+    bad = [
+        f"hf_pipeline/{m.replace('.', '/')}.py:{line} {what}"
+        for m, path in _modules().items()
+        if start < _layer(m) < end
+        for line, what in _untyped_model_reads(ast.parse(path.read_text()), declared)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_model_implements_the_core():
+    from hf_pipeline.core import PipelineCore
+    from hf_pipeline.model import PipelinedModel
+
+    members = {n for n in PipelineCore.__annotations__} | {n for n in vars(PipelineCore) if not n.startswith("_")}
+    # Attributes set in __init__ are checked on a loaded model by the equivalence tests; the class must at least
+    # define every method and property the protocol declares.
+    missing = sorted(n for n in members - set(PipelineCore.__annotations__) if not hasattr(PipelinedModel, n))
+    assert not missing, f"PipelinedModel lacks {missing} of PipelineCore"
+
+
+def test_the_core_probe_can_fail():
+    tree = ast.parse("def f(model):\n    pass\ndef g(model: PipelineCore):\n    return model.secret + model.plan\n")
+    assert _untyped_model_reads(tree, {"plan"}) == [
+        (1, "f(model: None): annotate it as PipelineCore"),
+        (3, "g reads model.secret, which PipelineCore does not declare"),
+    ]

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..distributed.shards import full_tensor
 from ..errors import CheckpointExistsError, InputError, InternalError
@@ -100,7 +101,7 @@ class _RankShare:
     plan: _RankPlan
 
 
-def _my_tensors(model) -> dict[str, torch.Tensor]:
+def _my_tensors(model: PipelineCore) -> dict[str, torch.Tensor]:
     """checkpoint key -> tensor, for the keys whose first holding stage is on this rank (replica 0 only)."""
     if model.dims.dp_rank != 0 and model.dims.fsdp_size == 1:
         return {}  # replicas hold the same values: the first one writes (FSDP ranks hold chunks: all gather)
@@ -137,7 +138,7 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
     return shards
 
 
-def _rank_share(model, max_shard_size: int | str, optimizer) -> _RankShare:
+def _rank_share(model: PipelineCore, max_shard_size: int | str, optimizer) -> _RankShare:
     tensors = _my_tensors(model)
     shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
     # The first replica's ranks gather sharded states whole (every fsdp rank: they hold the chunks); one rank
@@ -169,7 +170,7 @@ def _check_target(final: pathlib.Path, paths: list[str]) -> None:
         raise CheckpointExistsError(f"{final} exists and is not a directory; pass a directory path to save_pretrained")
 
 
-def _gather(model, obj: Any) -> list[Any]:
+def _gather(model: PipelineCore, obj: Any) -> list[Any]:
     ctx = model.ctx
     if not ctx.is_distributed:
         return [obj]
@@ -178,7 +179,7 @@ def _gather(model, obj: Any) -> list[Any]:
     return out
 
 
-def _broadcast(model, obj: Any) -> Any:
+def _broadcast(model: PipelineCore, obj: Any) -> Any:
     ctx = model.ctx
     if not ctx.is_distributed:
         return obj
@@ -191,7 +192,7 @@ def _broadcast(model, obj: Any) -> Any:
 # Saving
 # --------------------------------------------------------------------------------------------
 def save_pretrained(
-    model,
+    model: PipelineCore,
     save_directory: str | os.PathLike,
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -324,7 +325,8 @@ def _stage_shards(staging: pathlib.Path, names: list[str], share: _RankShare) ->
 
 
 def _stage_main(
-    model, staging: pathlib.Path, plans: list[_RankPlan], names: list[list[str]], token: str, *, with_state: bool,
+    model: PipelineCore, staging: pathlib.Path, plans: list[_RankPlan], names: list[list[str]], token: str, *,
+    with_state: bool,
     scheduler, step, tokenizer, extra,
 ) -> None:
     """Rank 0's share of the staging: index, config, generation config, tokenizer, training state."""
@@ -376,7 +378,7 @@ def _weight_map(layout, plans: list[_RankPlan], names: list[list[str]]) -> tuple
     return weight_map, total_size, total_params
 
 
-def _stage_config(model, staging: pathlib.Path) -> None:
+def _stage_config(model: PipelineCore, staging: pathlib.Path) -> None:
     """``config.json`` as transformers writes it for the unsplit model, and the generation config."""
     with reporting_full_disk(staging / "config.json"):
         config = copy.deepcopy(model.config)

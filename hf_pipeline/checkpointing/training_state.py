@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError
 from ..loading.checkpoint_files import INDEX_NAME
@@ -71,7 +72,7 @@ def optimizer_file_name(pp_rank: int) -> str:
     return f"pp-{pp_rank:05d}.pt"
 
 
-def _key_of_parameter(model) -> dict[int, str]:
+def _key_of_parameter(model: PipelineCore) -> dict[int, str]:
     """id(parameter) -> checkpoint key, for this rank's stage parameters (a tied one under its first name)."""
     layout = model.param_layout
     key_of_param: dict[int, str] = {}
@@ -84,7 +85,7 @@ def _key_of_parameter(model) -> dict[int, str]:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
-def optimizer_keys(model, optimizer) -> list[list[str]]:
+def optimizer_keys(model: PipelineCore, optimizer) -> list[list[str]]:
     """The checkpoint key of every parameter of ``optimizer``, group by group (no communication).
 
     Raises:
@@ -99,7 +100,7 @@ def optimizer_keys(model, optimizer) -> list[list[str]]:
     return out
 
 
-def optimizer_state_by_key(model, optimizer) -> dict[str, Any] | None:
+def optimizer_state_by_key(model: PipelineCore, optimizer) -> dict[str, Any] | None:
     """``optimizer.state_dict()`` with parameter indices replaced by checkpoint keys, every tensor whole.
 
     Collective over the meshes of sharded parameters (every rank of the first replica calls it).
@@ -132,7 +133,7 @@ def optimizer_state_by_key(model, optimizer) -> dict[str, Any] | None:
 
 
 def stage_rank_training_state(
-    model, staging: pathlib.Path, optimizer_state: dict[str, Any] | None, *, with_state: bool
+    model: PipelineCore, staging: pathlib.Path, optimizer_state: dict[str, Any] | None, *, with_state: bool
 ) -> None:
     """This rank's share: its pipeline rank's optimizer state (replica 0) and its RNG states."""
     if optimizer_state is not None:
@@ -142,7 +143,7 @@ def stage_rank_training_state(
 
 
 def stage_main_training_state(
-    model,
+    model: PipelineCore,
     staging: pathlib.Path,
     token: str,
     *,
@@ -180,7 +181,7 @@ def stage_main_training_state(
 # Resuming
 # --------------------------------------------------------------------------------------------
 def load_training_state(
-    model,
+    model: PipelineCore,
     directory: str | os.PathLike,
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -295,7 +296,7 @@ def _trainer_state(directory: pathlib.Path) -> dict[str, Any]:
     return state
 
 
-def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
+def _load_optimizer(model: PipelineCore, optimizer, directory: pathlib.Path) -> None:
     index_path = directory / OPTIMIZER_DIR / "index.json"
     if not index_path.is_file():
         raise CheckpointNotFoundError(f"{index_path} does not exist: the checkpoint was saved without optimizer=")
@@ -336,7 +337,8 @@ def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
 
 
 def _check_same_model(
-    model, directory: pathlib.Path, files: dict[str, str], keys: list[str], state: dict[int, dict], params: list
+    model: PipelineCore, directory: pathlib.Path, files: dict[str, str], keys: list[str], state: dict[int,
+    dict], params: list
 ) -> None:
     """Refuse another model's optimizer state here, naming the first key that differs, not at the next step().
 

@@ -12,15 +12,14 @@ Example (the serving engine's pool):
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..core import PipelineCore
 from ..errors import UsageError
 from ..planning.kv_cache_sizes import kv_cache_bytes
 
 __all__ = ["pool_rows", "row_kv_bytes"]
 
 
-def row_kv_bytes(model: Any, context: int) -> int:
+def row_kv_bytes(model: PipelineCore, context: int) -> int:
     """KV-cache bytes one row of ``context`` tokens takes on the stage with the most decoder layers.
 
     Returns:
@@ -36,7 +35,7 @@ def row_kv_bytes(model: Any, context: int) -> int:
     return max(per_stage)
 
 
-def pool_rows(model: Any, *, max_batch: int, kv_cache_bytes: int | None, context: int | None) -> int:
+def pool_rows(model: PipelineCore, *, max_batch: int, kv_cache_bytes: int | None, context: int | None) -> int:
     """Rows the ring may hold at once: ``max_batch``, fewer when ``kv_cache_bytes`` cannot hold them.
 
     Args:

@@ -52,6 +52,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from ..compat import generation_helper
+from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.config import prepare_generation_config
 from ..generation.kv_cache import cache_nbytes, new_cache
@@ -63,7 +64,7 @@ from .wire import NewRow, OpHeader, pack_rows, unpack_rows
 __all__ = ["ContinuousRing", "continuous_refusal"]
 
 
-def continuous_refusal(model: Any) -> str | None:
+def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
     if model.config.is_encoder_decoder:
         return "encoder-decoder models decode against a per-request encoder output"
@@ -117,7 +118,7 @@ class ContinuousRing:
         feeder: stage 0's queue (rank 0); None on the other ranks.
     """
 
-    def __init__(self, model: Any, *, groups: int, group_size: int, feeder: Feeder | None = None):
+    def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None):
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         (self.stage,) = model.stages
         self.index = self.stage.spec.index

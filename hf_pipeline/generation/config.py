@@ -17,6 +17,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 from ..compat import generation_helper
+from ..core import PipelineCore
 
 __all__ = ["generation_config", "prepare_generation_config"]
 
@@ -26,7 +27,7 @@ __all__ = ["generation_config", "prepare_generation_config"]
 _FILE_READ: weakref.WeakSet = weakref.WeakSet()
 
 
-def generation_config(model) -> GenerationConfig:
+def generation_config(model: PipelineCore) -> GenerationConfig:
     """The model's default ``GenerationConfig``: the checkpoint's ``generation_config.json`` if it has one.
 
     As transformers' ``from_pretrained``: the file wins, else it is derived from the model config.
@@ -47,7 +48,7 @@ def generation_config(model) -> GenerationConfig:
 
 
 def prepare_generation_config(
-    model, config: GenerationConfig | None = None, **kwargs: Any
+    model: PipelineCore, config: GenerationConfig | None = None, **kwargs: Any
 ) -> tuple[GenerationConfig, dict[str, Any]]:
     """Merge ``config`` / ``kwargs`` over the model's generation config exactly as transformers does.
 

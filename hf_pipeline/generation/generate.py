@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 
+from ..core import PipelineCore
 from ..distributed.agreement import check_same_on_all_ranks
 from ..runtime.checks import check_sequence_length
 from ..runtime.prompt_checks import check_generate_inputs
@@ -116,7 +117,7 @@ def _agreed_arguments(call: GenerateCall) -> dict[str, Any]:
 
 @torch.no_grad()
 def generate(
-    model,
+    model: PipelineCore,
     input_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -193,7 +194,7 @@ def generate(
     return output, stats
 
 
-def _collect(model, req, ring: Ring) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def _collect(model: PipelineCore, req, ring: Ring) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """The last stage's result on every rank (replicas' rows gathered): (what generate returns, ids, lengths)."""
     out = ring.result()
     out = pack(out, req) if out is not None else None
@@ -208,7 +209,8 @@ def _collect(model, req, ring: Ring) -> tuple[Any, torch.Tensor, torch.Tensor]:
     return build_output(model, req, result), ids, lengths
 
 
-def _gather_replicas(model, ids: torch.Tensor, lengths: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_replicas(model: PipelineCore, ids: torch.Tensor, lengths: torch.Tensor,
+                     pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate the data-parallel replicas' rows in order, padding to the longest."""
     parts: list[Any] = [None] * model.dims.dp_size
     dist.all_gather_object(parts, (ids.cpu(), lengths.cpu()), group=model.dims.dp_group)

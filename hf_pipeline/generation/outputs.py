@@ -26,6 +26,7 @@ from transformers.generation.utils import (
     GenerateEncoderDecoderOutput,
 )
 
+from ..core import PipelineCore
 from .request import Request
 
 __all__ = ["build_output", "fields", "pack", "unpack"]
@@ -56,7 +57,7 @@ def unpack(tensors: tuple[torch.Tensor, ...], req: Request) -> dict[str, Any]:
     return {n: tuple(t.unbind(0)) if n in _STEPWISE else t for n, t in zip(fields(req), tensors)}
 
 
-def build_output(model: Any, req: Request, result: dict[str, Any]):
+def build_output(model: PipelineCore, req: Request, result: dict[str, Any]):
     """``result["sequences"]``, or transformers' output object when ``return_dict_in_generate`` is set.
 
     Args:

@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from ..compat import decoder_start_token_tensor, generation_helper, pad_token_tensor
+from ..core import PipelineCore
 from ..errors import InputError, InputTypeError
 from ..log import get_logger
 from ..runtime.checks import check_index_inputs, check_sequence_length, check_token_ids, vocab_size
@@ -99,7 +100,7 @@ def _maybe(fn, tensor):
     return None if tensor is None else fn(tensor)
 
 
-def build_request(model, call: GenerateCall) -> Request:
+def build_request(model: PipelineCore, call: GenerateCall) -> Request:
     """Check one ``generate`` call and derive its :class:`Request` (the same on every rank).
 
     Args:
@@ -140,7 +141,7 @@ def build_request(model, call: GenerateCall) -> Request:
     )
 
 
-def _checked_inputs(model, call: GenerateCall) -> _Rows:
+def _checked_inputs(model: PipelineCore, call: GenerateCall) -> _Rows:
     """Refuse what the call cannot do, check the prompt's ids and shapes; the prompt on the model's device."""
     skel = model.skeleton
     refuse("call", skeleton=skel, kwargs=call.kwargs, input_ids=call.input_ids, seed=call.seed, streamer=call.streamer)
@@ -170,7 +171,7 @@ class _Merged:
     prefill_chunk: int | None  # as merged, before transformers' length preparation
 
 
-def _merged_config(model, call: GenerateCall) -> _Merged:
+def _merged_config(model: PipelineCore, call: GenerateCall) -> _Merged:
     """The call's ``GenerationConfig`` merged as transformers merges it, refused where the ring cannot run it."""
     kwargs = call.generation_kwargs
     user_gc = call.config
@@ -194,7 +195,7 @@ def _merged_config(model, call: GenerateCall) -> _Merged:
     )
 
 
-def _with_attention_mask(model, gc: GenerationConfig, rows: _Rows, encoder_decoder: bool) -> _Rows:
+def _with_attention_mask(model: PipelineCore, gc: GenerationConfig, rows: _Rows, encoder_decoder: bool) -> _Rows:
     """Transformers' special tokens on ``gc``; a decoder-only prompt's mask derived from its padding if not given."""
     skel, batch = model.skeleton, rows.ids.shape[0]
     mask = rows.mask
@@ -218,7 +219,7 @@ class _Share:
     all_ones: bool  # the whole batch's mask is all ones (dropped, as transformers drops it)
 
 
-def _replica_share(model, gc: GenerationConfig, rows: _Rows, n_microbatches: int | None) -> _Share:
+def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_microbatches: int | None) -> _Share:
     """Rows repeated for ``num_return_sequences`` (beam search: ``num_beams``, as transformers expands them),
     this replica's contiguous share of them, its microbatches."""
     copies = gc.num_return_sequences or 1
@@ -247,7 +248,8 @@ def _replica_share(model, gc: GenerationConfig, rows: _Rows, n_microbatches: int
     )
 
 
-def _prompt_tensors(model, gc: GenerationConfig, rows: _Rows, *, encoder_decoder: bool, all_ones: bool) -> dict:
+def _prompt_tensors(model: PipelineCore, gc: GenerationConfig, rows: _Rows, *, encoder_decoder: bool,
+                    all_ones: bool) -> dict:
     """The request's prompt tensors (fields of :class:`Request`): a decoder-only prompt with its
     positions, or an encoder-decoder model's decoder start tokens with the encoder's input."""
     batch = rows.ids.shape[0]
@@ -264,7 +266,7 @@ def _prompt_tensors(model, gc: GenerationConfig, rows: _Rows, *, encoder_decoder
     )
 
 
-def _with_generated_length(model, merged: _Merged, rows: _Rows, prompt_length: int) -> GenerationConfig:
+def _with_generated_length(model: PipelineCore, merged: _Merged, rows: _Rows, prompt_length: int) -> GenerationConfig:
     """The config with ``max_length`` / ``min_length`` as transformers sets them for this prompt; refused if
     nothing is left to generate."""
     gc = generation_helper(model.skeleton, "_prepare_generated_length")(
@@ -303,7 +305,8 @@ def _as_transformers_raises(kwargs: dict[str, Any], config: GenerationConfig | N
         raise InputError(f"{e} (generate arguments: {_given(kwargs, config)})") from e
 
 
-def _check_processors(model, gc: GenerationConfig, call: GenerateCall, *, prompt, enc_ids, mask, **_unused) -> None:
+def _check_processors(model: PipelineCore, gc: GenerationConfig, call: GenerateCall, *, prompt, enc_ids, mask,
+                      **_unused) -> None:
     """Build what the last stage will build (logits processors, stopping criteria) and run the
     processors transformers makes once on one row, on every rank: transformers checks their
     arguments there (``temperature=0`` with sampling, ``top_k < 0``, ``repetition_penalty < 0``,

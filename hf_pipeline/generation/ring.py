@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..core import PipelineCore
 from ..errors import InternalError
 from .beam import BeamChooser
 from .chooser import TokenChooser
@@ -72,7 +73,7 @@ class _Received:
 class Ring:
     """One ``generate`` request on this rank: its stages' caches, the encoder pass, the decode loop."""
 
-    def __init__(self, model: Any, req: Request):
+    def __init__(self, model: PipelineCore, req: Request):
         self.model, self.req = model, req
         self.plan = plan = model.plan
         self.n_stages = plan.num_stages

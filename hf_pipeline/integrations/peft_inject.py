@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..compat import peft_create_and_replace, peft_freeze_base, peft_override_create_and_replace
+from ..core import PipelineCore
 from ..errors import InputError
 
 __all__ = ["AdapterState", "check_config", "inject_on_stages", "local_adapter_keys", "wrapped_module_keys"]
@@ -94,7 +95,8 @@ def _with_create_hook(tuner, hook, run):
         peft_override_create_and_replace(tuner, None)
 
 
-def _whole_model_targets(tuner, original, model, adapter_name: str, kwargs: dict) -> tuple[list[str], dict]:
+def _whole_model_targets(tuner, original, model: PipelineCore, adapter_name: str,
+                         kwargs: dict) -> tuple[list[str], dict]:
     """Run peft on a copy of the skeleton: the whole model's targets in order, and the random state before each."""
     states: dict[str, torch.Tensor] = {}
     names = (list(tuner.targeted_module_names), list(tuner.targeted_parameter_names))
@@ -118,14 +120,14 @@ def _whole_model_targets(tuner, original, model, adapter_name: str, kwargs: dict
     return list(states), states
 
 
-def _example_name(model) -> str:
+def _example_name(model: PipelineCore) -> str:
     blocks = [b for stack in model.resolved.stacks for b in stack.blocks]
     first = blocks[0] + "." if blocks else ""
     linear = [n for n, m in model.skeleton.named_modules() if isinstance(m, nn.Linear) and n.startswith(first)]
     return linear[0] if linear else first.rstrip(".")
 
 
-def _check_targets(model, targets: list[str]) -> None:
+def _check_targets(model: PipelineCore, targets: list[str]) -> None:
     # LoRA lives in the repeated blocks: embeddings, final modules and heads are held by reference in
     # the stage's glue (and may be tied across stages), modules every stage copies would diverge.
     blocks = tuple(b + "." for stack in model.resolved.stacks for b in stack.blocks)
@@ -138,7 +140,7 @@ def _check_targets(model, targets: list[str]) -> None:
         )
 
 
-def _check_saved_modules(model, config) -> None:
+def _check_saved_modules(model: PipelineCore, config) -> None:
     # modules_to_save (peft's SEQ_CLS task adds the classifier): peft wraps every module whose name
     # ends with one of them in a trainable copy. The glue looks head modules up by name on every call,
     # so a wrapped head module is run; embeddings and final modules are held by reference (and copies
@@ -160,7 +162,7 @@ def _check_saved_modules(model, config) -> None:
         )
 
 
-def inject_on_stages(tuner, original, model, adapter_name: str, **kwargs: Any) -> list[str]:
+def inject_on_stages(tuner, original, model: PipelineCore, adapter_name: str, **kwargs: Any) -> list[str]:
     """peft's ``inject_adapter`` for a pipelined ``model``: each local stage adapted as one process would.
 
     Args:
@@ -201,7 +203,7 @@ def _without_adapter_name(key: str, adapter_name: str) -> str:
     return re.sub(rf"\.{re.escape(adapter_name)}(?=\.[^.]+$|$)", "", key, count=1)
 
 
-def local_adapter_keys(model, state_dict: dict, prefix: str) -> None:
+def local_adapter_keys(model: PipelineCore, state_dict: dict, prefix: str) -> None:
     """Map one-process keys in ``state_dict`` to this rank's stage keys, in place: ``prefix +
     "model.layers.3...lora_A.default.weight"`` (or, while ``model.adapter_loading`` names an adapter, the
     file's ``...lora_A.weight``) becomes ``prefix + "stages.0.model.layers.3...lora_A.default.weight"``; keys of
@@ -235,7 +237,7 @@ def local_adapter_keys(model, state_dict: dict, prefix: str) -> None:
             del state_dict[key]  # a modules_to_save copy of a module another rank holds (its checkpoint key)
 
 
-def wrapped_module_keys(model, weights: dict) -> dict:
+def wrapped_module_keys(model: PipelineCore, weights: dict) -> dict:
     """An adapter file's tensors with, for each ``modules_to_save`` copy on this rank, its keys also under
     the stage's name (``base_model.model.classifier.weight`` -> ``base_model.model.stages.1.classifier.weight``),
     which is where peft looks them up."""

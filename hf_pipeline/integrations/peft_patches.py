@@ -29,7 +29,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from torch import nn
+
 from ..compat import PEFT_PATCHED_METHODS, PEFT_WEIGHTS_READER
+from ..core import PipelineCore
 
 __all__ = ["PeftHandlers", "installed", "keep_while_alive", "reading_weights"]
 
@@ -70,7 +73,7 @@ def _wrappers(handlers: PeftHandlers, originals: dict) -> dict[str, Callable[...
     signature = inspect.signature(original_inject)
 
     @functools.wraps(original_inject)
-    def inject_adapter(self, model, adapter_name, *args, **kwargs):
+    def inject_adapter(self, model: nn.Module, adapter_name, *args, **kwargs):
         if not handlers.is_pipelined(model):
             return original_inject(self, model, adapter_name, *args, **kwargs)
         bound = signature.bind(self, model, adapter_name, *args, **kwargs).arguments
@@ -125,7 +128,7 @@ def _release() -> None:
         _uninstall()
 
 
-def keep_while_alive(model: Any, handlers: PeftHandlers) -> None:
+def keep_while_alive(model: PipelineCore, handlers: PeftHandlers) -> None:
     """Replace peft's methods (now if peft is imported, else right after its import) until ``model`` and every
     other pipelined model are collected.
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..core import PipelineCore
 from ..distributed.faults import spread_failures
 
 __all__ = ["adapter_tensors", "save_adapter_files", "saving", "write_peft_model"]
@@ -28,7 +29,7 @@ __all__ = ["adapter_tensors", "save_adapter_files", "saving", "write_peft_model"
 _STAGE_PREFIX = re.compile(r"^(.*?)stages\.\d+\.")
 
 
-def adapter_tensors(model, source, adapter_name: str, prefix: str = "") -> dict[str, torch.Tensor] | None:
+def adapter_tensors(model: PipelineCore, source, adapter_name: str, prefix: str = "") -> dict[str, torch.Tensor] | None:
     """The whole model's tensors of one adapter as peft saves them on one process (``prefix + checkpoint key``
     without the adapter name), on global rank 0; None on other ranks. Collective over the pipeline.
 
@@ -61,7 +62,7 @@ def adapter_tensors(model, source, adapter_name: str, prefix: str = "") -> dict[
 
 
 @contextlib.contextmanager
-def saving(model):
+def saving(model: PipelineCore):
     """A failure while saving on any rank reaches every rank (none waits forever for rank 0)."""
     groups = (model.dims.pp_group, model.dims.dp_group)
     with spread_failures(model.ctx, "save_pretrained", groups=groups, describe=model.rank_label):
@@ -90,7 +91,8 @@ def save_adapter_files(save_directory: str | os.PathLike, write: Callable[[pathl
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_peft_model(peft_model, model, tensors: dict[str, dict[str, torch.Tensor]], directory: pathlib.Path) -> None:
+def write_peft_model(peft_model, model: PipelineCore, tensors: dict[str, dict[str, torch.Tensor]],
+                     directory: pathlib.Path) -> None:
     """What ``PeftModel.save_pretrained`` writes on one process: the model card, and per adapter (``"default"``
     in ``directory``, others in a subdirectory of their name) its tensors and its config in inference mode.
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import recursively_apply
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
@@ -73,7 +74,7 @@ class PipelineTrainerMixin:
     everything else (the loop, logging, callbacks, the subclass's own dataset preparation) stays.
     """
 
-    def __init__(self, model=None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any):
+    def __init__(self, model: nn.Module=None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any):
         # The next class's constructor (transformers' Trainer, or a subclass's): its own argument order.
         names = list(inspect.signature(super().__init__).parameters)[2:]  # after model, args
         given = {**dict(zip(names, more)), **kwargs}
@@ -173,7 +174,7 @@ class PipelineTrainerMixin:
         mine = count_items(self.pipeline_loss, [inputs], self.pipelined.config, torch.device("cpu"))
         return float(mine) / max(float(num_items_in_batch), 1.0)
 
-    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """``model.train_step`` on the global batch; returns the loss as transformers' Trainer logs it."""
         model.train()
         if callable(getattr(self.optimizer, "train", None)):
@@ -186,19 +187,20 @@ class PipelineTrainerMixin:
         loss = self.pipelined.train_step(inputs, loss_scale=scale, autocast=autocast)
         return (loss * scale).detach().to(self.args.device)
 
-    def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch=None):
         """The pipelined forward's loss (evaluation; training runs :meth:`training_step`)."""
         outputs = model(**inputs)
         loss = outputs["loss"]
         return (loss, outputs) if return_outputs else loss
 
-    def _clip_grad_norm(self, model):
+    def _clip_grad_norm(self, model: nn.Module):
         return self.pipelined.clip_grad_norm_(self.args.max_grad_norm)
 
-    def _get_grad_norm(self, model, grad_norm=None):
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None):
         return self.pipelined.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
 
-    def _move_model_to_device(self, model, device) -> None:
+    def _move_model_to_device(self, model: nn.Module, device) -> None:
         """Nothing to move: the pipeline placed each stage on its rank's device when it loaded."""
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
@@ -243,7 +245,7 @@ class PipelineTrainerMixin:
             return
         self.pipelined.save_pretrained(output_dir, tokenizer=self.processing_class)
 
-    def _save_checkpoint(self, model, trial) -> None:
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
@@ -285,7 +287,7 @@ class PipelineTrainerMixin:
             else:
                 self.state.stateful_callbacks[name] = state
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module=None) -> None:
         self._reload_model(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:

@@ -29,6 +29,7 @@ from ..checkpointing.durable import save_torch
 from ..checkpointing.layout import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..checkpointing.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
 from ..checkpointing.training_state import optimizer_file_name, optimizer_keys, optimizer_state_by_key, rng_file_name
+from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError
 
@@ -38,7 +39,7 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS
 
 
 def save_adapter_checkpoint(
-    peft_model, model, directory: str | os.PathLike, *, optimizer=None, scheduler=None, tokenizer=None
+    peft_model, model: PipelineCore, directory: str | os.PathLike, *, optimizer=None, scheduler=None, tokenizer=None
 ) -> None:
     """Write the adapter (rank 0), and with ``optimizer`` the training state (every rank). Collective.
 
@@ -70,7 +71,7 @@ def save_adapter_checkpoint(
             json_state(directory / SCHEDULER_NAME, scheduler.state_dict())
 
 
-def reload_adapter(peft_model, model, directory: str | os.PathLike) -> None:
+def reload_adapter(peft_model, model: PipelineCore, directory: str | os.PathLike) -> None:
     """Load the active adapter's tensors from ``directory`` into this rank's stages (trainable). Collective.
 
     Raises:
@@ -93,7 +94,8 @@ def reload_adapter(peft_model, model, directory: str | os.PathLike) -> None:
         peft_model.load_adapter(str(directory), active, is_trainable=True)
 
 
-def load_adapter_training_state(model, directory: str | os.PathLike, *, optimizer=None, scheduler=None) -> None:
+def load_adapter_training_state(model: PipelineCore, directory: str | os.PathLike, *, optimizer=None,
+                                scheduler=None) -> None:
     """Restore the optimizer (from every pipeline rank's file, by parameter name) and the scheduler. Collective.
 
     Raises:
@@ -111,7 +113,7 @@ def load_adapter_training_state(model, directory: str | os.PathLike, *, optimize
             scheduler.load_state_dict(json.loads(path.read_text()))
 
 
-def _load_optimizer(model, optimizer, directory: pathlib.Path) -> None:
+def _load_optimizer(model: PipelineCore, optimizer, directory: pathlib.Path) -> None:
     # Adapter states are small: every rank reads every pipeline rank's file and takes its own keys, so
     # the state is found by name whatever the stage layout was.
     files = sorted((directory / OPTIMIZER_DIR).glob("pp-*.pt"))

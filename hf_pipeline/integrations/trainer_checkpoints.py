@@ -27,6 +27,7 @@ from ..checkpointing.layout import RNG_DIR, is_complete_checkpoint, why_incomple
 from ..checkpointing.state_files import read_rng_state, set_rng_state
 from ..checkpointing.state_shards import sharded_state
 from ..checkpointing.training_state import rng_file_name
+from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointNotFoundError
 from ..loading.checkpoint_files import CheckpointIndex
@@ -39,7 +40,7 @@ logger = get_logger(__name__)
 __all__ = ["reload_weights", "restore_rng"]
 
 
-def reload_weights(model, directory: str | os.PathLike) -> None:
+def reload_weights(model: PipelineCore, directory: str | os.PathLike) -> None:
     """Copy this rank's stage tensors from the checkpoint in ``directory`` into ``model``. Collective.
 
     Args:
@@ -69,7 +70,7 @@ def reload_weights(model, directory: str | os.PathLike) -> None:
                         t.copy_(sharded_state(t, tensors[name]))
 
 
-def restore_rng(model, directory: str | os.PathLike) -> bool:
+def restore_rng(model: PipelineCore, directory: str | os.PathLike) -> bool:
     """Set this rank's RNG states from ``directory/rng/`` when as many ranks wrote it as run now.
 
     Returns:

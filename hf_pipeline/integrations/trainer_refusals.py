@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from torch import nn
+
+from ..core import PipelineCore
 from ..errors import UsageError
 from .peft_host import is_pipelined_model
 
 __all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
 
 
-def pipelined_model_of(model: Any):
+def pipelined_model_of(model: nn.Module):
     """The :class:`~hf_pipeline.model.PipelinedModel` a Trainer model is or wraps (a PEFT model), else None."""
     for candidate in (model, getattr(getattr(model, "base_model", None), "model", None)):
         if is_pipelined_model(candidate):
@@ -23,7 +26,7 @@ def pipelined_model_of(model: Any):
     return None
 
 
-def check_model(model: Any, model_init: Any) -> None:
+def check_model(model: nn.Module, model_init: Any) -> None:
     """Refuse ``model_init`` and a model that is not pipelined.
 
     Raises:
@@ -49,7 +52,7 @@ class Refusal:
     message: Callable[[Any, Any], str]  # (args, pipelined model) -> what to change
 
 
-def _batch_message(args, model) -> str:
+def _batch_message(args, model: PipelineCore) -> str:
     return (
         f"per_device_train_batch_size={args.per_device_train_batch_size} (the batch of one pipeline replica) does "
         f"not divide into the model's n_microbatches={model.n_microbatches}; pass a multiple of {model.n_microbatches} "
@@ -57,7 +60,7 @@ def _batch_message(args, model) -> str:
     )
 
 
-def _lacks_checkpointing(args, model) -> bool:
+def _lacks_checkpointing(args, model: PipelineCore) -> bool:
     asked = getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
     has = hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
     return bool(asked) and not has
@@ -144,7 +147,7 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def check_arguments(args: Any, model: Any, **extra: Any) -> None:
+def check_arguments(args: Any, model: nn.Module, **extra: Any) -> None:
     """Raise the first refusal that applies to these ``TrainingArguments`` and this pipelined model.
 
     Args:

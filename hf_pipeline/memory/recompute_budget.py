@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import PipelineCore
 from ..errors import InputError, InputTypeError, UsageError
 from ..planning.options import parse_size
 from ..recompute.layers import (
@@ -65,7 +66,7 @@ class CheckpointingChoice:
     without_bytes: int
 
 
-def predicted_activation_peak(model, batch: int, seq: int, every_n_layers: int) -> tuple[int, int]:
+def predicted_activation_peak(model: PipelineCore, batch: int, seq: int, every_n_layers: int) -> tuple[int, int]:
     """(fullest rank's predicted activation peak without checkpointing, with ``every_n_layers``), in bytes."""
     from .planner import plan_report
 
@@ -89,7 +90,7 @@ def _shape(budget_batch: Any) -> tuple[int, int]:
     return int(budget_batch[0]), int(budget_batch[1])
 
 
-def _choose(model, budget: int, batch: int, seq: int) -> CheckpointingChoice:
+def _choose(model: PipelineCore, budget: int, batch: int, seq: int) -> CheckpointingChoice:
     n_layers = len(layer_order(model.skeleton))
     without, every = predicted_activation_peak(model, batch, seq, 1)
 
@@ -120,7 +121,7 @@ def _choose(model, budget: int, batch: int, seq: int) -> CheckpointingChoice:
 
 
 def enable_checkpointing(
-    model, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False, *,
+    model: PipelineCore, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False, *,
     memory_budget_bytes: int | str | None = None, budget_batch: tuple[int, int] | None = None,
 ) -> CheckpointingChoice | None:
     """``model.activation_checkpointing_enable``: as transformers', or to a memory budget (module docstring).

@@ -59,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..compat import set_checkpointing_function
+from ..core import PipelineCore
 from ..errors import InputError, InputTypeError, UsageError
 
 __all__ = [
@@ -188,7 +189,7 @@ def apply_checkpointing(
     return mine
 
 
-def check_checkpointable(model) -> None:
+def check_checkpointable(model: PipelineCore) -> None:
     """Refuse (UsageError) a model whose stages cannot checkpoint: one built by the torch.export tracer."""
     if model.options.traced:
         raise UsageError(
@@ -198,7 +199,8 @@ def check_checkpointable(model) -> None:
         )
 
 
-def enable(model, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False) -> list[str]:
+def enable(model: PipelineCore, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+           offload: bool = False) -> list[str]:
     """Turn activation checkpointing on for ``model``'s stages on this rank (see the module docstring).
 
     Args:
@@ -216,12 +218,12 @@ def enable(model, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
     return apply_checkpointing(model.stages, model.skeleton, settings, model.device)
 
 
-def disable(model) -> None:
+def disable(model: PipelineCore) -> None:
     """Turn activation checkpointing off on this rank's stages (transformers' ``activation_checkpointing_disable``)."""
     apply_checkpointing(model.stages, model.skeleton, None, model.device)
 
 
-def is_enabled(model) -> bool:
+def is_enabled(model: PipelineCore) -> bool:
     """Whether any module of this rank's stages checkpoints (transformers' ``is_activation_checkpointing``)."""
     return any(getattr(m, "gradient_checkpointing", False) for stage in model.stages for m in stage.modules())
 

@@ -11,7 +11,7 @@ May import: the base modules and every room below the model facade (``distribute
 continuous batching, the ring with its feeder, slot pool and KV budget, is
 :mod:`hf_pipeline.continuous_batching`, which the engine wires to its queue). It talks to the model
 through its public methods (``generate``, ``config``, ``ctx``), the ring through its stages and plan,
-and wraps a ring session in the model's failure spreading (``model._spreading_failures``) as ``generate`` is.
+and wraps a ring session in the model's failure spreading (``model.spreading_failures``) as ``generate`` is.
 """
 
 from .engine import Engine

@@ -45,6 +45,7 @@ import torch
 from ..continuous_batching.feeder import RingFeeder
 from ..continuous_batching.kv_budget import pool_rows
 from ..continuous_batching.ring import ContinuousRing, continuous_refusal
+from ..core import PipelineCore
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
 from ..log import get_logger
@@ -57,7 +58,7 @@ __all__ = ["Engine"]
 log = get_logger(__name__)
 
 
-def _eos_ids(model) -> set[int]:
+def _eos_ids(model: PipelineCore) -> set[int]:
     eos = generation_config(model).eos_token_id
     return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
@@ -142,7 +143,8 @@ class Engine:
         # Read from the model each time: after a failure inside a stage the model's groups are made afresh.
         return self.model.ctx
 
-    def __init__(self, model, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64, idle_s: float = 0.5,
+    def __init__(self, model: PipelineCore, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64,
+                 idle_s: float = 0.5,
                  batching: str = "continuous", kv_cache_bytes: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         context = getattr(model.config, "max_position_embeddings", None)
@@ -334,7 +336,7 @@ class Engine:
         feeder = RingFeeder(self, self.pool, _ChoiceWriter) if self.ctx.rank == 0 else None
         ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder)
         try:
-            with self.model._spreading_failures("serving (continuous batching)"):
+            with self.model.spreading_failures("serving (continuous batching)"):
                 ring.run()
         except PipelineError as e:
             log.warning("the continuous ring failed: %s", e)

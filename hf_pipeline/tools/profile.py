@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import PROFILED_METHODS, PipelineStageBase, schedule_has_loss, schedule_stages, torch_schedules
+from ..core import PipelineCore
 from ..errors import UsageError
 from .timeline import ActionRecord, Timeline, expected_vs_recorded, schedule_actions, theoretical_bubble
 
@@ -361,7 +362,7 @@ class Recorder:
         )
 
 
-def record(model: Any) -> Recorder:
+def record(model: PipelineCore) -> Recorder:
     """Context manager recording per-action timings of ``model``'s pipelined calls on this rank.
 
     Args:

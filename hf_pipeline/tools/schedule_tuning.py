@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..core import PipelineCore
 from ..errors import InputError
 from ..planning.auto_choice import AutoChoice, Candidate, Estimate, microbatch_counts, same_placement, with_schedule
 from ..planning.schedules import SCHEDULES
@@ -27,7 +28,7 @@ __all__ = ["tune"]
 
 
 def tune(
-    model: Any, batch: Mapping[str, Any], *, schedules: Sequence[str] | None = None,
+    model: PipelineCore, batch: Mapping[str, Any], *, schedules: Sequence[str] | None = None,
     n_microbatches: Sequence[int] | None = None,
     steps: int = 2,
 ) -> AutoChoice:

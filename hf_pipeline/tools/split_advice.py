@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..core import PipelineCore
 from ..errors import InputError
 
 __all__ = ["SplitAdvice", "fit_stage_costs", "measure_split"]
@@ -122,7 +123,7 @@ def fit_stage_costs(block_flops: Sequence[float], extra_flops: Sequence[Mapping[
     return alpha, measured
 
 
-def measure_split(model: Any, batch: Mapping[str, Any], *, steps: int = 2) -> SplitAdvice:
+def measure_split(model: PipelineCore, batch: Mapping[str, Any], *, steps: int = 2) -> SplitAdvice:
     """Time each stage's compute on ``batch`` and balance the split on those times.
 
     The planner's split balances FLOPs, which rate an LM head and its loss against the blocks as a

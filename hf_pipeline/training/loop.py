@@ -16,23 +16,14 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
+from ..core import PipelineCore
 from ..log import StepProgress
 
-__all__ = ["StepRecord", "TrainableModel", "run_training"]
-
-
-class TrainableModel(Protocol):
-    """What the loop needs of a :class:`~hf_pipeline.model.PipelinedModel` (a lower room cannot import it)."""
-
-    ctx: Any
-
-    def train_step(self, batch: dict[str, Any], **kwargs: Any) -> torch.Tensor: ...
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+__all__ = ["StepRecord", "run_training"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +40,7 @@ class StepRecord:
 
 
 def _optimizer_step(
-    model: TrainableModel,
+    model: PipelineCore,
     batches: Callable[[int], dict[str, Any]],
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
@@ -74,7 +65,7 @@ def _optimizer_step(
 
 
 def run_training(
-    model: TrainableModel,
+    model: PipelineCore,
     batches: Callable[[int], dict[str, Any]],
     optimizer: torch.optim.Optimizer,
     scheduler: Any,

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core import PipelineCore
 from ..distributed.agreement import fingerprint, raise_on_any_rank
 from ..distributed.shards import is_sharded, local_tensor, mesh_norm_power, norm_power
 from ..errors import InputError, InputTypeError, TrainingError
@@ -96,7 +97,7 @@ def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
     )
 
 
-def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGroup | None:
+def _group_for(model: PipelineCore, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGroup | None:
     """The process group of these pipeline ranks in every data-parallel replica, at this rank's
     tensor-parallel slot (None: nothing to reduce)."""
     ctx, dims = model.ctx, model.dims
@@ -121,7 +122,7 @@ def _group_for(model, pp_ranks: tuple[int, ...], made: dict) -> dist.ProcessGrou
     return made[ranks]
 
 
-def _train_state(model) -> TrainStepState:
+def _train_state(model: PipelineCore) -> TrainStepState:
     """The model's :class:`TrainStepState`, made on first use. Collective the first time (it creates
     the sync groups).
 
@@ -135,7 +136,7 @@ def _train_state(model) -> TrainStepState:
     return model.train_step_state
 
 
-def _new_train_state(model) -> TrainStepState:
+def _new_train_state(model: PipelineCore) -> TrainStepState:
     loss = get_loss(model.resolved.head.loss, class_name=model.resolved.class_name)
     layout = model.param_layout
     local_stages = {s.spec.index for s in model.stages}
@@ -195,7 +196,7 @@ def _digest(batch: Mapping[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(material.encode(), digest_size=8).digest(), "little") & ((1 << 62) - 1)
 
 
-def _prepare_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
+def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
     if not isinstance(batch, Mapping):
         raise InputTypeError(
             f"train_step takes a dict of tensors (as a transformers data collator makes it), got {type(batch).__name__}"
@@ -259,7 +260,7 @@ def _prepare_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _B
     return _Batch(inputs=prepared, labels=labels, denominator=denominator, digest=digest)
 
 
-def _agree(model, error: BaseException | None, digest: int) -> None:
+def _agree(model: PipelineCore, error: BaseException | None, digest: int) -> None:
     """One small all-reduce: did any rank fail to prepare the batch, and is the batch the same everywhere?
 
     Cheaper than gathering objects every step; the full error exchange only runs when a rank failed.
@@ -287,7 +288,7 @@ def _agree(model, error: BaseException | None, digest: int) -> None:
 # --------------------------------------------------------------------------------------------
 # The step
 # --------------------------------------------------------------------------------------------
-def _autocast(model, dtype: torch.dtype | None):
+def _autocast(model: PipelineCore, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     device_type = model.device.type
@@ -297,7 +298,7 @@ def _autocast(model, dtype: torch.dtype | None):
 
 
 def _run_local(
-    model, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
+    model: PipelineCore, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
 ) -> None:
     # All stages on this rank (pipeline size 1): microbatch by microbatch, as the schedules would.
     m = model.n_microbatches
@@ -337,7 +338,7 @@ def _sync_gradients(state: TrainStepState) -> None:
                     p.grad.copy_(total)
 
 
-def _agreed_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
+def _agreed_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
     """This replica's share of ``batch``, once every rank has prepared its own and they agree."""
     error: BaseException | None = None
     b: _Batch | None = None
@@ -351,7 +352,7 @@ def _agreed_batch(model, state: TrainStepState, batch: Mapping[str, Any]) -> _Ba
 
 
 def _run_schedule(
-    model, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], autocast: torch.dtype | None
+    model: PipelineCore, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], autocast: torch.dtype | None
 ) -> list[torch.Tensor]:
     """Forward and backward of this rank's stages over every microbatch; the losses computed here."""
     # The step runs in model.training mode (model.train() / model.eval()); each stage's own mode
@@ -379,7 +380,7 @@ def _run_schedule(
 
 
 def train_step(
-    model,
+    model: PipelineCore,
     batch: Mapping[str, Any],
     *,
     loss_scale: float = 1.0,
@@ -452,7 +453,7 @@ def train_step(
 # Gradient clipping
 # --------------------------------------------------------------------------------------------
 def clip_grad_norm_(
-    model, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    model: PipelineCore, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
     """Clip every gradient by the global norm over all stages (keys held by several stages counted once).
 

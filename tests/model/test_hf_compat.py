@@ -46,6 +46,16 @@ def _logits(model, inputs) -> torch.Tensor:
         return model(**inputs).logits
 
 
+def test_a_loaded_model_is_the_core_the_rooms_below_read(llama):
+    # generation, training, checkpointing, serving... are typed against PipelineCore (tests/test_layering.py checks
+    # what they read off it); a loaded model must carry every member it declares, attributes included.
+    from hf_pipeline.core import PipelineCore
+
+    model = AutoModelForCausalLM.from_pretrained(llama, pipeline=True, device="cpu", progress=False)
+    missing = [n for n in PipelineCore.__annotations__ if not hasattr(model, n)]
+    assert not missing and isinstance(model, PipelineCore), f"a loaded model lacks {missing}"
+
+
 # --------------------------------------------------------------------------- from_pretrained arguments
 def test_torch_dtype_is_an_alias_of_dtype_and_dtype_wins(llama):
     model = AutoModelForCausalLM.from_pretrained(llama, pipeline=True, torch_dtype=torch.bfloat16)
