@@ -3,27 +3,21 @@
     python -m devtools.house_figures              # this checkout
     python -m devtools.house_figures OTHER_TREE   # another one (an older commit: git archive REV | tar -x -C DIR)
 
-The rules and their limits are tests/test_house.py's; this prints how far a tree is from them with the
-same probes (loaded from that file: tests/ is not a package), so a before/after comparison counts the
-same things. ruff runs with this checkout's configuration on both trees.
+The rules and their limits are devtools/house_rules.py's, which tests/test_house.py enforces; this prints
+how far a tree is from them with the same probes, so a before/after comparison counts the same things.
+ruff runs with this checkout's configuration on both trees.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
+from devtools import house_rules
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _house():
-    spec = importlib.util.spec_from_file_location("test_house", ROOT / "tests" / "test_house.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _lines(path: pathlib.Path) -> int:
@@ -52,7 +46,6 @@ def _ruff_violations(root: pathlib.Path) -> int:
 
 def figures(root: pathlib.Path) -> dict[str, object]:
     """The figures of the checkout at ``root`` (this repository at any commit)."""
-    house = _house()
     package = sorted((root / "hf_pipeline").rglob("*.py"))
     others = sorted((root / "scripts").glob("*.py")) + sorted(
         p for folder in ("benchmarks", "devtools") for p in (root / folder).rglob("*.py"))
@@ -62,7 +55,7 @@ def figures(root: pathlib.Path) -> dict[str, object]:
         for p, tree in trees.items() for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     )
-    own = house._own_private_names([trees[p] for p in package if p.name != "compat.py"])
+    own = house_rules.own_private_names([trees[p] for p in package if p.name != "compat.py"])
     tests = sorted((root / "tests").rglob("test_*.py"))
     return {
         "package modules": len(package),
@@ -73,9 +66,9 @@ def figures(root: pathlib.Path) -> dict[str, object]:
         "largest module (scripts, benchmarks, devtools)": max(_lines(p) for p in others),
         "functions over 80 lines": sum(n > 80 for n, _ in functions),
         "longest function": f"{functions[-1][1]} ({functions[-1][0]} lines)",
-        "builtin raises in hf_pipeline": _builtin_raises([trees[p] for p in package], house.BUILTIN_ERRORS),
+        "builtin raises in hf_pipeline": _builtin_raises([trees[p] for p in package], house_rules.BUILTIN_ERRORS),
         "private library names reached outside compat.py": sum(
-            len(house._private_uses(trees[p], own)) for p in package if p.name != "compat.py"
+            len(house_rules.private_uses(trees[p], own)) for p in package if p.name != "compat.py"
         ),
         "ruff violations": _ruff_violations(root),
         "test files (folders)": f"{len(tests)} ({len({p.parent for p in tests})})",
