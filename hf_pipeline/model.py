@@ -225,10 +225,10 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         for k, v in list(inputs.items()):
             if isinstance(v, torch.Tensor):
                 inputs[k] = v.to(self.device)
-        return self.resolved_glue.prepare_inputs(self.skeleton, inputs)
+        return self._glue.prepare_inputs(self.skeleton, inputs)
 
     @property
-    def resolved_glue(self):
+    def _glue(self):
         return self.stages[0].glue
 
     @staticmethod

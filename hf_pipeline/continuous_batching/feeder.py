@@ -40,8 +40,9 @@ class RingFeeder:
     """Rank 0: the engine's queue as the ring's :class:`Feeder`.
 
     Args:
-        engine: the serving engine (its queue, lock, tokenizer, EOS ids and random seeds; the
-            requests are its handles, :class:`~hf_pipeline.serving.handles.Handle`).
+        engine: the serving engine: its ``next_request()`` (the next queued request and its seed), ``running``,
+            ``queued``, ``tokenizer`` and ``eos`` ids; the requests are its handles,
+            :class:`~hf_pipeline.serving.handles.Handle`.
         capacity: rows in flight at most (:func:`~.kv_budget.pool_rows`).
         writer: the engine's per-choice writer class (``writer(handle, index, tokenizer, stop_ids)``).
     """
@@ -53,17 +54,11 @@ class RingFeeder:
         self.peak_rows = 0  # the most rows in flight at once (the pool bounds it)
 
     def _pull(self) -> None:
-        """Move the oldest live queued request's choices to ``pending`` (under the engine's lock)."""
-        engine = self.engine
-        with engine._lock:
-            while engine._queue and not self.pending:
-                handle = engine._queue.popleft()
-                if handle.done:
-                    continue
-                req = handle.request
-                seed = None if req.greedy else (req.seed if req.seed is not None else engine._rng.randrange(2**31))
-                self.pending.extend((handle, k, seed) for k in range(req.n))
-                engine.running.append(handle)
+        """Move the oldest live queued request's choices to ``pending`` (the engine's ``next_request``)."""
+        taken = self.engine.next_request() if not self.pending else None
+        if taken is not None:
+            handle, seed = taken
+            self.pending.extend((handle, k, seed) for k in range(handle.request.n))
 
     def admit(self, free: list[int]) -> list[NewRow]:
         rows: list[NewRow] = []

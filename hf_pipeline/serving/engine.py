@@ -180,6 +180,21 @@ class Engine:
         with self._lock:
             return sum(not h.done for h in self._queue)
 
+    def next_request(self) -> tuple[Handle, int | None] | None:
+        """Rank 0, for the continuous ring's feeder: the oldest queued request not cancelled, now running, with
+        the seed of its sampled rows (None when greedy; drawn here when the request names none). None when
+        nothing waits."""
+        with self._lock:
+            while self._queue:
+                handle = self._queue.popleft()
+                if handle.done:
+                    continue
+                req = handle.request
+                seed = None if req.greedy else (req.seed if req.seed is not None else self._rng.randrange(2**31))
+                self.running.append(handle)
+                return handle, seed
+        return None
+
     def check(self, req: CompletionRequest) -> None:
         """Refuse what no round could serve: a prompt too long for the context, a token outside the vocabulary."""
         vocab = getattr(self.model.config, "vocab_size", None)

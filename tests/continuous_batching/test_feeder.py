@@ -16,16 +16,18 @@ pytestmark = pytest.mark.unit
 def test_ring_feeder_fills_free_slots_within_the_pool_and_frees_them():
     import random
     import threading as th
+    import types
     from types import SimpleNamespace
 
     from hf_pipeline.continuous_batching.feeder import RingFeeder
-    from hf_pipeline.serving.engine import _ChoiceWriter
+    from hf_pipeline.serving.engine import Engine, _ChoiceWriter
 
     handles = [Handle(CompletionRequest(prompt_ids=[1, 2], max_new_tokens=2), "a"),
                Handle(CompletionRequest(prompt_ids=[3], temperature=0.5, seed=9, n=2), "b"),
                Handle(CompletionRequest(prompt_ids=[4]), "c"), Handle(CompletionRequest(prompt_ids=[5]), "d")]
     engine = SimpleNamespace(_lock=th.Lock(), _queue=deque(handles), _rng=random.Random(0), running=[], eos={2},
                              tokenizer=None)
+    engine.next_request = types.MethodType(Engine.next_request, engine)  # the engine's own, on this queue
     engine.queued = 4
     feeder = RingFeeder(engine, capacity=3, writer=_ChoiceWriter)
     rows = feeder.admit([0, 1, 5, 7])  # 4 free slots, but a pool of 3 rows: a, then both choices of b
