@@ -16,7 +16,7 @@ from .auto import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
-from .checkpointing.layout import latest_checkpoint
+from .checkpointing.directory import latest_checkpoint
 from .checkpointing.training_state import load_training_state
 from .distributed.context import init_distributed
 from .errors import NoSuchAttribute, PipelineError

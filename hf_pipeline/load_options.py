@@ -15,7 +15,7 @@ from here, so adding one is one field plus the code where it acts:
   choice, ``"read"`` to reading the checkpoint and its config, ``"place"`` to the rank's device and the
   progress bar, ``"output"`` to the model's calls;
 - the command line: the ``model`` option group of ``generate``, ``serve`` and ``train`` is made from
-  the fields with a flag (:func:`cli_fields`), and read back by ``cli.options.load_kwargs``;
+  the fields with a flag (:func:`cli_fields`), and read back by ``cli.arguments.load_kwargs``;
 - README's options table is :func:`options_table` (``tests/test_load_options.py`` holds README to it).
 
 Values are checked where they act (the resolver, the mesh request, the reader), each naming the

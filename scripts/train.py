@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- training
 def _resume_from(args, out: pathlib.Path) -> str | None:
     """``--resume-from``, else with ``--resume`` the latest complete checkpoint in ``out`` (None: start fresh)."""
-    from hf_pipeline.checkpointing.layout import latest_checkpoint
+    from hf_pipeline.checkpointing.directory import latest_checkpoint
 
     if args.resume and args.resume_from is None:
         found = latest_checkpoint(out)

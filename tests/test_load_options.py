@@ -69,7 +69,7 @@ def test_readme_holds_the_generated_options_table():
 
 @pytest.mark.parametrize("command", ["generate", "serve", "train"])
 def test_model_flags_of_each_loading_command_are_the_options_with_a_flag(command, tmp_path):
-    from hf_pipeline.cli.options import load_kwargs
+    from hf_pipeline.cli.arguments import load_kwargs
     from hf_pipeline.cli.parser import build_parser
 
     parser = build_parser()

@@ -4,7 +4,7 @@ Lives here:
 
 * :mod:`.save`: ``model.save_pretrained`` as a normal HF checkpoint written by every rank, in named
   steps (weights, config, and training state when asked for).
-* :mod:`.layout`: what a checkpoint directory holds (the training state's file names), when it is a
+* :mod:`.directory`: what a checkpoint directory holds (the training state's file names), when it is a
   complete checkpoint, and ``latest_checkpoint``; the weight files' names are the reader's
   (:mod:`hf_pipeline.loading.checkpoint_files`).
 * :mod:`.staging`: crash-safe publication (files staged in a hidden directory, the index moved in

@@ -52,8 +52,8 @@ from ..distributed.shards import full_tensor
 from ..errors import CheckpointExistsError, InputError, InternalError
 from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PREFIX
 from ..planning.options import parse_size
+from .directory import OPTIMIZER_DIR, RNG_DIR, SAVE_ID_KEY
 from .durable import fsync, reporting_full_disk, write_json
-from .layout import OPTIMIZER_DIR, RNG_DIR, SAVE_ID_KEY
 from .lock import acquire_save_lock, check_inside, release_save_lock
 from .staging import SaveProgress, publish, remove_failed_save, shard_file_names
 from .state_shards import writes_pipeline_state

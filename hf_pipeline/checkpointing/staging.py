@@ -42,14 +42,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PATTERN, SINGLE_NAME
-from .durable import fsync
-from .layout import (
+from .directory import (
     OPTIMIZER_DIR,
     RNG_DIR,
     SCHEDULER_NAME,
     TRAINER_STATE_NAME,
     WEIGHT_FILE_PATTERN,
 )
+from .durable import fsync
 from .lock import check_inside
 
 __all__ = ["SaveProgress", "publish", "remove_failed_save", "shard_file_names"]

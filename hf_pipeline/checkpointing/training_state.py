@@ -33,8 +33,7 @@ from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError
 from ..loading.checkpoint_files import INDEX_NAME
 from ..log import get_logger
-from .durable import save_torch, write_json
-from .layout import (
+from .directory import (
     FORMAT_VERSION,
     OLD_SCHEDULER_NAME,
     OPTIMIZER_DIR,
@@ -45,6 +44,7 @@ from .layout import (
     is_complete_checkpoint,
     why_incomplete,
 )
+from .durable import save_torch, write_json
 from .lock import LOCK_NAME
 from .state_files import json_state, load_safe_pickle, read_rng_state, rng_state, set_rng_state, write_rng_state
 from .state_shards import gathered_state, sharded_state, writes_pipeline_state

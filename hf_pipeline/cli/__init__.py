@@ -18,7 +18,7 @@ yourself, it joins the job it is in. Without either it runs in one process, ever
 User mistakes (a missing path, a bad number, an impossible split) end with one line on stderr and
 exit code 2, no traceback; ``HF_PIPELINE_TRACEBACK=1`` shows the traceback.
 
-Lives here: ``parser`` (every command's options), ``launch`` (``--num-processes``), ``options``
+Lives here: ``parser`` (every command's options), ``launch`` (``--num-processes``), ``arguments``
 (what several commands read from their arguments) and one module per command group (``plan``
 with ``convert``, ``generate``, ``serve``, ``train``, ``env`` with ``bench``); ``main`` and the decision
 which errors are user mistakes are in this file. The command line is the top room: it may import

@@ -7,7 +7,7 @@ import pathlib
 from typing import Any
 
 from ..errors import CLIError
-from .options import load_config, load_kwargs, load_tokenizer, model_path
+from .arguments import load_config, load_kwargs, load_tokenizer, model_path
 
 __all__ = ["cmd_generate"]
 

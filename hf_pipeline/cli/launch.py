@@ -9,7 +9,7 @@ import sys
 from typing import Sequence
 
 from ..errors import CLIError
-from .options import local_path
+from .arguments import local_path
 from .parser import LAUNCH_OPTIONS, PROG
 
 __all__ = ["launch", "strip_launch_args"]

@@ -137,7 +137,7 @@ def _add_load(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory or cached hub id (default: the bundled model)")
     _add_download(g)
     # The load options with a flag, each defined once (hf_pipeline.load_options); a flag not given leaves the
-    # option at its default (cli.options.load_kwargs reads them back).
+    # option at its default (cli.arguments.load_kwargs reads them back).
     types = {"positive": _positive, "device": _device, "text": None}
     for f in cli_fields():
         g.add_argument("--" + f.name.replace("_", "-"), type=types[f.metadata["cli_type"]], default=None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import CLIError
-from .options import auto_class_for, load_config, split_option
+from .arguments import auto_class_for, load_config, split_option
 
 __all__ = ["cmd_convert", "cmd_plan"]
 

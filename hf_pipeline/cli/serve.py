@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 
 from ..errors import CLIError
-from .options import load_config, load_kwargs, load_tokenizer, local_path, model_path
+from .arguments import load_config, load_kwargs, load_tokenizer, local_path, model_path
 
 __all__ = ["cmd_serve"]
 

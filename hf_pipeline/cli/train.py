@@ -8,7 +8,7 @@ import tempfile
 import time
 
 from ..errors import CLIError
-from .options import auto_class_for, flat, load_config, load_kwargs, load_tokenizer, model_path
+from .arguments import auto_class_for, flat, load_config, load_kwargs, load_tokenizer, model_path
 
 __all__ = ["cmd_train"]
 

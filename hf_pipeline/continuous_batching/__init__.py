@@ -1,7 +1,7 @@
 """Continuous batching: the serving engine's long-lived decode ring, in which rows join free slots between
 steps as others finish, and what feeds and bounds it.
 
-Lives here: :mod:`.ring` (:class:`ContinuousRing`, the ring every rank runs, and
+Lives here: :mod:`.continuous_ring` (:class:`ContinuousRing`, the ring every rank runs, and
 :func:`continuous_refusal`, which models it cannot serve), :mod:`.wire` (what travels down the ring
 with each op: :class:`OpHeader`, the typed header that packs itself into its int64 tensor and parses
 itself back, and :class:`NewRow`, the joining rows as JSON), :mod:`.feeder` (:class:`Feeder`, what

@@ -1,6 +1,6 @@
 """The continuous ring's feeder: rank 0's request queue as the rows that join free slots, the slot pool.
 
-:class:`Feeder` is what the ring (:class:`~hf_pipeline.continuous_batching.ring.ContinuousRing`)
+:class:`Feeder` is what the ring (:class:`~hf_pipeline.continuous_batching.continuous_ring.ContinuousRing`)
 asks of stage 0's queue; :class:`RingFeeder` is the serving engine's: it lets queued requests'
 choices into free slots (a request with ``n`` choices is ``n`` rows, each seeded from ``(seed,
 choice index)``), never more rows in flight than its capacity (the pool,

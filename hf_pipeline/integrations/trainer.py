@@ -46,7 +46,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
 from transformers.utils import can_return_loss, find_labels
 
-from ..checkpointing.layout import TRAINER_STATE_NAME
+from ..checkpointing.directory import TRAINER_STATE_NAME
 from ..checkpointing.training_state import load_training_state
 from ..errors import UsageError
 from ..families.losses import get_loss

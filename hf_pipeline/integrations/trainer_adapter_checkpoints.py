@@ -25,8 +25,8 @@ import os
 import pathlib
 from typing import Any
 
+from ..checkpointing.directory import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..checkpointing.durable import save_torch
-from ..checkpointing.layout import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..checkpointing.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
 from ..checkpointing.training_state import optimizer_file_name, optimizer_keys, optimizer_state_by_key, rng_file_name
 from ..core import PipelineCore

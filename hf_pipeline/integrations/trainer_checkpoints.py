@@ -23,7 +23,7 @@ import pathlib
 
 import torch
 
-from ..checkpointing.layout import RNG_DIR, is_complete_checkpoint, why_incomplete
+from ..checkpointing.directory import RNG_DIR, is_complete_checkpoint, why_incomplete
 from ..checkpointing.state_files import read_rng_state, set_rng_state
 from ..checkpointing.state_shards import sharded_state
 from ..checkpointing.training_state import rng_file_name

@@ -3,7 +3,7 @@
 Every rank runs :meth:`Engine.serve_forever` (or :meth:`Engine.step` in a loop).
 
 ``batching="continuous"`` (the default): when requests wait, rank 0 broadcasts a ``ring`` plan and
-every rank enters the long-lived decode ring of :mod:`hf_pipeline.continuous_batching.ring`; requests
+every rank enters the long-lived decode ring of :mod:`hf_pipeline.continuous_batching.continuous_ring`; requests
 join free slots between steps as others finish, each with its own prompt, ``max_new_tokens``, stop
 criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline.serving.handles.Handle`
 as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, within the slot pool of
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
+from ..continuous_batching.continuous_ring import ContinuousRing, continuous_refusal
 from ..continuous_batching.feeder import RingFeeder
 from ..continuous_batching.kv_budget import pool_rows
-from ..continuous_batching.ring import ContinuousRing, continuous_refusal
 from ..core import PipelineCore
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config

@@ -203,7 +203,7 @@ def test_resume_continues_bitwise(saved):
 
 @pytest.mark.dist
 def test_failed_save_leaves_no_complete_looking_checkpoint(saved):
-    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.directory import is_complete_checkpoint, latest_checkpoint
 
     runs, cases, results = saved
     # the disk error names the file and the disk it is on, on the rank that hit it and, quoted, on the other
@@ -223,7 +223,7 @@ def test_failed_save_leaves_no_complete_looking_checkpoint(saved):
 
 
 def test_latest_checkpoint_skips_what_a_crash_leaves(tmp_path):
-    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.directory import is_complete_checkpoint, latest_checkpoint
 
     def fake(name, complete):
         d = tmp_path / name
@@ -292,7 +292,7 @@ def _assert_user_files_kept(directory: pathlib.Path) -> None:
 
 
 def _weight_files(directory: pathlib.Path) -> set[str]:
-    from hf_pipeline.checkpointing.layout import WEIGHT_FILE_PATTERN
+    from hf_pipeline.checkpointing.directory import WEIGHT_FILE_PATTERN
 
     return {
         p.name for p in directory.iterdir() if p.name == "model.safetensors" or WEIGHT_FILE_PATTERN.fullmatch(p.name)
@@ -491,7 +491,7 @@ def _kill_job(src: str, root: str, phase: str, victim: int, nth: int):
 def test_save_killed_at_each_phase_leaves_old_or_new_checkpoint(tmp_path, phase, victim, nth, expect):
     import warnings
 
-    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.directory import is_complete_checkpoint, latest_checkpoint
     from hf_pipeline.loading.checkpoint_files import CheckpointIndex
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")

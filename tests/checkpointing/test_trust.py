@@ -188,7 +188,7 @@ def test_save_never_writes_through_a_symlinked_subdirectory(checkpoint, tmp_path
 
 def test_second_save_into_a_directory_being_saved_is_refused_and_leaves_the_first_intact(checkpoint, tmp_path):
     import hf_pipeline.checkpointing.save as ckpt
-    from hf_pipeline.checkpointing.layout import is_complete_checkpoint
+    from hf_pipeline.checkpointing.directory import is_complete_checkpoint
 
     src, target, model, opt, sched, _ = checkpoint
     out = tmp_path / "out"
@@ -273,7 +273,7 @@ def _racing_job(src: str, root: str):
 def test_two_jobs_saving_into_one_directory_at_once(tmp_path):
     from harness import run_distributed
 
-    from hf_pipeline.checkpointing.layout import is_complete_checkpoint
+    from hf_pipeline.checkpointing.directory import is_complete_checkpoint
     from hf_pipeline.checkpointing.training_state import load_training_state
 
     src = tiny.make_checkpoint(tmp_path / "src", "llama")

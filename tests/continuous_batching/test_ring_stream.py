@@ -78,7 +78,7 @@ def _serve(path: str, text: str, requests: list[dict], late: int, pool_rows: int
 def _fail_once(path: str) -> dict:
     """Every rank: the last stage's token choice raises once; the requests in flight fail, the next is served."""
     import hf_pipeline
-    from hf_pipeline.continuous_batching.ring import ContinuousRing
+    from hf_pipeline.continuous_batching.continuous_ring import ContinuousRing
     from hf_pipeline.errors import InputError
     from hf_pipeline.serving import CompletionRequest, Engine
 

@@ -239,7 +239,7 @@ def _crashing_run(path: str, root: str):
 
 
 def _resume_run(path: str, root: str):
-    from hf_pipeline.checkpointing.layout import latest_checkpoint
+    from hf_pipeline.checkpointing.directory import latest_checkpoint
     from hf_pipeline.checkpointing.training_state import load_training_state
 
     torch.manual_seed(0)
@@ -259,7 +259,7 @@ def test_killed_during_save_then_resume_gives_the_same_loss_curve(tmp_path):
     # checkpoint; its losses must be those of an uninterrupted run, bit for bit (CPU, same world size).
     import transformers
 
-    from hf_pipeline.checkpointing.layout import is_complete_checkpoint, latest_checkpoint
+    from hf_pipeline.checkpointing.directory import is_complete_checkpoint, latest_checkpoint
 
     path = tiny.make_checkpoint(tmp_path / "llama", "llama", attention_dropout=0.1)
     root = tmp_path / "run"

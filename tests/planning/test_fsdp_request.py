@@ -102,7 +102,7 @@ def test_chunks_are_torch_chunk_as_fsdp2_cuts_them(rows, count):
 @pytest.mark.parametrize("command", ["generate", "train"])
 def test_cli_takes_fsdp_size_beside_tp_size(command, tmp_path):
     from hf_pipeline import cli
-    from hf_pipeline.cli.options import load_kwargs
+    from hf_pipeline.cli.arguments import load_kwargs
 
     (tmp_path / "d.txt").write_text("text\n")
     required = ["--data", str(tmp_path / "d.txt"), "--output-dir", str(tmp_path / "out")] if command == "train" else []
