@@ -96,3 +96,17 @@ def test_saved_outputs_of_the_lora_notebook_are_a_full_run_that_learns():
     worst = float(re.search(r"largest difference from transformers.Trainer \+ peft: (\S+)", text).group(1))
     assert worst < 1e-4
     assert any("image/png" in o.get("data", {}) for o in _outputs(nb, "display_data")), "the loss curve is shown"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_saved_outputs_name_no_machine_paths(path):
+    # What a notebook shows was run on someone's machine; its paths must read the same on any checkout:
+    # relative to the repository (hf_pipeline/assets/...), site-packages without the interpreter's prefix.
+    import re
+
+    text = path.read_text()
+    found = sorted(set(re.findall(r"/(?:work|root|home|tmp|Users|usr)/[^\s\"'\\]*", text)))
+    assert not found, (
+        f"{path.name}'s saved outputs carry paths of the machine they ran on: {found[:5]}; write them relative to "
+        "the repository before committing"
+    )
