@@ -138,7 +138,9 @@ def _create(path: pathlib.Path, token: str) -> bool:
             try:
                 os.link(own, path)
             except FileExistsError:  # a lost NFS reply to a link that was made shows as EEXIST: count the links
-                return os.stat(own).st_nlink == 2
+                with contextlib.suppress(FileNotFoundError):  # removed by the save holding the lock
+                    return os.stat(own).st_nlink == 2
+                return False
             except FileNotFoundError:
                 return False  # our file was removed by the save that holds the lock: it is not free
             except OSError as e:
@@ -157,13 +159,17 @@ def _create_in_place(path: pathlib.Path, text: str) -> bool:
     except FileExistsError:
         return False
     try:
-        _write_holder(fd, text)
-        return os.stat(path).st_ino == os.fstat(fd).st_ino  # not taken over (as empty) while we wrote it
-    except BaseException:
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                path.unlink()
-        raise
+        try:
+            _write_holder(fd, text)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:  # still ours: remove it
+                    path.unlink()
+            raise
+        try:
+            return os.stat(path).st_ino == os.fstat(fd).st_ino  # not taken over (as empty) while we wrote it
+        except FileNotFoundError:
+            return False
     finally:
         os.close(fd)
 

@@ -147,6 +147,25 @@ def test_without_hard_links_one_save_at_a_time_still(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_without_hard_links_a_lock_taken_over_while_written_is_given_up(tmp_path, monkeypatch, warnings_logged):
+    # Written in place, the lock is empty for an instant: a save that takes it over then holds it, and the writer
+    # sees its file is no longer the lock and refuses, naming the save that holds it.
+    monkeypatch.setattr(lock_module.os, "link", _no_link)
+    real = lock_module._write_holder
+    calls = []
+
+    def raced(fd, text):
+        calls.append(fd)
+        if len(calls) == 2:  # the first write is to the save's own file; the second into the lock itself
+            acquire_save_lock(tmp_path, "bbbbbbbbbbbb")
+        real(fd, text)
+
+    monkeypatch.setattr(lock_module, "_write_holder", raced)
+    with pytest.raises(CheckpointExistsError, match=r"\(save bbbbbbbbbbbb\)"):
+        acquire_save_lock(tmp_path, TOKEN)
+    assert _holds(tmp_path, "bbbbbbbbbbbb") and "it is empty" in warnings_logged[0].getMessage()
+
+
 def test_a_save_into_a_folder_an_empty_lock_was_left_in_succeeds(tmp_path, warnings_logged):
     # The case end to end: ENOSPC while an earlier save created its lock left it empty.
     import hf_pipeline
