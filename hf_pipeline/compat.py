@@ -313,8 +313,9 @@ __all__ += ["schedule_has_loss", "schedule_stages", "storage_key"]
 
 # --- for integrations/ (the Trainer) ---------------------------------------------------------------
 # transformers.Trainer has no public hook for where its batches come from, how evaluation gathers,
-# how a checkpoint is written and read back, or how gradients are clipped: PipelineTrainer overrides
-# these underscored methods (and calls the helpers listed after them on itself). Named here so that a
+# how a checkpoint is written and read back, how gradients are clipped, or which checkpoints rotation
+# may remove (transformers removes any ``checkpoint-*`` folder): PipelineTrainer overrides these
+# underscored methods (and calls the helpers listed after them on itself). Named here so that a
 # transformers release renaming one fails a test (tests/integrations/test_trainer_single_process.py) instead of
 # silently falling back to the Trainer's own behaviour (DDP-style sharding, pickled checkpoints).
 TRAINER_OVERRIDES = (
@@ -322,6 +323,7 @@ TRAINER_OVERRIDES = (
     "_clip_grad_norm",
     "_get_grad_norm", "_move_model_to_device", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model",
     "_load_optimizer_and_scheduler", "_load_rng_state",
+    "_finalize_training",  # its end-of-training removal with save_total_limit=1: only the Trainer's checkpoints
 )
 TRAINER_HELPERS = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_get_output_dir", "_prepare_inputs")
 

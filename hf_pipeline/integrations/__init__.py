@@ -16,7 +16,8 @@ Lives here (flat modules, named by the library they serve):
   written by every rank.
 * :mod:`.trainer_refusals`: the arguments it cannot honour, refused at construction on every rank.
 * :mod:`.trainer_data`: data loaders giving every rank the same global batch, and a step's item count.
-* :mod:`.trainer_checkpoints`: Trainer checkpoints in the package's data-only format, and resuming.
+* :mod:`.trainer_checkpoints`: Trainer checkpoints in the package's data-only format, resuming, and
+  rotating away only the checkpoints the Trainer wrote (each marked).
 * :mod:`.trainer_adapter_checkpoints`: the same for a PEFT model wrapping a pipelined one.
 
 Nothing is imported here: the Trainer modules pull in ``transformers.Trainer`` (import

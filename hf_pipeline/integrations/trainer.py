@@ -17,7 +17,9 @@ stages live on several ranks:
   ``compat.ACCELERATE_PREPARED_FLAG``), and the model is never moved: its stages are placed.
 * **Evaluation.** The pipelined forward gives every rank the whole batch's outputs, so nothing is
   gathered across ranks.
-* **Checkpoints.** Written by every rank (:mod:`.trainer_checkpoints`) and read back as data only. A PEFT
+* **Checkpoints.** Written by every rank (:mod:`.trainer_checkpoints`) and read back as data only;
+  ``save_total_limit`` rotates away only the checkpoints the Trainer wrote (each holds its mark), never
+  a folder of the user's in ``output_dir``. A PEFT
   model wrapping the pipelined one (``get_peft_model(model, LoraConfig(...))``) is checkpointed as
   transformers' Trainer checkpoints one: its adapter in PEFT's format plus the training state
   (:mod:`.trainer_adapter_checkpoints`).
@@ -43,7 +45,7 @@ from accelerate.utils import recursively_apply
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, seed_worker
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import can_return_loss, find_labels
 
 from ..checkpointing.directory import TRAINER_STATE_NAME
@@ -51,7 +53,14 @@ from ..checkpointing.training_state import load_training_state
 from ..errors import UsageError
 from ..families.losses import get_loss
 from .trainer_adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
-from .trainer_checkpoints import reload_weights, restore_rng
+from .trainer_checkpoints import (
+    keep_only_checkpoint,
+    mark_checkpoint,
+    reload_weights,
+    restore_rng,
+    rotate_checkpoints,
+    written_by_trainer,
+)
 from .trainer_data import count_items, single_process_loader
 from .trainer_refusals import check_arguments, check_model, pipelined_model_of
 
@@ -250,6 +259,8 @@ class PipelineTrainerMixin:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        # A folder of that name the Trainer did not write (the user's) gets no mark: rotation never removes it.
+        foreign = os.path.exists(output_dir) and not written_by_trainer(output_dir)
         with_state = not self.args.save_only_model
         optimizer, scheduler = (self.optimizer, self.lr_scheduler) if with_state else (None, None)
         if self.adapter_model is not None:
@@ -270,11 +281,24 @@ class PipelineTrainerMixin:
         if self.args.should_save:
             # transformers' TrainerState in its own file name, replacing the package's (same step).
             self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
-            rotate_checkpoints(
-                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
-            )
+            if not foreign:
+                mark_checkpoint(output_dir)  # last: the checkpoint is complete, and the Trainer's
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
         self.pipelined.ctx.barrier()  # the checkpoint is complete (and old ones gone) on every rank's return
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # transformers removes every checkpoint-<number> folder but the best here when save_total_limit=1, the
+        # user's own too: the Trainer's checkpoints are removed instead, and transformers' removal is skipped.
+        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
+        if limit != 1 or best is None:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        if self.args.should_save:
+            keep_only_checkpoint(self._get_output_dir(trial), best)
+        self.args.save_total_limit = None
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.save_total_limit = limit
 
     def _store_callback_states(self) -> None:
         # As transformers' _save_checkpoint: the stateful callbacks' state goes into TrainerState.

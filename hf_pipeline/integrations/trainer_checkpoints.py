@@ -14,30 +14,52 @@
 Resuming reads only these files: the weights into the existing stages (safetensors), the optimizer
 and scheduler through ``load_training_state``, the RNG states from safetensors. Nothing is
 unpickled beyond ``weights_only`` loading of the optimizer's tensors.
+
+Rotation (``save_total_limit``) removes only checkpoints the Trainer wrote. transformers removes
+every ``checkpoint-*`` folder of ``output_dir`` beyond the limit, the user's own too (a
+``checkpoint-notes/``, a ``checkpoint-1000/`` made by hand). Here the Trainer writes a mark last into
+each checkpoint, ``hf_pipeline_checkpoint.json``, naming the folder and the save id of its weights'
+index (:func:`mark_checkpoint`); a folder is removed only while its mark names it and its weights
+(:func:`written_by_trainer`): not one made by hand, copied under another name, or saved into since.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
+import shutil
 
 import torch
 
-from ..checkpointing.directory import RNG_DIR, is_complete_checkpoint, why_incomplete
+from ..checkpointing.directory import RNG_DIR, SAVE_ID_KEY, is_complete_checkpoint, why_incomplete
+from ..checkpointing.durable import write_json
 from ..checkpointing.state_files import read_rng_state, set_rng_state
 from ..checkpointing.state_shards import sharded_state
 from ..checkpointing.training_state import rng_file_name
 from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointNotFoundError
-from ..loading.checkpoint_files import CheckpointIndex
+from ..loading.checkpoint_files import INDEX_NAME, CheckpointIndex
 from ..loading.key_plan import UNEXPECTED_HINT, wanted_tensors
 from ..loading.weights import load_tensors
 from ..log import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["reload_weights", "restore_rng"]
+__all__ = [
+    "MARK_NAME",
+    "keep_only_checkpoint",
+    "mark_checkpoint",
+    "reload_weights",
+    "restore_rng",
+    "rotate_checkpoints",
+    "written_by_trainer",
+]
+
+MARK_NAME = "hf_pipeline_checkpoint.json"
+_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")  # transformers' PREFIX_CHECKPOINT_DIR and the step
 
 
 def reload_weights(model: PipelineCore, directory: str | os.PathLike) -> None:
@@ -88,3 +110,81 @@ def restore_rng(model: PipelineCore, directory: str | os.PathLike) -> bool:
         "different dropout masks than an uninterrupted one", folder, len(written), model.ctx.world_size,
     )
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# Rotation: only the checkpoints the Trainer wrote
+# --------------------------------------------------------------------------------------------
+def _save_id(directory: pathlib.Path) -> str | None:
+    """The save id in the weights' index (None without one: an adapter checkpoint)."""
+    try:
+        return json.loads((directory / INDEX_NAME).read_text())["metadata"][SAVE_ID_KEY]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def mark_checkpoint(directory: str | os.PathLike) -> None:
+    """Rank 0, once ``directory`` is complete: mark it as a checkpoint the Trainer wrote (rotation may remove it)."""
+    directory = pathlib.Path(directory)
+    mark = {"checkpoint": directory.name, "save": _save_id(directory), "written_by": "hf_pipeline.PipelineTrainer"}
+    write_json(directory / MARK_NAME, mark)
+
+
+def written_by_trainer(directory: str | os.PathLike) -> bool:
+    """True for a ``checkpoint-<step>`` folder whose mark names it and the save that wrote its weights."""
+    directory = pathlib.Path(directory)
+    if directory.is_symlink() or not directory.is_dir() or not _CHECKPOINT_NAME.fullmatch(directory.name):
+        return False
+    try:
+        mark = json.loads((directory / MARK_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(mark, dict) and mark.get("checkpoint") == directory.name and mark.get("save") == _save_id(
+        directory
+    )
+
+
+def _trainer_checkpoints(run_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """The Trainer's checkpoints in ``run_dir``, oldest first: as transformers' ``sort_checkpoints(use_mtime=True)``
+    orders them (by modification time, by step where the times are less than a second apart)."""
+    ours = [p for p in pathlib.Path(run_dir).glob("checkpoint-*") if written_by_trainer(p)]
+    by_time = sorted(ours, key=lambda p: (p.stat().st_mtime, str(p)))
+    if len(by_time) > 1 and by_time[-1].stat().st_mtime - by_time[0].stat().st_mtime >= 1.0:
+        return by_time
+    return sorted(ours, key=lambda p: int(_CHECKPOINT_NAME.fullmatch(p.name).group(1)))
+
+
+def _remove(checkpoint: pathlib.Path) -> None:
+    logger.info("Deleting older checkpoint [%s] due to args.save_total_limit", checkpoint)
+    shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def rotate_checkpoints(run_dir: str | os.PathLike, save_total_limit: int | None, best_model_checkpoint: str | None):
+    """transformers' ``rotate_checkpoints(use_mtime=True)`` over the checkpoints the Trainer wrote only.
+
+    Keeps the newest ``save_total_limit`` of them, always the newest and the best; every other
+    folder of ``run_dir`` is left alone.
+    """
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    ours = _trainer_checkpoints(run_dir)
+    if len(ours) <= save_total_limit:
+        return
+    protected = {ours[-1].resolve()}  # the newest, for resuming; and the best (counted as transformers counts it)
+    if best_model_checkpoint is not None:
+        protected.add(pathlib.Path(best_model_checkpoint).resolve())
+    remaining = len(ours)
+    for checkpoint in ours:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if checkpoint.resolve() not in protected:
+            _remove(checkpoint)
+            remaining -= 1
+
+
+def keep_only_checkpoint(run_dir: str | os.PathLike, best_model_checkpoint: str) -> None:
+    """At the end of training with ``save_total_limit=1``: remove the Trainer's checkpoints but the best one
+    (transformers removes every ``checkpoint-<number>`` folder but it)."""
+    for checkpoint in _trainer_checkpoints(run_dir):
+        if checkpoint.resolve() != pathlib.Path(best_model_checkpoint).resolve():
+            _remove(checkpoint)

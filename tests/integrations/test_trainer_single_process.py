@@ -7,6 +7,8 @@ argument, and the model to stay usable afterwards.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import tiny
 import torch
@@ -173,3 +175,75 @@ def test_evaluation_needs_the_outputs_on_every_rank(llama_path, tmp_path):
                                           eval_dataset=_dataset("llama", 8))
     with pytest.raises(UsageError, match="gather_output=False"):
         trainer.evaluate()
+
+
+def _user_folders(out):
+    """Folders of the user's in output_dir that rotation must never remove (transformers' removes them)."""
+    for name in ("checkpoint-notes", "checkpoint-1000"):
+        (out / name).mkdir(parents=True)
+        (out / name / "notes.txt").write_text(f"{name}: mine")
+
+
+def _kept_user_folders(out) -> None:
+    for name in ("checkpoint-notes", "checkpoint-1000"):
+        assert (out / name / "notes.txt").read_text() == f"{name}: mine", f"{name} was removed or changed"
+
+
+def test_rotation_removes_only_the_trainers_own_checkpoints(llama_path, tmp_path):
+    out = tmp_path / "out"
+    _user_folders(out)
+    args = _args(out, 4, eval_strategy="no", save_steps=1, save_total_limit=1)
+    hf_pipeline.PipelineTrainer(model=_pipelined(llama_path), args=args, train_dataset=_dataset("llama")).train()
+    _kept_user_folders(out)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1000", "checkpoint-4", "checkpoint-notes"]
+
+
+def test_keeping_only_the_best_checkpoint_at_the_end_removes_only_the_trainers(llama_path, tmp_path):
+    # With save_total_limit=1 and a best checkpoint, transformers removes every checkpoint-<number> but the best
+    # when training ends.
+    out = tmp_path / "out"
+    _user_folders(out)
+    args = _args(out, 4, eval_steps=1, save_steps=1, save_total_limit=1, load_best_model_at_end=True)
+    trainer = hf_pipeline.PipelineTrainer(model=_pipelined(llama_path), args=args, train_dataset=_dataset("llama"),
+                                          eval_dataset=_dataset("llama", 8))
+    trainer.train()
+    _kept_user_folders(out)
+    best = pathlib.Path(trainer.state.best_model_checkpoint).name
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted(["checkpoint-1000", best, "checkpoint-notes"])
+    assert trainer.args.save_total_limit == 1
+
+
+def test_what_rotation_takes_for_the_trainers_checkpoint(tmp_path):
+    # A folder is the Trainer's only while its mark names it and the save that wrote its weights.
+    import json
+    import shutil
+
+    from hf_pipeline.checkpointing.directory import SAVE_ID_KEY
+    from hf_pipeline.integrations.trainer_checkpoints import MARK_NAME, mark_checkpoint, written_by_trainer
+
+    def checkpoint(name, save_id="0123456789ab"):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {SAVE_ID_KEY: save_id}}))
+        return path
+
+    ours = checkpoint("checkpoint-2")
+    mark_checkpoint(ours)
+    assert written_by_trainer(ours)
+    shutil.copytree(ours, tmp_path / "checkpoint-900")  # copied by the user under another name
+    assert not written_by_trainer(tmp_path / "checkpoint-900")
+    saved_since = checkpoint("checkpoint-3")
+    mark_checkpoint(saved_since)
+    (saved_since / "model.safetensors.index.json").write_text(json.dumps({"metadata": {SAVE_ID_KEY: "bbbbbbbbbbbb"}}))
+    assert not written_by_trainer(saved_since)  # the user saved a model into it since
+    (tmp_path / "checkpoint-5").symlink_to(ours)  # a link: its target is not removed through it
+    assert not written_by_trainer(tmp_path / "checkpoint-5")
+    garbage = checkpoint("checkpoint-6")
+    (garbage / MARK_NAME).write_text("{not json")
+    assert not written_by_trainer(garbage)
+    adapter = tmp_path / "checkpoint-7"  # an adapter checkpoint: no weights index, the mark names no save
+    adapter.mkdir()
+    mark_checkpoint(adapter)
+    assert written_by_trainer(adapter)
+    (tmp_path / "checkpoint-notes").mkdir()
+    assert not written_by_trainer(tmp_path / "checkpoint-notes") and not written_by_trainer(tmp_path / "missing")
