@@ -18,7 +18,9 @@ yourself, it joins the job it is in. Without either it runs in one process, ever
 User mistakes (a missing path, a bad number, an impossible split) end with one line on stderr and
 exit code 2, no traceback; ``HF_PIPELINE_TRACEBACK=1`` shows the traceback.
 
-Lives here: ``parser`` (every command's options), ``launch`` (``--num-processes``), ``arguments``
+Lives here: ``parser`` (every command's options), ``launch`` (``--num-processes``, and the launched
+processes ending with their launcher), ``rendezvous`` (one machine's rendezvous store, bound to one
+address), ``arguments``
 (what several commands read from their arguments) and one module per command group (``plan``
 with ``convert``, ``generate``, ``serve``, ``train``, ``env`` with ``bench``); ``main`` and the decision
 which errors are user mistakes are in this file. The command line is the top room: it may import
@@ -34,7 +36,7 @@ from typing import Sequence
 from ..errors import CLIError, PipelineBroken, RankError, is_user_error
 from .env import cmd_bench, cmd_env, env_info
 from .generate import cmd_generate
-from .launch import launch
+from .launch import follow_launcher, launch
 from .parser import PROG, build_parser
 from .plan import cmd_convert, cmd_plan
 from .serve import cmd_serve
@@ -126,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    follow_launcher()  # a process of `--num-processes N` ends with its launcher (a no-op elsewhere)
     try:
         return _run(argv)
     except Exception as e:

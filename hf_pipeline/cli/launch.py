@@ -1,4 +1,13 @@
-"""``--num-processes N``: start N processes running the same command with torch's elastic launcher (as torchrun)."""
+"""``--num-processes N``: start N processes running the same command with torch's elastic launcher (as torchrun).
+
+The processes end with their launcher, however it ends: each one started by :func:`launch` calls
+:func:`follow_launcher` first, which asks Linux for SIGTERM when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``) and watches its parent in a thread as well (any platform, and a
+launcher that died before the ``prctl``); SIGTERM drains ``serve`` and stops the other commands, and a
+process still alive :data:`GRACE_S` seconds later is killed, as the launcher itself would. On one
+machine the job's rendezvous store listens on 127.0.0.1 (or ``--main-process-ip``), not on every
+interface (:mod:`.rendezvous`).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +15,54 @@ import os
 import pathlib
 import signal
 import sys
-from typing import Sequence
+import threading
+import time
+from typing import Any, Sequence
 
 from ..errors import CLIError
 from .arguments import local_path
 from .parser import LAUNCH_OPTIONS, PROG
 
-__all__ = ["launch", "strip_launch_args"]
+__all__ = ["GRACE_S", "LAUNCHER_ENV", "follow_launcher", "launch", "strip_launch_args"]
+
+LAUNCHER_ENV = "HF_PIPELINE_LAUNCHER_PID"  # set for the processes launch() starts: the pid they follow
+GRACE_S = 30.0  # as torch's launcher waits after SIGTERM before it kills
+_WATCH_S = 0.5  # how often a process looks at its parent
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _parent_death_signal(sig: int) -> None:
+    """Linux: ``sig`` to this process when the thread that started it ends (torch's launcher starts its
+    processes from its main thread, so: when the launcher ends). Elsewhere nothing: the watch covers it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _watch(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(_WATCH_S)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: the launcher (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def follow_launcher() -> None:
+    """In a process :func:`launch` started (``HF_PIPELINE_LAUNCHER_PID`` set): end when the launcher ends,
+    even by SIGKILL (SIGTERM first, SIGKILL :data:`GRACE_S` seconds later). Elsewhere a no-op."""
+    pid = os.environ.pop(LAUNCHER_ENV, None)  # popped: what this process starts does not follow it
+    if not pid or not pid.isdigit() or int(pid) == os.getpid():
+        return
+    _parent_death_signal(signal.SIGTERM)
+    # Started after the prctl, the watch also sees a launcher that died before it (the signal then never comes).
+    threading.Thread(target=_watch, args=(int(pid),), name="hf-pipeline-launcher-watch", daemon=True).start()
 
 
 def strip_launch_args(argv: Sequence[str]) -> list[str]:
@@ -50,6 +100,20 @@ def _check_port_free(port: int) -> None:
             ) from None
 
 
+def _rendezvous(args) -> tuple[str, str, dict[str, Any]]:
+    """The rendezvous backend, endpoint and settings: on one machine its store listens where the processes
+    connect (127.0.0.1 unless ``--main-process-ip``), not on every interface; over several machines
+    torch's static rendezvous at machine 0's address."""
+    if args.main_process_port is not None and args.machine_rank == 0:
+        _check_port_free(args.main_process_port)
+    if args.num_machines > 1:
+        return "static", f"{args.main_process_ip}:{args.main_process_port}", {}
+    from . import rendezvous
+
+    sock = rendezvous.store_socket(args.main_process_ip or "127.0.0.1", args.main_process_port or 0)
+    return rendezvous.register(), rendezvous.endpoint(sock), {"store_socket": sock}
+
+
 def launch(args, argv: Sequence[str]) -> int:
     """Start ``args.num_processes`` processes running this command (torch's elastic launcher, as torchrun).
 
@@ -61,7 +125,6 @@ def launch(args, argv: Sequence[str]) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.utils.distributed import get_free_port
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     n, machines = args.num_processes, args.num_machines
@@ -82,10 +145,8 @@ def launch(args, argv: Sequence[str]) -> int:
         # A missing model fails here, once, not in every process; a download also happens once, here,
         # and the processes then find it in the cache.
         local_path(args.model, args.download)
-    if args.main_process_port is not None and args.machine_rank == 0:
-        _check_port_free(args.main_process_port)
+    backend, endpoint, configs = _rendezvous(args)
     local = n // machines
-    port = args.main_process_port or get_free_port()
     # The processes inherit this environment: they import this very package, installed or from a checkout.
     here = str(pathlib.Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = here + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
@@ -97,15 +158,16 @@ def launch(args, argv: Sequence[str]) -> int:
         max_nodes=machines,
         nproc_per_node=local,
         run_id="hf-pipeline",
-        rdzv_backend="static",
-        rdzv_endpoint=f"{args.main_process_ip or '127.0.0.1'}:{port}",
-        rdzv_configs={"rank": args.machine_rank},
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"rank": args.machine_rank, **configs},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
     )
     # The agent logs every failure with a traceback of its own; the processes already said what went wrong.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the processes follow this one (follow_launcher)
     try:
         elastic_launch(config, sys.executable)("-m", "hf_pipeline.cli", *strip_launch_args(argv))
     except SignalException as e:
@@ -124,4 +186,6 @@ def launch(args, argv: Sequence[str]) -> int:
             f"{PROG}: error: process {rank} exited with code {failure.exitcode} (its output is above)", file=sys.stderr
         )
         return failure.exitcode if failure.exitcode > 0 else 1
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
     return 0

@@ -228,9 +228,21 @@ def _add_serve(sub) -> None:
                    help="continuous: KV-cache memory per rank for the rows in flight; requests that do not fit "
                    "wait in the queue (default: --max-batch rows)")
     p.add_argument("--max-queue", type=_positive, default=64,
-                   help="queued requests at most; more are answered 429 (default 64)")
+                   help="queued rows at most, a request with n choices counting n; more are answered 429 (default 64)")
+    p.add_argument("--max-n", type=_positive, default=16,
+                   help="choices per request (OpenAI's n) at most; more are answered 400 (default 16)")
     p.add_argument("--request-timeout", type=_positive_float, default=600.0,
                    help="seconds before a request is cancelled and answered 504 (default 600)")
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="answer only requests sending `Authorization: Bearer KEY` (every route but /health; others "
+                   "get 401). Default: $HF_PIPELINE_API_KEY, which keeps the key off the process list; unset: no key")
+    g.add_argument("--max-body-mb", type=_positive, default=4,
+                   help="request bodies over this many MiB are answered 413 before they are read (default 4)")
+    g.add_argument("--max-prompt-chars", type=_positive, default=None,
+                   help="prompts (or chat messages together) over this many characters are answered 400 before "
+                   "they are tokenized (default: the context times the longest vocabulary entry, the most that "
+                   "can fit the context)")
     _add_load(p)
     _add_launch(p)
 

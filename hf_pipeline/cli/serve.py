@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 from ..errors import CLIError
@@ -25,9 +26,14 @@ def cmd_serve(args) -> int:
     """``hf-pipeline serve PATH``: load the model on every rank, listen on rank 0 until SIGTERM."""
     import hf_pipeline
     from hf_pipeline.serving import Engine
-    from hf_pipeline.serving.server import serve
 
     _check_extra()
+    from hf_pipeline.serving.guard import API_KEY_ENV, Limits
+    from hf_pipeline.serving.server import serve
+
+    # The key's variable set but empty counts as unset (`export HF_PIPELINE_API_KEY=`); an empty --api-key is refused.
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    limits = Limits(api_key=key, max_body_bytes=args.max_body_mb * 2**20, max_prompt_chars=args.max_prompt_chars)
     path = local_path(args.path, args.download) if args.path is not None else model_path(args)
     if load_config(path).is_encoder_decoder:
         raise CLIError(f"{args.path or path} is an encoder-decoder model; serve serves causal LMs")
@@ -35,7 +41,8 @@ def cmd_serve(args) -> int:
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **load_kwargs(args))
     name = args.served_model_name or pathlib.Path(args.path or path).name
     budget = None if args.kv_cache_mb is None else args.kv_cache_mb * 2**20
-    engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, batching=args.batching,
-                    kv_cache_bytes=budget)
-    serve(engine, tok, model_name=name, host=args.host, port=args.port, timeout_s=args.request_timeout)
+    engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_n=args.max_n,
+                    batching=args.batching, kv_cache_bytes=budget)
+    serve(engine, tok, model_name=name, host=args.host, port=args.port, timeout_s=args.request_timeout,
+          limits=limits)
     return 0

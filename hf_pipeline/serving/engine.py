@@ -124,7 +124,9 @@ class Engine:
         model: a pipelined causal LM (``hf_pipeline.AutoModelForCausalLM.from_pretrained(..., pipeline=True)``).
         tokenizer: its tokenizer (text, stop strings); needed on every rank when requests use ``stop``.
         max_batch: rows in flight (continuous) or per round (static) at most.
-        max_queue: queued requests at most; :meth:`submit` raises :class:`ServerBusy` beyond it.
+        max_queue: queued rows at most (a request with ``n`` choices is ``n`` rows); :meth:`submit` raises
+            :class:`ServerBusy` beyond it.
+        max_n: choices per request at most (``n``); more is refused (:class:`ServingRequestError`).
         idle_s: how long rank 0 waits for a request before an empty round.
         batching: ``"continuous"`` (rows join the running ring as others leave) or ``"static"`` (rounds
             of one ``generate`` call each); models the ring does not serve run static rounds.
@@ -144,9 +146,12 @@ class Engine:
         return self.model.ctx
 
     def __init__(self, model: PipelineCore, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64,
-                 idle_s: float = 0.5,
+                 max_n: int = 16, idle_s: float = 0.5,
                  batching: str = "continuous", kv_cache_bytes: int | None = None):
         self.model, self.tokenizer = model, tokenizer
+        for name, value in (("max_queue", max_queue), ("max_n", max_n)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
         context = getattr(model.config, "max_position_embeddings", None)
         self.batcher = StaticBatcher(max_rows=max_batch, context=context)
         if batching not in ("continuous", "static"):
@@ -160,7 +165,7 @@ class Engine:
         self.forwards = 0  # continuous: this rank's stage forward calls
         self.peak_cache_bytes = 0  # continuous: the largest KV cache this rank held (the pool bounds it)
         self.peak_rows = 0  # continuous, rank 0: the most rows in flight at once
-        self.context, self.max_queue, self.idle_s = context, max_queue, idle_s
+        self.context, self.max_queue, self.max_n, self.idle_s = context, max_queue, max_n, idle_s
         self.eos = _eos_ids(model)
         pad = generation_config(model).pad_token_id
         self.pad = int(pad) if pad is not None else (min(self.eos) if self.eos else 0)
@@ -196,7 +201,14 @@ class Engine:
         return None
 
     def check(self, req: CompletionRequest) -> None:
-        """Refuse what no round could serve: a prompt too long for the context, a token outside the vocabulary."""
+        """Refuse what no round could serve: more choices than ``max_n`` (or than the queue holds), a prompt
+        too long for the context, a token outside the vocabulary."""
+        if req.n > self.max_n:
+            raise ServingRequestError(f"n={req.n} is more choices than this server makes per request "
+                                      f"({self.max_n}, --max-n); ask for fewer", param="n")
+        if req.n > self.max_queue:
+            raise ServingRequestError(f"n={req.n} is more rows than the queue holds ({self.max_queue}, --max-queue); "
+                                      "ask for fewer choices", param="n")
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             raise ServingRequestError(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})",
@@ -223,8 +235,10 @@ class Engine:
         with self._lock:
             if self.draining or self.stopped:
                 raise ServerBusy("the server is shutting down; retry on another replica", draining=True)
-            if sum(not h.done for h in self._queue) >= self.max_queue:
-                raise ServerBusy(f"the request queue is full ({self.max_queue} waiting); retry later")
+            # Rows, not requests: a request with n choices takes n rows of the rounds it waits for.
+            if sum(h.request.n for h in self._queue if not h.done) + req.n > self.max_queue:
+                raise ServerBusy(f"the request queue is full ({self.max_queue} rows waiting at most, a request "
+                                 "with n choices taking n); retry later")
             handle = Handle(req, f"cmpl-{next(self._ids)}")
             self._queue.append(handle)
         self._wake.put(None)

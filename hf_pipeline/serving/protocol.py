@@ -1,9 +1,11 @@
 """OpenAI request bodies, checked field by field, turned into :class:`CompletionRequest` s.
 
 Each field is a row of :data:`FIELDS` (its accepted types and default); fields the engine cannot
-honour are the rows of :data:`UNSUPPORTED` (what values are refused). A refusal is a
-:class:`~hf_pipeline.errors.ServingRequestError` whose ``param`` names the field, which the server
-turns into OpenAI's 400 error object.
+honour are the rows of :data:`UNSUPPORTED` (what values are refused); the counts OpenAI refuses below
+1 are :data:`AT_LEAST_ONE`. A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
+``param`` names the field, which the server turns into OpenAI's 400 error object. A prompt (or the
+chat messages) longer than ``max_prompt_chars`` is refused before the tokenizer sees it
+(:func:`prompt_char_limit`: no longer prompt can fit the context).
 
 Example:
     >>> body = {"model": "m", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
@@ -18,7 +20,8 @@ from typing import Any
 from ..errors import ServingRequestError
 from .handles import CompletionRequest
 
-__all__ = ["FIELDS", "UNSUPPORTED", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
+__all__ = ["AT_LEAST_ONE", "FIELDS", "UNSUPPORTED", "ParsedRequest", "error_body", "parse_chat", "parse_completion",
+           "prompt_char_limit"]
 
 _NUMBER = (int, float)
 # field -> (accepted types, default); OpenAI's defaults (temperature 1, max_tokens 16 for completions).
@@ -48,6 +51,8 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "tools": (lambda v: bool(v), "tools are not supported; leave them out"),
     "response_format": (lambda v: v not in (None, {"type": "text"}), "response_format is not supported"),
 }
+# Counts OpenAI answers 400 below 1 (a 0 must not fall back to the default).
+AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "n")
 
 
 @dataclass(kw_only=True)
@@ -60,9 +65,31 @@ class ParsedRequest:
     prompt_tokens: int
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def prompt_char_limit(tokenizer: Any, context: int | None) -> int | None:
+    """The most characters a prompt can have and still fit ``context`` tokens: ``context`` times the
+    longest entry of the tokenizer's vocabulary (a token stands for at most that many characters; a
+    byte-level vocabulary writes one character per byte). None when the context is unknown."""
+    if context is None:
+        return None
+    try:
+        longest = max(len(t) for t in tokenizer.get_vocab())
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: a generous bound
+        longest = 64
+    return context * max(longest, 1)
+
+
+def _check_chars(chars: int, limit: int | None, param: str) -> None:
+    if limit is not None and chars > limit:
+        raise ServingRequestError(
+            f"the {param} holds {chars} characters, more than this server takes ({limit}: --max-prompt-chars, "
+            "by default the most that can fit the model's context); shorten it", param=param,
+        )
 
 
 def _field(body: dict[str, Any], name: str) -> Any:
@@ -91,7 +118,11 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ServingRequestError("stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    max_tokens = _field(body, "max_completion_tokens") or _field(body, "max_tokens")
+    for name in AT_LEAST_ONE:
+        if (value := _field(body, name)) is not None and value < 1:
+            raise ServingRequestError(f"{name} must be >= 1, got {value}", param=name)
+    max_tokens = _field(body, "max_completion_tokens")
+    max_tokens = _field(body, "max_tokens") if max_tokens is None else max_tokens
     options = _field(body, "stream_options") or {}
     return {
         "options": {
@@ -108,28 +139,33 @@ def _build(prompts: list[list[int]], common: dict[str, Any]) -> ParsedRequest:
                          prompt_tokens=sum(len(p) for p in prompts))
 
 
-def _prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
-    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids or a list of id lists."""
-    def ids(p: Any) -> list[int]:
+def _prompts(prompt: Any, tokenizer: Any, max_chars: int | None) -> list[list[int]]:
+    """``prompt`` as OpenAI takes it: a string, a list of strings, a list of ids or a list of id lists;
+    every one checked (a string's length too) before any is tokenized."""
+    def checked(p: Any) -> Any:
         if isinstance(p, str):
-            return list(tokenizer(p)["input_ids"])
+            _check_chars(len(p), max_chars, "prompt")
+            return p
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
         raise ServingRequestError("prompt must be a string, a list of strings or a list of token ids",
                                   param="prompt")
 
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [ids(prompt)]
-    if isinstance(prompt, list) and prompt:
-        return [ids(p) for p in prompt]
-    if isinstance(prompt, str):
-        return [ids(prompt)]
-    raise ServingRequestError("prompt is required: a string, a list of strings or a list of token ids",
-                              param="prompt")
+        prompts = [checked(prompt)]
+    elif isinstance(prompt, list) and prompt:
+        prompts = [checked(p) for p in prompt]
+    elif isinstance(prompt, str):
+        prompts = [checked(prompt)]
+    else:
+        raise ServingRequestError("prompt is required: a string, a list of strings or a list of token ids",
+                                  param="prompt")
+    return [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else p for p in prompts]
 
 
-def parse_completion(body: Any, tokenizer: Any, *, model_name: str) -> ParsedRequest:
-    """``POST /v1/completions``'s body, checked.
+def parse_completion(body: Any, tokenizer: Any, *, model_name: str, max_prompt_chars: int | None = None
+                     ) -> ParsedRequest:
+    """``POST /v1/completions``'s body, checked (``max_prompt_chars``: longer prompts are refused untokenized).
 
     Returns:
         A :class:`ParsedRequest` (one engine request per prompt).
@@ -137,14 +173,26 @@ def parse_completion(body: Any, tokenizer: Any, *, model_name: str) -> ParsedReq
         ServingRequestError: naming the field to change.
     """
     common = _common(body, model_name)
-    return _build(_prompts(body.get("prompt"), tokenizer), common)
+    return _build(_prompts(body.get("prompt"), tokenizer, max_prompt_chars), common)
 
 
-def parse_chat(body: Any, tokenizer: Any, *, model_name: str) -> ParsedRequest:
-    """``POST /v1/chat/completions``'s body, checked; the messages go through the tokenizer's chat template.
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """What a chat template raises for messages it refuses (its ``raise_exception``): jinja2's TemplateError."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:  # no jinja2: transformers cannot apply a template at all, nothing to catch
+        return ()
+    return (TemplateError,)
+
+
+def parse_chat(body: Any, tokenizer: Any, *, model_name: str, max_prompt_chars: int | None = None
+               ) -> ParsedRequest:
+    """``POST /v1/chat/completions``'s body, checked; the messages go through the tokenizer's chat template
+    (``max_prompt_chars``: longer messages, all together, are refused before it).
 
     Raises:
-        ServingRequestError: naming the field to change (``messages`` when the tokenizer has no chat template).
+        ServingRequestError: naming the field to change (``messages`` when the tokenizer has no chat
+            template, or the template refuses the messages: its ``raise_exception``).
     """
     common = _common(body, model_name)
     messages = body.get("messages")
@@ -158,6 +206,10 @@ def parse_chat(body: Any, tokenizer: Any, *, model_name: str) -> ParsedRequest:
             f"the tokenizer of {model_name!r} has no chat template: use /v1/completions, or serve a model whose "
             "tokenizer_config.json has a chat_template", param="messages",
         )
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    _check_chars(sum(len(m["content"]) for m in messages), max_prompt_chars, "messages")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except _template_errors() as e:
+        raise ServingRequestError(f"the model's chat template refused the messages: {e}", param="messages") from e
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     return _build([list(ids)], common)

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP server: a FastAPI app on rank 0 in front of the :class:`Engine`.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream=true``: server-sent events ending with ``data: [DONE]``). Refusals are OpenAI's error
-objects: 400 naming the field, 429 while the queue is full, 503 while draining, 504 past the
-request timeout. A client that goes away cancels its request (checked at least every half second).
+(``stream=true``: server-sent events ending with ``data: [DONE]``). Every answer but a success is
+OpenAI's error object (:mod:`.guard`): 401 without the API key (every route but ``/health``), 413 for
+a body over the limit, 400 naming the field, 429 while the queue is full, 503 while draining, 504
+past the request timeout, 500 for anything unforeseen. Bodies are decoded, prompts tokenized and chat
+templates applied in a worker thread, off the event loop, so a long prompt holds up no other client.
+A client that goes away cancels its request (checked at least every half second).
 
 :func:`serve` runs on every rank: rank 0 starts uvicorn in a thread and runs the engine's rounds in
 its main thread (where SIGTERM arrives and starts the drain); the other ranks run the rounds alone.
@@ -24,13 +27,15 @@ from typing import Any, AsyncIterator
 
 # Imported here, not in the functions: FastAPI reads the routes' annotations ("Request") from this module.
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import CLIError, ServerBusy, ServingRequestError
 from ..log import get_logger
 from .engine import Engine
+from .guard import API_KEY_ENV, Guard, Limits, error_response, install_error_handlers, refusal
 from .handles import Handle
-from .protocol import ParsedRequest, error_body, parse_chat, parse_completion
+from .protocol import ParsedRequest, error_body, parse_chat, parse_completion, prompt_char_limit
 
 __all__ = ["build_app", "serve"]
 
@@ -38,11 +43,16 @@ log = get_logger(__name__)
 _STARTUP_S = 60.0  # how long rank 0 waits for uvicorn to listen
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse(error_body(message, param, kind), status_code=status)
-
-
 def _submit_all(engine: Engine, parsed: ParsedRequest) -> list[Handle]:
+    """Every prompt's request queued, or none (a request is all its prompts' rows, counted together)."""
+    for req in parsed.requests:
+        engine.check(req)  # n over --max-n, a prompt past the context: named before rows are counted
+    rows = sum(r.n for r in parsed.requests)
+    if rows > engine.max_queue:
+        raise ServingRequestError(
+            f"the request asks for {rows} rows ({len(parsed.requests)} prompt(s) x n), more than the queue holds "
+            f"({engine.max_queue}, --max-queue); send fewer prompts or a smaller n", param="prompt",
+        )
     handles: list[Handle] = []
     try:
         for req in parsed.requests:
@@ -52,12 +62,6 @@ def _submit_all(engine: Engine, parsed: ParsedRequest) -> list[Handle]:
             h.cancel()
         raise
     return handles
-
-
-def _refusal(e: Exception):
-    if isinstance(e, ServerBusy):
-        return _error(503 if e.draining else 429, str(e), kind="server_error" if e.draining else "rate_limit_error")
-    return _error(400, str(e), getattr(e, "param", None))
 
 
 class _Api:
@@ -108,7 +112,7 @@ class _Api:
         try:
             handles = _submit_all(self.engine, parsed)
         except (ServingRequestError, ServerBusy) as e:
-            return _refusal(e)
+            return refusal(e)
         n = parsed.requests[0].n
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
@@ -117,11 +121,11 @@ class _Api:
         reasons: dict[int, str | None] = {}
         async for i, d in self.events(request, handles, n):
             if i is None:
-                return _error(504, d, kind="timeout")
+                return error_response(504, d, kind="timeout")
             texts[i] = texts.get(i, "") + d.text
             reasons[i] = d.finish_reason
         if any(h.error for h in handles):
-            return _error(500, next(h.error for h in handles if h.error), kind="server_error")
+            return error_response(500, next(h.error for h in handles if h.error))
         choices = [self._choice(i, texts.get(i, ""), reasons.get(i), chat) for i in range(len(handles) * n)]
         used = sum(len(c.token_ids) for h in handles for c in h.choices)
         return {
@@ -160,7 +164,19 @@ class _Api:
         yield "data: [DONE]\n\n"
 
 
-def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: float = 600.0):
+def _decode(raw: bytes, parse: Any, tokenizer: Any, model_name: str, max_prompt_chars: int | None) -> ParsedRequest:
+    """The body decoded and checked, its prompts tokenized (in a worker thread: this is the slow part)."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ServingRequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ServingRequestError("the request body is not valid JSON: it nests too deeply") from None
+    return parse(body, tokenizer, model_name=model_name, max_prompt_chars=max_prompt_chars)
+
+
+def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: float = 600.0,
+              limits: Limits | None = None):
     """The FastAPI app serving ``engine`` (rank 0).
 
     Args:
@@ -168,11 +184,17 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
         tokenizer: the model's tokenizer (prompts, chat template, text).
         model_name: the name clients pass as ``model``.
         timeout_s: a request still running after this many seconds is cancelled (504).
+        limits: the API key, body and prompt limits (:class:`~.guard.Limits`; default: no key, 4 MiB, the
+            most characters the model's context can hold).
     Returns:
         A ``fastapi.FastAPI``.
     """
+    limits = limits or Limits()
+    max_chars = limits.max_prompt_chars or prompt_char_limit(tokenizer, engine.context)
     api = _Api(engine, tokenizer, model_name, timeout_s)
     app = FastAPI(title="hf-pipeline", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(Guard, limits=limits)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -185,14 +207,11 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
                                             "owned_by": "hf-pipeline"}]}
 
     async def handle(request: Request, parse, chat: bool):
+        raw = await request.body()  # at most limits.max_body_bytes: the Guard refused longer ones unread
         try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            return _error(400, f"the request body is not valid JSON: {e}")
-        try:
-            parsed = parse(body, tokenizer, model_name=model_name)
+            parsed = await run_in_threadpool(_decode, raw, parse, tokenizer, model_name, max_chars)
         except ServingRequestError as e:
-            return _refusal(e)
+            return refusal(e)
         return await api.complete(request, parsed, chat)
 
     @app.post("/v1/completions")
@@ -242,13 +261,22 @@ def _start_http(app, host: str, port: int) -> tuple[Any, threading.Thread | None
     return server, thread, None
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def serve(engine: Engine, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          timeout_s: float = 600.0) -> None:
+          timeout_s: float = 600.0, limits: Limits | None = None) -> None:
     """Serve until SIGTERM / SIGINT (then drain: queued requests are served, new ones get 503). Every rank.
 
     Args:
         engine: the engine, built on every rank.
-        tokenizer / model_name / timeout_s: as :func:`build_app`.
+        tokenizer / model_name / timeout_s / limits: as :func:`build_app`.
         host / port: where rank 0 listens.
     Raises:
         CLIError: on every rank, when rank 0 cannot listen on ``host:port``.
@@ -260,13 +288,16 @@ def serve(engine: Engine, tokenizer: Any, *, model_name: str, host: str = "127.0
     server = thread = None
     try:
         if engine.ctx.rank == 0:
-            server, thread, failed = _start_http(build_app(engine, tokenizer, model_name=model_name,
-                                                           timeout_s=timeout_s), host, port)
+            app = build_app(engine, tokenizer, model_name=model_name, timeout_s=timeout_s, limits=limits)
+            server, thread, failed = _start_http(app, host, port)
             if failed:
                 engine.stop_with_error(failed)
                 raise CLIError(failed)
             print(f"serving {model_name} on http://{host}:{port}/v1 ({engine.ctx.world_size} process(es))",
                   flush=True)
+            if (limits is None or limits.api_key is None) and not _loopback(host):
+                log.warning("serving on %s without an API key: anyone who reaches the port can use the model "
+                            "(pass --api-key or set %s)", host, API_KEY_ENV)
         engine.serve_forever()
     finally:
         if server is not None:
