@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(hf_pipeline.__file__).parent
 # Lowest first: each entry is a top-level module or a subpackage (all the modules under it).
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"compat", "log"},
+    {"compat", "log", "checked_files"},
     {"load_options"},
     {"distributed"},
     {"families"},

@@ -11,11 +11,12 @@ reader's, :mod:`hf_pipeline.loading.checkpoint_files`: a save writes what the lo
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
 
+from ..checked_files import is_regular_file, read_json
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PREFIX
 
 __all__ = [
@@ -50,16 +51,33 @@ _OLD = ".old-"
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True for a directory that a finished save left: config and index present, every file the index lists too.
 
-    Files no index lists (a killed save's staging directory, stale shards) do not matter.
+    Files no index lists (a killed save's staging directory, stale shards) do not matter. Only regular files
+    count (a FIFO in a shard's place is not read, and the directory is no complete checkpoint).
     """
     path = pathlib.Path(path)
-    if not (path.is_dir() and _TMP not in path.name and _OLD not in path.name and (path / "config.json").is_file()):
+    if not (path.is_dir() and _TMP not in path.name and _OLD not in path.name):
         return False
     try:
-        files = set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return _regular(path / "config.json") and all(_regular(path / f) for f in _listed_shards(path))
+    except CheckpointError:
         return False
-    return all(isinstance(f, str) and (path / f).is_file() for f in files)
+
+
+def _regular(path: pathlib.Path) -> bool:
+    return is_regular_file(path, "a file of the checkpoint")
+
+
+def _listed_shards(path: pathlib.Path) -> set[str]:
+    """The shard names the index of checkpoint ``path`` lists (read through :mod:`hf_pipeline.checked_files`).
+
+    Raises:
+        CheckpointNotFoundError: no index; CheckpointError: one that is no regular file, damaged or not ours.
+    """
+    index = read_json(path / INDEX_NAME, "the checkpoint index", expect=dict, keys=("weight_map",))
+    files = index["weight_map"].values() if isinstance(index["weight_map"], dict) else None
+    if files is None or not all(isinstance(f, str) for f in files):
+        raise CheckpointError(f"{path / INDEX_NAME} has a weight_map that is no mapping of key -> file name")
+    return set(files)
 
 
 def latest_checkpoint(root: str | os.PathLike, prefix: str = "checkpoint-") -> pathlib.Path | None:
@@ -103,15 +121,15 @@ def why_incomplete(path: pathlib.Path) -> str:
             "so it is never taken for a checkpoint whatever it holds; pass the checkpoint directory, or rename this "
             f"one without {marker!r} if it is a complete checkpoint of yours"
         )
-    if not (path / "config.json").is_file():
-        return "it has no config.json; pass the directory save_pretrained wrote"
     try:
-        files = json.loads((path / INDEX_NAME).read_text())["weight_map"].values()
-    except FileNotFoundError:
+        if not _regular(path / "config.json"):
+            return "it has no config.json; pass the directory save_pretrained wrote"
+        files = _listed_shards(path)
+        missing = sorted(f for f in files if not _regular(path / f))
+    except CheckpointNotFoundError:
         return f"it has no {INDEX_NAME}; pass a directory save_pretrained wrote (it always writes the index)"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"its {INDEX_NAME} cannot be read ({type(e).__name__}: {e}); re-save the checkpoint"
-    missing = sorted({f for f in files if not (isinstance(f, str) and (path / f).is_file())}, key=str)
+    except CheckpointError as e:  # a file of it is damaged, not ours or no regular file: named by the error
+        return f"{e}"
     return (
         f"{INDEX_NAME} lists {len(missing)} shard(s) that are not there (e.g. {missing[0]!r}); the save or copy is "
         "incomplete"

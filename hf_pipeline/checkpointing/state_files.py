@@ -9,26 +9,27 @@ hold is refused at save, naming its key. The optimizer state (tensors and number
 checkpoint key) stays a ``torch.save`` file, read only with ``weights_only=True``.
 
 Checkpoints of earlier versions hold ``scheduler.pt`` and ``rng/rank-XXXXX.pt`` pickles: they are
-read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, containers; no other
-class), and one that needs more (NumPy's RNG state is an ndarray) is refused with a
-:class:`~hf_pipeline.errors.CheckpointError` that says to re-save it, never unpickled freely.
+read with :func:`hf_pipeline.checked_files.load_torch_data` (``weights_only``: tensors, numbers, strings,
+containers; no other class), and one that needs more (NumPy's RNG state is an ndarray) is refused with a
+:class:`~hf_pipeline.errors.CheckpointError` that says to re-save it, never unpickled freely. Every file is
+read through :mod:`hf_pipeline.checked_files`: a truncated, foreign or non-regular one is named as such.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import pickle
 import random
-import re
 from typing import Any
 
 import torch
 
+from ..checked_files import NOT_OURS
 from ..errors import CheckpointError, InputError
+from ..loading.safetensors_header import read_shard_header
 from .durable import fsync, reporting_full_disk, write_json
 
-__all__ = ["json_state", "load_safe_pickle", "read_rng_state", "rng_state", "set_rng_state", "write_rng_state"]
+__all__ = ["json_state", "read_rng_state", "rng_state", "set_rng_state", "write_rng_state"]
 
 _RNG_FORMAT = "1"
 
@@ -79,14 +80,23 @@ def write_rng_state(path: pathlib.Path, state: dict[str, Any]) -> None:
         fsync(path)
 
 
-def read_rng_state(path: pathlib.Path) -> dict[str, Any]:
+def read_rng_state(path: pathlib.Path, hint: str = "") -> dict[str, Any]:
     """What :func:`write_rng_state` wrote, as :func:`set_rng_state` takes it.
 
-    Raises:
-        CheckpointError: the file is no RNG state this version wrote (damaged, or another format).
-    """
-    from safetensors import safe_open
+    Args:
+        path: the ``rng/rank-XXXXX.safetensors`` file.
+        hint: another way out, appended to the error (``", or pass rng=False ..."``).
 
+    Raises:
+        CheckpointError: the file is no regular file, is truncated (its header checked first, as a
+            shard's is), or is no RNG state this version wrote (another format, damaged).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        read_shard_header(path, what="the RNG state")  # a regular file, complete: else named, before safetensors
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{hint}") from e
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["state"])
@@ -102,10 +112,10 @@ def read_rng_state(path: pathlib.Path) -> dict[str, Any]:
             state["numpy"] = (n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"])
         if meta["cuda_devices"]:
             state["cuda"] = [tensors[f"cuda.{i}"] for i in range(meta["cuda_devices"])]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:
         raise CheckpointError(
-            f"the RNG state {path} cannot be read ({type(e).__name__}: {e}); re-save the checkpoint, or pass "
-            "rng=False to load_training_state"
+            f"{path} (the RNG state) is no RNG state hf_pipeline wrote ({type(e).__name__}: {e}): it {NOT_OURS}; "
+            f"re-save the checkpoint{hint}"
         ) from e
     return state
 
@@ -144,27 +154,3 @@ def json_state(path: pathlib.Path, state: dict[str, Any]) -> None:
     """
     _check_json(state, "")
     write_json(path, state)
-
-
-def load_safe_pickle(path: pathlib.Path, what: str, hint: str = "", **kwargs) -> Any:
-    """``torch.load(path, weights_only=True)``: tensors, numbers, strings and containers only, never code.
-
-    Args:
-        path: the file.
-        what: what it holds, for the error.
-        hint: another way out, appended to the error (``"or pass rng=False ..."``).
-
-    Raises:
-        CheckpointError: the file needs more than that (a pickle of another class, or one that would run code).
-    """
-    try:
-        return torch.load(path, weights_only=True, **kwargs)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
-        # torch's message advises weights_only=False, the one thing not to do here: name only what it refused.
-        named = re.search(r"GLOBAL ([\w.]+)", str(e))
-        found = f"it names {named.group(1)}" if named else f"{type(e).__name__} while reading it"
-        raise CheckpointError(
-            f"{path} ({what}) holds more than tensors, numbers and containers, so it is not loaded (unpickling it "
-            f"could run code): {found}. Re-save the checkpoint with this version of hf_pipeline (it writes "
-            f"safetensors and JSON) from a run you trust{hint}"
-        ) from e

@@ -21,13 +21,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any, Mapping
 
 import torch
 
+from ..checked_files import NOT_OURS, is_regular_file, load_torch_data, read_json
 from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError, InputError
@@ -46,7 +46,7 @@ from .directory import (
 )
 from .durable import save_torch, write_json
 from .lock import LOCK_NAME
-from .state_files import json_state, load_safe_pickle, read_rng_state, rng_state, set_rng_state, write_rng_state
+from .state_files import json_state, read_rng_state, rng_state, set_rng_state, write_rng_state
 from .state_shards import gathered_state, sharded_state, writes_pipeline_state
 
 logger = get_logger(__name__)
@@ -56,6 +56,7 @@ __all__ = [
     "optimizer_file_name",
     "optimizer_keys",
     "optimizer_state_by_key",
+    "read_optimizer_file",
     "rng_file_name",
     "stage_main_training_state",
     "stage_rank_training_state",
@@ -130,6 +131,23 @@ def optimizer_state_by_key(model: PipelineCore, optimizer) -> dict[str, Any] | N
         "state": state,
         "param_groups": [{**g, "params": [index_to_key[i] for i in g["params"]]} for g in sd["param_groups"]],
     }
+
+
+def read_optimizer_file(path: pathlib.Path, device: torch.device) -> dict[str, Any]:
+    """One ``optimizer/pp-XXXXX.pt`` file: read with ``weights_only`` and checked to hold what a save writes.
+
+    Raises:
+        CheckpointError: naming the file: no regular file, truncated, not ours (not a torch file, or not a
+            ``{"state", "param_groups"}`` mapping), or a pickle that would run code.
+    """
+    saved = load_torch_data(path, "optimizer state", map_location=device)
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+            and isinstance(saved.get("param_groups"), list)):
+        raise CheckpointError(
+            f"{path} (optimizer state) is no mapping with 'state' and 'param_groups': it {NOT_OURS}; re-save the "
+            "checkpoint"
+        )
+    return saved
 
 
 def stage_rank_training_state(
@@ -233,8 +251,9 @@ def load_training_state(
 def _save_id(directory: pathlib.Path) -> str | None:
     """The save that wrote the directory's index (None without a readable one)."""
     try:
-        return json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
-    except (OSError, ValueError, AttributeError):
+        metadata = read_json(directory / INDEX_NAME, "the checkpoint index", expect=dict).get("metadata", {})
+        return metadata.get(SAVE_ID_KEY) if isinstance(metadata, dict) else None
+    except CheckpointError:  # no index, or a damaged one: _trainer_state names it
         return None
 
 
@@ -257,11 +276,11 @@ def rng_file_name(rank: int, suffix: str = ".safetensors") -> str:
 def _scheduler_state(directory: pathlib.Path) -> dict[str, Any]:
     """``scheduler.json``, or an earlier version's ``scheduler.pt`` read with ``weights_only=True``."""
     path = directory / SCHEDULER_NAME
-    if path.is_file():
-        return json.loads(path.read_text())
+    if is_regular_file(path, "the scheduler state"):
+        return read_json(path, "the scheduler state", expect=dict)
     old = directory / OLD_SCHEDULER_NAME
-    if old.is_file():
-        return load_safe_pickle(old, "the scheduler state")
+    if is_regular_file(old, "the scheduler state"):
+        return load_torch_data(old, "the scheduler state")
     raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint was saved without scheduler=")
 
 
@@ -269,8 +288,9 @@ def _restore_rng(directory: pathlib.Path, state: dict[str, Any], ctx) -> None:
     """This rank's RNG states, when the checkpoint was written by as many ranks (else a warning)."""
     path = directory / RNG_DIR / rng_file_name(ctx.rank)
     old = directory / RNG_DIR / rng_file_name(ctx.rank, ".pt")
-    if state.get("world_size") == ctx.world_size and (path.is_file() or old.is_file()):
-        set_rng_state(read_rng_state(path) if path.is_file() else load_safe_pickle(old, "the RNG state", _NO_RNG))
+    found = is_regular_file(path, "the RNG state")  # a FIFO or directory there is refused, not skipped
+    if state.get("world_size") == ctx.world_size and (found or is_regular_file(old, "the RNG state")):
+        set_rng_state(read_rng_state(path, _NO_RNG) if found else load_torch_data(old, "the RNG state", hint=_NO_RNG))
         return
     logger.warning(
         "not restoring RNG state: the checkpoint was written by %s ranks, this job has %s; a resumed run "
@@ -283,9 +303,9 @@ def _trainer_state(directory: pathlib.Path) -> dict[str, Any]:
     """``trainer_state.json`` of a complete checkpoint ({} without one), checked to belong to its weights."""
     if not is_complete_checkpoint(directory):
         raise CheckpointNotFoundError(f"{directory} is not a complete checkpoint: {why_incomplete(directory)}")
-    state_path = directory / TRAINER_STATE_NAME
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    weights_id = json.loads((directory / INDEX_NAME).read_text()).get("metadata", {}).get(SAVE_ID_KEY)
+    state_path, what = directory / TRAINER_STATE_NAME, "the trainer state"
+    state = read_json(state_path, what, expect=dict) if is_regular_file(state_path, what) else {}
+    weights_id = _save_id(directory)
     if state.get(SAVE_ID_KEY) and weights_id and state[SAVE_ID_KEY] != weights_id:
         raise CheckpointError(
             f"the training state in {directory} was written by another save than its weights ({TRAINER_STATE_NAME} "
@@ -298,20 +318,26 @@ def _trainer_state(directory: pathlib.Path) -> dict[str, Any]:
 
 def _load_optimizer(model: PipelineCore, optimizer, directory: pathlib.Path) -> None:
     index_path = directory / OPTIMIZER_DIR / "index.json"
-    if not index_path.is_file():
+    what = "the optimizer state index"
+    if not is_regular_file(index_path, what):
         raise CheckpointNotFoundError(f"{index_path} does not exist: the checkpoint was saved without optimizer=")
-    files = json.loads(index_path.read_text())["state_files"]
+    files = read_json(index_path, what, expect=dict, keys=("state_files",))["state_files"]
+    if not (isinstance(files, dict) and all(isinstance(v, str) and "/" not in v for v in files.values())):
+        raise CheckpointError(
+            f"{index_path} ({what}) has state_files that are no mapping of key -> file name in {OPTIMIZER_DIR}/: it "
+            f"{NOT_OURS}; re-save the checkpoint"
+        )
     key_of_param = _key_of_parameter(model)
     keys = [key_of_param.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     if any(k is None for k in keys):
         raise InputError(_FOREIGN_PARAMETER)
     # The files holding this rank's keys, and its own pipeline rank's file (the parameter groups) when there.
     own = optimizer_file_name(model.dims.pp_rank)
-    own_file = {own} if (directory / OPTIMIZER_DIR / own).is_file() else set()
+    own_file = {own} if is_regular_file(directory / OPTIMIZER_DIR / own, "optimizer state") else set()
     needed = sorted({files[k] for k in keys if k in files} | own_file)
     saved: dict[str, dict] = {}
     for name in needed:
-        saved[name] = load_safe_pickle(directory / OPTIMIZER_DIR / name, "optimizer state", map_location=model.device)
+        saved[name] = read_optimizer_file(directory / OPTIMIZER_DIR / name, model.device)
     groups_from = saved.get(own) or next(iter(saved.values()), None)
     if groups_from is None:
         raise CheckpointNotFoundError(f"no optimizer state in {directory / OPTIMIZER_DIR} for this rank's parameters")

@@ -39,13 +39,16 @@ from .generate import cmd_generate
 from .launch import follow_launcher, launch
 from .parser import PROG, build_parser
 from .plan import cmd_convert, cmd_plan
-from .serve import cmd_serve
+from .serve import check_serve_extra, cmd_serve
 from .train import cmd_train
 
 __all__ = ["CLIError", "build_parser", "env_info", "main"]
 
 _COMMANDS = {"plan": cmd_plan, "generate": cmd_generate, "train": cmd_train, "convert": cmd_convert, "env": cmd_env,
              "serve": cmd_serve}
+# What a command needs installed beyond the package's dependencies (an extra): checked once, before it
+# launches processes or loads anything, so a missing one is one line naming the extra.
+_EXTRAS_CHECKS = {"serve": check_serve_extra}
 
 # ------------------------------------------------------------------------------------ which errors are mistakes
 # The library's errors decide (errors.is_user_error: a PipelineError that is not an InternalError),
@@ -112,6 +115,8 @@ def _run(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command in _EXTRAS_CHECKS:
+        _EXTRAS_CHECKS[args.command]()
     if getattr(args, "num_processes", None) and args.num_processes > 1:
         return launch(args, argv)
     return _COMMANDS[args.command](args)

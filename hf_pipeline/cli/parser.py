@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import re
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import CLIError
 from ..load_options import cli_fields
@@ -45,34 +46,39 @@ def version() -> str:
 
 
 # ------------------------------------------------------------------------------------ value checks
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+# Every numeric flag of every command has one of these as its type: a bad value is one line from the
+# parser, before anything loads (a negative weight decay found by the optimizer after the model loaded
+# would be a traceback, and a seed or port out of range fails only where it is used).
+def _bounded(kind: type, low: float, high: float | None = None, *, above: bool = False) -> Callable[[str], Any]:
+    """A flag type: a whole number (``kind`` int) or a finite number (float) >= ``low`` (> with ``above``),
+    and <= ``high`` when given."""
+    noun = "a whole number" if kind is int else "a number"
+    if high is None:
+        allowed = f"{'>' if above else '>='} {low}"
+    else:
+        allowed = f"in {low}..{high}" if kind is int else f"in {'(' if above else '['}{low}, {high}]"
+
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if (value <= low if above else value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+
+    return check
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive = _bounded(int, 1)
+_non_negative = _bounded(int, 0)
+_positive_float = _bounded(float, 0, above=True)
+_non_negative_float = _bounded(float, 0)
+_probability = _bounded(float, 0, 1, above=True)  # top-p, the masked share: 0 would keep nothing
+_port = _bounded(int, 1, 65535)
+_seed = _bounded(int, 0, 2**32 - 1)  # as NumPy and transformers' set_seed take it; train derives seeds from it
 
 
 def _size(text: str) -> str:
@@ -115,11 +121,11 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
                    help="start N processes (in total, over all machines) through torch.distributed.run")
     g.add_argument("--num-machines", "--num_machines", type=_positive, default=1, metavar="M",
                    help="hosts taking part (default 1)")
-    g.add_argument("--machine-rank", "--machine_rank", type=int, default=0, metavar="R",
+    g.add_argument("--machine-rank", "--machine_rank", type=_non_negative, default=0, metavar="R",
                    help="this host's rank, 0..M-1")
     g.add_argument("--main-process-ip", "--main_process_ip", default=None, metavar="IP",
                    help="address of machine 0 (default 127.0.0.1)")
-    g.add_argument("--main-process-port", "--main_process_port", type=int, default=None, metavar="PORT",
+    g.add_argument("--main-process-port", "--main_process_port", type=_port, default=None, metavar="PORT",
                    help="a free port on machine 0 (default: any free port, one machine only)")
     g.add_argument("--num-cpu-threads-per-process", "--num_cpu_threads_per_process", type=_positive, default=None,
                    metavar="T", help="torch threads per process (default: CPU cores / local processes)")
@@ -193,10 +199,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=_positive_float, default=None, help="sampling temperature (with --do-sample)")
     p.add_argument("--top-k", type=_positive, default=None, help="sample from the k most likely tokens")
     p.add_argument(
-        "--top-p", type=_positive_float, default=None, help="nucleus sampling: the smallest set with this probability"
+        "--top-p", type=_probability, default=None,
+        help="nucleus sampling: the smallest set with this probability, in (0, 1]"
     )
     p.add_argument("--repetition-penalty", type=_positive_float, default=None, help="> 1 discourages repeating tokens")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (same tokens at every world size)")
+    p.add_argument("--seed", type=_seed, default=None, help="sampling seed (same tokens at every world size)")
     p.add_argument("--json", action="store_true", help="print one JSON line (ids, texts, tokens/s) on rank 0")
     p.add_argument("--quiet", action="store_true", help="do not print the plan")
     _add_load(p)
@@ -216,7 +223,7 @@ def _add_serve(sub) -> None:
     p.add_argument("path", nargs="?", type=_existing_path, default=None,
                    help="checkpoint directory or cached hub id (default: --model, else the bundled model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_positive, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass (default: the folder name)")
     p.add_argument("--max-batch", type=_positive, default=8,
                    help="rows in flight (continuous) or per generate round (static) at most (default 8)")
@@ -274,7 +281,8 @@ def _add_train(sub) -> None:
         help="seq2seq: column holding each text's target (default: the text's continuation)",
     )
     p.add_argument(
-        "--mlm-probability", type=_positive_float, default=0.15, help="masked LM: share of tokens masked (default 0.15)"
+        "--mlm-probability", type=_probability, default=0.15,
+        help="masked LM: share of tokens masked, in (0, 1] (default 0.15)"
     )
     p.add_argument("--auto-class", default=None, help="transformers class to train (default: from the config, as plan)")
     p.add_argument("--output-dir", required=True, help="directory for the trained checkpoint and its tokenizer")
@@ -285,11 +293,11 @@ def _add_train(sub) -> None:
     p.add_argument(
         "--warmup-steps", type=_non_negative, default=0, help="linear warmup steps, then linear decay (default 0)"
     )
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--weight-decay", type=_non_negative_float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument(
         "--max-grad-norm", type=_positive_float, default=1.0, help="clip gradients to this global norm (default 1)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the batch order (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the batch order (default 0)")
     p.add_argument("--log-every", type=_positive, default=10, help="print the loss every N steps (default 10)")
     p.add_argument(
         "--log-file", default=None, help="also append one JSON line per step (step, loss, lr, grad_norm) to this file"

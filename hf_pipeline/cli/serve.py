@@ -2,32 +2,44 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 
 from ..errors import CLIError
 from .arguments import load_config, load_kwargs, load_tokenizer, local_path, model_path
 
-__all__ = ["cmd_serve"]
+__all__ = ["check_serve_extra", "cmd_serve"]
 
 
-def _check_extra() -> None:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        missing = e.name
-    else:
-        return
-    raise CLIError(f"serving needs FastAPI and uvicorn ({missing} is missing): pip install 'hf-pipeline[serve]'")
+# What `hf-pipeline serve` imports beyond the package's own dependencies: the `serve` extra.
+_SERVE_MODULES = ("fastapi", "uvicorn")
+
+
+def check_serve_extra() -> None:
+    """One line naming the extra to install when FastAPI or uvicorn cannot be imported (before anything loads).
+
+    Raises:
+        CLIError: ``hf-pipeline serve needs fastapi and uvicorn (...): pip install 'hf_pipeline[serve]'``.
+    """
+    missing = []
+    for name in _SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise CLIError(
+            f"hf-pipeline serve needs fastapi and uvicorn ({' and '.join(missing)} cannot be imported): "
+            "pip install 'hf_pipeline[serve]'"
+        )
 
 
 def cmd_serve(args) -> int:
     """``hf-pipeline serve PATH``: load the model on every rank, listen on rank 0 until SIGTERM."""
+    check_serve_extra()  # before the server module imports fastapi
     import hf_pipeline
     from hf_pipeline.serving import Engine
-
-    _check_extra()
     from hf_pipeline.serving.guard import API_KEY_ENV, Limits
     from hf_pipeline.serving.server import serve
 

@@ -20,22 +20,31 @@ its own stages), then the optimizer and scheduler from these files. A checkpoint
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
 
+from ..checked_files import is_regular_file, read_json
 from ..checkpointing.directory import OPTIMIZER_DIR, RNG_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..checkpointing.durable import save_torch
-from ..checkpointing.state_files import json_state, load_safe_pickle, rng_state, write_rng_state
-from ..checkpointing.training_state import optimizer_file_name, optimizer_keys, optimizer_state_by_key, rng_file_name
+from ..checkpointing.state_files import json_state, rng_state, write_rng_state
+from ..checkpointing.training_state import (
+    optimizer_file_name,
+    optimizer_keys,
+    optimizer_state_by_key,
+    read_optimizer_file,
+    rng_file_name,
+)
 from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointError, CheckpointNotFoundError
+from ..loading.safetensors_header import read_shard_header
+from .trainer_checkpoints import check_trainer_state
 
 __all__ = ["ADAPTER_WEIGHTS_NAME", "load_adapter_training_state", "reload_adapter", "save_adapter_checkpoint"]
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
+ADAPTER_CONFIG_NAME = "adapter_config.json"  # peft's CONFIG_NAME
 
 
 def save_adapter_checkpoint(
@@ -79,16 +88,20 @@ def reload_adapter(peft_model, model: PipelineCore, directory: str | os.PathLike
     """
     path = pathlib.Path(directory) / ADAPTER_WEIGHTS_NAME
     with collective_errors(model.ctx, "finding the adapter checkpoint"):
-        if not path.is_file():
+        if not is_regular_file(path, "the adapter weights"):
             raise CheckpointNotFoundError(
                 f"{path} does not exist: resume_from_checkpoint= must name a checkpoint the Trainer wrote for this "
                 "PEFT model (adapter_config.json and adapter_model.safetensors)"
             )
-        if not (path.parent / TRAINER_STATE_NAME).is_file():  # written last, once every rank's files are there
+        if not is_regular_file(path.parent / TRAINER_STATE_NAME, "the Trainer's state"):  # written last
             raise CheckpointNotFoundError(
                 f"{path.parent} has no {TRAINER_STATE_NAME}: the save of this checkpoint did not finish; resume from "
                 "an earlier checkpoint (or remove this one and pass resume_from_checkpoint=True)"
             )
+        # Before peft reads them (raw errors, or a blocking read of a FIFO): named when truncated or not ours.
+        check_trainer_state(path.parent)
+        read_json(path.parent / ADAPTER_CONFIG_NAME, "the adapter config", expect=dict)
+        read_shard_header(path, what="the adapter weights")
     with collective_errors(model.ctx, "loading the adapter checkpoint"):
         active = peft_model.active_adapters[0]
         peft_model.load_adapter(str(directory), active, is_trainable=True)
@@ -108,9 +121,9 @@ def load_adapter_training_state(model: PipelineCore, directory: str | os.PathLik
             _load_optimizer(model, optimizer, directory)
         if scheduler is not None:
             path = directory / SCHEDULER_NAME
-            if not path.is_file():
+            if not is_regular_file(path, "the scheduler state"):
                 raise CheckpointNotFoundError(f"{path} does not exist: the checkpoint was saved without its scheduler")
-            scheduler.load_state_dict(json.loads(path.read_text()))
+            scheduler.load_state_dict(read_json(path, "the scheduler state", expect=dict))
 
 
 def _load_optimizer(model: PipelineCore, optimizer, directory: pathlib.Path) -> None:
@@ -127,7 +140,7 @@ def _load_optimizer(model: PipelineCore, optimizer, directory: pathlib.Path) -> 
     own = directory / OPTIMIZER_DIR / optimizer_file_name(model.dims.pp_rank)
     groups_from = None
     for path in files:
-        part = load_safe_pickle(path, "optimizer state", map_location=model.device)
+        part = read_optimizer_file(path, model.device)
         saved.update(part["state"])
         listed |= {k for g in part["param_groups"] for k in g["params"]}
         if groups_from is None or path == own:

@@ -13,7 +13,8 @@
 
 Resuming reads only these files: the weights into the existing stages (safetensors), the optimizer
 and scheduler through ``load_training_state``, the RNG states from safetensors. Nothing is
-unpickled beyond ``weights_only`` loading of the optimizer's tensors.
+unpickled beyond ``weights_only`` loading of the optimizer's tensors; every file is read through
+:mod:`hf_pipeline.checked_files` inside an agreement, so a bad file on one rank is named on every rank.
 
 Rotation (``save_total_limit``) removes only checkpoints the Trainer wrote. transformers removes
 every ``checkpoint-*`` folder of ``output_dir`` beyond the limit, the user's own too (a
@@ -25,7 +26,6 @@ index (:func:`mark_checkpoint`); a folder is removed only while its mark names i
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -33,14 +33,21 @@ import shutil
 
 import torch
 
-from ..checkpointing.directory import RNG_DIR, SAVE_ID_KEY, is_complete_checkpoint, why_incomplete
+from ..checked_files import is_regular_file, read_json
+from ..checkpointing.directory import (
+    RNG_DIR,
+    SAVE_ID_KEY,
+    TRAINER_STATE_NAME,
+    is_complete_checkpoint,
+    why_incomplete,
+)
 from ..checkpointing.durable import write_json
 from ..checkpointing.state_files import read_rng_state, set_rng_state
 from ..checkpointing.state_shards import sharded_state
 from ..checkpointing.training_state import rng_file_name
 from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, PipelineError
 from ..loading.checkpoint_files import INDEX_NAME, CheckpointIndex
 from ..loading.key_plan import UNEXPECTED_HINT, wanted_tensors
 from ..loading.weights import load_tensors
@@ -50,6 +57,7 @@ logger = get_logger(__name__)
 
 __all__ = [
     "MARK_NAME",
+    "check_trainer_state",
     "keep_only_checkpoint",
     "mark_checkpoint",
     "reload_weights",
@@ -71,12 +79,14 @@ def reload_weights(model: PipelineCore, directory: str | os.PathLike) -> None:
 
     Raises:
         CheckpointNotFoundError: ``directory`` is no complete checkpoint (on every rank).
-        CheckpointError: a tensor is missing or of another shape (on every rank).
+        CheckpointError: a tensor is missing or of another shape, or a file of it (``trainer_state.json``
+            included) is truncated, not ours or no regular file (on every rank).
     """
     directory = pathlib.Path(directory)
     with collective_errors(model.ctx, "reading the checkpoint's weights"):
         if not is_complete_checkpoint(directory):
             raise CheckpointNotFoundError(f"{directory} is not a complete checkpoint: {why_incomplete(directory)}")
+        check_trainer_state(directory)
         index = CheckpointIndex.from_directory(directory)
         wanted, aliases, expected, ignore = wanted_tensors(
             model.skeleton, model.resolved, list(model.stages), index, model.dtype
@@ -93,23 +103,44 @@ def reload_weights(model: PipelineCore, directory: str | os.PathLike) -> None:
 
 
 def restore_rng(model: PipelineCore, directory: str | os.PathLike) -> bool:
-    """Set this rank's RNG states from ``directory/rng/`` when as many ranks wrote it as run now.
+    """Set this rank's RNG states from ``directory/rng/`` when as many ranks wrote it as run now. Collective.
 
     Returns:
         True when restored; False (with a warning: dropout then draws other masks than an
         uninterrupted run) when the checkpoint has no RNG states or another world size wrote them.
+
+    Raises:
+        CheckpointError: on every rank, naming the file, when one rank's file is truncated, not ours or no
+            regular file (each rank reads its own file: without the agreement the others would train on).
     """
     folder = pathlib.Path(directory) / RNG_DIR
-    written = sorted(folder.glob("rank-*.safetensors")) if folder.is_dir() else []
-    path = folder / rng_file_name(model.ctx.rank)
-    if len(written) == model.ctx.world_size and path.is_file():
-        set_rng_state(read_rng_state(path))
-        return True
-    logger.warning(
-        "not restoring RNG state from %s: %d rank file(s) for a job of %d ranks; a resumed run then draws "
-        "different dropout masks than an uninterrupted one", folder, len(written), model.ctx.world_size,
-    )
-    return False
+    with collective_errors(model.ctx, "restoring the RNG states"):
+        written = sorted(folder.glob("rank-*.safetensors")) if folder.is_dir() else []
+        path = folder / rng_file_name(model.ctx.rank)
+        restore = len(written) == model.ctx.world_size and is_regular_file(path, "the RNG state")
+        if restore:
+            set_rng_state(read_rng_state(path))
+    if not restore:
+        logger.warning(
+            "not restoring RNG state from %s: %d rank file(s) for a job of %d ranks; a resumed run then draws "
+            "different dropout masks than an uninterrupted one", folder, len(written), model.ctx.world_size,
+        )
+    return restore
+
+
+def check_trainer_state(directory: str | os.PathLike) -> None:
+    """Read ``trainer_state.json`` of a Trainer checkpoint as transformers' Trainer will, naming it when bad.
+
+    transformers reads it (``TrainerState.load_from_json``) right after the model is reloaded, with no
+    agreement across ranks and a raw ``JSONDecodeError``; reading it first, inside the reload's
+    agreement, names a truncated or foreign file on every rank. A missing one is left to the caller.
+
+    Raises:
+        CheckpointError: the file is no regular file, truncated, or no JSON object.
+    """
+    path = pathlib.Path(directory) / TRAINER_STATE_NAME
+    if is_regular_file(path, "the Trainer's state"):
+        read_json(path, "the Trainer's state", expect=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,8 +149,8 @@ def restore_rng(model: PipelineCore, directory: str | os.PathLike) -> bool:
 def _save_id(directory: pathlib.Path) -> str | None:
     """The save id in the weights' index (None without one: an adapter checkpoint)."""
     try:
-        return json.loads((directory / INDEX_NAME).read_text())["metadata"][SAVE_ID_KEY]
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_json(directory / INDEX_NAME, "the weights' index")["metadata"][SAVE_ID_KEY]
+    except (PipelineError, OSError, KeyError, TypeError):  # a FIFO, a damaged index: no save of ours
         return None
 
 
@@ -136,8 +167,8 @@ def written_by_trainer(directory: str | os.PathLike) -> bool:
     if directory.is_symlink() or not directory.is_dir() or not _CHECKPOINT_NAME.fullmatch(directory.name):
         return False
     try:
-        mark = json.loads((directory / MARK_NAME).read_text())
-    except (OSError, ValueError):
+        mark = read_json(directory / MARK_NAME, "the Trainer's checkpoint mark")
+    except (PipelineError, OSError):  # none, damaged or no regular file: not ours, never removed
         return False
     return isinstance(mark, dict) and mark.get("checkpoint") == directory.name and mark.get("save") == _save_id(
         directory

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -22,6 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..checked_files import is_regular_file, load_torch_data, read_json
 from ..errors import CheckpointChangedError, CheckpointError, CheckpointNotFoundError
 from .safetensors_header import read_header
 
@@ -242,17 +242,14 @@ class CheckpointIndex:
                 stacklevel=2,
             )
         index_path = directory / INDEX_NAME
-        if index_path.is_file():
+        if is_regular_file(index_path, "the checkpoint index"):
             stamps = {index_path: file_stamp(index_path)}
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-                if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-                    raise CheckpointError("weight_map is not a mapping of key -> file name")
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            weight_map = read_json(index_path, "the checkpoint index", expect=dict, keys=("weight_map",))["weight_map"]
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
                 raise CheckpointError(
-                    f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it or re-save the "
-                    "checkpoint"
-                ) from None
+                    f"cannot read the index {index_path}: its weight_map is not a mapping of key -> file name; "
+                    "re-download it or re-save the checkpoint"
+                )
             if not weight_map:
                 raise CheckpointError(
                     f"the index {index_path} lists no tensors; re-download it or re-save the checkpoint"
@@ -262,7 +259,7 @@ class CheckpointIndex:
             for key, shard in weight_map.items():
                 first_key.setdefault(shard, key)
             for shard, key in first_key.items():
-                if not (directory / shard).is_file():
+                if not is_regular_file(directory / shard, "shard"):
                     changed = changed_while_read(directory, stamps)  # a save replaced the index and its shards
                     if changed is not None:
                         raise changed
@@ -272,7 +269,7 @@ class CheckpointIndex:
                     )
             return cls(directory=directory, weight_map=dict(weight_map), stamps=stamps)
         single = directory / SINGLE_NAME
-        if single.is_file():
+        if is_regular_file(single, "the checkpoint's one shard"):
             stamps = {single: file_stamp(single)}
             return cls(directory=directory, weight_map=dict.fromkeys(read_header(single), SINGLE_NAME), stamps=stamps)
         others = sorted(
@@ -293,17 +290,17 @@ class CheckpointIndex:
         """
         directory = pathlib.Path(directory)
         index_path = directory / BIN_INDEX_NAME
-        if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+        if is_regular_file(index_path, "the PyTorch checkpoint index"):
+            what = "the PyTorch checkpoint index"
+            weight_map = read_json(index_path, what, expect=dict, keys=("weight_map",))["weight_map"]
+            if not isinstance(weight_map, dict):
                 raise CheckpointError(
-                    f"cannot read the index {index_path} ({type(e).__name__}: {e}); re-download it"
-                ) from None
+                    f"cannot read the index {index_path}: its weight_map is no mapping; re-download it"
+                )
             _check_shards_stay_inside(index_path, weight_map.values())
             return cls(directory=directory, weight_map=dict(weight_map))
         single = directory / BIN_NAME
-        if not single.is_file():
+        if not is_regular_file(single, "the PyTorch checkpoint file"):
             raise CheckpointError(f"no PyTorch checkpoint ({BIN_INDEX_NAME} or {BIN_NAME}) in {directory}")
         return cls(directory=directory, weight_map=dict.fromkeys(load_pytorch_file(single), BIN_NAME))
 
@@ -338,16 +335,13 @@ def pytorch_files(directory: str | os.PathLike) -> bool:
 
 
 def load_pytorch_file(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    """All tensors of one ``.bin`` file (``weights_only``: no code in the file runs), memory-mapped where torch can."""
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:  # the legacy (pre-zip) format cannot be memory-mapped
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - UnpicklingError, OSError, ...: name the file
-        raise CheckpointError(f"cannot read the PyTorch checkpoint file {path} ({type(e).__name__}: {e})") from e
+    """All tensors of one ``.bin`` file (``weights_only``: no code in the file runs), memory-mapped where torch can.
+
+    Raises:
+        CheckpointError: naming the file: not a regular file, truncated, not a torch file, or a pickle that
+            would run code (:func:`~hf_pipeline.checked_files.load_torch_data`).
+    """
+    return load_torch_data(path, "a PyTorch checkpoint file", map_location="cpu", mmap=True)
 
 
 def checkpoint_nbytes(index: CheckpointIndex) -> int:

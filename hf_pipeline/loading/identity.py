@@ -12,8 +12,10 @@ import hashlib
 import json
 import pathlib
 from dataclasses import fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from ..checked_files import is_regular_file, open_regular, read_json
+from ..errors import CheckpointError
 from .checkpoint_files import INDEX_NAME
 
 __all__ = ["parallel_arguments", "pipeline_identity"]
@@ -97,12 +99,8 @@ def _checkpoint_identity(directory: pathlib.Path) -> dict[str, Any]:
     """The checkpoint by content: generation config, the index's weight map (hashed), shard sizes and tails."""
     out: dict[str, Any] = {}
     generation = directory / "generation_config.json"
-    out["generation_config.json"] = generation.read_text() if generation.is_file() else None
-    index = directory / INDEX_NAME
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        weight_map = f"unreadable ({type(e).__name__})"
+    out["generation_config.json"] = _described(lambda: _read_text(generation, "the generation config"))
+    weight_map = _described(lambda: _weight_map(directory / INDEX_NAME))
     if isinstance(weight_map, dict):
         text = json.dumps(weight_map, sort_keys=True)
         # One leaf: thousands of keys are compared by one hash, not listed in a mismatch message.
@@ -113,13 +111,13 @@ def _checkpoint_identity(directory: pathlib.Path) -> dict[str, Any]:
         files = [p.name for p in sorted(directory.glob("*.safetensors"))]
     sizes, tails = {}, {}
     for name in files:
-        try:
-            with open(directory / name, "rb") as f:
+        try:  # a regular file only: opening a FIFO in a shard's place would wait for a writer forever
+            with open_regular(directory / name, "shard") as f:
                 size = f.seek(0, 2)
                 f.seek(max(0, size - _TAIL_BYTES))
                 tail = f.read(_TAIL_BYTES)
-        except OSError:
-            sizes[name] = tails[name] = None  # missing or unreadable: the loader says which and why
+        except (OSError, CheckpointError):
+            sizes[name] = tails[name] = None  # missing, unreadable or no regular file: the loader says which and why
             continue
         sizes[name] = size
         tails[name] = hashlib.blake2b(tail, digest_size=8).hexdigest()
@@ -128,3 +126,28 @@ def _checkpoint_identity(directory: pathlib.Path) -> dict[str, Any]:
     # have the same config, index and sizes, but not the same weights.
     out["shard tails"] = tails
     return out
+
+
+def _read_text(path: pathlib.Path, what: str) -> str | None:
+    """The text of a regular file at ``path`` (None when nothing is there)."""
+    if not is_regular_file(path, what):
+        return None
+    with open_regular(path, what) as f:
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _weight_map(index: pathlib.Path) -> Any:
+    """The index's weight map (None without an index)."""
+    what = "the checkpoint index"
+    if not is_regular_file(index, what):
+        return None
+    return read_json(index, what, expect=dict, keys=("weight_map",))["weight_map"]
+
+
+def _described(read: Callable[[], Any]) -> Any:
+    """What ``read()`` returns, or why it cannot be read (the loader raises for it, by name); the error's type
+    only, since its message names a path, which may differ from host to host."""
+    try:
+        return read()
+    except (OSError, CheckpointError) as e:
+        return f"unreadable ({type(e).__name__})"

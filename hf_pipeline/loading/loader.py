@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import pathlib
 import time
@@ -34,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..checked_files import is_regular_file, read_json
 from ..compat import set_attn_implementation
 from ..distributed.agreement import check_same_on_all_ranks, collective_errors
 from ..distributed.context import RankContext, init_distributed
@@ -96,8 +96,8 @@ def front_end(config, options: PipelineOptions, device: torch.device) -> StageMa
 def _refuse_remote_code(ckpt: pathlib.Path, config) -> None:
     """Raise for ``trust_remote_code=True`` on a checkpoint that ships modelling code (``auto_map``)."""
     auto_map = getattr(config, "auto_map", None) if config is not None else None
-    if auto_map is None and (ckpt / "config.json").is_file():
-        auto_map = json.loads((ckpt / "config.json").read_text()).get("auto_map")
+    if auto_map is None and is_regular_file(ckpt / "config.json", "the model config"):
+        auto_map = read_json(ckpt / "config.json", "the model config", expect=dict).get("auto_map")
     if auto_map:
         raise InputError(
             f"trust_remote_code=True: {ckpt} has its own modelling code (auto_map {sorted(auto_map)} in config.json), "
@@ -116,6 +116,9 @@ _AGREE_HINT = (
 
 def _read_config(ckpt: pathlib.Path, config, *, attn_implementation: str | None, trust_remote_code: bool):
     """The config the stages are built from: the caller's (copied when changed) or the checkpoint's."""
+    generation = ckpt / "generation_config.json"  # read later by transformers: a FIFO there must not block it
+    if is_regular_file(generation, "the generation config"):
+        read_json(generation, "the generation config", expect=dict)  # truncated or foreign: named now, on every rank
     if trust_remote_code:
         _refuse_remote_code(ckpt, config)
     if config is None:

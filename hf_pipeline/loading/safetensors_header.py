@@ -3,18 +3,21 @@
 safetensors layout: 8-byte little-endian header length N, N bytes of JSON, then the data. The
 loader reads tensor bytes at the header's offsets itself (see :mod:`.weights`), so every entry is
 checked here (dtype, shape, byte length, tiling of the data, file size) and a damaged file is named
-as truncated or corrupted before gigabytes are read.
+as truncated or corrupted before gigabytes are read; a FIFO, device or directory in a shard's place is
+refused, never opened for a blocking read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import struct
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from ..checked_files import open_regular
 from ..errors import CheckpointError
 
 __all__ = ["SAFETENSORS_DTYPES", "ShardHeader", "read_header", "read_shard_header", "slice_byte_ranges"]
@@ -57,33 +60,38 @@ class ShardHeader:
     entries: dict[str, dict]  # key -> {"dtype", "shape", "data_offsets"}
 
 
-def read_shard_header(path: pathlib.Path) -> ShardHeader:
+def read_shard_header(path: pathlib.Path, what: str = "shard") -> ShardHeader:
     """The header of a safetensors shard, checked as strictly as safetensors checks it, and against the file size.
 
     safetensors layout: 8-byte little-endian header length N, N bytes of JSON, then the data;
     ``data_offsets`` are relative to the data start, the tensors tile the data without holes or
     overlaps, so a complete file is 8 + N + max(end) bytes. Reading this ourselves is cheap and lets
     us say "truncated" instead of a generic error; since the loader reads tensor bytes at these
-    offsets itself, every entry's byte length is checked against its shape and dtype here.
+    offsets itself, every entry's byte length is checked against its shape and dtype here. Only a
+    regular file is read (:func:`~hf_pipeline.checked_files.open_regular`: a FIFO or a device is refused).
+
+    Args:
+        path: the safetensors file.
+        what: what it is, for the errors (``"the RNG state"``; default ``"shard"``).
     """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+    name = f"{what} {path.name} in {path.parent}"
+    with open_regular(path, f"{what} of the checkpoint") as f:
+        try:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(
-                    f"shard {path.name} in {path.parent} is truncated ({size} bytes, not even a header); re-download "
-                    "or re-save it"
+                    f"{name} is truncated ({size} bytes, not even a header); re-download or re-save it"
                 )
             (n,) = struct.unpack("<Q", prefix)
             if n > _MAX_HEADER or 8 + n > size:
                 raise CheckpointError(
-                    f"shard {path.name} in {path.parent} is truncated or its header is corrupted: the header length "
-                    f"field says {n} bytes but the file has {size}; re-download or re-save it"
+                    f"{name} is truncated or its header is corrupted: the header length field says {n} bytes but "
+                    f"the file has {size}; re-download or re-save it"
                 )
             raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"cannot read shard {path.name} in {path.parent}: {e}") from e
+        except OSError as e:
+            raise CheckpointError(f"cannot read {name}: {e}") from e
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -92,18 +100,18 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
         end = _data_end(header)
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(
-            f"shard {path.name} in {path.parent} has a corrupted header ({type(e).__name__}: {e}); re-download or "
-            "re-save it"
+            f"{name} has a corrupted header ({type(e).__name__}: {e}): it is not a safetensors file hf_pipeline / "
+            "transformers wrote, or is damaged; re-download or re-save it"
         ) from None
     expected = 8 + n + end
     if size < expected:
         raise CheckpointError(
-            f"shard {path.name} in {path.parent} is truncated (expected {expected} bytes, found {size}); "
+            f"{name} is truncated (expected {expected} bytes, found {size}); "
             "the download or save was probably interrupted: re-download or re-save it"
         )
     if size > expected:
         raise CheckpointError(
-            f"shard {path.name} in {path.parent} is corrupted: {size - expected} bytes after the last tensor "
+            f"{name} is corrupted: {size - expected} bytes after the last tensor "
             f"(expected {expected} bytes, found {size}); re-download or re-save it"
         )
     return ShardHeader(data_start=8 + n, entries=header)

@@ -28,6 +28,7 @@ from typing import Collection, Mapping, Sequence
 
 import torch
 
+from ..checked_files import is_regular_file, open_regular
 from ..errors import CheckpointError, InternalError
 from ..log import progress_bar
 from .checkpoint_files import CheckpointIndex, FileStamp, changed_while_read, file_stamp, name_listing
@@ -284,7 +285,7 @@ def _plan_shard(
     path = index.directory / shard
     if seen is not None:
         seen.setdefault(path, file_stamp(path))
-    if not path.is_file():
+    if not is_regular_file(path, "shard"):
         raise CheckpointError(
             f"shard {shard!r} (holding {keys[0]!r}) is missing from {index.directory}; re-download the checkpoint"
         )
@@ -335,8 +336,9 @@ def _plan_shard(
 
 
 def _open_shard(path: pathlib.Path):
-    # Unbuffered: readinto() then goes straight from the page cache into the destination tensor.
-    return open(path, "rb", buffering=0)
+    # Unbuffered: readinto() then goes straight from the page cache into the destination tensor. A regular
+    # file only: a FIFO put in the shard's place after its header was read must not block the read.
+    return open_regular(path, "shard", buffering=0)
 
 
 class _ShortRead(Exception):

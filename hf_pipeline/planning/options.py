@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import transformers
 
+from ..checked_files import is_regular_file, read_json
 from ..compat import auto_model_mapping
 from ..errors import CheckpointNotFoundError, InputError
 from ..families.recipe import list_recipes
@@ -188,15 +188,17 @@ def load_config(path_or_config: Any):
             raise InputError("a config dict needs a 'model_type' key (e.g. 'llama')")
         return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     path = pathlib.Path(path_or_config).expanduser()
-    if path.is_file():
-        d = json.loads(path.read_text())
+    if not path.is_dir() and is_regular_file(path, "the model config"):
+        d = read_json(path, "the model config", expect=dict)
         if "model_type" not in d:
             raise InputError(f"{path} has no 'model_type'; pass the checkpoint directory or a transformers config.json")
         return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise CheckpointNotFoundError(
-            f"{path} has no config.json; pass a checkpoint directory, a config.json file or a config object"
-        )
+    if path.is_dir():
+        if not is_regular_file(path / "config.json", "the model config"):
+            raise CheckpointNotFoundError(
+                f"{path} has no config.json; pass a checkpoint directory, a config.json file or a config object"
+            )
+        read_json(path / "config.json", "the model config", expect=dict)  # truncated or foreign: named here
     # A directory, or a hub id already in the local cache: only config.json is read.
     return transformers.AutoConfig.from_pretrained(str(path_or_config))
 

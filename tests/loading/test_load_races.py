@@ -106,7 +106,7 @@ def test_a_shard_missing_because_the_index_changed_while_it_was_checked(ckpt, mo
         (ckpt / last).unlink(missing_ok=True)
         return out
 
-    monkeypatch.setattr(checkpoint_files.json, "loads", loads)
+    monkeypatch.setattr(json, "loads", loads)  # the one json module, as read through checked_files
     with pytest.raises(CheckpointChangedError, match=_CHANGED.format(file=r"model\.safetensors\.index\.json",
                                                                      how="was rewritten")):
         CheckpointIndex.from_directory(ckpt)

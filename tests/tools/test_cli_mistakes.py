@@ -147,13 +147,14 @@ def test_malformed_or_mistyped_config_is_one_line(tmp_path, capsys):
     config = json.loads((ckpt / "config.json").read_text())
     (typed / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}), encoding="utf-8")
 
-    assert _one_line(capsys, ["plan", str(bad)]) == (
-        f"cannot read the config of {bad}: It looks like the config file at '{bad / 'config.json'}' is not a valid "
-        "JSON file; fix its config.json"
+    # Read through hf_pipeline.checked_files: the file named, with what is wrong with it.
+    damaged = (
+        f"{bad / 'config.json'} (the model config) is not valid JSON (Expecting property name enclosed in double "
+        "quotes, line 1 column 2): it is truncated or was not written by hf_pipeline / transformers; re-save or "
+        "re-download it"
     )
-    assert _one_line(capsys, ["plan", str(bad / "config.json")]).startswith(
-        f"cannot read the config of {bad / 'config.json'}: Expecting property name enclosed in double quotes"
-    )
+    assert _one_line(capsys, ["plan", str(bad)]) == damaged
+    assert _one_line(capsys, ["plan", str(bad / "config.json")]) == damaged
     message = _one_line(capsys, ["plan", str(typed)])
     assert message.startswith(f"cannot read the config of {typed}: ") and message.endswith("; fix its config.json")
     assert "'num_hidden_layers' expected int, got str (value: 'two')" in message, message
