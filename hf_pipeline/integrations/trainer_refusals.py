@@ -132,7 +132,7 @@ REFUSALS: tuple[Refusal, ...] = (
         applies=lambda args, model, extra: bool(extra.get("adapter")) and getattr(model.dims, "fsdp_size", 1) > 1,
         message=lambda args, model: (
             f"PipelineTrainer does not train a PEFT adapter on a model loaded with fsdp_size={model.dims.fsdp_size} "
-            "yet; load the model without fsdp_size / distributed_config / device_mesh for LoRA (tp_size works), or "
+            "yet; load the model without fsdp_size / tp_size / distributed_config / device_mesh for LoRA, or "
             "train the whole model at fsdp_size (pass the pipelined model itself)"
         ),
     ),
