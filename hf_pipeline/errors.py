@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Mapping
 
 __all__ = [
+    "AdapterError",
     "CLIError",
     "CheckpointChangedError",
     "CheckpointError",
@@ -45,6 +46,11 @@ class PipelineError(Exception):
 
 class InputError(PipelineError, ValueError):
     """A bad argument or input value (an option of ``from_pretrained``, a call's inputs)."""
+
+
+class AdapterError(InputError):
+    """A PEFT adapter could not be loaded into a pipelined model on some rank (a tensor of the wrong shape, a
+    module another rank holds): raised on every rank, naming the failing rank and the cause."""
 
 
 class InputTypeError(InputError, TypeError):

@@ -8,6 +8,8 @@ Lives here (flat modules, named by the library they serve):
 * :mod:`.peft_inject`: injection on the stages with one-process names and one-process initial values
   (the whole model's random stream replayed on its meta-device copy), and which adapter keys a
   rank loads.
+* :mod:`.peft_agree`: adapter steps agreed between ranks: the config and the files (by content) compared,
+  a failure on one rank raised on every rank (``AdapterError``), tensor parallelism refused by name.
 * :mod:`.peft_save`: an adapter saved as one process saves it: gathered from every rank, written once.
 * :mod:`.peft_patches`: the peft methods replaced (named in ``compat.PEFT_PATCHED_METHODS``), in place
   only while a pipelined model is alive, each calling peft's own method for any other model.

@@ -24,6 +24,7 @@ from transformers.integrations import PeftAdapterMixin
 
 from ..errors import InputError
 from . import peft_patches
+from .peft_agree import agree_on_config, agree_on_files, agreed, refuse_tensor_parallel
 from .peft_inject import AdapterState, inject_on_stages, local_adapter_keys, wrapped_module_keys
 from .peft_save import adapter_tensors, save_adapter_files, saving, write_peft_model
 
@@ -61,14 +62,22 @@ class AdapterHost(PeftAdapterMixin):
             self._require_grads_hook = embeddings.register_forward_hook(make_inputs_require_grads)
 
     def load_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """transformers' ``load_adapter``, agreed: same adapter files on every rank; one error on all. Collective."""
         name = kwargs.get("adapter_name") or (args[1] if len(args) > 1 else None) or "default"
-        with self.loading_adapter(name):
+        source = kwargs.get("peft_model_id") or (args[0] if args else None)
+        state = kwargs.get("adapter_state_dict")
+        agree_on_files(self, source if state is None else state, name, kwargs.get("subfolder"),
+                       revision=kwargs.get("revision"))
+        with agreed(self, f"loading adapter {name!r}"), self.loading_adapter(name):
             return super().load_adapter(*args, **kwargs)
 
     def attach_adapter(self, tuner, original, adapter_name: str, **kwargs: Any) -> None:
         """peft's injection on this rank's stages (see :func:`~hf_pipeline.integrations.peft_inject.inject_on_stages`).
-        Collective only in that every rank must call it with the same config."""
-        targets = inject_on_stages(tuner, original, self, adapter_name, **kwargs)
+        Collective: the config is compared across ranks first, and a failure on any rank raises on every rank."""
+        refuse_tensor_parallel(self)
+        agree_on_config(self, tuner.peft_config[adapter_name], adapter_name)
+        with agreed(self, f"injecting adapter {adapter_name!r}"):
+            targets = inject_on_stages(tuner, original, self, adapter_name, **kwargs)
         if self.adapter_state is None:
             state = AdapterState()
             state.load_hook = self.register_load_state_dict_pre_hook(_load_hook)
@@ -129,8 +138,15 @@ def _save_peft_model(peft_model, original, save_directory, *args, **kwargs) -> N
 
 
 def _load_into_peft_model(peft_model, original, model_id, adapter_name, *args, **kwargs):
+    """``PeftModel.load_adapter`` of a pipelined base model (collective): the same adapter files on every rank
+    (compared by content), then each rank's load, a failure on any rank raised on every rank."""
     model = peft_model.base_model.model
-    with model.loading_adapter(adapter_name), peft_patches.reading_weights(lambda w: wrapped_module_keys(model, w)):
+    agree_on_files(model, model_id, adapter_name, kwargs.get("subfolder"), revision=kwargs.get("revision"))
+    with (
+        agreed(model, f"loading adapter {adapter_name!r}"),
+        model.loading_adapter(adapter_name),
+        peft_patches.reading_weights(lambda w: wrapped_module_keys(model, w)),
+    ):
         return original(peft_model, model_id, adapter_name, *args, **kwargs)
 
 

@@ -50,6 +50,7 @@ from transformers.utils import can_return_loss, find_labels
 
 from ..checkpointing.directory import TRAINER_STATE_NAME
 from ..checkpointing.training_state import load_training_state
+from ..distributed.agreement import collective_errors
 from ..errors import UsageError
 from ..families.losses import get_loss
 from .trainer_adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
@@ -62,7 +63,7 @@ from .trainer_checkpoints import (
     written_by_trainer,
 )
 from .trainer_data import count_items, single_process_loader
-from .trainer_refusals import check_arguments, check_model, pipelined_model_of
+from .trainer_refusals import check_arguments, check_model, check_output_dir, pipelined_model_of
 
 __all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
 
@@ -93,9 +94,15 @@ class PipelineTrainerMixin:
         # A PEFT model wrapping the pipelined one: its checkpoints are the adapter and the training state.
         self.adapter_model = model if model is not self.pipelined else None
         extra = {"compute_loss_func": given.get("compute_loss_func"), "adapter": self.adapter_model is not None}
-        check_arguments(args, self.pipelined, **extra)
+        # Agreed: a refusal, a bad output_dir or a failure of the Trainer's own set-up (rank 0 creates output_dir)
+        # on one rank raises on every rank, instead of one rank raising while the others train on.
+        ctx, describe = self.pipelined.ctx, self.pipelined.rank_label
+        with collective_errors(ctx, "checking PipelineTrainer's arguments", describe=describe):
+            check_arguments(args, self.pipelined, **extra)
+            check_output_dir(args.output_dir)
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
-        super().__init__(model, args, **given)
+        with collective_errors(ctx, "setting up the Trainer", describe=describe):
+            super().__init__(model, args, **given)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from an accelerate launch config
             raise UsageError(
                 "PipelineTrainer cannot run under DeepSpeed or FSDP (set by the accelerate launch config): the "

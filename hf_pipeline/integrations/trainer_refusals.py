@@ -1,21 +1,23 @@
 """What ``PipelineTrainer`` refuses at construction, as a table: a check and the message naming the argument.
 
-Every rank builds the Trainer with the same arguments, so every rank raises the same error before
-anything is exchanged (no collective is needed to agree on it). Each refusal says what to change.
+Every rank builds the Trainer with the same arguments, and the Trainer agrees on these checks (and on its
+own set-up, which creates ``output_dir`` on rank 0) through ``collective_errors``: a refusal or a failure on
+one rank is an error on every rank. Each refusal says what to change.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
 
 from ..core import PipelineCore
-from ..errors import UsageError
+from ..errors import CheckpointExistsError, UsageError
 from .peft_host import is_pipelined_model
 
-__all__ = ["Refusal", "REFUSALS", "check_model", "check_arguments", "pipelined_model_of"]
+__all__ = ["Refusal", "REFUSALS", "check_arguments", "check_model", "check_output_dir", "pipelined_model_of"]
 
 
 def pipelined_model_of(model: nn.Module):
@@ -132,7 +134,7 @@ REFUSALS: tuple[Refusal, ...] = (
         applies=lambda args, model, extra: bool(extra.get("adapter")) and getattr(model.dims, "fsdp_size", 1) > 1,
         message=lambda args, model: (
             f"PipelineTrainer does not train a PEFT adapter on a model loaded with fsdp_size={model.dims.fsdp_size} "
-            "yet; load the model without fsdp_size / distributed_config / device_mesh for LoRA (tp_size works), or "
+            "yet; load the model without fsdp_size / tp_size / distributed_config / device_mesh for LoRA, or "
             "train the whole model at fsdp_size (pass the pipelined model itself)"
         ),
     ),
@@ -162,3 +164,22 @@ def check_arguments(args: Any, model: nn.Module, **extra: Any) -> None:
     for refusal in REFUSALS:
         if refusal.applies(args, model, extra):
             raise UsageError(refusal.message(args, model))
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> None:
+    """Refuse an ``output_dir`` that is not a directory and cannot become one (itself or its nearest
+    existing parent is a file), on this rank (the Trainer writes checkpoints there from every rank).
+
+    Raises:
+        CheckpointExistsError: (a ``FileExistsError``) naming the path and what is in the way.
+    """
+    path = os.path.abspath(os.fspath(output_dir))
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if os.path.exists(existing) and not os.path.isdir(existing):
+        where = "is" if existing == path else f"lies under {existing!r}, which is"
+        raise CheckpointExistsError(
+            f"TrainingArguments(output_dir={os.fspath(output_dir)!r}) {where} a file, not a directory: the Trainer "
+            "writes its checkpoints there; pass a directory (or move the file away)"
+        )
