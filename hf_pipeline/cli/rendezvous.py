@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from ..distributed.sockets import listening_socket
 from ..errors import CLIError
 
 __all__ = ["BACKEND", "endpoint", "register", "store_socket"]
@@ -45,12 +46,7 @@ def store_socket(host: str, port: int) -> socket.socket:
         CLIError: the port is taken, or the address is not this machine's.
     """
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        # As the store sets it: a port in TIME_WAIT is free, one with a listener is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(512)
+        sock = listening_socket(host, port, backlog=512)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise CLIError(

@@ -3,6 +3,8 @@
 Lives here, lowest first:
 
 - :mod:`.shutdown`: a clean interpreter exit (the group destroyed, its worker threads idle).
+- :mod:`.sockets`: a listening socket bound by the package itself (the HTTP server's, the launcher's
+  rendezvous store's), so a taken port is an error naming the option.
 - :mod:`.context`: ``init_distributed``, ``RankContext``, ``destroy_distributed``: the process
   group, device and collective timeout from the launcher's environment.
 - :mod:`.dims`: ``ParallelDims``, how the ranks form ``dp_size`` replicas (or FSDP ranks) of a pipeline

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..distributed.sockets import listening_socket
 from ..errors import CLIError, ServerBusy, ServingRequestError
 from ..log import get_logger
 from .engine import Engine
@@ -227,14 +228,8 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
 
 def _listen(host: str, port: int) -> tuple[Any, str | None]:
     """A listening socket on ``host:port`` (ours, so a taken port is an error we word, not uvicorn's exit)."""
-    import socket
-
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
+        sock = listening_socket(host, port, backlog=2048)
     except OSError as e:
         return None, f"cannot listen on {host}:{port} ({e.strerror or e}); pass a free --port or another --host"
     return sock, None
