@@ -8,7 +8,8 @@ Tiers (markers registered in pyproject.toml), marked explicitly in each test fil
 - ``dist``: the test starts other processes: ranks through the harness (``run_distributed``,
   ``expect_errors``), ``subprocess`` (torchrun, the CLI, pip), ``multiprocessing`` or a notebook
   kernel. ``@pytest.mark.dist`` on the test, or ``pytestmark = pytest.mark.dist`` for a whole file.
-  The harness refuses to spawn for a test without it (:func:`_dist_tests_are_marked`).
+  The harness, ``subprocess`` and ``multiprocessing`` refuse to start a process for a test without it
+  (:func:`_dist_tests_are_marked`).
 - ``slow``: measured 15 s or more on a 2-core machine; ``@pytest.mark.slow`` (with ``dist`` when it
   spawns). Never in the quick tier.
 - ``unit``: every other test (added here): one process, in-process equivalence included;
@@ -21,6 +22,7 @@ scripts, notebooks and benchmark.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -77,5 +79,27 @@ def _dist_tests_are_marked(request):
 
     marked = request.node.get_closest_marker("dist") is not None
     harness.SPAWN_GUARD = None if marked else request.node.nodeid
-    yield
+    if marked:
+        yield
+    else:  # nor may it start any other process (torchrun, the CLI, a fresh interpreter) unmarked
+        with _no_processes(request.node.nodeid):
+            yield
     harness.SPAWN_GUARD = None
+
+
+@contextlib.contextmanager
+def _no_processes(nodeid: str):
+    """``subprocess`` and ``multiprocessing`` refuse to start a process for the duration of an unmarked test."""
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{nodeid} starts a process: mark it @pytest.mark.dist (it is not a quick-tier test)")
+
+    saved = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+    subprocess.Popen.__init__ = refuse
+    multiprocessing.process.BaseProcess.start = refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = saved

@@ -266,6 +266,7 @@ def test_what_cannot_be_split_by_stage_is_refused_by_name(tmp_path):
     assert torch.equal(model(**_inputs("llama")).logits, before)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_peft_imported_after_the_model_is_loaded_still_adapts_the_stages(tmp_path):
     """The hooks are installed right after peft's import when the model was built first (a fresh process)."""

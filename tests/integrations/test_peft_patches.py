@@ -15,6 +15,7 @@ import tiny
 pytest.importorskip("peft")
 
 
+@pytest.mark.dist
 def test_peft_methods_are_peft_own_before_the_first_and_after_the_last_pipelined_model(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     code = f"""

@@ -71,6 +71,7 @@ def test_help_for_every_command(capsys):
             assert flag in out, (command, flag)
 
 
+@pytest.mark.dist
 def test_bench_help_is_the_benchmark_scripts(capsys):
     if benchmarks_checkout() is None:
         pytest.skip("benchmarks/ is not in this checkout")

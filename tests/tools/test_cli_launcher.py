@@ -67,6 +67,7 @@ def _line(stream, timeout: float = DEADLINE_S) -> str:
     return stream.readline().strip() if ready else ""
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("way", ["signal", "watch"])
 def test_a_launched_process_ends_when_its_launcher_is_killed(way):
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, PROCESS, way], env=_env(), stdout=subprocess.PIPE,
@@ -85,6 +86,7 @@ def test_a_launched_process_ends_when_its_launcher_is_killed(way):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.dist
 def test_a_process_whose_launcher_is_already_gone_ends():
     # Started by this test, it is told to follow another process: its launcher died before it looked.
     with subprocess.Popen(["sleep", "600"]) as other:
