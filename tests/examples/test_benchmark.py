@@ -18,6 +18,8 @@ from benchmarks.report import readme_tables, to_markdown
 from benchmarks.run import merge
 from devtools.llama import llama_config
 
+# pytest.approx's default (1e-6 relative) checks the report's derived figures against its own numbers: float64
+# rounding only; a wrong formula (a missing factor or term) moves a figure by 1e-2 or more.
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -369,6 +371,8 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         ), name
         assert len(theirs["losses"]) == sizes["train_reps"] + 1, name
         for ours, torch_only in theirs["losses"]:
+            # fp32 losses of two runs of the same model: summation order ~1e-6 relative; a wrong step
+            # moves them by 1e-2 or more.
             assert torch_only == pytest.approx(ours, rel=1e-5), name
     assert "hf_pipeline's tokens/s over torch's own, paired" in md
     # schedule="auto": measured beside the fixed choices, against the best of them

@@ -92,6 +92,8 @@ def _assert_fp32_numerics(result: dict) -> None:
     assert gen["rows_equal"] == gen["rows"] == result["config"]["batch"]
     assert gen["pipelined_tokens_per_s"] > 0 and gen["reference_tokens_per_s"] > 0 and gen["speedup"] > 0
     train = result["sections"]["train"]["figures"]
+    # fp32 loss (relative) and gradients (relative L2): summation order ~1e-6; a dropped microbatch or wrong
+    # gradient moves them >= 1e-2.
     assert abs(train["loss"] - train["reference_loss"]) <= 1e-5 * train["reference_loss"]
     assert train["grad_rel_l2"] <= 1e-4 and train["grad_params_compared"] > 0
     assert train["pipelined_tokens_per_s"] > 0 and train["reference_tokens_per_s"] > 0

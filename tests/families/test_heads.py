@@ -18,6 +18,8 @@ from harness import run_distributed
 
 from hf_pipeline.errors import RecipeError
 
+# fp32 head outputs, losses and parameters after one SGD step (lr 0.1): summation order ~1e-6;
+# a wrong head weight, label or gradient moves them by 1e-2 or more.
 ATOL = 1e-5
 LR = 0.1
 # Dropout off everywhere (the classifier's own included), so training-mode outputs are deterministic.

@@ -174,6 +174,8 @@ def _check(hub, per_rank: list[dict]):
         seen: dict[str, int] = {}
         for results in per_rank:
             got = results[case]
+            # fp32 outputs: summation order moves them ~1e-6 in the tiny models; a wrong or misnamed
+            # weight moves them by 1e-2 or more.
             assert (got["out"] - want).abs().max().item() <= 1e-5, case
             assert set(got["keys_read"]) <= CheckpointIndex.from_directory(path).keys(), case
             # Each initialised weight is on the rank that owns it, equal to transformers' after the same seed.
@@ -283,6 +285,8 @@ def test_converted_pytorch_checkpoint_loads(pytorch_ckpts, tmp_path):
             virtual_stages=2,
             schedule="interleaved-1f1b",
         )
+        # fp32 outputs: summation order moves them ~1e-6 in the tiny models; a wrong or misnamed weight moves
+        # them by 1e-2 or more.
         assert (_output(model(**tiny.sample_inputs(arch))) - want).abs().max().item() <= 1e-5, name
         ref = tiny.reference(out, auto)  # and transformers loads the converted checkpoint as it loaded the .bin
         with torch.no_grad():
@@ -321,6 +325,8 @@ def _t5_losses(path, inputs, labels, *, forward: bool, **kwargs):
 def test_t5_train_step_with_labels_only(t5):
     path, inputs, labels, want = t5
     got = _t5_losses(path, inputs, labels, forward=False, num_stages=2, virtual_stages=2, schedule="interleaved-1f1b")
+    # fp32 T5 losses: summation order ~1e-6 relative; a wrong label shift or missing weight moves them by 1e-2 or
+    # more.
     torch.testing.assert_close(got["train"], want, rtol=1e-5, atol=1e-6)
 
 
@@ -354,6 +360,7 @@ def test_hub_checkpoints_on_two_and_three_ranks(hub, int_weight, t5, world):
     assert "CheckpointError" in kinds and all(k in ("CheckpointError", "RankError") for k in kinds), results
     assert all("model.norm.weight" in r["int"][1] and shard in r["int"][1] for r in results), results
     for r in results:
+        # same tolerance as above: fp32 T5 losses.
         torch.testing.assert_close(r["t5"]["train"], want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["t5"]["forward"], want, rtol=1e-5, atol=1e-6)
 

@@ -65,6 +65,8 @@ def test_stages_in_sequence_equal_the_hf_model(arch, auto, num_stages):
     for name, got in zip(outputs, x, strict=True):
         want = getattr(expected, name)
         assert got.shape == want.shape, name
+        # fp32 outputs: summation order moves them ~1e-6 in the tiny models; a wrong or misnamed weight moves
+        # them by 1e-2 or more.
         assert (got - want).abs().max().item() <= 1e-5, name
 
 
@@ -102,6 +104,8 @@ def test_block_halves_on_separate_stages_equal_the_hf_model_and_its_gradients(ar
     outputs = stages[-1].resolved.head.outputs
     assert len(x) == len(outputs), f"last stage returned {len(x)} tensors for the head's outputs {outputs}"
     for name, got in zip(outputs, x, strict=True):
+        # fp32 outputs: summation order moves them ~1e-6 in the tiny models; a wrong or misnamed weight moves
+        # them by 1e-2 or more.
         assert (got - getattr(expected, name)).abs().max().item() <= 1e-5, name
     sum(t.float().pow(2).sum() for t in x).backward()
     sum(getattr(expected, n).float().pow(2).sum() for n in outputs).backward()
@@ -117,6 +121,8 @@ def test_block_halves_on_separate_stages_equal_the_hf_model_and_its_gradients(ar
     assert len(summed) == len(list(ref.parameters()))
     for name, want in ref.named_parameters():
         got = summed[id(want)]
+        # fp32 gradients, relative to the tensor's largest entry: summation order ~1e-6; a gradient off by 2x
+        # is 100% off.
         assert (got - want.grad).abs().max().item() <= 1e-5 * max(1.0, want.grad.abs().max().item()), name
 
 

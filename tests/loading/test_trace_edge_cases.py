@@ -21,6 +21,8 @@ import transformers
 from harness import run_distributed
 
 TOL = 1e-5  # fp32, the same kernels; only summation order differs
+# fp32 loss and gradients (relative to the norm): summation order ~1e-6; a dropped microbatch moves them >= 1e-2,
+# a gradient off by 2x 100%.
 GRAD_RTOL = 1e-5
 GRAD_ATOL = 1e-7  # gradients that are zero in exact arithmetic (key biases) carry rounding noise only
 SGD_LR = 0.5
@@ -127,6 +129,8 @@ def _check_training(per_rank: list[dict], path: str, auto: str, what: str) -> No
         for name, p in got["params"].items():
             update = (after[name] - before[name]).norm().item()
             err = (p - after[name]).norm().item()
+            # parameters after one step, relative to the update's norm: noise ~1e-6 of it; a step missed
+            # or applied twice is 100% off.
             assert err <= 1e-4 * update + 1e-7, (
                 f"{what} rank {rank} {name}: off by {err:.3g} after one step (update {update:.3g})"
             )

@@ -26,6 +26,7 @@ from hf_pipeline.planning.kv_cache_sizes import kv_cache_bytes_per_token, kv_cac
 from hf_pipeline.planning.plan import make_plan
 from hf_pipeline.planning.resolve import resolve_recipe
 
+# predicted vs measured memory: allocator rounding and workspaces are a few %; a missed buffer or copy is >= 50%.
 TOL = 0.10
 
 

@@ -112,6 +112,8 @@ def test_three_ranks_two_microbatches_no_schedule_named_trains_like_transformers
     seen = set()
     for rank, res in enumerate(per_rank):
         assert res["schedule"] == "gpipe" and "no schedule was named" in res["note"], (rank, res["note"])
+        # fp32 loss and gradients, relative: summation order ~1e-6; a dropped microbatch moves them >= 1e-2, a
+        # gradient off by 2x 100%.
         assert res["loss"] == pytest.approx(ref_loss.item(), rel=1e-5), f"rank {rank}: loss"
         for key, got in res["grads"].items():
             want = ref.get_parameter(key).grad

@@ -37,6 +37,8 @@ from hf_pipeline.planning.schedules import (
 from hf_pipeline.tools.profile import schedule_actions, theoretical_bubble
 
 TOL = 1e-5  # fp32 logits: the same kernels on the same inputs; only summation order may differ
+# fp32 loss, relative: summation order ~1e-6; a wrong mask or label, or a dropped microbatch, moves it by 1e-2 or
+# more.
 LOSS_RTOL = 1e-5
 
 # Every name torch 2.13's get_schedule_class maps to a runnable schedule.

@@ -67,13 +67,19 @@ def test_input_pass_leaves_only_linear_weights_and_the_weight_pass_completes_aut
         assert set(after_input) == set(ref) - (linears - tied)
         for n, g in after_input.items():
             if n in tied:
+                # tied: the embedding's part alone differs from the whole gradient by far more than
+                # 1e-2 (a W pass already run would not).
                 assert not torch.allclose(g, ref[n], rtol=1e-2), n
             else:
+                # fp32 gradients of the same kernels, only deferred: noise ~1e-7; a missing or doubled
+                # part is 100% off.
                 torch.testing.assert_close(g, ref[n], rtol=1e-6, atol=1e-7, msg=n)
         assert w() == len(linears)
     got = _grads(model)
     assert set(got) == set(ref)
     for n in ref:
+        # fp32 gradients, W passes run later in the same order: summation order ~1e-6 relative; a missing W
+        # pass is 100% off.
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
@@ -96,6 +102,8 @@ def test_weight_passes_accumulate_in_any_order_and_outside_a_step_nothing_is_def
         wb()  # W of the later microbatch first, as a schedule may run them
         wa()
     for n, g in _grads(model).items():
+        # fp32 gradients, W passes of two microbatches in reverse order: sums reorder, ~1e-6 relative; a
+        # dropped one is 50% off.
         torch.testing.assert_close(g, ref[n], rtol=1e-5, atol=1e-7, msg=n)
     # After the step the installed layers run their class's forward: gradients come in backward.
     model.zero_grad(set_to_none=True)
@@ -169,6 +177,8 @@ def test_traced_graph_linears_defer_and_installed_layers_survive_deepcopy_and_pi
         gm(x).square().sum().backward()
         assert gm.a.weight.grad is None and gm.b.weight.grad is None and gm.a.bias.grad is not None
         weight_pass.take()()
+    # assert_close's fp32 default (rtol 1.3e-6, atol 1e-5) in this file: the same linears, summation order only;
+    # a missing or doubled W pass is 100% off.
     torch.testing.assert_close(gm.a.weight.grad, ref["a.weight"])
     torch.testing.assert_close(gm.b.weight.grad, ref["b.weight"])
 

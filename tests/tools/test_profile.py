@@ -11,6 +11,8 @@ from harness import run_distributed
 from hf_pipeline.runtime.cache import signature
 from hf_pipeline.tools.profile import ActionRecord, Timeline, schedule_actions, theoretical_bubble
 
+# pytest.approx's default (1e-6 relative) compares float64 arithmetic on exact timelines and fractions:
+# rounding only; a wrong formula or a miscounted action moves a figure by 1e-2 or more.
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2)]
 
 

@@ -26,6 +26,7 @@ import torch
 from harness import run_distributed
 from tiny import make_batch
 
+# Sizes: the module docstring; a dropped microbatch moves loss and gradients by >= 1e-2, a gradient off by 2x by 100%.
 GRAD_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 LOSS_RTOL = 1e-5
@@ -248,6 +249,8 @@ def _check_case(what, results, path, auto, arch, ref_cache):
                 f"{what} rank {r}: losses {res['losses']} != transformers {ref_losses}"
             )
         for got, want in zip(res["norms"], ref_norms, strict=True):
+            # fp32 gradient norms, relative: summation order ~1e-6; a gradient off by 2x moves the norm by
+            # 100%.
             assert abs(got - want) <= 1e-5 * abs(want), (
                 f"{what} rank {r}: grad norms {res['norms']} != transformers {ref_norms}"
             )
@@ -464,6 +467,7 @@ def test_gradient_accumulation_and_lr_schedule_equal_transformers(world2, checkp
     ref, losses, lrs, grads = _accumulation_reference(path, auto, "llama")
     for r in range(2):
         res = world2[2][r]["accumulation"]
+        # learning rates from the same schedule formula in float64: equal but for the last bits.
         assert res["lrs"] == pytest.approx(lrs, rel=1e-12)
         assert res["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
         for key, copies in res["grads"].items():
@@ -511,6 +515,7 @@ def _check_autocast(per_rank, path, auto):
         f"bf16 autocast moves this loss by only {effect:.3g}: the check cannot tell it from fp32"
     )
     for r, res in enumerate(per_rank):
+        # coarse bound (bf16 rounding ~4e-3); the tight AUTOCAST_LOSS_RTOL check follows.
         assert res["loss"] == pytest.approx(loss, rel=2e-2)
         off = abs(res["loss"] - loss) / abs(loss)
         off32 = abs(res["loss"] - loss32) / abs(loss32)
@@ -529,6 +534,7 @@ def _check_autocast(per_rank, path, auto):
             for got in copies:
                 assert got.dtype == torch.float32  # autocast keeps fp32 master weights and gradients
                 err = ((got - want).norm() / want.norm()).item()
+                # coarse bound on bf16 gradients; the tight AUTOCAST_GRAD_RTOL check follows.
                 assert err <= 5e-2, f"rank {r}: bf16 gradient of {key}: relative error {err:.3g}"
                 assert err <= AUTOCAST_GRAD_RTOL, (
                     f"rank {r}: bf16 gradient of {key}: relative error {err:.3g} > {AUTOCAST_GRAD_RTOL:g}"
