@@ -388,7 +388,12 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     measured = train["schedules"]["zbv-zero-bubble" + MEASURED]
     ms = measured["measured_split"]
     assert ms["planned"] == train["schedules"]["zbv-zero-bubble"]["split"] and measured["split"] == ms["split"]
-    assert set(ms["head_blocks"]) == set(ms["head_blocks_by_flops"]) == {"lm_head"} and ms["head_blocks"]["lm_head"] > 0
+    # The head's measured cost is a difference of two stages' medians: in the tiny run its LM head is
+    # a few microseconds and the difference may round to 0 (never below: fit_stage_costs clamps it);
+    # the fit itself is held exactly in tests/tools/test_split_advice.py.
+    assert set(ms["head_blocks"]) == set(ms["head_blocks_by_flops"]) == {"lm_head"}
+    assert math.isfinite(ms["head_blocks"]["lm_head"]) and ms["head_blocks"]["lm_head"] >= 0
+    assert ms["head_blocks_by_flops"]["lm_head"] > 0
     assert len(ms["planned_step_seconds"]) == len(measured["step_seconds"]) == sizes["train_reps"]  # paired in its job
     assert measured["vs_planned_split"] == pytest.approx(
         statistics.median([p / m for p, m in zip(ms["planned_step_seconds"], measured["step_seconds"])])
