@@ -254,6 +254,34 @@ def module_registries(module: torch.nn.Module) -> tuple[dict, dict]:
     return module._parameters, module._modules
 
 
+def cache_dummy_layer(seq_length: Any) -> Any:
+    """A transformers ``DummyLayer`` (a cache layer that stores nothing, which the mask functions skip)
+    whose ``get_seq_length()`` answers ``seq_length()``.
+
+    A pipeline stage's cache holds every layer of the model but fills only the stage's own; shown
+    as dummies for the rest while the model's forward runs, the mask functions size the masks against
+    the stage's own layers, and a forward that counts the past from layer 0 (Falcon, BLOOM) gets the
+    stage's own count. ``cache_utils`` defines ``DummyLayer`` but transformers does not export it.
+    """
+    global _STAGE_DUMMY
+    if _STAGE_DUMMY is None:
+        from transformers.cache_utils import DummyLayer
+
+        class StageDummyLayer(DummyLayer):
+            def __init__(self, seq_length: Any) -> None:
+                super().__init__()
+                self.seq_length = seq_length
+
+            def get_seq_length(self) -> int:
+                return self.seq_length()
+
+        _STAGE_DUMMY = StageDummyLayer
+    return _STAGE_DUMMY(seq_length)
+
+
+_STAGE_DUMMY: Any = None
+
+
 def fx_graph_of(module: torch.nn.Module):
     """The fx graph an unflattened exported module runs, or None: torch's ``InterpreterModule`` keeps
     it as ``graph`` (or, in some releases, the private ``_graph``), with no public accessor."""

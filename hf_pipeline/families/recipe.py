@@ -25,6 +25,7 @@ import tomllib
 from ..errors import RecipeError
 from .glue import GLUES, POOLS
 from .losses import LOSSES
+from .roles import ROLES
 
 __all__ = [
     "HeadSpec", "Recipe", "RecipeError", "StackSpec", "get_recipe", "list_recipes", "load_recipe",
@@ -35,8 +36,9 @@ __all__ = [
 KNOWN_GLUES = tuple(GLUES)
 KNOWN_LOSSES = tuple(LOSSES)
 KNOWN_POOLS = POOLS
-# How a family encodes positions: a learned table (ends at max_position_embeddings), rotary or relative (no end).
-POSITION_KINDS = ("learned", "rotary", "relative")
+# How a family encodes positions: a learned table (ends at max_position_embeddings); rotary, relative
+# (T5), ALiBi (BLOOM) or sinusoidal (XGLM, which grows its table): no end.
+POSITION_KINDS = ("learned", "rotary", "relative", "alibi", "sinusoidal")
 # Glues that can run a block's two halves on different stages (``Glue.block_half``).
 HALF_GLUES = tuple(name for name, cls in GLUES.items() if cls.runs_halves)
 
@@ -92,6 +94,8 @@ class Recipe:
     # config.max_position_embeddings; "rotary" (LLaMA) and "relative" (T5) positions do not, and
     # transformers runs longer inputs for them.
     positions: str = "learned"
+    # Per model_type where the recipe's families differ (a roles recipe serving many): model_type -> kind.
+    positions_by_type: tuple[tuple[str, str], ...] = ()
     # Tensor parallelism for a family transformers gives no ``base_model_tp_plan`` (the ``[tp]`` table):
     # module pattern -> style, as transformers' plans name them; per module pattern the attributes its
     # forward reads that count heads or widths (divided by tp_size on each rank once it is sharded); the
@@ -99,6 +103,10 @@ class Recipe:
     tp_plan: tuple[tuple[str, str], ...] = ()
     tp_local: tuple[tuple[str, tuple[str, ...]], ...] = ()
     tp_divides: tuple[str, ...] = ()
+    # Module paths name roles (``{blocks}``, ``{before}``, ... : :data:`~hf_pipeline.families.roles.ROLES`)
+    # found on each model class (:func:`~hf_pipeline.families.roles.decoder_roles`) instead of fixed
+    # names, and the tied parameters are the ones transformers itself ties in that class.
+    roles: bool = False
 
     def match_head(self, class_name: str, base_class_name: str | None = None) -> HeadSpec | None:
         """The head for model class ``class_name``, or None.
@@ -112,6 +120,11 @@ class Recipe:
         """
         if base_class_name is not None and base_class_name == class_name and class_name.endswith("Model"):
             matches = [h for s, h in self.heads.items() if s.endswith("Model") and class_name.endswith(s)]
+            return max(matches, key=lambda h: len(h.suffix)) if matches else None
+        if self.roles and base_class_name is not None and base_class_name != class_name:
+            # Roles recipes serve many families whose head classes need not repeat the base class's
+            # stem (Gemma3ForCausalLM over Gemma3TextModel): the longest head suffix, never "Model".
+            matches = [h for s, h in self.heads.items() if s != "Model" and class_name.endswith(s)]
             return max(matches, key=lambda h: len(h.suffix)) if matches else None
         if base_class_name is not None and base_class_name.endswith("Model"):
             stem = base_class_name[: -len("Model")]
@@ -173,7 +186,7 @@ def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, 
 
 
 # Fields of a recipe, by TOML section: the top level, each [[stacks]] table, each [heads.<Suffix>] table.
-_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions", "tp"}
+_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions", "tp", "roles"}
 _TOP_REQUIRED = ("model_types", "glue", "stacks", "heads")
 _STACK_FIELDS = {"name", "blocks", "embed", "final", "every_stage", "halves"}
 _STACK_REQUIRED = ("name", "blocks")
@@ -207,10 +220,22 @@ def _parse_top(data: dict[str, Any], source: str) -> dict[str, Any]:
     if glue not in KNOWN_GLUES:
         raise RecipeError(f"{source}: field 'glue' is {glue!r}; it must be one of {list(KNOWN_GLUES)}")
     flows = _str_list(source, "flows", data.get("flows", ["hidden_states"]))
-    positions = _expect(source, "positions", data.get("positions", "learned"), str)
-    if positions not in POSITION_KINDS:
-        raise RecipeError(f"{source}: field 'positions' is {positions!r}; it must be one of {list(POSITION_KINDS)}")
-    return {"model_types": model_types, "glue": glue, "flows": flows, "positions": positions}
+    # "rotary", or a table: {default = "rotary", opt = "learned"}
+    raw = _expect(source, "positions", data.get("positions", "learned"), (str, dict))
+    kinds = dict(raw) if isinstance(raw, dict) else {"default": raw}
+    for key, kind in kinds.items():
+        where = "positions" if isinstance(raw, str) else f"positions.{key}"
+        if _expect(source, where, kind, str) not in POSITION_KINDS:
+            raise RecipeError(f"{source}: field {where!r} is {kind!r}; it must be one of {list(POSITION_KINDS)}")
+        if key != "default" and key not in model_types:
+            raise RecipeError(f"{source}: field {where!r} names a model_type the recipe does not claim")
+    if "default" not in kinds:
+        raise RecipeError(f"{source}: field 'positions' as a table needs a 'default' kind")
+    roles = _expect(source, "roles", data.get("roles", False), bool)
+    return {
+        "model_types": model_types, "glue": glue, "flows": flows, "positions": kinds.pop("default"),
+        "positions_by_type": tuple(sorted(kinds.items())), "roles": roles,
+    }
 
 
 def _parse_stack(source: str, index: int, raw: Any, glue: str) -> StackSpec:
@@ -305,9 +330,27 @@ def _parse(data: dict[str, Any], source: str) -> Recipe:
         suffix: _parse_head(source, suffix, raw, stack_names)
         for suffix, raw in _expect(source, "heads", data["heads"], dict).items()
     }
-    return Recipe(
+    recipe = Recipe(
         source=source, stacks=stacks, heads=heads, tied=_parse_tied(data, source), **top, **_parse_tp(data, source)
     )
+    _check_roles(recipe)
+    return recipe
+
+
+def _check_roles(recipe: Recipe) -> None:
+    """Role placeholders only in a ``roles = true`` recipe, and only as whole paths."""
+    paths = [p for st in recipe.stacks for p in (st.blocks, *st.embed, *st.final, *st.every_stage)]
+    paths += [p for h in recipe.heads.values() for p in h.modules]
+    for path in paths:
+        named = [r for r in ROLES if r in path]
+        if named and not recipe.roles:
+            raise RecipeError(
+                f"{recipe.source}: module path {path!r} names a role {named}; set roles = true to use roles"
+            )
+        if named and path not in ROLES:
+            raise RecipeError(
+                f"{recipe.source}: module path {path!r}: a role stands alone as a path (one of {list(ROLES)})"
+            )
 
 
 def load_recipe(path: str | pathlib.Path) -> Recipe:
@@ -381,9 +424,10 @@ def position_kind(config) -> str:
     """How ``config``'s model encodes positions (its recipe's ``positions``); ``"learned"`` without a recipe.
 
     Only ``"learned"`` tables limit the sequence length to ``config.max_position_embeddings``:
-    transformers runs rotary (LLaMA, with or without rope scaling) and relative (T5) models on
-    longer inputs.
+    transformers runs rotary (LLaMA, with or without rope scaling), relative (T5), ALiBi (BLOOM) and
+    sinusoidal (XGLM) models on longer inputs.
     """
-    recipe = list_recipes().get(getattr(config, "model_type", None))
-    return recipe.positions if recipe is not None else "learned"
+    model_type = getattr(config, "model_type", None)
+    recipe = list_recipes().get(model_type)
+    return dict(recipe.positions_by_type).get(model_type, recipe.positions) if recipe is not None else "learned"
 

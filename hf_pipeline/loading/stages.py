@@ -100,10 +100,16 @@ class StackRun:
 class StageModule(nn.Module):
     """One pipeline stage. Its children are the pruned top-level children of the HF model."""
 
-    def __init__(self, root: nn.Module, spec: StageSpec, resolved: ResolvedRecipe, glue: Glue):
+    def __init__(
+        self, root: nn.Module, spec: StageSpec, resolved: ResolvedRecipe, glue: Glue, absent: tuple[str, ...] = ()
+    ):
         super().__init__()
         for name, child in root.named_children():
             self.add_module(name, child)
+        # The pruned HF model itself (its class's forward, for a glue that runs it), kept out of the
+        # module registry so parameter names stay the checkpoint's; and the base model's children it lacks.
+        self.__dict__["hf_root"] = root
+        self.absent_holder_children = absent
         self.config = root.config
         self.spec = spec
         self.resolved = resolved
@@ -187,7 +193,12 @@ def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> S
     memo: dict[int, Any] = {i: placeholder for i, fqns in names.items() if not any(needed(f) for f in fqns)}
     root = copy.deepcopy(full, memo)
     prune(root, keep)
-    return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue))
+    absent: tuple[str, ...] = ()
+    if resolved.recipe.roles:  # the children of the module holding the blocks that this stage dropped
+        holder = resolved.stacks[0].blocks[0].rpartition(".")[0].rpartition(".")[0]
+        had, has = (dict((m.get_submodule(holder) if holder else m).named_children()) for m in (full, root))
+        absent = tuple(n for n in had if n not in has)
+    return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue), absent)
 
 
 def materialize(

@@ -20,6 +20,7 @@ from typing import Sequence
 from torch import nn
 
 from ..families.recipe import HeadSpec, Recipe, RecipeError, StackSpec
+from ..families.roles import ROLES, decoder_roles
 
 __all__ = ["ResolvedRecipe", "ResolvedStack", "hidden_size", "module_stats", "outside_blocks", "resolve_recipe"]
 
@@ -55,11 +56,19 @@ def _get(root: nn.Module, fqn: str) -> nn.Module | None:
 
 
 class _PathFiller:
-    """Fills ``{base}`` into a recipe's module paths for one model and checks each names a module."""
+    """Fills ``{base}`` (or a role) into a recipe's module paths for one model and checks each names a module."""
 
     def __init__(self, model: nn.Module, recipe: Recipe, base: str):
         self.model, self.recipe, self.base = model, recipe, base
         self.class_name = type(model).__name__
+        self.roles = decoder_roles(model) if recipe.roles else None
+
+    def many(self, paths: Sequence[str], where: str) -> tuple[str, ...]:
+        """Each path filled in; a role stands for the zero or more modules it finds on this model."""
+        out: list[str] = []
+        for path in paths:
+            out.extend(self.roles.paths(path) if self.roles is not None and path in ROLES else (self(path, where),))
+        return tuple(out)
 
     def __call__(self, path: str, where: str) -> str:
         fqn = path.replace("{base}", self.base)
@@ -97,7 +106,7 @@ def _cuttable_blocks(
 
 def _resolve_stack(model: nn.Module, recipe: Recipe, index: int, stack: StackSpec, fill: _PathFiller) -> ResolvedStack:
     where = f"stacks[{index}]"
-    blocks_fqn = fill(stack.blocks, f"{where}.blocks")
+    (blocks_fqn,) = fill.many((stack.blocks,), f"{where}.blocks")
     container = model.get_submodule(blocks_fqn)
     if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
         raise RecipeError(
@@ -110,9 +119,9 @@ def _resolve_stack(model: nn.Module, recipe: Recipe, index: int, stack: StackSpe
         blocks=blocks,
         halves=stack.halves,
         cuttable=_cuttable_blocks(model, recipe, index, stack, blocks),
-        embed=tuple(fill(p, f"{where}.embed") for p in stack.embed),
-        final=tuple(fill(p, f"{where}.final") for p in stack.final),
-        every_stage=tuple(fill(p, f"{where}.every_stage") for p in stack.every_stage),
+        embed=fill.many(stack.embed, f"{where}.embed"),
+        final=fill.many(stack.final, f"{where}.final"),
+        every_stage=fill.many(stack.every_stage, f"{where}.every_stage"),
     )
 
 
@@ -126,7 +135,8 @@ def _tied_groups(model: nn.Module, recipe: Recipe, base: str) -> tuple[tuple[str
     declared = [tuple(g.replace("{base}", base) for g in group) for group in recipe.tied]
     tied = []
     for names in shared:
-        if not any(set(names) & set(group) for group in declared):
+        # A roles recipe names no parameters: what transformers' own tie_weights made one tensor is tied.
+        if not recipe.roles and not any(set(names) & set(group) for group in declared):
             raise RecipeError(
                 f"{recipe.source}: parameters {list(names)} of {type(model).__name__} are one tensor, but field "
                 f"'tied.groups' does not declare them; add them to a tied group"
@@ -152,7 +162,7 @@ def resolve_recipe(model: nn.Module, recipe: Recipe) -> ResolvedRecipe:
     fill = _PathFiller(model, recipe, base)
     stacks = tuple(_resolve_stack(model, recipe, i, stack, fill) for i, stack in enumerate(recipe.stacks))
     head = recipe.head_for(class_name, type(getattr(model, "base_model", model)).__name__)
-    head = replace(head, modules=tuple(fill(p, f"heads.{head.suffix}.modules") for p in head.modules))
+    head = replace(head, modules=fill.many(head.modules, f"heads.{head.suffix}.modules"))
     return ResolvedRecipe(
         recipe=recipe,
         class_name=class_name,

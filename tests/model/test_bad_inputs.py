@@ -70,12 +70,12 @@ def _make_paths(tmp: pathlib.Path) -> dict[str, str]:
     import transformers
 
     torch.manual_seed(0)
-    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
-        vocab_size=96, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
-        max_position_embeddings=64, word_embed_proj_dim=16,
-    ))
-    opt.save_pretrained(tmp / "opt")
-    paths["opt"] = tmp / "opt"
+    # A family no recipe claims (VaultGemma)
+    transformers.VaultGemmaForCausalLM(transformers.VaultGemmaConfig(
+        vocab_size=96, hidden_size=16, num_hidden_layers=2, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+    )).save_pretrained(tmp / "no_recipe")
+    paths["no_recipe"] = tmp / "no_recipe"
 
     paths["mistral"] = tiny.make_checkpoint(tmp / "mistral", "mistral")
     # Same architecture and files layout, other weights (another seed): only the bytes tell them apart.
@@ -126,7 +126,8 @@ LOAD_CASES = {
     "unknown architecture (model_type transformers does not know)": (
         lambda p: _load(p["unknown_model_type"]), ("ValueError",), r"model type `frobnicator`"),
     "architecture without a recipe, split_method='recipe'": (
-        lambda p: _load(p["opt"], split_method="recipe"), ("RecipeError",), r"no pipeline recipe for model_type 'opt'"),
+        lambda p: _load(p["no_recipe"], split_method="recipe"), ("RecipeError",),
+        r"no pipeline recipe for model_type 'vaultgemma'"),
     "recipe file malformed: not valid TOML": (
         lambda p: __import__("hf_pipeline").register_recipe(p["bad_syntax"]), ("RecipeError",),
         r"bad_syntax\.toml: not valid TOML"),

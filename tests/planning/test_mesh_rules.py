@@ -27,9 +27,16 @@ from hf_pipeline.planning.tp_plan import tp_plan
 
 
 def test_families_with_a_plan_and_where_it_comes_from():
-    assert tp_families() == {
-        "llama": "config", "mistral": "config", "qwen2": "config", "gpt2": "recipe", "bert": "recipe", "t5": "recipe",
-    }
+    from transformers import AutoConfig
+
+    from hf_pipeline.families.recipe import list_recipes
+
+    families = tp_families()
+    # the config's plan wherever transformers ships one, else the recipe's [tp] table (GPT-2, BERT, T5)
+    shipped = {t for t in list_recipes() if getattr(AutoConfig.for_model(t), "base_model_tp_plan", None)}
+    assert families == {"gpt2": "recipe", "bert": "recipe", "t5": "recipe"} | {t: "config" for t in shipped}
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3"} <= shipped
+    assert "opt" not in families and "bloom" not in families  # no plan anywhere: tp_size > 1 is refused
     assert tp_plan_source(tiny.config_for("gpt2")) == "recipe"
     assert tp_plan_source(tiny.config_for("llama")) == "config"
 

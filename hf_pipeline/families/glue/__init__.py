@@ -8,8 +8,10 @@ itself; only where a stage boundary cuts a block between its attention and MLP h
 glue repeat the few lines of that block's ``forward`` for each half (``block_half``; the tests check
 that both halves in a row equal the block).
 
-One module per family: :mod:`.llama` (LLaMA, Mistral, Qwen2), :mod:`.gpt2`, :mod:`.bert`,
-:mod:`.t5`; :mod:`.base` holds what they share (the head, the single-stack loop, positions).
+:mod:`.decoder` runs any standard transformers decoder through the model class's own forward
+(the generic ``decoder.toml`` recipe); one module per hand-written family: :mod:`.llama` (LLaMA,
+Mistral, Qwen2, whose blocks may be cut in halves), :mod:`.gpt2`, :mod:`.bert`, :mod:`.t5`;
+:mod:`.base` holds what they share (the head, the single-stack loop, positions).
 
 A glue sees ``received`` (the tensors sent by the previous stage, see the recipe's ``flows``) and
 ``inputs`` (the model inputs, which every stage of a pipelined call gets: ids, masks, position
@@ -27,14 +29,20 @@ from __future__ import annotations
 
 from .base import POOLS, Glue
 from .bert import BertGlue
+from .decoder import DecoderGlue
 from .gpt2 import GPT2Glue
 from .llama import LlamaGlue, attention_kinds
 from .t5 import T5Glue
 
-__all__ = ["GLUES", "POOLS", "BertGlue", "GPT2Glue", "Glue", "LlamaGlue", "T5Glue", "attention_kinds", "get_glue"]
+__all__ = [
+    "GLUES", "POOLS", "BertGlue", "DecoderGlue", "GPT2Glue", "Glue", "LlamaGlue", "T5Glue", "attention_kinds",
+    "get_glue",
+]
 
-# The glues recipes may name (``glue = "llama"``), one per family.
-GLUES: dict[str, type[Glue]] = {"llama": LlamaGlue, "gpt2": GPT2Glue, "bert": BertGlue, "t5": T5Glue}
+# The glues recipes may name (``glue = "llama"``): the generic decoder's, and one per hand-written family.
+GLUES: dict[str, type[Glue]] = {
+    "decoder": DecoderGlue, "llama": LlamaGlue, "gpt2": GPT2Glue, "bert": BertGlue, "t5": T5Glue,
+}
 
 
 def get_glue(name: str) -> Glue:

@@ -1,0 +1,82 @@
+"""Tiny configs of every decoder architecture the generic decoder recipe claims (``model_recipes/decoder*.toml``).
+
+Each is transformers' own config class for the ``model_type``, at 4 layers of width 32 and a 96-token
+vocabulary, with what the family needs to be small and to exercise what its forward does around the
+layers: sliding and full layers mixed (Gemma 2/3, Cohere 2, gpt-oss, Qwen3, OLMo 3, EXAONE 4), a window
+shorter than the tests' sequences, ALiBi (BLOOM, Falcon with ``alibi=True``), partial rotary (Phi,
+StableLM, GPT-NeoX, GPT-J), parallel residual (GPT-NeoX, Falcon), learned positions (OPT, GPT-BigCode,
+XGLM), multi-latent attention (DeepSeek-V3, dense: every layer before ``first_k_dense_replace``), logit
+soft-capping (Gemma 2) and scaling (Cohere, Granite), embedding scaling (Gemma, Granite).
+"""
+
+from __future__ import annotations
+
+import transformers
+
+VOCAB = 96
+WINDOW = 5
+
+COMMON = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=128, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False,
+)
+MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+# model_type -> overrides of COMMON (and of the config class's defaults)
+DECODERS: dict[str, dict] = {
+    "qwen3": dict(layer_types=MIXED, sliding_window=WINDOW, use_sliding_window=True),
+    "gemma": dict(head_dim=8),
+    "gemma2": dict(head_dim=8, sliding_window=WINDOW, final_logit_softcapping=0.5, attn_logit_softcapping=5.0),
+    "gemma3_text": dict(head_dim=8, sliding_window=WINDOW, layer_types=MIXED, final_logit_softcapping=0.5),
+    "phi3": dict(),
+    "phi": dict(partial_rotary_factor=0.5),
+    "olmo": dict(),
+    "olmo2": dict(),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=MIXED),
+    "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
+    "cohere": dict(logit_scale=0.25),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=MIXED, logit_scale=0.25),
+    "smollm3": dict(no_rope_layers=[1, 0, 1, 1]),
+    "glm": dict(head_dim=8),
+    "glm4": dict(head_dim=8),
+    "gpt_neox": dict(rotary_pct=0.5, use_parallel_residual=True),
+    "falcon": dict(alibi=True, new_decoder_architecture=False, multi_query=True, parallel_attn=True),
+    "starcoder2": dict(sliding_window=WINDOW),
+    "stablelm": dict(partial_rotary_factor=0.5),
+    "bloom": dict(n_head=4, n_layer=4),
+    "gptj": dict(rotary_dim=4, n_embd=32, n_head=4, n_layer=4, n_positions=128),
+    "codegen": dict(rotary_dim=4, n_embd=32, n_head=4, n_layer=4, n_positions=128, n_ctx=128),
+    "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+    "gpt_bigcode": dict(n_embd=32, n_head=4, n_layer=4, n_positions=128, multi_query=True),
+    "xglm": dict(d_model=32, ffn_dim=64, attention_heads=4, num_layers=4),
+    "deepseek_v3": dict(
+        num_key_value_heads=4, first_k_dense_replace=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    ),
+    "gpt_oss": dict(
+        head_dim=8, sliding_window=WINDOW, layer_types=MIXED, num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "helium": dict(head_dim=8),
+    "exaone4": dict(sliding_window=WINDOW, layer_types=MIXED),
+    "ernie4_5": dict(head_dim=8),
+    "apertus": dict(),
+    "arcee": dict(),
+    "seed_oss": dict(head_dim=8),
+    "ministral": dict(head_dim=8, sliding_window=WINDOW, layer_types=MIXED),
+    "hunyuan_v1_dense": dict(head_dim=8),
+    "nemotron": dict(head_dim=8, partial_rotary_factor=0.5),
+    "persimmon": dict(partial_rotary_factor=0.5),
+}
+
+
+def decoder_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
+    """The tiny config of ``model_type`` (a key of :data:`DECODERS`)."""
+    cls = type(transformers.AutoConfig.for_model(model_type))
+    config = cls(**{**COMMON, **DECODERS[model_type], **overrides})
+    # No dropout (OPT, GPT-BigCode, XGLM, Seed-OSS default to some): training is compared with transformers'.
+    for name, value in vars(config).items():
+        if (name.endswith("dropout") or name.endswith("pdrop")) and isinstance(value, float) and name not in overrides:
+            setattr(config, name, 0.0)
+    return config
