@@ -36,6 +36,10 @@ from hf_pipeline.planning.schedules import (
 )
 from hf_pipeline.tools.profile import schedule_actions, theoretical_bubble
 
+# fp32 logits of the tiny LLaMA are below 0.5 (one ulp 3e-8); sums of 32-64 terms over 4 layers keep another
+# summation order's rounding near 1e-6; a wrong mask, cache or position moves them by 1e-2 or more.
+# Measured (pipelined on 5 rows in 3 microbatches vs transformers, 1 and 2 threads): max diff 0, bitwise equal,
+# under ATEN_CPU_CAPABILITY=default and =avx2 (and the native avx512).
 TOL = 1e-5  # fp32 logits: the same kernels on the same inputs; only summation order may differ
 # fp32 loss, relative: summation order ~1e-6; a wrong mask or label, or a dropped microbatch, moves it by 1e-2 or
 # more.
