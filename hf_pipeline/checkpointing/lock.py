@@ -18,7 +18,8 @@ no holder (empty, truncated, not the JSON a save writes: a writer of an earlier 
 out of disk space between creating and writing it), or whose holder is a process of this host
 (same boot, same pid namespace) that no longer runs, or whose pid now belongs to another process
 (another start time). A lock of another host cannot be checked from here: it is refused, and the
-error says to remove it once no save runs there. An unreadable lock (another user's) is refused.
+error names the lock's full path and the host and pid in it, and says to delete that file once no
+save runs there. An unreadable lock (another user's) is refused.
 
 A save writes only inside its directory: an ``optimizer/`` or ``rng/`` there that is a symbolic
 link (or any other path the save writes through) would send the files elsewhere, so it is refused
@@ -83,6 +84,18 @@ def _names_holder(data: object) -> bool:
     return isinstance(data.get("host"), str) and type(pid) is int and pid > 0
 
 
+def _elsewhere(data: dict) -> str | None:
+    """Why the pid a lock names (``data``) cannot be checked from here, or None when it is a pid of this table."""
+    here = _here()
+    if data.get("host") != here["host"]:
+        return f"that is not this host ({here['host']})"
+    if "boot" in data and data["boot"] != here.get("boot"):
+        return "its boot id is not this host's (another machine of the same name, or this one rebooted)"
+    if "pidns" in data and data["pidns"] != here.get("pidns"):
+        return "it ran in another pid namespace (another container of this host)"
+    return None
+
+
 def _stale(text: str) -> str | None:
     """Why the lock with ``text`` cannot belong to a running save, or None when it may."""
     if not text.strip():
@@ -93,8 +106,7 @@ def _stale(text: str) -> str | None:
         return f"it is not complete JSON ({e}: its save died while writing it)"
     if not _names_holder(data):
         return "it names no holder (no host and pid), so no save can be holding it"
-    here = _here()
-    if data["host"] != here["host"] or any(k in data and data[k] != here.get(k) for k in ("boot", "pidns")):
+    if _elsewhere(data) is not None:
         return None  # another host, boot or pid namespace: its pid cannot be checked from here
     pid = data["pid"]
     try:
@@ -222,7 +234,11 @@ def acquire_save_lock(final: pathlib.Path, token: str) -> None:
         try:
             text = _read(path)
         except OSError as e:
-            _refuse(final, path, f"{path} cannot be read: {e}")
+            raise CheckpointExistsError(
+                f"another save_pretrained into {final} may be running: its lock {path} cannot be read: {e}. Two "
+                "saves into one directory would overwrite each other's files. Save into another directory, or "
+                f"once you are sure no save is running there, delete {path}"
+            ) from e
         if text is None:
             continue  # released meanwhile
         why = _stale(text)
@@ -232,24 +248,33 @@ def acquire_save_lock(final: pathlib.Path, token: str) -> None:
             logger.warning("took over the save lock %s, which no running save can hold: %s", path, why)
             _remove_leftovers(final)
             return
-    _refuse(final, path, _who(text, path))
+    raise _refusal(final, path, text)
 
 
-def _who(text: str | None, path: pathlib.Path) -> str:
+def _refusal(final: pathlib.Path, path: pathlib.Path, text: str | None) -> CheckpointExistsError:
+    """The error for a lock (as read: ``text``) whose holder may be running: it names the lock and its holder.
+
+    A holder of this host is checked alive; one of another host cannot be, so the message says how to
+    proceed once the user knows it ended.
+    """
     try:
         holder = json.loads(text or "")
     except ValueError:
         holder = {}
     holder = holder if isinstance(holder, dict) else {}
     pid, host, save = (holder.get(k, "?") for k in ("pid", "host", "save"))
-    return f"pid {pid} on host {host} (save {save}) holds {path}"
-
-
-def _refuse(final: pathlib.Path, path: pathlib.Path, who: str) -> None:
-    raise CheckpointExistsError(
-        f"another save_pretrained into {final} is running ({who}); two saves into one directory "
-        "would overwrite each other's files. Save into another directory, or wait for it to finish; if no save is "
-        f"running there (its job was killed on another host), remove {path}"
+    where = _elsewhere(holder) if _names_holder(holder) else None
+    if where is not None:
+        return CheckpointExistsError(
+            f"{path} says a save_pretrained into {final} runs as pid {pid} on host {host} (save {save}), and "
+            f"whether it still runs cannot be checked from here: {where}. Two saves into one directory would "
+            f"overwrite each other's files. Once you are sure no save is running as pid {pid} on host {host} "
+            f"(its job ended or was killed), delete {path} and save again; until then, save into another directory"
+        )
+    return CheckpointExistsError(
+        f"another save_pretrained into {final} is running (pid {pid} on host {host} (save {save}) holds {path}); "
+        "two saves into one directory would overwrite each other's files. Wait for it to finish or save into "
+        f"another directory; if pid {pid} is no save (its pid was given to another program), delete {path}"
     )
 
 

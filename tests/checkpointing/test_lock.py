@@ -87,16 +87,36 @@ def test_a_lock_whose_pid_is_now_another_process_is_taken_over(tmp_path, warning
     _took_over(tmp_path, warnings_logged, "the pid is now another process's")
 
 
-@pytest.mark.parametrize("holder", [
-    {"host": "elsewhere", "pid": 1, "save": "aaaaaaaaaaaa"},  # another host: its pid cannot be checked
-    {**lock_module._holder("aaaaaaaaaaaa"), "pidns": "pid:[1]"},  # another pid namespace (a container)
-    {**lock_module._holder("aaaaaaaaaaaa"), "boot": "another-boot"},  # same host name, another machine or boot
-    lock_module._holder("aaaaaaaaaaaa"),  # this very process: alive
-], ids=["other-host", "other-pid-namespace", "other-boot", "live"])
-def test_a_lock_whose_holder_may_be_running_is_refused(tmp_path, warnings_logged, holder):
+ELSEWHERE = [  # (a holder whose pid cannot be checked from here, why the message says so)
+    ({"host": "elsewhere", "pid": 1, "save": "aaaaaaaaaaaa"}, "that is not this host"),
+    ({**lock_module._holder("aaaaaaaaaaaa"), "pidns": "pid:[1]"}, "another pid namespace"),  # a container
+    ({**lock_module._holder("aaaaaaaaaaaa"), "boot": "another-boot"}, "boot id is not this host's"),  # same name
+]
+
+
+@pytest.mark.parametrize("holder, why", ELSEWHERE, ids=["other-host", "other-pid-namespace", "other-boot"])
+def test_a_lock_of_another_host_is_refused_naming_the_file_its_holder_and_what_to_do(
+        tmp_path, warnings_logged, holder, why):
     lock = tmp_path / LOCK_NAME
     lock.write_text(json.dumps(holder))
-    with pytest.raises(CheckpointExistsError, match=rf"pid {holder['pid']} on host .* remove {lock}"):
+    with pytest.raises(CheckpointExistsError) as refused:
+        acquire_save_lock(tmp_path, TOKEN)
+    message = str(refused.value)
+    # the lock's full path, the holder it names, why it cannot be checked, and the way on: delete that file
+    assert message.startswith(f"{lock} says a save_pretrained into {tmp_path} runs as "), message
+    assert f"pid {holder['pid']} on host {holder['host']} (save aaaaaaaaaaaa)" in message, message
+    assert "cannot be checked from here: " in message and why in message, message
+    assert (f"Once you are sure no save is running as pid {holder['pid']} on host {holder['host']} (its job ended "
+            f"or was killed), delete {lock} and save again") in message, message
+    assert json.loads(lock.read_text()) == holder and not warnings_logged
+
+
+def test_a_lock_of_a_live_process_here_is_refused(tmp_path, warnings_logged):
+    lock = tmp_path / LOCK_NAME
+    holder = lock_module._holder("aaaaaaaaaaaa")  # this very process: alive
+    lock.write_text(json.dumps(holder))
+    with pytest.raises(CheckpointExistsError, match=rf"is running \(pid {holder['pid']} on host .* holds {lock}\)"
+                       r".* Wait for it to finish"):
         acquire_save_lock(tmp_path, TOKEN)
     assert json.loads(lock.read_text()) == holder and not warnings_logged
 

@@ -36,6 +36,8 @@ def test_a_replicated_dtensor_counts_once_and_a_shard_over_the_group(one_rank_me
     group = object()  # passed through to the patched all_reduce
     assert shards.is_replicated(replicated) and not shards.is_replicated(shard) and not shards.is_replicated(g)
     power = shards.norm_power([replicated, plain], 2.0, device=torch.device("cpu"), tp_group=group)
+    # sums of squares of small integers, exact in fp32 (default 1e-6 relative absorbs nothing more); a replica
+    # counted twice or a shard once moves the power by 25.
     assert power.item() == pytest.approx(25 + 144)  # the replicated 25 once, not doubled
     power = shards.norm_power([shard, plain], 2.0, device=torch.device("cpu"), tp_group=group)
     assert power.item() == pytest.approx(2 * 25 + 144)  # the shard's part summed over both ranks

@@ -16,6 +16,9 @@ from hf_pipeline.planning.schedules import get_schedule
 from hf_pipeline.planning.simulate import simulate_step
 from hf_pipeline.tools.profile import schedule_actions
 
+# pytest.approx's default (1e-6 relative) compares the simulation's float64 arithmetic on exact stage costs
+# (1.0, 0.5, 2.0) with closed forms: rounding only; a missed action, fill or drain moves a figure by 1e-2 or more.
+
 
 def _llama(layers: int = 12):
     return transformers.LlamaConfig(

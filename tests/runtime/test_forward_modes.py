@@ -12,8 +12,10 @@ import tiny
 import torch
 from harness import run_distributed
 
-# fp32 logits: summation order moves them ~1e-6 in the tiny models (hidden 32-64); a wrong weight, mask, cache or
-# position moves them by 1e-2 or more.
+# fp32 logits (below 1 in the tiny models: one ulp 6e-8): summation order moves them ~1e-6 (hidden 32-64); a wrong
+# weight, mask, cache or position moves them by 1e-2 or more (the dropped-microbatch check below: over 100x TOL).
+# Measured (pipelined on 5 rows in 3 microbatches vs transformers, 1 and 2 threads): max diff 0, bitwise equal,
+# under ATEN_CPU_CAPABILITY=default and =avx2 (and the native avx512).
 TOL = 1e-5
 
 
