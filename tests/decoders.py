@@ -80,3 +80,46 @@ def decoder_config(model_type: str, **overrides) -> transformers.PretrainedConfi
         if (name.endswith("dropout") or name.endswith("pdrop")) and isinstance(value, float) and name not in overrides:
             setattr(config, name, 0.0)
     return config
+
+
+# ----------------------------------------------------------------------------- README's table
+# What the tests compare with transformers (peft, Trainer) per family; README's architectures table is
+# rendered from these (tests/families/test_decoders.py checks it is README's).
+STREAMED = ("qwen3", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3")  # continuous batching: test_decoders.py
+LORA: tuple[str, ...] = ()  # tests/integrations: LoRA at 2 ranks equals peft on one process
+TRAINER: tuple[str, ...] = ()  # tests/integrations: the Trainer at 2 ranks equals it on one process
+TENSOR_PARALLEL: tuple[str, ...] = ()  # tests/loading: tp_size=2 inside the stages equals transformers
+# The hand-written recipes' families (model_recipes/{llama,gpt2,bert,t5}.toml): the columns their own test
+# files compare (tests/training, tests/generation/test_generate.py and test_beam.py, test_sliding_window.py,
+# tests/continuous_batching/test_ring_stream.py, tests/integrations/test_lora.py and test_trainer.py,
+# tests/loading/test_tensor_parallel*.py).
+COLUMNS = ("forward, training", "generate", "beam", "serve", "LoRA", "Trainer", "tp")
+HAND_WRITTEN = {
+    "llama": set(COLUMNS),
+    "mistral": {"forward, training", "generate", "tp"},
+    "qwen2": {"forward, training", "generate", "beam", "tp"},
+    "gpt2": {"forward, training", "generate", "beam", "serve", "LoRA", "tp"},
+    "bert": {"forward, training", "LoRA", "Trainer", "tp"},
+    "t5": {"forward, training", "generate", "beam", "LoRA", "tp"},
+}
+
+
+def _row(model_type: str, tested: set[str]) -> str:
+    from hf_pipeline.planning.options import model_class_for
+
+    config = transformers.AutoConfig.for_model(model_type)
+    auto = {"bert": "AutoModelForMaskedLM", "t5": "AutoModelForSeq2SeqLM"}.get(model_type, "AutoModelForCausalLM")
+    name = model_class_for(config, auto).__name__
+    return f"| `{model_type}` | {name} | " + " | ".join("yes" if c in tested else "-" for c in COLUMNS) + " |"
+
+
+def support_table() -> str:
+    """README's architectures x features table: "yes" where a test compares the feature with transformers."""
+    lines = ["| model_type | class | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    lines += [_row(t, tested) for t, tested in HAND_WRITTEN.items()]
+    for model_type in sorted(DECODERS):
+        tested = {"forward, training", "generate", "beam"}
+        extra = {"serve": STREAMED, "LoRA": LORA, "Trainer": TRAINER, "tp": TENSOR_PARALLEL}
+        tested |= {column for column, families in extra.items() if model_type in families}
+        lines.append(_row(model_type, tested))
+    return "\n".join(lines)

@@ -412,10 +412,12 @@ def get_recipe(model_type: str) -> Recipe:
     known = list_recipes()
     if model_type not in known:
         raise RecipeError(
-            f"no pipeline recipe for model_type {model_type!r}. Supported: {sorted(known)}. To add one, write a "
-            f"TOML file like model_recipes/llama.toml naming its embeddings, blocks, final modules and heads, and "
-            f"pass it to hf_pipeline.register_recipe(path) (or add it to model_recipes/); or load with "
-            f"split_method='trace' to let torch.export split it (forward and training only)."
+            f"no pipeline recipe for model_type {model_type!r}. Supported: {sorted(known)}. A standard transformers "
+            f"decoder (a base model holding a ModuleList of config.num_hidden_layers layers) needs only a copy of "
+            f"model_recipes/decoder.toml naming {model_type!r} in model_types, passed to "
+            f"hf_pipeline.register_recipe(path); another layout, a TOML file like model_recipes/llama.toml naming its "
+            f"embeddings, blocks, final modules and heads; or load with split_method='trace' to let torch.export "
+            f"split it (forward and training only)."
         )
     return known[model_type]
 

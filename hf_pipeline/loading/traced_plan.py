@@ -30,10 +30,11 @@ _LOSSES = {
 }
 
 RECIPE_HOWTO = (
-    "write a recipe: a TOML file like model_recipes/llama.toml naming the embeddings, the block list, the final "
-    "modules and the heads (a new family also needs its few lines of forward glue in hf_pipeline/families/glue.py, "
-    "which run the blocks with a transformers Cache), register it with hf_pipeline.register_recipe(path) and load "
-    "with split_method='recipe' or 'auto'"
+    "load it with split_method='auto' if its model_type is one model_recipes/decoder.toml claims; a standard "
+    "transformers decoder (a base model holding a ModuleList of config.num_hidden_layers layers) not listed there "
+    "needs only a copy of decoder.toml naming its model_type, registered with hf_pipeline.register_recipe(path) "
+    "(each stage then runs the model class's own forward); another layout needs a recipe like "
+    "model_recipes/llama.toml and its glue in hf_pipeline/families/glue/"
 )
 
 

@@ -178,6 +178,26 @@ def model_class_for(config, auto_class: str | type | None = None) -> type:
         ) from None
 
 
+# Sub-configs naming a tower for inputs other than text (Gemma 3's vision_config, Qwen2.5-VL's, LLaVA's):
+# their models run the tower and merge its features into the text embeddings before the first layer.
+NON_TEXT_TOWERS = ("vision", "audio", "speech", "video", "image")
+
+
+def refuse_non_text(config, model_class: type) -> None:
+    """Refuse, naming the class and its towers, a model that takes inputs other than text."""
+    towers = sorted(
+        name for name in getattr(config, "sub_configs", {}) or {}
+        if any(kind in name for kind in NON_TEXT_TOWERS) and getattr(config, name, None) is not None
+    )
+    if towers:
+        raise InputError(
+            f"{model_class.__name__} is a multimodal model ({', '.join(towers)} besides its text model): pipeline=True "
+            f"splits text-only language models, and running its tower on the first stage is not supported. Load it "
+            f"without pipeline=True, or pipeline a text-only checkpoint of its language model "
+            f"(AutoModelForCausalLM with its text_config)"
+        )
+
+
 def load_config(path_or_config: Any):
     """A transformers config from a config object, a dict, a config.json file or a checkpoint directory."""
     if isinstance(path_or_config, transformers.PretrainedConfig):
@@ -377,6 +397,7 @@ class PipelineOptions:
         if split_method not in SPLIT_METHODS:
             raise InputError(f"split_method must be one of {list(SPLIT_METHODS)}, got {split_method!r}")
         model_class = model_class_for(config, auto_class)
+        refuse_non_text(config, model_class)
         # "auto" traces what no recipe can split: a family without a recipe, or a model class whose head
         # the family's recipe lacks (GPT2ForMultipleChoice...); "recipe" lets planning raise naming the heads.
         recipe = list_recipes().get(config.model_type)

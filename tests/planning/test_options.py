@@ -131,3 +131,19 @@ def test_the_memory_report_says_which_schedule_was_chosen_and_why():
     assert any("chosen because no schedule was named" in n for n in chosen.notes), chosen.notes
     named = plan_report(tiny.config_for("llama"), stages=3, n_microbatches=3, batch=3, seq=8, schedule="1f1b")
     assert not any("schedule" in n for n in named.notes), named.notes
+
+
+@pytest.mark.parametrize(
+    "config_class, model_class",
+    [("Gemma3Config", "Gemma3ForConditionalGeneration"), ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+     ("LlavaConfig", "LlavaForConditionalGeneration")],
+)
+def test_multimodal_models_are_refused_naming_the_class_and_the_tower(config_class, model_class):
+    import transformers
+
+    from hf_pipeline.errors import InputError
+    from hf_pipeline.planning.options import PipelineOptions
+
+    config = getattr(transformers, config_class)()
+    with pytest.raises(InputError, match=rf"{model_class} is a multimodal model \(vision_config besides"):
+        PipelineOptions.resolve(config, 2, auto_class=model_class)
