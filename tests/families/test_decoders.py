@@ -117,12 +117,34 @@ def test_position_kinds_follow_each_family():
 
 
 # ----------------------------------------------------------------------------- one process, 2 stages
-@pytest.mark.parametrize("model_type", ["gemma2", "opt", "gemma3_text"])
+def _no_softcap(ref):
+    ref.config.final_logit_softcapping = None
+
+
+def _no_final_norm(ref):
+    ref.model.decoder.final_layer_norm = torch.nn.Identity()
+
+
+def _all_full(ref):
+    ref.config.layer_types = ["full_attention"] * ref.config.num_hidden_layers
+
+
+# What each family's forward does around its layers, switched off in a copy of the reference: the
+# quirk must move the logits here (else the comparison could not catch a stage that dropped it).
+QUIRKS = {"gemma2": _no_softcap, "opt": _no_final_norm, "gemma3_text": _all_full}
+
+
+@pytest.mark.parametrize("model_type", sorted(QUIRKS))
 def test_two_stages_in_one_process_equal_transformers(tmp_path, model_type):
     import hf_pipeline
 
     path = _save(tmp_path / model_type, model_type)
     ref = tiny.reference(path, AUTO)
+    plain = tiny.reference(path, AUTO)
+    QUIRKS[model_type](plain)
+    with torch.no_grad():
+        moved = (plain(**_inputs()).logits - ref(**_inputs()).logits).abs().max().item()
+    assert moved > 1e-2, f"{model_type}: its quirk does not move these logits ({moved:.3g})"
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
         path, pipeline=True, device="cpu", progress=False, schedule="interleaved-1f1b", virtual_stages=2,
         n_microbatches=M,
