@@ -111,6 +111,9 @@ class StageModule(nn.Module):
         self.__dict__["hf_root"] = root
         self.absent_holder_children = absent
         self.config = root.config
+        # As the HF model's: code handed a stage as a model (peft, through transformers' weight conversion
+        # mapping) reads it to scope what applies under a nested sub-model (DeepseekV3Model under the stage).
+        self.base_model_prefix = getattr(root, "base_model_prefix", "")
         self.spec = spec
         self.resolved = resolved
         self.glue = glue
