@@ -86,8 +86,19 @@ def decoder_config(model_type: str, **overrides) -> transformers.PretrainedConfi
 # What the tests compare with transformers (peft, Trainer) per family; README's architectures table is
 # rendered from these (tests/families/test_decoders.py checks it is README's).
 STREAMED = ("qwen3", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3")  # continuous batching: test_decoders.py
-LORA: tuple[str, ...] = ()  # tests/integrations: LoRA at 2 ranks equals peft on one process
-TRAINER: tuple[str, ...] = ()  # tests/integrations: the Trainer at 2 ranks equals it on one process
+# tests/integrations/test_lora_decoders.py: LoRA at 2 ranks equals peft on one process, per model_type
+# with its target_modules (None where peft has a default for the model_type, asserted there) ...
+LORA: dict[str, list[str] | None] = {
+    "qwen3": None,
+    "gemma3_text": None,
+    "opt": None,
+    "falcon": None,  # query_key_value
+    "phi3": ["qkv_proj", "o_proj"],  # fused q/k/v
+    "deepseek_v3": ["q_b_proj", "kv_b_proj"],  # multi-latent attention: the up-projections
+    "gpt_oss": ["q_proj", "v_proj"],
+}
+# ... and PipelineTrainer at 2 ranks equals transformers.Trainer on one process
+TRAINER = ("qwen3", "gemma3_text")
 TENSOR_PARALLEL: tuple[str, ...] = ()  # tests/loading: tp_size=2 inside the stages equals transformers
 # The hand-written recipes' families (model_recipes/{llama,gpt2,bert,t5}.toml): the columns their own test
 # files compare (tests/training, tests/generation/test_generate.py and test_beam.py, test_sliding_window.py,

@@ -34,7 +34,7 @@ import pytest
 import tiny
 import torch
 import transformers
-from decoders import decoder_config
+from decoders import LORA, TRAINER, decoder_config
 from harness import run_distributed
 from test_trainer import _args, _assert_logs_equal, _dataset, _logs
 
@@ -45,17 +45,7 @@ TRAINER_TOL = 2e-5
 LR = 1e-2
 EPS = 1e-5  # as in tests/integrations/test_lora.py: round-off-level gradients do not become lr-sized moves
 SEED = 7
-# model_type -> target_modules: None where peft has a default for the model_type (asserted below)
-LORA = {
-    "qwen3": None,
-    "gemma3_text": None,
-    "opt": None,
-    "falcon": None,  # query_key_value
-    "phi3": ["qkv_proj", "o_proj"],  # fused q/k/v
-    "deepseek_v3": ["q_b_proj", "kv_b_proj"],  # multi-latent attention: the up-projections
-    "gpt_oss": ["q_proj", "v_proj"],
-}
-TRAINER = ("qwen3", "gemma3_text")
+# LORA (model_type -> target_modules) and TRAINER live in tests/decoders.py: README's table is rendered from them
 LOAD = {"schedule": "1f1b", "n_microbatches": 2}
 
 
