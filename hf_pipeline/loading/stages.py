@@ -31,6 +31,7 @@ from ..families.recipe import get_recipe
 from ..planning.options import PipelineOptions, model_class_for
 from ..planning.plan import StagePlan, StageSpec, make_plan
 from ..planning.resolve import ResolvedRecipe, resolve_recipe
+from .tensor_parallel import check_plan
 
 __all__ = ["StageMaker", "StageModule", "build_stage", "materialize", "meta_model", "prune", "recipe_front_end"]
 
@@ -276,6 +277,7 @@ def recipe_front_end(config, options: PipelineOptions) -> StageMaker:
     # resolved against those alone.
     head = recipe.match_head(type(skeleton).__name__, type(getattr(skeleton, "base_model", skeleton)).__name__)
     resolved = resolve_recipe(skeleton, recipe.for_head(head) if head is not None else recipe)
+    check_plan(skeleton, options.tp_plan)
     plan = make_plan(
         skeleton, resolved, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
         layout=options.schedule.layout, split=options.split, dtype=options.dtype,

@@ -3,7 +3,13 @@
 Each module a plan pattern names is sharded by its style: ``"colwise"`` (output features),
 ``"rowwise"`` (input features, output all-reduced) or ``"packed_colwise:K"`` (K blocks side by side
 in the output features, each sharded: GPT-2's fused q, k, v ``c_attn`` is ``"packed_colwise:3"`` and
-a rank holds ``[q_r, k_r, v_r]``; plain ``"packed_colwise"`` is transformers' two blocks). Its
+a rank holds ``[q_r, k_r, v_r]``; plain ``"packed_colwise"`` is transformers' two blocks), and
+transformers' other styles of ``planning/mesh_rules.STYLES``: ``"colwise_gather_output"`` /
+``"rowwise_split_input"`` (the activations between them stay whole: OLMo 2, Phi-3, GLM),
+``"embedding_rowwise"`` (an embedding's vocabulary rows, the ranks' lookups summed: GPT-NeoX, GPT-J)
+and ``"replicated_with_grad_allreduce"`` (a whole module whose gradient is summed: Qwen3's per-head
+norms). :func:`check_plan` refuses, at planning, a plan that leaves parameters between sharded
+projections out or shards a tied tensor. Its
 parameters become ``DTensor`` shards: ``Shard(dim)``, or torch's strided shard for a packed one, so
 ``full_tensor()`` gives the checkpoint's own layout back with no code of ours, and norms, optimizers
 and the checkpoint writer see the whole tensor. The styles hand plain local tensors to the code
@@ -28,19 +34,21 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..compat import strided_shard
-from ..errors import InternalError
+from ..errors import InputError, InternalError
 from ..planning.mesh_rules import parse_style
 from .weights import chunk_bounds
 
-__all__ = ["apply_tensor_parallel", "local_slice", "plan_for_stage", "shard_parts"]
+__all__ = ["apply_tensor_parallel", "check_plan", "local_slice", "plan_for_stage", "shard_parts"]
 
 
 def _pattern(text: str) -> re.Pattern:
@@ -60,6 +68,58 @@ def plan_for_stage(stage: nn.Module, plan: tuple[tuple[str, str], ...]) -> dict[
     return out
 
 
+def check_plan(model: nn.Module, plan: tuple[tuple[str, str], ...]) -> None:
+    """Refuse a plan that leaves out a module with parameters running between a block's sharded projections.
+
+    Between a colwise and a rowwise child of one module (attention, MLP) each rank holds only its share
+    of the activations (its heads, its MLP columns), so a child with parameters there that the plan does
+    not name (Apertus's XIELU activation, a per-head norm) gets a partial gradient on each rank. A child
+    that sees whole activations there (MLA's ``q_a_layernorm``, before the colwise ``q_b_proj``) cannot be
+    told apart by the module tree: the plan must name it too.
+
+    Raises:
+        InputError: naming the model class, the modules and their parameters, and the plan entry to add.
+    """
+    by_name = plan_for_stage(model, plan)
+    _check_untied(model, by_name)
+    for name, parent in model.named_modules():
+        children = [(f"{name}.{n}" if name else n, c) for n, c in parent.named_children()]
+        kinds = {(parse_style(by_name[c]) or ("", 1))[0] for c, _ in children if c in by_name}
+        if not ({"colwise", "rowwise"} <= kinds):
+            continue
+        planned = [c for c, _ in children if c in by_name or any(k.startswith(c + ".") for k in by_name)]
+        loose = {c: sorted(n for n, _ in m.named_parameters()) for c, m in children if c not in planned}
+        loose = {c: names for c, names in loose.items() if names}
+        if loose:
+            prefix = getattr(model, "base_model_prefix", "") + "."  # the plan names modules of the base model
+            pattern = re.sub(r"\.\d+\.", ".*.", next(iter(loose))).removeprefix(prefix)
+            raise InputError(
+                f"{type(model).__name__}: tp_plan shards the projections of {name} but leaves out {loose} (module "
+                f"-> parameters), which run on each rank's share of the sharded activations, so their gradients "
+                f"would be partial; name them in the plan, e.g. distributed_config=DistributedConfig(tp_size=..., "
+                f"tp_plan={{**config.base_model_tp_plan, {pattern!r}: "
+                f"'replicated_with_grad_allreduce'}}), or load with tp_size=1"
+            )
+
+
+def _check_untied(model: nn.Module, by_name: dict[str, str]) -> None:
+    """A sharded parameter must be one module's alone: a tied LM head would read the embedding's slice."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for module_name, style in by_name.items():
+        module = model.get_submodule(module_name)
+        for attr in _shard_dims(module, style):
+            p = getattr(module, attr, None)
+            tied = [n for n in names.get(id(p), []) if n != f"{module_name}.{attr}"] if p is not None else []
+            if tied:
+                raise InputError(
+                    f"{type(model).__name__}: tp_plan shards {module_name}.{attr} ({style!r}), which is tied to "
+                    f"{tied} (config.tie_word_embeddings): the tied module would read this rank's slice; pass a plan "
+                    f"leaving {module_name} out (DistributedConfig(tp_size=..., tp_plan=...)), or load with tp_size=1"
+                )
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     from transformers.pytorch_utils import Conv1D
 
@@ -70,10 +130,12 @@ def _shard_dims(module: nn.Module, style: str) -> dict[str, int]:
     """Parameter name -> the dim ``style`` shards it along in ``module``; a rowwise bias is whole on every rank."""
     kind, _ = parse_style(style) or (None, 1)
     transposed = _is_conv1d(module) or isinstance(module, nn.Embedding)  # output features in the weight's dim 1
-    if kind == "colwise":
+    if kind in ("colwise", "colwise_gather"):
         return {"weight": 1, "bias": 0} if transposed else {"weight": 0, "bias": 0}
-    if kind == "rowwise":
+    if kind in ("rowwise", "rowwise_split"):
         return {"weight": 0} if transposed else {"weight": 1}
+    if kind == "replicated":
+        return {}
     raise InternalError(f"tensor-parallel style {style!r} reached the stage unchecked")
 
 
@@ -137,6 +199,35 @@ def _sum_over_ranks(x: torch.Tensor, mesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
+def _gather_last(x: torch.Tensor, size: int, mesh) -> torch.Tensor:
+    """The ranks' slices ``x`` of a last dim of ``size`` (cut as torch.chunk cuts), whole on every rank; the
+    gradient (the same on every rank: what follows runs whole) gives each rank its slice back."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    shape = (*x.shape[:-1], size)
+    stride = torch.empty(shape, device="meta").stride()
+    whole = DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False, shape=shape, stride=stride)
+    return whole.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _share_last(x: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's slice of ``x``'s last dim, as the weights are cut; the ranks' gradients summed (each
+    gives only its slice's)."""
+    return _copy_to_ranks(x, mesh).narrow(-1, *chunk_bounds(x.shape[-1], mesh.get_local_rank(), mesh.size()))
+
+
+def _lookup(module: nn.Embedding, ids: torch.Tensor, weight: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's part of the embedding of ``ids``: the vectors of the vocabulary rows it holds, zeros
+    for the others (summed over the ranks, every id finds its vector once)."""
+    first, rows = chunk_bounds(module.num_embeddings, mesh.get_local_rank(), mesh.size())
+    local = ids - first
+    inside = (local >= 0) & (local < rows)  # (B, T)
+    pad = module.padding_idx
+    pad = pad - first if pad is not None and 0 <= pad - first < rows else None  # its row, if this rank holds it
+    out = F.embedding(torch.where(inside, local, 0), weight, pad)  # (B, T, H)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
 class LocalParallel(ParallelStyle):
     """Colwise / rowwise sharding of a module torch's ``ColwiseParallel`` / ``RowwiseParallel`` refuse
     (they take ``nn.Linear`` and ``nn.Embedding`` only, and shard by plain ``Shard``): GPT-2's ``Conv1D``
@@ -151,20 +242,55 @@ class LocalParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         kind, conv = self.kind, _is_conv1d(module)
+        if isinstance(module, nn.Embedding):
+            if kind != "rowwise" or type(module).forward is not nn.Embedding.forward:
+                raise InputError(
+                    f"tensor-parallel style {kind!r} on {type(module).__name__}: an embedding is sharded here by its "
+                    "vocabulary rows ('embedding_rowwise') and only as torch's nn.Embedding (not a subclass with "
+                    "its own forward); leave it out of tp_plan"
+                )
+            module.forward = types.MethodType(lambda mod, ids: _sum_over_ranks(
+                _lookup(mod, ids, mod.weight.to_local(), device_mesh), device_mesh), module)
+            return module
+        size = module.weight.shape[1 if conv else 0] if kind == "colwise_gather" else None  # out features, whole
 
         def forward(mod, x):
             weight = mod.weight.to_local()
             bias = mod.bias
             bias = None if bias is None else bias.to_local() if hasattr(bias, "to_local") else bias
-            if kind == "colwise":
+            if kind in ("colwise", "colwise_gather"):
                 x = _copy_to_ranks(x, device_mesh)
+            if kind == "rowwise_split":
+                x = _share_last(x, device_mesh)
             out = x @ weight if conv else x @ weight.t()
-            if kind == "rowwise":
+            if kind in ("rowwise", "rowwise_split"):
                 out = _sum_over_ranks(out, device_mesh)
-            return out if bias is None else out + bias
+            out = out if bias is None else out + bias
+            return _gather_last(out, size, device_mesh) if size is not None else out
 
         module.forward = types.MethodType(forward, module)
         return module
+
+
+class SummedGradients(ParallelStyle):
+    """A module kept whole on every rank whose gradient each rank computes from its share only (Qwen3's
+    per-head ``q_norm`` sees this rank's heads): each backward's gradient is summed over the ranks before
+    it is accumulated, so ``.grad`` is the whole model's on every rank (over microbatches too)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group = device_mesh.get_group()
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                p.register_hook(functools.partial(_summed, group=group))
+        return module
+
+
+def _summed(grad: torch.Tensor, *, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _localise(stage: nn.Module, sharded: dict[str, str], tp_size: int) -> None:
@@ -203,7 +329,14 @@ def apply_tensor_parallel(stage: nn.Module, plan: tuple[tuple[str, str], ...], t
         # torch's RowwiseParallel makes a bias a replicated DTensor, which the gradient norm would count once
         # per tensor-parallel rank (it sums the shards' parts over them): a rowwise bias stays plain here.
         rowwise_bias = kind == "rowwise" and getattr(module, "bias", None) is not None
-        if packs > 1 or rowwise_bias or not isinstance(module, (nn.Linear, nn.Embedding)):
+        # An embedding's vocabulary rows: torch's RowwiseParallel would zero the gradient of padding_idx's
+        # local row on every rank, not only on the rank holding it.
+        vocab = kind == "rowwise" and isinstance(module, nn.Embedding)
+        if kind == "replicated":
+            parallel[name] = SummedGradients()
+        elif packs > 1 or rowwise_bias or vocab or kind.endswith(("_gather", "_split")) or not isinstance(
+            module, (nn.Linear, nn.Embedding)
+        ):
             parallel[name] = LocalParallel(kind)
         else:
             parallel[name] = ColwiseParallel() if kind == "colwise" else RowwiseParallel()

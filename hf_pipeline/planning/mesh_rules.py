@@ -20,8 +20,8 @@ from ..errors import InputError
 from ..families.recipe import list_recipes
 
 __all__ = [
-    "FSDP_REFUSED_SCHEDULES", "TP_REFUSED_SCHEDULES", "check_fsdp_schedule", "check_tp_schedule", "parse_style",
-    "tp_families", "tp_plan_source",
+    "FSDP_REFUSED_SCHEDULES", "REFUSED_STYLES", "STYLES", "TP_REFUSED_SCHEDULES", "check_fsdp_schedule",
+    "check_tp_schedule", "parse_style", "tp_families", "tp_plan_source",
 ]
 
 # Schedules a tensor-parallel stage cannot run, with why. None today: every schedule of
@@ -38,12 +38,34 @@ TP_REFUSED_SCHEDULES: dict[str, str] = {}
 FSDP_REFUSED_SCHEDULES: dict[str, str] = {}
 
 
+# transformers' plan styles this version applies, as ``(kind, packs)`` (a kind is how
+# loading/tensor_parallel.py shards and runs the module). The two "gather" / "split" styles keep the
+# activations between them whole on every rank (OLMo 2 normalises q and k over all heads, Phi-3 splits a
+# fused projection's output), so the attention runs every head and only the matmuls are shared.
+STYLES: dict[str, tuple[str, int]] = {
+    "colwise": ("colwise", 1),
+    "rowwise": ("rowwise", 1),
+    "colwise_gather_output": ("colwise_gather", 1),  # colwise, output gathered whole
+    "rowwise_split_input": ("rowwise_split", 1),  # a whole input cut to this rank's share, then rowwise
+    "embedding_rowwise": ("rowwise", 1),  # an embedding's vocabulary rows; the lookups summed
+    "replicated_with_grad_allreduce": ("replicated", 1),  # whole on every rank, gradient summed (per-head norms)
+}
+
+# transformers' styles refused, with why (any other style outside STYLES is refused as unknown here).
+REFUSED_STYLES: dict[str, str] = {
+    "mla_kv_a_proj": "multi-latent attention's shared rotary key (the tail of kv_a_proj_with_mqa's output, which "
+    "every rank's heads read) would need its gradient summed over the ranks, which is not done yet",
+    "sequence_parallel": "sequence parallelism is not done yet",
+    "moe_tp_experts": "experts sharded by tensor parallelism are not done yet",
+}
+
+
 def parse_style(style: str) -> tuple[str, int] | None:
-    """A plan style as ``(kind, packs)``: ``"colwise"`` / ``"rowwise"`` (one block), ``"packed_colwise"``
-    (transformers' two blocks side by side, each sharded) or ``"packed_colwise:K"`` (K blocks: GPT-2's
-    fused q, k, v is ``"packed_colwise:3"``). None for a style this version does not apply."""
-    if style in ("colwise", "rowwise"):
-        return style, 1
+    """A plan style as ``(kind, packs)``: one of :data:`STYLES`, ``"packed_colwise"`` (transformers' two
+    blocks side by side, each sharded) or ``"packed_colwise:K"`` (K blocks: GPT-2's fused q, k, v is
+    ``"packed_colwise:3"``). None for a style this version does not apply."""
+    if style in STYLES:
+        return STYLES[style]
     match = re.fullmatch(r"packed_colwise(?::(\d+))?", style)
     if match is None or (match.group(1) is not None and int(match.group(1)) < 2):
         return None

@@ -417,6 +417,8 @@ class PipelineOptions:
             _positive("n_microbatches", n_microbatches)
             spec, note = choose_schedule(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
         split_value = split_starts(split)
+        shards = tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=spec.name,
+                         model_class=model_class.__name__)
         return cls(  # checks the placement and n_microbatches (__post_init__)
             model_class=model_class,
             schedule=spec,
@@ -430,6 +432,6 @@ class PipelineOptions:
             traced=traced,
             schedule_note=note,
             tp_size=parallel.tp_size,
-            tp_plan=tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=spec.name),
+            tp_plan=shards,
             fsdp_size=parallel.fsdp_size,
         )

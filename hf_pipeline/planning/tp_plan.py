@@ -6,8 +6,9 @@ Three ways to ask, as transformers' ``from_pretrained`` takes them: ``tp_size=``
 comes from ``num_stages``) and ``device_mesh=`` (a torch ``DeviceMesh`` with dims named ``"pp"``,
 ``"tp"`` and optionally ``"dp"`` or ``"fsdp"``).
 :func:`parallel_request` turns any of them into one :class:`ParallelRequest`; :func:`tp_plan` gives
-the module patterns and styles (``"colwise"`` / ``"rowwise"`` / ``"packed_colwise[:K]"``) that shard
-a stage, from the config's ``base_model_tp_plan`` (LLaMA, Mistral, Qwen2), the recipe's ``[tp]`` plan
+the module patterns and styles (``"colwise"`` / ``"rowwise"`` / ``"packed_colwise[:K]"`` and the others of
+``mesh_rules.STYLES``) that shard a stage, from the config's ``base_model_tp_plan`` (LLaMA, Mistral, Qwen2 and
+most of the generic decoder recipe's families), the recipe's ``[tp]`` plan
 (GPT-2, BERT, T5) or the caller's ``tp_plan``, after checking that ``tp_size`` divides the heads.
 
 Example:
@@ -26,11 +27,9 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["TP_STYLES", "ParallelRequest", "parallel_request", "tp_plan"]
+__all__ = ["ParallelRequest", "parallel_request", "tp_plan"]
 
-# The styles of transformers' plans this version applies (torch's ColwiseParallel / RowwiseParallel, and
-# packed colwise for fused weights: see planning/mesh_rules.parse_style).
-TP_STYLES = ("colwise", "rowwise", "packed_colwise")
+# The styles of transformers' plans this version applies are planning/mesh_rules.STYLES and packed colwise.
 
 # DistributedConfig fields this version cannot honour, with what a value other than the default asks for.
 _UNSUPPORTED = {
@@ -160,7 +159,8 @@ def _check_divides(config, tp_size: int, extra: tuple[str, ...] = ()) -> None:
 
 
 def tp_plan(
-    config, tp_size: int, *, override=None, traced: bool = False, schedule: str | None = None
+    config, tp_size: int, *, override=None, traced: bool = False, schedule: str | None = None,
+    model_class: str | None = None,
 ) -> tuple[tuple[str, str], ...]:
     """``(module pattern, style)`` pairs sharding a stage over ``tp_size`` ranks (empty for 1).
 
@@ -175,6 +175,7 @@ def tp_plan(
         override: the caller's plan (``DistributedConfig.tp_plan`` as pairs), else the config's or the recipe's.
         traced: the stages come from the tracer, which has no module names to shard.
         schedule: the pipeline schedule's name, checked against the schedules tensor parallelism runs.
+        model_class: the model class's name, for messages (default: the family).
 
     Raises:
         InputError: no plan for the family, a style this version does not apply, a schedule that cannot
@@ -184,7 +185,7 @@ def tp_plan(
     if tp_size == 1:
         return ()
     from ..families.recipe import list_recipes
-    from .mesh_rules import check_tp_schedule, parse_style
+    from .mesh_rules import REFUSED_STYLES, STYLES, check_tp_schedule, parse_style
 
     family = getattr(config, "model_type", type(config).__name__)
     recipe = list_recipes().get(family)
@@ -193,16 +194,19 @@ def tp_plan(
         base = getattr(config, "base_model_tp_plan", None) or (dict(recipe.tp_plan) if recipe is not None else None)
         if traced or not base:
             raise InputError(
-                f"tp_size={tp_size}: the {family} family has no tensor-parallel plan (transformers' "
-                f"base_model_tp_plan is empty and no recipe carries one); load it with tp_size=1, or pass "
-                f"distributed_config=DistributedConfig(tp_size=..., tp_plan={{module: 'colwise' | 'rowwise'}})"
+                f"{model_class or family} with tp_size={tp_size}: the {family} family has no tensor-parallel plan "
+                f"(transformers' base_model_tp_plan is empty and no recipe carries one); load it with tp_size=1, or "
+                f"pass distributed_config=DistributedConfig(tp_size=..., tp_plan={{module: 'colwise' | 'rowwise'}})"
             )
         plan = dict(base)
     bad = {k: v for k, v in plan.items() if parse_style(v) is None}
     if bad:
+        why = "; ".join(f"{v!r}: {REFUSED_STYLES[v]}" for v in sorted(set(bad.values())) if v in REFUSED_STYLES)
         raise InputError(
-            f"tp_plan styles {bad} are not supported with pipeline=True; use one of ['colwise', 'rowwise', "
-            f"'packed_colwise', 'packed_colwise:K' (K blocks side by side, each sharded)]"
+            f"{model_class or family}: tp_plan styles {bad} are not supported with pipeline=True"
+            f"{f' ({why})' if why else ''}; load with tp_size=1, or pass a plan (DistributedConfig(tp_plan=...)) "
+            f"of the styles {[*STYLES, 'packed_colwise', 'packed_colwise:K']} (packed: K blocks side by side, "
+            f"each sharded)"
         )
     if schedule is not None:
         check_tp_schedule(schedule, tp_size)

@@ -3,7 +3,8 @@
 Pure unit tests: the table of families (transformers' ``base_model_tp_plan`` or the recipe's), the
 styles a plan may use, the schedules refused under tensor parallelism and their message, the
 recipes' plans matched against the modules of meta GPT-2 / BERT / T5 models, the slices a rank
-reads of a packed tensor, and a malformed ``[tp]`` table refused by name.
+reads of a packed tensor, a malformed ``[tp]`` table refused by name, and plans refused at planning
+(parameters left out between sharded projections, a tied embedding sharded, a style refused with its reason).
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def test_families_with_a_plan_and_where_it_comes_from():
 @pytest.mark.parametrize(
     "style, parsed",
     [("colwise", ("colwise", 1)), ("rowwise", ("rowwise", 1)), ("packed_colwise", ("colwise", 2)),
-     ("packed_colwise:3", ("colwise", 3)), ("packed_colwise:1", None), ("sequence_parallel", None), ("local", None)],
+     ("packed_colwise:3", ("colwise", 3)), ("packed_colwise:1", None), ("sequence_parallel", None), ("local", None),
+     ("colwise_gather_output", ("colwise_gather", 1)), ("rowwise_split_input", ("rowwise_split", 1)),
+     ("embedding_rowwise", ("rowwise", 1)), ("replicated_with_grad_allreduce", ("replicated", 1)),
+     ("mla_kv_a_proj", None)],
 )
 def test_plan_styles(style, parsed):
     assert parse_style(style) == parsed
@@ -136,3 +140,47 @@ def test_a_malformed_tp_table_is_refused_by_name(tmp_path):
     path.write_text(base + '[tp]\nplan = { "a.*.q" = 2 }\n')
     with pytest.raises(RecipeError, match=r"broken.toml: field \"tp.plan.'a.\*.q'\" must be a str"):
         load_recipe(path)
+
+
+def _meta_decoder(model_type, **overrides):
+    from decoders import decoder_config
+
+    from hf_pipeline.loading.stages import meta_model
+
+    return meta_model(decoder_config(model_type, **overrides), "AutoModelForCausalLM")
+
+
+def test_a_plan_leaving_out_parameters_between_sharded_projections_is_refused_naming_them():
+    from hf_pipeline.loading.tensor_parallel import check_plan
+
+    apertus = _meta_decoder("apertus")  # its MLP's XIELU activation has parameters; transformers' plan omits them
+    plan = tp_plan(apertus.config, 2)
+    with pytest.raises(InputError) as e:
+        check_plan(apertus, plan)
+    msg = str(e.value)
+    assert msg.startswith("ApertusForCausalLM: tp_plan shards the projections of model.layers.0.mlp"), msg
+    assert "{'model.layers.0.mlp.act_fn': ['alpha_n', 'alpha_p']}" in msg, msg
+    assert "'layers.*.mlp.act_fn': 'replicated_with_grad_allreduce'" in msg, msg
+    check_plan(apertus, (*plan, ("layers.*.mlp.act_fn", "replicated_with_grad_allreduce")))  # named: accepted
+    qwen3 = _meta_decoder("qwen3")  # its per-head q_norm / k_norm are in transformers' plan
+    check_plan(qwen3, tp_plan(qwen3.config, 2))
+
+
+def test_a_plan_sharding_a_tied_embedding_is_refused():
+    from hf_pipeline.loading.tensor_parallel import check_plan
+
+    tied = _meta_decoder("gpt_neox", tie_word_embeddings=True)
+    with pytest.raises(InputError, match=r"GPTNeoXForCausalLM: tp_plan shards gpt_neox.embed_in.weight "
+                                         r"\('embedding_rowwise'\), which is tied to \['lm_head.weight'\]"):
+        check_plan(tied, tp_plan(tied.config, 2))
+    untied = _meta_decoder("gpt_neox")
+    check_plan(untied, tp_plan(untied.config, 2))
+
+
+def test_a_refused_style_says_why_and_names_the_model_class():
+    deepseek = _meta_decoder("deepseek_v3")
+    with pytest.raises(InputError) as e:
+        tp_plan(deepseek.config, 2, model_class="DeepseekV3ForCausalLM")
+    msg = str(e.value)
+    assert msg.startswith("DeepseekV3ForCausalLM: tp_plan styles {'layers.*.self_attn.kv_a_proj_with_mqa': "), msg
+    assert "multi-latent attention's shared rotary key" in msg and "'replicated_with_grad_allreduce'" in msg, msg
