@@ -99,7 +99,15 @@ LORA: dict[str, list[str] | None] = {
 }
 # ... and PipelineTrainer at 2 ranks equals transformers.Trainer on one process
 TRAINER = ("qwen3", "gemma3_text")
-TENSOR_PARALLEL: tuple[str, ...] = ()  # tests/loading: tp_size=2 inside the stages equals transformers
+# tests/loading/test_tensor_parallel_decoders.py: tp_size=2 inside the stages, with transformers' own plan,
+# equals transformers on one process (by the style of its plan that is not plain colwise / rowwise)
+TENSOR_PARALLEL = (
+    "gemma", "gemma2", "phi", "olmo", "granite", "cohere", "cohere2", "smollm3", "starcoder2", "helium",
+    "ernie4_5", "arcee", "seed_oss", "ministral", "nemotron",
+    "qwen3", "gemma3_text", "exaone4",  # replicated_with_grad_allreduce (q_norm, k_norm)
+    "phi3", "olmo2", "olmo3", "glm", "glm4",  # colwise_gather_output / rowwise_split_input
+    "gpt_neox", "gptj", "codegen", "gpt_oss", "hunyuan_v1_dense",  # embedding_rowwise
+)
 # The hand-written recipes' families (model_recipes/{llama,gpt2,bert,t5}.toml): the columns their own test
 # files compare (tests/training, tests/generation/test_generate.py and test_beam.py, test_sliding_window.py,
 # tests/continuous_batching/test_ring_stream.py, tests/integrations/test_lora.py and test_trainer.py,

@@ -416,7 +416,6 @@ class PipelineOptions:
         if schedule is None:  # nothing asked for: a default that trains these microbatches, never a refusal
             _positive("n_microbatches", n_microbatches)
             spec, note = choose_schedule(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
-        split_value = split_starts(split)
         shards = tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=spec.name,
                          model_class=model_class.__name__)
         return cls(  # checks the placement and n_microbatches (__post_init__)
@@ -428,7 +427,7 @@ class PipelineOptions:
             dp_size=(world_size or pp_size * parallel.tp_size * parallel.fsdp_size) // (pp_size * parallel.tp_size),
             n_microbatches=n_microbatches,
             dtype=parse_dtype(dtype, config),
-            split=split_value,
+            split=split_starts(split),
             traced=traced,
             schedule_note=note,
             tp_size=parallel.tp_size,

@@ -26,21 +26,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoders import DECODERS, decoder_config
+from decoders import DECODERS, TENSOR_PARALLEL, decoder_config
 from harness import run_distributed
 from tp_helpers import compare, exercise
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-# Every family whose plan loads (transformers' plan as it ships), by the style of its plan that is not
-# plain colwise / rowwise.
-PASSING = (
-    "gemma", "gemma2", "phi", "olmo", "granite", "cohere", "cohere2", "smollm3", "starcoder2", "helium",
-    "ernie4_5", "arcee", "seed_oss", "ministral", "nemotron",
-    "qwen3", "gemma3_text", "exaone4",  # replicated_with_grad_allreduce (q_norm, k_norm)
-    "phi3", "olmo2", "olmo3", "glm", "glm4",  # colwise_gather_output / rowwise_split_input
-    "gpt_neox", "gptj", "codegen", "gpt_oss", "hunyuan_v1_dense",  # embedding_rowwise
-)
+# Every family whose plan loads (transformers' plan as it ships): tests/decoders.py TENSOR_PARALLEL,
+# from which README's table is rendered.
+PASSING = TENSOR_PARALLEL
 APERTUS_EXTRA = {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
 # case -> (model type, config overrides, what the message of the refusal on every rank contains)
 REFUSED = {
