@@ -194,20 +194,24 @@ def refuse_unconverted(
     expected = _expected_sources(model, api) if api is not None else None
     prefix = getattr(model, "base_model_prefix", "") or ""
     cls = type(model).__name__
+    # Unexpected keys by the name transformers renames them to (Mixtral's block_sparse_moe -> mlp), so they
+    # meet the module of the model tensor they were meant for.
+    renamings = [] if api is None else [t for t in api[0](model) if isinstance(t, api[2])]
+    renamed = {k: api[4](k, renamings, [])[0] if api is not None else k for k in unexpected}
     problems = []
     for name in sorted(missing):
         module = name.rpartition(".")[0] + "."
         heads = {module, module.removeprefix(f"{prefix}.")} if prefix else {module}
-        stray = sorted(k for k in unexpected if k.startswith(tuple(heads)))
+        stray = sorted(k for k in unexpected if renamed[k].startswith(tuple(heads)))
         merged = [k for k, _ in expected.keys.get(name, ())] if expected is not None else []
         if merged:
-            problems.append(f"{name} (transformers merges it from {name_listing(merged)}; the checkpoint has none)")
+            problems.append(f"{name} (merged from {len(merged)} keys such as {merged[0]}, none stored)")
         elif stray:
-            problems.append(f"{name} (the checkpoint has {name_listing(stray)} there instead)")
+            problems.append(f"{name} (the checkpoint has {len(stray)} keys such as {stray[0]} there instead)")
     if problems:
         raise CheckpointError(
             f"checkpoint {directory} has no tensor for {len(problems)} of {cls}'s tensors, and transformers "
-            f"{_version()} defines no conversion for {cls} that builds them from what it stores: "
+            f"{_version()}'s conversion mapping for {cls} builds none of them from what it stores: "
             f"{name_listing(problems)}. Does the config match the checkpoint (model_type, number of experts)? A "
             "checkpoint in another layout loads once converted with transformers' own save_pretrained"
         )
