@@ -5,7 +5,8 @@ vocabulary, with what the family needs to be small and to exercise what its forw
 layers: sliding and full layers mixed (Gemma 2/3, Cohere 2, gpt-oss, Qwen3, OLMo 3, EXAONE 4), a window
 shorter than the tests' sequences, ALiBi (BLOOM, Falcon with ``alibi=True``), partial rotary (Phi,
 StableLM, GPT-NeoX, GPT-J), parallel residual (GPT-NeoX, Falcon), learned positions (OPT, GPT-BigCode,
-XGLM), multi-latent attention (DeepSeek-V3, dense: every layer before ``first_k_dense_replace``), logit
+XGLM), multi-latent attention (DeepSeek-V3: a dense layer, then MoE layers with grouped routing and a shared
+expert), mixtures of experts stored one tensor per expert (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3), logit
 soft-capping (Gemma 2) and scaling (Cohere, Granite), embedding scaling (Gemma, Granite).
 """
 
@@ -50,11 +51,18 @@ DECODERS: dict[str, dict] = {
     "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
     "gpt_bigcode": dict(n_embd=32, n_head=4, n_layer=4, n_positions=128, multi_query=True),
     "xglm": dict(d_model=32, ffn_dim=64, attention_heads=4, num_layers=4),
+    # One dense layer then three MoE layers, grouped routing (2 groups of 2 experts, the best 1 kept), a shared expert.
     "deepseek_v3": dict(
-        num_key_value_heads=4, first_k_dense_replace=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
-        qk_nope_head_dim=8,
-        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        num_key_value_heads=4, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_group=2, topk_group=1, n_shared_experts=1,
     ),
+    # Mixtures of experts, 4 experts top-2: transformers saves them one tensor per expert and merges them on load.
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
     "gpt_oss": dict(
         head_dim=8, sliding_window=WINDOW, layer_types=MIXED, num_local_experts=4, num_experts_per_tok=2,
     ),
@@ -107,6 +115,7 @@ TENSOR_PARALLEL = (
     "qwen3", "gemma3_text", "exaone4",  # replicated_with_grad_allreduce (q_norm, k_norm)
     "phi3", "olmo2", "olmo3", "glm", "glm4",  # colwise_gather_output / rowwise_split_input
     "gpt_neox", "gptj", "codegen", "gpt_oss", "hunyuan_v1_dense",  # embedding_rowwise
+    "mixtral", "qwen2_moe", "qwen3_moe",  # attention sharded, every expert on every tp rank
 )
 # The hand-written recipes' families (model_recipes/{llama,gpt2,bert,t5}.toml): the columns their own test
 # files compare (tests/training, tests/generation/test_generate.py and test_beam.py, test_sliding_window.py,

@@ -49,7 +49,8 @@ from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import CheckpointNotFoundError, PipelineError
 from ..loading.checkpoint_files import INDEX_NAME, CheckpointIndex
-from ..loading.key_plan import UNEXPECTED_HINT, wanted_tensors
+from ..loading.key_conversions import convert_tensors
+from ..loading.key_plan import UNEXPECTED_HINT, key_plan, wanted_tensors
 from ..loading.weights import load_tensors
 from ..log import get_logger
 
@@ -95,6 +96,9 @@ def reload_weights(model: PipelineCore, directory: str | os.PathLike) -> None:
             index, wanted, aliases=aliases, device=model.device, expected_keys=expected, ignore_unexpected=ignore,
             unexpected_hint=UNEXPECTED_HINT,
         )
+        # Experts stored one tensor each (a checkpoint as transformers writes it): merged as the loader merges them.
+        tensors.update(convert_tensors(key_plan(model.skeleton, model.resolved, index).conversions, tensors,
+                                       model.skeleton))
         with torch.no_grad():
             for stage in model.stages:
                 for name, t in stage.state_dict(keep_vars=True).items():

@@ -9,7 +9,8 @@ Lives here:
   :mod:`.traced_graphs` (the traced graphs' wiring, rewrites and runner);
 - the checkpoint: :mod:`.checkpoint_files` (where it is, ``resolve_checkpoint``; which shard holds each
   key, ``CheckpointIndex``; the weight files' names, ``INDEX_NAME``), :mod:`.safetensors_header` (a
-  shard's header, checked), :mod:`.key_renames` (transformers' renames on load), :mod:`.key_plan` (model
+  shard's header, checked), :mod:`.key_renames` (transformers' renames on load), :mod:`.key_conversions`
+  (tensors transformers merges on load, such as experts stored one tensor each), :mod:`.key_plan` (model
   names against checkpoint keys), :mod:`.weights` (per-stage, shard-by-shard reading) and
   :mod:`.missing_weights` (what the checkpoint lacks, initialised as transformers does);
 - :mod:`.loader` (``load_pipeline``: options -> agreement (:mod:`.identity`) -> front end -> wanted

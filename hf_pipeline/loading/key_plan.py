@@ -20,6 +20,7 @@ from torch import nn
 from ..compat import transformers_load_exceptions
 from ..planning.resolve import ResolvedRecipe
 from .checkpoint_files import CheckpointIndex
+from .key_conversions import Conversion, checkpoint_conversions, refuse_unconverted
 from .key_renames import checkpoint_key_renames
 
 __all__ = ["UNEXPECTED_HINT", "KeyPlan", "key_plan", "log_load_report", "wanted_tensors"]
@@ -46,6 +47,9 @@ class KeyPlan:
         initialized: model names no checkpoint key serves that transformers initialises with the
             model's own ``_init_weights`` (a task head or pooler missing from a base or other-task
             checkpoint, or names the class declares in ``_keys_to_ignore_on_load_missing``).
+        conversions: model name -> the :class:`~.key_conversions.Conversion` that builds it from several
+            checkpoint tensors (a MoE layer's experts stored one tensor each), as transformers' conversion
+            mapping for the class does.
     """
 
     variants: dict[str, list[str]]
@@ -53,6 +57,7 @@ class KeyPlan:
     ignored: set[str]
     unexpected: list[str]
     initialized: list[str]
+    conversions: dict[str, Conversion]
 
 
 def _transformers_ignores(skeleton: nn.Module, unexpected: set[str], missing: set[str]) -> tuple[set[str], set[str]]:
@@ -92,9 +97,12 @@ def key_plan(skeleton: nn.Module, resolved: ResolvedRecipe, index: CheckpointInd
 
     state = skeleton.state_dict(keep_vars=True)
     all_variants = {name: [v for member in groups.get(name, (name,)) for v in variants(member)] for name in state}
-    expected = {v for vs in all_variants.values() for v in vs}
+    # Tensors the checkpoint stores split (experts one tensor each), merged on load as transformers merges them.
+    conversions = checkpoint_conversions(skeleton, ckpt_keys, all_variants, directory=index.directory)
+    expected = {v for vs in all_variants.values() for v in vs} | {k for c in conversions.values() for k in c.sources}
     params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-    missing = {name for name in params if not any(v in ckpt_keys for v in all_variants[name])}
+    stored = {name for name in params if name in conversions or any(v in ckpt_keys for v in all_variants[name])}
+    missing = params - stored
     # Unexpected keys in the model's own name space, where transformers matches its ignore patterns.
     extra = {k for k in ckpt_keys if k not in expected}
     unexpected, warned_missing = _transformers_ignores(skeleton, extra, missing)
@@ -106,10 +114,13 @@ def key_plan(skeleton: nn.Module, resolved: ResolvedRecipe, index: CheckpointInd
     # match the checkpoint: resolve_keys refuses those, naming them.
     head = tuple(m + "." for m in resolved.head.modules)
     initialized = sorted(n for n in missing if n.startswith(head) or n not in warned_missing)
+    # A model tensor that is neither stored nor built from what is stored, with other tensors in its module:
+    # named with the class here, on every rank, before resolve_keys' plainer "no tensor" on the stage's rank.
+    refuse_unconverted(skeleton, missing - set(initialized), extra, directory=index.directory)
     tolerated = _tolerated(resolved, unexpected, prefix, renamed)
     return KeyPlan(
         variants=all_variants, expected=expected, ignored=ignored, unexpected=sorted(tolerated),
-        initialized=initialized,
+        initialized=initialized, conversions=conversions,
     )
 
 
@@ -145,9 +156,11 @@ def wanted_tensors(
     Returns:
         ``(wanted, aliases, expected, ignore)``: checkpoint name -> (shape, load dtype) of every
         parameter (and every buffer the checkpoint stores) of ``stages``, except the weights that
-        are initialised instead (:attr:`KeyPlan.initialized`); name -> other keys the same tensor
-        may be stored under (a tied twin, the base-model prefix added or dropped, a legacy name
-        transformers renames on load); every key the whole model may load from or skips as
+        are initialised instead (:attr:`KeyPlan.initialized`) and those built from several checkpoint
+        tensors (:attr:`KeyPlan.conversions`: their source keys are wanted instead, under their own
+        names, and :func:`~.key_conversions.convert_tensors` makes the stage's tensor of them); name ->
+        other keys the same tensor may be stored under (a tied twin, the base-model prefix added or
+        dropped, a legacy name transformers renames on load); every key the whole model may load from or skips as
         transformers does; and the regexes of unexpected keys to accept (none left over: the keys
         transformers ignores are in ``expected``).
     """
@@ -159,6 +172,11 @@ def wanted_tensors(
     for stage in stages:
         sd = stage.state_dict(keep_vars=True)
         for name, t in sd.items():
+            conversion = plan.conversions.get(name)
+            if conversion is not None:  # read its checkpoint tensors: convert_tensors merges them
+                for key, shape in zip(conversion.sources, conversion.shapes):
+                    wanted[key] = (shape, dtype if t.is_floating_point() else t.dtype)
+                continue
             is_param = isinstance(t, nn.Parameter)
             alts = plan.variants.get(name, [name])
             if name in skip or (not is_param and not any(a in ckpt_keys for a in alts)):

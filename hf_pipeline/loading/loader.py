@@ -48,6 +48,7 @@ from ..planning.tp_plan import ParallelRequest, parallel_request
 from .checkpoint_files import CheckpointIndex, resolve_checkpoint
 from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
+from .key_conversions import convert_tensors
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
@@ -212,6 +213,7 @@ def _load_stages(
         tp = (options.tp_plan, dims.tp_mesh, parts) if options.tp_plan else None
         parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
+        dtypes.update({n: wanted[c.sources[0]][1] for n, c in keys.conversions.items() if c.sources[0] in wanted})
         shards = shard_stages(
             stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp
         )
@@ -224,8 +226,14 @@ def _load_stages(
         floating=[n for n, (_, dt) in wanted.items() if dt.is_floating_point], unexpected_hint=UNEXPECTED_HINT,
         parts=parts, into=shards,
     )
+    # Tensors stored split (experts one tensor each): merged by transformers' own converters, then placed
+    # like the initialised ones (a tp / fsdp rank keeps its part of the merged tensor).
+    converted = convert_tensors(keys.conversions, tensors, maker.skeleton)
+    for n in set(converted) & set(parts):
+        converted[n] = local_slice(converted[n], parts[n])
+    fresh.update(converted)
     read_at = time.perf_counter()
-    report.initialized = sorted(fresh)
+    report.initialized = sorted(set(fresh) - set(converted))
     if ctx.is_main_process:
         log_load_report(maker.skeleton, ckpt, keys)
     if on_meta:

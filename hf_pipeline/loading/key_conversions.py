@@ -1,0 +1,242 @@
+"""Model tensors transformers builds from several checkpoint tensors on load (fused MoE experts).
+
+transformers 5 holds a mixture-of-experts layer's experts as one tensor per kind
+(``mlp.experts.gate_up_proj``: (experts, 2 * intermediate, hidden)), while checkpoints keep one
+tensor per expert (``mlp.experts.3.gate_proj.weight`` or Mixtral's ``block_sparse_moe.experts.3.w1.weight``).
+Its ``from_pretrained`` merges them with the model class's conversion mapping: ``WeightConverter``
+objects (source patterns, a target pattern, ``ConversionOps`` such as ``MergeModulelist`` and
+``Concatenate``). This module asks transformers for those converters and plans them per model
+tensor from the checkpoint's index alone (:func:`checkpoint_conversions`: which keys feed which
+tensor, so a rank reads only its own stages' experts), then runs the converter's own operations on
+the tensors read (:func:`convert_tensors`). Nothing here re-implements an operation.
+
+Example:
+    >>> plan = checkpoint_conversions(skeleton, index.keys(), variants)
+    >>> plan["model.layers.0.mlp.experts.gate_up_proj"].sources[:2]
+    ('model.layers.0.mlp.experts.0.gate_proj.weight', 'model.layers.0.mlp.experts.1.gate_proj.weight')
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Collection, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from .checkpoint_files import name_listing
+
+__all__ = ["Conversion", "checkpoint_conversions", "convert_tensors", "refuse_unconverted"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversion:
+    """One model tensor transformers builds from several checkpoint tensors.
+
+    Attributes:
+        target: the model's name of the tensor (``model.layers.0.mlp.experts.gate_up_proj``).
+        sources: the checkpoint keys feeding it, in the order transformers collects them (natural key order).
+        shapes: each source's stored shape (what transformers' own save of the model writes).
+        patterns: the converter's source pattern each source matched (``mlp.experts.*.gate_proj.weight``).
+        converter: transformers' ``WeightConverter`` for the target; :func:`convert_tensors` runs a copy.
+    """
+
+    target: str
+    sources: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    patterns: tuple[str, ...]
+    converter: Any
+
+
+def _transformers_api():
+    """transformers' conversion machinery, or None on a transformers without conversion mappings."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+            revert_weight_conversion,
+        )
+    except ImportError:
+        return None
+    return get_model_conversion_mapping, WeightConverter, WeightRenaming, dot_natural_key, rename_source_key, \
+        revert_weight_conversion
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """What transformers' save of the model writes for its converted tensors, keyed by target."""
+
+    keys: dict[str, list[tuple[str, tuple[int, ...]]]]  # target -> (saved key, shape), saved order
+    converters: dict[str, Any]  # source pattern -> its WeightConverter
+    renamings: list
+    converter_list: list
+
+
+def _expected_sources(model: nn.Module, api) -> _Expected | None:
+    """The keys transformers would save each converted tensor of ``model`` under: its own reverse conversion
+    (``revert_weight_conversion``) of the meta state dict, each saved key mapped back to its target by the
+    forward renaming (``rename_source_key``), as ``from_pretrained`` maps checkpoint keys."""
+    get_mapping, converter_cls, renaming_cls, _, rename, revert = api
+    transforms = get_mapping(model)
+    converters = [t for t in transforms if isinstance(t, converter_cls)]
+    if not converters:
+        return None
+    renamings = [t for t in transforms if isinstance(t, renaming_cls)]
+    state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    saved = revert(model, dict(state))  # meta tensors: shapes only, nothing allocated
+    keys: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for key, tensor in saved.items():
+        renamed, pattern = rename(key, renamings, converters)
+        target = _model_name(renamed, state, prefix)
+        if pattern is not None and target is not None:
+            keys.setdefault(target, []).append((key, tuple(tensor.shape)))
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    return _Expected(keys=keys, converters=by_pattern, renamings=renamings, converter_list=converters)
+
+
+def _model_name(renamed: str, names: Collection[str], prefix: str) -> str | None:
+    """The model name a renamed checkpoint key loads as (the base-model prefix added or dropped), or None."""
+    for name in (renamed, f"{prefix}.{renamed}", renamed.removeprefix(f"{prefix}.")):
+        if name in names:
+            return name
+    return None
+
+
+def checkpoint_conversions(
+    model: nn.Module, ckpt_keys: Collection[str], stored: Mapping[str, Collection[str]], *, directory: Any = ""
+) -> dict[str, Conversion]:
+    """Model name -> :class:`Conversion`, for each model tensor the checkpoint stores split (reads no shard).
+
+    Args:
+        model: the whole (meta-device) transformers model.
+        ckpt_keys: the checkpoint's keys.
+        stored: model name -> the checkpoint keys that hold it as it is (itself, prefix variants, legacy
+            names): a tensor stored fused is read as it is, not converted.
+        directory: the checkpoint, for messages.
+
+    Raises:
+        CheckpointError: the checkpoint holds some, not all, of the tensors transformers merges into a model
+            tensor (an expert missing), or the class's converter makes several tensors from one, naming the
+            model class and the missing keys.
+    """
+    api = _transformers_api()
+    expected = _expected_sources(model, api) if api is not None else None
+    if expected is None:
+        return {}
+    rename, natural = api[4], api[3]
+    state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    found: dict[str, list[tuple[str, str]]] = {}  # target -> (checkpoint key, source pattern)
+    for key in sorted(ckpt_keys, key=natural):
+        renamed, pattern = rename(key, expected.renamings, expected.converter_list)
+        target = _model_name(renamed, state, prefix) if pattern is not None else None
+        if target is not None and target in expected.keys:
+            found.setdefault(target, []).append((key, pattern))
+
+    def canonical(key: str) -> str:  # a key as transformers renames it, the base-model prefix dropped
+        renamed, _ = rename(key, expected.renamings, [])
+        return renamed.removeprefix(f"{prefix}.") if prefix else renamed
+
+    cls = type(model).__name__
+    out: dict[str, Conversion] = {}
+    incomplete: list[str] = []
+    for target, keys in found.items():
+        if any(k in ckpt_keys for k in stored.get(target, (target,))):
+            continue  # stored fused as well: read as it is
+        converter = expected.converters[keys[0][1]]
+        if len(converter.target_patterns) > 1:
+            raise CheckpointError(
+                f"transformers' conversion mapping for {cls} makes {converter.target_patterns} from "
+                f"{converter.source_patterns}; the per-stage loader converts only into one tensor. Load with "
+                "pipeline=False, or re-save the checkpoint with transformers' save_pretrained of the loaded model"
+            )
+        have = {canonical(k): (k, p) for k, p in keys}
+        want = expected.keys[target]
+        missing = [k for k, _ in want if canonical(k) not in have]
+        if missing:
+            incomplete.append(f"{target} lacks {name_listing(missing)}")
+            continue
+        shape_of = {canonical(k): shape for k, shape in want}
+        used = sorted((have[canonical(k)] for k, _ in want), key=lambda kp: natural(kp[0]))
+        out[target] = Conversion(
+            target=target, sources=tuple(k for k, _ in used), patterns=tuple(p for _, p in used),
+            shapes=tuple(shape_of[canonical(k)] for k, _ in used), converter=converter,
+        )
+    if incomplete:
+        raise CheckpointError(
+            f"checkpoint {directory} stores {cls}'s experts one tensor each, which transformers' conversion mapping "
+            f"merges, but {len(incomplete)} merged tensor(s) miss some of theirs: {name_listing(incomplete)}. The "
+            "checkpoint is incomplete (re-download it) or the config has more experts than it (num_experts / "
+            "num_local_experts / n_routed_experts)"
+        )
+    return out
+
+
+def refuse_unconverted(
+    model: nn.Module, missing: Collection[str], unexpected: Collection[str], *, directory: Any = ""
+) -> None:
+    """Raise, naming the model class, for model tensors the checkpoint lacks while it stores tensors under the
+    same module that no conversion of the class turns into them (transformers defines none, or the checkpoint
+    has none of the tensors the class's conversion merges).
+
+    Args:
+        model: the whole (meta-device) model.
+        missing: model names no checkpoint key serves, that transformers does not initialise.
+        unexpected: checkpoint keys nothing in the model loads.
+    """
+    api = _transformers_api()
+    expected = _expected_sources(model, api) if api is not None else None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    cls = type(model).__name__
+    # Unexpected keys by the name transformers renames them to (Mixtral's block_sparse_moe -> mlp), so they
+    # meet the module of the model tensor they were meant for.
+    renamings = [] if api is None else [t for t in api[0](model) if isinstance(t, api[2])]
+    renamed = {k: api[4](k, renamings, [])[0] if api is not None else k for k in unexpected}
+    problems = []
+    for name in sorted(missing):
+        module = name.rpartition(".")[0] + "."
+        heads = {module, module.removeprefix(f"{prefix}.")} if prefix else {module}
+        stray = sorted(k for k in unexpected if renamed[k].startswith(tuple(heads)))
+        merged = [k for k, _ in expected.keys.get(name, ())] if expected is not None else []
+        if merged:
+            problems.append(f"{name} (merged from {len(merged)} keys such as {merged[0]}, none stored)")
+        elif stray:
+            problems.append(f"{name} (the checkpoint has {len(stray)} keys such as {stray[0]} there instead)")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {directory} has no tensor for {len(problems)} of {cls}'s tensors, and transformers "
+            f"{_version()}'s conversion mapping for {cls} builds none of them from what it stores: "
+            f"{name_listing(problems)}. Does the config match the checkpoint (model_type, number of experts)? A "
+            "checkpoint in another layout loads once converted with transformers' own save_pretrained"
+        )
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def convert_tensors(
+    conversions: Mapping[str, Conversion], tensors: dict[str, torch.Tensor], model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """Run transformers' converters on the tensors read: each conversion whose sources are all in ``tensors``
+    takes them out and gives its target (model name -> tensor). Each target gets its own converter copy, as in
+    ``from_pretrained``; the operations are transformers' own.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for target, conv in conversions.items():
+        if not all(k in tensors for k in conv.sources):
+            continue  # another stage's
+        converter = copy.deepcopy(conv.converter)
+        for key, pattern in zip(conv.sources, conv.patterns):
+            converter.add_tensor(target, key, pattern, tensors.pop(key))
+        made = converter.convert(target, model=model, config=getattr(model, "config", None))
+        out[target] = made[target][0] if isinstance(made[target], list) else made[target]
+    return out
