@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+from transformers import DynamicCache, MinNewTokensLengthLogitsProcessor
 from transformers.cache_utils import DynamicLayer
 
 from ..compat import generation_helper
@@ -59,6 +59,7 @@ from ..generation.config import prepare_generation_config
 from ..generation.kv_cache import cache_nbytes, new_cache
 from ..generation.logprobs import entries
 from ..generation.mailbox import Mailbox
+from ..generation.penalties import penalty_processors
 from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
 from .feeder import Feeder
 from .wire import NewRow, OpHeader, Reply, pack_rows, unpack_rows
@@ -397,7 +398,9 @@ class ContinuousRing:
                 "do_sample": False}
             self._configs[key] = prepare_generation_config(self.model, None, max_new_tokens=r.max_new_tokens, **kw)[0]
         prompt = torch.tensor([r.prompt], dtype=torch.long, device=self.device)
-        custom = LogitsProcessorList()
+        custom = penalty_processors(prompt_length=len(r.prompt), presence=r.presence_penalty,
+                                    frequency=r.frequency_penalty, repetition=r.repetition_penalty,
+                                    bias={int(t): b for t, b in r.logit_bias})
         if r.min_tokens and r.stop_ids:
             # transformers' own processor, given the row's stop ids (EOS unless ignored, and its stop ids) as
             # vLLM's min_tokens suppresses both; a custom processor runs before the sampling warpers.

@@ -80,7 +80,10 @@ class RingFeeder:
             rows.append(NewRow(slot=slot, prompt=list(req.prompt_ids), max_new_tokens=max(1, req.max_new_tokens),
                                temperature=req.temperature, top_p=req.top_p, seed=seed, index=k,
                                stop_ids=sorted(stop_ids), min_tokens=req.min_tokens, logprobs=req.logprobs,
-                               prompt_logprobs=req.logprobs if req.echo else None))
+                               prompt_logprobs=req.logprobs if req.echo else None,
+                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                               repetition_penalty=req.repetition_penalty,
+                               logit_bias=[[t, b] for t, b in req.logit_bias.items()]))
         self.peak_rows = max(self.peak_rows, len(self.live))
         return rows
 

@@ -111,6 +111,8 @@ class NewRow:
         min_tokens: tokens before any of ``stop_ids`` may be chosen.
         logprobs: None, or the chosen tokens' log-probabilities come back with this many alternatives.
         prompt_logprobs: None, or its prompt tokens' log-probabilities come back (with this many alternatives).
+        presence_penalty / frequency_penalty / repetition_penalty / logit_bias: its penalties
+            (:func:`~hf_pipeline.generation.penalties.penalty_processors`); logit_bias as ``[[id, bias], ...]``.
     """
 
     slot: int
@@ -124,6 +126,10 @@ class NewRow:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -70,6 +70,10 @@ _RING_ONLY = {
     "min_tokens": lambda r: r.min_tokens > 0,
     "logprobs": lambda r: r.logprobs is not None,
     "echo": lambda r: r.echo,
+    "presence_penalty": lambda r: r.presence_penalty != 0,
+    "frequency_penalty": lambda r: r.frequency_penalty != 0,
+    "repetition_penalty": lambda r: r.repetition_penalty != 1,
+    "logit_bias": lambda r: bool(r.logit_bias),
 }
 
 
@@ -237,6 +241,9 @@ class Engine:
         if vocab is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             raise ServingRequestError(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})",
                                       param="prompt")
+        if vocab is not None and any(not 0 <= t < vocab for t in req.logit_bias):
+            raise ServingRequestError(f"logit_bias names token ids outside the vocabulary (0..{vocab - 1})",
+                                      param="logit_bias")
         if self.context is not None and len(req.prompt_ids) + req.max_new_tokens > self.context:
             raise ServingRequestError(
                 f"the prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.max_new_tokens}) exceeds the "

@@ -42,6 +42,8 @@ class CompletionRequest:
             ``MinNewTokensLengthLogitsProcessor``).
         logprobs: None, or the log-probability of each chosen token with this many top alternatives (0..20).
         echo: also the prompt's token log-probabilities (with ``logprobs``); ``max_new_tokens`` may then be 0.
+        presence_penalty / frequency_penalty: OpenAI's, in [-2, 2]; repetition_penalty: transformers' (> 0);
+        logit_bias: {token id: bias in [-100, 100]} (:mod:`hf_pipeline.generation.penalties`).
     """
 
     prompt_ids: Sequence[int]
@@ -57,6 +59,10 @@ class CompletionRequest:
     min_tokens: int = 0
     logprobs: int | None = None
     echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -72,6 +78,18 @@ class CompletionRequest:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ServingRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
                                       param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ServingRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
+        if not 0 < self.repetition_penalty <= 10:
+            raise ServingRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                                      param="repetition_penalty")
+        try:
+            self.logit_bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+        except (TypeError, ValueError):
+            raise ServingRequestError("logit_bias maps token ids to numbers", param="logit_bias") from None
+        if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ServingRequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
         if self.echo and self.logprobs is None:
             raise ServingRequestError("echo needs logprobs (the prompt's log-probabilities come with them); "
                                       "pass logprobs", param="echo")

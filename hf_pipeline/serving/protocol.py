@@ -1,8 +1,10 @@
 """OpenAI request bodies, checked field by field, turned into :class:`CompletionRequest` s.
 
-Each field is a row of :data:`FIELDS` (its accepted types and default); fields the engine cannot
-honour are the rows of :data:`UNSUPPORTED` (what values are refused); the counts OpenAI refuses below
-1 are :data:`AT_LEAST_ONE`. A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
+Each field is a row of :data:`FIELDS` (its accepted types and default) or of one endpoint's
+:data:`ENDPOINT_FIELDS`; fields the engine cannot honour are the rows of :data:`UNSUPPORTED` (what values
+are refused); any other field is refused, every unknown one named, as OpenAI refuses them; the counts
+OpenAI refuses below 1 are :data:`AT_LEAST_ONE`. Chat content may be a list of text parts.
+A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
 ``param`` names the field, which the server turns into OpenAI's 400 error object. A prompt (or the
 chat messages) longer than ``max_prompt_chars`` is refused before the tokenizer sees it
 (:func:`prompt_char_limit`: no longer prompt can fit the context).
@@ -40,6 +42,10 @@ FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     # vLLM's extensions (lm-eval and guidellm send them): generate exactly max_tokens; no EOS before min_tokens.
     "ignore_eos": ((bool,), False),
     "min_tokens": ((int,), 0),
+    "presence_penalty": (_NUMBER, 0.0),
+    "frequency_penalty": (_NUMBER, 0.0),
+    "repetition_penalty": (_NUMBER, 1.0),  # vLLM's extension: transformers' repetition penalty
+    "logit_bias": ((dict,), None),
 }
 # Fields one endpoint takes besides FIELDS and UNSUPPORTED (an unknown field is refused, as OpenAI does).
 ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
@@ -50,9 +56,6 @@ ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: v is not None, "suffix is not supported; leave it out"),
     "best_of": (lambda v: v not in (None, 1), "best_of is not supported; use n"),
-    "logit_bias": (lambda v: bool(v), "logit_bias is not supported; leave it out"),
-    "presence_penalty": (lambda v: v not in (None, 0, 0.0), "presence_penalty is not supported; leave it out"),
-    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), "frequency_penalty is not supported; leave it out"),
     "tools": (lambda v: bool(v), "tools are not supported; leave them out"),
     "response_format": (lambda v: v not in (None, {"type": "text"}), "response_format is not supported"),
 }
@@ -154,6 +157,8 @@ def _common(body: Any, model_name: str, endpoint: str) -> dict[str, Any]:
             "max_new_tokens": max_tokens, "temperature": float(_field(body, "temperature")),
             "top_p": float(_field(body, "top_p")), "stop": stop, "seed": _field(body, "seed"), "n": _field(body, "n"),
             "ignore_eos": _field(body, "ignore_eos"), "min_tokens": min_tokens,
+            **{k: float(_field(body, k)) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")},
+            "logit_bias": _field(body, "logit_bias") or {},
         },
         "stream": _field(body, "stream"), "include_usage": bool(options.get("include_usage")),
     }

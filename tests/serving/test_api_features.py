@@ -89,7 +89,10 @@ def test_unknown_fields_stream_options_and_content_parts(bundled):
     with pytest.raises(ServingRequestError) as e:
         parse_chat({**chat, "messages": [{"role": "user", "content": [*parts, image]}]}, tok, model_name="m")
     assert e.value.param == "messages" and "'image_url'" in str(e.value)
-    for bad in ({"min_tokens": 9}, {"logprobs": 21}, {"echo": True}, {"ignore_eos": "yes"}):
+    req = parse_completion({**body, "logit_bias": {"7": 5}, "presence_penalty": 1}, tok, model_name="m").requests[0]
+    assert req.logit_bias == {7: 5.0} and req.presence_penalty == 1.0
+    for bad in ({"min_tokens": 9}, {"logprobs": 21}, {"echo": True}, {"ignore_eos": "yes"}, {"presence_penalty": 3},
+                {"logit_bias": {"x": 1}}, {"repetition_penalty": 0}):
         with pytest.raises(ServingRequestError) as e:
             parse_completion({**body, **bad}, tok, model_name="m")
         assert e.value.param == next(iter(bad)), bad
@@ -129,7 +132,7 @@ def test_ignore_eos_min_tokens_and_the_eos_counted(bundled):
 def test_static_rounds_refuse_what_only_the_ring_serves(bundled):
     tok, model, _ = bundled
     engine = Engine(model, tok, batching="static")
-    for kw in ({"ignore_eos": True}, {"min_tokens": 1}, {"logprobs": 0}):
+    for kw in ({"ignore_eos": True}, {"min_tokens": 1}, {"logprobs": 0}, {"repetition_penalty": 1.2}):
         with pytest.raises(ServingRequestError) as e:
             engine.submit(CompletionRequest(prompt_ids=[5, 6], max_new_tokens=4, **kw))
         assert e.value.param == next(iter(kw)) and "static" in str(e.value)
@@ -246,3 +249,42 @@ def test_logprobs_and_echo_equal_transformers(bundled):
         engine.drain()
         rounds.join(timeout=60)
     assert not rounds.is_alive()
+
+
+def test_presence_frequency_penalty_is_openais_formula():
+    from hf_pipeline.generation.penalties import PresenceFrequencyPenalty
+
+    scores = torch.zeros(1, 6)
+    ids = torch.tensor([[4, 4, 1, 2, 2, 2]])  # prompt [4, 4] is not counted; then 1 once and 2 three times
+    got = PresenceFrequencyPenalty(prompt_length=2, presence=0.5, frequency=0.25)(ids, scores)
+    assert got.tolist() == [[0.0, -0.75, -1.25, 0.0, 0.0, 0.0]]
+
+
+def test_penalties_and_logit_bias_equal_transformers(bundled):
+    from hf_pipeline.generation.penalties import PresenceFrequencyPenalty
+
+    tok, model, ref = bundled
+    ids = tok(PROMPT)["input_ids"]
+    full = _greedy_on(ref, ids, 10)
+    cases = [  # (request fields, transformers' generate arguments)
+        ({"repetition_penalty": 1.5}, {"repetition_penalty": 1.5}),
+        ({"logit_bias": {full[1]: -100.0, 7: 5.0}}, {"sequence_bias": [[[full[1]], -100.0], [[7], 5.0]]}),
+        ({"presence_penalty": 1.5, "frequency_penalty": 0.7},
+         {"logits_processor": [PresenceFrequencyPenalty(len(ids), presence=1.5, frequency=0.7)]}),
+    ]
+    engine = Engine(model, tok)
+    engine.eos = set()  # every row runs its 10 tokens, as transformers' below with no EOS
+    handles = [engine.submit(CompletionRequest(prompt_ids=ids, max_new_tokens=10, logprobs=0, **kw))
+               for kw, _ in cases + [({}, {})]]
+    _run(engine, handles)
+    plain = [e.logprob for e in handles[-1].result()[0].logprobs]
+    for (kw, hf), h in zip(cases, handles):
+        # transformers' generate with those processors, stopping on no token (a vocabulary id never chosen);
+        # the processed scores' log-probabilities show each penalty even where the argmax stays.
+        tokens, chosen, _ = _reference_logprobs(ref, ids, 10, 1, do_sample=False,
+                                                eos_token_id=model.config.vocab_size - 1, **hf)
+        got = h.result()[0]
+        assert got.token_ids == tokens, kw
+        lp = torch.tensor([e.logprob for e in got.logprobs], dtype=torch.float64)
+        torch.testing.assert_close(lp, chosen.double(), atol=LOGPROB_ATOL, rtol=0)
+        assert (lp - torch.tensor(plain, dtype=torch.float64)).abs().max() > 1e-2, kw  # the penalty acted
