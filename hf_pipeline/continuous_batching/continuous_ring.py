@@ -30,8 +30,9 @@ past the kept rows; sent for a stop too), both as bytes in one uint8 message; th
 their JSON (:func:`~.wire.pack_rows`: prompt and sampling parameters) and hidden states ``(joining,
 longest prompt, hidden)``. The fixed-size message is received ahead (posted once the previous op's
 messages are), the others when the header gives their size.
-Last stage -> stage 0, per run op: int64 ``(group_size,)``, the chosen token of each row in header
-order, received ahead from the moment stage 0 sends the op. Each directed pair of ranks carries one
+Last stage -> stage 0, per run op: the float64 :class:`~.wire.Reply`, the chosen token of each row in
+header order with the log-probabilities the row asked for (its size follows from the op's rows),
+received ahead from the moment stage 0 sends the op. Each directed pair of ranks carries one
 kind of message stream, in order, so the receives pair up on any backend. Stage 0 stops the ring
 when a whole step had no rows and its feeder has nothing queued: a stop header for every group of
 that step, which each stage passes on before leaving.
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache, MinNewTokensLengthLogitsProcessor
 from transformers.cache_utils import DynamicLayer
 
 from ..compat import generation_helper
@@ -56,10 +57,12 @@ from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.config import prepare_generation_config
 from ..generation.kv_cache import cache_nbytes, new_cache
+from ..generation.logprobs import entries
 from ..generation.mailbox import Mailbox
+from ..generation.penalties import penalty_processors
 from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
 from .feeder import Feeder
-from .wire import NewRow, OpHeader, pack_rows, unpack_rows
+from .wire import NewRow, OpHeader, Reply, pack_rows, unpack_rows
 
 __all__ = ["ContinuousRing", "continuous_refusal"]
 
@@ -97,6 +100,7 @@ class _Row:
     ids: torch.Tensor  # (1, L)
     processors: Any
     generator: torch.Generator | None
+    logprobs: int | None = None  # alternatives sent back with each chosen token's log-probability
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -133,6 +137,8 @@ class ContinuousRing:
         self.sent: list[list[int]] = [[] for _ in range(groups)]  # stage 0: the rows each group ran last
         self.last_token: dict[int, int] = {}  # stage 0: each row's token to feed next
         self.local_tokens: dict[int, torch.Tensor] = {}  # one stage: the chosen tokens, without a send
+        self.replies: list[tuple[Reply, list]] = [(Reply(()), []) for _ in range(groups)]  # stage 0: per group
+        self.asked: dict[int, int | None] = {}  # stage 0: each live row's logprobs (its reply's layout)
         # Sends are kept alive until done by the ring's own mailbox (receives are posted here: they carry no key).
         self._mail = Mailbox(pp_rank=model.dims.pp_rank, rank_of=lambda stage: model.plan.stages[stage].rank,
                              dims=model.dims, device=self.device)
@@ -261,18 +267,19 @@ class ContinuousRing:
         joining rows and their JSON (None when none join)."""
         if t > 0:
             if self.n_stages > 1:
-                work, buf = self._tokens_ahead.pop(i)
+                work, message = self._tokens_ahead.pop(i)
                 work.wait()
-                tokens = buf.tolist()
             else:
-                tokens = self.local_tokens.pop(i).tolist()
+                message = self.local_tokens.pop(i)
+            layout, prompts = self.replies[i]
             kept = []
-            for slot, token in zip(self.sent[i], tokens):
-                if not self.feeder.deliver(slot, int(token)):
+            for slot, (token, chosen, prompt_lp) in zip(self.sent[i], layout.unpack(message, prompts)):
+                if not self.feeder.deliver(slot, token, chosen, prompt_lp):
                     kept.append(slot)
-                    self.last_token[slot] = int(token)
+                    self.last_token[slot] = token
                 else:
                     self.last_token.pop(slot, None)
+                    self.asked.pop(slot, None)
         else:
             kept = []
         if i == 0 and t > 0:
@@ -286,8 +293,12 @@ class ContinuousRing:
             raise InternalError("the feeder admitted a row into a slot that is not free")
         order = kept + [r.slot for r in new]
         self.sent[i] = order
-        if self.n_stages > 1:  # this run op's tokens come back: post the receive now, in op order
-            self._tokens_ahead[i] = self._post((self.group_size,), torch.long, self.n_stages - 1)
+        self.asked.update({r.slot: r.logprobs for r in new})
+        joining: list[NewRow | None] = [None] * len(kept) + list(new)
+        layout = Reply.of(joining, self.asked, order)
+        self.replies[i] = (layout, [None if r is None else r.prompt for r in joining])
+        if self.n_stages > 1:  # this run op's reply comes back: post the receive now (its exact size), in op order
+            self._tokens_ahead[i] = self._post((layout.size,), torch.float64, self.n_stages - 1)
         payload = pack_rows(new, self.device) if new else None
         header = OpHeader(run=True, kept=tuple(kept), joining=tuple(r.slot for r in new),
                           payload_bytes=0 if payload is None else payload.numel())
@@ -331,14 +342,14 @@ class ContinuousRing:
         return [layer for layer in cache.layers if layer.is_initialized and layer.keys is not None
                 and layer.keys.numel()]
 
-    def _forward(self, received: torch.Tensor, cache, mask, positions) -> torch.Tensor:
+    def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False) -> torch.Tensor:
         inputs: dict[str, Any] = {"cache": cache, "attention_mask": mask, "position_ids": positions}
         if self.first:
             inputs["input_ids"] = received
             hidden: tuple = ()
         else:
             hidden = (received,)
-        if self.last:
+        if self.last and not every_logit:  # every position's logits: a joining row asked for its prompt's logprobs
             inputs["logits_to_keep"] = 1
         self.forwards += 1
         out = self.stage(*hidden, **inputs)
@@ -361,7 +372,8 @@ class ContinuousRing:
             received = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in new],
                                     dtype=torch.long, device=self.device)
         cache = new_cache(self.model.config, encoder_decoder=False)
-        out = self._forward(received, cache, mask, left_padded_position_ids(mask, width).to(self.device))
+        every = self.last and any(r.prompt_logprobs is not None for r in new)
+        out = self._forward(received, cache, mask, left_padded_position_ids(mask, width).to(self.device), every)
         lengths = mask.sum(dim=1)
         if g.cache is None:
             g.cache, g.mask, g.next_pos = cache, mask, lengths
@@ -386,16 +398,26 @@ class ContinuousRing:
                 "do_sample": False}
             self._configs[key] = prepare_generation_config(self.model, None, max_new_tokens=r.max_new_tokens, **kw)[0]
         prompt = torch.tensor([r.prompt], dtype=torch.long, device=self.device)
+        custom = penalty_processors(prompt_length=len(r.prompt), presence=r.presence_penalty,
+                                    frequency=r.frequency_penalty, repetition=r.repetition_penalty,
+                                    bias={int(t): b for t, b in r.logit_bias})
+        if r.min_tokens and r.stop_ids:
+            # transformers' own processor, given the row's stop ids (EOS unless ignored, and its stop ids) as
+            # vLLM's min_tokens suppresses both; a custom processor runs before the sampling warpers.
+            custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=len(r.prompt),
+                                                            min_new_tokens=r.min_tokens, eos_token_id=r.stop_ids,
+                                                            device=self.device))
         processors = generation_helper(self.model.skeleton, "_get_logits_processor")(
             generation_config=self._configs[key], input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
-            logits_processor=LogitsProcessorList(), device=self.device,
+            logits_processor=custom, device=self.device,
             model_kwargs={"attention_mask": torch.ones_like(prompt)},
         )
         gen = row_generators(r.seed if r.seed is not None else 0, [r.index], self.device)[0] if do_sample else None
-        return _Row(ids=prompt, processors=processors, generator=gen)
+        return _Row(ids=prompt, processors=processors, generator=gen, logprobs=r.logprobs)
 
     def _choose(self, i: int, header: OpHeader, new: list[NewRow], old_out, new_out) -> None:
-        """Last stage: each row's token from its own processors (and generator), back to stage 0."""
+        """Last stage: each row's token from its own processors (and generator), back to stage 0 with the
+        log-probabilities the row asked for (:class:`~.wire.Reply`)."""
         slots = self.state[i].slots
         group = range(i * self.group_size, (i + 1) * self.group_size)
         for s in [s for s in self.rows if s in group and s not in slots]:
@@ -404,15 +426,31 @@ class ContinuousRing:
             self.rows[r.slot] = self._row(r)
         parts = [o[:, -1, :] for o in (old_out, new_out) if o is not None]
         logits = torch.cat(parts).float() if parts else None
-        tokens = torch.full((self.group_size,), -1, dtype=torch.long, device=self.device)
+        tokens, chosen = [], []
         for j, slot in enumerate(slots):
             row = self.rows[slot]
             scores = row.processors(row.ids, logits[j: j + 1])
             gens = [row.generator] if row.generator is not None else None
             token = select_tokens(scores, do_sample=row.generator is not None, generators=gens)
             row.ids = torch.cat([row.ids, token[:, None].to(row.ids.device)], dim=1)
-            tokens[j] = int(token[0])
+            tokens.append(int(token[0]))
+            chosen.append(None if row.logprobs is None else
+                          entries(torch.log_softmax(scores.float(), dim=-1), token, row.logprobs)[0])
+        n_old = len(slots) - len(new)
+        prompts = [None] * n_old + [self._prompt_entries(r, new_out[k], new_out.shape[1]) for k, r in enumerate(new)]
+        layout = Reply.of([None] * n_old + list(new), {s: self.rows[s].logprobs for s in slots}, slots)
+        message = layout.pack(tokens, chosen, prompts, self.device)
         if self.first:
-            self.local_tokens[i] = tokens
+            self.local_tokens[i] = message
         else:
-            self._send(tokens, 0)
+            self._send(message, 0)
+
+    @staticmethod
+    def _prompt_entries(r: NewRow, logits: torch.Tensor, width: int) -> torch.Tensor | None:
+        """A joining row's prompt log-probabilities from its prefill logits ``(width, V)`` (left padded):
+        position ``p``'s raw logits give token ``p + 1``; None when it did not ask."""
+        if r.prompt_logprobs is None:
+            return None
+        start = width - len(r.prompt)
+        logprobs = torch.log_softmax(logits[start: width - 1].float(), dim=-1)  # (len - 1, V)
+        return entries(logprobs, torch.tensor(r.prompt[1:], dtype=torch.long), r.prompt_logprobs)

@@ -26,8 +26,9 @@ __all__ = ["Feeder", "RingFeeder"]
 class Feeder(Protocol):
     """Stage 0's view of the request queue, as the ring calls it (:class:`RingFeeder` implements it)."""
 
-    def deliver(self, slot: int, token: int) -> bool:
-        """The row in ``slot`` got ``token``; returns True when the row is done (its slot frees)."""
+    def deliver(self, slot: int, token: int, logprob: Any = None, prompt_logprobs: Any = None) -> bool:
+        """The row in ``slot`` got ``token`` (with its log-probability and, on its first token, its prompt's,
+        where it asked for them); returns True when the row is done (its slot frees)."""
 
     def admit(self, free: list[int]) -> list[NewRow]:
         """Rows to start in some of the ``free`` slots (of one group) now."""
@@ -73,17 +74,25 @@ class RingFeeder:
                 self._forget(handle)
                 continue
             req, slot = handle.request, free.pop(0)
-            stop_ids = self.engine.eos | set(req.stop_token_ids)
+            stop_ids = self.engine.stop_ids(req)
             self.live[slot] = (handle, k, self.writer(handle, k, self.engine.tokenizer, stop_ids))
-            rows.append(NewRow(slot=slot, prompt=list(req.prompt_ids), max_new_tokens=req.max_new_tokens,
-                               temperature=req.temperature, top_p=req.top_p, seed=seed, index=k))
+            # echo with max_tokens 0 still runs one step (its prompt's log-probabilities); the writer drops the token.
+            rows.append(NewRow(slot=slot, prompt=list(req.prompt_ids), max_new_tokens=max(1, req.max_new_tokens),
+                               temperature=req.temperature, top_p=req.top_p, seed=seed, index=k,
+                               stop_ids=sorted(stop_ids), min_tokens=req.min_tokens, logprobs=req.logprobs,
+                               prompt_logprobs=req.logprobs if req.echo else None,
+                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                               repetition_penalty=req.repetition_penalty,
+                               logit_bias=[[t, b] for t, b in req.logit_bias.items()]))
         self.peak_rows = max(self.peak_rows, len(self.live))
         return rows
 
-    def deliver(self, slot: int, token: int) -> bool:
+    def deliver(self, slot: int, token: int, logprob: Any = None, prompt_logprobs: Any = None) -> bool:
         handle, k, writer = self.live[slot]
+        if prompt_logprobs is not None:
+            writer.prompt(prompt_logprobs)
         if handle.choices[k].finish_reason is None:
-            writer.add([token])
+            writer.add([token], None if logprob is None else [logprob])
         if handle.choices[k].finish_reason is None:
             return False
         del self.live[slot]

@@ -23,13 +23,14 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InternalError
+from ..generation.logprobs import TokenLogprob, entry_width, read_entries
 
-__all__ = ["NewRow", "OpHeader", "pack_rows", "unpack_rows"]
+__all__ = ["NewRow", "OpHeader", "Reply", "ReplyRow", "pack_rows", "unpack_rows"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +107,12 @@ class NewRow:
         temperature / top_p: 0 for greedy; its sampling parameters.
         seed: its request's seed (sampling).
         index: its choice index within the request (seeds its generator with ``seed``).
+        stop_ids: the ids that end it (EOS unless ignored, its stop ids): none of them before ``min_tokens``.
+        min_tokens: tokens before any of ``stop_ids`` may be chosen.
+        logprobs: None, or the chosen tokens' log-probabilities come back with this many alternatives.
+        prompt_logprobs: None, or its prompt tokens' log-probabilities come back (with this many alternatives).
+        presence_penalty / frequency_penalty / repetition_penalty / logit_bias: its penalties
+            (:func:`~hf_pipeline.generation.penalties.penalty_processors`); logit_bias as ``[[id, bias], ...]``.
     """
 
     slot: int
@@ -115,6 +122,14 @@ class NewRow:
     top_p: float = 1.0
     seed: int | None = None
     index: int = 0
+    stop_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -130,3 +145,88 @@ def pack_rows(rows: list[NewRow], device: torch.device | str | None = None) -> t
 def unpack_rows(payload: torch.Tensor) -> list[NewRow]:
     """The joining rows a uint8 JSON payload holds (the inverse of :func:`pack_rows`)."""
     return [NewRow(**r) for r in json.loads(bytes(payload.tolist()))]
+
+
+@dataclass(frozen=True)
+class ReplyRow:
+    """What one row of an op sends back: its token, and the log-probabilities it asked for.
+
+    Attributes:
+        logprobs: None, or alternatives with the chosen token's log-probability.
+        prompt_logprobs: None, or alternatives with each prompt token's (joining rows only).
+        prompt_len: its prompt's length (joining rows with ``prompt_logprobs``).
+    """
+
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_len: int = 0
+
+    @property
+    def size(self) -> int:
+        n = 1 + (0 if self.logprobs is None else entry_width(self.logprobs))
+        return n + (0 if self.prompt_logprobs is None else (self.prompt_len - 1) * entry_width(self.prompt_logprobs))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The last stage's answer to one op: float64, for each row in header order ``[token, its entry (when
+    asked), its prompt's entries (when asked)]`` (entries: :func:`~hf_pipeline.generation.logprobs.entries`).
+
+    Note (layout): its size follows from the op's rows, which stage 0 planned and the last stage received,
+    so stage 0 posts the receive ahead with the exact size; at least one float (an op without rows).
+
+    Example:
+        >>> layout = Reply((ReplyRow(), ReplyRow(logprobs=1)))
+        >>> layout.size                            # 1 + (1 + 1 + 3)
+        5
+    """
+
+    rows: tuple[ReplyRow, ...]
+
+    @classmethod
+    def of(cls, rows: list[NewRow | None], asked: dict[int, int | None], slots: list[int]) -> Reply:
+        """The layout of an op whose rows are ``slots``: the kept ones' ``logprobs`` read from ``asked`` (slot ->
+        logprobs), the joining ones' from their :class:`NewRow` (``rows``, aligned to ``slots``; None: kept)."""
+        out = []
+        for slot, r in zip(slots, rows):
+            if r is None:
+                out.append(ReplyRow(logprobs=asked.get(slot)))
+            else:
+                out.append(ReplyRow(logprobs=r.logprobs, prompt_logprobs=r.prompt_logprobs, prompt_len=len(r.prompt)))
+        return cls(tuple(out))
+
+    @property
+    def size(self) -> int:
+        return max(1, sum(r.size for r in self.rows))
+
+    def pack(self, tokens: list[int], chosen: list[torch.Tensor | None], prompts: list[torch.Tensor | None],
+             device: torch.device | str | None = None) -> torch.Tensor:
+        """The message: each row's token, its ``chosen`` entry ``(entry_width,)`` and ``prompts`` entries
+        ``(prompt_len - 1, entry_width)`` where it asked for them (None elsewhere)."""
+        parts = [torch.zeros(1, dtype=torch.float64)] if not self.rows else []
+        for token, c, p in zip(tokens, chosen, prompts):
+            parts.append(torch.tensor([float(token)], dtype=torch.float64))
+            parts.extend(x.reshape(-1).double().cpu() for x in (c, p) if x is not None)
+        return torch.cat(parts).to(device)
+
+    def unpack(self, message: torch.Tensor, prompts: list[list[int] | None]
+               ) -> list[tuple[int, TokenLogprob | None, list[TokenLogprob] | None]]:
+        """Each row's ``(token, TokenLogprob or None, prompt TokenLogprobs or None)``; ``prompts``: the
+        joining rows' prompt ids, aligned to the rows (None for a kept row)."""
+        flat, at, out = message.cpu(), 0, []
+        for r, prompt in zip(self.rows, prompts):
+            token = int(flat[at])
+            at += 1
+            chosen = None
+            if r.logprobs is not None:
+                w = entry_width(r.logprobs)
+                chosen = read_entries(flat[at: at + w].view(1, w), [token], r.logprobs)[0]
+                at += w
+            prompt_lp = None
+            if r.prompt_logprobs is not None:
+                w = entry_width(r.prompt_logprobs)
+                n = (r.prompt_len - 1) * w
+                prompt_lp = read_entries(flat[at: at + n].view(-1, w), prompt[1:], r.prompt_logprobs)
+                at += n
+            out.append((token, chosen, prompt_lp))
+        return out

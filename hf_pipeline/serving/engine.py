@@ -48,6 +48,7 @@ from ..continuous_batching.kv_budget import pool_rows
 from ..core import PipelineCore
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
+from ..generation.logprobs import TokenLogprob
 from ..log import get_logger
 from .channel import TokenChannel, broadcast_json
 from .handles import Choice, CompletionRequest, Handle
@@ -61,6 +62,19 @@ log = get_logger(__name__)
 def _eos_ids(model: PipelineCore) -> set[int]:
     eos = generation_config(model).eos_token_id
     return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+# What only the continuous ring serves (static rounds share one generate call's settings and return no logprobs).
+_RING_ONLY = {
+    "ignore_eos": lambda r: r.ignore_eos,
+    "min_tokens": lambda r: r.min_tokens > 0,
+    "logprobs": lambda r: r.logprobs is not None,
+    "echo": lambda r: r.echo,
+    "presence_penalty": lambda r: r.presence_penalty != 0,
+    "frequency_penalty": lambda r: r.frequency_penalty != 0,
+    "repetition_penalty": lambda r: r.repetition_penalty != 1,
+    "logit_bias": lambda r: bool(r.logit_bias),
+}
 
 
 class _ChoiceWriter:
@@ -79,13 +93,21 @@ class _ChoiceWriter:
         found = [i for i in (text.find(s) for s in self.handle.request.stop) if i >= 0]
         return (text[: min(found)], True) if found else (text, False)
 
-    def add(self, tokens: list[int]) -> None:
+    def add(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append ``tokens`` (and, when the request asked for them, their ``logprobs``, one each)."""
         def write(choices: list[Choice]) -> None:
             c = choices[self.index]
-            for t in tokens:
+            limit = self.handle.request.max_new_tokens
+            for k, t in enumerate(tokens):
                 if c.finish_reason is not None:
                     return
+                if limit == 0:  # echo alone: the ring's one token is not part of the answer
+                    c.finish_reason = "length"
+                    return
                 self.seen += 1
+                c.completion_tokens = self.seen  # the stop token counts, as in OpenAI's usage
+                if logprobs is not None:
+                    c.logprobs.append(logprobs[k])
                 if t in self.stop_ids:
                     c.finish_reason = "stop"
                 else:
@@ -93,9 +115,15 @@ class _ChoiceWriter:
                 text, stopped = self._text(c.token_ids)
                 if stopped:
                     c.finish_reason = "stop"
-                elif c.finish_reason is None and len(c.token_ids) >= self.handle.request.max_new_tokens:
+                elif c.finish_reason is None and len(c.token_ids) >= limit:
                     c.finish_reason = "length"
                 c.text = text if c.finish_reason else text[: len(text) - self._held(text)]
+        self.handle.update(write)
+
+    def prompt(self, logprobs: list[TokenLogprob]) -> None:
+        """The prompt's token log-probabilities (``echo``), before the first token."""
+        def write(choices: list[Choice]) -> None:
+            choices[self.index].prompt_logprobs = logprobs
         self.handle.update(write)
 
     def _held(self, text: str) -> int:
@@ -213,6 +241,9 @@ class Engine:
         if vocab is not None and any(not 0 <= t < vocab for t in req.prompt_ids):
             raise ServingRequestError(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})",
                                       param="prompt")
+        if vocab is not None and any(not 0 <= t < vocab for t in req.logit_bias):
+            raise ServingRequestError(f"logit_bias names token ids outside the vocabulary (0..{vocab - 1})",
+                                      param="logit_bias")
         if self.context is not None and len(req.prompt_ids) + req.max_new_tokens > self.context:
             raise ServingRequestError(
                 f"the prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.max_new_tokens}) exceeds the "
@@ -221,6 +252,13 @@ class Engine:
             )
         if req.stop and self.tokenizer is None:
             raise ServingRequestError("stop strings need the engine's tokenizer", param="stop")
+        if self.batching == "static":
+            for param, asks in _RING_ONLY.items():
+                if asks(req):
+                    raise ServingRequestError(
+                        f"{param} needs continuous batching (each row's own logits processors and "
+                        "log-probabilities); this server runs static rounds "
+                        f"({self.static_reason or '--batching static'}); leave {param} out", param=param)
 
     def submit(self, req: CompletionRequest) -> Handle:
         """Queue ``req`` (rank 0 only; thread-safe).
@@ -243,6 +281,10 @@ class Engine:
             self._queue.append(handle)
         self._wake.put(None)
         return handle
+
+    def stop_ids(self, req: CompletionRequest) -> set[int]:
+        """The token ids that end a choice of ``req``: EOS (unless ``ignore_eos``) and its ``stop_token_ids``."""
+        return (set() if req.ignore_eos else set(self.eos)) | set(req.stop_token_ids)
 
     def drain(self) -> None:
         """Refuse new requests, serve the queued ones, then stop every rank (safe from a signal handler)."""

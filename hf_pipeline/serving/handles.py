@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from ..errors import ServingRequestError
+from ..generation.logprobs import TokenLogprob
 
 __all__ = ["Choice", "CompletionRequest", "Delta", "Handle"]
+
+MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's default max_logprobs; OpenAI's chat limit)
 
 
 @dataclass(kw_only=True)
@@ -34,6 +37,13 @@ class CompletionRequest:
         n: choices to generate for the prompt (sampling only: greedy choices would be equal).
         stream: hand tokens over as they are chosen; False: at the end of the round (a round with no
             streamed request skips the per-step hand-over from the last stage, which costs it time).
+        ignore_eos: EOS does not end a choice (vLLM's extension): it runs to ``max_new_tokens`` or a stop.
+        min_tokens: no EOS (nor a ``stop_token_ids`` id) before this many tokens (transformers'
+            ``MinNewTokensLengthLogitsProcessor``).
+        logprobs: None, or the log-probability of each chosen token with this many top alternatives (0..20).
+        echo: also the prompt's token log-probabilities (with ``logprobs``); ``max_new_tokens`` may then be 0.
+        presence_penalty / frequency_penalty: OpenAI's, in [-2, 2]; repetition_penalty: transformers' (> 0);
+        logit_bias: {token id: bias in [-100, 100]} (:mod:`hf_pipeline.generation.penalties`).
     """
 
     prompt_ids: Sequence[int]
@@ -45,14 +55,44 @@ class CompletionRequest:
     seed: int | None = None
     n: int = 1
     stream: bool = True
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(int(t) for t in self.stop_token_ids)
         if not self.prompt_ids:
             raise ServingRequestError("the prompt is empty; pass at least one token", param="prompt")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ServingRequestError(f"max_tokens must be >= 1, got {self.max_new_tokens}", param="max_tokens")
+        least = 0 if self.echo else 1  # echo with max_tokens 0: the prompt's log-probabilities alone
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < least:
+            raise ServingRequestError(f"max_tokens must be >= {least}, got {self.max_new_tokens}", param="max_tokens")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ServingRequestError(f"min_tokens must be in [0, max_tokens={self.max_new_tokens}], got "
+                                      f"{self.min_tokens}", param="min_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ServingRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                                      param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ServingRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
+        if not 0 < self.repetition_penalty <= 10:
+            raise ServingRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                                      param="repetition_penalty")
+        try:
+            self.logit_bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+        except (TypeError, ValueError):
+            raise ServingRequestError("logit_bias maps token ids to numbers", param="logit_bias") from None
+        if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ServingRequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
+        if self.echo and self.logprobs is None:
+            raise ServingRequestError("echo needs logprobs (the prompt's log-probabilities come with them); "
+                                      "pass logprobs", param="echo")
         if not 0 <= self.temperature <= 2:
             raise ServingRequestError(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
         if not 0 < self.top_p <= 1:
@@ -76,11 +116,18 @@ class CompletionRequest:
 class Choice:
     """One choice of a request as far as it has come: its token ids (without the stop token) and the
     text a reader may see (the decoded tokens up to a stop string, holding back a tail that may still
-    become one)."""
+    become one).
+
+    ``completion_tokens`` counts every token generated, the stop token included (OpenAI's usage);
+    ``logprobs`` has one entry per generated token, the stop token included (when asked for);
+    ``prompt_logprobs`` one per prompt token after the first (``echo``)."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(kw_only=True)
@@ -92,6 +139,7 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Handle:
@@ -141,19 +189,19 @@ class Handle:
     def cancelled(self) -> bool:
         return any(c.finish_reason == "cancelled" for c in self.choices)
 
-    def _deltas_since(self, cursor: list[tuple[int, int, bool]]) -> list[Delta]:
+    def _deltas_since(self, cursor: list[tuple[int, int, bool, int]]) -> list[Delta]:
         out = []
         for i, c in enumerate(self.choices):
-            n_ids, n_text, ended = cursor[i]
+            n_ids, n_text, ended, n_lp = cursor[i]
             if ended or (len(c.token_ids) == n_ids and len(c.text) == n_text and c.finish_reason is None):
                 continue
             out.append(Delta(index=i, token_ids=c.token_ids[n_ids:], text=c.text[n_text:],
-                             finish_reason=c.finish_reason))
-            cursor[i] = (len(c.token_ids), len(c.text), c.finish_reason is not None)
+                             finish_reason=c.finish_reason, logprobs=c.logprobs[n_lp:]))
+            cursor[i] = (len(c.token_ids), len(c.text), c.finish_reason is not None, len(c.logprobs))
         return out
 
     def __iter__(self) -> Iterator[Delta]:
-        cursor = [(0, 0, False)] * len(self.choices)
+        cursor = [(0, 0, False, 0)] * len(self.choices)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self.done or bool(self._peek(cursor)))
@@ -162,8 +210,9 @@ class Handle:
             if done:
                 return
 
-    def _peek(self, cursor: list[tuple[int, int, bool]]) -> bool:
-        return any(not e and (len(c.token_ids) != n or len(c.text) != t) for c, (n, t, e) in zip(self.choices, cursor))
+    def _peek(self, cursor: list[tuple[int, int, bool, int]]) -> bool:
+        return any(not e and (len(c.token_ids) != n or len(c.text) != t)
+                   for c, (n, t, e, _) in zip(self.choices, cursor))
 
     async def deltas(self, poll_s: float = 0.5) -> AsyncIterator[list[Delta]]:
         """Async batches of deltas as they come; an empty batch every ``poll_s`` seconds without news
@@ -171,7 +220,7 @@ class Handle:
         loop, event = asyncio.get_running_loop(), asyncio.Event()
         with self._cond:
             self._waiters.append((loop, event))
-        cursor = [(0, 0, False)] * len(self.choices)
+        cursor = [(0, 0, False, 0)] * len(self.choices)
         try:
             while True:
                 event.clear()
@@ -192,5 +241,6 @@ class Handle:
         """Wait until every choice is done (at most ``timeout`` seconds) and return the choices."""
         with self._cond:
             self._cond.wait_for(lambda: self.done, timeout)
-            return [Choice(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason)
-                    for c in self.choices]
+            return [Choice(token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason,
+                           completion_tokens=c.completion_tokens, logprobs=list(c.logprobs),
+                           prompt_logprobs=c.prompt_logprobs) for c in self.choices]

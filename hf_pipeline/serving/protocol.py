@@ -1,8 +1,10 @@
 """OpenAI request bodies, checked field by field, turned into :class:`CompletionRequest` s.
 
-Each field is a row of :data:`FIELDS` (its accepted types and default); fields the engine cannot
-honour are the rows of :data:`UNSUPPORTED` (what values are refused); the counts OpenAI refuses below
-1 are :data:`AT_LEAST_ONE`. A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
+Each field is a row of :data:`FIELDS` (its accepted types and default) or of one endpoint's
+:data:`ENDPOINT_FIELDS`; fields the engine cannot honour are the rows of :data:`UNSUPPORTED` (what values
+are refused); any other field is refused, every unknown one named, as OpenAI refuses them; the counts
+OpenAI refuses below 1 are :data:`AT_LEAST_ONE`. Chat content may be a list of text parts.
+A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
 ``param`` names the field, which the server turns into OpenAI's 400 error object. A prompt (or the
 chat messages) longer than ``max_prompt_chars`` is refused before the tokenizer sees it
 (:func:`prompt_char_limit`: no longer prompt can fit the context).
@@ -20,8 +22,8 @@ from typing import Any
 from ..errors import ServingRequestError
 from .handles import CompletionRequest
 
-__all__ = ["AT_LEAST_ONE", "FIELDS", "UNSUPPORTED", "ParsedRequest", "error_body", "parse_chat", "parse_completion",
-           "prompt_char_limit"]
+__all__ = ["AT_LEAST_ONE", "ENDPOINT_FIELDS", "FIELDS", "UNSUPPORTED", "ParsedRequest", "error_body", "parse_chat",
+           "parse_completion", "prompt_char_limit"]
 
 _NUMBER = (int, float)
 # field -> (accepted types, default); OpenAI's defaults (temperature 1, max_tokens 16 for completions).
@@ -37,17 +39,23 @@ FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "stream": ((bool,), False),
     "stream_options": ((dict,), None),
     "user": ((str,), None),
+    # vLLM's extensions (lm-eval and guidellm send them): generate exactly max_tokens; no EOS before min_tokens.
+    "ignore_eos": ((bool,), False),
+    "min_tokens": ((int,), 0),
+    "presence_penalty": (_NUMBER, 0.0),
+    "frequency_penalty": (_NUMBER, 0.0),
+    "repetition_penalty": (_NUMBER, 1.0),  # vLLM's extension: transformers' repetition penalty
+    "logit_bias": ((dict,), None),
+}
+# Fields one endpoint takes besides FIELDS and UNSUPPORTED (an unknown field is refused, as OpenAI does).
+ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
+    "completions": frozenset({"prompt", "suffix", "echo", "best_of", "logprobs"}),
+    "chat": frozenset({"messages", "logprobs", "top_logprobs", "tools", "response_format"}),
 }
 # field -> (refused when, what to do instead)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "logprobs": (lambda v: v not in (None, False, 0), "logprobs are not supported; leave logprobs out"),
-    "top_logprobs": (lambda v: v not in (None, 0), "top_logprobs are not supported; leave it out"),
-    "echo": (lambda v: v not in (None, False), "echo is not supported; leave it out"),
     "suffix": (lambda v: v is not None, "suffix is not supported; leave it out"),
     "best_of": (lambda v: v not in (None, 1), "best_of is not supported; use n"),
-    "logit_bias": (lambda v: bool(v), "logit_bias is not supported; leave it out"),
-    "presence_penalty": (lambda v: v not in (None, 0, 0.0), "presence_penalty is not supported; leave it out"),
-    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), "frequency_penalty is not supported; leave it out"),
     "tools": (lambda v: bool(v), "tools are not supported; leave them out"),
     "response_format": (lambda v: v not in (None, {"type": "text"}), "response_format is not supported"),
 }
@@ -103,9 +111,24 @@ def _field(body: dict[str, Any], name: str) -> Any:
     return value
 
 
-def _common(body: Any, model_name: str) -> dict[str, Any]:
+def _check_names(body: dict[str, Any], endpoint: str) -> None:
+    """Unknown fields refused, all named (OpenAI: "Unrecognized request argument supplied")."""
+    known = FIELDS.keys() | UNSUPPORTED.keys() | ENDPOINT_FIELDS[endpoint]
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise ServingRequestError(
+            f"Unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {', '.join(unknown)} "
+            f"(this server takes: {', '.join(sorted(known))})", param=unknown[0],
+        )
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        raise ServingRequestError("stream_options is only allowed when stream is true; set stream: true or leave "
+                                  "stream_options out", param="stream_options")
+
+
+def _common(body: Any, model_name: str, endpoint: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ServingRequestError("the request body must be a JSON object")
+    _check_names(body, endpoint)
     for name, (refused, why) in UNSUPPORTED.items():
         if name in body and refused(body[name]):
             raise ServingRequestError(why, param=name)
@@ -119,15 +142,23 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
     if not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise ServingRequestError("stop must be a string or a list of up to 4 non-empty strings", param="stop")
     for name in AT_LEAST_ONE:
-        if (value := _field(body, name)) is not None and value < 1:
-            raise ServingRequestError(f"{name} must be >= 1, got {value}", param=name)
+        least = 0 if name == "max_tokens" and body.get("echo") is True else 1  # echo alone: the prompt's logprobs
+        if (value := _field(body, name)) is not None and value < least:
+            raise ServingRequestError(f"{name} must be >= {least}, got {value}", param=name)
     max_tokens = _field(body, "max_completion_tokens")
     max_tokens = _field(body, "max_tokens") if max_tokens is None else max_tokens
     options = _field(body, "stream_options") or {}
+    min_tokens = _field(body, "min_tokens")
+    if not 0 <= min_tokens <= max_tokens:
+        raise ServingRequestError(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}",
+                                  param="min_tokens")
     return {
         "options": {
             "max_new_tokens": max_tokens, "temperature": float(_field(body, "temperature")),
             "top_p": float(_field(body, "top_p")), "stop": stop, "seed": _field(body, "seed"), "n": _field(body, "n"),
+            "ignore_eos": _field(body, "ignore_eos"), "min_tokens": min_tokens,
+            **{k: float(_field(body, k)) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")},
+            "logit_bias": _field(body, "logit_bias") or {},
         },
         "stream": _field(body, "stream"), "include_usage": bool(options.get("include_usage")),
     }
@@ -172,7 +203,19 @@ def parse_completion(body: Any, tokenizer: Any, *, model_name: str, max_prompt_c
     Raises:
         ServingRequestError: naming the field to change.
     """
-    common = _common(body, model_name)
+    common = _common(body, model_name, "completions")
+    logprobs, echo = body.get("logprobs"), body.get("echo", False)
+    if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)):
+        raise ServingRequestError("logprobs must be an integer (the alternatives per token, 0..20) for "
+                                  "/v1/completions", param="logprobs")
+    if not isinstance(echo, bool) and echo is not None:
+        raise ServingRequestError("echo must be a boolean", param="echo")
+    if echo and logprobs is None:
+        raise ServingRequestError("echo is served with logprobs (the prompt's token log-probabilities); pass "
+                                  "logprobs too", param="echo")
+    if echo and common["stream"]:
+        raise ServingRequestError("echo is not served with stream: true; leave one out", param="echo")
+    common["options"].update(logprobs=logprobs, echo=bool(echo))
     return _build(_prompts(body.get("prompt"), tokenizer, max_prompt_chars), common)
 
 
@@ -185,6 +228,34 @@ def _template_errors() -> tuple[type[BaseException], ...]:
     return (TemplateError,)
 
 
+def _text_content(content: Any, i: int) -> str:
+    """A message's content as one string: a string, or a list of text parts joined as OpenAI does (with
+    no separator); any other part is refused, naming its type."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise ServingRequestError(f"messages[{i}].content must be a string or a list of content parts",
+                                  param="messages")
+    for p in content:
+        if p.get("type") != "text":
+            raise ServingRequestError(
+                f"messages[{i}] holds a content part of type {p.get('type')!r}: this server takes text parts "
+                "only ({\"type\": \"text\", \"text\": ...})", param="messages",
+            )
+        if not isinstance(p.get("text"), str):
+            raise ServingRequestError(f"messages[{i}] holds a text part whose text is not a string", param="messages")
+    return "".join(p["text"] for p in content)
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """The chat messages, each content made one string (the form every chat template reads)."""
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+    ):
+        raise ServingRequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+    return [{**m, "content": _text_content(m["content"], i)} for i, m in enumerate(messages)]
+
+
 def parse_chat(body: Any, tokenizer: Any, *, model_name: str, max_prompt_chars: int | None = None
                ) -> ParsedRequest:
     """``POST /v1/chat/completions``'s body, checked; the messages go through the tokenizer's chat template
@@ -194,13 +265,14 @@ def parse_chat(body: Any, tokenizer: Any, *, model_name: str, max_prompt_chars: 
         ServingRequestError: naming the field to change (``messages`` when the tokenizer has no chat
             template, or the template refuses the messages: its ``raise_exception``).
     """
-    common = _common(body, model_name)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise ServingRequestError("messages must be a non-empty list of {role, content} objects with string content",
-                                  param="messages")
+    common = _common(body, model_name, "chat")
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ServingRequestError("logprobs must be a boolean for /v1/chat/completions", param="logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not logprobs):
+        raise ServingRequestError("top_logprobs must be an integer (0..20), with logprobs: true", param="top_logprobs")
+    common["options"]["logprobs"] = (top or 0) if logprobs else None
+    messages = _messages(body.get("messages"))
     if not getattr(tokenizer, "chat_template", None):
         raise ServingRequestError(
             f"the tokenizer of {model_name!r} has no chat template: use /v1/completions, or serve a model whose "

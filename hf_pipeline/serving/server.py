@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..distributed.sockets import listening_socket
 from ..errors import CLIError, ServerBusy, ServingRequestError
+from ..generation.logprobs import TokenLogprob
 from ..log import get_logger
 from .engine import Engine
 from .guard import API_KEY_ENV, Guard, Limits, error_response, install_error_handlers, refusal
@@ -118,17 +119,20 @@ class _Api:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
             return StreamingResponse(self._sse(request, handles, n, rid, chat, parsed), media_type="text/event-stream")
-        texts: dict[int, str] = {}
-        reasons: dict[int, str | None] = {}
         async for i, d in self.events(request, handles, n):
             if i is None:
                 return error_response(504, d, kind="timeout")
-            texts[i] = texts.get(i, "") + d.text
-            reasons[i] = d.finish_reason
         if any(h.error for h in handles):
             return error_response(500, next(h.error for h in handles if h.error))
-        choices = [self._choice(i, texts.get(i, ""), reasons.get(i), chat) for i in range(len(handles) * n)]
-        used = sum(len(c.token_ids) for h in handles for c in h.choices)
+        choices = []
+        for h in handles:
+            for c in h.result():
+                i = len(choices)
+                if chat:
+                    choices.append(self._choice(i, c.text, c.finish_reason, chat, self._chat_logprobs(h, c.logprobs)))
+                else:
+                    choices.append(self._completion_choice(i, h, c))
+        used = sum(c.completion_tokens for h in handles for c in h.choices)
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.model_name, "choices": choices, "usage": self._usage(parsed, used),
@@ -140,11 +144,55 @@ class _Api:
                 "total_tokens": parsed.prompt_tokens + used}
 
     @staticmethod
-    def _choice(i: int, text: str, reason: str | None, chat: bool, delta: bool = False) -> dict[str, Any]:
+    def _choice(i: int, text: str, reason: str | None, chat: bool, logprobs: Any = None,
+                delta: bool = False) -> dict[str, Any]:
         if not chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         body = {"role": "assistant", "content": text}
-        return {"index": i, "delta" if delta else "message": body, "logprobs": None, "finish_reason": reason}
+        return {"index": i, "delta" if delta else "message": body, "logprobs": logprobs, "finish_reason": reason}
+
+    def _token(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _chat_logprobs(self, handle: Handle, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        if handle.request.logprobs is None:
+            return None
+
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def _completion_logprobs(self, handle: Handle, entries: list[TokenLogprob], prompt: list[TokenLogprob] | None,
+                             offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's completions ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
+        with ``echo`` the prompt's tokens first, the first of them without a log-probability. The chosen token
+        is among its ``top_logprobs`` as vLLM gives them."""
+        if handle.request.logprobs is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+        def add(token: int, logprob: float | None, top: dict[str, float] | None) -> None:
+            nonlocal offset
+            text = self._token(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        if prompt is not None:
+            add(handle.request.prompt_ids[0], None, None)
+        for e in (prompt or []) + entries:
+            add(e.token, e.logprob, {**{self._token(t): lp for t, lp in e.top}, self._token(e.token): e.logprob})
+        return out
+
+    def _completion_choice(self, i: int, handle: Handle, c: Any) -> dict[str, Any]:
+        echo = handle.request.echo
+        text = (self.tokenizer.decode(handle.request.prompt_ids) if echo else "") + c.text
+        logprobs = self._completion_logprobs(handle, c.logprobs, c.prompt_logprobs if echo else None)
+        return self._choice(i, text, c.finish_reason, False, logprobs)
 
     async def _sse(self, request, handles, n, rid, chat, parsed) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -157,10 +205,12 @@ class _Api:
         async for i, d in self.events(request, handles, n):
             if i is None:
                 yield f"data: {json.dumps(error_body(d, kind='timeout'))}\n\n"
-            elif d.text or d.finish_reason:
-                yield chunk([self._choice(i, d.text, d.finish_reason, chat, delta=True)])
+            elif d.text or d.finish_reason or d.logprobs:
+                h = handles[i // n]
+                lp = self._chat_logprobs(h, d.logprobs) if chat else self._completion_logprobs(h, d.logprobs, None)
+                yield chunk([self._choice(i, d.text, d.finish_reason, chat, lp, delta=True)])
         if parsed.include_usage:
-            used = sum(len(c.token_ids) for h in handles for c in h.choices)
+            used = sum(c.completion_tokens for h in handles for c in h.choices)
             yield chunk([], usage=self._usage(parsed, used))
         yield "data: [DONE]\n\n"
 

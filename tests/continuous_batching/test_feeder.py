@@ -28,6 +28,7 @@ def test_ring_feeder_fills_free_slots_within_the_pool_and_frees_them():
     engine = SimpleNamespace(_lock=th.Lock(), _queue=deque(handles), _rng=random.Random(0), running=[], eos={2},
                              tokenizer=None)
     engine.next_request = types.MethodType(Engine.next_request, engine)  # the engine's own, on this queue
+    engine.stop_ids = types.MethodType(Engine.stop_ids, engine)
     engine.queued = 4
     feeder = RingFeeder(engine, capacity=3, writer=_ChoiceWriter)
     rows = feeder.admit([0, 1, 5, 7])  # 4 free slots, but a pool of 3 rows: a, then both choices of b

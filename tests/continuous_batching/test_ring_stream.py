@@ -97,7 +97,13 @@ def _fail_once(path: str) -> dict:
     def client():
         failed = [engine.submit(CompletionRequest(prompt_ids=[5, 6, 7], max_new_tokens=8)) for _ in range(2)]
         out["failed"] = [(h.result(timeout=60)[0].finish_reason, h.error) for h in failed]
-        out["after"] = engine.submit(CompletionRequest(prompt_ids=[5, 6, 7], max_new_tokens=8)).result(timeout=60)
+        # Then two together: one plain, one with logprobs and its prompt's (echo): the reply's layout mixed.
+        plain = engine.submit(CompletionRequest(prompt_ids=[5, 6, 7], max_new_tokens=8))
+        scored = engine.submit(CompletionRequest(prompt_ids=[9, 8, 7, 6], max_new_tokens=5, logprobs=2, echo=True))
+        out["after"] = plain.result(timeout=60)
+        got = scored.result(timeout=60)[0]
+        out["scored"] = (got.token_ids, [(e.token, e.logprob, e.top) for e in got.logprobs],
+                         [(e.token, e.logprob) for e in got.prompt_logprobs])
         engine.drain()
 
     thread = threading.Thread(target=client, daemon=True) if model.ctx.rank == 0 else None
@@ -133,6 +139,25 @@ def _expected(ref, tok, req: dict) -> tuple[list[int], str, str]:
     return tokens, text, "length" if cut is None else "stop"
 
 
+def _check_logprobs(ref, tokens, chosen, prompt) -> None:
+    """Across 3 stages: the chosen tokens' log-probabilities (top 2) against transformers' ``generate(output_scores)``
+    and the prompt's against a forward pass. Tolerance 1e-4: fp32 logits of order 1 batched with another row
+    move by ~1e-6; a wrong position or row moves them by > 1e-2."""
+    ids = [9, 8, 7, 6]
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, output_scores=True,
+                       return_dict_in_generate=True)
+    want = ref.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)[0].double()
+    assert [t for t, _, _ in chosen] == out.sequences[0, 4: 4 + len(chosen)].tolist()
+    torch.testing.assert_close(torch.tensor([lp for _, lp, _ in chosen], dtype=torch.float64), want[: len(chosen)],
+                               atol=1e-4, rtol=0)
+    assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, _, top in chosen)
+    with torch.no_grad():
+        forward = torch.log_softmax(ref(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    expected = forward.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double()
+    assert [t for t, _ in prompt] == ids[1:]
+    torch.testing.assert_close(torch.tensor([lp for _, lp in prompt], dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
 def test_continuous_stream_equals_each_request_alone_at_3_ranks(tmp_path):
     import hf_pipeline
@@ -161,6 +186,7 @@ def test_continuous_stream_equals_each_request_alone_at_3_ranks(tmp_path):
     ids = [5, 6, 7]
     full = refs["llama"][0].generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
     assert failure["after"] == [full[: full.index(2)] if 2 in full else full]
+    _check_logprobs(refs["llama"][0], *failure["scored"])
     per_rank = [r[0] for r in per_rank]
     for arch, *ranks in zip(archs, *per_rank):
         # Every rank held a cache, within the pool where it is bounded (3 full-context rows).

@@ -169,7 +169,7 @@ def test_the_app_refuses_bad_bodies_with_400_and_serves_the_next(bundled):
         client = TestClient(build_app(engine, tok, model_name="m", timeout_s=60))
         good = {"model": "m", "prompt": "Return the", "max_tokens": 6, "temperature": 0}
         bad = [
-            (b"{not json", None), ({**good, "model": "other"}, "model"), ({**good, "logprobs": 2}, "logprobs"),
+            (b"{not json", None), ({**good, "model": "other"}, "model"), ({**good, "logprobs": True}, "logprobs"),
             ({**good, "n": 2}, "n"), ({**good, "max_tokens": 600}, "max_tokens"), ({**good, "temperature": "hot"},
                                                                                      "temperature"),
             ({**good, "prompt": None}, "prompt"), ({**good, "stop": [""]}, "stop"),

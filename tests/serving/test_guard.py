@@ -20,6 +20,11 @@ TestClient = pytest.importorskip("fastapi.testclient").TestClient
 
 KEY = "s3cret-key"
 GOOD = {"model": "m", "prompt": "Return the", "max_tokens": 4, "temperature": 0}
+
+
+def _chat(body: dict, content: str = "hi") -> dict:
+    """``body`` as a chat request: its prompt made one message (a field a route does not take is refused)."""
+    return {**{k: v for k, v in body.items() if k != "prompt"}, "messages": [{"role": "user", "content": content}]}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
@@ -122,7 +127,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(bundled):
     big = {**GOOD, "prompt": "x" * 2000}
     _error(client.post("/v1/completions", json=big), 413)  # said by its Content-Length
     _error(client.post("/v1/completions", content=iter([b"{", b" " * 1500, b"}"])), 413)  # chunked: no length
-    _error(client.post("/v1/chat/completions", json={**big, "messages": [{"role": "user", "content": "x" * 2000}]}),
+    _error(client.post("/v1/chat/completions", json=_chat(big, "x" * 2000)),
            413)
     assert spy.calls == 0
     # Under the limit it is read and checked as before.
@@ -141,7 +146,7 @@ def test_a_prompt_over_the_limit_is_400_before_it_is_tokenized(bundled):
     too_long = "x" * (512 * 17 + 1)
     assert "8704" in _error(client.post("/v1/completions", json={**GOOD, "prompt": too_long}), 400, "prompt")["message"]
     _error(client.post("/v1/completions", json={**GOOD, "prompt": ["Return the", too_long]}), 400, "prompt")
-    chat = {**GOOD, "messages": [{"role": "user", "content": "y" * 5000}, {"role": "user", "content": "y" * 5000}]}
+    chat = {**_chat(GOOD), "messages": [{"role": "user", "content": "y" * 5000}] * 2}
     _error(client.post("/v1/chat/completions", json=chat), 400, "messages")
     assert spy.calls == 0  # none of them reached the tokenizer
     # --max-prompt-chars lower: counted in characters, then tokenized as before (the context refuses 3000 x's).
@@ -160,7 +165,8 @@ def test_tokenizing_holds_up_no_other_client(bundled, route):
     engine = Engine(model, tok)
     spy = Spy(tok, gate=threading.Event())
     # Refused by the context once tokenized (no rounds run here): the slow request ends when let go.
-    body = {**GOOD, "max_tokens": 600, "messages": [{"role": "user", "content": "hi"}]}
+    body = {**GOOD, "max_tokens": 600}
+    body = _chat(body) if "chat" in route else body
     with TestClient(_app(engine, spy)) as client:  # one event loop for every request
         slow = threading.Thread(target=lambda: client.post(route, json=body), daemon=True)
         slow.start()
@@ -211,14 +217,14 @@ def test_every_failure_is_an_openai_error_object_and_the_next_request_is_served(
         _error(client.post("/v1/completions", content=b"\xff\xfe"), 400)
         _error(client.get("/v1/completions"), 405)
         _error(client.get("/v1/no-such-route"), 404)
-        chat = {**GOOD, "messages": [{"role": "user", "content": "hi"}]}
+        chat = _chat(GOOD)
         refusing = Spy(tok, template="{{ raise_exception('only system messages here') }}")
         r = TestClient(_app(engine, refusing), raise_server_exceptions=False).post("/v1/chat/completions", json=chat)
         assert "only system messages here" in _error(r, 400, "messages")["message"]
         for broken in (Spy(tok, fail=RuntimeError("/home/someone/secret.py failed")), Spy(tok, fail=RecursionError())):
             app = TestClient(_app(engine, broken), raise_server_exceptions=False)
-            for route in ("/v1/completions", "/v1/chat/completions"):
-                error = _error(app.post(route, json=chat), 500, kind="server_error")
+            for route, body in (("/v1/completions", GOOD), ("/v1/chat/completions", chat)):
+                error = _error(app.post(route, json=body), 500, kind="server_error")
                 assert type(broken.fail).__name__ in error["message"] and "secret" not in error["message"]
         r = client.post("/v1/completions", json=GOOD)
         assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
@@ -235,7 +241,7 @@ def test_zero_counts_are_refused_as_openai_does(bundled, field, value):
     client = TestClient(_app(engine, tok))
     body = {**GOOD, "max_tokens": 5, field: value}  # max_completion_tokens 0 must not fall back to max_tokens
     assert f"{field} must be >= 1" in _error(client.post("/v1/completions", json=body), 400, field)["message"]
-    chat = {**body, "messages": [{"role": "user", "content": "hi"}]}
+    chat = _chat(body)
     _error(client.post("/v1/chat/completions", json=chat), 400, field)
     assert engine.queued == 0
 
