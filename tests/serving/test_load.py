@@ -35,15 +35,17 @@ ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def _expected(model) -> dict[int, tuple[str, int]]:
-    """transformers' greedy text and completion token count of each prompt alone (EOS ends it early)."""
+    """transformers' greedy text and completion token count of each prompt alone (EOS ends it early and, as
+    OpenAI and vLLM count it, is one of the completion's tokens)."""
     tok = transformers.AutoTokenizer.from_pretrained(model)
     ref = transformers.AutoModelForCausalLM.from_pretrained(model).eval()
     out = {}
     for i, p in enumerate(PROMPTS):
         ids = tok(p)["input_ids"]
         new = ref.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):].tolist()
-        new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
-        out[i] = (tok.decode(new, skip_special_tokens=True), len(new))
+        ended = tok.eos_token_id in new
+        new = new[: new.index(tok.eos_token_id)] if ended else new
+        out[i] = (tok.decode(new, skip_special_tokens=True), len(new) + ended)
     return out
 
 
