@@ -9,11 +9,12 @@ attention sinks, ALiBi, partial rotary, parallel residual, learned positions, mu
   before its layers); malformed roles recipes are refused naming the field.
 * One process, two stages (quick tier), for three families whose forwards differ most from LLaMA's:
   logits and greedy tokens.
-* At 2 and 3 ranks (one spawned job each), every family: logits of a left-padded batch in 3
+* At 2 and 3 ranks (one spawned job each), every family: logits of a left-padded batch in
   microbatches, greedy ``generate`` with an EOS that ends some rows early, one ``train_step``'s loss
-  and every gradient by checkpoint key; at 2 ranks beam search, and for Qwen3, Gemma 3, gpt-oss, Phi-3
-  and DeepSeek-V3 a continuous-batching request stream, each request against transformers'
-  ``generate`` of it alone.
+  and every gradient by checkpoint key (at 2 ranks the families take turns through every schedule,
+  interleaved, zero-bubble and V schedules with two stages per rank); at 2 ranks beam search, and
+  for Qwen3, Gemma 3, gpt-oss, Phi-3 and DeepSeek-V3 a continuous-batching request stream, each
+  request against transformers' ``generate`` of it alone.
 
 Tolerances (fp32, the same kernels; only microbatching and the order of a few sums differ):
 |logits| ~0.5 here, so 1e-5 absolute is ~100 fp32 ulps, while a dropped embedding scale, soft-cap or
@@ -39,6 +40,17 @@ ROWS, SEQ, M = 6, 12, 3  # training and forward: 6 left-padded rows in 3 microba
 NEW = 6
 BEAMS = 2
 STREAMED = ("qwen3", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3")
+# At 2 ranks the families take turns through the schedules (two stages per rank where the schedule
+# runs them: one layer per stage), so every schedule trains several families; at 3 ranks, 1F1B.
+SCHEDULES = (
+    {"schedule": "1f1b"},
+    {"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": 2},
+    {"schedule": "zbv-zero-bubble", "n_microbatches": 6},  # zero-bubble and V: a microbatch per stage at least
+    {"schedule": "interleaved-zero-bubble", "virtual_stages": 2, "n_microbatches": 6},
+    {"schedule": "looped-bfs", "virtual_stages": 2, "n_microbatches": 2},
+    {"schedule": "dualpipev", "n_microbatches": 6},
+    {"schedule": "gpipe"},
+)
 AUTO = "AutoModelForCausalLM"
 
 
@@ -158,11 +170,11 @@ def test_two_stages_in_one_process_equal_transformers(tmp_path, model_type):
 
 
 # ----------------------------------------------------------------------------- every rank
-def _case(path: str, eos: int, beam: bool, streamed: bool, text: str) -> dict:
+def _case(path: str, eos: int, beam: bool, streamed: bool, text: str, load: dict) -> dict:
     import hf_pipeline
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
-        path, pipeline=True, device="cpu", progress=False, n_microbatches=M
+        path, pipeline=True, device="cpu", progress=False, **{"n_microbatches": M, **load}
     )
     res = {"glues": sorted({type(s.glue).__name__ for s in model.stages})}
     with torch.no_grad():
@@ -307,7 +319,11 @@ def _check(model_type: str, want: dict, ranks: list[dict], world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_decoder_family_equals_transformers(references, world):
     refs, text = references
-    cases = [(t, w["path"], w["eos"], world == 2, w["streamed"] and world == 2, text) for t, w in refs.items()]
+    cases = [
+        (t, w["path"], w["eos"], world == 2, w["streamed"] and world == 2, text,
+         SCHEDULES[k % len(SCHEDULES)] if world == 2 else {})
+        for k, (t, w) in enumerate(refs.items())
+    ]
     per_rank = run_distributed(_job, world, cases, timeout=600)
     for k, model_type in enumerate(refs):
         _check(model_type, refs[model_type], [r[k] for r in per_rank], world)
