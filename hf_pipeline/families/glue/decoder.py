@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ...compat import cache_dummy_layer, module_registries
-from ...errors import InternalError
+from ...errors import InputError, InternalError
 from .base import Glue, layer_index
 
 __all__ = ["DecoderGlue"]
@@ -134,6 +134,16 @@ class DecoderGlue(Glue):
     def check(self, stage: Any) -> None:
         if len(stage.stack_runs) != 1:
             raise InternalError("a decoder stage runs one stack")
+        config = stage.config.get_text_config(decoder=True)
+        if getattr(config, "output_router_logits", False):
+            # transformers adds router_aux_loss_coef x the load-balancing loss over EVERY layer's router
+            # logits to the loss; the stages' loss is the head's alone, so training would silently differ.
+            raise InputError(
+                f"{type(stage.hf_root).__name__}: config.output_router_logits=True adds the routers' load-balancing "
+                f"loss (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}) over every layer to the "
+                f"training loss, which pipelined training does not compute yet; set config.output_router_logits=False "
+                f"(the default) to train on the language-modelling loss alone"
+            )
 
     def forward(self, stage, received, inputs):
         slot = _Slot()
