@@ -123,7 +123,11 @@ def _bert_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.P
 
 
 def _llama_tokenizer(docs: list[str], args: argparse.Namespace) -> transformers.PreTrainedTokenizerFast:
-    return train_tokenizer(docs, args.vocab_size)
+    from hf_pipeline.tools.default_model import CHAT_TEMPLATE
+
+    tok = train_tokenizer(docs, args.vocab_size)
+    tok.chat_template = CHAT_TEMPLATE  # the server's chat route works out of the box
+    return tok
 
 
 # Each *_rows returns (tensors with one row per example, the examples' texts or None).

@@ -37,6 +37,7 @@ from ..log import get_logger
 
 __all__ = [
     "BUNDLED_ARCHS",
+    "CHAT_TEMPLATE",
     "BUNDLED_MODEL_DIR",
     "DEFAULT_MODEL_NAME",
     "bundled_model_path",
@@ -133,6 +134,15 @@ def default_model_path(arch: str = _DEFAULT_ARCH) -> pathlib.Path:
     return random_model_path() if arch == _DEFAULT_ARCH else random_model_path(arch)
 
 
+# The bundled causal LM's chat template (it writes docstring English and was never tuned for chat):
+# each message as "role: content" on its own line, then "assistant:" for the reply, so the server's chat
+# route and chat clients (guidellm's default) work out of the box.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def byte_level_tokenizer(vocab_size: int = 384):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on a short built-in text (every byte encodable).
 
@@ -150,8 +160,10 @@ def byte_level_tokenizer(vocab_size: int = 384):
         show_progress=False
     )
     tk.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def _random_model(arch: str, tok):

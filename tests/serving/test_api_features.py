@@ -17,15 +17,11 @@ import hf_pipeline
 from hf_pipeline.errors import ServingRequestError
 from hf_pipeline.serving import CompletionRequest, Engine, Handle
 from hf_pipeline.serving.protocol import parse_chat, parse_completion
-from hf_pipeline.tools.default_model import default_model_path
+from hf_pipeline.tools.default_model import CHAT_TEMPLATE, default_model_path
 
 pytestmark = pytest.mark.unit
 
 PROMPT = "If the file does not exist, the function"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 # Log-probabilities: the ring runs the same fp32 ops as transformers on rows padded and batched with
 # others, which moves logits by ~1e-6 (values of order 10); 1e-4 allows that. A wrong position, a
 # missing processor (temperature) or the raw logits where processed ones belong move them by > 1e-2.
@@ -288,3 +284,10 @@ def test_penalties_and_logit_bias_equal_transformers(bundled):
         lp = torch.tensor([e.logprob for e in got.logprobs], dtype=torch.float64)
         torch.testing.assert_close(lp, chosen.double(), atol=LOGPROB_ATOL, rtol=0)
         assert (lp - torch.tensor(plain, dtype=torch.float64)).abs().max() > 1e-2, kw  # the penalty acted
+
+
+def test_the_bundled_model_chats_out_of_the_box():
+    # Chat clients (guidellm's default route) need a chat template: the bundled tokenizer carries one.
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    assert tok.chat_template == CHAT_TEMPLATE and text == f"user: {PROMPT}\nassistant:"

@@ -179,8 +179,13 @@ def test_the_app_refuses_bad_bodies_with_400_and_serves_the_next(bundled):
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        r = client.post("/v1/chat/completions", json=chat)  # the bundled tokenizer has no chat template
+        template, tok.chat_template = tok.chat_template, None  # a tokenizer without a chat template
+        try:
+            r = client.post("/v1/chat/completions", json=chat)
+        finally:
+            tok.chat_template = template
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert client.post("/v1/chat/completions", json={**chat, "max_tokens": 4}).status_code == 200  # the bundled one
         r = client.post("/v1/completions", json=good)
         assert r.status_code == 200, r.text
         expected = _alone(ref, tok("Return the")["input_ids"], 6)

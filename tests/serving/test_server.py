@@ -6,8 +6,6 @@ what it started, always."""
 
 from __future__ import annotations
 
-import json
-import pathlib
 import signal
 import threading
 import time
@@ -22,22 +20,6 @@ from hf_pipeline.tools.default_model import default_model_path
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 PROMPTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def _model_with_chat_template(tmp: pathlib.Path) -> pathlib.Path:
-    """The bundled model's files (links), its tokenizer given a chat template."""
-    src = default_model_path()
-    tmp.mkdir()
-    for f in src.iterdir():
-        if f.name != "tokenizer_config.json":
-            (tmp / f.name).symlink_to(f)
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    (tmp / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return tmp
 
 
 def _greedy(ref, tok, ids: list[int], n: int) -> str:
@@ -156,7 +138,7 @@ def _parallel_start(fn) -> threading.Thread:
 def test_serve_two_processes_with_the_openai_client(tmp_path):
     openai = pytest.importorskip("openai")
     pytest.importorskip("psutil")
-    model = _model_with_chat_template(tmp_path / "tiny")
+    model = default_model_path()  # its tokenizer carries the bundled chat template
     server = start_server(model, tmp_path / "server.log", "--max-batch", "2", "--max-queue", "4")
     try:
         server.wait_up()
