@@ -66,10 +66,11 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     Of what code written for a ``PreTrainedModel`` uses, it has ``config``, ``generation_config``,
     ``can_generate()``, ``num_parameters()``, ``get_input_embeddings()`` / ``get_output_embeddings()``
     (on the rank whose stage holds them, None elsewhere), ``device``, ``dtype``, ``name_or_path``,
-    ``save_pretrained``, ``generate``, ``add_model_tags``, ``train()`` / ``eval()``,
-    ``activation_checkpointing_enable`` / ``_disable`` (and the ``gradient_checkpointing_*`` aliases,
-    ``is_activation_checkpointing``). Absent, since each would have to change the whole model from one rank:
-    ``resize_token_embeddings``, ``set_input_embeddings`` / ``set_output_embeddings``, ``tie_weights``, ``push_to_hub``.
+    ``save_pretrained``, ``generate``, ``add_model_tags``, ``tie_weights()`` (the ties are made at load),
+    ``train()`` / ``eval()``, ``activation_checkpointing_enable`` / ``_disable`` (and the
+    ``gradient_checkpointing_*`` aliases, ``is_activation_checkpointing``). Absent, since each would have
+    to change the whole model from one rank: ``resize_token_embeddings``, ``set_input_embeddings`` /
+    ``set_output_embeddings``, ``push_to_hub``.
     ``to()`` moves only this rank's stages: load with ``device=`` / ``dtype=`` instead.
 
     The rooms below it (generation, continuous batching, training, recompute, checkpointing, memory
@@ -158,6 +159,18 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once);
         ``local``: this rank's stages only. Collective with ``only_trainable``. See :func:`count_parameters`."""
         return count_parameters(self, only_trainable, exclude_embeddings, local=local)
+
+    def tie_weights(self, missing_keys: set[str] | None = None, recompute_mapping: bool = True) -> None:
+        """Nothing to do: the ties were made at load, as transformers makes them in ``from_pretrained``.
+
+        Code written for a ``PreTrainedModel`` calls it after loading (lm-eval's ``HFLM`` does). The
+        names transformers ties (``resolved.tied``: an embedding and its LM head) are one Parameter
+        within this rank's stages; a tied tensor on stages of different ranks is one copy per stage,
+        all read from the same checkpoint key, and ``train_step`` sums their gradients so the copies
+        step alike. Tying again from one rank could only break that, so this is local, not collective,
+        and returns None on every rank. The arguments are transformers' and change nothing here.
+        """
+        return None
 
     def _local_module(self, module: nn.Module | None) -> nn.Module | None:
         # The stage's copy of one of the meta model's modules, on the rank that holds its parameters.

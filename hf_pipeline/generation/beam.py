@@ -19,6 +19,13 @@ candidate gets -1e9), so stopping it earlier changes nothing. One corner differs
 goes on while any prompt of the batch has a continuation that hits no stopping criterion; a
 microbatch whose every top-K candidate ends at once (e.g. all of them EOS) stops here.
 
+Note (the caller's stopping criteria): they run with the config's, per microbatch, on its top-K
+candidates ``(g * beams_to_keep, cur_len + 1)``, where transformers calls them once per step on
+the whole batch's ``(B * beams_to_keep, cur_len + 1)``. Unlike greedy and sampling (``chooser.py``),
+they cannot be deferred: the same step's beam choice reads their answer, so a whole-batch call would
+stop every microbatch until the last one reached that step (a barrier per step). A criterion that
+reads each row alone behaves as in transformers; one with per-row state sized to the batch does not.
+
 Example (the last stage's rank, inside the ring):
     >>> chooser = BeamChooser(model.skeleton, request, device)
     >>> tokens = chooser.choose(microbatch, step, live_rows, logits[:, -1, :])   # (rows,)
@@ -164,6 +171,9 @@ class BeamChooser:
         if b.done and b.own_steps == 0:
             b.own_steps = t + 1
         return b.running[:, :, cur_len].reshape(-1)  # (g * nb,) the next input tokens
+
+    def end_step(self, t: int) -> None:
+        """Nothing: beam search calls the caller's stopping criteria inside each microbatch's step (see the Note)."""
 
     def sources(self, i: int) -> torch.Tensor:
         """``(rows,)`` int64: the microbatch-local row each running beam continues (transformers' ``beam_idx``)."""

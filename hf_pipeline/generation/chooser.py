@@ -4,6 +4,19 @@ transformers' logits processors (built per microbatch from the merged ``Generati
 ``generate`` builds them), greedy or per-row seeded sampling (:mod:`.sampling`), its stopping
 criteria, the sequences so far and where each row finished.
 
+Note (the caller's stopping criteria): transformers calls its stopping criteria once per step with
+the whole batch's ids ``(B, cur_len)``, and a caller's criterion may keep per-row state sized to the
+batch (lm-eval's ``MultiTokenEOSCriteria`` keeps ``done_tracker = [False] * batch_size`` and reads
+``input_ids[i]`` for every ``i``). So the criteria the config makes (max length, EOS, stop strings:
+stateless, per row) run per microbatch as each chooses its token, and the caller's own run once per
+step on the whole batch, in row order, from :meth:`TokenChooser.end_step`, which the ring calls once
+every microbatch has chosen that step's token (finished rows padded, as transformers pads them).
+By then the ring has already fed some of those rows' tokens on (no barrier between microbatches):
+a row the caller's criteria stop at step ``t`` is marked finished at ``t``, as in transformers, and
+gets the pad id for the next step, which is chosen only after ``end_step(t)``; the ring then drops it.
+The caller's logits processors still see one microbatch's rows per call (a processor with per-row
+state sized to the batch is not supported).
+
 Example (the last stage's rank, inside the ring):
     >>> chooser = TokenChooser(model.skeleton, request, device)
     >>> tokens = chooser.choose(microbatch, step, live_rows, logits[:, -1, :])     # (rows,)
@@ -18,6 +31,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..compat import generation_helper
+from ..errors import InternalError
 from .request import Request
 from .sampling import row_generators, select_tokens
 
@@ -64,10 +78,16 @@ class TokenChooser:
                 finished_at=torch.full((n,), -1, dtype=torch.long, device=device), processors=processors,
                 generators=gens,
             )
-        self.stopping = generation_helper(skeleton, "_get_stopping_criteria")(
-            generation_config=req.config, stopping_criteria=StoppingCriteriaList(req.stopping_criteria or []),
-            tokenizer=req.tokenizer,
+        user = list(req.stopping_criteria or [])
+        merged = generation_helper(skeleton, "_get_stopping_criteria")(
+            generation_config=req.config, stopping_criteria=StoppingCriteriaList(user), tokenizer=req.tokenizer,
         )
+        # transformers' merge keeps a caller's criterion in place of its own of the same type: split by identity.
+        callers = [c for c in merged if any(c is u for u in user)]
+        self.stopping = StoppingCriteriaList([c for c in merged if not any(c is u for u in user)])  # per microbatch
+        self.user_stopping = StoppingCriteriaList(callers)  # whole batch, once per step (see the Note)
+        self.checked = -1  # the last step the caller's criteria were called for
+        self.batch_scores: list[torch.Tensor] = []  # (B, vocab) per step: what transformers passes them as scores
 
     def choose(self, i: int, t: int, live: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Step ``t`` of microbatch ``i``: ``logits`` (live rows, vocab) -> ``(n,)`` tokens, pad for finished rows."""
@@ -94,12 +114,14 @@ class TokenChooser:
             st.logits_seen.append(raw)
         gens = [st.generators[j] for j in live.tolist()] if req.do_sample else None
         chosen = select_tokens(scores if every else scores[live], do_sample=req.do_sample, generators=gens)
+        # A finished row still run (records asked for, or stopped by the caller's criteria after the ring
+        # fed it on, see the Note) gets pad, as transformers gives it.
         if every:
-            # A finished row still run (records asked for) gets pad, as transformers gives it.
             tokens = chosen if bool(st.unfinished.all()) else torch.where(st.unfinished, chosen, req.pad)
         else:
             tokens = torch.full((n,), req.pad, dtype=torch.long, device=self.device)
             tokens[live] = chosen
+            tokens.masked_fill_(~st.unfinished, req.pad)
         st.ids = torch.cat([st.ids, tokens[:, None]], dim=1)
         stop = self.stopping(st.ids, None).to(self.device)
         st.finished_at[st.unfinished & stop] = t
@@ -108,6 +130,42 @@ class TokenChooser:
         if st.own_steps == 0 and not bool(st.unfinished.any()):
             st.own_steps = t + 1
         return tokens
+
+    def end_step(self, t: int) -> None:
+        """Every microbatch has chosen its step-``t`` token (or left the ring): the caller's stopping
+        criteria see the whole batch's ids ``(B, L + t + 1)`` once, as transformers calls them, and the
+        rows they stop finish at ``t``. Nothing when there are none, or when no row generated at ``t``
+        (transformers' loop had ended)."""
+        if not self.user_stopping or t <= self.checked or not self.generated(t):
+            return
+        self.checked = t
+        seqs, width = list(self.seqs.values()), self.req.prompt.shape[1] + t + 1
+        for st in seqs:
+            if st.ids.shape[1] < width and bool(st.unfinished.any()):
+                raise InternalError(
+                    f"the stopping criteria of step {t} ran before every microbatch chose its token (protocol error)"
+                )
+        # A microbatch that finished earlier is padded, as transformers pads its finished rows.
+        ids = torch.cat([_to_width(st.ids, width, self.req.pad) for st in seqs])  # (B, L + t + 1)
+        scores = None
+        if self.req.config.return_dict_in_generate and self.req.config.output_scores:
+            # Every microbatch ran step t (records asked for: no row leaves while any generates).
+            self.batch_scores.append(torch.cat([st.scores_seen[t] for st in seqs]))
+            scores = tuple(self.batch_scores)
+        stop = self.user_stopping(ids, scores).to(self.device)  # (B,) bool
+        lo = 0
+        for st in seqs:
+            n = st.ids.shape[0]
+            hit = stop[lo: lo + n] & st.unfinished
+            st.finished_at[hit] = t
+            st.unfinished &= ~hit
+            if st.own_steps == 0 and not bool(st.unfinished.any()):
+                st.own_steps = t + 1
+            lo += n
+
+    def generated(self, t: int) -> bool:
+        """Whether some row was still generating at step ``t`` (transformers' loop ran that step)."""
+        return any(bool(((st.finished_at < 0) | (st.finished_at >= t)).any()) for st in self.seqs.values())
 
     def finished(self, i: int) -> bool:
         """Whether every row of microbatch ``i`` has finished."""
@@ -124,8 +182,7 @@ class TokenChooser:
         width = self.req.prompt.shape[1] + steps
         ids, lengths = [], []
         for st in self.seqs.values():
-            pad = width - st.ids.shape[1]
-            ids.append(torch.nn.functional.pad(st.ids, (0, pad), value=self.req.pad) if pad > 0 else st.ids[:, :width])
+            ids.append(_to_width(st.ids, width, self.req.pad))
             # A finished row generated up to its stop token; the others, every step of the microbatch.
             lengths.append(
                 torch.where(st.finished_at >= 0, st.finished_at + 1, torch.full_like(st.finished_at, st.steps))
@@ -135,6 +192,13 @@ class TokenChooser:
             "scores": _steps([st.scores_seen for st in self.seqs.values()], steps),
             "logits": _steps([st.logits_seen for st in self.seqs.values()], steps),
         }
+
+
+def _to_width(ids: torch.Tensor, width: int, pad: int) -> torch.Tensor:
+    """``ids`` cut or padded with ``pad`` to ``width`` columns."""
+    if ids.shape[1] >= width:
+        return ids[:, :width]
+    return torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=pad)
 
 
 def _steps(seen: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...] | None:

@@ -6,8 +6,9 @@ the first row of that stage that applies raises. Every rank evaluates the same t
 (agreed) arguments, so every rank refuses alike before any message is sent.
 
 Example:
-    >>> refuse("rows", copies=1, beams=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4, return_dict=False)
-    >>> refuse("rows", copies=1, beams=1, do_sample=False, batch=1, dp_size=2, n_microbatches=4, return_dict=False)
+    >>> facts = dict(copies=1, beams=1, do_sample=False, dp_size=2, n_microbatches=4, return_dict=False, criteria=False)
+    >>> refuse("rows", batch=8, **facts)
+    >>> refuse("rows", batch=1, **facts)
     InputError: batch of 1 rows is smaller than the 2 data-parallel replicas; pass more prompts
 """
 
@@ -209,7 +210,8 @@ REFUSALS: tuple[Refusal, ...] = (
         "decoder's prompt is one start token, and transformers' chunked prefill cuts the encoder's attention "
         "mask to the chunk; pass prefill_chunk_size=None",
     ),
-    # ---- the rows (facts: copies, do_sample, batch (after the copies), dp_size, n_microbatches)
+    # ---- the rows (facts: copies, do_sample, batch (after the copies), dp_size, n_microbatches, return_dict,
+    # criteria: whether the caller passed stopping criteria)
     Refusal(
         "rows", lambda f: f.copies > 1 and not f.do_sample and f.beams == 1,
         "num_return_sequences > 1 needs do_sample=True or num_beams > 1 (greedy would repeat the same sequence)",
@@ -222,6 +224,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "rows", lambda f: f.return_dict and f.dp_size > 1,
         "return_dict_in_generate=True is not supported with {f.dp_size} data-parallel replicas; generate returns "
         "the ids there",
+    ),
+    # transformers calls a caller's stopping criteria on the whole batch (chooser.py defers them to see
+    # it); a replica's last stage has only its share of the rows, and a criterion with per-row state
+    # sized to the batch (lm-eval's) would read the wrong rows or raise IndexError there alone.
+    Refusal(
+        "rows", lambda f: f.criteria and f.dp_size > 1,
+        "stopping_criteria with {f.dp_size} data-parallel replicas: each replica would call them on its own "
+        "share of the rows, where transformers calls them on the whole batch; load the model with one pipeline "
+        "over all ranks (num_stages = world size) or pass no stopping_criteria",
     ),
     Refusal("rows", lambda f: f.n_microbatches < 1, "n_microbatches must be >= 1, got {f.n_microbatches}"),
     # ---- the special tokens, as transformers prepared them (facts: pad, vocab, can_finish)

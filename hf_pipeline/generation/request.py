@@ -116,7 +116,7 @@ def build_request(model: PipelineCore, call: GenerateCall) -> Request:
     rows = _checked_inputs(model, call)
     merged = _merged_config(model, call)
     rows = _with_attention_mask(model, merged.config, rows, encoder_decoder)
-    share = _replica_share(model, merged.config, rows, call.n_microbatches)
+    share = _replica_share(model, merged.config, rows, call.n_microbatches, criteria=bool(call.stopping_criteria))
     tensors = _prompt_tensors(
         model, merged.config, share.rows, encoder_decoder=encoder_decoder, all_ones=share.all_ones
     )
@@ -219,7 +219,8 @@ class _Share:
     all_ones: bool  # the whole batch's mask is all ones (dropped, as transformers drops it)
 
 
-def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_microbatches: int | None) -> _Share:
+def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_microbatches: int | None, *,
+                   criteria: bool) -> _Share:
     """Rows repeated for ``num_return_sequences`` (beam search: ``num_beams``, as transformers expands them),
     this replica's contiguous share of them, its microbatches."""
     copies = gc.num_return_sequences or 1
@@ -233,7 +234,7 @@ def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_mic
     units = rows.ids.shape[0] * (1 if beams > 1 else copies)
     refuse(
         "rows", copies=copies, beams=beams, do_sample=gc.do_sample, batch=units, dp_size=model.dims.dp_size,
-        n_microbatches=n_microbatches, return_dict=bool(gc.return_dict_in_generate),
+        n_microbatches=n_microbatches, return_dict=bool(gc.return_dict_in_generate), criteria=criteria,
     )
     if repeats > 1:
         rows = rows.select(lambda t: t.repeat_interleave(repeats, dim=0))

@@ -8,7 +8,8 @@
   * :class:`Mailbox` (``mailbox.py``) — the point-to-point messages: non-blocking sends kept alive
     until done, receives posted ahead and waited for when taken, same-rank deliveries without copies.
   * :class:`TokenChooser` (``chooser.py``) — the last stage's part: transformers' logits processors,
-    greedy or seeded sampling, stopping criteria, the sequences so far and where each row finished;
+    greedy or seeded sampling, stopping criteria (the caller's own once per step on the whole batch,
+    when the ring says the step is over), the sequences so far and where each row finished;
     or, for beam search, :class:`BeamChooser` (``beam.py``), whose chosen beams' source rows travel
     with the tokens and every stage's hidden states so each stage reorders its cache.
   * :class:`StepStreamer` (``streaming.py``) — feeds a transformers streamer one ``(B,)`` tensor per
@@ -205,6 +206,8 @@ class Ring:
                 at = self.timetable.decode_at(s, tick)
                 if at is not None and not self.slots[(s, at[1])].done:
                     self._op(self.slots[(s, at[1])], at[0])
+            if self.is_last:
+                self._end_step(tick)
             self.mailbox.prune()
             tick += 1
         self._observe()
@@ -357,6 +360,17 @@ class Ring:
         self.mailbox.deliver(("tok", i), self.first_decode, message)
         self._stream(i, token_step)
 
+    def _end_step(self, tick: int) -> None:
+        """Last stage: at the tick of a step's last microbatch (run, or skipped since it left the ring),
+        every microbatch has chosen that step's token, and no microbatch chooses the next step's before
+        a later tick: the chooser calls the caller's stopping criteria on the whole batch now."""
+        at = self.timetable.decode_at(self.last_stage, tick)
+        if at is None or at[1] != self.timetable.n_microbatches - 1:
+            return
+        step = at[0] - self.timetable.first_token_step
+        if step >= 0:
+            self.chooser.end_step(step)
+
     def _reorder(self, slot: _Slot, sources: torch.Tensor) -> None:
         """Beam search: this stage's cache and per-row inputs follow the chosen beams (transformers' ``beam_idx``)."""
         slot.cache.reorder_cache(sources)
@@ -382,7 +396,10 @@ class Ring:
             return
         if any(not self.slots[(self.last_stage, j)].done for j in range(i + 1, self.timetable.n_microbatches)):
             return
-        self.streamer.flush(t)
+        if self.chooser.generated(t):
+            self.streamer.flush(t)
+        else:  # the caller's criteria had stopped every row: transformers' loop ended before this step
+            self.streamer.discard(t)
 
     # ------------------------------------------------------------ result
     def result(self) -> dict[str, Any] | None:

@@ -34,5 +34,9 @@ class StepStreamer:
         if t in self.pending:
             self.streamer.put(self.pending.pop(t))
 
+    def discard(self, t: int) -> None:
+        """Drop step ``t``: no row generated at it (transformers puts nothing for it)."""
+        self.pending.pop(t, None)
+
     def end(self) -> None:
         self.streamer.end()

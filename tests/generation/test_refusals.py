@@ -14,7 +14,9 @@ from transformers import GenerationConfig
 from hf_pipeline.errors import InputError, InputTypeError, InternalError
 from hf_pipeline.generation.refusals import REFUSALS, refuse
 
-_ROWS_OK = dict(copies=1, beams=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4, return_dict=False)
+_ROWS_OK = dict(
+    copies=1, beams=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4, return_dict=False, criteria=False
+)
 
 
 def test_rows_refusals_in_table_order():
@@ -26,6 +28,10 @@ def test_rows_refusals_in_table_order():
         refuse("rows", **dict(_ROWS_OK, copies=2, batch=1, n_microbatches=0))
     with pytest.raises(InputError, match=r"^n_microbatches must be >= 1, got 0$"):
         refuse("rows", **dict(_ROWS_OK, n_microbatches=0))
+    # The caller's stopping criteria see the whole batch: one replica has only its share of it.
+    refuse("rows", **dict(_ROWS_OK, criteria=True, dp_size=1))
+    with pytest.raises(InputError, match=r"^stopping_criteria with 2 data-parallel replicas: each replica would"):
+        refuse("rows", **dict(_ROWS_OK, criteria=True))
 
 
 def test_config_refusals_keep_their_builtin_bases():
