@@ -32,6 +32,7 @@ from .distributed.faults import raise_if_broken, spread_failures
 from .distributed.groups import renew_groups
 from .errors import InputError, InputTypeError, TraceError
 from .integrations.peft_host import AdapterHost
+from .integrations.trainer_refusals import refuse_plain_trainer
 from .load_options import LoadOptions
 from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
@@ -159,6 +160,12 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once);
         ``local``: this rank's stages only. Collective with ``only_trainable``. See :func:`count_parameters`."""
         return count_parameters(self, only_trainable, exclude_embeddings, local=local)
+
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        """False: the pipeline placed the stages. ``transformers.Trainer.__init__`` reads it (only there);
+        a Trainer built without ``PipelineTrainerMixin`` (plain, or TRL's) is refused by it, naming the mixin."""
+        return refuse_plain_trainer(type(self.skeleton).__name__)
 
     def tie_weights(self, missing_keys: set[str] | None = None, recompute_mapping: bool = True) -> None:
         """Nothing to do: the ties were made at load, as transformers makes them in ``from_pretrained``.

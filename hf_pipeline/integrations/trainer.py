@@ -63,7 +63,13 @@ from .trainer_checkpoints import (
     written_by_trainer,
 )
 from .trainer_data import count_items, single_process_loader
-from .trainer_refusals import check_arguments, check_model, check_output_dir, pipelined_model_of
+from .trainer_refusals import (
+    building_pipeline_trainer,
+    check_arguments,
+    check_model,
+    check_output_dir,
+    pipelined_model_of,
+)
 
 __all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
 
@@ -101,7 +107,7 @@ class PipelineTrainerMixin:
             check_arguments(args, self.pipelined, **extra)
             check_output_dir(args.output_dir)
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
-        with collective_errors(ctx, "setting up the Trainer", describe=describe):
+        with collective_errors(ctx, "setting up the Trainer", describe=describe), building_pipeline_trainer():
             super().__init__(model, args, **given)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from an accelerate launch config
             raise UsageError(

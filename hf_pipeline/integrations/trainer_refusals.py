@@ -7,6 +7,8 @@ one rank is an error on every rank. Each refusal says what to change.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,7 +19,42 @@ from ..core import PipelineCore
 from ..errors import CheckpointExistsError, UsageError
 from .peft_host import is_pipelined_model
 
-__all__ = ["Refusal", "REFUSALS", "check_arguments", "check_model", "check_output_dir", "pipelined_model_of"]
+__all__ = [
+    "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments", "check_model", "check_output_dir",
+    "pipelined_model_of", "refuse_plain_trainer",
+]
+
+# Set while PipelineTrainerMixin runs the Trainer's own constructor (in this thread or task).
+_BUILDING = contextvars.ContextVar("hf_pipeline_building_trainer", default=False)
+
+
+@contextlib.contextmanager
+def building_pipeline_trainer():
+    """Around ``PipelineTrainerMixin``'s call of the Trainer constructor: the pipelined model may be given to it."""
+    token = _BUILDING.set(True)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+def refuse_plain_trainer(model_class: str) -> bool:
+    """What a pipelined model answers ``transformers.Trainer.__init__`` asking whether transformers loaded it
+    distributed (False: it is placed by the pipeline, not by a transformers ``DistributedConfig``), asked
+    only while a Trainer is built. Outside ``PipelineTrainerMixin`` that is a Trainer (TRL's SFTTrainer or
+    DPOTrainer too) whose own step would run the pipelined model as one module: refused at construction.
+
+    Raises:
+        UsageError: naming PipelineTrainerMixin, on every rank (each builds its Trainer).
+    """
+    if not _BUILDING.get():
+        raise UsageError(
+            f"a pipelined {model_class} is trained by hf_pipeline.PipelineTrainer, or a Trainer subclass with "
+            f"hf_pipeline.integrations.trainer.PipelineTrainerMixin first among its bases (e.g. class "
+            f"PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer)); this Trainer's own step would run it as one "
+            f"module"
+        )
+    return False
 
 
 def pipelined_model_of(model: nn.Module):

@@ -247,3 +247,19 @@ def test_what_rotation_takes_for_the_trainers_checkpoint(tmp_path):
     assert written_by_trainer(adapter)
     (tmp_path / "checkpoint-notes").mkdir()
     assert not written_by_trainer(tmp_path / "checkpoint-notes") and not written_by_trainer(tmp_path / "missing")
+
+
+def test_a_trainer_without_the_mixin_is_refused_at_construction_naming_it(llama_path, tmp_path):
+    # transformers' own Trainer (TRL's SFTTrainer and DPOTrainer are subclasses of it) would run the
+    # pipelined model as one module in its step: refused while it is built, plain or wrapped by peft.
+    import peft
+
+    model = _pipelined(llama_path)
+    args = transformers.TrainingArguments(str(tmp_path / "out"), report_to=[], use_cpu=True)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    for candidate in (model, wrapped):
+        with pytest.raises(UsageError, match=r"pipelined LlamaForCausalLM is trained by hf_pipeline.PipelineTrainer"):
+            transformers.Trainer(model=candidate, args=args)
+    # the mixin builds its Trainer on the same model, which is placed by the pipeline
+    trainer = hf_pipeline.PipelineTrainer(model=wrapped, args=args, train_dataset=_dataset("llama", 8))
+    assert trainer.pipelined is model and not trainer.is_distributed_loading_by_transformers
