@@ -6,7 +6,10 @@ model would write — safetensors shards, ``model.safetensors.index.json``, ``co
 (or ``hf_pipeline``'s ``pipeline=True``) loads it. No rank gathers the model: each pipeline rank of
 the first data-parallel replica writes the tensors its stages own into its own shards. A tensor
 held by several stages (a tied embedding / LM head, T5's replicated relative bias) is written once,
-by the first stage holding it, under the key transformers keeps for it.
+by the first stage holding it, under the key transformers keeps for it. Tensors transformers converts
+on load are written as its save writes them, through its own ``revert_weight_conversion`` of each
+rank's tensors (mixture-of-experts layers one tensor per expert, GPT-NeoX's ``embed_out``): the
+conversions the loaded checkpoint went through are reverted, as ``from_pretrained`` records them.
 
 Like transformers, a save into an existing directory writes and overwrites only the checkpoint's
 own files (config, generation config, weight shards, index) and removes only stale weight files:

@@ -8,7 +8,9 @@ objects (source patterns, a target pattern, ``ConversionOps`` such as ``MergeMod
 ``Concatenate``). This module asks transformers for those converters and plans them per model
 tensor from the checkpoint's index alone (:func:`checkpoint_conversions`: which keys feed which
 tensor, so a rank reads only its own stages' experts), then runs the converter's own operations on
-the tensors read (:func:`convert_tensors`). Nothing here re-implements an operation.
+the tensors read (:func:`convert_tensors`). For saving, :func:`load_conversions` notes which transforms the
+checkpoint's keys went through (as ``from_pretrained`` does) and :func:`saved_tensors` reverts them with
+transformers' ``revert_weight_conversion``. Nothing here re-implements an operation.
 
 Example:
     >>> plan = checkpoint_conversions(skeleton, index.keys(), variants)
