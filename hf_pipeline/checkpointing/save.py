@@ -166,8 +166,8 @@ def _reverted(model: PipelineCore, tensors: dict[str, torch.Tensor]) -> dict[str
     if wrong:
         raise InternalError(
             f"transformers' reverse conversion of this rank's tensors made {name_listing(wrong)}, which its "
-            "save_pretrained of the whole model does not write (or not in that shape): a conversion spans two "
-            "stages. Save with one pipeline stage, or load the model with pipeline=False to save it"
+            "save_pretrained of the whole model does not write (or not in that shape): a conversion spans stages "
+            "on two ranks. Save from one process (all stages on one rank), or load with pipeline=False to save"
         )
     return out
 
