@@ -35,6 +35,7 @@ __all__ = [
     "generation_helper",
     "pad_token_tensor",
     "pytree",
+    "revert_weight_conversion",
     "set_attn_implementation",
     "torch_schedules",
     "unflatten_dense_tensors",
@@ -233,6 +234,30 @@ def transformers_load_exceptions(
     except (ImportError, AttributeError, TypeError):
         return None
     return set(info.unexpected_keys), set(info.missing_keys)
+
+
+def revert_weight_conversion(model: Any, state_dict: dict, conversions: list | None) -> dict:
+    """transformers' ``revert_weight_conversion`` of ``state_dict`` (the keys and tensors its ``save_pretrained``
+    writes), reverting ``conversions`` (None: transformers' default mapping for the class).
+
+    transformers reverts the transforms its ``from_pretrained`` keeps on the model (``_weight_conversions``:
+    those the checkpoint's keys matched); the function takes no argument for them, so they are set on the
+    meta skeleton for the call and the attribute is put back after.
+    """
+    from transformers.core_model_loading import revert_weight_conversion as revert
+
+    if conversions is not None and not conversions:
+        return dict(state_dict)  # the checkpoint went through none: saved as it is, as transformers does
+    had = "_weight_conversions" in vars(model)
+    old = vars(model).get("_weight_conversions")
+    model._weight_conversions = conversions
+    try:
+        return revert(model, state_dict)
+    finally:
+        if had:
+            model._weight_conversions = old
+        else:
+            del model._weight_conversions
 
 
 def mark_hf_initialized(obj: Any, initialized: bool = True) -> None:

@@ -6,7 +6,10 @@ model would write — safetensors shards, ``model.safetensors.index.json``, ``co
 (or ``hf_pipeline``'s ``pipeline=True``) loads it. No rank gathers the model: each pipeline rank of
 the first data-parallel replica writes the tensors its stages own into its own shards. A tensor
 held by several stages (a tied embedding / LM head, T5's replicated relative bias) is written once,
-by the first stage holding it, under the key transformers keeps for it.
+by the first stage holding it, under the key transformers keeps for it. Tensors transformers converts
+on load are written as its save writes them, through its own ``revert_weight_conversion`` of each
+rank's tensors (mixture-of-experts layers one tensor per expert, GPT-NeoX's ``embed_out``): the
+conversions the loaded checkpoint went through are reverted, as ``from_pretrained`` records them.
 
 Like transformers, a save into an existing directory writes and overwrites only the checkpoint's
 own files (config, generation config, weight shards, index) and removes only stale weight files:
@@ -50,7 +53,8 @@ from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..distributed.shards import full_tensor
 from ..errors import CheckpointExistsError, InputError, InternalError
-from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PREFIX
+from ..loading.checkpoint_files import INDEX_NAME, SAVE_STAGING_PREFIX, name_listing
+from ..loading.key_conversions import saved_shapes, saved_tensors
 from ..planning.options import parse_size
 from .directory import OPTIMIZER_DIR, RNG_DIR, SAVE_ID_KEY
 from .durable import fsync, reporting_full_disk, write_json
@@ -88,6 +92,7 @@ class _RankPlan:
     rank: int
     pp_rank: int
     shards: list[list[tuple[str, int, int]]]  # per shard file: (checkpoint key, numel, bytes)
+    parameters: int  # elements of the parameters written (buffers left out), counted before the reverse conversions
     optimizer_keys: list[str] | None  # keys with optimizer state (replica 0 saving an optimizer), else None
 
 
@@ -95,7 +100,7 @@ class _RankPlan:
 class _RankShare:
     """This rank's tensors and optimizer state, and how its shards cut them."""
 
-    tensors: dict[str, torch.Tensor]  # checkpoint key -> tensor
+    tensors: dict[str, torch.Tensor]  # saved key (transformers' reverse conversions applied) -> tensor
     shards: list[list[str]]  # keys per shard file
     optimizer_state: dict[str, Any] | None
     plan: _RankPlan
@@ -138,8 +143,40 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[
     return shards
 
 
+def _saved_shapes(model: PipelineCore) -> dict[str, tuple[int, ...]]:
+    """Every key transformers' ``save_pretrained`` of the unsplit model writes -> its shape (meta device)."""
+    return saved_shapes(model.skeleton, model.param_layout.saved, model.stage_maker.load_conversions)
+
+
+def _reverted(model: PipelineCore, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's tensors as transformers' ``save_pretrained`` writes them: its reverse conversions (merged
+    experts split one tensor per expert, Mixtral's ``mlp`` named ``block_sparse_moe`` again, GPT-NeoX's
+    ``lm_head`` named ``embed_out``). Each one works within one module, so within one stage: the rank
+    reverts its own tensors alone, and what it makes is checked against the whole model's save.
+
+    Raises:
+        InternalError: a reverse conversion needs tensors of another rank (a key or shape the whole model's
+            save does not have).
+    """
+    if not tensors:
+        return tensors
+    out = saved_tensors(model.skeleton, tensors, model.stage_maker.load_conversions)
+    want = _saved_shapes(model)
+    wrong = sorted(k for k, t in out.items() if want.get(k) != tuple(t.shape))
+    if wrong:
+        raise InternalError(
+            f"transformers' reverse conversion of this rank's tensors made {name_listing(wrong)}, which its "
+            "save_pretrained of the whole model does not write (or not in that shape): a conversion spans stages "
+            "on two ranks. Save from one process (all stages on one rank), or load with pipeline=False to save"
+        )
+    return out
+
+
 def _rank_share(model: PipelineCore, max_shard_size: int | str, optimizer) -> _RankShare:
+    layout = model.param_layout
     tensors = _my_tensors(model)
+    parameters = sum(t.numel() for k, t in tensors.items() if k in layout.parameters)
+    tensors = _reverted(model, tensors)
     shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
     # The first replica's ranks gather sharded states whole (every fsdp rank: they hold the chunks); one rank
     # per pipeline rank keeps them (None elsewhere).
@@ -153,6 +190,7 @@ def _rank_share(model: PipelineCore, max_shard_size: int | str, optimizer) -> _R
         rank=model.ctx.rank,
         pp_rank=model.dims.pp_rank,
         shards=[[sizes(k) for k in keys] for keys in shards],
+        parameters=parameters,
         optimizer_keys=sorted(opt_state["state"]) if opt_state is not None else None,
     )
     return _RankShare(tensors=tensors, shards=shards, optimizer_state=opt_state, plan=plan)
@@ -330,7 +368,8 @@ def _stage_main(
     scheduler, step, tokenizer, extra,
 ) -> None:
     """Rank 0's share of the staging: index, config, generation config, tokenizer, training state."""
-    weight_map, total_size, total_params = _weight_map(model.param_layout, plans, names)
+    weight_map, total_size = _weight_map(set(_saved_shapes(model)), plans, names)
+    total_params = sum(p.parameters for p in plans)
     _stage_config(model, staging)
     if tokenizer is not None:
         with reporting_full_disk(staging):
@@ -350,32 +389,29 @@ def _stage_main(
                 fsync(p)
 
 
-def _weight_map(layout, plans: list[_RankPlan], names: list[list[str]]) -> tuple[dict[str, str], int, int]:
-    """The index's key -> shard file map over every rank, with the total bytes and parameter count.
+def _weight_map(saved: set[str], plans: list[_RankPlan], names: list[list[str]]) -> tuple[dict[str, str], int]:
+    """The index's key -> shard file map over every rank, with the total bytes.
 
     Raises:
         InternalError: a key written by two ranks or by none (the stage plan broke).
     """
     weight_map: dict[str, str] = {}
     total_size = 0
-    total_params = 0
     for plan, rank_names in zip(plans, names):
         for shard, name in zip(plan.shards, rank_names):
-            for key, numel, nbytes in shard:
+            for key, _, nbytes in shard:
                 if key in weight_map:
                     raise InternalError(
                         f"checkpoint key {key!r} was written by two ranks; the stage plan is inconsistent"
                     )
                 weight_map[key] = name
                 total_size += nbytes
-                if key in layout.parameters:
-                    total_params += numel
-    missing = sorted(layout.saved - set(weight_map))
+    missing = sorted(saved - set(weight_map))
     if missing:
         raise InternalError(
             f"no rank wrote {missing[:5]}{' ...' if len(missing) > 5 else ''}; the stage plan does not cover the model"
         )
-    return weight_map, total_size, total_params
+    return weight_map, total_size
 
 
 def _stage_config(model: PipelineCore, staging: pathlib.Path) -> None:

@@ -8,7 +8,9 @@ objects (source patterns, a target pattern, ``ConversionOps`` such as ``MergeMod
 ``Concatenate``). This module asks transformers for those converters and plans them per model
 tensor from the checkpoint's index alone (:func:`checkpoint_conversions`: which keys feed which
 tensor, so a rank reads only its own stages' experts), then runs the converter's own operations on
-the tensors read (:func:`convert_tensors`). Nothing here re-implements an operation.
+the tensors read (:func:`convert_tensors`). For saving, :func:`load_conversions` notes which transforms the
+checkpoint's keys went through (as ``from_pretrained`` does) and :func:`saved_tensors` reverts them with
+transformers' ``revert_weight_conversion``. Nothing here re-implements an operation.
 
 Example:
     >>> plan = checkpoint_conversions(skeleton, index.keys(), variants)
@@ -25,10 +27,14 @@ from typing import Any, Collection, Mapping
 import torch
 from torch import nn
 
+from ..compat import revert_weight_conversion
 from ..errors import CheckpointError
 from .checkpoint_files import name_listing
 
-__all__ = ["Conversion", "checkpoint_conversions", "convert_tensors", "refuse_unconverted"]
+__all__ = [
+    "Conversion", "checkpoint_conversions", "convert_tensors", "load_conversions", "refuse_unconverted", "saved_shapes",
+    "saved_tensors",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,3 +246,48 @@ def convert_tensors(
         made = converter.convert(target, model=model, config=getattr(model, "config", None))
         out[target] = made[target][0] if isinstance(made[target], list) else made[target]
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Saving: transformers' reverse conversions
+# --------------------------------------------------------------------------------------------
+def load_conversions(model: nn.Module, ckpt_keys: Collection[str]) -> list | None:
+    """The transforms of ``model``'s conversion mapping (legacy renames included) that ``ckpt_keys`` match, as
+    ``from_pretrained`` keeps them for its ``save_pretrained`` to revert: experts stored one tensor each are
+    saved so again, a checkpoint already holding the merged tensors is saved as it is. None on a transformers
+    without conversion mappings.
+    """
+    api = _transformers_api()
+    if api is None:
+        return None
+    get_mapping, converter_cls, renaming_cls, natural, rename, _ = api
+    transforms = get_mapping(model)  # fresh copies: their "used" marks start clear
+    renamings = [t for t in transforms if isinstance(t, renaming_cls)]
+    converters = [t for t in transforms if isinstance(t, converter_cls)]
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    for key in sorted(ckpt_keys, key=natural):  # the call from_pretrained makes per key; it marks what matched
+        rename(key, renamings, converters, prefix, meta)
+    return [t for t in transforms if t.was_used()]
+
+
+def saved_tensors(
+    model: nn.Module, tensors: dict[str, torch.Tensor], conversions: list | None
+) -> dict[str, torch.Tensor]:
+    """What transformers' ``save_pretrained`` writes for ``tensors`` (model name -> tensor): its own
+    ``revert_weight_conversion`` (merged experts split one tensor per expert, renames undone).
+
+    Args:
+        model: the whole (meta-device) model.
+        tensors: model names (tied copies removed, as transformers removes them first) -> tensors.
+        conversions: what the model was loaded through (:func:`load_conversions`); None: the class's default.
+    """
+    if _transformers_api() is None:
+        return dict(tensors)
+    return revert_weight_conversion(model, tensors, conversions)
+
+
+def saved_shapes(model: nn.Module, keys: Collection[str], conversions: list | None) -> dict[str, tuple[int, ...]]:
+    """Saved key -> shape, for the model tensors ``keys`` (reverted on the meta device: nothing allocated)."""
+    state = model.state_dict()
+    return {k: tuple(t.shape) for k, t in saved_tensors(model, {k: state[k] for k in keys}, conversions).items()}

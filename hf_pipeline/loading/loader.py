@@ -48,7 +48,7 @@ from ..planning.tp_plan import ParallelRequest, parallel_request
 from .checkpoint_files import CheckpointIndex, resolve_checkpoint
 from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
-from .key_conversions import convert_tensors
+from .key_conversions import convert_tensors, load_conversions
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
@@ -202,6 +202,8 @@ def _load_stages(
     stages = maker.make_stages(local)
     wanted, aliases, expected, ignore = wanted_tensors(maker.skeleton, maker.resolved, stages, index, options.dtype)
     keys = key_plan(maker.skeleton, maker.resolved, index)
+    # What save_pretrained reverts: the conversions these keys went through (none for merged experts stored as such).
+    maker.load_conversions = load_conversions(maker.skeleton, index.weight_map)
     local_names = {n for stage in stages for n in stage.state_dict()}
     fresh = initialize_missing(maker.skeleton, keys.initialized, dtype=options.dtype, rng_state=rng_state)
     fresh = {n: t for n, t in fresh.items() if n in local_names}  # drawn whole, as transformers draws them

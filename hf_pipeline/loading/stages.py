@@ -253,6 +253,10 @@ class StageMaker:
         make_stages: meta-device stage modules for the given specs (this rank's), checkpoint names inside.
         on_loaded: called with the materialised stages (the tracer wires its graphs to them).
         generate_refusal: why this model cannot ``generate()``, or None when it can.
+        load_conversions: the transforms of transformers' conversion mapping the loaded checkpoint's keys
+            matched (:func:`~.key_conversions.load_conversions`), which ``save_pretrained`` reverts as
+            transformers reverts those its ``from_pretrained`` used; None before a load (then transformers'
+            default mapping is reverted, as for a model it did not load).
     """
 
     config: Any
@@ -263,6 +267,7 @@ class StageMaker:
     make_stages: Callable[[Sequence[StageSpec]], list[nn.Module]]
     on_loaded: Callable[[Sequence[nn.Module]], None] = field(default=lambda stages: None)
     generate_refusal: str | None = None
+    load_conversions: list | None = None
 
 
 def recipe_front_end(config, options: PipelineOptions) -> StageMaker:
