@@ -13,14 +13,16 @@ __all__ = ["check_serve_extra", "cmd_serve"]
 
 
 # What `hf-pipeline serve` imports beyond the package's own dependencies: the `serve` extra.
-_SERVE_MODULES = ("fastapi", "uvicorn")
+_SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def check_serve_extra() -> None:
-    """One line naming the extra to install when FastAPI or uvicorn cannot be imported (before anything loads).
+    """One line naming the extra to install when FastAPI, uvicorn or prometheus_client cannot be imported
+    (before anything loads).
 
     Raises:
-        CLIError: ``hf-pipeline serve needs fastapi and uvicorn (...): pip install 'hf_pipeline[serve]'``.
+        CLIError: ``hf-pipeline serve needs fastapi, uvicorn and prometheus_client (...): pip install
+        'hf_pipeline[serve]'``.
     """
     missing = []
     for name in _SERVE_MODULES:
@@ -30,7 +32,8 @@ def check_serve_extra() -> None:
             missing.append(name)
     if missing:
         raise CLIError(
-            f"hf-pipeline serve needs fastapi and uvicorn ({' and '.join(missing)} cannot be imported): "
+            f"hf-pipeline serve needs fastapi, uvicorn and prometheus_client ({' and '.join(missing)} cannot be "
+            f"imported): "
             "pip install 'hf_pipeline[serve]'"
         )
 

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator
 
 # Imported here, not in the functions: FastAPI reads the routes' annotations ("Request") from this module.
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..distributed.sockets import listening_socket
@@ -37,6 +37,7 @@ from ..log import get_logger
 from .engine import Engine
 from .guard import API_KEY_ENV, Guard, Limits, error_response, install_error_handlers, refusal
 from .handles import Handle
+from .metrics import ServerMetrics
 from .protocol import ParsedRequest, error_body, parse_chat, parse_completion, prompt_char_limit
 
 __all__ = ["build_app", "serve"]
@@ -71,13 +72,15 @@ class _Api:
 
     def __init__(self, engine: Engine, tokenizer: Any, model_name: str, timeout_s: float):
         self.engine, self.tokenizer, self.model_name, self.timeout_s = engine, tokenizer, model_name, timeout_s
+        self.metrics = ServerMetrics(engine)
 
-    async def events(self, request, handles: list[Handle], n: int) -> AsyncIterator[tuple[int, Any]]:
+    async def events(self, request, handles: list[Handle], n: int, started: float) -> AsyncIterator[tuple[int, Any]]:
         """``(choice index over all prompts, Delta)`` as they come; cancels every handle when the client
-        leaves or the timeout passes (then yields ``(None, message)`` last)."""
+        leaves or the timeout passes (then yields ``(None, message)`` last). ``started``: the submission's
+        ``time.monotonic()``, for the time-to-first-token metric."""
         import asyncio
 
-        deadline = time.monotonic() + self.timeout_s
+        deadline, first = time.monotonic() + self.timeout_s, True
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(k: int, h: Handle) -> None:
@@ -102,6 +105,9 @@ class _Api:
                 if item is None:
                     open_ -= 1
                 else:
+                    if first:
+                        self.metrics.first_token(started)
+                        first = False
                     yield item
         finally:
             for h in handles:
@@ -111,19 +117,21 @@ class _Api:
                 t.cancel()
 
     async def complete(self, request, parsed: ParsedRequest, chat: bool):
+        started = time.monotonic()
         try:
             handles = _submit_all(self.engine, parsed)
         except (ServingRequestError, ServerBusy) as e:
-            return refusal(e)
+            return self.refused(refusal(e))
         n = parsed.requests[0].n
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
-            return StreamingResponse(self._sse(request, handles, n, rid, chat, parsed), media_type="text/event-stream")
-        async for i, d in self.events(request, handles, n):
+            return StreamingResponse(self._sse(request, handles, n, rid, chat, parsed, started),
+                                     media_type="text/event-stream")
+        async for i, d in self.events(request, handles, n, started):
             if i is None:
-                return error_response(504, d, kind="timeout")
+                return self.refused(error_response(504, d, kind="timeout"))
         if any(h.error for h in handles):
-            return error_response(500, next(h.error for h in handles if h.error))
+            return self.refused(error_response(500, next(h.error for h in handles if h.error)))
         choices = []
         for h in handles:
             for c in h.result():
@@ -133,10 +141,16 @@ class _Api:
                 else:
                     choices.append(self._completion_choice(i, h, c))
         used = sum(c.completion_tokens for h in handles for c in h.choices)
+        self.metrics.finished(200, started, prompt_tokens=parsed.prompt_tokens, completion_tokens=used)
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.model_name, "choices": choices, "usage": self._usage(parsed, used),
         }
+
+    def refused(self, response):
+        """``response`` (an error), counted by its status."""
+        self.metrics.finished(response.status_code)
+        return response
 
     @staticmethod
     def _usage(parsed: ParsedRequest, used: int) -> dict[str, int]:
@@ -194,7 +208,7 @@ class _Api:
         logprobs = self._completion_logprobs(handle, c.logprobs, c.prompt_logprobs if echo else None)
         return self._choice(i, text, c.finish_reason, False, logprobs)
 
-    async def _sse(self, request, handles, n, rid, chat, parsed) -> AsyncIterator[str]:
+    async def _sse(self, request, handles, n, rid, chat, parsed, started) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -202,15 +216,18 @@ class _Api:
             body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": choices}
             return f"data: {json.dumps({**body, **extra})}\n\n"
 
-        async for i, d in self.events(request, handles, n):
+        status = 200
+        async for i, d in self.events(request, handles, n, started):
             if i is None:
+                status = 504
                 yield f"data: {json.dumps(error_body(d, kind='timeout'))}\n\n"
             elif d.text or d.finish_reason or d.logprobs:
                 h = handles[i // n]
                 lp = self._chat_logprobs(h, d.logprobs) if chat else self._completion_logprobs(h, d.logprobs, None)
                 yield chunk([self._choice(i, d.text, d.finish_reason, chat, lp, delta=True)])
+        used = sum(c.completion_tokens for h in handles for c in h.choices)
+        self.metrics.finished(status, started, prompt_tokens=parsed.prompt_tokens, completion_tokens=used)
         if parsed.include_usage:
-            used = sum(c.completion_tokens for h in handles for c in h.choices)
             yield chunk([], usage=self._usage(parsed, used))
         yield "data: [DONE]\n\n"
 
@@ -252,6 +269,11 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
         return {"status": "draining" if engine.draining else "ok", "queued": engine.queued,
                 "running": len(engine.running), "rounds": engine.rounds, "world_size": engine.ctx.world_size}
 
+    @app.get("/metrics")
+    def metrics() -> Response:
+        body, content_type = api.metrics.exposition()
+        return Response(content=body, media_type=content_type)
+
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
@@ -262,7 +284,7 @@ def build_app(engine: Engine, tokenizer: Any, *, model_name: str, timeout_s: flo
         try:
             parsed = await run_in_threadpool(_decode, raw, parse, tokenizer, model_name, max_chars)
         except ServingRequestError as e:
-            return refusal(e)
+            return api.refused(refusal(e))
         return await api.complete(request, parsed, chat)
 
     @app.post("/v1/completions")

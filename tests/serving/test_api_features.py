@@ -291,3 +291,40 @@ def test_the_bundled_model_chats_out_of_the_box():
     tok = transformers.AutoTokenizer.from_pretrained(default_model_path())
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     assert tok.chat_template == CHAT_TEMPLATE and text == f"user: {PROMPT}\nassistant:"
+
+
+def test_metrics_count_what_the_server_answered(bundled):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_pipeline.serving.server import build_app
+
+    tok, model, _ = bundled
+    engine = Engine(model, tok, idle_s=0.05)
+    rounds = threading.Thread(target=engine.serve_forever, daemon=True)
+    rounds.start()
+    try:
+        client = TestClient(build_app(engine, tok, model_name="m", timeout_s=60))
+        good = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+        r = client.post("/v1/completions", json=good)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert client.post("/v1/completions", json={**good, "zeta": 1}).status_code == 400
+        streamed = client.post("/v1/completions", json={**good, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        scraped = client.get("/metrics")
+    finally:
+        engine.drain()
+        rounds.join(timeout=30)
+    assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(scraped.text) for s in family.samples}
+    # two answered (one whole, one streamed: the same greedy tokens), one refused before submission
+    assert samples[("hf_pipeline_requests_total", (("status", "200"),))] == 2
+    assert samples[("hf_pipeline_requests_total", (("status", "400"),))] == 1
+    assert samples[("hf_pipeline_generation_tokens_total", ())] == 2 * usage["completion_tokens"]
+    assert samples[("hf_pipeline_prompt_tokens_total", ())] == 2 * usage["prompt_tokens"]
+    assert samples[("hf_pipeline_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("hf_pipeline_request_seconds_count", ())] == 2
+    assert samples[("hf_pipeline_queued_requests", ())] == 0 and samples[("hf_pipeline_running_rows", ())] == 0
+    assert samples[("hf_pipeline_kv_pool_rows", ())] == engine.pool

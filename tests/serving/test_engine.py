@@ -5,6 +5,7 @@ a thread)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import pytest
@@ -242,7 +243,7 @@ def test_a_client_that_leaves_cancels_its_request(bundled):
     handle = engine.submit(CompletionRequest(prompt_ids=[1, 5], max_new_tokens=4))
 
     async def read():
-        return [x async for x in _Api(engine, tok, "m", 60).events(Gone(), [handle], 1)]
+        return [x async for x in _Api(engine, tok, "m", 60).events(Gone(), [handle], 1, time.monotonic())]
 
     assert asyncio.run(read()) == []
     assert handle.cancelled and engine.queued == 0

@@ -79,7 +79,7 @@ def test_good_numbers_still_parse():
     assert (args.weight_decay, args.mlm_probability) == (0.0, 1.0)
 
 
-@pytest.mark.parametrize("missing", [("fastapi",), ("uvicorn",), ("fastapi", "uvicorn")])
+@pytest.mark.parametrize("missing", [("fastapi",), ("uvicorn",), ("prometheus_client",), ("fastapi", "uvicorn")])
 @pytest.mark.parametrize("launch", [False, True])
 def test_serve_without_the_serve_extra_is_one_line_naming_it(capsys, monkeypatch, no_load, missing, launch):  # noqa: F811
     for name in missing:
@@ -92,6 +92,6 @@ def test_serve_without_the_serve_extra_is_one_line_naming_it(capsys, monkeypatch
     monkeypatch.setattr(cli, "launch", launch)
     argv = ["serve", "--num-processes", "2"] if launch else ["serve"]  # a launch checks before starting anyone
     assert _one_line(capsys, argv) == (
-        f"hf-pipeline serve needs fastapi and uvicorn ({' and '.join(missing)} cannot be imported): pip install "
-        "'hf_pipeline[serve]'"
+        f"hf-pipeline serve needs fastapi, uvicorn and prometheus_client ({' and '.join(missing)} cannot be imported): "
+        "pip install 'hf_pipeline[serve]'"
     )
