@@ -2,11 +2,13 @@
 steps as others finish, and what feeds and bounds it.
 
 Lives here: :mod:`.continuous_ring` (:class:`ContinuousRing`, the ring every rank runs, and
-:func:`continuous_refusal`, which models it cannot serve), :mod:`.wire` (what travels down the ring
-with each op: :class:`OpHeader`, the typed header that packs itself into its int64 tensor and parses
-itself back, and :class:`NewRow`, the joining rows as JSON), :mod:`.feeder` (:class:`Feeder`, what
-the ring asks of stage 0's queue, and :class:`RingFeeder`, the serving queue as the rows that join
-the slot pool) and :mod:`.kv_budget` (the pool's rows from a KV-cache budget per rank).
+:func:`continuous_refusal`, which models it cannot serve), :mod:`.group_cache` (a group's KV cache: rows
+merged right aligned and cut, full and sliding-window layers each keeping their own columns),
+:mod:`.wire` (what travels down the ring with each op: :class:`OpHeader`, the typed header that packs
+itself into its int64 tensor and parses itself back, and :class:`NewRow`, the joining rows as JSON),
+:mod:`.feeder` (:class:`Feeder`, what the ring asks of stage 0's queue, and :class:`RingFeeder`, the
+serving queue as the rows that join the slot pool) and :mod:`.kv_budget` (the pool's rows from a
+KV-cache budget per rank).
 
 May import: the base modules and the rooms below it (``distributed`` up to ``generation``, whose
 caches, mailbox, generation config and sampling the ring reuses); never ``serving``, which wires the

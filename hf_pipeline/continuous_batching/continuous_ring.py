@@ -18,6 +18,8 @@ which join:
     group's, right aligned: the shorter side is left padded with zero columns that the mask hides.
     Positions are per row (``cumsum(mask) - 1`` as transformers makes them), so padding never
     changes a row's tokens: greedy rows equal transformers' ``generate`` of each request alone.
+    Sliding-window layers keep only their window's last columns through all of this
+    (:mod:`.group_cache`, which also names the cache layers the ring does not merge).
 
 The last stage chooses each row's token from its own logits processors (transformers', built from
 the row's merged ``GenerationConfig``) and, when sampling, its own generator seeded from
@@ -50,7 +52,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache, MinNewTokensLengthLogitsProcessor
-from transformers.cache_utils import DynamicLayer
 
 from ..compat import generation_helper
 from ..core import PipelineCore
@@ -62,6 +63,7 @@ from ..generation.mailbox import Mailbox
 from ..generation.penalties import penalty_processors
 from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
 from .feeder import Feeder
+from .group_cache import cut_columns, merge, merge_refusal
 from .wire import NewRow, OpHeader, Reply, pack_rows, unpack_rows
 
 __all__ = ["ContinuousRing", "continuous_refusal"]
@@ -77,10 +79,7 @@ def continuous_refusal(model: PipelineCore) -> str | None:
         return "the continuous ring runs one stage per rank"
     if model.plan.stages[0].rank != 0:
         return "stage 0 must be on rank 0, where the queue is"
-    cache = new_cache(model.config, encoder_decoder=False)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return "sliding-window or other special cache layers are not merged by the continuous ring"
-    return None
+    return merge_refusal(model.config)
 
 
 @dataclass
@@ -101,14 +100,6 @@ class _Row:
     processors: Any
     generator: torch.Generator | None
     logprobs: int | None = None  # alternatives sent back with each chosen token's log-probability
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    if width == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 class ContinuousRing:
@@ -332,15 +323,8 @@ class ContinuousRing:
         used = g.mask.any(dim=0).nonzero()
         cut = int(used[0, 0]) if used.numel() else g.mask.shape[1]
         if cut:
-            for layer in self._filled(g.cache):
-                layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
             g.mask = g.mask[:, cut:]
-
-    @staticmethod
-    def _filled(cache: DynamicCache) -> list[DynamicLayer]:
-        # A stage fills only its own layers (indices are the model's global ones).
-        return [layer for layer in cache.layers if layer.is_initialized and layer.keys is not None
-                and layer.keys.numel()]
+            cut_columns(g.cache, cut, g.mask.shape[1])
 
     def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False) -> torch.Tensor:
         inputs: dict[str, Any] = {"cache": cache, "attention_mask": mask, "position_ids": positions}
@@ -378,13 +362,7 @@ class ContinuousRing:
         if g.cache is None:
             g.cache, g.mask, g.next_pos = cache, mask, lengths
             return out
-        total = max(g.mask.shape[1], width)
-        grow_old, grow_new = total - g.mask.shape[1], total - width
-        for a, b in zip(g.cache.layers, cache.layers):
-            if b.is_initialized and b.keys is not None and b.keys.numel():
-                a.keys = torch.cat([_left_pad(a.keys, grow_old, 2), _left_pad(b.keys, grow_new, 2)])
-                a.values = torch.cat([_left_pad(a.values, grow_old, 2), _left_pad(b.values, grow_new, 2)])
-        g.mask = torch.cat([_left_pad(g.mask, grow_old, 1), _left_pad(mask, grow_new, 1)])
+        g.mask = merge(g.cache, g.mask, cache, mask)
         g.next_pos = torch.cat([g.next_pos, lengths])
         self._observe()
         return out

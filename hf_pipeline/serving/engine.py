@@ -10,7 +10,8 @@ as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, wi
 :mod:`hf_pipeline.continuous_batching.kv_budget`). The ring ends once a whole step ran no row and
 nothing is queued. Models the ring does not serve fall back to static rounds (``engine.batching``
 then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models (T5), data-parallel
-replicas, tensor parallelism, several stages per rank and sliding-window caches.
+replicas, tensor parallelism, several stages per rank and cache layers other than full and
+sliding-window attention (chunked attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
 
 ``batching="static"``: each round rank 0 takes a batch from its queue
 (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its plan as JSON, and every rank
