@@ -119,13 +119,14 @@ TENSOR_PARALLEL = (
 )
 # The hand-written recipes' families (model_recipes/{llama,gpt2,bert,t5}.toml): the columns their own test
 # files compare (tests/training, tests/generation/test_generate.py and test_beam.py, test_sliding_window.py,
-# tests/continuous_batching/test_ring_stream.py, tests/integrations/test_lora.py and test_trainer.py,
+# tests/continuous_batching/test_ring_stream.py and test_ring_sliding_window.py, tests/integrations/test_lora.py
+# and test_trainer.py,
 # tests/loading/test_tensor_parallel*.py).
 COLUMNS = ("forward, training", "generate", "beam", "serve", "LoRA", "Trainer", "tp")
 HAND_WRITTEN = {
     "llama": set(COLUMNS),
-    "mistral": {"forward, training", "generate", "tp"},
-    "qwen2": {"forward, training", "generate", "beam", "tp"},
+    "mistral": {"forward, training", "generate", "serve", "tp"},
+    "qwen2": {"forward, training", "generate", "beam", "serve", "tp"},
     "gpt2": {"forward, training", "generate", "beam", "serve", "LoRA", "tp"},
     "bert": {"forward, training", "LoRA", "Trainer", "tp"},
     "t5": {"forward, training", "generate", "beam", "LoRA", "tp"},
