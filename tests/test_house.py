@@ -110,6 +110,16 @@ def test_the_probes_above_can_fail(tmp_path):
     assert "ValueError" in BUILTIN_ERRORS and "PipelineError" not in BUILTIN_ERRORS
 
 
+def test_test_modules_have_unique_basenames():
+    # The test folders are not packages: pytest imports each test module by its basename, so two
+    # folders holding test_x.py stop the whole collection ("import file mismatch").
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        seen.setdefault(path.name, []).append(_rel(path))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1 and name != "__init__.py"}
+    assert not shared, f"rename one of each: {shared}"
+
+
 @pytest.mark.dist
 def test_ruff_passes():
     ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).with_name("ruff"))
