@@ -34,7 +34,7 @@ import pytest
 import tiny
 import torch
 import transformers
-from decoders import LORA, TRAINER, decoder_config
+from decoders import DECODERS, LORA, TRAINER, decoder_config
 from harness import run_distributed
 from test_trainer import _args, _assert_logs_equal, _dataset, _logs
 
@@ -49,12 +49,27 @@ SEED = 7
 LOAD = {"schedule": "1f1b", "n_microbatches": 2}
 
 
+def _targets(model_type: str) -> list[str] | None:
+    """LORA's targets (None: peft's default for the model_type); for the other families the linear layers of
+    the first block's attention (``query_key_value``, ``q_proj`` ...), found on the model (peft 0.21's default
+    for Mixtral matches no module of transformers 5's Mixtral)."""
+    from hf_pipeline.families.roles import decoder_roles
+    from hf_pipeline.loading.stages import meta_model
+
+    if model_type in LORA:
+        return LORA[model_type]
+    model = meta_model(decoder_config(model_type), "AutoModelForCausalLM")
+    block = model.get_submodule(decoder_roles(model).blocks + ".0")
+    attention = next(m for n, m in block.named_children() if n.endswith(("attn", "attention")))  # not its norms
+    return sorted({n.rpartition(".")[2] for n, m in attention.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
 def _lora(model_type: str):
     return peft.LoraConfig(
         r=4,
         lora_alpha=8,
         lora_dropout=0.0,
-        target_modules=LORA[model_type],
+        target_modules=_targets(model_type),
         init_lora_weights=False,
         task_type="CAUSAL_LM",
     )
@@ -170,7 +185,7 @@ def _check_saved(path, ref_path, base_path, want: dict, what: str) -> None:
 
 
 def _check_lora(results: list[dict], refs: dict, paths: dict, out) -> None:
-    for model_type in [t for t in LORA if t in refs]:
+    for model_type in [t for t in refs if t in DECODERS]:
         ref, held = refs[model_type], set()
         moved = (ref["merged"] - ref["base"]).abs().max().item()
         assert moved > 0.1, f"{model_type}: the adapter moves the logits by {moved:.3g} only: the checks are blind"
@@ -204,6 +219,17 @@ def _check_trainer(results: list[dict], refs: dict) -> None:
             _close(got["params"], ref["params"], what + " parameters", tol=TRAINER_TOL)
             seen |= set(got["params"])
         assert seen == set(ref["params"]), f"{model_type}: parameters no rank holds: {set(ref['params']) - seen}"
+
+
+@pytest.mark.slow
+def test_lora_on_every_other_decoder_family_on_two_stages_in_one_process_equals_peft(tmp_path):
+    """The families the 2-rank job leaves out, both stages in this process, with peft's default targets for
+    the model_type or the first block's attention linears: the same checks as at 2 ranks."""
+    families = tuple(sorted(set(DECODERS) - set(LORA)))
+    paths, out, cases = _checkpoints(tmp_path, families), tmp_path / "out", (families, ())
+    load = {"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": 2}
+    refs = _references(paths, out, *cases)
+    _check_lora([_job({k: str(v) for k, v in paths.items()}, str(out), load, *cases)], refs, paths, out)
 
 
 def test_peft_defaults_are_what_the_cases_say():
