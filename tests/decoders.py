@@ -93,7 +93,7 @@ def decoder_config(model_type: str, **overrides) -> transformers.PretrainedConfi
 # ----------------------------------------------------------------------------- README's table
 # What the tests compare with transformers (peft, Trainer) per family; README's architectures table is
 # rendered from these (tests/families/test_decoders.py checks it is README's).
-STREAMED = ("qwen3", "gemma3_text", "gpt_oss", "phi3", "deepseek_v3")  # continuous batching: test_decoders.py
+STREAMED = tuple(DECODERS)  # a request stream through the serving engine: test_decoders.py
 # tests/integrations/test_lora_decoders.py: LoRA at 2 ranks equals peft on one process, per model_type
 # with its target_modules (None where peft has a default for the model_type, asserted there) ...
 LORA: dict[str, list[str] | None] = {
