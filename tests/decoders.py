@@ -106,7 +106,7 @@ LORA: dict[str, list[str] | None] = {
     "gpt_oss": ["q_proj", "v_proj"],
 }
 # ... and PipelineTrainer at 2 ranks equals transformers.Trainer on one process
-TRAINER = ("qwen3", "gemma3_text")
+TRAINER = ("qwen3", "gemma3_text", "mixtral", "opt")
 # tests/loading/test_tensor_parallel_decoders.py: tp_size=2 inside the stages, with transformers' own plan,
 # equals transformers on one process (by the style of its plan that is not plain colwise / rowwise)
 TENSOR_PARALLEL = (
