@@ -26,6 +26,7 @@ import pytest
 import tiny
 import torch
 from harness import run_distributed
+from test_generate import _one_thread  # noqa: F401 - the module's autouse fixture: one thread
 from transformers import StoppingCriteria
 
 NEW = 12
@@ -206,12 +207,6 @@ def _check(assets, result: dict) -> None:
                     torch.testing.assert_close(last, w_last, atol=ATOL, rtol=0, msg=f"{label}: call {step} scores")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_caller_criteria_see_the_whole_batch_world_1(assets):

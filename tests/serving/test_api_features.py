@@ -10,12 +10,12 @@ import copy
 import threading
 
 import pytest
+import test_engine
 import torch
 import transformers
 
-import hf_pipeline
 from hf_pipeline.errors import ServingRequestError
-from hf_pipeline.serving import CompletionRequest, Engine, Handle
+from hf_pipeline.serving import CompletionRequest, Engine
 from hf_pipeline.serving.protocol import parse_chat, parse_completion
 from hf_pipeline.tools.default_model import CHAT_TEMPLATE, default_model_path
 
@@ -26,25 +26,8 @@ PROMPT = "If the file does not exist, the function"
 # others, which moves logits by ~1e-6 (values of order 10); 1e-4 allows that. A wrong position, a
 # missing processor (temperature) or the raw logits where processed ones belong move them by > 1e-2.
 LOGPROB_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    path = str(default_model_path())
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    return tok, model, ref
-
-
-def _run(engine: Engine, handles: list[Handle]) -> None:
-    def stop_when_done():
-        for h in handles:
-            h.result(timeout=120)
-        engine.drain()
-
-    threading.Thread(target=stop_when_done, daemon=True).start()
-    engine.serve_forever()
+bundled = test_engine.bundled  # the bundled model, its tokenizer and transformers' copy (a module fixture)
+_run = test_engine._run  # rounds in this thread until the handles are done
 
 
 def _greedy(ref, ids: list[int], n: int, **kw) -> list[int]:
