@@ -123,7 +123,6 @@ class StageModule(nn.Module):
             owned = [b for b in stack.blocks if b in spec.blocks]
             if not owned:
                 continue
-            container_fqn = stack.blocks[0].rpartition(".")[0].rpartition(".")[0]
             self.stack_runs.append(
                 StackRun(
                     name=stack.name,
@@ -134,7 +133,7 @@ class StageModule(nn.Module):
                     embeds=[self.get_submodule(m) for m in stack.embed if m in spec.modules],
                     finals=[self.get_submodule(m) for m in stack.final if m in spec.modules],
                     replicas=[m for m in stack.every_stage if m in spec.modules],
-                    container=self.get_submodule(container_fqn) if container_fqn else self,
+                    container=self.get_submodule(stack.holder) if stack.holder else self,
                 )
             )
         glue.check(self)  # refuse at load what the glue cannot compute as the HF model does
@@ -199,7 +198,7 @@ def build_stage(full: nn.Module, resolved: ResolvedRecipe, spec: StageSpec) -> S
     prune(root, keep)
     absent: tuple[str, ...] = ()
     if resolved.recipe.roles:  # the children of the module holding the blocks that this stage dropped
-        holder = resolved.stacks[0].blocks[0].rpartition(".")[0].rpartition(".")[0]
+        holder = resolved.stacks[0].holder
         had, has = (dict((m.get_submodule(holder) if holder else m).named_children()) for m in (full, root))
         absent = tuple(n for n in had if n not in has)
     return StageModule(root, spec, resolved, get_glue(resolved.recipe.glue), absent)

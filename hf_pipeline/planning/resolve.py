@@ -35,6 +35,16 @@ class ResolvedStack:
     halves: tuple[tuple[str, ...], ...] = ()  # the recipe's block halves (names relative to a block)
     cuttable: frozenset[str] = frozenset()  # blocks whose children the two halves cover exactly
 
+    @property
+    def block_list(self) -> str:
+        """The FQN of the blocks' ModuleList (``model.layers``)."""
+        return self.blocks[0].rpartition(".")[0]
+
+    @property
+    def holder(self) -> str:
+        """The FQN of the module holding the block list, whose forward runs it (``model``; "" for the root)."""
+        return self.block_list.rpartition(".")[0]
+
 
 @dataclass(frozen=True, kw_only=True)
 class ResolvedRecipe:
