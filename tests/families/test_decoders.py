@@ -168,6 +168,24 @@ def test_two_stages_in_one_process_equal_transformers(tmp_path, model_type):
     assert torch.equal(model.generate(**_inputs(), **kw), ref.generate(**_inputs(), **kw)), model_type
 
 
+def test_the_base_model_class_on_two_stages_equals_transformers(tmp_path):
+    # AutoModel: the pruned base model's own forward runs the layers (not the stage's, which is the glue's)
+    import transformers
+
+    import hf_pipeline
+
+    path = _save(tmp_path / "qwen3", "qwen3")
+    ref = transformers.AutoModel.from_pretrained(path).eval()
+    model = hf_pipeline.AutoModel.from_pretrained(
+        path, pipeline=True, device="cpu", progress=False, schedule="interleaved-1f1b", virtual_stages=2,
+        n_microbatches=M,
+    )
+    with torch.no_grad():
+        got, want = model(**_inputs()).last_hidden_state, ref(**_inputs()).last_hidden_state
+    diff = (got - want).abs().max().item()
+    assert got.shape == want.shape and diff <= TOL, f"last_hidden_state differs by {diff:.3g}"
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_the_routers_auxiliary_loss_is_refused_at_load_naming_the_field(tmp_path, model_type):
     import transformers

@@ -30,6 +30,7 @@ scaling, a score head's pooling), with its base model answering with the stage's
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -116,9 +117,9 @@ def _own_cache_layers(cache: Any, owned: list[int]) -> Iterator[None]:
     if layers is None or not owned:
         yield
         return
-    mine = layers[owned[0]]
-    dummy = cache_dummy_layer(mine.get_seq_length)
-    kept = {i: layer for i, layer in enumerate(layers) if i not in set(owned)}
+    dummy = cache_dummy_layer(layers[owned[0]].get_seq_length)
+    mine = set(owned)
+    kept = {i: layer for i, layer in enumerate(layers) if i not in mine}
     for i in kept:
         layers[i] = dummy
     try:
@@ -126,6 +127,33 @@ def _own_cache_layers(cache: Any, owned: list[int]) -> Iterator[None]:
     finally:
         for i, layer in kept.items():
             layers[i] = layer
+
+
+class _StageView:
+    """What one stage shows the model's forward, built once (the stage's layers and modules are fixed when
+    it is built): the full-length layer list, pass-throughs for the children it dropped, where the head
+    class finds the module that runs the layers, and the slot each call fills."""
+
+    def __init__(self, stage: Any) -> None:
+        self.slot = slot = _Slot()
+        run, stack = stage.stack_runs[0], stage.resolved.stacks[0]
+        # The HF module whose forward runs the layers: the base model (OPT: its decoder); for a base model
+        # class, the pruned model itself (not the stage, whose forward is this glue's).
+        self.holder = stage.hf_root.get_submodule(stack.holder) if stack.holder else stage.hf_root
+        total = stage.config.get_text_config(decoder=True).num_hidden_layers
+        owned = {layer_index(b): m for b, m in zip(run.blocks, run.modules)}
+        first, last = min(owned), max(owned)
+        layers = nn.ModuleList(
+            _Owned(owned[i], slot, first=i == first, last=i == last) if i in owned else _PassThrough(slot)
+            for i in range(total)
+        )
+        self.stand_ins = [(stack.block_list.rpartition(".")[2], layers)]
+        self.stand_ins += [(name, _PassThrough(slot)) for name in stage.absent_holder_children]
+        self.attention_layers = [layer_index(b) for b in stage.attention_blocks]
+        # In the head class's forward the module that runs the layers answers with the stage's output.
+        parent, _, self.holder_name = stack.holder.rpartition(".")
+        self.holder_parent = stage.hf_root.get_submodule(parent)
+        self.answer = _BaseAnswer(None)
 
 
 class DecoderGlue(Glue):
@@ -145,32 +173,31 @@ class DecoderGlue(Glue):
                 f"(the default) to train on the language-modelling loss alone"
             )
 
+    def __init__(self) -> None:
+        # One view per stage this glue runs (a stage is built once; weak: a dropped stage frees its view).
+        self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _view(self, stage) -> _StageView:
+        view = self._views.get(stage)
+        if view is None:
+            view = self._views[stage] = _StageView(stage)
+        return view
+
     def forward(self, stage, received, inputs):
-        slot = _Slot()
-        slot.received = None if stage.spec.is_first else received[0]  # (B, T, H)
-        run = stage.stack_runs[0]
-        base = run.container  # the module whose forward runs the layers: the base model (OPT: its decoder)
-        blocks_name = run.blocks[0].rpartition(".")[0].rpartition(".")[2]
-        total = stage.config.get_text_config(decoder=True).num_hidden_layers
-        owned = {layer_index(b): m for b, m in zip(run.blocks, run.modules)}
-        first, last = min(owned), max(owned)
-        shown = nn.ModuleList(
-            _Owned(owned[i], slot, first=i == first, last=i == last) if i in owned else _PassThrough(slot)
-            for i in range(total)
-        )
+        view = self._view(stage)
+        slot = view.slot
+        slot.received, slot.sent = (None if stage.spec.is_first else received[0]), None  # (B, T, H)
         cache = inputs.get("cache")
         kwargs = self._base_inputs(slot, inputs, cache)
-        stand_ins = [(blocks_name, shown)] + [
-            (name, _PassThrough(slot)) for name in stage.absent_holder_children
-        ]
         with contextlib.ExitStack() as stack:
-            for name, module in stand_ins:
-                stack.enter_context(_swapped(base, name, module))
-            stack.enter_context(_own_cache_layers(cache, [layer_index(b) for b in stage.attention_blocks]))
-            out = base(**kwargs)
+            for name, module in view.stand_ins:
+                stack.enter_context(_swapped(view.holder, name, module))
+            stack.enter_context(_own_cache_layers(cache, view.attention_layers))
+            out = view.holder(**kwargs)
+        sent, slot.received, slot.sent = slot.sent, None, None  # nothing of this call kept past it
         if not stage.spec.is_last:
-            return slot.sent  # (B, T, H) to the next stage
-        return self._head(stage, out, inputs)
+            return sent  # (B, T, H) to the next stage
+        return self._head(stage, view, out, inputs)
 
     def _base_inputs(self, slot: _Slot, inputs: dict[str, Any], cache) -> dict[str, Any]:
         if slot.received is None:
@@ -184,7 +211,7 @@ class DecoderGlue(Glue):
             "position_ids": inputs.get("position_ids"), "cache": cache, "use_cache": cache is not None,
         }
 
-    def _head(self, stage, out, inputs):
+    def _head(self, stage, view: _StageView, out, inputs):
         head, root = stage.resolved.head, stage.hf_root
         if not stage.resolved.base:  # the base model class itself: its outputs are the stage's
             values = tuple(out[name] for name in head.outputs)
@@ -195,9 +222,11 @@ class DecoderGlue(Glue):
             args["inputs_embeds"] = out.last_hidden_state  # only its batch size is read (pooling heads)
         if keep:
             args["logits_to_keep"] = int(keep)
-        # The module whose forward runs the layers answers for itself (the base model; OPT: its decoder).
-        parent, _, name = stage.stack_runs[0].blocks[0].rpartition(".")[0].rpartition(".")[0].rpartition(".")
-        with _swapped(root.get_submodule(parent), name, _BaseAnswer(out)):
-            result = root(**args)
+        view.answer.output = out
+        try:
+            with _swapped(view.holder_parent, view.holder_name, view.answer):
+                result = root(**args)
+        finally:
+            view.answer.output = None
         values = tuple(result[name] for name in head.outputs)
         return values if len(values) > 1 else values[0]
