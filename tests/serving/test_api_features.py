@@ -7,7 +7,6 @@ against a forward pass's ``log_softmax``, through the app."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import test_engine
@@ -126,17 +125,11 @@ def _reference_logprobs(ref, ids: list[int], n: int, k: int, **kw):
 
 
 def test_logprobs_and_echo_equal_transformers(bundled):
-    TestClient = pytest.importorskip("fastapi.testclient").TestClient
-    from hf_pipeline.serving.server import build_app
-
     tok, model, ref = bundled
     chat_tok = copy.deepcopy(tok)
     chat_tok.chat_template = CHAT_TEMPLATE
     engine = Engine(model, tok, idle_s=0.05)
-    rounds = threading.Thread(target=engine.serve_forever, daemon=True)
-    rounds.start()
-    try:
-        client = TestClient(build_app(engine, chat_tok, model_name="m", timeout_s=60))
+    with test_engine.app_client(engine, chat_tok) as client:
         ids = tok(PROMPT)["input_ids"]
         base = {"model": "m", "prompt": ids, "max_tokens": 6, "temperature": 0}
         # Bad bodies first: each a 400, and the engine serves the next request.
@@ -224,10 +217,6 @@ def test_logprobs_and_echo_equal_transformers(bundled):
             # lm-eval's greedy check: each prompt token's logprob against the best of its top_logprobs.
             assert all(len(t) >= 1 for t in lp["top_logprobs"][1:])
         assert lp["token_logprobs"][len(ids) - 1] == pytest.approx(float(expected[-1]), abs=LOGPROB_ATOL)
-    finally:
-        engine.drain()
-        rounds.join(timeout=60)
-    assert not rounds.is_alive()
 
 
 def test_presence_frequency_penalty_is_openais_formula():
@@ -277,17 +266,11 @@ def test_the_bundled_model_chats_out_of_the_box():
 
 
 def test_metrics_count_what_the_server_answered(bundled):
-    from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
-
-    from hf_pipeline.serving.server import build_app
 
     tok, model, _ = bundled
     engine = Engine(model, tok, idle_s=0.05)
-    rounds = threading.Thread(target=engine.serve_forever, daemon=True)
-    rounds.start()
-    try:
-        client = TestClient(build_app(engine, tok, model_name="m", timeout_s=60))
+    with test_engine.app_client(engine, tok) as client:
         good = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0}
         r = client.post("/v1/completions", json=good)
         assert r.status_code == 200, r.text
@@ -296,9 +279,6 @@ def test_metrics_count_what_the_server_answered(bundled):
         streamed = client.post("/v1/completions", json={**good, "stream": True})
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         scraped = client.get("/metrics")
-    finally:
-        engine.drain()
-        rounds.join(timeout=30)
     assert scraped.status_code == 200 and scraped.headers["content-type"].startswith("text/plain")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(scraped.text) for s in family.samples}

@@ -4,6 +4,7 @@ a thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -35,6 +36,23 @@ def _alone(ref, ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy tokens for one prompt on its own (no padding), EOS and what follows dropped."""
     out = ref.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
     return out[: out.index(2)] if 2 in out else out
+
+
+@contextlib.contextmanager
+def app_client(engine: Engine, tokenizer):
+    """A TestClient of the app over ``engine``, whose rounds run in a thread until the block ends (then drained,
+    and the thread joined: nothing left running)."""
+    TestClient = pytest.importorskip("fastapi.testclient").TestClient
+    from hf_pipeline.serving.server import build_app
+
+    rounds = threading.Thread(target=engine.serve_forever, daemon=True)
+    rounds.start()
+    try:
+        yield TestClient(build_app(engine, tokenizer, model_name="m", timeout_s=60))
+    finally:
+        engine.drain()
+        rounds.join(timeout=60)
+    assert not rounds.is_alive()
 
 
 def _run(engine: Engine, handles: list[Handle]) -> None:
@@ -159,15 +177,9 @@ def test_refusals_name_the_field(bundled):
 
 
 def test_the_app_refuses_bad_bodies_with_400_and_serves_the_next(bundled):
-    TestClient = pytest.importorskip("fastapi.testclient").TestClient
-    from hf_pipeline.serving.server import build_app
-
     tok, model, ref = bundled
     engine = Engine(model, tok, idle_s=0.05)
-    rounds = threading.Thread(target=engine.serve_forever, daemon=True)
-    rounds.start()
-    try:
-        client = TestClient(build_app(engine, tok, model_name="m", timeout_s=60))
+    with app_client(engine, tok) as client:
         good = {"model": "m", "prompt": "Return the", "max_tokens": 6, "temperature": 0}
         bad = [
             (b"{not json", None), ({**good, "model": "other"}, "model"), ({**good, "logprobs": True}, "logprobs"),
@@ -194,10 +206,6 @@ def test_the_app_refuses_bad_bodies_with_400_and_serves_the_next(bundled):
         assert r.json()["usage"]["completion_tokens"] == len(expected)
         assert client.get("/v1/models").json()["data"][0]["id"] == "m"
         assert client.get("/health").json()["status"] == "ok"
-    finally:
-        engine.drain()
-        rounds.join(timeout=60)
-    assert not rounds.is_alive()
 
 
 def test_a_request_past_its_timeout_is_cancelled_with_504(bundled):
