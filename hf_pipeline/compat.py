@@ -477,3 +477,16 @@ def whole_placement(mesh: Any) -> Any:
 
 
 __all__ += ["unflatten_mesh", "whole_placement"]
+
+
+# ---- transformers.distributed.expert_parallel (no public entry point for one module's dispatch) ----
+def install_expert_dispatch(experts: torch.nn.Module, mesh: Any, implementation: str) -> None:
+    """Make ``experts`` (whose stacked parameters hold this rank's experts) reach its tokens through
+    transformers' ``EPImplementationInterface[implementation]`` over ``mesh``, the ranks sharing the batch
+    (so its ep mesh and tp mesh at once, as in transformers with ``ep_size == tp_size``)."""
+    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
+
+    EpDispatchExpertsParallel().install_forward(experts, ep_mesh=mesh, tp_mesh=mesh, ep_implementation=implementation)
+
+
+__all__ += ["install_expert_dispatch"]

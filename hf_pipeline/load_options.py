@@ -133,12 +133,17 @@ class LoadOptions:
         None, "data-parallel ranks sharding each stage's parameters with FSDP2 (default 1)", concern="mesh",
         acts="mesh", cli="data-parallel processes sharding each stage's parameters with FSDP (default 1)",
         cli_type="positive")
+    ep_size: int | None = _option(
+        None, "expert-parallel ranks per stage for a mixture of experts (its `base_model_ep_plan`): the stage's "
+        "tensor-parallel ranks (equal to `tp_size`), or alone: that many ranks per stage splitting only the experts",
+        concern="mesh", acts="mesh",
+        cli="expert-parallel processes per stage, mixtures of experts (default 1)", cli_type="positive")
     distributed_config: Any = _option(
-        None, "transformers' `DistributedConfig(tp_size, tp_plan, fsdp_size, dp_replicate_size, pp_size)`, "
-        "instead of `tp_size` / `fsdp_size`", concern="mesh", acts="mesh")
+        None, "transformers' `DistributedConfig(tp_size, tp_plan, ep_size, ep_plan, ep_implementation, fsdp_size, "
+        "dp_replicate_size, pp_size)`, instead of `tp_size` / `fsdp_size` / `ep_size`", concern="mesh", acts="mesh")
     device_mesh: Any = _option(
-        None, "a `DeviceMesh` with dims named from `dp`, `fsdp`, `pp`, `tp`, instead of `tp_size` / `fsdp_size`",
-        concern="mesh", acts="mesh")
+        None, "a `DeviceMesh` with dims named from `dp`, `fsdp`, `pp`, `tp`, instead of `tp_size` / `fsdp_size` / "
+        "`ep_size`", concern="mesh", acts="mesh")
     # ---------------------------------------------------------------- checkpoint: what is read, as transformers
     dtype: Any = _option(
         None, "weights dtype (default: the config's, as transformers; `torch_dtype` is its alias, and `dtype` wins "

@@ -32,8 +32,8 @@ from ..errors import CheckpointError
 from .checkpoint_files import name_listing
 
 __all__ = [
-    "Conversion", "checkpoint_conversions", "convert_tensors", "load_conversions", "refuse_unconverted", "saved_shapes",
-    "saved_tensors",
+    "Conversion", "checkpoint_conversions", "convert_tensors", "load_conversions", "narrow_conversion",
+    "refuse_unconverted", "saved_shapes", "saved_tensors",
 ]
 
 
@@ -246,6 +246,35 @@ def convert_tensors(
         made = converter.convert(target, model=model, config=getattr(model, "config", None))
         out[target] = made[target][0] if isinstance(made[target], list) else made[target]
     return out
+
+
+def narrow_conversion(conv: Conversion, index: int, count: int) -> Conversion | None:
+    """``conv`` reading only the experts of part ``index`` of ``count`` along the merged tensor's dim 0, or
+    None when its converter does not build dim 0 by stacking one source per expert.
+
+    transformers' expert converters first stack each source pattern's tensors, one per expert in natural key
+    order (``MergeModulelist(dim=0)``), then join the kinds along another dim (``Concatenate(dim=1)``): the
+    stacked experts ``[lo, hi)`` are then the same operations run on those experts' sources alone, so an
+    expert-parallel rank reads ``1 / count`` of the bytes instead of reading every expert and slicing.
+    """
+    ops = list(getattr(conv.converter, "operations", ()))
+    first = type(ops[0]).__name__ if ops else ""
+    if first != "MergeModulelist" or getattr(ops[0], "dim", None) != 0:
+        return None
+    if any(getattr(op, "dim", 1) == 0 for op in ops[1:]):
+        return None
+    groups: dict[str, list[int]] = {}
+    for i, pattern in enumerate(conv.patterns):
+        groups.setdefault(pattern, []).append(i)
+    sizes = {len(g) for g in groups.values()}
+    if len(sizes) != 1 or next(iter(sizes)) % count:
+        return None
+    per = next(iter(sizes)) // count
+    keep = sorted(i for g in groups.values() for i in g[index * per:(index + 1) * per])
+    return Conversion(
+        target=conv.target, sources=tuple(conv.sources[i] for i in keep), shapes=tuple(conv.shapes[i] for i in keep),
+        patterns=tuple(conv.patterns[i] for i in keep), converter=conv.converter,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,9 +46,10 @@ from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
 from .checkpoint_files import CheckpointIndex, resolve_checkpoint
+from .expert_parallel import apply_expert_parallel, expert_parts
 from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
-from .key_conversions import convert_tensors, load_conversions
+from .key_conversions import convert_tensors, load_conversions, narrow_conversion
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
@@ -165,7 +166,8 @@ def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -
     """The job's mesh (collective when there is one), also written into the plan it reports."""
     dims = ParallelDims.build(ctx, options.pp_size, options.tp_size, options.fsdp_size)
     maker.plan = dataclasses.replace(
-        maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan, fsdp_size=dims.fsdp_size
+        maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan, fsdp_size=dims.fsdp_size,
+        ep_plan=options.ep_plan,
     )
     return dims
 
@@ -184,6 +186,25 @@ def _parallel(asked: LoadOptions, ctx: RankContext, *, auto: bool) -> ParallelRe
             "schedule and n_microbatches with tp_size / fsdp_size / distributed_config / device_mesh"
         )
     return parallel
+
+
+def _own_experts(experts: dict, conversions: dict, parts: dict, wanted: dict) -> dict:
+    """The conversions an expert-parallel rank runs, reading only its experts (``experts``: name -> its part).
+
+    Where the checkpoint stores experts one tensor each, a cut tensor is merged from this rank's experts'
+    tensors alone (already its part: the other experts' keys leave ``wanted``); else it is sliced as it is
+    read (its part joins ``parts``). Both dicts are updated in place.
+    """
+    conversions = dict(conversions)
+    for name, (_, index, count) in experts.items():
+        narrowed = narrow_conversion(conversions[name], index, count) if name in conversions else None
+        if narrowed is None:
+            parts[name] = experts[name]
+            continue
+        for key in set(conversions[name].sources) - set(narrowed.sources):
+            wanted.pop(key, None)
+        conversions[name] = narrowed
+    return conversions
 
 
 def _load_stages(
@@ -209,13 +230,14 @@ def _load_stages(
     fresh = {n: t for n, t in fresh.items() if n in local_names}  # drawn whole, as transformers draws them
     # A tensor-parallel or FSDP rank reads only its slices; an FSDP rank reads them into its shards.
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
+    conversions = _own_experts(expert_parts(stages, options.ep_plan, dims.tp_mesh), keys.conversions, parts, wanted)
     shards: dict[str, torch.Tensor] = {}
     on_meta = dims.fsdp_size > 1
     if on_meta:  # with tensor parallelism: each tp slice's fsdp chunk, read into the 2-D shard
         tp = (options.tp_plan, dims.tp_mesh, parts) if options.tp_plan else None
         parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
-        dtypes.update({n: wanted[c.sources[0]][1] for n, c in keys.conversions.items() if c.sources[0] in wanted})
+        dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
         shards = shard_stages(
             stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp
         )
@@ -230,7 +252,7 @@ def _load_stages(
     )
     # Tensors stored split (experts one tensor each): merged by transformers' own converters, then placed
     # like the initialised ones (a tp / fsdp rank keeps its part of the merged tensor).
-    converted = convert_tensors(keys.conversions, tensors, maker.skeleton)
+    converted = convert_tensors(conversions, tensors, maker.skeleton)
     for n in set(converted) & set(parts):
         converted[n] = local_slice(converted[n], parts[n])
     fresh.update(converted)
@@ -251,6 +273,7 @@ def _load_stages(
         stage.eval()
         if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
             apply_tensor_parallel(stage, options.tp_plan, dims.tp_mesh)
+        apply_expert_parallel(stage, options.ep_plan, dims.tp_mesh, options.ep_implementation)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}

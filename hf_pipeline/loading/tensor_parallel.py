@@ -48,7 +48,7 @@ from ..errors import InputError, InternalError
 from ..planning.mesh_rules import parse_style
 from .weights import chunk_bounds
 
-__all__ = ["apply_tensor_parallel", "check_plan", "local_slice", "plan_for_stage", "shard_parts"]
+__all__ = ["apply_tensor_parallel", "check_plan", "local_slice", "match_plan", "plan_for_stage", "shard_parts"]
 
 
 def _pattern(text: str) -> re.Pattern:
@@ -56,16 +56,21 @@ def _pattern(text: str) -> re.Pattern:
     return re.compile(r"(?:^|.*\.)" + re.escape(text).replace(r"\*", r"\d+") + "$")
 
 
-def plan_for_stage(stage: nn.Module, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
-    """Module name in ``stage`` -> style, for every module a pattern of ``plan`` names."""
+def match_plan(names, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """Name -> style of the first pattern of ``plan`` matching it, for every name of ``names`` one matches."""
     compiled = [(_pattern(k), style) for k, style in plan]
     out: dict[str, str] = {}
-    for name, _ in stage.named_modules():
+    for name in names:
         for pattern, style in compiled:
             if name and pattern.match(name):
                 out[name] = style
                 break
     return out
+
+
+def plan_for_stage(stage: nn.Module, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """Module name in ``stage`` -> style, for every module a pattern of ``plan`` names."""
+    return match_plan((name for name, _ in stage.named_modules()), plan)
 
 
 def check_plan(model: nn.Module, plan: tuple[tuple[str, str], ...]) -> None:

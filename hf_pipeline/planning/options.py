@@ -27,6 +27,7 @@ from ..checked_files import is_regular_file, read_json
 from ..compat import auto_model_mapping
 from ..errors import CheckpointNotFoundError, InputError
 from ..families.recipe import list_recipes
+from .ep_plan import ep_plan, without_experts
 from .mesh_rules import check_fsdp_schedule
 from .schedules import ScheduleSpec, check_layout, choose_schedule, default_schedule, get_schedule
 from .tp_plan import ParallelRequest, tp_plan
@@ -292,6 +293,20 @@ def _stage_counts(
     return virtual_stages, num_stages, pp_size
 
 
+def _stage_plans(config, parallel: ParallelRequest, *, traced: bool, schedule: str, model_class: type):
+    """``(tp_plan, ep_plan)`` of each stage: the expert rules take precedence over the tensor-parallel ones."""
+    shards = tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=schedule,
+                     model_class=model_class.__name__)
+    experts = ep_plan(config, parallel.ep_size, override=parallel.ep_plan, traced=traced,
+                      implementation=parallel.ep_implementation, model_class=model_class.__name__)
+    if experts and parallel.fsdp_size > 1:
+        raise InputError(
+            f"{model_class.__name__}: ep_size={parallel.ep_size} with fsdp_size={parallel.fsdp_size} is not supported "
+            "yet (FSDP over expert-parallel stages); load with ep_size alone, or with tp_size and ep_size"
+        )
+    return without_experts(shards, experts), experts
+
+
 def _refuse_with_fsdp(spec: ScheduleSpec, fsdp: int, traced: bool) -> None:
     """What FSDP stages cannot run: traced stages (no blocks to make units of) and the schedules of
     :data:`~hf_pipeline.planning.mesh_rules.FSDP_REFUSED_SCHEDULES`."""
@@ -317,6 +332,9 @@ class PipelineOptions:
         tp_size: tensor-parallel ranks per stage (1: none).
         fsdp_size: data-parallel ranks sharding each stage's parameters with FSDP2 (1: none).
         tp_plan: ``(module pattern, style)`` pairs sharding each stage (empty without tensor parallelism).
+        ep_size: of the ``tp_size`` ranks of a stage, those splitting its experts (1: none; else ``tp_size``).
+        ep_plan: ``(pattern, style)`` pairs splitting each stage's experts (empty without expert parallelism).
+        ep_implementation: how tokens reach the experts (``planning/ep_plan.py``).
         n_microbatches: microbatches per pipelined call.
         dtype: the weights' dtype.
         split: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
@@ -339,13 +357,19 @@ class PipelineOptions:
     tp_size: int = 1
     tp_plan: tuple[tuple[str, str], ...] = ()
     fsdp_size: int = 1
+    ep_size: int = 1
+    ep_plan: tuple[tuple[str, str], ...] = ()
+    ep_implementation: str = "auto"
 
     def __post_init__(self) -> None:
         # Here, not in resolve, so options made with dataclasses.replace (auto_choice.with_schedule) are
         # checked too. Only what the placement needs: forward and generate run with any microbatch
         # count, and a training schedule's microbatch rules are checked when training starts (train.py).
-        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size", "fsdp_size"):
+        for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size", "fsdp_size",
+                     "ep_size"):
             _positive(name, getattr(self, name))
+        if self.ep_size > 1 and self.ep_size != self.tp_size:
+            raise InputError(f"ep_size={self.ep_size} must equal the ranks of a stage, tp_size={self.tp_size}")
         if self.num_stages != self.pp_size * self.virtual_stages:
             raise InputError(
                 f"num_stages={self.num_stages} must be pp_size x virtual_stages = "
@@ -407,7 +431,7 @@ class PipelineOptions:
         )
         _positive_if_given(virtual_stages=virtual_stages, num_stages=num_stages)
         spec = get_schedule(default_schedule(virtual_stages) if schedule is None else schedule)
-        parallel = parallel or ParallelRequest()
+        parallel = (parallel or ParallelRequest()).stage_ranks
         counts = _stage_counts(spec, world_size, virtual_stages, num_stages, parallel, traced)
         virtual_stages, num_stages, pp_size = counts
         if n_microbatches is None:
@@ -416,21 +440,12 @@ class PipelineOptions:
         if schedule is None:  # nothing asked for: a default that trains these microbatches, never a refusal
             _positive("n_microbatches", n_microbatches)
             spec, note = choose_schedule(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
-        shards = tp_plan(config, parallel.tp_size, override=parallel.plan, traced=traced, schedule=spec.name,
-                         model_class=model_class.__name__)
+        shards, experts = _stage_plans(config, parallel, traced=traced, schedule=spec.name, model_class=model_class)
         return cls(  # checks the placement and n_microbatches (__post_init__)
-            model_class=model_class,
-            schedule=spec,
-            virtual_stages=virtual_stages,
-            num_stages=num_stages,
+            model_class=model_class, schedule=spec, virtual_stages=virtual_stages, num_stages=num_stages,
             pp_size=pp_size,
             dp_size=(world_size or pp_size * parallel.tp_size * parallel.fsdp_size) // (pp_size * parallel.tp_size),
-            n_microbatches=n_microbatches,
-            dtype=parse_dtype(dtype, config),
-            split=split_starts(split),
-            traced=traced,
-            schedule_note=note,
-            tp_size=parallel.tp_size,
-            tp_plan=shards,
-            fsdp_size=parallel.fsdp_size,
+            n_microbatches=n_microbatches, dtype=parse_dtype(dtype, config), split=split_starts(split),
+            traced=traced, schedule_note=note, tp_size=parallel.tp_size, tp_plan=shards, fsdp_size=parallel.fsdp_size,
+            ep_size=parallel.ep_size, ep_plan=experts, ep_implementation=parallel.ep_implementation,
         )

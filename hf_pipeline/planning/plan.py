@@ -87,6 +87,7 @@ class StagePlan:
     tp_size: int = 1
     tp_plan: tuple[tuple[str, str], ...] = ()
     fsdp_size: int = 1  # of the dp_size data-parallel ranks, those sharding each stage's parameters (FSDP2)
+    ep_plan: tuple[tuple[str, str], ...] = ()  # the expert rules: each of the tp_size ranks keeps 1/tp_size of them
     _by_rank: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +130,7 @@ class StagePlan:
             "total_params": self.total_params,
             "total_bytes": self.total_bytes,
             "mesh": {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size}, "tp_plan": dict(self.tp_plan),
+            "ep_plan": dict(self.ep_plan),
             "stages": [
                 {
                     "index": s.index,
@@ -174,8 +176,8 @@ class StagePlan:
         elif self.dp_size > 1 or self.tp_size > 1:  # global rank = (dp x pp + pp rank) x tp + tp rank
             lines.append(f"mesh: dp={self.dp_size} x pp={self.pp_size} x tp={self.tp_size}, tp innermost; "
                          + (f"each stage rank holds 1/{self.tp_size} of " + ", ".join(
-                             f"{k} ({v})" for k, v in self.tp_plan) + ", the rest whole" if self.tp_plan else
-                            "every rank holds its stages whole"))
+                             f"{k} ({v})" for k, v in self.tp_plan + self.ep_plan) + ", the rest whole"
+                            if self.tp_plan or self.ep_plan else "every rank holds its stages whole"))
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
         return "\n".join(lines)

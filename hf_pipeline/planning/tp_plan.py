@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -35,7 +36,6 @@ __all__ = ["ParallelRequest", "parallel_request", "tp_plan"]
 _UNSUPPORTED = {
     "fsdp_plan": "a custom FSDP plan (each block is one FSDP unit here)", "fsdp_cpu_offload": "FSDP CPU offload",
     "fsdp_mixed_precision": "FSDP mixed precision", "enable_sequence_parallel": "sequence parallelism",
-    "enable_expert_parallel": "expert parallelism", "ep_size": "expert parallelism", "ep_plan": "expert parallelism",
 }
 _MESH_DIMS = ("dp", "fsdp", "pp", "tp")
 
@@ -51,6 +51,11 @@ class ParallelRequest:
         dp_size: pipeline replicas the caller named (``dp_replicate_size``, a mesh's ``"dp"``), else None.
         plan: ``(module pattern, style)`` pairs replacing the config's plan, or None.
         fsdp_size: data-parallel ranks sharding each stage's parameters with FSDP2 (1: none).
+        ep_size: expert-parallel ranks per stage (1: none). They are the stage's ranks that share its batch,
+            the tensor-parallel ranks: ``ep_size`` equals ``tp_size``, or is given alone, and then the stage's
+            ``ep_size`` ranks shard only the experts (transformers' ``ep_size=tp_size, tp_plan={}``).
+        ep_plan: ``(module or parameter pattern, style)`` pairs overriding the config's ``base_model_ep_plan``.
+        ep_implementation: how tokens reach the experts (transformers' ``DistributedConfig.ep_implementation``).
     """
 
     tp_size: int = 1
@@ -58,12 +63,29 @@ class ParallelRequest:
     dp_size: int | None = None
     plan: tuple[tuple[str, str], ...] | None = None
     fsdp_size: int = 1
+    ep_size: int = 1
+    ep_plan: tuple[tuple[str, str], ...] | None = None
+    ep_implementation: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "dp_size", "fsdp_size"):
+        for name in ("tp_size", "pp_size", "dp_size", "fsdp_size", "ep_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
+        if self.ep_size > 1 and self.tp_size not in (1, self.ep_size):
+            raise InputError(
+                f"ep_size={self.ep_size} with tp_size={self.tp_size}: a stage's experts are split over the ranks that "
+                f"share its batch, its tensor-parallel ranks, so ep_size must equal tp_size (or be given alone); "
+                f"experts across data-parallel ranks (ep_size > tp_size) are not supported yet"
+            )
+
+    @property
+    def stage_ranks(self) -> ParallelRequest:
+        """This request with ``tp_size`` counting every rank of a stage: an ``ep_size`` given alone makes
+        ``ep_size`` ranks per stage with no tensor-parallel rule (transformers' ``tp_plan={}``)."""
+        if self.ep_size > 1 and self.tp_size == 1:
+            return dataclasses.replace(self, tp_size=self.ep_size, plan=())
+        return self
 
 
 def _from_distributed_config(dc: Any) -> ParallelRequest:
@@ -80,12 +102,15 @@ def _from_distributed_config(dc: Any) -> ParallelRequest:
     plan = dc.tp_plan
     if plan is not None and plan != "auto" and not isinstance(plan, dict):
         raise InputError(f"distributed_config.tp_plan must be 'auto', None or a dict of module -> style, got {plan!r}")
+    ep_plan = getattr(dc, "ep_plan", None)
     # Its __post_init__ turns unset sizes into 1: a 1 says nothing here, so the pipeline depth comes from
     # num_stages (default world / tp_size) and the replicas from what the world leaves, as with tp_size=.
     return ParallelRequest(
         tp_size=dc.tp_size or 1, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
         dp_size=dc.dp_replicate_size if (dc.dp_replicate_size or 1) > 1 else None,
         plan=tuple(plan.items()) if isinstance(plan, dict) else None, fsdp_size=dc.fsdp_size or 1,
+        ep_size=getattr(dc, "ep_size", None) or 1, ep_plan=tuple(ep_plan.items()) if ep_plan else None,
+        ep_implementation=getattr(dc, "ep_implementation", "auto"),
     )
 
 
@@ -113,21 +138,23 @@ def _from_mesh(mesh: Any, world_size: int) -> ParallelRequest:
 
 def parallel_request(
     *, tp_size: int | None, distributed_config: Any, device_mesh: Any, world_size: int | None,
-    fsdp_size: int | None = None,
+    fsdp_size: int | None = None, ep_size: int | None = None,
 ) -> ParallelRequest:
-    """One :class:`ParallelRequest` from ``from_pretrained``'s ``tp_size`` / ``fsdp_size`` (together or
-    alone), ``distributed_config`` and ``device_mesh``.
+    """One :class:`ParallelRequest` from ``from_pretrained``'s ``tp_size`` / ``fsdp_size`` / ``ep_size``
+    (together or alone), ``distributed_config`` and ``device_mesh``.
 
     Raises:
         InputError: more than one of them given, a field this version does not support, a mesh of
             other dims or layout, naming the argument.
     """
-    sizes = " / ".join(n for n, v in (("tp_size", tp_size), ("fsdp_size", fsdp_size)) if v is not None)
+    sizes = " / ".join(
+        n for n, v in (("tp_size", tp_size), ("fsdp_size", fsdp_size), ("ep_size", ep_size)) if v is not None
+    )
     given = [n for n, v in ((sizes, sizes or None), ("distributed_config", distributed_config),
                             ("device_mesh", device_mesh)) if v is not None]
     if len(given) > 1:
         raise InputError(
-            f"pass one of tp_size / fsdp_size, distributed_config and device_mesh, not {' and '.join(given)}"
+            f"pass one of tp_size / fsdp_size / ep_size, distributed_config and device_mesh, not {' and '.join(given)}"
         )
     if distributed_config is not None:
         from transformers.distributed import DistributedConfig
@@ -140,7 +167,10 @@ def parallel_request(
         return _from_distributed_config(distributed_config)
     if device_mesh is not None:
         return _from_mesh(device_mesh, world_size or 1)
-    return ParallelRequest(tp_size=1 if tp_size is None else tp_size, fsdp_size=1 if fsdp_size is None else fsdp_size)
+    return ParallelRequest(
+        tp_size=1 if tp_size is None else tp_size, fsdp_size=1 if fsdp_size is None else fsdp_size,
+        ep_size=1 if ep_size is None else ep_size,
+    )
 
 
 def _check_divides(config, tp_size: int, extra: tuple[str, ...] = ()) -> None:
@@ -182,14 +212,14 @@ def tp_plan(
             run tensor-parallel stages, or ``tp_size`` not dividing the heads / kv heads / MLP width
             (naming the config field).
     """
-    if tp_size == 1:
+    if tp_size == 1 or (override is not None and not override):  # tp_plan={}: no rule (transformers' meaning)
         return ()
     from ..families.recipe import list_recipes
     from .mesh_rules import REFUSED_STYLES, STYLES, check_tp_schedule, parse_style
 
     family = getattr(config, "model_type", type(config).__name__)
     recipe = list_recipes().get(family)
-    plan = dict(override) if override else None
+    plan = dict(override) if override is not None else None
     if plan is None:
         base = getattr(config, "base_model_tp_plan", None) or (dict(recipe.tp_plan) if recipe is not None else None)
         if traced or not base:
