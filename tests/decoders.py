@@ -117,14 +117,17 @@ TENSOR_PARALLEL = (
     "gpt_neox", "gptj", "codegen", "gpt_oss", "hunyuan_v1_dense",  # embedding_rowwise
     "mixtral", "qwen2_moe", "qwen3_moe",  # attention sharded, every expert on every tp rank
 )
+# tests/families/test_decoders.py: ep_size=2 inside the stages (pp2 x ep2, transformers' base_model_ep_plan) equals
+# transformers on one process; tests/loading/test_expert_parallel.py: pp1 x ep2 and pp2 x tp2 x ep2 too
+EXPERT_PARALLEL = ("deepseek_v3", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
 # The hand-written recipes' families (model_recipes/{llama,gpt2,bert,t5}.toml): the columns their own test
 # files compare (tests/training, tests/generation/test_generate.py and test_beam.py, test_sliding_window.py,
 # tests/continuous_batching/test_ring_stream.py and test_ring_sliding_window.py, tests/integrations/test_lora.py
 # and test_trainer.py,
 # tests/loading/test_tensor_parallel*.py).
-COLUMNS = ("forward, training", "generate", "beam", "serve", "LoRA", "Trainer", "tp")
+COLUMNS = ("forward, training", "generate", "beam", "serve", "LoRA", "Trainer", "tp", "ep")
 HAND_WRITTEN = {
-    "llama": set(COLUMNS),
+    "llama": set(COLUMNS) - {"ep"},  # dense: nothing to split by experts
     "mistral": {"forward, training", "generate", "serve", "tp"},
     "qwen2": {"forward, training", "generate", "beam", "serve", "tp"},
     "gpt2": {"forward, training", "generate", "beam", "serve", "LoRA", "tp"},
@@ -149,7 +152,7 @@ def support_table() -> str:
     for model_type in sorted(DECODERS):
         # LoRA: LORA's families at 2 ranks, every other one with both stages in one process (test_lora_decoders.py)
         tested = {"forward, training", "generate", "beam", "LoRA"}
-        extra = {"serve": STREAMED, "Trainer": TRAINER, "tp": TENSOR_PARALLEL}
+        extra = {"serve": STREAMED, "Trainer": TRAINER, "tp": TENSOR_PARALLEL, "ep": EXPERT_PARALLEL}
         tested |= {column for column, families in extra.items() if model_type in families}
         lines.append(_row(model_type, tested))
     return "\n".join(lines)

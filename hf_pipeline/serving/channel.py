@@ -63,10 +63,16 @@ class TokenChannel:
         ctx: the rank context.
         round_id: the round (keys in the store are per round).
         deliver: rank 0's callback, ``deliver(step, list_of_B_token_ids)``.
+        writes: whether this rank forwards what it is given (False on all but one of the ranks sharing the
+            last stage).
     """
 
-    def __init__(self, ctx, round_id: int, deliver: Callable[[int, list[int]], None]):
+    def __init__(self, ctx, round_id: int, deliver: Callable[[int, list[int]], None], *, writes: bool = True):
         self.ctx, self.round_id, self.deliver = ctx, round_id, deliver
+        # The last stage's tensor- / expert-parallel ranks all hold the tokens: one of them writes each key (a
+        # second write after rank 0 read and deleted it would be read as the next round's step, in this
+        # engine or the next one made on the model).
+        self.writes = writes or ctx.rank == 0
         self.step = 0
         self.remote = ctx.world_size > 1
         self._store = default_store() if self.remote else None
@@ -81,6 +87,8 @@ class TokenChannel:
         if value.dim() != 1:
             return  # the prompt, put first
         tokens = [int(t) for t in value.tolist()]
+        if not self.writes:
+            return
         if self.ctx.rank == 0:
             self.deliver(self.step, tokens)
         else:
@@ -88,7 +96,7 @@ class TokenChannel:
         self.step += 1
 
     def end(self) -> None:
-        if self.ctx.rank != 0:
+        if self.ctx.rank != 0 and self.writes:
             self._store.set(self._key(self.step), "null")  # the round is over: rank 0's reader stops at once
 
     # -------------------------------------------------------------- rank 0

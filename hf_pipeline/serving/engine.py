@@ -376,7 +376,8 @@ class Engine:
 
         # Replicas (dp > 1) each choose their own rows' tokens: no per-step stream, the final ids only.
         streams = plan.stream and self.model.dims.dp_size == 1
-        channel = TokenChannel(self.ctx, plan.round_id, deliver) if streams else None
+        writes = self.model.dims.tp_rank == 0  # one of a stage's tensor- / expert-parallel ranks
+        channel = TokenChannel(self.ctx, plan.round_id, deliver, writes=writes) if streams else None
         if channel is not None:
             channel.start_reader()
         try:
