@@ -45,10 +45,21 @@ def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
-def refuse_tensor_parallel(model: PipelineCore) -> None:
-    """Refuse an adapter on a model loaded with ``tp_size > 1`` (every rank raises it, with no communication)."""
+def refuse_tensor_parallel(model: PipelineCore, config: Any = None) -> None:
+    """Refuse an adapter on a model whose stages shard what it would adapt (every rank raises it, with no
+    communication): tensor-parallel modules (``tp_size > 1`` with a plan), or expert parameters split by
+    expert parallelism (peft's ``target_parameters``). Under ``ep_size`` alone the attention and every
+    module outside the experts are whole on each rank, and their adapters are too."""
+    options = getattr(model, "options", None)
+    ep = getattr(options, "ep_size", 1)
+    if ep > 1 and getattr(config, "target_parameters", None):
+        raise InputError(
+            f"a PEFT adapter on parameters ({sorted(config.target_parameters)}) of a model loaded with ep_size={ep} "
+            "is not supported: the experts' parameters are split over the expert-parallel ranks. Adapt modules "
+            "outside the experts (target_modules, e.g. the attention projections), or load without ep_size"
+        )
     tp = getattr(model.dims, "tp_size", 1)
-    if tp > 1:
+    if tp > 1 and (options is None or getattr(options, "tp_plan", ())):
         raise InputError(
             f"a PEFT adapter on a model loaded with tp_size={tp} (tensor parallelism) is not supported: its LoRA "
             "weights of tensor-parallel modules would be sharded across the tensor-parallel ranks, and the saved "

@@ -74,7 +74,7 @@ class AdapterHost(PeftAdapterMixin):
     def attach_adapter(self, tuner, original, adapter_name: str, **kwargs: Any) -> None:
         """peft's injection on this rank's stages (see :func:`~hf_pipeline.integrations.peft_inject.inject_on_stages`).
         Collective: the config is compared across ranks first, and a failure on any rank raises on every rank."""
-        refuse_tensor_parallel(self)
+        refuse_tensor_parallel(self, tuner.peft_config[adapter_name])
         agree_on_config(self, tuner.peft_config[adapter_name], adapter_name)
         with agreed(self, f"injecting adapter {adapter_name!r}"):
             targets = inject_on_stages(tuner, original, self, adapter_name, **kwargs)

@@ -1,0 +1,65 @@
+"""LoRA on mixture-of-experts models loaded with expert parallelism (``ep_size=2``, one stage on 2 ranks, each
+keeping half of every layer's experts), against peft on one process.
+
+The adapters go on the attention projections, whole on every expert-parallel rank: the same checks as
+tests/integrations/test_lora_decoders.py (fresh adapter bitwise, loss, every LoRA gradient, the adapter after
+an AdamW step, logits disabled / unmerged / merged / unmerged again, the saved adapter loaded by peft on one
+process), with its tolerances, on every rank. An adapter on the experts' own parameters (peft's
+``target_parameters``), which the ranks split, is refused on every rank at injection, naming the field.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_distributed
+from test_lora_decoders import _check_saved, _checkpoints, _close, _job, _references
+
+peft = pytest.importorskip("peft")
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+FAMILIES = ("mixtral", "qwen3_moe")
+LOAD = {"ep_size": 2, "n_microbatches": 2}
+
+
+def _refusal(path: str):
+    import hf_pipeline
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **LOAD)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    try:
+        peft.get_peft_model(model, config)
+    except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _both(paths, out, lora):
+    return {"cases": _job(paths, out, LOAD, lora, ()), "refused": _refusal(paths[lora[0]])}
+
+
+def test_lora_on_attention_under_expert_parallelism_equals_peft(tmp_path):
+    paths, out = _checkpoints(tmp_path, FAMILIES), tmp_path / "out"
+    refs = _references(paths, out, FAMILIES, ())
+    results = run_distributed(_both, 2, {k: str(v) for k, v in paths.items()}, str(out), FAMILIES, timeout=600)
+    for model_type in FAMILIES:
+        ref = refs[model_type]
+        moved = (ref["merged"] - ref["base"]).abs().max().item()
+        assert moved > 0.1, f"{model_type}: the adapter moves the logits by {moved:.3g} only: the checks are blind"
+        for rank, res in enumerate(results):
+            got, what = res["cases"][model_type], f"{model_type} ep2 rank {rank}"
+            assert set(got["init"]) == set(ref["init"]), f"{what}: adapter entries differ"  # one stage: all of them
+            _close(got["init"], ref["init"], what + " fresh adapter", tol=0)
+            assert (got["loss"] - ref["loss"]).abs().item() <= 1e-5, f"{what}: loss {got['loss']} {ref['loss']}"
+            assert set(got["grads"]) == set(got["init"]), f"{what}: adapter entries without a gradient"
+            _close(got["grads"], ref["grads"], what + " gradient")
+            _close(got["trained"], ref["trained"], what + " after an AdamW step")
+            for key in ("base", "unmerged", "merged", "unmerged_again"):
+                diff = (got[key] - ref[key]).abs().max().item()
+                assert diff <= 1e-5, f"{what}: {key} logits differ by {diff:.3g}"
+        _check_saved(out / f"adapter-{model_type}", out / f"ref-{model_type}", paths[model_type], ref["trained"],
+                     model_type)
+    for rank, res in enumerate(results):
+        msg = res["refused"]
+        assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
+        assert "['mlp.experts.gate_up_proj']" in msg and "ep_size=2" in msg, f"rank {rank}: {msg}"
