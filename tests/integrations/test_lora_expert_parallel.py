@@ -5,7 +5,8 @@ The adapters go on the attention projections, whole on every expert-parallel ran
 tests/integrations/test_lora_decoders.py (fresh adapter bitwise, loss, every LoRA gradient, the adapter after
 an AdamW step, logits disabled / unmerged / merged / unmerged again, the saved adapter loaded by peft on one
 process), with its tolerances, on every rank. An adapter on the experts' own parameters (peft's
-``target_parameters``), which the ranks split, is refused on every rank at injection, naming the field.
+``target_parameters``), which the ranks split, is refused on every rank at injection, naming the field, as is
+one on a model whose attention tensor parallelism shards (``tp_size=2``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ FAMILIES = ("mixtral", "qwen3_moe")
 LOAD = {"ep_size": 2, "n_microbatches": 2}
 
 
-def _refusal(path: str):
+def _refusal(path: str, load: dict, **targets):
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **LOAD)
-    config = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **load)
+    config = peft.LoraConfig(r=4, **targets)
     try:
         peft.get_peft_model(model, config)
     except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
@@ -35,7 +36,9 @@ def _refusal(path: str):
 
 
 def _both(paths, out, lora):
-    return {"cases": _job(paths, out, LOAD, lora, ()), "refused": _refusal(paths[lora[0]])}
+    experts = _refusal(paths[lora[0]], LOAD, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    sharded = _refusal(paths[lora[0]], {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"])
+    return {"cases": _job(paths, out, LOAD, lora, ()), "refused": (experts, sharded)}
 
 
 def test_lora_on_attention_under_expert_parallelism_equals_peft(tmp_path):
@@ -59,7 +62,8 @@ def test_lora_on_attention_under_expert_parallelism_equals_peft(tmp_path):
                 assert diff <= 1e-5, f"{what}: {key} logits differ by {diff:.3g}"
         _check_saved(out / f"adapter-{model_type}", out / f"ref-{model_type}", paths[model_type], ref["trained"],
                      model_type)
+    wants = (("['mlp.experts.gate_up_proj']", "ep_size=2"), ("tp_size=2 (tensor parallelism)",))
     for rank, res in enumerate(results):
-        msg = res["refused"]
-        assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
-        assert "['mlp.experts.gate_up_proj']" in msg and "ep_size=2" in msg, f"rank {rank}: {msg}"
+        for msg, want in zip(res["refused"], wants, strict=True):
+            assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
+            assert all(w in msg for w in want), f"rank {rank}: {msg}"
