@@ -44,6 +44,7 @@ from torch import nn
 from ..compat import unflatten_mesh, whole_placement
 from ..errors import InputError, InternalError
 from ..planning.mesh_rules import parse_style
+from .expert_parallel import apply_expert_parallel
 from .tensor_parallel import apply_tensor_parallel
 from .weights import chunk_bounds
 
@@ -193,7 +194,8 @@ def shard_stages(
         mesh: the fsdp mesh (1-D: FSDP; 2-D (replicate, shard): HSDP).
         device: where the shards go.
         tied: the tied name groups (one Parameter per group within a stage).
-        tp: ``(plan, tp_mesh, tp_parts)`` to make the stages tensor-parallel first (FSDP over tp).
+        tp: ``(plan, tp_mesh, tp_parts, ep_plan, ep_implementation)`` to make the stages tensor- and
+            expert-parallel first (FSDP over their slices; ``tp_parts`` holds both kinds of part).
 
     Returns:
         stage parameter name -> its local shard, uninitialised: the part of :func:`fsdp_parts`,
@@ -211,6 +213,7 @@ def shard_stages(
         _meta_parameters(stage, dtypes, tied, tp[2] if tp else None)
         if tp:  # the meta tp slices become tp DTensors, which fully_shard then chunks (no data moves)
             apply_tensor_parallel(stage, tp[0], tp[1])
+            apply_expert_parallel(stage, tp[3], tp[1], tp[4])  # this rank's experts, likewise
         placement = _whole_placement(stage, tp[2], whole_mesh) if tp else None
         for unit in _units(stage):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement)

@@ -230,11 +230,15 @@ def _load_stages(
     fresh = {n: t for n, t in fresh.items() if n in local_names}  # drawn whole, as transformers draws them
     # A tensor-parallel or FSDP rank reads only its slices; an FSDP rank reads them into its shards.
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
-    conversions = _own_experts(expert_parts(stages, options.ep_plan, dims.tp_mesh), keys.conversions, parts, wanted)
+    experts = expert_parts(stages, options.ep_plan, dims.tp_mesh)
     shards: dict[str, torch.Tensor] = {}
     on_meta = dims.fsdp_size > 1
-    if on_meta:  # with tensor parallelism: each tp slice's fsdp chunk, read into the 2-D shard
-        tp = (options.tp_plan, dims.tp_mesh, parts) if options.tp_plan else None
+    # FSDP chunks the merged experts of this rank as read whole, so they are merged whole and sliced there.
+    conversions = _own_experts(experts, keys.conversions, parts, wanted) if not on_meta else keys.conversions
+    if on_meta:  # with tensor / expert parallelism: each tp slice's fsdp chunk, read into the 2-D shard
+        parts.update(experts)
+        split = options.tp_plan or options.ep_plan
+        tp = (options.tp_plan, dims.tp_mesh, parts, options.ep_plan, options.ep_implementation) if split else None
         parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
         dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})

@@ -11,7 +11,7 @@ inference and the first in training). Experts spread over data-parallel ranks (`
 are refused: every replica would have to run the same microbatches in lock step at every MoE layer.
 
 Example:
-    >>> ep_plan(mixtral_config, 2, model_class="MixtralForCausalLM")
+    >>> ep_plan(mixtral_config, 2, model_class="MixtralForCausalLM")   # with fsdp_size too: FSDP over its slices
     (('layers.*.mlp.experts', 'ep_dispatch_experts'), ('layers.*.mlp.experts.down_proj', 'grouped_gemm'), ...)
 """
 

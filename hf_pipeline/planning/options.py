@@ -299,11 +299,6 @@ def _stage_plans(config, parallel: ParallelRequest, *, traced: bool, schedule: s
                      model_class=model_class.__name__)
     experts = ep_plan(config, parallel.ep_size, override=parallel.ep_plan, traced=traced,
                       implementation=parallel.ep_implementation, model_class=model_class.__name__)
-    if experts and parallel.fsdp_size > 1:
-        raise InputError(
-            f"{model_class.__name__}: ep_size={parallel.ep_size} with fsdp_size={parallel.fsdp_size} is not supported "
-            "yet (FSDP over expert-parallel stages); load with ep_size alone, or with tp_size and ep_size"
-        )
     return without_experts(shards, experts), experts
 
 

@@ -1,5 +1,5 @@
 """Expert parallelism inside each stage equals single-process transformers, for every mixture-of-experts
-family the generic decoder recipe claims, on the meshes pp x ep and pp x tp x ep.
+family the generic decoder recipe claims, on the meshes pp x ep, pp x tp x ep and pp x fsdp x ep.
 
 Each stage's ranks keep half of every MoE layer's experts (``Shard(0)`` of the stacked tensors), and the
 experts get their tokens through transformers' own dispatch: all-reduce over the shared batch at inference,
@@ -109,7 +109,8 @@ def _reference(path, beam=False):
     return ref
 
 
-def _check(name, per_rank, i, ref, saved, mesh, halves):
+def _check(name, per_rank, i, ref, saved, mesh, halves, share=2):
+    """``share``: the ranks one tensor's experts are split over (ep, or ep x fsdp)."""
     import transformers
 
     for rank, res in enumerate(per_rank):
@@ -117,7 +118,7 @@ def _check(name, per_rank, i, ref, saved, mesh, halves):
         assert case["mesh"] == mesh, f"{name} rank {rank}: mesh {case['mesh']}"
         assert case["experts"], f"{name} rank {rank}: no expert tensor is split"
         for key, (local, whole) in case["experts"].items():
-            assert local[0] * 2 == whole[0] and local[1:] == whole[1:], f"{name} rank {rank}: {key} {local} of {whole}"
+            assert local[0] * share == whole[0] and local[1:] == whole[1:], f"{name} rank {rank}: {key} {local} {whole}"
         compare(f"{name} rank {rank}", case, ref)
         if "beam" in ref:
             assert torch.equal(case["beam"], ref["beam"]), f"{name} rank {rank}: beams {case['beam']} {ref['beam']}"
@@ -155,8 +156,7 @@ def test_pp1_ep2_every_moe_family_equals_transformers_reads_its_experts_and_save
 def test_pp2_ep2_and_pp2_tp2_ep2_equal_transformers_at_4_ranks(tmp_path):
     from transformers.distributed import DistributedConfig
 
-    mixtral, qwen3_moe = _checkpoint(tmp_path, "mixtral"), _checkpoint(tmp_path, "deepseek_v3")
-    qwen3_moe = _checkpoint(tmp_path, "qwen3_moe")
+    mixtral, qwen3_moe = _checkpoint(tmp_path, "mixtral"), _checkpoint(tmp_path, "qwen3_moe")
     cases = [
         (mixtral, {"ep_size": 2, "n_microbatches": 2, "schedule": "GPipe"}, None, True),
         (qwen3_moe, {"distributed_config": DistributedConfig(pp_size=2, tp_size=2, ep_size=2), "n_microbatches": 4},
@@ -165,3 +165,12 @@ def test_pp2_ep2_and_pp2_tp2_ep2_equal_transformers_at_4_ranks(tmp_path):
     per_rank = run_distributed(_job, 4, cases, [], timeout=900)
     _check("mixtral pp2 x ep2", per_rank, 0, _reference(mixtral, beam=True), None, (2, 2), None)
     _check("qwen3_moe pp2 x tp2 x ep2", per_rank, 1, _reference(qwen3_moe), None, (2, 2), None)
+
+
+def test_pp2_fsdp2_ep2_at_8_ranks_equals_transformers(tmp_path):
+    """FSDP over expert-parallel stages: each of a stage's 2 expert-parallel ranks keeps 2 of 4 experts, and FSDP
+    shards them (and everything else) over the 2 data-parallel ranks: 1 expert per rank."""
+    qwen3_moe = _checkpoint(tmp_path, "qwen3_moe")
+    cases = [(qwen3_moe, {"ep_size": 2, "fsdp_size": 2, "n_microbatches": 2}, None, False)]
+    per_rank = run_distributed(_job, 8, cases, [], timeout=900)
+    _check("qwen3_moe pp2 x fsdp2 x ep2", per_rank, 0, _reference(qwen3_moe), None, (2, 2), None, share=4)
