@@ -9,6 +9,7 @@ import time
 
 from benchmarks.config import Sizes
 from devtools.llama import llama_config
+from hf_pipeline.loading.key_conversions import saved_shapes
 
 __all__ = ["cache_dir", "checkpoints", "write_random_checkpoint"]
 
@@ -57,7 +58,8 @@ def write_random_checkpoint(directory: pathlib.Path, config, *, shard_bytes: int
     dtype = getattr(torch, str(config.dtype).removeprefix("torch."))
     with torch.device("meta"):  # names and shapes only: no memory, no initialisation
         meta = transformers.AutoModelForCausalLM.from_config(config)
-    entries = [(name, tuple(t.shape)) for name, t in meta.state_dict().items()]
+    # The keys and shapes transformers' save_pretrained writes (a mixture of experts: one tensor per expert).
+    entries = list(saved_shapes(meta, list(meta.state_dict()), None).items())
     shards = _shards(entries, torch.empty((), dtype=dtype).element_size(), shard_bytes)
     gen = torch.Generator().manual_seed(seed)
     weight_map, total = {}, 0
@@ -115,4 +117,20 @@ def checkpoints(args, sizes: Sizes) -> dict[str, str]:
     )
     train_tag = f"train-h{sizes.hidden}-l{sizes.layers}-kv{sizes.kv_heads}-v{sizes.vocab}-p{max_pos}"
     train = write_random_checkpoint(root / train_tag, train_cfg, shard_bytes=16_000_000)
-    return {"load": str(load), "warmup": str(warmup), "train": str(train), "load_seconds": f"{created:.1f}"}
+    moe_warmup = write_random_checkpoint(root / "moe-warmup", _moe_config(quick, max_pos), shard_bytes=1_000_000)
+    moe_tag = f"moe-h{sizes.hidden}-l{sizes.layers}-e{sizes.moe_experts}-i{sizes.moe_intermediate}-p{max_pos}"
+    moe = write_random_checkpoint(root / moe_tag, _moe_config(sizes, max_pos), shard_bytes=16_000_000)
+    return {"load": str(load), "warmup": str(warmup), "train": str(train), "moe": str(moe),
+            "moe_warmup": str(moe_warmup), "load_seconds": f"{created:.1f}"}
+
+
+def _moe_config(sizes: Sizes, max_pos: int):
+    """A Mixtral of the train model's shape with ``moe_experts`` experts of ``moe_intermediate`` (top 2), fp32."""
+    import transformers
+
+    return transformers.MixtralConfig(
+        hidden_size=sizes.hidden, intermediate_size=sizes.moe_intermediate, num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads, vocab_size=sizes.vocab,
+        num_local_experts=sizes.moe_experts, num_experts_per_tok=2, max_position_embeddings=max_pos,
+        dtype="float32", tie_word_embeddings=False,
+    )

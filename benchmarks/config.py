@@ -46,6 +46,9 @@ class Sizes:
     new_tokens: int = 64
     gen_reps: int = 3
     world: int = 2
+    # mesh: the mixture of experts (the train model's shape, experts in place of its MLP)
+    moe_experts: int = 8
+    moe_intermediate: int = 512
     # checkpointing: a long sequence, activations dominate
     ckpt_seq: int = 1024
     ckpt_batch: int = 4
@@ -64,6 +67,7 @@ class Sizes:
             load_hidden=64, load_intermediate=128, load_layers=4, load_heads=4, load_kv_heads=2, load_vocab=512,
             load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
             vocab=256, seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, prefill_chunk=2,
-            new_tokens=8, gen_reps=1, ckpt_seq=64, ckpt_batch=4, ckpt_microbatches=2, ckpt_reps=1,
+            new_tokens=8, gen_reps=1, moe_experts=4, moe_intermediate=64, ckpt_seq=64, ckpt_batch=4,
+            ckpt_microbatches=2, ckpt_reps=1,
             serve_requests=6, serve_rate=50.0, serve_prompt_len=(2, 8), serve_new_tokens=(2, 6), serve_batch=4,
         )

@@ -1,4 +1,5 @@
-"""Mesh section: per-rank load memory, bytes read and one training step, for several meshes of 4 ranks.
+"""Mesh section: per-rank load memory, bytes read and one training step, for several meshes of 4 ranks, of a
+dense model and of a mixture of experts (with expert parallelism; its rows also time ``generate``).
 
 For each mesh of :data:`MESHES` (``from_pretrained`` keyword arguments, data: a mesh the package
 refuses is recorded as ``refused: <message>``, so a row starts to measure once its feature exists),
@@ -29,11 +30,19 @@ from devtools.host_memory import trim_host_heap
 __all__ = ["MESHES", "TASKS", "launches", "markdown", "summarize"]
 
 WORLD = 4
-# (name, from_pretrained keyword arguments) on WORLD ranks.
+# (name, from_pretrained keyword arguments) on WORLD ranks: the LLaMA checkpoints...
 MESHES: list[tuple[str, dict[str, Any]]] = [
     ("pp4", {"num_stages": 4}),
     ("pp2 x tp2", {"num_stages": 2, "tp_size": 2}),
     ("pp2 x fsdp2", {"num_stages": 2, "fsdp_size": 2}),
+]
+# ... and a mixture of experts (Mixtral-shaped, saved as transformers saves it: experts one tensor each), whose
+# rows also time greedy generate.
+MOE_MESHES: list[tuple[str, dict[str, Any]]] = [
+    ("moe pp4", {"num_stages": 4}),
+    ("moe pp2 x ep2", {"num_stages": 2, "ep_size": 2}),
+    ("moe pp2 x tp2 x ep2", {"num_stages": 2, "tp_size": 2, "ep_size": 2}),
+    ("moe pp1 x fsdp2 x ep2", {"num_stages": 1, "fsdp_size": 2, "ep_size": 2}),
 ]
 STEPS = 2  # timed steps after one warm-up
 
@@ -93,10 +102,28 @@ def mesh_rank(task: dict, out: dict) -> None:
         if step:
             seconds.append(time.perf_counter() - t)
     out.update(step_seconds=seconds, train_kept_bytes=_kept(model)[1])
+    if task.get("generate"):
+        out["generate_tokens_per_s"] = _generate_rate(model, task["sizes"])
     del model, opt
     gc.collect()
     trim_host_heap()
     sync()
+
+
+def _generate_rate(model, sizes: dict) -> float:
+    """Greedy tokens per second of one ``generate`` call (the generate section's prompts), after a warm-up."""
+    import torch
+
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, sizes["vocab"], (sizes["prompts"], sizes["prompt_len"]), generator=g)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(ids, max_new_tokens=2, **kwargs)
+    sync()
+    t = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=sizes["new_tokens"], **kwargs)
+    sync()
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - t)
 
 
 TASKS = {"mesh_rank": mesh_rank}
@@ -107,18 +134,24 @@ def launches(sizes: Sizes, ckpts: dict[str, str]) -> dict[int, list[dict]]:
     from dataclasses import asdict
 
     sz = asdict(sizes)
-    return {WORLD: [
+    dense = [
         {"task": "mesh_rank", "label": f"mesh {name}", "mesh": name, "kwargs": kwargs, "path": ckpts["load"],
          "warmup": ckpts["warmup"], "train_path": ckpts["train"], "sizes": sz}
         for name, kwargs in MESHES
-    ]}
+    ]
+    experts = [
+        {"task": "mesh_rank", "label": f"mesh {name}", "mesh": name, "kwargs": kwargs, "path": ckpts["moe"],
+         "warmup": ckpts["moe_warmup"], "train_path": ckpts["moe"], "sizes": sz, "generate": True}
+        for name, kwargs in MOE_MESHES
+    ]
+    return {WORLD: dense + experts}
 
 
 # --------------------------------------------------------------------------------------------- results
 def summarize(sizes: Sizes, find) -> dict[str, Any]:
     """results.json's ``mesh``: per mesh, per rank figures and the worst ratios, or why it did not run."""
     meshes = []
-    for name, kwargs in MESHES:
+    for name, kwargs in MESHES + MOE_MESHES:
         ranks = find(WORLD, f"mesh {name}")
         row: dict[str, Any] = {"mesh": name, "kwargs": kwargs}
         failed = [r.get("error", "") for r in ranks if not r.get("ok")]
@@ -132,6 +165,8 @@ def summarize(sizes: Sizes, find) -> dict[str, Any]:
         row["peak_over_kept"] = max(r["peak_rss"] / r["kept_bytes"] for r in ranks)
         row["read_over_kept"] = max(r["bytes_read"] / r["kept_bytes"] for r in ranks)
         row["step_seconds"] = statistics.median(s for r in ranks for s in r["step_seconds"])
+        if all("generate_tokens_per_s" in r for r in ranks):  # every rank returns the call: the slowest is its rate
+            row["generate_tokens_per_s"] = min(r["generate_tokens_per_s"] for r in ranks)
         meshes.append(row)
     return {"world": WORLD, "steps": STEPS, "meshes": meshes}
 
@@ -142,22 +177,27 @@ def markdown(res: dict[str, Any]) -> list:
     if not mesh:
         return []
     t = Table(["mesh", "rank (dp, fsdp, pp, tp)", "kept", "bytes read", "read / kept", "peak RSS", "peak / kept",
-               "train step (s, median)"])
+               "train step (s, median)", "generate (tok/s)"])
     for row in mesh["meshes"]:
         if "ranks" not in row:
-            t.add(row["mesh"], None, None, None, None, None, None, f"{'refused' if 'refused' in row else 'error'}: "
-                  f"{(row.get('refused') or row.get('error', ''))[:160]}")
+            why = f"{'refused' if 'refused' in row else 'error'}: {(row.get('refused') or row.get('error', ''))[:160]}"
+            t.add(row["mesh"], *([None] * 7), why)
             continue
+        rate = row.get("generate_tokens_per_s")
         for r in row["ranks"]:
             kept = r["kept_bytes"]
             t.add(row["mesh"], str(tuple(r["place"])), gb(kept), gb(r["bytes_read"]), f"{r['bytes_read'] / kept:.2f}x",
-                  gb(r["peak_rss"]), f"{r['peak_rss'] / kept:.2f}x", f"{statistics.median(r['step_seconds']):.3f}")
+                  gb(r["peak_rss"]), f"{r['peak_rss'] / kept:.2f}x", f"{statistics.median(r['step_seconds']):.3f}",
+                  None if rate is None else f"{rate:.1f}")
     return [
         "## Meshes: per-rank load memory and a train step on 4 ranks", "",
         f"The load section's checkpoint loaded on {mesh['world']} ranks as each mesh (``from_pretrained`` "
         "keyword arguments in results.json): the parameters each rank keeps (tensor-parallel slices, fsdp "
         "shards), the bytes it read, and its peak RSS above the post-import baseline while loading. Then the "
         f"train section's model on the same mesh: ``train_step`` + AdamW, median of {mesh['steps']} steps after a "
-        "warm-up (informational: 4 ranks share the machine's cores). A mesh this version refuses says why.", "",
+        "warm-up (informational: 4 ranks share the machine's cores). The ``moe`` rows load a Mixtral-shaped "
+        "mixture of experts saved as transformers saves it (experts one tensor each) for both, and time greedy "
+        "``generate`` of the generate section's prompts (the slowest rank's tokens/s). A mesh this version "
+        "refuses says why.", "",
         t, "",
     ]

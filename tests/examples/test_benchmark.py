@@ -188,7 +188,9 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert header in md
     _check_serve(res["serve"], res["sizes"])
     meshes = {row["mesh"]: row for row in res["mesh"]["meshes"]}  # 4 ranks each; a refused mesh says why
-    assert set(meshes) == {"pp4", "pp2 x tp2", "pp2 x fsdp2"} and all("error" not in r for r in meshes.values()), meshes
+    moe = {"moe pp4", "moe pp2 x ep2", "moe pp2 x tp2 x ep2", "moe pp1 x fsdp2 x ep2"}
+    assert set(meshes) == {"pp4", "pp2 x tp2", "pp2 x fsdp2"} | moe, meshes
+    assert all("error" not in r and "refused" not in meshes[n] for n, r in meshes.items()), meshes
     for name in ("pp4", "pp2 x tp2"):
         ranks = meshes[name]["ranks"]
         assert len(ranks) == 4 and all(r["kept_bytes"] > 0 and min(r["step_seconds"]) > 0 for r in ranks), ranks
@@ -196,6 +198,12 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     whole = sum(r["kept_bytes"] for r in meshes["pp4"]["ranks"])
     assert max(r["kept_bytes"] for r in meshes["pp2 x tp2"]["ranks"]) < whole / 2, (meshes, whole)
     assert "ranks" in meshes["pp2 x fsdp2"] or meshes["pp2 x fsdp2"]["refused"], meshes["pp2 x fsdp2"]
+    # the mixture of experts: every mesh generates; an expert-parallel rank keeps and reads its experts only (a
+    # pp2 x ep2 rank less than the pp4 model's half, the bytes it reads what it keeps: 1.00x of the stage's share)
+    assert all(meshes[n]["generate_tokens_per_s"] > 0 for n in moe), meshes
+    whole = sum(r["kept_bytes"] for r in meshes["moe pp4"]["ranks"])
+    assert max(r["kept_bytes"] for r in meshes["moe pp2 x ep2"]["ranks"]) < whole / 2, (meshes, whole)
+    assert all(r["bytes_read"] == r["kept_bytes"] for r in meshes["moe pp2 x ep2"]["ranks"]), meshes["moe pp2 x ep2"]
     ck = res["checkpointing"]
     assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
     for row in ck["ranks"]:  # measured and predicted, both runs, every rank
