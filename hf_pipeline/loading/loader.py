@@ -233,8 +233,11 @@ def _load_stages(
     experts = expert_parts(stages, options.ep_plan, dims.tp_mesh)
     shards: dict[str, torch.Tensor] = {}
     on_meta = dims.fsdp_size > 1
-    # FSDP chunks the merged experts of this rank as read whole, so they are merged whole and sliced there.
-    conversions = _own_experts(experts, keys.conversions, parts, wanted) if not on_meta else keys.conversions
+    # Under FSDP a rank keeps the dim-0 chunk of its ep part: whole experts too, where they divide evenly.
+    fsdp, f = dims.fsdp_size, dims.fsdp_rank
+    mine = {n: (0, i * fsdp + f, c * fsdp) for n, (_, i, c) in experts.items()} if on_meta else experts
+    conversions = _own_experts(mine, keys.conversions, parts, wanted)
+    merged_mine = set(experts) - set(parts)  # merged from this rank's experts alone: already its part
     if on_meta:  # with tensor / expert parallelism: each tp slice's fsdp chunk, read into the 2-D shard
         parts.update(experts)
         split = options.tp_plan or options.ep_plan
@@ -257,7 +260,7 @@ def _load_stages(
     # Tensors stored split (experts one tensor each): merged by transformers' own converters, then placed
     # like the initialised ones (a tp / fsdp rank keeps its part of the merged tensor).
     converted = convert_tensors(conversions, tensors, maker.skeleton)
-    for n in set(converted) & set(parts):
+    for n in set(converted) & set(parts) - merged_mine:
         converted[n] = local_slice(converted[n], parts[n])
     fresh.update(converted)
     read_at = time.perf_counter()
