@@ -63,7 +63,9 @@ def _case(path, kwargs, save_to, beam):
     model = _load(path, **kwargs)
     experts = {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in model.named_parameters()
                if isinstance(p, DTensor) and ".experts." in n}
-    res = {"experts": experts, "bytes": model.load_report.bytes_read, "mesh": (model.dims.pp_size, model.dims.tp_size)}
+    local = [p.to_local() if isinstance(p, DTensor) else p for _, p in model.checkpoint_named_parameters()]
+    res = {"experts": experts, "bytes": model.load_report.bytes_read, "mesh": (model.dims.pp_size, model.dims.tp_size),
+           "kept": sum(t.numel() * t.element_size() for t in local)}
     if beam:
         res["beam"] = _beam(model)
     res.update(exercise(model, "decoder", pipelined=True, rows=4))
@@ -174,3 +176,6 @@ def test_pp2_fsdp2_ep2_at_8_ranks_equals_transformers(tmp_path):
     cases = [(qwen3_moe, {"ep_size": 2, "fsdp_size": 2, "n_microbatches": 2}, None, False)]
     per_rank = run_distributed(_job, 8, cases, [], timeout=900)
     _check("qwen3_moe pp2 x fsdp2 x ep2", per_rank, 0, _reference(qwen3_moe), None, (2, 2), None, share=4)
+    for rank, res in enumerate(per_rank):  # a rank reads its shards' bytes only: its experts' alone, merged
+        case = res["cases"][0]
+        assert case["bytes"] == case["kept"], (rank, case["bytes"], case["kept"])
