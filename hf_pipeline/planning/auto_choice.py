@@ -213,6 +213,9 @@ def choose_candidate(
     if placement is not None and budget is None:
         estimates = [_within_live_rows(e, placement) for e in estimates]
     usable = [e for e in estimates if e.usable]
+    if not usable and budget is None:  # the default's bound on live activations left every candidate out
+        raise InputError(f"no candidate for a batch of {batch} x {seq} tokens keeps no more activations live than "
+                         f"the fixed default: {estimates[0].note}")
     if not usable:
         raise InputError(
             f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest "
