@@ -210,6 +210,7 @@ def plan_report(
     split: str | Sequence[str] = "auto",
     checkpoint_every_n_layers: int = 1,
     tp_size: int = 1,
+    schedule_note: str | None = None,
 ) -> MemoryReport:
     """Predict per-stage and per-rank memory without reading any weights.
 
@@ -229,6 +230,7 @@ def plan_report(
             ``activation_checkpointing_enable``) the report's "with checkpointing" figures assume.
         tp_size: tensor-parallel ranks per stage: the figures are one such rank's (its parameter slices,
             heads; see :mod:`.mesh_report`, whose ``mesh_report`` adds fsdp and replicas).
+        schedule_note: how the schedule was chosen, when it was before (the default's choice, ``hf-pipeline plan``).
 
     Returns:
         :class:`MemoryReport`.
@@ -239,7 +241,7 @@ def plan_report(
     options = PipelineOptions.resolve(
         config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
         n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
-        parallel=ParallelRequest(tp_size=tp_size),
+        parallel=ParallelRequest(tp_size=tp_size), schedule_note=schedule_note,
     )
     spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
     # The planner plans training.
