@@ -90,9 +90,11 @@ class LoadOptions:
 
     # ---------------------------------------------------------------- pipeline: split and schedule
     n_microbatches: int | str | None = _option(
-        None, "microbatches per pipelined call (default: the number of stages); `\"auto\"`: chosen with `schedule`, "
-        "see `tune_batch`", concern="pipeline", acts="resolve", cli="microbatches per pipelined call (default: number "
-        "of stages)", cli_type="positive")
+        None, "microbatches per pipelined call; `\"auto\"`: chosen with `schedule`, see `tune_batch`. Named neither: "
+        "chosen with the schedule (see `schedule`), and a call whose rows that count does not split runs the most that "
+        "do; `schedule` named alone: the number of stages", concern="pipeline", acts="resolve",
+        cli="microbatches per pipelined call (default: chosen with the schedule, or the number of stages when "
+        "--schedule is given)", cli_type="positive")
     num_stages: int | None = _option(
         None, "total stages (default: world size x `virtual_stages`); fewer ranks per pipeline than the world size "
         "gives data-parallel replicas (pp x dp)", concern="pipeline", acts="resolve")
@@ -101,12 +103,17 @@ class LoadOptions:
         cli="stages per process", cli_type="positive")
     schedule: str | None = _option(
         None, "`gpipe`, `1f1b`, `interleaved-1f1b`, `looped-bfs`, `interleaved-zero-bubble`, `zbv-zero-bubble`, "
-        "`dualpipev`, or `\"auto\"` (the simulated fastest; see `tune_batch`). Named none: `1f1b` (`interleaved-1f1b` "
-        "with 2+ stages per rank), or, when that cannot train the given `n_microbatches` (fewer than the stages), the "
-        "schedule of the same layout with the smallest bubble that can; `model.options.schedule_note` and "
-        "`hf-pipeline plan` say which and why. A schedule you name is refused with the reason instead",
+        "`dualpipev`, or `\"auto\"` (the simulated fastest; see `tune_batch`). Named neither schedule nor "
+        "`n_microbatches`: the simulated fastest schedule and count among the schedules of the default placement, "
+        "keeping no more activations live than `1f1b` with one microbatch per stage; where that choice cannot plan "
+        "(tensor/FSDP/expert parallelism, mixtures of experts, traced stages, encoder-decoders, one stage) `1f1b` "
+        "(`interleaved-1f1b` with 2+ stages per rank). With `n_microbatches` named alone: that default, or, when it "
+        "cannot train them, the schedule of the same layout with the smallest bubble that can. "
+        "`model.options.schedule_note` and `hf-pipeline plan` say which and why. A schedule you name is refused with "
+        "the reason instead",
         concern="pipeline", acts="resolve",
-        cli="pipeline schedule (default 1f1b; interleaved-1f1b with --virtual-stages > 1)")
+        cli="pipeline schedule (default: the simulated fastest of the default placement, else 1f1b; interleaved-1f1b "
+        "with --virtual-stages > 1)")
     split: str | Sequence[str] | Mapping[str, Any] = _option(
         "auto", "`\"auto\"` (balanced by per-token compute, counting embedding and LM head; with several stages per "
         "rank, the split whose simulated training step of the chosen schedule and `n_microbatches` is shortest; may "
@@ -119,11 +126,12 @@ class LoadOptions:
         "auto", "`\"auto\"`: the recipe when the architecture has one, else the torch.export tracer; `\"recipe\"`; "
         "`\"trace\"` (forward and training, no generation)", concern="pipeline", acts="resolve", agree=True)
     tune_batch: tuple[int, int] | None = _option(
-        None, "with `schedule=\"auto\"` / `n_microbatches=\"auto\"`: the `(batch, seq)` of the training steps the "
-        "choice plans for (kept as `model.auto_choice`)", concern="pipeline", acts="choose")
+        None, "with `schedule=\"auto\"` / `n_microbatches=\"auto\"`, or neither named: the `(batch, seq)` of the "
+        "training steps the choice plans for (default `(8 x world size, 512)`; kept as `model.auto_choice`)",
+        concern="pipeline", acts="choose")
     max_memory: int | str | None = _option(
-        None, "with `schedule=\"auto\"` / `n_microbatches=\"auto\"`: a per-rank budget (bytes or `\"20GiB\"`) for "
-        "the predicted training peak of the candidates", concern="pipeline", acts="choose")
+        None, "with `schedule=\"auto\"` / `n_microbatches=\"auto\"`, or neither named: a per-rank budget (bytes or "
+        "`\"20GiB\"`) for the predicted training peak of the candidates", concern="pipeline", acts="choose")
     # ---------------------------------------------------------------- mesh: parallelism inside each stage
     tp_size: int | None = _option(
         None, "tensor-parallel ranks per stage (families with a tensor-parallel plan; default 1)", concern="mesh",

@@ -41,7 +41,7 @@ from .planning.layout import ParamLayout, count_parameters, param_layout
 from .planning.options import PipelineOptions
 from .planning.plan import StagePlan
 from .planning.resolve import ResolvedRecipe
-from .planning.schedules import ScheduleSpec
+from .planning.schedules import ScheduleSpec, fitting_microbatches
 from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
@@ -290,7 +290,8 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         inputs.pop("labels", None)
         batch = self.batch_size(inputs)
         if self.plan.pp_size > 1:
-            validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
+            validate.check_microbatches(batch=batch, n_microbatches=self.microbatches_for(batch, training=False),
+                                        training=False)
         with self.spreading_failures("a forward pass"):
             outputs = self._run_forward(inputs, batch)
         if outputs is None:
@@ -323,8 +324,9 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
                 x = x if isinstance(x, tuple) else (x,)
             return x
         # forward() checked batch >= n_microbatches on every rank (validate.check_microbatches).
-        inputs = pad_batch(inputs, batch, self.n_microbatches)
-        _, schedule = self.runtime.get(signature(inputs), training=False)
+        m = self.microbatches_for(batch, training=False)
+        inputs = pad_batch(inputs, batch, m)
+        _, schedule = self.runtime.get(signature(inputs), training=False, n_microbatches=m)
         out = schedule.step(**inputs)
         if self.is_last_stage_rank:
             out = out if isinstance(out, tuple) else (out,)
@@ -352,6 +354,14 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
         return enable_checkpointing(self, activation_checkpointing_kwargs, every_n_layers, offload,
                                     memory_budget_bytes=memory_budget_bytes, budget_batch=budget_batch)
+
+    def microbatches_for(self, rows: int, *, training: bool) -> int:
+        """Microbatches a call of ``rows`` rows runs: ``n_microbatches``, or where the default chose that count for
+        a planned batch (``options.adapt_microbatches``), the most up to it that split these rows."""
+        if not self.options.adapt_microbatches:
+            return self.n_microbatches
+        return fitting_microbatches(self.schedule, pp_size=self.plan.pp_size, virtual_stages=self.plan.virtual_stages,
+                                    n_microbatches=self.n_microbatches, rows=rows, training=training)
 
     def set_schedule(self, schedule: str | type, *, n_microbatches: int | None = None) -> None:
         """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved

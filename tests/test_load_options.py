@@ -36,7 +36,8 @@ def test_every_option_is_documented_with_its_concern_and_where_it_acts():
 def test_the_resolver_takes_exactly_the_options_that_act_there():
     from hf_pipeline.planning.options import PipelineOptions
 
-    own = {"auto_class", "parallel"}  # the model class from the Auto class called, the mesh request made below
+    # the model class from the Auto class called, the mesh request made below, what the default's choice sets
+    own = {"auto_class", "parallel", "schedule_note", "adapt_microbatches"}
     assert _keywords(PipelineOptions.resolve) - own == set(LoadOptions().acting_in("resolve"))
 
 

@@ -29,6 +29,8 @@ def cmd_plan(args) -> int:
         checkpoint_every_n_layers=args.checkpoint_every_n_layers,
     )
     if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1:
+        if args.schedule is None and args.n_microbatches is None:
+            common.update(_default_choice(config, args, auto))
         report = plan_report(config, stages=args.stages or 2, **common)
     else:  # a mesh: every rank's share of it
         from ..memory.mesh_report import mesh_report
@@ -37,6 +39,20 @@ def cmd_plan(args) -> int:
                              fsdp_size=args.fsdp_size, stages=args.stages, **common)
     print(report.to_json() if args.json else report)
     return 0
+
+
+def _default_choice(config, args, auto) -> dict:
+    """The schedule, count and note a load naming neither would choose for these stages (on this machine's device)."""
+    import torch
+
+    from ..memory.auto_choice_costs import default_choice
+
+    stages = args.stages or 2
+    kwargs, _ = default_choice(
+        config, stages // (args.virtual_stages or 1), device_type="cuda" if torch.cuda.is_available() else "cpu",
+        auto_class=auto, virtual_stages=args.virtual_stages, num_stages=stages, split=split_option(args.split),
+    )
+    return {k: kwargs.get(k, None) for k in ("schedule", "n_microbatches", "virtual_stages", "schedule_note")}
 
 
 def cmd_convert(args) -> int:

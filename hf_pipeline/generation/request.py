@@ -225,8 +225,9 @@ def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_mic
     this replica's contiguous share of them, its microbatches."""
     copies = gc.num_return_sequences or 1
     beams = gc.num_beams or 1
-    if n_microbatches is None:
-        n_microbatches = max(model.n_microbatches, model.plan.num_stages)
+    if n_microbatches is None:  # a count the default chose plans training steps; stages fill the decode pipe
+        planned = model.plan.num_stages if model.options.adapt_microbatches else model.n_microbatches
+        n_microbatches = max(planned, model.plan.num_stages)
     # Units the rows are cut in: a beam group (a prompt's num_beams rows) is never split, since its
     # beams are chosen together and reorder each other's caches; otherwise single rows.
     unit = beams if beams > 1 else 1

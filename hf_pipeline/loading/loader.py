@@ -140,7 +140,7 @@ def _resolve_options(
     """The resolved options and what ``choose`` picked for their ``"auto"`` values (None without it)."""
     auto_choice = None
     resolve_kwargs = {**asked.acting_in("resolve"), "auto_class": auto_class}
-    parallel = _parallel(asked, ctx, auto=choose is not None)
+    parallel = _parallel(asked, ctx)
     if parallel is not None:
         resolve_kwargs["parallel"] = parallel
     if choose is not None:  # "auto" values replaced by concrete ones; the rest handed back as given
@@ -172,20 +172,13 @@ def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -
     return dims
 
 
-def _parallel(asked: LoadOptions, ctx: RankContext, *, auto: bool) -> ParallelRequest | None:
+def _parallel(asked: LoadOptions, ctx: RankContext) -> ParallelRequest | None:
     """The one ``parallel`` request of :meth:`PipelineOptions.resolve` from the mesh options (``tp_size`` /
     ``fsdp_size`` / ``distributed_config`` / ``device_mesh``: see
-    :func:`~hf_pipeline.planning.tp_plan.parallel_request`); None when they ask for none. ``auto``: an
-    automatic schedule choice, which plans pipelines without tensor parallelism."""
+    :func:`~hf_pipeline.planning.tp_plan.parallel_request`); None when they ask for none (the automatic
+    schedule choice refuses, or its default passes over, one that asks for some)."""
     parallel = parallel_request(**asked.acting_in("mesh"), world_size=ctx.world_size)
-    if parallel == ParallelRequest():
-        return None
-    if auto:
-        raise InputError(
-            "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism or FSDP; name the "
-            "schedule and n_microbatches with tp_size / fsdp_size / distributed_config / device_mesh"
-        )
-    return parallel
+    return None if parallel == ParallelRequest() else parallel
 
 
 def _own_experts(experts: dict, conversions: dict, parts: dict, wanted: dict) -> dict:
@@ -314,8 +307,9 @@ def load_pipeline(
             (:func:`resolve_checkpoint`) and its config (:func:`_read_config`), ``"mesh"`` and ``"resolve"`` to
             :meth:`PipelineOptions.resolve`, ``"place"`` to the device and the progress bar here.
         choose: ``choose(config, world_size, device_type=..., **resolve_kwargs) -> (resolve_kwargs, choice)``:
-            replaces ``"auto"`` options before they are resolved (``memory.auto_choice_costs.choose``; the same
-            arithmetic on every rank, so every rank resolves the same options).
+            replaces ``"auto"`` options, or chooses the default's, before they are resolved
+            (``memory.auto_choice_costs.chooser``; the same arithmetic on every rank, so every rank resolves the
+            same options).
 
     Returns:
         This rank's :class:`LoadedPipeline`.

@@ -21,24 +21,42 @@ from typing import Any
 
 from ..errors import InputError
 from ..loading.stages import recipe_front_end
-from ..planning.auto_choice import AutoChoice, Candidate, choose_candidate
+from ..planning.auto_choice import AutoChoice, Candidate, choose_candidate, choose_default
 from ..planning.options import PipelineOptions
 from ..planning.plan import StagePlan
 from .planner import plan_report
 
-__all__ = ["choose", "chooser", "predicted_training_peak"]
+__all__ = ["choose", "chooser", "default_choice", "predicted_training_peak"]
 
 
 def chooser(schedule: Any, n_microbatches: Any, *, tune_batch: Any, max_memory: Any):
-    """:func:`choose` with ``tune_batch`` / ``max_memory`` bound, when ``schedule`` or ``n_microbatches`` is
-    ``"auto"``; else None (and those two, which only plan the choice, are refused)."""
+    """What every load calls to replace ``"auto"`` options (``choose(config, world_size, device_type=...,
+    **resolve_kwargs) -> (resolve_kwargs, choice)``), with ``tune_batch`` / ``max_memory`` bound: :func:`choose`
+    when ``schedule`` or ``n_microbatches`` is ``"auto"``, :func:`default_choice` when neither is named; else
+    None (and those two, which only plan the choice, are refused)."""
     if schedule == "auto" or n_microbatches == "auto":
         return functools.partial(choose, tune_batch=tune_batch, max_memory=max_memory)
+    if schedule is None and n_microbatches is None:
+        return functools.partial(default_choice, tune_batch=tune_batch, max_memory=max_memory)
     if tune_batch is not None or max_memory is not None:
         raise InputError(
             "tune_batch / max_memory plan the automatic choice: pass them with schedule='auto' or n_microbatches='auto'"
+            ", or name neither schedule nor n_microbatches"
         )
     return None
+
+
+def default_choice(
+    config, world_size: int, *, device_type: str, tune_batch: tuple[int, int] | None = None, max_memory: Any = None,
+    **option_kwargs: Any,
+) -> tuple[dict[str, Any], AutoChoice | None]:
+    """The schedule and microbatch count of a load that names neither
+    (:func:`~hf_pipeline.planning.auto_choice.choose_default`, costed as :func:`choose`); never raises for the
+    choice itself."""
+    return choose_default(
+        config, world_size, device_type=device_type, stage_plan=_loader_plan, predicted_peak=predicted_training_peak,
+        tune_batch=tune_batch, max_memory=max_memory, **option_kwargs,
+    )
 
 
 def choose(
@@ -63,6 +81,11 @@ def choose(
     Returns:
         (the arguments with concrete values, the :class:`~hf_pipeline.planning.auto_choice.AutoChoice`).
     """
+    if option_kwargs.get("parallel") is not None:
+        raise InputError(
+            "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism or FSDP; name the "
+            "schedule and n_microbatches with tp_size / fsdp_size / distributed_config / device_mesh"
+        )
     return choose_candidate(
         config, world_size, device_type=device_type, stage_plan=_loader_plan, predicted_peak=predicted_training_peak,
         tune_batch=tune_batch, max_memory=max_memory, overhead_tokens=overhead_tokens, **option_kwargs,

@@ -54,7 +54,7 @@ from torch import nn
 from ..errors import InputError
 from ..loading.checkpoint_files import resolve_checkpoint
 from ..loading.stages import StageModule, build_stage, recipe_front_end
-from ..planning.actions import schedule_actions
+from ..planning.actions import peak_in_flight, schedule_actions
 from ..planning.kv_cache_sizes import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
@@ -183,23 +183,6 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
     return results
 
 
-def _peak_in_flight(actions: Sequence[str], act: dict[int, int]) -> tuple[int, dict[int, int]]:
-    """Walk a rank's action list: activations live from F to B (or to W for split backward)."""
-    live: dict[int, set[int]] = {s: set() for s in act}
-    peak, at_peak = 0, {s: 0 for s in act}
-    for label in actions:
-        i = next(j for j, c in enumerate(label) if c.isalpha())
-        stage, kind, mb = int(label[:i]), label[i], int(label[i + 1 :])
-        if kind == "F":
-            live[stage].add(mb)
-        elif kind in ("B", "W"):
-            live[stage].discard(mb)
-        total = sum(len(v) * act[s] for s, v in live.items())
-        if total > peak:
-            peak, at_peak = total, {s: len(v) for s, v in live.items()}
-    return peak, at_peak
-
-
 def _refuse_experts(skeleton) -> None:
     """Refuse a mixture of experts: the planner measures activations by running the stages on fake
     tensors, and an experts layer's routing has data-dependent shapes (transformers' eager loop selects
@@ -227,6 +210,7 @@ def plan_report(
     split: str | Sequence[str] = "auto",
     checkpoint_every_n_layers: int = 1,
     tp_size: int = 1,
+    schedule_note: str | None = None,
 ) -> MemoryReport:
     """Predict per-stage and per-rank memory without reading any weights.
 
@@ -246,6 +230,7 @@ def plan_report(
             ``activation_checkpointing_enable``) the report's "with checkpointing" figures assume.
         tp_size: tensor-parallel ranks per stage: the figures are one such rank's (its parameter slices,
             heads; see :mod:`.mesh_report`, whose ``mesh_report`` adds fsdp and replicas).
+        schedule_note: how the schedule was chosen, when it was before (the default's choice, ``hf-pipeline plan``).
 
     Returns:
         :class:`MemoryReport`.
@@ -256,7 +241,7 @@ def plan_report(
     options = PipelineOptions.resolve(
         config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
         n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
-        parallel=ParallelRequest(tp_size=tp_size),
+        parallel=ParallelRequest(tp_size=tp_size), schedule_note=schedule_note,
     )
     spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
     # The planner plans training.
@@ -318,9 +303,9 @@ def _rank_row(rank: int, stage_rows: list[StageMemory], order: list[str], *, n_m
     """Rank ``rank``'s totals: its stages' weights and gradients, its live activations under ``order``."""
     mine = [st for st in stage_rows if st.rank == rank]
     weights = sum(st.weight_bytes for st in mine)
-    act, in_flight = _peak_in_flight(order, {st.index: st.activation_bytes for st in mine})
+    act, in_flight = peak_in_flight(order, {st.index: st.activation_bytes for st in mine})
     # With checkpointing: what the microbatches in flight keep, plus how far one's backward (a recompute) goes above.
-    kept, _ = _peak_in_flight(order, {st.index: st.checkpointed_activation_bytes for st in mine})
+    kept, _ = peak_in_flight(order, {st.index: st.checkpointed_activation_bytes for st in mine})
     kept += max((st.recompute_bytes for st in mine), default=0)
     # PipelineStage keeps one receive buffer per microbatch: activations in, gradients back.
     p2p = sum(n_microbatches * (st.recv_bytes + st.send_bytes) for st in mine)

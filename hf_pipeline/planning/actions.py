@@ -15,14 +15,14 @@ Example:
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
 from ..compat import Action, ComputationType, prepare_schedule_with_comms
 from .schedules import ScheduleSpec, get_schedule, rank_of_stage
 
-__all__ = ["ACTION_KINDS", "fuse_backward", "fuse_schedule_backward", "schedule_actions"]
+__all__ = ["ACTION_KINDS", "fuse_backward", "fuse_schedule_backward", "peak_in_flight", "schedule_actions"]
 
 ACTION_KINDS = ("F", "B", "I", "W")  # a schedule's own compute actions (what pipeline_order lists)
 
@@ -159,3 +159,21 @@ def schedule_actions(
     if not spec.multi:
         return {r: _single_stage_actions(spec, r, p, m) for r in range(p)}
     return _multi_stage_actions(spec, p, v, m)
+
+
+def peak_in_flight(actions: Sequence[str], act: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """The largest sum of ``act[stage]`` over the microbatches live at once in a rank's ``actions``, and how many
+    were live per stage then: activations live from F to B (or to W for split backward)."""
+    live: dict[int, set[int]] = {s: set() for s in act}
+    peak, at_peak = 0, {s: 0 for s in act}
+    for label in actions:
+        i = next(j for j, c in enumerate(label) if c.isalpha())
+        stage, kind, mb = int(label[:i]), label[i], int(label[i + 1 :])
+        if kind == "F":
+            live[stage].add(mb)
+        elif kind in ("B", "W"):
+            live[stage].discard(mb)
+        total = sum(len(v) * act[s] for s, v in live.items())
+        if total > peak:
+            peak, at_peak = total, {s: len(v) for s, v in live.items()}
+    return peak, at_peak

@@ -33,7 +33,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import InputError
+from ..errors import InputError, PipelineError
+from .actions import peak_in_flight, schedule_actions
+from .ep_plan import num_experts
 from .options import PipelineOptions, parse_size
 from .plan import StagePlan
 from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
@@ -41,7 +43,7 @@ from .simulate import simulate_step
 
 __all__ = [
     "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "PredictedPeak", "StagePlanOf",
-    "choose_candidate", "microbatch_counts", "same_placement", "with_schedule",
+    "DEFAULT_REFUSALS", "choose_candidate", "choose_default", "microbatch_counts", "same_placement", "with_schedule",
 ]
 
 AUTO = "auto"
@@ -125,14 +127,17 @@ def microbatch_counts(rows: int, fixed: int | None) -> list[int]:
 
 def _candidates(
     world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: Any,
-    rows: int,
+    rows: int, placement: PipelineOptions | None = None,
 ) -> list[Candidate]:
     # n_microbatches: AUTO (every count that divides the rows), None (the loader's default: one per
-    # stage) or a fixed count.
+    # stage) or a fixed count. placement: only the schedules that run its stages as they are.
     specs = list(SCHEDULES.values()) if schedule == AUTO else [get_schedule(schedule)]
+    if placement is not None:
+        specs = [s for s in specs if same_placement(s, placement)]
+        virtual_stages, num_stages = placement.virtual_stages, placement.num_stages
     out = []
     for spec in specs:
-        vs = [virtual_stages] if virtual_stages is not None else [v for v in (1, 2) if spec.accepts_virtual(v)]
+        vs = [v for v in ((virtual_stages,) if virtual_stages is not None else (1, 2)) if spec.accepts_virtual(v)]
         for v in vs:
             stages = num_stages if num_stages is not None else world_size * v
             if stages % v or world_size % (stages // v):
@@ -149,7 +154,7 @@ def _candidates(
 def choose_candidate(
     config, world_size: int, *, device_type: str, stage_plan: StagePlanOf, predicted_peak: PredictedPeak,
     tune_batch: tuple[int, int] | None = None, max_memory: Any = None, overhead_tokens: float | None = None,
-    **option_kwargs: Any,
+    placement: PipelineOptions | None = None, **option_kwargs: Any,
 ) -> tuple[dict[str, Any], AutoChoice]:
     """Replace ``schedule="auto"`` / ``n_microbatches="auto"`` in ``option_kwargs`` by the best candidate.
 
@@ -165,6 +170,9 @@ def choose_candidate(
         max_memory: per-rank budget (bytes or "20GiB"): candidates whose predicted training peak is
             larger are left out.
         overhead_tokens: overrides the per-action overhead.
+        placement: the default's choice (:func:`choose_default`): only schedules that run these options'
+            stages as placed, and, without ``max_memory``, no candidate that keeps more activations live
+            on any rank than these options' schedule and count.
         **option_kwargs: :meth:`PipelineOptions.resolve`'s arguments, ``"auto"`` where to choose.
 
     Returns:
@@ -185,7 +193,7 @@ def choose_candidate(
     cands = _candidates(
         world_size, schedule=schedule, virtual_stages=option_kwargs.get("virtual_stages"),
         num_stages=option_kwargs.get("num_stages"),
-        n_microbatches=m_fixed, rows=batch,
+        n_microbatches=m_fixed, rows=batch, placement=placement,
     )
     if not cands:
         raise InputError(
@@ -202,7 +210,12 @@ def choose_candidate(
                   budget=budget, stage_plan=stage_plan, predicted_peak=predicted_peak)
         for c in cands
     ]
+    if placement is not None and budget is None:
+        estimates = [_within_live_rows(e, placement) for e in estimates]
     usable = [e for e in estimates if e.usable]
+    if not usable and budget is None:  # the default's bound on live activations left every candidate out
+        raise InputError(f"no candidate for a batch of {batch} x {seq} tokens keeps no more activations live than "
+                         f"the fixed default: {estimates[0].note}")
     if not usable:
         raise InputError(
             f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest "
@@ -257,6 +270,95 @@ def _estimate(
                     note=note)
 
 
+def _live_rows(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microbatches: int) -> list[float]:
+    """Each rank's peak activations in flight, in batch fractions (rows of microbatches from F to B / W).
+
+    A rank's stages weigh alike; with one stage per rank this is its activation peak up to a constant
+    of the stage, so two candidates of one placement compare exactly without the planner's fake run.
+    """
+    orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=n_microbatches, virtual_stages=virtual_stages,
+                              training=True)
+    stages = range(pp_size * virtual_stages)
+    return [peak_in_flight(orders[r], {s: 1.0 / n_microbatches for s in stages})[0] for r in range(pp_size)]
+
+
+def _within_live_rows(e: Estimate, placement: PipelineOptions) -> Estimate:
+    """``e``, left out when a rank keeps more activations live than under ``placement``'s schedule and count."""
+    p, v = placement.pp_size, placement.virtual_stages
+    base = _live_rows(placement.schedule, p, v, placement.n_microbatches)
+    mine = _live_rows(get_schedule(e.candidate.schedule), p, v, e.candidate.n_microbatches)
+    worse = [r for r in range(p) if mine[r] > base[r] * (1 + 1e-9)]
+    if not worse or e.note:
+        return e
+    return dataclasses.replace(e, note=(
+        f"rank {worse[0]} keeps {mine[worse[0]]:.2f} of the batch's activations live, more than "
+        f"{base[worse[0]]:.2f} under {placement.schedule.name} m={placement.n_microbatches}"
+    ))
+
+
+# What the default's automatic choice does not plan, read from today's default options and the config:
+# (rule, why). Those loads keep today's default, and its schedule_note says why.
+DEFAULT_REFUSALS: tuple[tuple[Callable[[PipelineOptions, Any], bool], str], ...] = (
+    (lambda o, c: o.pp_size == 1, "one stage per pipeline leaves nothing to overlap"),
+    (lambda o, c: o.tp_size * o.fsdp_size * o.ep_size > 1,
+     "the choice plans pipelines without tensor, FSDP or expert parallelism"),
+    (lambda o, c: o.traced, "the stages are traced, so the cost model has no per-stage costs"),
+    (lambda o, c: num_experts(c) is not None, "the cost model counts every expert of a mixture of experts"),
+    (lambda o, c: bool(getattr(c, "is_encoder_decoder", False)),
+     "the cost model counts one sequence length, and an encoder-decoder has two"),
+)
+
+
+def choose_default(
+    config, world_size: int, *, device_type: str, stage_plan: StagePlanOf, predicted_peak: PredictedPeak,
+    tune_batch: tuple[int, int] | None = None, max_memory: Any = None, overhead_tokens: float | None = None,
+    **option_kwargs: Any,
+) -> tuple[dict[str, Any], AutoChoice | None]:
+    """The schedule and microbatch count for a load that names neither: :func:`choose_candidate`'s pick.
+
+    Candidates are the schedules that run today's default placement as it is (the schedules
+    ``model.set_schedule`` can switch to) with every microbatch count that trains ``tune_batch``, and,
+    without ``max_memory``, none that keeps more activations live on a rank than the old default
+    (1F1B, or interleaved 1F1B with virtual stages, one microbatch per stage). The count becomes the
+    most a call splits into (``adapt_microbatches``). Where the choice cannot plan (:data:`DEFAULT_REFUSALS`)
+    or fails, the old default, never an error: ``schedule_note`` says why, on every rank alike.
+
+    Returns:
+        (:meth:`PipelineOptions.resolve`'s arguments with ``schedule_note``, the choice or None).
+    """
+    base = PipelineOptions.resolve(config, world_size, **option_kwargs)  # invalid options raise as they always did
+    why = next((why for rule, why in DEFAULT_REFUSALS if rule(base, config)), None)
+    if why is None:
+        try:
+            kwargs, choice = choose_candidate(
+                config, world_size, device_type=device_type, stage_plan=stage_plan, predicted_peak=predicted_peak,
+                tune_batch=tune_batch, max_memory=max_memory, overhead_tokens=overhead_tokens, placement=base,
+                **{**option_kwargs, "schedule": AUTO, "n_microbatches": AUTO},
+            )
+        except PipelineError as e:  # the default never refuses a load: it keeps the old default
+            why = f"the automatic choice found none ({e})"
+        else:
+            return {**kwargs, "schedule_note": _default_note(choice, base), "adapt_microbatches": True}, choice
+    note = (f"schedule {base.schedule.name!r}, n_microbatches={base.n_microbatches}: the fixed default, not chosen "
+            f"automatically because {why} ({base.schedule_note})")
+    return {**option_kwargs, "schedule_note": note}, None
+
+
+def _default_note(choice: AutoChoice, base: PipelineOptions) -> str:
+    c = choice.chosen
+    by = {e.candidate: e for e in choice.estimates}
+    old = by.get(Candidate(schedule=base.schedule.name, virtual_stages=base.virtual_stages,
+                           n_microbatches=base.n_microbatches))
+    against = (f" against {old.relative_step:.2f}x for the old default {old.candidate.schedule} "
+               f"m={old.candidate.n_microbatches}" if old is not None else "")
+    return (
+        f"schedule {c.schedule!r}, n_microbatches={c.n_microbatches}: chosen because no schedule or n_microbatches "
+        f"was named, as the shortest simulated training step of a {choice.batch} x {choice.seq} batch among the "
+        f"schedules of this placement ({by[c].relative_step:.2f}x ideal{against}); a call whose rows "
+        f"{c.n_microbatches} microbatches do not split runs the most that do"
+    )
+
+
 # ----------------------------------------------------------------------------- switching
 def same_placement(spec: ScheduleSpec, options: PipelineOptions) -> bool:
     """Whether ``spec`` runs the stages ``options`` placed, as they are (same layout and count per rank)."""
@@ -275,4 +377,4 @@ def with_schedule(options: PipelineOptions, schedule: str, n_microbatches: int) 
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise InputError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
     check_layout(spec, pp_size=options.pp_size, virtual_stages=options.virtual_stages, n_microbatches=n_microbatches)
-    return dataclasses.replace(options, schedule=spec, n_microbatches=n_microbatches)
+    return dataclasses.replace(options, schedule=spec, n_microbatches=n_microbatches, adapt_microbatches=False)

@@ -335,7 +335,11 @@ class PipelineOptions:
         split: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
         traced: True when the stages come from the torch.export tracer instead of a recipe.
         schedule_note: for reports, how the schedule was picked when the user named none (which one,
-            and why: see :func:`~hf_pipeline.planning.schedules.choose_schedule`); "" when named.
+            and why: the default's automatic choice, ``planning/auto_choice.py``, or
+            :func:`~hf_pipeline.planning.schedules.choose_schedule`); "" when named.
+        adapt_microbatches: ``n_microbatches`` was chosen by the default for a planned batch, not named:
+            a call whose rows it cannot split runs the most that can
+            (:func:`~hf_pipeline.planning.schedules.fitting_microbatches`) instead of being refused.
     """
 
     model_class: type
@@ -349,6 +353,7 @@ class PipelineOptions:
     split: str | tuple[str, ...]
     traced: bool
     schedule_note: str = ""
+    adapt_microbatches: bool = False
     tp_size: int = 1
     tp_plan: tuple[tuple[str, str], ...] = ()
     fsdp_size: int = 1
@@ -387,6 +392,8 @@ class PipelineOptions:
         split: str | Sequence[str] | Mapping[str, Any] = "auto",
         split_method: str = "auto",
         parallel: ParallelRequest | None = None,
+        schedule_note: str | None = None,
+        adapt_microbatches: bool = False,
     ) -> "PipelineOptions":
         """Defaults and checks for the options of ``config``'s model, before anything is built.
 
@@ -409,6 +416,8 @@ class PipelineOptions:
                 "recipe" or "trace".
             parallel: tensor-parallel ranks per stage, pipeline ranks, replicas and plan asked for
                 (:func:`~hf_pipeline.planning.tp_plan.parallel_request`); default none.
+            schedule_note, adapt_microbatches: set by the default's automatic choice, which picks the
+                schedule and count before resolving (``planning/auto_choice.py``: ``choose_default``).
 
         Raises:
             InputError, ScheduleError: naming the option and what to change.
@@ -435,12 +444,14 @@ class PipelineOptions:
         if schedule is None:  # nothing asked for: a default that trains these microbatches, never a refusal
             _positive("n_microbatches", n_microbatches)
             spec, note = choose_schedule(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches)
+        note = note if schedule_note is None else schedule_note
         shards, experts = _stage_plans(config, parallel, traced=traced, schedule=spec.name, model_class=model_class)
         return cls(  # checks the placement and n_microbatches (__post_init__)
             model_class=model_class, schedule=spec, virtual_stages=virtual_stages, num_stages=num_stages,
             pp_size=pp_size,
             dp_size=(world_size or pp_size * parallel.tp_size * parallel.fsdp_size) // (pp_size * parallel.tp_size),
             n_microbatches=n_microbatches, dtype=parse_dtype(dtype, config), split=split_starts(split),
-            traced=traced, schedule_note=note, tp_size=parallel.tp_size, tp_plan=shards, fsdp_size=parallel.fsdp_size,
+            traced=traced, schedule_note=note, adapt_microbatches=adapt_microbatches, tp_size=parallel.tp_size,
+            tp_plan=shards, fsdp_size=parallel.fsdp_size,
             ep_size=parallel.ep_size, ep_plan=experts, ep_implementation=parallel.ep_implementation,
         )

@@ -55,6 +55,7 @@ __all__ = [
     "check_training",
     "choose_schedule",
     "default_schedule",
+    "fitting_microbatches",
     "get_schedule",
     "rank_of_stage",
 ]
@@ -330,6 +331,31 @@ def choose_schedule(*, pp_size: int, virtual_stages: int, n_microbatches: int) -
     return best, (
         f"schedule {best.name!r}: chosen because no schedule was named and the default {preferred.name!r} {problem}"
     )
+
+
+def fitting_microbatches(
+    spec: ScheduleSpec, *, pp_size: int, virtual_stages: int, n_microbatches: int, rows: int, training: bool
+) -> int:
+    """The most microbatches, up to ``n_microbatches``, that split a call of ``rows`` rows.
+
+    For a count the default chose for a planned batch (``PipelineOptions.adapt_microbatches``): a
+    call with fewer rows, or rows it does not divide, runs the largest count that fits instead of
+    being refused. A forward takes any count up to its rows (it pads the last microbatch); a training
+    step one that divides its rows and meets the schedule's rules. ``n_microbatches`` when none fits
+    (the usual checks then say why).
+
+    Example:
+        >>> fitting_microbatches(get_schedule("1f1b"), pp_size=2, virtual_stages=1, n_microbatches=16, rows=12,
+        ...                      training=True)
+        12
+    """
+    for m in range(min(n_microbatches, rows), 0, -1):
+        if not training:
+            return m
+        if rows % m == 0 and spec.training_problem(pp_size=pp_size, virtual_stages=virtual_stages,
+                                                   n_microbatches=m) is None:
+            return m
+    return n_microbatches
 
 
 def _quoted(names: list[str]) -> str:

@@ -114,7 +114,7 @@ class PipelineRuntime:
         self._cache.clear()
 
     def get(
-        self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True
+        self, key: Any, *, training: bool, loss_fn=None, scale_grads: bool = True, n_microbatches: int | None = None
     ) -> tuple[list[PipelineStage], Any]:
         """``PipelineStage`` objects and the torch schedule for one input signature (built on first use).
 
@@ -123,8 +123,10 @@ class PipelineRuntime:
             training: the training schedule (with ``loss_fn``) instead of the forward-only one.
             scale_grads: False: torch does not divide gradients by n_microbatches (the loss
                 already is each microbatch's share of the global mean, see ``train.py``).
+            n_microbatches: this call's (default: the model's; a count the default chose adapts to each batch).
         """
-        full_key = (key, training, scale_grads)
+        m = self.n_microbatches if n_microbatches is None else n_microbatches
+        full_key = (key, training, scale_grads, m)
         found = self._cache.get(full_key)
         if found is not None:
             self._cache.move_to_end(full_key)
@@ -137,7 +139,7 @@ class PipelineRuntime:
             stage_class(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group)
             for stage in self.stages
         ]
-        kwargs = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": scale_grads}
+        kwargs = {"n_microbatches": m, "loss_fn": loss_fn, "scale_grads": scale_grads}
         if training:
             schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
             if spec.zero_bubble:

@@ -189,6 +189,7 @@ class _Batch:
     labels: torch.Tensor  # this replica's labels
     denominator: float | tuple[float, ...]  # items the global mean runs over (whole global batch; one per mean)
     digest: int  # fingerprint of the global batch, compared across ranks
+    n_microbatches: int  # this step's (model.microbatches_for its rows)
 
 
 def _digest(batch: Mapping[str, Any]) -> int:
@@ -227,8 +228,7 @@ def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[st
             )
     digest = _digest(batch) if model.check_inputs else 0
     given = {n: batch.pop(n) for n in names}
-    # One target tensor, which the schedule splits into microbatches with the inputs (question
-    # answering's start and end positions stacked as (B, 2)).
+    # One target tensor, split into microbatches with the inputs (QA's start and end positions stacked: (B, 2)).
     ids = batch.get("input_ids", batch.get("inputs_embeds"))
     length = ids.shape[-1] if "input_ids" in batch else ids.shape[-2] if ids is not None else 0
     labels = state.loss.make_targets(given, length)
@@ -242,12 +242,13 @@ def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[st
                 f"batch[{k!r}] has shape {tuple(v.shape)}, but the batch has {rows} rows; every input needs one row "
                 "per example"
             )
-    dp, m = model.dims.dp_size, model.n_microbatches
+    dp = model.dims.dp_size
     if rows % dp:
         raise InputError(
             f"a global batch of {rows} rows does not split over dp_size={dp} data-parallel replicas; pass a "
-            f"multiple of dp_size x n_microbatches = {dp * m} rows"
+            f"multiple of dp_size x n_microbatches = {dp * model.n_microbatches} rows"
         )
+    m = model.microbatches_for(rows // dp, training=True)
     check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
     prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
     labels = prepared.pop("labels")
@@ -257,7 +258,7 @@ def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[st
         lo, hi = model.dims.dp_rank * share, (model.dims.dp_rank + 1) * share
         prepared = {k: v[lo:hi] if isinstance(v, torch.Tensor) else v for k, v in prepared.items()}
         labels = labels[lo:hi]
-    return _Batch(inputs=prepared, labels=labels, denominator=denominator, digest=digest)
+    return _Batch(inputs=prepared, labels=labels, denominator=denominator, digest=digest, n_microbatches=m)
 
 
 def _agree(model: PipelineCore, error: BaseException | None, digest: int) -> None:
@@ -301,7 +302,7 @@ def _run_local(
     model: PipelineCore, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
 ) -> None:
     # All stages on this rank (pipeline size 1): microbatch by microbatch, as the schedules would.
-    m = model.n_microbatches
+    m = b.n_microbatches
     chunks = {k: torch.tensor_split(v, m) if isinstance(v, torch.Tensor) else [v] * m for k, v in b.inputs.items()}
     targets = torch.tensor_split(b.labels, m)
     for i in range(m):
@@ -367,7 +368,8 @@ def _run_schedule(
                 _run_local(model, state, b, loss_kwargs, losses)
             else:
                 key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
-                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False)
+                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False,
+                                                n_microbatches=b.n_microbatches)
                 # Zero-bubble: linears' weight gradients wait for the W actions (weight_pass.py).
                 with weight_pass.deferring() if model.schedule.zero_bubble else contextlib.nullcontext():
                     schedule.step(
@@ -411,12 +413,10 @@ def train_step(
     """
     if not loss_scale or loss_scale != loss_scale:
         raise InputError(f"loss_scale must be a non-zero number, got {loss_scale}")
-    # The training schedule's microbatch rules (loading checked only the layout: forward and
-    # generate run with any n_microbatches). Same settings on every rank: raised on every rank.
+    # The schedule's microbatch rules (loading checked only the layout): same settings, raised on every rank.
     plan = model.plan
-    check_training(
-        model.schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages, n_microbatches=model.n_microbatches
-    )
+    check_training(model.schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages,
+                   n_microbatches=model.n_microbatches)
     state = _train_state(model)
     b = _agreed_batch(model, state, batch)
     # Gradients of earlier steps (accumulation) sit aside so the sync below only sums this step's.

@@ -20,8 +20,9 @@ from harness import run_distributed
 from hf_pipeline.families.glue import attention_kinds
 from hf_pipeline.families.recipe import get_recipe
 from hf_pipeline.loading.stages import build_stage, materialize, meta_model
-from hf_pipeline.memory.planner import _peak_in_flight, plan_report
+from hf_pipeline.memory.planner import plan_report
 from hf_pipeline.memory.saved_tensors import measure_saved_bytes
+from hf_pipeline.planning.actions import peak_in_flight
 from hf_pipeline.planning.kv_cache_sizes import kv_cache_bytes_per_token, kv_cache_tokens
 from hf_pipeline.planning.plan import make_plan
 from hf_pipeline.planning.resolve import resolve_recipe
@@ -297,7 +298,7 @@ def test_in_flight_microbatches_follow_the_schedule():
     assert [r.in_flight[r.rank] for r in report.ranks] == [4, 3, 2, 1]
     gpipe = plan_report(tiny.config_for("llama"), stages=4, batch=8, seq=8, n_microbatches=8, schedule="gpipe")
     assert [r.in_flight[r.rank] for r in gpipe.ranks] == [8, 8, 8, 8]
-    peak, at = _peak_in_flight(["0F0", "0F1", "0I0", "0F2", "0W0", "0B1", "0B2"], {0: 10})
+    peak, at = peak_in_flight(["0F0", "0F1", "0I0", "0F2", "0W0", "0B1", "0B2"], {0: 10})
     assert (peak, at) == (30, {0: 3})  # a split backward frees at W, not at I
     for r in report.ranks:
         assert r.train_peak_bytes == 2 * r.weight_bytes + r.activation_bytes + r.p2p_buffer_bytes

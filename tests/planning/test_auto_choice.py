@@ -112,7 +112,9 @@ def test_tune_batch_without_auto_is_refused(tmp_path):
 
     path = tiny.make_checkpoint(tmp_path / "ck", "llama", shards=1)
     with pytest.raises(InputError, match="tune_batch / max_memory plan the automatic choice"):
-        AutoModelForCausalLM.from_pretrained(path, pipeline=True, tune_batch=(8, 16), device="cpu", progress=False)
+        # With neither named, tune_batch plans the default's choice (tests/planning/test_default_choice.py).
+        AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="1f1b", tune_batch=(8, 16), device="cpu",
+                                             progress=False)
 
 
 def _auto_then_tune(path):
