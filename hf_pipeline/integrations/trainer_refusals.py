@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..core import PipelineCore
-from ..errors import CheckpointExistsError, UsageError
+from ..errors import CheckpointExistsError, PipelineError, UsageError
 from .peft_host import is_pipelined_model
 
 __all__ = [
@@ -91,6 +91,15 @@ class Refusal:
     message: Callable[[Any, Any], str]  # (args, pipelined model) -> what to change
 
 
+def _misfits(rows: int, model: PipelineCore) -> bool:
+    """Whether a training step of ``rows`` rows cannot be split into the microbatches the model runs (its
+    ``n_microbatches``, or, where the default chose the count, the most up to it that split the rows)."""
+    try:
+        return rows % model.microbatches_for(rows, training=True) != 0
+    except PipelineError:
+        return True
+
+
 def _batch_message(args, model: PipelineCore) -> str:
     return (
         f"per_device_train_batch_size={args.per_device_train_batch_size} (the batch of one pipeline replica) does "
@@ -148,7 +157,7 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        applies=lambda args, model, extra: args.per_device_train_batch_size % model.n_microbatches != 0,
+        applies=lambda args, model, extra: _misfits(args.per_device_train_batch_size, model),
         message=_batch_message,
     ),
     Refusal(

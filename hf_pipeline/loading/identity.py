@@ -79,6 +79,8 @@ def pipeline_identity(
     """
     out: dict[str, Any] = {}
     for f in fields(options):
+        if f.name == "schedule_note":  # words derived from the other options: a mismatch is named by those
+            continue
         value = getattr(options, f.name)
         if isinstance(value, type):
             value = value.__qualname__  # the model class
