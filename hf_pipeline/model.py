@@ -289,8 +289,6 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         inputs = self.prepare_inputs(given if labels is None else {**given, "labels": labels})
         inputs.pop("labels", None)
         batch = self.batch_size(inputs)
-        if self.plan.pp_size > 1:
-            validate.check_microbatches(batch=batch, n_microbatches=self.n_microbatches, training=False)
         with self.spreading_failures("a forward pass"):
             outputs = self._run_forward(inputs, batch)
         if outputs is None:
@@ -322,7 +320,8 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
                 x = stage(*x, **inputs)
                 x = x if isinstance(x, tuple) else (x,)
             return x
-        # forward() checked batch >= n_microbatches on every rank (validate.check_microbatches).
+        # Any batch runs: padded to a multiple of n_microbatches (fewer rows than that included); the padded
+        # rows' outputs are dropped below.
         inputs = pad_batch(inputs, batch, self.n_microbatches)
         _, schedule = self.runtime.get(signature(inputs), training=False)
         out = schedule.step(**inputs)
