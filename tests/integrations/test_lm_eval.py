@@ -22,7 +22,7 @@ pytest.importorskip("lm_eval")
 
 CONTEXTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
 CONTINUATIONS = [" value", " read the file", " returns None", " main():"]
-TEXTS = ["The function returns the value of the file.", "import os\nimport sys", "Return the path of the file"]
+TEXTS = ["The function returns the value of the file.", "import os\nimport sys", "Return the path of the file", "def"]
 # Log-likelihoods are sums of log_softmax over a few tokens of fp32 logits; the pipeline runs the same ops in
 # a different batch split (padded rows, microbatches), which moves each logit by ~1e-6 and a sum by ~1e-5.
 # 1e-4 allows that; a shifted position or a wrong row moves a sum by > 0.1.
@@ -36,7 +36,9 @@ def _requests():
         return [Instance(request_type=kind, doc={}, arguments=a, idx=0) for a in args]
 
     until = {"until": ["\n\n", "def "], "max_gen_toks": 12, "do_sample": False}
+    # The last pair is the model's greedy continuation (is_greedy True); the others are not.
     pairs = [(c, x) for c in CONTEXTS for x in CONTINUATIONS[:2]] + list(zip(CONTEXTS, CONTINUATIONS))
+    pairs.append(("Return the", " same."))
     return (
         make("loglikelihood", pairs),
         make("loglikelihood_rolling", [(t,) for t in TEXTS]),
@@ -74,6 +76,7 @@ def test_hflm_on_a_pipelined_model_equals_hflm_on_transformers():
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(default_model_path())).eval()
     want = _evaluate(ref)
     assert all(math.isfinite(v) and v < 0 for v, _ in want["loglikelihood"])
+    assert [greedy for _, greedy in want["loglikelihood"]] == [False] * 12 + [True]
     assert any(want["generate_until"]), "the reference generated nothing: the comparison would be empty"
     for rank, got in enumerate(results):
         assert 1 in got["forward_rows"] and 3 in got["forward_rows"], f"rank {rank}: batches {got['forward_rows']}"
