@@ -289,9 +289,6 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         inputs = self.prepare_inputs(given if labels is None else {**given, "labels": labels})
         inputs.pop("labels", None)
         batch = self.batch_size(inputs)
-        if self.plan.pp_size > 1:
-            validate.check_microbatches(batch=batch, n_microbatches=self.microbatches_for(batch, training=False),
-                                        training=False)
         with self.spreading_failures("a forward pass"):
             outputs = self._run_forward(inputs, batch)
         if outputs is None:
@@ -323,7 +320,8 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
                 x = stage(*x, **inputs)
                 x = x if isinstance(x, tuple) else (x,)
             return x
-        # forward() checked batch >= n_microbatches on every rank (validate.check_microbatches).
+        # Any batch runs: padded to a multiple of its microbatch count (fewer rows than that included); the padded
+        # rows' outputs are dropped below.
         m = self.microbatches_for(batch, training=False)
         inputs = pad_batch(inputs, batch, m)
         _, schedule = self.runtime.get(signature(inputs), training=False, n_microbatches=m)

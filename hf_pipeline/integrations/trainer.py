@@ -68,6 +68,7 @@ from .trainer_refusals import (
     check_arguments,
     check_model,
     check_output_dir,
+    check_trainer_class,
     pipelined_model_of,
 )
 
@@ -104,6 +105,7 @@ class PipelineTrainerMixin:
         # on one rank raises on every rank, instead of one rank raising while the others train on.
         ctx, describe = self.pipelined.ctx, self.pipelined.rank_label
         with collective_errors(ctx, "checking PipelineTrainer's arguments", describe=describe):
+            check_trainer_class(type(self), PipelineTrainerMixin)
             check_arguments(args, self.pipelined, **extra)
             check_output_dir(args.output_dir)
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
@@ -361,6 +363,6 @@ class PipelineTrainer(PipelineTrainerMixin, Trainer):
     Raises:
         UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
             an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
-            ``compute_loss_func``, label smoothing, a PEFT adapter on a model loaded with ``fsdp_size``;
-            see :mod:`.trainer_refusals`).
+            ``compute_loss_func``, label smoothing, a PEFT adapter on a model loaded with ``fsdp_size``, a
+            subclass with a loss of its own; see :mod:`.trainer_refusals`).
     """

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
+from transformers import Trainer
 
 from ..core import PipelineCore
 from ..errors import CheckpointExistsError, PipelineError, UsageError
 from .peft_host import is_pipelined_model
 
 __all__ = [
-    "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments", "check_model", "check_output_dir",
-    "pipelined_model_of", "refuse_plain_trainer",
+    "OWN_LOSS_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments", "check_model",
+    "check_output_dir", "check_trainer_class", "pipelined_model_of", "refuse_plain_trainer",
 ]
 
 # Set while PipelineTrainerMixin runs the Trainer's own constructor (in this thread or task).
@@ -81,6 +82,44 @@ def check_model(model: nn.Module, model_init: Any) -> None:
             f"PipelineTrainer trains a pipelined model (from_pretrained(path, pipeline=True), or a PEFT model "
             f"wrapping one), got model={type(model).__name__}; use transformers.Trainer for an unsplit model"
         )
+
+
+# Trainer classes whose own compute_loss / training_step compute the model's own token loss, which the mixin's
+# step computes inside the pipeline instead (what they add besides, such as SFTTrainer's logged entropy and
+# token accuracy, is dropped): module-qualified names, each checked equal to its Trainer on one process
+# (tests/integrations/test_trl.py).
+OWN_LOSS_TRAINERS: frozenset[str] = frozenset({"trl.trainer.sft_trainer.SFTTrainer"})
+# Where a Trainer subclass puts a loss of its own.
+_LOSS_METHODS = ("compute_loss", "training_step")
+
+
+def check_trainer_class(trainer_class: type, mixin: type) -> None:
+    """Refuse a Trainer class with a loss of its own: one of its classes (below transformers' ``Trainer``,
+    other than ``mixin`` and :data:`OWN_LOSS_TRAINERS`) defines ``compute_loss`` or ``training_step``.
+
+    The pipeline's step (``model.train_step``) computes the model's own loss from ``labels`` on the last stage,
+    microbatch by microbatch, inside the schedule: a Trainer's own loss (TRL's DPOTrainer: the log-probabilities
+    of chosen and rejected rows, paired, against a reference model; GRPO, KTO, RLOO, reward modelling,
+    distillation) would be silently replaced by it.
+
+    Raises:
+        UsageError: naming the class, its method and what the pipeline lacks.
+    """
+    for cls in trainer_class.__mro__:
+        if cls is Trainer:
+            return
+        if cls is mixin or f"{cls.__module__}.{cls.__qualname__}" in OWN_LOSS_TRAINERS:
+            continue
+        defined = [name for name in _LOSS_METHODS if name in vars(cls)]
+        if defined:
+            raise UsageError(
+                f"{trainer_class.__name__} cannot train a pipelined model: {cls.__name__} defines its own "
+                f"{' and '.join(defined)}, and the pipeline's step runs only the model's own loss on its labels, on "
+                f"the last stage inside the pipeline schedule (it has no place for a Trainer's loss over the logits, "
+                f"such as DPO's over paired chosen / rejected rows and a reference model's log-probabilities); train "
+                f"with hf_pipeline.PipelineTrainer or PipelineTrainerMixin on a Trainer whose loss is the model's "
+                f"(trl's SFTTrainer)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +204,14 @@ REFUSALS: tuple[Refusal, ...] = (
         message=lambda args, model: (
             f"label_smoothing_factor={args.label_smoothing_factor} is not supported by PipelineTrainer: the "
             "pipeline trains on the model's own loss; pass label_smoothing_factor=0"
+        ),
+    ),
+    Refusal(
+        # trl's SFTConfig: "dft" weighs each token's loss by its probability, which the model's own loss does not.
+        applies=lambda args, model, extra: getattr(args, "loss_type", "nll") != "nll",
+        message=lambda args, model: (
+            f"loss_type={args.loss_type!r} is not supported by PipelineTrainer: the pipeline trains on the model's own "
+            "loss; pass loss_type='nll'"
         ),
     ),
     Refusal(

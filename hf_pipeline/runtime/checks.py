@@ -192,17 +192,21 @@ def check_sequence_length(config, length: int, *, what: str = "the input sequenc
 
 
 def check_microbatches(*, batch: int, n_microbatches: int, training: bool) -> None:
-    """Raise InputError if ``batch`` rows cannot be split into ``n_microbatches`` microbatches.
+    """Raise InputError if a training step's ``batch`` rows cannot be split into ``n_microbatches`` microbatches.
 
-    Inference pads a batch that is not a multiple (the padded rows' outputs are dropped); a training
-    step cannot (padded rows would change the loss), so there it must divide evenly.
+    Inference takes any batch: it pads one that is not a multiple, fewer rows than ``n_microbatches``
+    included, by repeating its last row, and drops the padded rows' outputs (an evaluation harness's last
+    batch is often one row). A training step cannot (padded rows would change the loss), so there the
+    batch must divide evenly.
     """
+    if not training:
+        return
     if batch < n_microbatches:
         raise InputError(
             f"batch size {batch} is smaller than n_microbatches={n_microbatches}; pass at least {n_microbatches} "
             f"rows or load the model with a smaller n_microbatches"
         )
-    if training and batch % n_microbatches:
+    if batch % n_microbatches:
         lower = batch - batch % n_microbatches
         raise InputError(
             f"a training batch of {batch} rows does not split into n_microbatches={n_microbatches} equal microbatches; "

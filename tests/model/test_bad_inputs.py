@@ -337,8 +337,6 @@ def _m():
 
 
 CALL_CASES = {
-    "forward: batch smaller than n_microbatches": (
-        lambda _: _m()(**_ids(1, 9)), ("ValueError",), r"batch size 1 is smaller than n_microbatches=2"),
     "train_step: batch not divisible by n_microbatches": (
         lambda _: _m().train_step(_with_labels(_ids(3, 9))), ("ValueError",),
         r"a training batch of 3 rows does not split into n_microbatches=2 equal microbatches"),
@@ -622,6 +620,9 @@ def test_validation_helpers():
     # Rotary positions (LLaMA) have no table to run off: longer inputs run, as in transformers.
     validate.check_sequence_length(tiny.config_for("llama"), 100, what="the prompt", new_tokens=29)
     validate.check_microbatches(batch=6, n_microbatches=4, training=False)  # inference pads
+    validate.check_microbatches(batch=1, n_microbatches=4, training=False)  # fewer rows than microbatches too
+    with pytest.raises(ValueError, match=r"batch size 1 is smaller than n_microbatches=4"):
+        validate.check_microbatches(batch=1, n_microbatches=4, training=True)
     with pytest.raises(ValueError, match=r"e\.g\. 4 or 8"):
         validate.check_microbatches(batch=6, n_microbatches=4, training=True)
     assert check_prompts(["a", "b"]) == "text"

@@ -24,7 +24,7 @@ from harness import free_port
 
 __all__ = ["ROOT", "STARTUP_S", "LiveServer", "rss_bytes", "start_server"]
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 STARTUP_S = 240.0  # two processes importing torch and transformers on a loaded 2-core machine
 
 

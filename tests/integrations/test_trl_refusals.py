@@ -1,0 +1,104 @@
+"""What TRL's trainers do with a pipelined model, on one process (all stages local): refused at construction
+with one line that says what to change, and the model usable afterwards.
+
+* ``trl.SFTTrainer`` and ``trl.DPOTrainer`` as they come (no ``PipelineTrainerMixin``): their step would run the
+  pipelined model as one module; refused naming the mixin (``refuse_plain_trainer``, read by transformers'
+  ``Trainer.__init__``).
+* ``class T(PipelineTrainerMixin, DPOTrainer)``: DPO's loss (paired chosen / rejected rows, a reference model)
+  is its own ``compute_loss`` / ``training_step``, which the pipeline's step would replace with the model's
+  token loss; refused naming DPOTrainer (``check_trainer_class``). So is a PipelineTrainer subclass with a
+  ``compute_loss`` of its own, and SFTConfig's ``loss_type="dft"``.
+"""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+import transformers
+
+import hf_pipeline
+from hf_pipeline.errors import UsageError
+from hf_pipeline.integrations.trainer import PipelineTrainerMixin
+from hf_pipeline.tools.default_model import default_model_path
+
+trl = pytest.importorskip("trl")
+
+pytestmark = pytest.mark.unit
+
+MIXIN_NAMED = r"^a pipelined LlamaForCausalLM is trained by hf_pipeline.PipelineTrainer, or a Trainer subclass with " \
+    r"hf_pipeline.integrations.trainer.PipelineTrainerMixin first"
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    path = str(default_model_path())
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False)
+    return model, transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _sft(tmp_path, **overrides):
+    args = dict(per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True, bf16=False,
+                gradient_checkpointing=False, save_strategy="no", max_length=16)
+    data = datasets.Dataset.from_dict({"text": ["Return the value of the file."] * 4})
+    return trl.SFTConfig(str(tmp_path / "sft"), **{**args, **overrides}), data
+
+
+def _dpo(tmp_path):
+    args = trl.DPOConfig(str(tmp_path / "dpo"), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", max_length=16)
+    data = datasets.Dataset.from_dict(
+        {"prompt": ["Return the"] * 4, "chosen": [" value."] * 4, "rejected": [" file."] * 4}
+    )
+    return args, data
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_trl_trainers_without_the_mixin_are_refused_naming_it(bundled, tmp_path):
+    model, tok = bundled
+    sft_args, sft_data = _sft(tmp_path)
+    with pytest.raises(UsageError, match=MIXIN_NAMED) as e:
+        trl.SFTTrainer(model=model, args=sft_args, train_dataset=sft_data, processing_class=tok)
+    assert "PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer)" in _one_line(e)
+    dpo_args, dpo_data = _dpo(tmp_path)
+    with pytest.raises(UsageError, match=MIXIN_NAMED) as e:
+        trl.DPOTrainer(model=model, args=dpo_args, train_dataset=dpo_data, processing_class=tok)
+    _one_line(e)
+
+
+def test_a_trainer_with_a_loss_of_its_own_is_refused_through_the_mixin(bundled, tmp_path):
+    model, tok = bundled
+
+    class PipelineDPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
+        pass
+
+    dpo_args, dpo_data = _dpo(tmp_path)
+    with pytest.raises(UsageError, match=r"^PipelineDPOTrainer cannot train a pipelined model: DPOTrainer defines its "
+                       r"own compute_loss and training_step") as e:
+        PipelineDPOTrainer(model=model, args=dpo_args, train_dataset=dpo_data, processing_class=tok)
+    assert "reference model" in _one_line(e)
+
+    class OwnLoss(hf_pipeline.PipelineTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return torch.zeros(())
+
+    args = transformers.TrainingArguments(str(tmp_path / "own"), report_to=[], use_cpu=True)
+    with pytest.raises(UsageError, match=r"^OwnLoss cannot train a pipelined model: OwnLoss defines its own "
+                       r"compute_loss,"):
+        OwnLoss(model=model, args=args)
+
+    class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
+        pass
+
+    sft_args, sft_data = _sft(tmp_path, loss_type="dft")
+    with pytest.raises(UsageError, match=r"^loss_type='dft' is not supported by PipelineTrainer"):
+        PipelineSFTTrainer(model=model, args=sft_args, train_dataset=sft_data, processing_class=tok)
+    # nothing ran: the same model trains one SFT step through the mixin
+    sft_args, sft_data = _sft(tmp_path)
+    trainer = PipelineSFTTrainer(model=model, args=sft_args, train_dataset=sft_data, processing_class=tok)
+    assert trainer.train().training_loss > 0
