@@ -70,7 +70,8 @@ def _option(default: Any, doc: str, *, concern: str, acts: str, cli: str | None 
         concern: one of :data:`CONCERNS`.
         acts: one of :data:`ACTS`: where the option is read.
         cli: the help of its command-line flag (``--name-with-dashes``); None: no flag.
-        cli_type: how the CLI reads the flag's text: ``"positive"`` (an int >= 1), ``"device"`` or ``"text"``.
+        cli_type: how the CLI reads the flag's text: ``"positive"`` (an int >= 1), ``"device"`` or ``"text"``;
+            ``"flag"``: a flag with no value, which sets the option to True.
         agree: compared across ranks as given (the rest are compared once resolved, or by content).
     """
     if concern not in CONCERNS or acts not in ACTS:
@@ -178,6 +179,11 @@ class LoadOptions:
     device: Any = _option(
         None, "force a device (`\"cpu\"`); default `cuda:LOCAL_RANK` when CUDA is available, else the CPU",
         concern="placement", acts="place", cli="force a device type, e.g. cpu", cli_type="device")
+    compile: bool | dict | None = _option(
+        None, "`True`: each stage's blocks compiled with `torch.compile`, one block at a time (regional, as "
+        "torchtitan); a dict: its `torch.compile` arguments (`backend`, `mode`, `dynamic`, `fullgraph`, `options`)",
+        concern="placement", acts="place", cli="compile each stage's blocks with torch.compile", cli_type="flag",
+        agree=True)
     gather_output: bool = _option(
         True, "`True`: every rank gets the full output; `False`: only the last stage's rank", concern="placement",
         acts="output", agree=True)

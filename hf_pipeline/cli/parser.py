@@ -146,8 +146,11 @@ def _add_load(p: argparse.ArgumentParser) -> None:
     # option at its default (cli.arguments.load_kwargs reads them back).
     types = {"positive": _positive, "device": _device, "text": None}
     for f in cli_fields():
-        g.add_argument("--" + f.name.replace("_", "-"), type=types[f.metadata["cli_type"]], default=None,
-                       help=f.metadata["cli"])
+        flag = "--" + f.name.replace("_", "-")
+        if f.metadata["cli_type"] == "flag":
+            g.add_argument(flag, action="store_const", const=True, default=None, help=f.metadata["cli"])
+        else:
+            g.add_argument(flag, type=types[f.metadata["cli_type"]], default=None, help=f.metadata["cli"])
 
 
 # ------------------------------------------------------------------------------------ one per command

@@ -46,6 +46,7 @@ from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.tp_plan import ParallelRequest, parallel_request
 from .checkpoint_files import CheckpointIndex, resolve_checkpoint
+from .compiled import check_compile, compile_blocks
 from .expert_parallel import apply_expert_parallel, expert_parts
 from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
@@ -338,11 +339,14 @@ def load_pipeline(
     dims = _build_dims(ctx, maker, options)
     planned_at = time.perf_counter()
 
+    with collective_errors(ctx, "checking compile"):
+        compile_kwargs = check_compile(asked.compile, options)
     rng_state = agreed_rng_state(ctx)  # weights missing from the checkpoint are drawn from it, as transformers does
     with collective_errors(ctx, "loading weights", describe=_stage_roles(maker.plan, dims)):
         stages, report, read_at = _load_stages(
             maker, ckpt, maker.plan.stages_for_rank(dims.pp_rank), ctx=ctx, options=options, rng_state=rng_state,
             progress=asked.progress, started=planned_at, dims=dims)
+        compile_blocks(stages, compile_kwargs)  # lazily: each block compiles on its first call
     # Where a load's wall time goes, for the benchmark's load-vs-read comparison (this rank's clock).
     report.seconds = {
         "config, options, agreement": agreed_at - started, "plan, dims": planned_at - agreed_at, **report.seconds,
