@@ -47,8 +47,9 @@ def _run(model) -> dict:
 
 
 def test_compiled_blocks_equal_the_eager_pipeline_and_share_one_graph(llama):
-    import hf_pipeline
     from torch._dynamo.utils import counters
+
+    import hf_pipeline
 
     path, _ = llama
     eager = _run(hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, **LOAD))
