@@ -51,7 +51,9 @@ def _check_task(model, task: str, tasks) -> None:
 
 
 def _check_batch_size(model, batch_size: int) -> None:
-    per_step = model.n_microbatches * model.dims.dp_size
+    # A replica's rows split into the microbatches a step of them runs (the default adapts its chosen count).
+    replica = batch_size // model.dims.dp_size if batch_size % model.dims.dp_size == 0 else batch_size
+    per_step = model.microbatches_for(replica, training=True) * model.dims.dp_size
     if batch_size % per_step:
         raise CLIError(
             f"--batch-size {batch_size} must be a multiple of n_microbatches x data-parallel replicas = {per_step}"

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import nn
-from transformers import Trainer
 
 from ..core import PipelineCore
 from ..errors import CheckpointExistsError, PipelineError, UsageError
@@ -105,6 +104,8 @@ def check_trainer_class(trainer_class: type, mixin: type) -> None:
     Raises:
         UsageError: naming the class, its method and what the pipeline lacks.
     """
+    from transformers import Trainer  # here: importing transformers' Trainer imports peft, which loading must not
+
     for cls in trainer_class.__mro__:
         if cls is Trainer:
             return

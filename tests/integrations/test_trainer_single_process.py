@@ -80,13 +80,15 @@ def test_a_tensor_parallel_or_fsdp_model_is_not_refused_but_an_adapter_on_fsdp_i
 
     from hf_pipeline.integrations.trainer_refusals import check_arguments
 
+    def model(**dims):
+        return SimpleNamespace(n_microbatches=2, microbatches_for=lambda rows, training: 2,
+                               dims=SimpleNamespace(**dims))
+
     for dims in ({"tp_size": 2}, {"fsdp_size": 1}, {"fsdp_size": 2}):
-        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(**dims)))
-    check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(tp_size=2)),
-                    adapter=True)
+        check_arguments(_args(tmp_path, 4), model(**dims))
+    check_arguments(_args(tmp_path, 4), model(tp_size=2), adapter=True)
     with pytest.raises(UsageError, match="PEFT adapter.*fsdp_size=2"):
-        check_arguments(_args(tmp_path, 4), SimpleNamespace(n_microbatches=2, dims=SimpleNamespace(fsdp_size=2)),
-                        adapter=True)
+        check_arguments(_args(tmp_path, 4), model(fsdp_size=2), adapter=True)
 
 
 def test_an_unpipelined_model_is_refused(llama_path, tmp_path):

@@ -76,8 +76,10 @@ def _measure_with_slow_head(path, sleep_s, num_stages=None):
 
     torch.manual_seed(0)
     batch = tiny.make_batch("llama", rows=8)
+    # 1F1B with one microbatch per stage, named: the sleep below is per microbatch, and the bounds are set for 2
     model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", dtype=torch.float32,
-                                                 progress=False, num_stages=num_stages)
+                                                 progress=False, num_stages=num_stages, schedule="1f1b",
+                                                 n_microbatches=2)
     model.train()
     before = {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}
     head = model.get_output_embeddings()
