@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MEASURED", "SCHEDULES", "SECTIONS", "Sizes"]
+__all__ = ["COMPILED", "MEASURED", "SCHEDULES", "SECTIONS", "Sizes", "is_fixed"]
 
 # (schedule, stages per rank); "auto": schedule="auto", n_microbatches="auto" (the cost model's pick);
 # a name ending in MEASURED: that schedule loaded again with the split model.measure_split() advises.
 MEASURED = "+measured-split"
+# "default": neither schedule nor n_microbatches named (what a user gets); a name ending in COMPILED: that
+# schedule with compile=True (each stage's blocks compiled).
+COMPILED = "+compiled"
 SCHEDULES = [
     ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zero-bubble", 2), ("zbv-zero-bubble", 2),
-    ("dualpipev", 2), ("auto", None), ("zbv-zero-bubble" + MEASURED, 2),
+    ("dualpipev", 2), ("auto", None), ("zbv-zero-bubble" + MEASURED, 2), ("default", None), ("1f1b" + COMPILED, 1),
 ]
+
+
+def is_fixed(name: str) -> bool:
+    """A schedule named with its microbatch count, run as it is (not chosen, measured or compiled)."""
+    return name not in ("auto", "default") and not name.endswith((MEASURED, COMPILED))
 SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora", "serve", "mesh")
 
 
@@ -46,6 +54,8 @@ class Sizes:
     new_tokens: int = 64
     gen_reps: int = 3
     world: int = 2
+    # train: the compiled row's torch.compile backend (quick: dynamo's graphs run by aten, seconds to compile)
+    compile_backend: str = "inductor"
     # mesh: the mixture of experts (the train model's shape, experts in place of its MLP)
     moe_experts: int = 8
     moe_intermediate: int = 512
@@ -67,7 +77,7 @@ class Sizes:
             load_hidden=64, load_intermediate=128, load_layers=4, load_heads=4, load_kv_heads=2, load_vocab=512,
             load_shard_bytes=60_000, load_ranks=(1, 2), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
             vocab=256, seq=16, batch=8, n_microbatches=4, train_reps=1, prompts=4, prompt_len=8, prefill_chunk=2,
-            new_tokens=8, gen_reps=1, moe_experts=4, moe_intermediate=64, ckpt_seq=64, ckpt_batch=4,
-            ckpt_microbatches=2, ckpt_reps=1,
+            new_tokens=8, gen_reps=1, compile_backend="aot_eager", moe_experts=4, moe_intermediate=64, ckpt_seq=64,
+            ckpt_batch=4, ckpt_microbatches=2, ckpt_reps=1,
             serve_requests=6, serve_rate=50.0, serve_prompt_len=(2, 8), serve_new_tokens=(2, 6), serve_batch=4,
         )

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.config import MEASURED, SCHEDULES, Sizes
+from benchmarks.config import COMPILED, MEASURED, SCHEDULES, Sizes, is_fixed
 from benchmarks.split_backward import split_backward_seconds
 from benchmarks.timing import batch as make_batch
 from benchmarks.timing import hop_seconds, median, sync
@@ -117,11 +117,7 @@ def _load_pipelined(spec: dict, sizes: dict, batch: dict, out: dict):
 
     from hf_pipeline import AutoModelForCausalLM
 
-    schedule = spec["schedule"].removesuffix(MEASURED)
-    if schedule == "auto":
-        choice = dict(schedule="auto", n_microbatches="auto", tune_batch=(sizes["batch"], sizes["seq"]))
-    else:
-        choice = dict(schedule=schedule, virtual_stages=spec["virtual_stages"], n_microbatches=sizes["n_microbatches"])
+    choice = _choice(spec["schedule"], spec["virtual_stages"], sizes)
     options = dict(pipeline=True, device="cpu", dtype=torch.float32, progress=False, **choice)
     model = AutoModelForCausalLM.from_pretrained(spec["path"], **options)
     if not spec["schedule"].endswith(MEASURED):
@@ -131,6 +127,17 @@ def _load_pipelined(spec: dict, sizes: dict, batch: dict, out: dict):
     out["measured_split"] = {**advice.to_dict(), "text": str(advice)}
     # Both splits stay loaded and take turns: paired in one job, the machine's drifts fall on both.
     return AutoModelForCausalLM.from_pretrained(spec["path"], split=list(advice.split), **options), model
+
+
+def _choice(name: str, virtual_stages: int | None, sizes: dict) -> dict:
+    """``from_pretrained``'s schedule arguments for a row of SCHEDULES."""
+    schedule = name.removesuffix(MEASURED).removesuffix(COMPILED)
+    if schedule == "auto":
+        return dict(schedule="auto", n_microbatches="auto", tune_batch=(sizes["batch"], sizes["seq"]))
+    if schedule == "default":  # nothing named: the package's own choice
+        return {}
+    compiled = {"compile": {"backend": sizes["compile_backend"]}} if name.endswith(COMPILED) else {}
+    return dict(schedule=schedule, virtual_stages=virtual_stages, n_microbatches=sizes["n_microbatches"], **compiled)
 
 
 def _slowest(per_rank: list[float]) -> list[float]:
@@ -209,8 +216,8 @@ def train_pp(spec: dict, out: dict) -> None:
     out.update(
         step_seconds=step_seconds, two_way_seconds=two_way[1:], two_way_microbatched_seconds=two_way_micro[1:],
         loss=float(loss), **_profiled_step(model, batch, spec, sizes),
-        picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages,
-                "n_microbatches": model.n_microbatches},
+        picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages,  # as this batch runs
+                "n_microbatches": model.microbatches_for(sizes["batch"], training=True)},
         split=list(model.plan.split_points),
     )
 
@@ -222,14 +229,16 @@ def _paired_models(spec: dict, sizes: dict, reference):
 
     from hf_pipeline import AutoModelForCausalLM
 
-    models = {
+    models = {  # the fixed schedules, the default and the compiled one, in SCHEDULES' order
         name: AutoModelForCausalLM.from_pretrained(
-            spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, schedule=name,
-            virtual_stages=v, n_microbatches=sizes["n_microbatches"])
-        for name, v in SCHEDULES if v is not None and not name.endswith(MEASURED) and name != "gpipe"
+            spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, **_choice(name, v, sizes))
+        for name, v in SCHEDULES if name not in ("auto", "gpipe") and not name.endswith(MEASURED)
     }
     torch_only, torch_only_errors = {}, {}
     for name, model in models.items():
+        if not is_fixed(name):
+            torch_only_errors[name] = "no torch-only twin: not a fixed schedule"
+            continue
         try:
             torch_only[name] = torch_pipeline(reference, model.plan, name, sizes["n_microbatches"])
         except ValueError as e:  # a split inside a layer: that schedule has no torch-only twin

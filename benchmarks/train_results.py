@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.config import MEASURED, SCHEDULES, Sizes
+from benchmarks.config import SCHEDULES, Sizes, is_fixed
 from benchmarks.timing import median
 
 __all__ = ["gap", "summarize"]
@@ -122,8 +122,7 @@ def _compare_choices(train: dict) -> None:
     """``auto`` against the best fixed choice of the same run (tokens/s); each measured split against its
     planned one."""
     schedules = train["schedules"]
-    fixed = [row for name, row in schedules.items()
-             if name != "auto" and not name.endswith(MEASURED) and "error" not in row]
+    fixed = [row for name, row in schedules.items() if is_fixed(name) and "error" not in row]
     if "auto" in schedules and "error" not in schedules["auto"] and fixed:
         train["auto_vs_best_fixed"] = schedules["auto"]["tokens_per_s"] / max(row["tokens_per_s"] for row in fixed)
     for row in schedules.values():  # a measured split against the planned one: steps paired in its job

@@ -64,8 +64,8 @@ def _schedules_table(tr: dict, base: dict | None) -> Table:
             continue
         sep = f"**{row['speedup_vs_separate_baseline']:.2f}x**" if row.get("speedup_vs_separate_baseline") else "-"
         label = name
-        if name == "auto" and row.get("picked"):
-            label = f"auto: {row['picked']['schedule']}, m={row['picked']['n_microbatches']}"
+        if name in ("auto", "default") and row.get("picked"):
+            label = f"{name}: {row['picked']['schedule']}, m={row['picked']['n_microbatches']}"
         stages = row["picked"]["virtual_stages"] if row.get("picked") else row["virtual_stages"]
         table.add(label, str(stages), f"{median(row['step_seconds']):.3f}", sep,
                   pct(row.get("fraction_of_perfect_overlap")), pct(row.get("fraction_of_microbatched_two_way")),
@@ -238,7 +238,8 @@ def readme(res: dict[str, Any]) -> list:
     for name, row in tr["schedules"].items():
         if "error" in row:
             continue
-        label = name if name != "auto" else f"auto ({row['picked']['schedule']}, m={row['picked']['n_microbatches']})"
+        picked = row.get("picked") if name in ("auto", "default") else None
+        label = f"{name} ({picked['schedule']}, m={picked['n_microbatches']})" if picked else name
         table.add(label, f"{row['speedup_vs_separate_baseline']:.2f}x", pct(row.get("fraction_of_perfect_overlap")),
                   pct(row.get("fraction_of_microbatched_two_way")))
     blocks: list = [head + ":", "", table]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.checkpoints import write_random_checkpoint
-from benchmarks.config import MEASURED
+from benchmarks.config import COMPILED, MEASURED, is_fixed
 from benchmarks.report import readme_tables, to_markdown
 from benchmarks.run import merge
 from devtools.llama import llama_config
@@ -371,7 +371,12 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     assert paired["schedules"]["1f1b"]["vs_1f1b"] == 1.0 and "tokens/s vs 1F1B, paired" in md
     # beside each, torch's own pipeline on the same split: the same loss on the same weights (a missing
     # layer, mask or head would move it by far more than the microbatches' summation order), steps paired
+    # the default (nothing named) and 1F1B compiled, paired with 1F1B: they have no torch-only twin
+    assert {"default", "1f1b" + COMPILED} <= set(paired["schedules"])
     for name, row in paired["schedules"].items():
+        if not is_fixed(name):
+            assert row["torch_only"] == {"error": "no torch-only twin: not a fixed schedule"}, name
+            continue
         theirs = row["torch_only"]
         assert len(theirs["step_seconds"]) == sizes["train_reps"] and all(t > 0 for t in theirs["step_seconds"]), name
         assert theirs["vs_torch_only"] == pytest.approx(
@@ -386,11 +391,7 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     # schedule="auto": measured beside the fixed choices, against the best of them
     auto = train["schedules"]["auto"]
     assert set(auto["picked"]) == {"schedule", "virtual_stages", "n_microbatches"}
-    best = max(
-        row["tokens_per_s"]
-        for name, row in train["schedules"].items()
-        if name != "auto" and not name.endswith(MEASURED)
-    )
+    best = max(row["tokens_per_s"] for name, row in train["schedules"].items() if is_fixed(name))
     assert train["auto_vs_best_fixed"] == pytest.approx(auto["tokens_per_s"] / best)
     # a schedule loaded again with the split model.measure_split() advised, against its planned split
     measured = train["schedules"]["zbv-zero-bubble" + MEASURED]
@@ -408,6 +409,8 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     )
     assert "`model.measure_split(batch)` on the planned split" in md
     assert f"auto: {auto['picked']['schedule']}, m={auto['picked']['n_microbatches']}" in md
+    default = train["schedules"]["default"]["picked"]
+    assert f"default: {default['schedule']}, m={default['n_microbatches']}" in md
     for name, row in train["schedules"].items():
         steps, two_way = row["step_seconds"], row["two_way_seconds"]
         assert len(steps) == len(two_way) == sizes["train_reps"], name
