@@ -27,7 +27,7 @@ from benchmarks.tables import Table, gb
 from benchmarks.timing import batch, sync
 from devtools.host_memory import trim_host_heap
 
-__all__ = ["MESHES", "TASKS", "launches", "markdown", "summarize"]
+__all__ = ["MESHES", "MOE_MESHES", "TASKS", "launches", "markdown", "readme", "summarize"]
 
 WORLD = 4
 # (name, from_pretrained keyword arguments) on WORLD ranks: the LLaMA checkpoints...
@@ -201,3 +201,22 @@ def markdown(res: dict[str, Any]) -> list:
         "refuses says why.", "",
         t, "",
     ]
+
+
+def readme(res: dict[str, Any]) -> list:
+    """README's mesh table: per mesh, its worst rank's figures."""
+    mesh = res.get("mesh")
+    if not mesh:
+        return []
+    t = Table(["mesh", "kept per rank (largest)", "bytes read / kept", "peak RSS / kept", "train step (s)",
+               "generate (tok/s)"])
+    for row in mesh["meshes"]:
+        if "ranks" not in row:
+            t.add(row["mesh"], None, None, None, None, ("refused" if "refused" in row else "error"))
+            continue
+        rate = row.get("generate_tokens_per_s")
+        t.add(row["mesh"], gb(max(r["kept_bytes"] for r in row["ranks"])), f"{row['read_over_kept']:.2f}x",
+              f"{row['peak_over_kept']:.2f}x", f"{row['step_seconds']:.3f}", None if rate is None else f"{rate:.1f}")
+    return [f"Meshes on {mesh['world']} ranks (the load checkpoint, and the train model's shape as a dense LLaMA and "
+            "as a Mixtral of 8 experts saved one tensor per expert; 4 ranks share the 2 cores, so step times and "
+            "tokens/s are informational):", "", t, ""]

@@ -90,6 +90,7 @@ def readme_tables(res: dict[str, Any]) -> str:
         blocks += train_tables.readme(res)
     if "generate" in res and "pipelined" in res["generate"]:
         blocks += generate_tables.readme(res)
+    blocks += mesh.readme(res)
     return render(blocks + [README_END])
 
 

@@ -246,7 +246,8 @@ def readme(res: dict[str, Any]) -> list:
     if "schedules" in tr.get("paired", {}):
         schedules = tr["paired"]["schedules"].items()
         vs = ", ".join(f"{name} {pct(row['vs_1f1b'])}" for name, row in schedules if name != "1f1b")
-        text = f"The fixed schedules loaded in one job, their steps taking turns: tokens/s against 1F1B's {vs}."
+        text = (f"The fixed schedules, the default (nothing named) and 1F1B compiled loaded in one job, their steps "
+                f"taking turns: tokens/s against 1F1B's {vs}.")
         theirs = ", ".join(f"{name} {pct(row['torch_only']['vs_torch_only'])}" for name, row in schedules
                            if "vs_torch_only" in row.get("torch_only", {}))
         if theirs:

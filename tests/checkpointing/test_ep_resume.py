@@ -19,47 +19,17 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny
 import torch
 from decoders import decoder_config
 from harness import run_distributed
+from test_tp_resume import EPS, LR, TOL, _gathered, _new_run, _step  # the same run, saved and resumed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-LR, EPS, TOL = 1e-3, 1e-5, 1e-5
 EP2 = {"ep_size": 2, "n_microbatches": 2}
 PP2 = {"num_stages": 2, "n_microbatches": 2}
 EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
-
-
-def _batch(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(3, 96, (8, 10), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def _new_run(path, kwargs):
-    import hf_pipeline
-
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-
-def _step(model, opt, sched, step: int) -> float:
-    loss = float(model.train_step(_batch(step)))
-    model.clip_grad_norm_(1.0)
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-    return loss
-
-
-def _gathered(model) -> dict[str, torch.Tensor]:
-    from hf_pipeline.distributed.shards import full_tensor
-
-    return {model.param_layout.key_of.get(n, n): full_tensor(p.detach()).clone()
-            for n, p in model.checkpoint_named_parameters()}
 
 
 def _resumed(path, kwargs) -> dict:
@@ -88,7 +58,7 @@ def _reference(path) -> dict:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     losses = []
     for step in (1, 2, 3):
-        loss = ref(**_batch(step)).loss
+        loss = ref(**tiny.make_batch("llama", 8, seed=step)).loss
         loss.backward()
         losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
