@@ -357,9 +357,16 @@ class Recorder:
             pp_size=plan.pp_size if plan is not None else 1,
             schedule=name,
             virtual_stages=plan.virtual_stages if plan is not None else 1,
-            n_microbatches=getattr(model, "n_microbatches", None),
+            n_microbatches=_microbatches_run(records, model),
             title=title,
         )
+
+
+def _microbatches_run(records: list, model: PipelineCore) -> int | None:
+    """The microbatches the recorded steps ran: a default-chosen count adapts to each call's rows
+    (``model.microbatches_for``), so the model's own ``n_microbatches`` may not be what ran."""
+    ran = [r.microbatch for r in records if r.kind == "F" and r.microbatch is not None]
+    return max(ran) + 1 if ran else getattr(model, "n_microbatches", None)
 
 
 def record(model: PipelineCore) -> Recorder:
