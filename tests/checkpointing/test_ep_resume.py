@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import tiny
 import torch
 from decoders import decoder_config
 from harness import run_distributed
-from test_tp_resume import EPS, LR, TOL, _gathered, _new_run, _step  # the same run, saved and resumed
+from test_tp_resume import TOL, _gathered, _new_run, _reference, _step  # the same run, saved and resumed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -48,24 +47,6 @@ def _job(path, save_dir):
     losses.append(_step(model, opt, sched, 3))
     return {"losses": losses, "params": _gathered(model), "ep2": _resumed(save_dir, EP2),
             "pp2": _resumed(save_dir, PP2)}
-
-
-def _reference(path) -> dict:
-    import transformers
-
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    losses = []
-    for step in (1, 2, 3):
-        loss = ref(**tiny.make_batch("llama", 8, seed=step)).loss
-        loss.backward()
-        losses.append(float(loss.detach()))
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return {"losses": losses, "params": {n: p.detach() for n, p in ref.named_parameters()}}
 
 
 def _check_resumed(what: str, got: dict, ref: dict) -> None:
