@@ -245,7 +245,31 @@ def convert_tensors(
             converter.add_tensor(target, key, pattern, tensors.pop(key))
         made = converter.convert(target, model=model, config=getattr(model, "config", None))
         out[target] = made[target][0] if isinstance(made[target], list) else made[target]
+        del converter, made
+        _release_freed_heap()
     return out
+
+
+def _release_freed_heap() -> None:
+    """Give the pages of the tensors just merged back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Why: glibc keeps freed memory in its heap, and the merged tensor (all experts stacked) is larger than any
+    one expert's freed block, so it cannot reuse them: without this a rank's RSS while loading a mixture of
+    experts reached about 2x what it keeps (1.87x measured on one process), with it 1.15x.
+    """
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        import ctypes
+
+        try:  # the process's own symbols: libc's, without looking the library up (no subprocess)
+            _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", False)
+        except OSError:
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None  # libc's malloc_trim once looked up, False where there is none
 
 
 def narrow_conversion(conv: Conversion, index: int, count: int) -> Conversion | None:
