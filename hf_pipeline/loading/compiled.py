@@ -13,7 +13,7 @@ a KV cache) run eager.
 computed beyond the rounding of fused kernels.
 
 Example:
-    >>> compile_blocks(stages, True, options)      # -> the number of blocks compiled on this rank
+    >>> compile_blocks(stages, check_compile(True, options))      # -> the number of blocks compiled on this rank
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from transformers.cache_utils import Cache
 
 from ..errors import InputError
 
@@ -57,8 +58,6 @@ def check_compile(setting: Any, options: Any) -> dict[str, Any] | None:
 
 def _holds_cache(args: tuple, kwargs: dict) -> bool:
     """Whether a block call carries a KV cache (transformers' ``Cache``): a generation step."""
-    from transformers.cache_utils import Cache
-
     return any(isinstance(v, Cache) for v in (*args, *kwargs.values()))
 
 

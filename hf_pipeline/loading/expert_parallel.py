@@ -34,11 +34,12 @@ def _by_name(stage: nn.Module, plan) -> dict[str, str]:
     return match_plan(names, plan)
 
 
-def _cut_params(stage: nn.Module, plan) -> dict[str, tuple[nn.Module, str]]:
-    """Stage parameter name -> (its module, its attribute), for every ``grouped_gemm`` rule of ``plan``."""
+def _cut_params(stage: nn.Module, by_name: dict[str, str]) -> dict[str, tuple[nn.Module, str]]:
+    """Stage parameter name -> (its module, its attribute), for every ``grouped_gemm`` name of ``by_name``
+    (:func:`_by_name`)."""
     params = dict(stage.named_parameters())
     out = {}
-    for name, style in _by_name(stage, plan).items():
+    for name, style in by_name.items():
         if style == "grouped_gemm" and name in params:
             module_name, _, attr = name.rpartition(".")
             out[name] = (stage.get_submodule(module_name), attr)
@@ -50,7 +51,7 @@ def expert_parts(stages, plan, mesh) -> dict[str, tuple[int, int, int]]:
     if not plan:
         return {}
     rank, count = mesh.get_local_rank(), mesh.size()
-    return {name: (0, rank, count) for stage in stages for name in _cut_params(stage, plan)}
+    return {name: (0, rank, count) for stage in stages for name in _cut_params(stage, _by_name(stage, plan))}
 
 
 def apply_expert_parallel(stage: nn.Module, plan, mesh, implementation: str) -> None:
@@ -61,12 +62,13 @@ def apply_expert_parallel(stage: nn.Module, plan, mesh, implementation: str) -> 
     if not plan:
         return
     ep_size = mesh.size()
-    for module, attr in _cut_params(stage, plan).values():
+    by_name = _by_name(stage, plan)
+    for module, attr in _cut_params(stage, by_name).values():
         p = getattr(module, attr)
         if not isinstance(p, DTensor):
             shard = DTensor.from_local(p.detach(), mesh, [Shard(0)], run_check=False)
             module.register_parameter(attr, nn.Parameter(shard, requires_grad=p.requires_grad))
-    dispatch = [n for n, s in _by_name(stage, plan).items() if s == "ep_dispatch_experts"]
+    dispatch = [n for n, s in by_name.items() if s == "ep_dispatch_experts"]
     for name in dispatch:
         experts = stage.get_submodule(name)
         total = getattr(experts, "num_experts", None)

@@ -184,7 +184,7 @@ def _allocate(stage: nn.Module, device: torch.device) -> dict[str, torch.Tensor]
 
 def shard_stages(
     stages: list[nn.Module], dtypes: Mapping[str, torch.dtype], *, mesh, device: torch.device,
-    tied: tuple[tuple[str, ...], ...] = (), tp: tuple | None = None,
+    tied: tuple[tuple[str, ...], ...] = (), tp: tuple | None = None, experts: tuple = ((), "auto"),
 ) -> dict[str, torch.Tensor]:
     """Shard this rank's meta ``stages`` over ``mesh`` (FSDP2) and allocate only the local shards.
 
@@ -194,8 +194,9 @@ def shard_stages(
         mesh: the fsdp mesh (1-D: FSDP; 2-D (replicate, shard): HSDP).
         device: where the shards go.
         tied: the tied name groups (one Parameter per group within a stage).
-        tp: ``(plan, tp_mesh, tp_parts, ep_plan, ep_implementation)`` to make the stages tensor- and
-            expert-parallel first (FSDP over their slices; ``tp_parts`` holds both kinds of part).
+        tp: ``(plan, tp_mesh, tp_parts)`` to make the stages tensor-parallel first (FSDP over tp; ``tp_parts``
+            holds the expert-parallel parts too).
+        experts: ``(ep_plan, ep_implementation)`` to make them expert-parallel over ``tp_mesh`` first.
 
     Returns:
         stage parameter name -> its local shard, uninitialised: the part of :func:`fsdp_parts`,
@@ -213,7 +214,8 @@ def shard_stages(
         _meta_parameters(stage, dtypes, tied, tp[2] if tp else None)
         if tp:  # the meta tp slices become tp DTensors, which fully_shard then chunks (no data moves)
             apply_tensor_parallel(stage, tp[0], tp[1])
-            apply_expert_parallel(stage, tp[3], tp[1], tp[4])  # this rank's experts, likewise
+            ep_plan, implementation = experts
+            apply_expert_parallel(stage, ep_plan, tp[1], implementation)  # this rank's experts, likewise
         placement = _whole_placement(stage, tp[2], whole_mesh) if tp else None
         for unit in _units(stage):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement)

@@ -235,12 +235,13 @@ def _load_stages(
     if on_meta:  # with tensor / expert parallelism: each tp slice's fsdp chunk, read into the 2-D shard
         parts.update(experts)
         split = options.tp_plan or options.ep_plan
-        tp = (options.tp_plan, dims.tp_mesh, parts, options.ep_plan, options.ep_implementation) if split else None
+        tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
         parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
         dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
         dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
         shards = shard_stages(
-            stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp
+            stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp,
+            experts=(options.ep_plan, options.ep_implementation),
         )
     for n in set(fresh) & set(parts):  # keep the slice
         fresh[n] = local_slice(fresh[n], parts[n])

@@ -211,7 +211,8 @@ def choose_candidate(
         for c in cands
     ]
     if placement is not None and budget is None:
-        estimates = [_within_live_rows(e, placement) for e in estimates]
+        base = _live_rows(placement.schedule, placement.pp_size, placement.virtual_stages, placement.n_microbatches)
+        estimates = [_within_live_rows(e, placement, base) for e in estimates]
     usable = [e for e in estimates if e.usable]
     if not usable and budget is None:  # the default's bound on live activations left every candidate out
         raise InputError(f"no candidate for a batch of {batch} x {seq} tokens keeps no more activations live than "
@@ -282,10 +283,10 @@ def _live_rows(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microbat
     return [peak_in_flight(orders[r], {s: 1.0 / n_microbatches for s in stages})[0] for r in range(pp_size)]
 
 
-def _within_live_rows(e: Estimate, placement: PipelineOptions) -> Estimate:
-    """``e``, left out when a rank keeps more activations live than under ``placement``'s schedule and count."""
+def _within_live_rows(e: Estimate, placement: PipelineOptions, base: list[float]) -> Estimate:
+    """``e``, left out when a rank keeps more activations live than ``base`` (:func:`_live_rows` of
+    ``placement``'s schedule and count)."""
     p, v = placement.pp_size, placement.virtual_stages
-    base = _live_rows(placement.schedule, p, v, placement.n_microbatches)
     mine = _live_rows(get_schedule(e.candidate.schedule), p, v, e.candidate.n_microbatches)
     worse = [r for r in range(p) if mine[r] > base[r] * (1 + 1e-9)]
     if not worse or e.note:
