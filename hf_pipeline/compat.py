@@ -479,7 +479,7 @@ def whole_placement(mesh: Any) -> Any:
 __all__ += ["unflatten_mesh", "whole_placement"]
 
 
-# ---- transformers.distributed.expert_parallel (no public entry point for one module's dispatch) ----
+# ---- mixtures of experts: transformers' expert dispatch (no public entry point for one module) and router records
 def install_expert_dispatch(experts: torch.nn.Module, mesh: Any, implementation: str) -> None:
     """Make ``experts`` (whose stacked parameters hold this rank's experts) reach its tokens through
     transformers' ``EPImplementationInterface[implementation]`` over ``mesh``, the ranks sharing the batch
@@ -489,4 +489,12 @@ def install_expert_dispatch(experts: torch.nn.Module, mesh: Any, implementation:
     EpDispatchExpertsParallel().install_forward(experts, ep_mesh=mesh, tp_mesh=mesh, ep_implementation=implementation)
 
 
-__all__ += ["install_expert_dispatch"]
+def router_logits_recorder(model_class: type) -> tuple[type, int] | None:
+    """(router module class, index of its output) that transformers records as ``router_logits`` for
+    ``model_class``: its ``_can_record_outputs`` (no public accessor) names them."""
+    recorder = (getattr(model_class, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", None)
+    return None if target is None else (target, int(getattr(recorder, "index", 0) or 0))
+
+
+__all__ += ["install_expert_dispatch", "router_logits_recorder"]

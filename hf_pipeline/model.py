@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.agreement import check_same_on_all_ranks
@@ -31,6 +32,7 @@ from .distributed.dims import ParallelDims
 from .distributed.faults import raise_if_broken, spread_failures
 from .distributed.groups import renew_groups
 from .errors import InputError, InputTypeError, TraceError
+from .families.router_loss import RouterAux, router_aux_of
 from .integrations.peft_host import AdapterHost
 from .integrations.trainer_refusals import refuse_plain_trainer
 from .load_options import LoadOptions
@@ -46,6 +48,7 @@ from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
 from .training.inference_loss import inference_only
+from .training.router_aux import forward_aux_loss
 
 if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
     from .training.step import TrainStepState
@@ -119,6 +122,11 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     def param_layout(self) -> ParamLayout:
         """Which stages (and ranks) hold every checkpoint key; see :func:`hf_pipeline.planning.layout.param_layout`."""
         return param_layout(self.skeleton, self.plan, self.resolved.tied)
+
+    @functools.cached_property
+    def router_aux(self) -> RouterAux | None:
+        """The routers' load-balancing loss transformers adds (``config.output_router_logits``), or None."""
+        return router_aux_of(self.skeleton, self.config)
 
     @property
     def device(self) -> torch.device:
@@ -290,13 +298,25 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         inputs.pop("labels", None)
         batch = self.batch_size(inputs)
         with self.spreading_failures("a forward pass"):
-            outputs = self._run_forward(inputs, batch)
+            if self.router_aux is None:
+                outputs = self._run_forward(inputs, batch)
+            else:  # counted as it runs: transformers' aux_loss of the batch, added to its loss
+                tokens = next(v for k, v in inputs.items() if k in ("input_ids", "inputs_embeds")).shape[:2].numel()
+                outputs, aux_loss = forward_aux_loss(self, self.router_aux, lambda: self._run_forward(inputs, batch),
+                                                     tokens)
         if outputs is None:
             return None
         result = dict(zip(self.resolved.head.outputs, outputs))
         # As transformers: a loss when every target of the head's loss is given (QA: both positions).
         if names and all(k in targets for k in names):
-            result["loss"] = inference_only(output_loss(self, result, {k: targets[k] for k in names}))
+            result["loss"] = output_loss(self, result, {k: targets[k] for k in names})
+        if self.router_aux is not None:
+            result["aux_loss"] = aux_loss
+            if "loss" in result:
+                result["loss"] = result["loss"] + self.router_aux.coef * aux_loss.to(result["loss"].device)
+            return MoeCausalLMOutputWithPast(**{k: inference_only(v) if k == "loss" else v for k, v in result.items()})
+        if "loss" in result:
+            result["loss"] = inference_only(result["loss"])
         # The transformers output class of the head (a traced model records its own).
         return self.stage_maker.output_class(**result)
 

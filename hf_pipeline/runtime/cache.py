@@ -34,6 +34,7 @@ from ..planning.actions import fuse_schedule_backward
 from ..planning.plan import StagePlan
 from ..planning.schedules import ScheduleSpec
 from . import weight_pass
+from .chunk_marks import MarkedStage
 from .forward_schedule import forward_schedule
 
 __all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "PipelineRuntime", "cache_size", "pad_batch", "signature"]
@@ -134,7 +135,7 @@ class PipelineRuntime:
         spec = self.schedule
         # Zero-bubble: W = the linears' deferred weight gradients (weight_pass.py), not torch's graph split.
         deferred = training and spec.zero_bubble
-        stage_class = weight_pass.WeightDeferringStage if deferred else PipelineStage
+        stage_class = weight_pass.WeightDeferringStage if deferred else MarkedStage
         pstages = [
             stage_class(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group)
             for stage in self.stages

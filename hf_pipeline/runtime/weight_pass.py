@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
+
+from .chunk_marks import MarkedStage
 
 __all__ = ["WeightDeferringStage", "capturing", "deferring", "install", "linear", "take"]
 
@@ -207,7 +208,7 @@ def install(stage: nn.Module) -> None:
             module.forward = _LayerForward(module)
 
 
-class WeightDeferringStage(PipelineStage):
+class WeightDeferringStage(MarkedStage):
     """A ``PipelineStage`` whose backward actions defer its linears' weight gradients to W.
 
     Built with ``dw_builder=take`` and with the stage module's layers installed (:func:`install`).

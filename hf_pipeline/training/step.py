@@ -21,12 +21,11 @@ the same batch. What it adds around the schedule:
   ranks too, but each stage's reduce-scatter sums their gradients (torch's ``PipelineStage`` runs it once,
   after the last backward; with replicas of fsdp pipelines, HSDP, FSDP2 also all-reduces the chunks over
   them) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
-* **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added
-  back after the sync, so the sync never counts them twice; ``loss_scale=1/k`` scales a step's
-  gradients as ``(loss / k).backward()`` would.
+* **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added back after
+  the sync; ``loss_scale=1/k`` scales a step's gradients as ``(loss / k).backward()`` would.
 
-Every collective here has one fixed shape per model: the sync buckets follow the stage plan,
-which every rank computes alike, so no metadata is exchanged per step.
+Every collective here has one fixed shape per model (the sync buckets follow the stage plan). With
+``output_router_logits=True`` the routers' load-balancing loss is added exactly (``router_aux.py``).
 
 Example (``torchrun --nproc_per_node 2 train.py``):
     >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="interleaved-1f1b", n_microbatches=8)
@@ -54,11 +53,13 @@ from ..distributed.agreement import fingerprint, raise_on_any_rank
 from ..distributed.shards import is_sharded, local_tensor, mesh_norm_power, norm_power
 from ..errors import InputError, InputTypeError, TrainingError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
+from ..families.router_loss import RouterAux, router_aux_of
 from ..planning.schedules import check_training
 from ..runtime import weight_pass
 from ..runtime.cache import signature
 from ..runtime.checks import check_microbatches, check_model_inputs
 from .flat_reduce import all_reduce_flat, fsdp_sync_group, refuse_unsharded
+from .router_aux import aux_pass, forward_only
 
 __all__ = ["TrainStepState", "clip_grad_norm_", "train_step"]
 
@@ -88,6 +89,7 @@ class TrainStepState:
     buckets: list[tuple[dist.ProcessGroup | None, list[_LocalKey]]]
     norm_params: list[nn.Parameter]  # counted once in the global gradient norm
     params: list[nn.Parameter] = field(default_factory=list)  # every distinct local Parameter
+    router_aux: RouterAux | None = None  # the routers' load-balancing loss transformers adds (router_aux.py)
 
 
 def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
@@ -123,14 +125,10 @@ def _group_for(model: PipelineCore, pp_ranks: tuple[int, ...], made: dict) -> di
 
 
 def _train_state(model: PipelineCore) -> TrainStepState:
-    """The model's :class:`TrainStepState`, made on first use. Collective the first time (it creates
-    the sync groups).
+    """The model's :class:`TrainStepState`, made on first use (collective then: it creates the sync groups).
 
-    It is kept in the model's own typed field ``train_step_state`` (declared by ``PipelinedModel``),
-    not in a registry of this module keyed by model: the state describes one model (its stages'
-    parameters, groups over its ranks), so it lives and dies with it, and a reader of the model sees
-    it.
-    """
+    Kept in the model's own typed field ``train_step_state``: it describes one model (its stages' parameters,
+    groups over its ranks), so it lives and dies with it."""
     if model.train_step_state is None:
         model.train_step_state = _new_train_state(model)
     return model.train_step_state
@@ -177,6 +175,7 @@ def _new_train_state(model: PipelineCore) -> TrainStepState:
     return TrainStepState(
         loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),
         local=local, buckets=buckets, norm_params=norm_params, params=[p for e in local for p in e.params],
+        router_aux=router_aux_of(model.skeleton, model.config),
     )
 
 
@@ -354,16 +353,18 @@ def _agreed_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str
 
 def _run_schedule(
     model: PipelineCore, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], autocast: torch.dtype | None
-) -> list[torch.Tensor]:
-    """Forward and backward of this rank's stages over every microbatch; the losses computed here."""
-    # The step runs in model.training mode (model.train() / model.eval()); each stage's own mode
-    # is put back afterwards, so a later forward sees the modes it saw before.
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Forward and backward of this rank's stages over every microbatch: the losses and router loss terms made here.
+
+    The step runs in model.training mode; each stage's own mode is put back afterwards."""
     modes = [(m, m.training) for stage in model.stages for m in stage.modules()]
     for stage in model.stages:
         stage.train(model.training)
     losses: list[torch.Tensor] = []
+    aux = contextlib.nullcontext([]) if state.router_aux is None else aux_pass(
+        model, state.router_aux, lambda: forward_only(model, b.inputs, b.n_microbatches), loss_kwargs["loss_scale"])
     try:
-        with _autocast(model, autocast):
+        with _autocast(model, autocast), aux as aux_values:
             if model.plan.pp_size == 1:
                 _run_local(model, state, b, loss_kwargs, losses)
             else:
@@ -378,7 +379,7 @@ def _run_schedule(
     finally:
         for m, mode in modes:
             m.training = mode
-    return losses
+    return losses, aux_values
 
 
 def train_step(
@@ -392,8 +393,7 @@ def train_step(
 
     Gradients are accumulated into ``.grad`` as ``loss.backward()`` does (call ``optimizer.zero_grad()``
     between optimizer steps); stages run in ``model.training`` mode (``model.train()`` / ``model.eval()``).
-    A step that fails on any rank (out of memory on one stage, a stage that raises) leaves every ``.grad``
-    on every rank as it was before it (None, or what earlier steps accumulated): retry it or go on.
+    A step that fails on any rank (out of memory, a stage that raises) leaves every ``.grad`` as it was.
 
     Args:
         model: the :class:`~hf_pipeline.model.PipelinedModel`.
@@ -425,7 +425,7 @@ def train_step(
         p.grad = None
     loss_kwargs = {"denominator": b.denominator, "loss_scale": float(loss_scale)}
     try:
-        losses = _run_schedule(model, state, b, loss_kwargs, autocast)
+        losses, aux_values = _run_schedule(model, state, b, loss_kwargs, autocast)
         _sync_gradients(state)
     except BaseException:  # a failed step changes nothing: its partial gradients go, earlier ones come back
         kept = {id(p): old for p, old in stash}
@@ -435,10 +435,10 @@ def train_step(
     for p, old in stash:
         p.grad = old if p.grad is None else old.add_(p.grad)
 
-    # The last stage's rank of each replica holds its share of the global mean; the rest add 0 (and so
-    # do its tensor-parallel peers, which computed the same loss).
-    if losses and model.dims.tp_rank == 0:
-        total = torch.stack([loss.detach().float() for loss in losses]).sum()
+    # The last stage's rank of each replica holds its share of the global mean, every stage's rank its router
+    # loss terms; the rest add 0 (and so do tensor-parallel peers, which computed the same values).
+    if (losses or aux_values) and model.dims.tp_rank == 0:
+        total = torch.stack([loss.detach().float() for loss in losses + aux_values]).sum()
     else:
         total = torch.zeros((), device=model.device)
     total = total.to(model.device)

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from ...compat import cache_dummy_layer, module_registries
-from ...errors import InputError, InternalError
+from ...errors import InternalError
+from ..router_loss import router_aux_of
 from .base import Glue, layer_index
 
 __all__ = ["DecoderGlue"]
@@ -163,15 +164,9 @@ class DecoderGlue(Glue):
         if len(stage.stack_runs) != 1:
             raise InternalError("a decoder stage runs one stack")
         config = stage.config.get_text_config(decoder=True)
-        if getattr(config, "output_router_logits", False):
-            # transformers adds router_aux_loss_coef x the load-balancing loss over EVERY layer's router
-            # logits to the loss; the stages' loss is the head's alone, so training would silently differ.
-            raise InputError(
-                f"{type(stage.hf_root).__name__}: config.output_router_logits=True adds the routers' load-balancing "
-                f"loss (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}) over every layer to the "
-                f"training loss, which pipelined training does not compute yet; set config.output_router_logits=False "
-                f"(the default) to train on the language-modelling loss alone"
-            )
+        # The routers' load-balancing loss is added by the training step (training/router_aux.py); a family
+        # whose loss it cannot reproduce is refused here, at load.
+        router_aux_of(stage.hf_root, config)
 
     def __init__(self) -> None:
         # One view per stage this glue runs (a stage is built once; weak: a dropped stage frees its view).
@@ -189,6 +184,10 @@ class DecoderGlue(Glue):
         slot.received, slot.sent = (None if stage.spec.is_first else received[0]), None  # (B, T, H)
         cache = inputs.get("cache")
         kwargs = self._base_inputs(slot, inputs, cache)
+        if getattr(stage.config.get_text_config(decoder=True), "output_router_logits", False):
+            # transformers' own record of router logits and per-stage loss would be dead work: the training step
+            # adds the routers' loss over the whole batch (training/router_aux.py).
+            kwargs["output_router_logits"] = False
         with contextlib.ExitStack() as stack:
             for name, module in view.stand_ins:
                 stack.enter_context(_swapped(view.holder, name, module))
@@ -222,6 +221,8 @@ class DecoderGlue(Glue):
             args["inputs_embeds"] = out.last_hidden_state  # only its batch size is read (pooling heads)
         if keep:
             args["logits_to_keep"] = int(keep)
+        if getattr(stage.config.get_text_config(decoder=True), "output_router_logits", False):
+            args["output_router_logits"] = False
         view.answer.output = out
         try:
             with _swapped(view.holder_parent, view.holder_name, view.answer):
