@@ -186,20 +186,6 @@ def test_the_base_model_class_on_two_stages_equals_transformers(tmp_path):
     assert got.shape == want.shape and diff <= TOL, f"last_hidden_state differs by {diff:.3g}"
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_the_routers_auxiliary_loss_is_refused_at_load_naming_the_field(tmp_path, model_type):
-    import transformers
-
-    import hf_pipeline
-    from hf_pipeline.errors import InputError
-
-    torch.manual_seed(0)
-    config = decoder_config(model_type, output_router_logits=True)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(InputError, match=r"ForCausalLM: config.output_router_logits=True adds the routers'"):
-        hf_pipeline.AutoModelForCausalLM.from_pretrained(tmp_path, pipeline=True, device="cpu", progress=False)
-
-
 # ----------------------------------------------------------------------------- every rank
 def _case(path: str, eos: int, beam: bool, streamed: bool, text: str, load: dict) -> dict:
     import hf_pipeline
