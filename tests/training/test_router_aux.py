@@ -62,7 +62,7 @@ def _forward(model, rows=3):
     with torch.no_grad():
         out = model(**_labelled(rows))
     aux = getattr(out, "aux_loss", None)
-    return {"loss": float(out.loss), "aux_loss": None if aux is None else float(aux)}
+    return {"loss": float(out.loss.detach()), "aux_loss": None if aux is None else float(aux)}
 
 
 def _reference(path):
