@@ -489,4 +489,11 @@ def install_expert_dispatch(experts: torch.nn.Module, mesh: Any, implementation:
     EpDispatchExpertsParallel().install_forward(experts, ep_mesh=mesh, tp_mesh=mesh, ep_implementation=implementation)
 
 
-__all__ += ["install_expert_dispatch"]
+
+def experts_gate(experts: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """An experts module's own gating of its gate_up output, ``(..., 2I) -> (..., I)`` (transformers.integrations.moe:
+    ``_apply_gate``, which ``use_experts_implementation`` gives every experts class, gpt-oss its own)."""
+    return experts._apply_gate(gate_up)
+
+
+__all__ += ["experts_gate", "install_expert_dispatch"]
