@@ -155,3 +155,42 @@ def test_load_default_and_max_memory_plan_a_mixture_of_experts():
                                    rows=8, seq=16)
     report = plan_report(cfg, stages=2, dtype="fp32", batch=8, seq=16, n_microbatches=2, schedule="1f1b")
     assert peak == max(r.train_peak_bytes for r in report.ranks) > 0
+
+
+def _kept_bytes(cases):
+    """Per case: (pipeline rank, bytes of the parameters this rank keeps: its local shards of split experts)."""
+    from torch.distributed.tensor import DTensor
+
+    import hf_pipeline
+
+    out = []
+    for path, kwargs in cases:
+        model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
+        local = [p.to_local() if isinstance(p, DTensor) else p for _, p in model.checkpoint_named_parameters()]
+        out.append((model.dims.pp_rank, sum(t.numel() * t.element_size() for t in local)))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_planned_parameter_bytes_per_rank_are_what_a_loaded_rank_keeps(tmp_path):
+    """Exactly equal, at pp2 (x 2 replicas) and pp2 x ep2 on 4 ranks: the planner counts the stage's parameters
+    and, under ep, E / ep experts of each MoE layer; one expert too many or too few is 1/8 of a layer's experts."""
+    from harness import run_distributed
+
+    cases, wants = [], []
+    for model_type in FAMILIES:
+        cfg = decoder_config(model_type)
+        path = tmp_path / model_type
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        for ep in (1, 2):
+            kwargs = {"num_stages": 2} if ep == 1 else {"ep_size": 2}
+            cases.append((str(path), {**kwargs, "n_microbatches": 2}))
+            report = plan_report(cfg, stages=2, dtype="fp32", batch=4, seq=16, ep_size=ep)
+            wants.append((f"{model_type} pp2{' x ep2' if ep > 1 else ''}", [r.weight_bytes for r in report.ranks]))
+    per_rank = run_distributed(_kept_bytes, 4, cases, timeout=600)
+    for rank, got in enumerate(per_rank):
+        for (what, planned), (pp_rank, kept) in zip(wants, got, strict=True):
+            assert kept == planned[pp_rank], f"{what} rank {rank} (pp {pp_rank}): kept {kept}, planned {planned}"
+    assert wants[1][1][0] < wants[0][1][0]  # ep2 keeps fewer bytes than pp2 alone (mixtral, first stage)
