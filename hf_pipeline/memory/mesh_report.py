@@ -157,12 +157,19 @@ class MeshReport:
         return "\n".join([
             str(self.pipeline), "", self._summary(), "Per rank (every tp / fsdp / dp slot of a pipeline rank alike):",
             table,
-            "note: the table above is one tensor-parallel rank's pipeline (its parameter slices, heads / tp), "
-            "before fsdp",
+            _pipeline_note(self.mesh),
             "note: train peak = weights + grads + AdamW (exp_avg, exp_avg_sq: zeros_like(parameter), its dtype and "
             "shard) + fsdp gather + activations + P2P buffers; fsdp's padding of dim 0 is not counted",
             "note: generate peak = weights + fsdp gather (decoding gathers one unit at a time too) + KV cache",
         ])
+
+
+def _pipeline_note(m: MeshShape) -> str:
+    if m.tp == 1 and m.ep > 1:
+        return (f"note: the table above is one expert-parallel rank's pipeline (1/{m.ep} of each MoE layer's experts, "
+                "attention and dense layers whole), before fsdp")
+    return ("note: the table above is one tensor-parallel rank's pipeline (its parameter slices, heads / tp), "
+            "before fsdp")
 
 
 def _stage_ranks(m: MeshShape) -> str:
