@@ -194,3 +194,26 @@ def test_planned_parameter_bytes_per_rank_are_what_a_loaded_rank_keeps(tmp_path)
         for (what, planned), (pp_rank, kept) in zip(wants, got, strict=True):
             assert kept == planned[pp_rank], f"{what} rank {rank} (pp {pp_rank}): kept {kept}, planned {planned}"
     assert wants[1][1][0] < wants[0][1][0]  # ep2 keeps fewer bytes than pp2 alone (mixtral, first stage)
+
+
+@pytest.mark.unit
+def test_cli_plans_an_expert_parallel_mesh_and_refuses_experts_it_cannot_price(tmp_path, capsys):
+    import json
+
+    from hf_pipeline import cli
+
+    cfg = decoder_config("mixtral")
+    cfg.save_pretrained(tmp_path / "mixtral")
+    capsys.readouterr()
+    argv = ["plan", str(tmp_path / "mixtral"), "--ep-size", "2", "--batch", "4", "--seq", "16", "--dtype", "fp32",
+            "--moe-routing", "balanced", "--json"]
+    assert cli.main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mesh"] == {"dp": 1, "fsdp": 1, "pp": 2, "tp": 1, "ep": 2, "world": 4}, d["mesh"]
+    direct = plan_report(cfg, stages=2, dtype="fp32", batch=4, seq=16, ep_size=2, moe_routing="balanced")
+    assert [r["weight_bytes"] for r in d["ranks"]] == [r.weight_bytes for r in direct.ranks]
+    assert [r["activation_bytes"] for r in d["ranks"]] == [r.activation_bytes for r in direct.ranks]
+    # an experts module the config's base_model_ep_plan does not name: refused, naming it (its routing would run)
+    cfg.base_model_ep_plan = None
+    with pytest.raises(InputError, match=r"a plan entry for model\.layers\.0\.mlp\.experts \(MixtralExperts\)"):
+        plan_report(cfg, stages=2, dtype="fp32", batch=2, seq=8)
