@@ -15,6 +15,10 @@ How the numbers are obtained:
     That is exactly what the real forward keeps (the same HF code runs), for every family and
     dtype (bf16 RMSNorm upcasts included). The last stage adds the cross entropy over its outputs
     (the log-probabilities it saves in fp32). Assumes unpadded batches (``is_causal`` attention).
+  * a mixture of experts: a rank holds ``E / ep_size`` experts of each MoE layer (the loader's cut), and
+    its experts modules run a shape-static stand-in on a fixed number of token-expert pairs
+    (:mod:`.routed_experts`; ``moe_routing="worst"``, an upper bound, or ``"balanced"``), since the
+    routing's shapes depend on the data.
   * KV cache per token: from the config, 2 (K and V) x KV heads x head dim x itemsize per
     decoder layer (+ the cross-attention cache per encoder token of encoder-decoders).
   * KV cache of a request: per decoder layer, the tokens the cache transformers' generate builds
