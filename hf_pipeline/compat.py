@@ -1,11 +1,10 @@
 """Every private torch, transformers and peft API the package relies on, in one place.
 
-Each name here reaches into another library's internals because the public API lacks what the
-package needs; the comment beside it says which public API is missing. The third-party methods the
-package replaces for a while (peft's, while a pipelined model is alive) are named here too, each
-with its reason. Nothing else in the package imports a private torch or transformers name: when a
-torch or transformers release moves one, this is the only file to change, and ``pyproject.toml``
-bounds the versions it was tested with (torch 2.13, transformers 5.24-5.25).
+Each name here reaches into another library's internals because the public API lacks what the package needs; the
+comment beside it says which public API is missing. The third-party methods the package replaces for a while (peft's,
+while a pipelined model is alive) are named here too, each with its reason. Nothing else in the package imports a
+private torch or transformers name: when a torch or transformers release moves one, this is the only file to change,
+and ``pyproject.toml`` bounds the versions it was tested with (torch 2.13, transformers 5.24-5.25).
 """
 
 from __future__ import annotations
@@ -53,8 +52,8 @@ def abort_process_group(group: dist.ProcessGroup | None = None) -> None:
 
 
 # --- torch.distributed.pipelining ---------------------------------------------------------------
-# A schedule built from an explicit action list: torch exposes the runtime that executes action
-# lists (used by its own CSV schedules) only under this private name.
+# A schedule built from an explicit action list: torch exposes the runtime that executes action lists (used by its
+# own CSV schedules) only under this private name.
 PipelineScheduleRuntime = torch_schedules._PipelineScheduleRuntime
 # The action records (stage, computation, microbatch) such a runtime takes: no public constructor.
 Action = torch_schedules._Action
@@ -90,9 +89,8 @@ def FakeTensorMode(*args: Any, **kwargs: Any):  # noqa: N802 - a class in torch
 
 
 # --- transformers GenerationMixin --------------------------------------------------------------
-# Pipelined generate must prepare the generation config, special tokens, lengths and logits
-# processors exactly as ``GenerationMixin.generate`` does, so that sampling is identical; those
-# steps exist only as private methods of the mixin.
+# Pipelined generate must prepare the generation config, special tokens, lengths and logits processors exactly as
+# ``GenerationMixin.generate`` does, so that sampling is identical; those steps exist only as private methods.
 _GENERATION_HELPERS = (
     "_prepare_generation_config",
     "_prepare_special_tokens",
@@ -153,14 +151,14 @@ def no_init_weights():
     return _no_init_weights()
 
 
-# accelerate's "already prepared" flag: accelerator.prepare returns a module carrying it as it is
-# instead of wrapping it in DDP (there is no public opt-out for a module that syncs its own gradients).
+# accelerate's "already prepared" flag: accelerator.prepare returns a module carrying it as it is instead of wrapping
+# it in DDP (there is no public opt-out for a module that syncs its own gradients).
 ACCELERATE_PREPARED_FLAG = "_is_accelerate_prepared"
 
 
 # ------------------------------------------------------------------------------------------------
-# Below: one section per room of the package that needs a private API, each beside the public API
-# it stands in for. Each section lists its own names in an `__all__ += [...]` line of its own.
+# Below: one section per room of the package that needs a private API, each beside the public API it stands in
+# for. Each section lists its own names in an `__all__ += [...]` line of its own.
 
 # --- for distributed/ ----------------------------------------------------------------------------
 
@@ -168,8 +166,7 @@ import datetime  # noqa: E402
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:
-    """The timeout ``group``'s backend for ``device`` was created with. Stands in for a public getter:
-    ``ProcessGroup.set_timeout`` has no ``get_timeout``. Raises when no backend is registered for ``device``."""
+    """The timeout ``group``'s backend for ``device`` was created with (``set_timeout`` has no ``get_timeout``)."""
     return group._get_backend(device).options._timeout
 
 
@@ -365,27 +362,25 @@ __all__ += ["schedule_has_loss", "schedule_stages", "storage_key"]
 
 
 # --- for integrations/ (the Trainer) ---------------------------------------------------------------
-# transformers.Trainer has no public hook for where its batches come from, how evaluation gathers,
-# how a checkpoint is written and read back, how gradients are clipped, or which checkpoints rotation
-# may remove (transformers removes any ``checkpoint-*`` folder): PipelineTrainer overrides these
-# underscored methods (and calls the helpers listed after them on itself). Named here so that a
-# transformers release renaming one fails a test (tests/integrations/test_trainer_single_process.py) instead of
-# silently falling back to the Trainer's own behaviour (DDP-style sharding, pickled checkpoints).
+# transformers.Trainer has no public hook for where its batches come from, how evaluation gathers, how a checkpoint
+# is written and read back, how gradients are clipped, or which checkpoints rotation may remove (transformers removes
+# any ``checkpoint-*`` folder): PipelineTrainer overrides these underscored methods (and calls the helpers listed after
+# them on itself). Named here so that a transformers release renaming one fails a test
+# (tests/integrations/test_trainer_single_process.py) instead of silently falling back to the Trainer's own behaviour.
 TRAINER_OVERRIDES = (
     "_get_dataloader", "_set_signature_columns_if_needed", "_get_num_items_in_batch", "_track_num_input_tokens",
-    "_clip_grad_norm",
-    "_get_grad_norm", "_move_model_to_device", "_save_checkpoint", "_load_from_checkpoint", "_load_best_model",
-    "_load_optimizer_and_scheduler", "_load_rng_state",
+    "_clip_grad_norm", "_get_grad_norm", "_move_model_to_device", "_save_checkpoint", "_load_from_checkpoint",
+    "_load_best_model", "_load_optimizer_and_scheduler", "_load_rng_state",
     "_finalize_training",  # its end-of-training removal with save_total_limit=1: only the Trainer's checkpoints
 )
 TRAINER_HELPERS = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_get_output_dir", "_prepare_inputs")
 
 __all__ += ["TRAINER_HELPERS", "TRAINER_OVERRIDES"]
 # --- for integrations/ (peft) ----------------------------------------------------------------------
-# peft creates one adapter layer per target in the tuner's ``_create_and_replace`` and freezes the
-# rest with ``_mark_only_adapters_as_trainable``; neither has a public equivalent. The integrations room
-# replays the first per module (to draw each target's initial values from its one-process random
-# state) and applies the second to a stage with no target (peft would raise there instead).
+# peft creates one adapter layer per target in the tuner's ``_create_and_replace`` and freezes the rest with
+# ``_mark_only_adapters_as_trainable``; neither has a public equivalent. The integrations room replays the first per
+# module (to draw each target's initial values from its one-process random state) and applies the second to a stage
+# with no target (peft would raise there instead).
 def peft_create_and_replace(tuner: Any) -> Any:
     """peft's per-target creation method of ``tuner``'s class (``_create_and_replace``), unbound."""
     return type(tuner)._create_and_replace
@@ -490,11 +485,16 @@ def install_expert_dispatch(experts: torch.nn.Module, mesh: Any, implementation:
 
 
 def router_logits_recorder(model_class: type) -> tuple[type, int] | None:
-    """(router module class, index of its output) that transformers records as ``router_logits`` for
-    ``model_class``: its ``_can_record_outputs`` (no public accessor) names them."""
+    """(router class, output index) transformers records as ``router_logits`` (``_can_record_outputs``)."""
     recorder = (getattr(model_class, "_can_record_outputs", None) or {}).get("router_logits")
     target = getattr(recorder, "target_class", None)
     return None if target is None else (target, int(getattr(recorder, "index", 0) or 0))
 
 
-__all__ += ["install_expert_dispatch", "router_logits_recorder"]
+def experts_gate(experts: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """An experts module's own gating of its gate_up output, ``(..., 2I) -> (..., I)`` (transformers.integrations.moe:
+    ``_apply_gate``, which ``use_experts_implementation`` gives every experts class, gpt-oss its own)."""
+    return experts._apply_gate(gate_up)
+
+
+__all__ += ["experts_gate", "install_expert_dispatch", "router_logits_recorder"]

@@ -107,7 +107,7 @@ class LoadOptions:
         "`dualpipev`, or `\"auto\"` (the simulated fastest; see `tune_batch`). Named neither schedule nor "
         "`n_microbatches`: the simulated fastest schedule and count among the schedules of the default placement, "
         "keeping no more activations live than `1f1b` with one microbatch per stage; where that choice cannot plan "
-        "(tensor/FSDP/expert parallelism, mixtures of experts, traced stages, encoder-decoders, one stage) `1f1b` "
+        "(tensor/FSDP/expert parallelism, traced stages, encoder-decoders, one stage) `1f1b` "
         "(`interleaved-1f1b` with 2+ stages per rank). With `n_microbatches` named alone: that default, or, when it "
         "cannot train them, the schedule of the same layout with the smallest bubble that can. "
         "`model.options.schedule_note` and `hf-pipeline plan` say which and why. A schedule you name is refused with "

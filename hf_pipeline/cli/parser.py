@@ -170,6 +170,12 @@ def _add_plan(sub) -> None:
     p.add_argument("--fsdp-size", type=_positive, default=1,
                    help="ranks each stage's parameters, gradients and optimizer states are sharded over (FSDP2; "
                         "default 1)")
+    p.add_argument("--ep-size", type=_positive, default=1,
+                   help="expert-parallel ranks per stage of a mixture of experts, each keeping 1/ep of a layer's "
+                        "experts: --tp-size's ranks (equal to it), or alone (default 1)")
+    p.add_argument("--moe-routing", choices=("worst", "balanced"), default="worst",
+                   help="token-expert pairs a rank's experts are priced at: worst (an upper bound: every token's "
+                        "top_k experts on the rank) or balanced (tokens x top_k / ep)")
     p.add_argument("--virtual-stages", type=_positive, default=None,
                    help="stages per rank (default 1, or 2 for interleaved schedules)")
     p.add_argument("--schedule", default=None,

@@ -10,7 +10,7 @@ __all__ = ["cmd_convert", "cmd_plan"]
 
 def cmd_plan(args) -> int:
     """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone (for a mesh with
-    ``--num-processes`` / ``--tp-size`` / ``--fsdp-size``)."""
+    ``--num-processes`` / ``--tp-size`` / ``--fsdp-size`` / ``--ep-size``)."""
     config = load_config(args.path, args.download)
     auto = auto_class_for(config, args.auto_class)
     from ..memory.planner import plan_report
@@ -26,9 +26,9 @@ def cmd_plan(args) -> int:
     common = dict(
         virtual_stages=args.virtual_stages, schedule=args.schedule, dtype=args.dtype, batch=args.batch, seq=args.seq,
         n_microbatches=args.n_microbatches, auto_class=auto, split=split_option(args.split),
-        checkpoint_every_n_layers=args.checkpoint_every_n_layers,
+        checkpoint_every_n_layers=args.checkpoint_every_n_layers, moe_routing=args.moe_routing,
     )
-    if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1:
+    if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1 and args.ep_size == 1:
         if args.schedule is None and args.n_microbatches is None:
             common.update(_default_choice(config, args, auto))
         report = plan_report(config, stages=args.stages or 2, **common)
@@ -36,7 +36,7 @@ def cmd_plan(args) -> int:
         from ..memory.mesh_report import mesh_report
 
         report = mesh_report(config, num_processes=args.mesh_processes, tp_size=args.tp_size,
-                             fsdp_size=args.fsdp_size, stages=args.stages, **common)
+                             fsdp_size=args.fsdp_size, ep_size=args.ep_size, stages=args.stages, **common)
     print(report.to_json() if args.json else report)
     return 0
 

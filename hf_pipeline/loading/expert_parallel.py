@@ -22,7 +22,7 @@ from torch import nn
 
 from ..compat import install_expert_dispatch
 from ..errors import InputError
-from .tensor_parallel import match_plan
+from ..planning.mesh_rules import match_plan
 
 __all__ = ["apply_expert_parallel", "expert_parts"]
 

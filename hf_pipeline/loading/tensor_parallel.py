@@ -45,27 +45,10 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..compat import strided_shard
 from ..errors import InputError, InternalError
-from ..planning.mesh_rules import parse_style
+from ..planning.mesh_rules import match_plan, parse_style, plan_pattern
 from .weights import chunk_bounds
 
-__all__ = ["apply_tensor_parallel", "check_plan", "local_slice", "match_plan", "plan_for_stage", "shard_parts"]
-
-
-def _pattern(text: str) -> re.Pattern:
-    """A plan key as a regex over the end of a module name (``*`` is one block index)."""
-    return re.compile(r"(?:^|.*\.)" + re.escape(text).replace(r"\*", r"\d+") + "$")
-
-
-def match_plan(names, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
-    """Name -> style of the first pattern of ``plan`` matching it, for every name of ``names`` one matches."""
-    compiled = [(_pattern(k), style) for k, style in plan]
-    out: dict[str, str] = {}
-    for name in names:
-        for pattern, style in compiled:
-            if name and pattern.match(name):
-                out[name] = style
-                break
-    return out
+__all__ = ["apply_tensor_parallel", "check_plan", "local_slice", "plan_for_stage", "shard_parts"]
 
 
 def plan_for_stage(stage: nn.Module, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
@@ -302,7 +285,7 @@ def _localise(stage: nn.Module, sharded: dict[str, str], tp_size: int) -> None:
     """Divide by ``tp_size`` the head / width attributes the family's forward reads (its recipe's
     ``tp_local``) on each module holding a sharded child: they now count this rank's share."""
     resolved = getattr(stage, "resolved", None)
-    rules = [(_pattern(k), attrs) for k, attrs in (resolved.recipe.tp_local if resolved is not None else ())]
+    rules = [(plan_pattern(k), attrs) for k, attrs in (resolved.recipe.tp_local if resolved is not None else ())]
     for name, module in stage.named_modules():
         attrs = next((a for pattern, a in rules if name and pattern.match(name)), None)
         if attrs is None or not any(s.startswith(name + ".") for s in sharded):

@@ -8,6 +8,9 @@ what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds
   loader reads); the rest (embeddings, norms, the LM head, a row-parallel bias) is whole. With
   fsdp, every parameter is then split in fsdp equal parts (FSDP2 shards dim 0; its padding of a dim
   0 that fsdp does not divide is left out).
+* experts (a mixture of experts with ``ep_size``): each of a stage's ``ep_size`` ranks holds ``E / ep_size``
+  whole experts of each MoE layer (the loader's cut), the router, shared experts and dense layers whole
+  (when ep stands alone) or as the tensor-parallel plan slices them (``ep_size == tp_size``).
 * gradients: as the parameters (same dtype; reduce-scattered to the shard under fsdp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` as ``torch.optim.AdamW`` makes them (``zeros_like`` of the
   parameter: same dtype and shard), 2 x the rank's parameter bytes.
@@ -16,7 +19,8 @@ what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds
   and the one prefetched), in forward, backward and decoding.
 * activations: the stage run on fake tensors with the tp-local parameter shapes (so attention runs
   on heads / tp, the MLP on intermediate / tp, as on a real tensor-parallel rank), for the rows of
-  one pipeline: the global batch split over dp x fsdp.
+  one pipeline: the global batch split over dp x fsdp. A mixture of experts' experts compute a fixed
+  number of token-expert pairs on the experts the rank holds (:mod:`.routed_experts`).
 * KV cache: the rank's heads, (KV heads / tp) per layer.
 
 Example:
@@ -41,40 +45,53 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class MeshShape:
-    """The job's mesh: ``dp`` replicas of an ``fsdp`` x ``pp`` x ``tp`` block of ranks."""
+    """The job's mesh: ``dp`` replicas of an ``fsdp`` x ``pp`` x ``tp`` block of ranks; ``ep`` of a stage's
+    ranks split its experts (``tp`` of them, or, given alone, the stage's ``ep`` ranks)."""
 
     dp: int
     fsdp: int
     pp: int
     tp: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "fsdp", "pp", "tp"):
+        for name in ("dp", "fsdp", "pp", "tp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} size must be a positive integer, got {value!r}")
 
     @property
+    def stage_ranks(self) -> int:
+        """Ranks sharing one stage's batch: its tensor-parallel ranks, or its expert-parallel ones given alone."""
+        return max(self.tp, self.ep)
+
+    @property
     def world(self) -> int:
-        return self.dp * self.fsdp * self.pp * self.tp
+        return self.dp * self.fsdp * self.pp * self.stage_ranks
 
     def __str__(self) -> str:
-        return f"dp={self.dp} x fsdp={self.fsdp} x pp={self.pp} x tp={self.tp} = {self.world} ranks"
+        dims = f"tp={self.tp}" + (f" (ep={self.ep})" if self.ep > 1 and self.tp > 1 else "")
+        dims = f"ep={self.ep}" if self.tp == 1 and self.ep > 1 else dims
+        return f"dp={self.dp} x fsdp={self.fsdp} x pp={self.pp} x {dims} = {self.world} ranks"
 
 
-def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size: int = 1) -> MeshShape:
+def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size: int = 1,
+               ep_size: int = 1) -> MeshShape:
     """The mesh of ``num_processes`` ranks with these sizes; the replicas (dp) are what is left.
 
     Raises:
-        InputError: ``pp_size x tp_size x fsdp_size`` does not divide ``num_processes``.
+        InputError: ``pp_size x tp_size (or ep_size alone) x fsdp_size`` does not divide ``num_processes``.
     """
-    block = pp_size * tp_size * fsdp_size
+    stage = max(tp_size, ep_size)
+    block = pp_size * stage * fsdp_size
     if num_processes < 1 or num_processes % block:
+        what = "tp" if ep_size == 1 else "ep" if tp_size == 1 else "tp (= ep)"
         raise InputError(
-            f"--num-processes {num_processes} is not a multiple of pp x tp x fsdp = {pp_size} x {tp_size} x "
-            f"{fsdp_size} = {block}; pass a multiple of {block}, or change --stages / --tp-size / --fsdp-size"
+            f"--num-processes {num_processes} is not a multiple of pp x {what} x fsdp = {pp_size} x {stage} x "
+            f"{fsdp_size} = {block}; pass a multiple of {block}, or change --stages / --tp-size / --ep-size / "
+            "--fsdp-size"
         )
-    return MeshShape(dp=num_processes // block, fsdp=fsdp_size, pp=pp_size, tp=tp_size)
+    return MeshShape(dp=num_processes // block, fsdp=fsdp_size, pp=pp_size, tp=tp_size, ep=ep_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +145,7 @@ class MeshReport:
         m, p = self.mesh, self.pipeline
         rows = max(1, self.batch // (m.dp * m.fsdp))
         return (
-            f"mesh: {m}; each of the {m.pp} pipeline ranks is {m.tp} tensor-parallel x {m.fsdp} fsdp rank(s), "
+            f"mesh: {m}; each of the {m.pp} pipeline ranks is {_stage_ranks(m)} x {m.fsdp} fsdp rank(s), "
             f"{m.dp} replica(s); global batch {self.batch} = {rows} rows per pipeline x {m.dp * m.fsdp}, "
             f"seq {p.seq}, {p.n_microbatches} microbatches, {p.dtype}"
         )
@@ -140,12 +157,25 @@ class MeshReport:
         return "\n".join([
             str(self.pipeline), "", self._summary(), "Per rank (every tp / fsdp / dp slot of a pipeline rank alike):",
             table,
-            "note: the table above is one tensor-parallel rank's pipeline (its parameter slices, heads / tp), "
-            "before fsdp",
+            _pipeline_note(self.mesh),
             "note: train peak = weights + grads + AdamW (exp_avg, exp_avg_sq: zeros_like(parameter), its dtype and "
             "shard) + fsdp gather + activations + P2P buffers; fsdp's padding of dim 0 is not counted",
             "note: generate peak = weights + fsdp gather (decoding gathers one unit at a time too) + KV cache",
         ])
+
+
+def _pipeline_note(m: MeshShape) -> str:
+    if m.tp == 1 and m.ep > 1:
+        return (f"note: the table above is one expert-parallel rank's pipeline (1/{m.ep} of each MoE layer's experts, "
+                "attention and dense layers whole), before fsdp")
+    return ("note: the table above is one tensor-parallel rank's pipeline (its parameter slices, heads / tp), "
+            "before fsdp")
+
+
+def _stage_ranks(m: MeshShape) -> str:
+    if m.ep == 1:
+        return f"{m.tp} tensor-parallel"
+    return f"{m.ep} expert-parallel" if m.tp == 1 else f"{m.tp} tensor- and expert-parallel"
 
 
 def _count(n: int) -> str:
@@ -160,6 +190,7 @@ def mesh_report(
     num_processes: int | None = None,
     tp_size: int = 1,
     fsdp_size: int = 1,
+    ep_size: int = 1,
     stages: int | None = None,
     virtual_stages: int | None = None,
     batch: int = 1,
@@ -172,6 +203,8 @@ def mesh_report(
         num_processes: ranks in the job (default: one replica, stages x tp x fsdp).
         tp_size: tensor-parallel ranks per stage.
         fsdp_size: ranks each parameter is sharded over (FSDP2), per pipeline rank.
+        ep_size: ranks of a stage splitting a mixture of experts' experts (each keeps ``E / ep_size`` of a
+            layer's): its ``tp_size`` ranks, or, alone, ``ep_size`` ranks per stage running the rest whole.
         stages: total pipeline stages (default: what the world leaves, num_processes / (tp x fsdp),
             x virtual_stages; 2 without num_processes).
         virtual_stages: stages per pipeline rank.
@@ -185,13 +218,15 @@ def mesh_report(
         InputError: sizes that do not divide the world, a batch that does not split over dp x fsdp,
             or tensor parallelism for a family without a plan (named by the options' checks).
     """
-    if fsdp_size < 1 or tp_size < 1:
-        raise InputError(f"--tp-size and --fsdp-size must be >= 1, got {tp_size} and {fsdp_size}")
+    if fsdp_size < 1 or tp_size < 1 or ep_size < 1:
+        raise InputError(f"--tp-size, --ep-size and --fsdp-size must be >= 1, got {tp_size}, {ep_size} and {fsdp_size}")
     per_rank_stages = virtual_stages or 1
-    if stages is None:  # as from_pretrained: the pipeline takes what the tensor-parallel and fsdp ranks leave
-        stages = (2 if num_processes is None else max(1, num_processes // (tp_size * fsdp_size))) * per_rank_stages
+    stage_ranks = max(tp_size, ep_size)
+    if stages is None:  # as from_pretrained: the pipeline takes what the stage's ranks and fsdp leave
+        stages = (2 if num_processes is None else max(1, num_processes // (stage_ranks * fsdp_size))) * per_rank_stages
     pp = max(1, stages // per_rank_stages)
-    mesh = mesh_shape(num_processes or pp * tp_size * fsdp_size, pp_size=pp, tp_size=tp_size, fsdp_size=fsdp_size)
+    mesh = mesh_shape(num_processes or pp * stage_ranks * fsdp_size, pp_size=pp, tp_size=tp_size, fsdp_size=fsdp_size,
+                      ep_size=ep_size)
     pipelines = mesh.dp * mesh.fsdp
     if batch % pipelines:
         raise InputError(
@@ -199,7 +234,7 @@ def mesh_report(
             f"ranks; pass a multiple of {pipelines}"
         )
     pipeline = plan_report(path_or_config, stages=stages, virtual_stages=virtual_stages, batch=batch // pipelines,
-                           tp_size=tp_size, **plan_kwargs)
+                           tp_size=tp_size, ep_size=ep_size, **plan_kwargs)
     return MeshReport(mesh=mesh, batch=batch, pipeline=pipeline,
                       ranks=tuple(_rank(r, pipeline, fsdp_size) for r in pipeline.ranks))
 

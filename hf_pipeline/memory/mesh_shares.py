@@ -1,4 +1,5 @@
-"""What one rank of a mesh holds of a stage's parameters: tensor-parallel slices, fsdp's units.
+"""What one rank of a mesh holds of a stage's parameters: tensor-parallel slices, expert-parallel experts,
+fsdp's units.
 
 Used by the memory planner (:mod:`.planner`, which runs the stages on these shapes) and by
 :mod:`.mesh_report` (the per-rank report of a mesh).
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..loading.expert_parallel import expert_parts
 from ..loading.tensor_parallel import shard_parts
 
-__all__ = ["fsdp_unit_bytes", "human_bytes", "tp_local_shapes"]
+__all__ = ["ep_local_shapes", "fsdp_unit_bytes", "human_bytes", "local_shapes", "tp_local_shapes"]
 
 
 def human_bytes(n: float) -> str:
@@ -57,6 +59,26 @@ def tp_local_shapes(stage: nn.Module, tp_plan: tuple[tuple[str, str], ...], tp_s
         shape[dim] //= count
         out[name] = tuple(shape)
     return out
+
+
+def ep_local_shapes(stage: nn.Module, ep_plan: tuple[tuple[str, str], ...], ep_size: int) -> dict[str, tuple]:
+    """Parameter name -> the shape one expert-parallel rank holds (its ``E / ep_size`` whole experts, the
+    loader's :func:`~hf_pipeline.loading.expert_parallel.expert_parts`), for the parameters ``ep_plan`` cuts."""
+    if ep_size == 1 or not ep_plan:
+        return {}
+    out = {}
+    for name, (dim, _, count) in expert_parts([stage], ep_plan, _PlannedMesh(ep_size)).items():
+        shape = list(stage.get_parameter(name).shape)
+        shape[dim] //= count
+        out[name] = tuple(shape)
+    return out
+
+
+def local_shapes(stage: nn.Module, options) -> dict[str, tuple]:
+    """Parameter name -> the shape one rank of a stage holds under ``options`` (``PipelineOptions``): its
+    tensor-parallel slices and its experts; only the parameters it does not hold whole."""
+    return {**tp_local_shapes(stage, options.tp_plan, options.tp_size),
+            **ep_local_shapes(stage, options.ep_plan, options.ep_size)}
 
 
 def fsdp_unit_bytes(stage: nn.Module, local_shapes: dict[str, tuple], itemsize: int) -> list[int]:

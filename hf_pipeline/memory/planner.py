@@ -15,6 +15,10 @@ How the numbers are obtained:
     That is exactly what the real forward keeps (the same HF code runs), for every family and
     dtype (bf16 RMSNorm upcasts included). The last stage adds the cross entropy over its outputs
     (the log-probabilities it saves in fp32). Assumes unpadded batches (``is_causal`` attention).
+  * a mixture of experts: a rank holds ``E / ep_size`` experts of each MoE layer (the loader's cut), and
+    its experts modules run a shape-static stand-in on a fixed number of token-expert pairs
+    (:mod:`.routed_experts`; ``moe_routing="worst"``, an upper bound, or ``"balanced"``), since the
+    routing's shapes depend on the data.
   * KV cache per token: from the config, 2 (K and V) x KV heads x head dim x itemsize per
     decoder layer (+ the cross-attention cache per encoder token of encoder-decoders).
   * KV cache of a request: per decoder layer, the tokens the cache transformers' generate builds
@@ -55,15 +59,18 @@ from ..errors import InputError
 from ..loading.checkpoint_files import resolve_checkpoint
 from ..loading.stages import StageModule, build_stage, recipe_front_end
 from ..planning.actions import peak_in_flight, schedule_actions
+from ..planning.ep_plan import num_experts
 from ..planning.kv_cache_sizes import config_attr, kv_cache_bytes, kv_cache_bytes_per_token, kv_cache_tokens
+from ..planning.moe_costs import experts_per_token
 from ..planning.options import PipelineOptions, load_config
 from ..planning.plan import StagePlan
 from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
 from ..planning.tp_plan import ParallelRequest
 from ..recompute.layers import CheckpointingSettings, apply_checkpointing
-from .mesh_shares import fsdp_unit_bytes, tp_local_shapes
+from .mesh_shares import fsdp_unit_bytes, local_shapes
 from .report import MemoryReport, RankMemory, StageMemory
+from .routed_experts import static_experts
 from .saved_tensors import CheckpointProbe, measure_saved_bytes
 
 __all__ = ["plan_report"]
@@ -135,16 +142,18 @@ class _StageRun:
 
 
 def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StagePlan, *, microbatch: int, seq: int,
-                     has_loss: bool, every_n_layers: int = 1, tp=((), 1)) -> list[_StageRun]:
-    """Run every stage once in training mode on fake tensors (``tp``: plan and size, each tensor-parallel
-    rank's slices of the parameters); measure what each saves and sends."""
+                     has_loss: bool, every_n_layers: int = 1, options: PipelineOptions,
+                     moe_routing: str = "worst") -> list[_StageRun]:
+    """Run every stage once in training mode on fake tensors, with the parameter shapes one rank of a stage
+    holds under ``options`` (tensor-parallel slices, its experts) and a mixture of experts' routing priced
+    by ``moe_routing`` (:mod:`.routed_experts`); measure what each saves and sends."""
     from ..compat import FakeTensorMode
 
     stages = [build_stage(skeleton, resolved, spec) for spec in plan.stages]  # deepcopy outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     results: list[_StageRun] = []
-    with _eager_decisions():
-        shapes = [tp_local_shapes(stage, *tp) for stage in stages]
+    with _eager_decisions(), static_experts(stages, skeleton.config, routing=moe_routing):
+        shapes = [local_shapes(stage, options) for stage in stages]
         itemsize = torch.empty((), dtype=plan.dtype).element_size()
         units = [fsdp_unit_bytes(stage, shape, itemsize) for stage, shape in zip(stages, shapes)]
         saved = [(n := sum(stage.get_parameter(k).numel() - math.prod(v) for k, v in shape.items()), n * itemsize)
@@ -183,19 +192,6 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
     return results
 
 
-def _refuse_experts(skeleton) -> None:
-    """Refuse a mixture of experts: the planner measures activations by running the stages on fake
-    tensors, and an experts layer's routing has data-dependent shapes (transformers' eager loop selects
-    each expert's tokens with ``nonzero``; torch 2.13's fake rule for ``grouped_mm`` takes bf16 only)."""
-    experts = sorted({type(m).__name__ for m in skeleton.modules() if type(m).__name__.endswith("Experts")})
-    if experts:
-        raise InputError(
-            f"{type(skeleton).__name__}: the memory planner cannot predict a mixture of experts' activations yet "
-            f"({', '.join(experts)} route tokens with data-dependent shapes, which its fake-tensor run cannot "
-            f"follow); name schedule, n_microbatches and split instead of 'auto', and load without max_memory"
-        )
-
-
 def plan_report(
     path_or_config: Any,
     *,
@@ -210,6 +206,8 @@ def plan_report(
     split: str | Sequence[str] = "auto",
     checkpoint_every_n_layers: int = 1,
     tp_size: int = 1,
+    ep_size: int = 1,
+    moe_routing: str = "worst",
     schedule_note: str | None = None,
 ) -> MemoryReport:
     """Predict per-stage and per-rank memory without reading any weights.
@@ -230,6 +228,9 @@ def plan_report(
             ``activation_checkpointing_enable``) the report's "with checkpointing" figures assume.
         tp_size: tensor-parallel ranks per stage: the figures are one such rank's (its parameter slices,
             heads; see :mod:`.mesh_report`, whose ``mesh_report`` adds fsdp and replicas).
+        ep_size: expert-parallel ranks per stage (``tp_size``'s, or alone): one such rank's ``E / ep_size`` experts.
+        moe_routing: the token-expert pairs a rank's experts are priced at (:mod:`hf_pipeline.planning.moe_costs`):
+            ``"worst"`` (an upper bound) or ``"balanced"``.
         schedule_note: how the schedule was chosen, when it was before (the default's choice, ``hf-pipeline plan``).
 
     Returns:
@@ -241,15 +242,10 @@ def plan_report(
     options = PipelineOptions.resolve(
         config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
         n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
-        parallel=ParallelRequest(tp_size=tp_size), schedule_note=schedule_note,
+        parallel=ParallelRequest(tp_size=tp_size, ep_size=ep_size), schedule_note=schedule_note,
     )
     spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
-    # The planner plans training.
-    check_training(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m)
-    if batch < 1:
-        raise InputError(f"batch must be >= 1, got {batch}")
-    if seq is None:
-        seq = int(min(config_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
+    seq = _checked_shape(options, config, batch=batch, seq=seq)
     # The loader's own front end: the planner predicts the stages from_pretrained builds.
     maker = recipe_front_end(config, options)
     skeleton, resolved, plan = maker.skeleton, maker.resolved, maker.plan
@@ -258,13 +254,12 @@ def plan_report(
     # still runs one sequence per microbatch at most.
     microbatch = max(1, math.ceil(batch / m))
     has_loss = resolved.head.loss is not None
-    _refuse_experts(skeleton)
     runs = _run_stages_fake(skeleton, resolved, plan, microbatch=microbatch, seq=seq, has_loss=has_loss,
                             every_n_layers=CheckpointingSettings(every_n_layers=checkpoint_every_n_layers).every_n_layers,
-                            tp=(options.tp_plan, options.tp_size))
+                            options=options, moe_routing=moe_routing)
     generative = bool(getattr(skeleton, "can_generate", lambda: False)())
     stage_rows = _stage_rows(config, resolved, plan, runs, generative=generative, dtype=options.dtype, batch=batch,
-                             seq=seq, tp_size=options.tp_size)
+                             seq=seq, tp_size=options.tp_size if options.tp_plan else 1)  # ep alone: heads whole
     orders = schedule_actions(spec, pp_size=pp_size, n_microbatches=m, virtual_stages=virtual_stages, training=True)
     rank_rows = [_rank_row(rank, stage_rows, orders[rank], n_microbatches=m) for rank in range(pp_size)]
     is_config = isinstance(path_or_config, (transformers.PretrainedConfig, dict))
@@ -274,8 +269,21 @@ def plan_report(
         pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
         microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
         total_weight_bytes=plan.total_bytes, checkpoint_every_n_layers=checkpoint_every_n_layers,
-        notes=tuple(filter(None, [options.schedule_note])) + tuple(_notes(config, generative=generative, seq=seq)),
+        notes=tuple(filter(None, [options.schedule_note])) + tuple(_notes(config, generative=generative, seq=seq))
+        + tuple(_moe_notes(config, routing=moe_routing, ep_size=options.ep_size)),
     )
+
+
+def _checked_shape(options: PipelineOptions, config, *, batch: int, seq: int | None) -> int:
+    """The sequence length planned for (default min(max positions, 2048)), once the options train (the planner
+    plans training) and ``batch`` is positive."""
+    check_training(options.schedule, pp_size=options.pp_size, virtual_stages=options.virtual_stages,
+                   n_microbatches=options.n_microbatches)
+    if batch < 1:
+        raise InputError(f"batch must be >= 1, got {batch}")
+    if seq is None:
+        seq = int(min(config_attr(config, "max_position_embeddings", "n_positions", default=2048) or 2048, 2048))
+    return seq
 
 
 def _stage_rows(
@@ -317,6 +325,21 @@ def _rank_row(rank: int, stage_rows: list[StageMemory], order: list[str], *, n_m
         checkpointed_train_peak_bytes=2 * weights + kept + p2p, kv_cache_bytes=kv_cache,
         generate_peak_bytes=weights + kv_cache,
     )
+
+
+def _moe_notes(config, *, routing: str, ep_size: int) -> list[str]:
+    """How a mixture of experts was priced (nothing for a dense model)."""
+    experts, top_k = num_experts(config), experts_per_token(config)
+    if experts is None or top_k is None:
+        return []
+    held = f"{experts // ep_size} of {experts} experts per MoE layer (ep_size={ep_size})" if ep_size > 1 else (
+        f"all {experts} experts per MoE layer")
+    pairs = (f"tokens x min(top_k, experts held) = tokens x {min(top_k, experts // ep_size)} token-expert pairs, "
+             "an upper bound (every token's top_k experts on this rank)" if routing == "worst" else
+             f"tokens x top_k / ep_size = tokens x {top_k / ep_size:g} token-expert pairs (evenly routed; a "
+             "skewed batch goes above)")
+    return [f"mixture of experts: a rank holds {held}; activations priced at {pairs}; the split weighs an experts "
+            f"module by the {top_k} of {experts} experts a token runs through, not by its parameters"]
 
 
 def _notes(config, *, generative: bool, seq: int) -> list[str]:

@@ -36,11 +36,15 @@ def saved_storages(fn: Callable[[], Any], params: Sequence[torch.Tensor] = ()) -
     """
     owned = {storage_key(p) for p in params}
     seen: dict[int, int] = {}
+    # Held until fn returns: a branch whose graph is dropped mid-run (a router's group scores) frees its saved
+    # storages, and a later storage at the same address would be taken for one already counted.
+    held: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in owned and key not in seen:
             seen[key] = t.untyped_storage().nbytes()
+            held.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -74,11 +78,13 @@ class CheckpointProbe:
         self.kept_bytes = 0
         self.backward_extra_bytes = 0
         self._backward_peak = 0
+        self._held: list[torch.Tensor] = []
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
         if key not in self.owned and key not in self.seen:
             self.seen[key] = t.untyped_storage().nbytes()
+            self._held.append(t)  # as saved_storages: no later storage reuses a counted one's address
         return t
 
     def _kept(self) -> int:
@@ -96,6 +102,7 @@ class CheckpointProbe:
         """(bytes kept for backward by ``fn()`` with its blocks checkpointed through this probe, fn's result)."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             out = fn()
+        self._held.clear()
         self.kept_bytes = self._kept()
         self.backward_extra_bytes = max(0, self._backward_peak - self.kept_bytes)
         return self.kept_bytes, out

@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 from ..errors import InputError, PipelineError
 from .actions import peak_in_flight, schedule_actions
-from .ep_plan import num_experts
 from .options import PipelineOptions, parse_size
 from .plan import StagePlan
 from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
@@ -304,7 +303,6 @@ DEFAULT_REFUSALS: tuple[tuple[Callable[[PipelineOptions, Any], bool], str], ...]
     (lambda o, c: o.tp_size * o.fsdp_size * o.ep_size > 1,
      "the choice plans pipelines without tensor, FSDP or expert parallelism"),
     (lambda o, c: o.traced, "the stages are traced, so the cost model has no per-stage costs"),
-    (lambda o, c: num_experts(c) is not None, "the cost model counts every expert of a mixture of experts"),
     (lambda o, c: bool(getattr(c, "is_encoder_decoder", False)),
      "the cost model counts one sequence length, and an encoder-decoder has two"),
 )

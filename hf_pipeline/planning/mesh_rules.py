@@ -21,7 +21,7 @@ from ..families.recipe import list_recipes
 
 __all__ = [
     "FSDP_REFUSED_SCHEDULES", "REFUSED_STYLES", "STYLES", "TP_REFUSED_SCHEDULES", "check_fsdp_schedule",
-    "check_tp_schedule", "parse_style", "tp_families", "tp_plan_source",
+    "check_tp_schedule", "match_plan", "parse_style", "plan_pattern", "tp_families", "tp_plan_source",
 ]
 
 # Schedules a tensor-parallel stage cannot run, with why. None today: every schedule of
@@ -36,6 +36,24 @@ TP_REFUSED_SCHEDULES: dict[str, str] = {}
 # it places after the stage's last W (``PipelineStage.perform_reduce_grad``), so the deferred weight
 # gradients of ``runtime/weight_pass.py`` are in it; tests/training/test_fsdp_zero_bubble.py).
 FSDP_REFUSED_SCHEDULES: dict[str, str] = {}
+
+
+def plan_pattern(text: str) -> re.Pattern:
+    """A plan key (``layers.*.mlp.experts``) as a regex over the end of a module or parameter name (``*`` is
+    one block index)."""
+    return re.compile(r"(?:^|.*\.)" + re.escape(text).replace(r"\*", r"\d+") + "$")
+
+
+def match_plan(names, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """Name -> style of the first pattern of ``plan`` matching it, for every name of ``names`` one matches."""
+    compiled = [(plan_pattern(k), style) for k, style in plan]
+    out: dict[str, str] = {}
+    for name in names:
+        for pattern, style in compiled:
+            if name and pattern.match(name):
+                out[name] = style
+                break
+    return out
 
 
 # transformers' plan styles this version applies, as ``(kind, packs)`` (a kind is how

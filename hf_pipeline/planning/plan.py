@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..families.recipe import Recipe
+from .moe_costs import routed_shares
 from .partition import CUT_GAIN, Objective, objective, stage_costs
 from .resolve import ResolvedRecipe, hidden_size, module_stats, outside_blocks, resolve_recipe
 from .schedules import ScheduleSpec, rank_of_stage
@@ -279,6 +280,8 @@ class _Coster:
     def __init__(self, model: nn.Module, units: _Units, *, itemsize: int, seq_len: int, measured: Mapping[str, float]):
         self.model, self.units, self.itemsize, self.seq_len = model, units, itemsize, seq_len
         self.hidden = hidden_size(model)
+        # An experts module costs what a token runs through (top_k of E experts), not what it holds.
+        self.shares = routed_shares(model)
         self.measured = dict(measured)
         unknown = sorted(set(self.measured) - outside_blocks(units.resolved))
         if unknown:
@@ -290,7 +293,8 @@ class _Coster:
     def stats(self, group: Sequence[_Unit], is_last: bool) -> tuple[int, int, float]:
         mods = [m for u in group for m in self.units.modules(u)] + self.units.extra_modules(group, is_last)
         attention = sum(1 for u in group if u.half != 1)  # the attention scores run in the first half
-        params, nbytes, flops = module_stats(self.model, mods, self.itemsize, self.seq_len, self.hidden, attention)
+        params, nbytes, flops = module_stats(self.model, mods, self.itemsize, self.seq_len, self.hidden, attention,
+                                             self.shares)
         for m in mods:
             if m in self.measured:  # a measured cost replaces the module's FLOP count
                 flops += (
@@ -491,6 +495,6 @@ def stage_flops_parts(
     attention = len(spec.attention_blocks)  # as make_plan counts them: a second half runs no attention
     blocks = [m for m in spec.modules if m not in extra]
     return (
-        module_stats(model, blocks, 1, seq_len, hidden, attention)[2],
+        module_stats(model, blocks, 1, seq_len, hidden, attention, routed_shares(model))[2],
         {m: module_stats(model, [m], 1, seq_len, hidden, 0)[2] for m in spec.modules if m in extra},
     )

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from torch import nn
 
@@ -196,24 +196,29 @@ def outside_blocks(resolved: ResolvedRecipe) -> set[str]:
 
 
 def module_stats(
-    model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, attention: int
+    model: nn.Module, fqns: Sequence[str], itemsize: int, seq_len: int, hidden: int, attention: int,
+    shares: Mapping[str, float] | None = None,
 ) -> tuple[int, int, float]:
     """(params, bytes, FLOPs per token) of the given modules, ``attention`` of them attention layers.
 
-    Shared tensors count once.
+    Shared tensors count once. ``shares``: module name -> the share of its parameters a token runs
+    through (a mixture of experts' experts module: ``top_k / E``, :func:`~.moe_costs.routed_shares`);
+    its FLOPs count that share, its parameters all of them.
     """
     seen: set[int] = set()
     params = 0
     flops = 0.0
+    shares = shares or {}
     for fqn in fqns:
         mod = model.get_submodule(fqn)
-        for sub in mod.modules():
+        for sub_name, sub in mod.named_modules():
             lookup = isinstance(sub, nn.Embedding)
+            share = shares.get(f"{fqn}.{sub_name}" if sub_name else fqn, 1.0)
             for p in sub.parameters(recurse=False):
                 # A tied embedding / LM head is one tensor: its bytes count once, but the LM head's
                 # matmul costs compute while the embedding lookup does not.
                 if not lookup and p.dim() >= 2:
-                    flops += 2.0 * p.numel()
+                    flops += 2.0 * p.numel() * share
                 if id(p) in seen:
                     continue
                 seen.add(id(p))

@@ -74,16 +74,11 @@ def test_named_options_are_honoured_and_only_neither_chooses():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("case", ["tp", "moe", "traced", "t5", "one rank", "no candidate"])
+@pytest.mark.parametrize("case", ["tp", "traced", "t5", "one rank", "no candidate"])
 def test_default_falls_back_to_the_fixed_default_with_a_note(case):
     cfg, world, kw, why = _llama(), 2, {"auto_class": CAUSAL}, ""
     if case == "tp":
         world, kw, why = 4, {**kw, "parallel": ParallelRequest(tp_size=2)}, "tensor, FSDP or expert parallelism"
-    elif case == "moe":
-        cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                         vocab_size=96, max_position_embeddings=128)
-        why = "mixture of experts"
     elif case == "traced":
         kw, why = {**kw, "split_method": "trace"}, "traced"
     elif case == "t5":
