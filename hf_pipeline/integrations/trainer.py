@@ -91,6 +91,7 @@ class PipelineTrainerMixin:
     Put it first among the bases: ``class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer)``.
     Its methods replace the Trainer's for data, the step, evaluation's gathering and checkpoints;
     everything else (the loop, logging, callbacks, the subclass's own dataset preparation) stays.
+    On trl's ``DPOTrainer`` the step computes DPO's loss through the pipeline (:mod:`.trainer_dpo`).
     """
 
     def __init__(self, model: nn.Module=None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any):

@@ -37,8 +37,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 
+from ..compat import TRL_METRICS, TRL_TOKENS
 from ..errors import UsageError
 from ..families.losses import IGNORE_INDEX, LossFunction
 from .peft_host import is_pipelined_model
@@ -338,11 +340,11 @@ class DPOStep:
         self.log_metrics(trainer, "train", inputs, table, ref)
         return loss
 
-    def eval_loss(self, trainer, model, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_loss(self, trainer, policy: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The evaluation loss and logits (TRL's metrics logged) from the pipelined forward, which every rank holds."""
         ref = self.reference_logps(trainer, inputs)
         with torch.no_grad():
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            logits = policy(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
             stats = row_stats(logits, self.labels(inputs))
         n = stats.shape[0] // 2
         self.log_metrics(trainer, "eval", inputs, stats.double(), ref)
@@ -350,17 +352,17 @@ class DPOStep:
         return pair_loss(stats[:n, 0], stats[n:, 0], ref, lengths, self.settings).mean(), logits
 
     def log_metrics(self, trainer, mode: str, inputs, table: torch.Tensor, ref: torch.Tensor) -> None:
-        """TRL's metrics of one batch into ``trainer._metrics`` (TRL's store, averaged and cleared by its ``log``)."""
+        """TRL's metrics of one batch into TRL's store (averaged and cleared by its ``log``)."""
         n = table.shape[0] // 2
         logps = table[:, 0].float()
         chosen = self.settings.beta * (logps[:n] - ref[:n].to(logps.device))
         rejected = self.settings.beta * (logps[n:] - ref[n:].to(logps.device))
         tokens = table[:, 4]
-        store = trainer._metrics[mode]
+        store = getattr(trainer, TRL_METRICS)[mode]
         store["entropy"].append((table[:, 1].sum() / tokens.sum()).item() if tokens.sum() > 0 else 0.0)
         if mode == "train":
-            trainer._total_train_tokens += int(inputs["attention_mask"].sum())
-        store["num_tokens"] = [trainer._total_train_tokens]
+            setattr(trainer, TRL_TOKENS, getattr(trainer, TRL_TOKENS) + int(inputs["attention_mask"].sum()))
+        store["num_tokens"] = [getattr(trainer, TRL_TOKENS)]
         for side, part in (("chosen", slice(0, n)), ("rejected", slice(n, None))):
             count = tokens[part].sum()
             store[f"logits/{side}"].append((table[part, 2].sum() / count).item() if count > 0 else 0.0)

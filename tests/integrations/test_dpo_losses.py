@@ -76,6 +76,15 @@ def test_pair_losses_equal_trl(dpo, loss_types):
                                          (1.0,)))) > 1e-3  # the loss types differ: the comparison can fail
 
 
+def test_trl_private_names_the_mixin_uses_exist(dpo):
+    # compat names them: a trl release renaming one fails here instead of silently running TRL's own pass.
+    from hf_pipeline.compat import TRL_DPO_OVERRIDES, TRL_METRICS, TRL_TOKENS
+
+    trainer, _ = dpo
+    assert all(callable(getattr(trl.DPOTrainer, name, None)) for name in TRL_DPO_OVERRIDES)
+    assert set(getattr(trainer, TRL_METRICS)) == {"train", "eval"} and getattr(trainer, TRL_TOKENS) == 0
+
+
 def test_microbatches_hold_whole_pairs():
     pairs, rows = 8, 16
     model = types.SimpleNamespace(dims=types.SimpleNamespace(dp_size=2), microbatches_for=lambda r, training: 2)
