@@ -13,9 +13,10 @@ Compared at every logged step: the loss, the gradient norm, the learning rate an
 (``rewards/*``, ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``, ``num_tokens``); after 2
 optimizer steps of 2 accumulated batches, every trained parameter by name. Tolerance ``TOL`` (2e-5, relative and
 absolute, as the Trainer tests): TRL's fused LM head sums log-probabilities computed in tiles, the pipeline's loss
-takes torch's ``log_softmax`` of the gathered stage output; the sequence log-probabilities differ by ~1e-6
-(measured: losses equal to 6e-8, parameters to 1e-6 at lr 1e-3). A pair split across microbatches, a wrong
-denominator or a missing reference moves the loss by 1e-3 or more.
+takes torch's ``log_softmax`` of the last stage's output; the sequence log-probabilities differ by ~1e-6
+(measured, largest over ranks and steps: losses 4e-6 (ipo's, ~25), metrics 1.4e-6, parameters 4e-6 at lr 1e-3). A
+pair split across microbatches, a wrong denominator or a missing reference moves the loss by 1e-3 or more; the LoRA
+case failed (gradient norm 0.060 vs 0.072) while a forward-only pass between accumulated steps scaled the gradients.
 
 fp32, no gradient checkpointing (DPOConfig defaults to bf16 autocast, which rounds differently on stages).
 """
