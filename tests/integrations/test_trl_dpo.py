@@ -11,7 +11,8 @@ One spawned 2-rank job (2 stages, 2 microbatches of whole pairs) trains three se
 
 Compared at every logged step: the loss, the gradient norm, the learning rate and every metric TRL logs
 (``rewards/*``, ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``, ``num_tokens``); after 2
-optimizer steps of 2 accumulated batches, every trained parameter by name. Tolerance ``TOL`` (2e-5, relative and
+optimizer steps of 2 accumulated batches, every trained parameter by name; then ``evaluate()``'s loss and
+metrics (``ref`` case). Tolerance ``TOL`` (2e-5, relative and
 absolute, as the Trainer tests): TRL's fused LM head sums log-probabilities computed in tiles, the pipeline's loss
 takes torch's ``log_softmax`` of the last stage's output; the sequence log-probabilities differ by ~1e-6
 (measured, largest over ranks and steps: losses 4e-6 (ipo's, ~25), metrics 1.4e-6, parameters 4e-6 at lr 1e-3). A
@@ -74,6 +75,14 @@ def _logs(trainer) -> list[dict]:
             for e in trainer.state.log_history]
 
 
+def _eval(trainer, case: str, data) -> dict:
+    # evaluate() after training, in the reference-model case: the loss and metrics from the forward's logits.
+    if case != "ref":
+        return {}
+    found = trainer.evaluate(data.select(range(8)))
+    return {k: v for k, v in found.items() if "runtime" not in k and "per_second" not in k}
+
+
 def _trained(model) -> dict[str, torch.Tensor]:
     """Trained parameters by one-process name (``model.layers.0.self_attn.q_proj.lora_A.default.weight``)."""
     return {re.sub(r"^(base_model\.model\.)?(stages\.\d+\.)?", "", n): p.detach().clone()
@@ -101,7 +110,7 @@ def _dpo_rank(path: str, ref_path: str, directory: str) -> dict:
         trainer = PipelineDPOTrainer(model=model, ref_model=ref, args=_config(out, case), train_dataset=data,
                                      processing_class=tokenizer)
         trainer.train()
-        results[case] = {"logs": _logs(trainer), "params": _trained(model)}
+        results[case] = {"logs": _logs(trainer), "params": _trained(model), "eval": _eval(trainer, case, data)}
     return results
 
 
@@ -117,7 +126,7 @@ def _reference(path: str, ref_path: str, directory: str, case: str) -> dict:
     trainer = trl.DPOTrainer(model=model, ref_model=ref, args=_config(os.path.join(directory, f"trl-{case}"), case),
                              train_dataset=data, processing_class=tokenizer)
     trainer.train()
-    return {"logs": _logs(trainer), "params": _trained(model)}
+    return {"logs": _logs(trainer), "params": _trained(model), "eval": _eval(trainer, case, data)}
 
 
 @pytest.mark.dist
@@ -138,6 +147,9 @@ def test_dpo_trainer_through_the_mixin_equals_dpo_trainer(tmp_path):
             for step, (g, w) in enumerate(zip(got["logs"], want["logs"])):
                 for key, value in w.items():
                     assert g[key] == pytest.approx(value, rel=TOL, abs=TOL), f"{what} step {step} {key}"
+            assert got["eval"].keys() == want["eval"].keys(), what
+            for key, value in want["eval"].items():
+                assert got["eval"][key] == pytest.approx(value, rel=TOL, abs=TOL), f"{what} evaluate {key}"
             assert got["params"], what  # each rank holds its stage's
             for name, p in got["params"].items():
                 torch.testing.assert_close(p, want["params"][name], atol=TOL, rtol=TOL,
