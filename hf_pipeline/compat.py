@@ -376,6 +376,10 @@ TRAINER_OVERRIDES = (
 TRAINER_HELPERS = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_get_output_dir", "_prepare_inputs")
 
 __all__ += ["TRAINER_HELPERS", "TRAINER_OVERRIDES"]
+# --- for integrations/ (trl's DPOTrainer): its ``_precompute_ref_logps`` reads per-process shards (overridden);
+# its logged metrics (mode -> name -> values its ``log`` averages) and training token count have no public writer.
+TRL_DPO_OVERRIDES, TRL_METRICS, TRL_TOKENS = ("_precompute_ref_logps",), "_metrics", "_total_train_tokens"
+__all__ += ["TRL_DPO_OVERRIDES", "TRL_METRICS", "TRL_TOKENS"]
 # --- for integrations/ (peft) ----------------------------------------------------------------------
 # peft creates one adapter layer per target in the tuner's ``_create_and_replace`` and freezes the rest with
 # ``_mark_only_adapters_as_trainable``; neither has a public equivalent. The integrations room replays the first per

@@ -418,7 +418,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the global norm across all stages (tied weights counted once). See ``training/step.py``."""
-        from .training.step import clip_grad_norm_
+        from .training.clipping import clip_grad_norm_
 
         with self.spreading_failures("clip_grad_norm_"):
             return clip_grad_norm_(self, max_norm, norm_type)

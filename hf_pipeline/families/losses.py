@@ -235,6 +235,8 @@ class LossFunction:
         targets: the batch keys holding the targets, transformers' argument names.
         make_targets: ``(batch, sequence length) -> Tensor``: the one (B, ...) target tensor the
             schedule splits into microbatches, from the ``targets`` keys of the batch.
+        labels_as: the loss whose label checks the batch's ``labels`` pass before :attr:`make_targets` packs
+            them with other per-row targets (None: the made targets are checked as this loss's labels).
     """
 
     name: str
@@ -243,6 +245,7 @@ class LossFunction:
     token_level: bool
     targets: tuple[str, ...] = ("labels",)
     make_targets: Callable[[Mapping[str, torch.Tensor], int], torch.Tensor] = _labels
+    labels_as: str | None = None
 
     def denominator(self, targets: torch.Tensor, config) -> Denominator:
         """:attr:`count` as the float(s) each microbatch's share is divided by."""

@@ -45,6 +45,7 @@ from accelerate.utils import recursively_apply
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
+from transformers.modeling_outputs import CausalLMOutput
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import can_return_loss, find_labels
 
@@ -63,6 +64,7 @@ from .trainer_checkpoints import (
     written_by_trainer,
 )
 from .trainer_data import count_items, single_process_loader
+from .trainer_dpo import DPOStep, check_dpo, is_dpo
 from .trainer_refusals import (
     building_pipeline_trainer,
     check_arguments,
@@ -89,18 +91,20 @@ class PipelineTrainerMixin:
     Put it first among the bases: ``class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer)``.
     Its methods replace the Trainer's for data, the step, evaluation's gathering and checkpoints;
     everything else (the loop, logging, callbacks, the subclass's own dataset preparation) stays.
+    On trl's ``DPOTrainer`` the step computes DPO's loss through the pipeline (:mod:`.trainer_dpo`).
     """
 
     def __init__(self, model: nn.Module=None, args: TrainingArguments | None = None, *more: Any, **kwargs: Any):
         # The next class's constructor (transformers' Trainer, or a subclass's): its own argument order.
-        names = list(inspect.signature(super().__init__).parameters)[2:]  # after model, args
+        names = [n for n in inspect.signature(super().__init__).parameters if n not in ("model", "args")]
         given = {**dict(zip(names, more)), **kwargs}
         check_model(model, given.get("model_init"))
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         self.pipelined = pipelined_model_of(model)
         # A PEFT model wrapping the pipelined one: its checkpoints are the adapter and the training state.
         self.adapter_model = model if model is not self.pipelined else None
-        extra = {"compute_loss_func": given.get("compute_loss_func"), "adapter": self.adapter_model is not None}
+        adapter, dpo = self.adapter_model is not None, is_dpo(type(self))
+        extra = {"compute_loss_func": given.get("compute_loss_func"), "adapter": adapter, "dpo": dpo}
         # Agreed: a refusal, a bad output_dir or a failure of the Trainer's own set-up (rank 0 creates output_dir)
         # on one rank raises on every rank, instead of one rank raising while the others train on.
         ctx, describe = self.pipelined.ctx, self.pipelined.rank_label
@@ -108,9 +112,13 @@ class PipelineTrainerMixin:
             check_trainer_class(type(self), PipelineTrainerMixin)
             check_arguments(args, self.pipelined, **extra)
             check_output_dir(args.output_dir)
+            if dpo:
+                check_dpo(args, given, adapter, rows=partial(self.pipelined.microbatches_for, training=True))
+        # TRL's DPOTrainer's loss, reference and metrics through the pipeline (its constructor may already need them).
+        self.dpo = DPOStep(args, self.pipelined) if dpo else None
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
         with collective_errors(ctx, "setting up the Trainer", describe=describe), building_pipeline_trainer():
-            super().__init__(model, args, **given)
+            super().__init__(model=model, args=args, **given)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from an accelerate launch config
             raise UsageError(
                 "PipelineTrainer cannot run under DeepSpeed or FSDP (set by the accelerate launch config): the "
@@ -155,6 +163,8 @@ class PipelineTrainerMixin:
         return single_process_loader(self.accelerator, DataLoader(dataset, **params))
 
     def _set_signature_columns_if_needed(self) -> None:
+        if self.dpo is not None:  # DPOTrainer's own (prompt / chosen / rejected ids, reference columns)
+            return super()._set_signature_columns_if_needed()
         # The columns the transformers model's forward takes (the pipelined forward takes **kwargs).
         if self._signature_columns is None:
             columns = list(inspect.signature(self.pipelined.skeleton.forward).parameters)
@@ -208,15 +218,32 @@ class PipelineTrainerMixin:
         if scale == 0:  # no real item in this batch: no gradient, as transformers' summed loss of nothing
             return torch.zeros((), device=self.args.device)
         autocast = torch.bfloat16 if self.args.bf16 else None
-        loss = self.pipelined.train_step(inputs, loss_scale=scale, autocast=autocast)
+        if self.dpo is not None:
+            loss = self.dpo.train(self, inputs, scale, autocast)
+        else:
+            loss = self.pipelined.train_step(inputs, loss_scale=scale, autocast=autocast)
         return (loss * scale).detach().to(self.args.device)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch=None):
         """The pipelined forward's loss (evaluation; training runs :meth:`training_step`)."""
+        if self.dpo is not None:
+            loss, logits = self.dpo.eval_loss(self, model, inputs)
+            return (loss, CausalLMOutput(loss=loss, logits=logits)) if return_outputs else loss
         outputs = model(**inputs)
         loss = outputs["loss"]
         return (loss, outputs) if return_outputs else loss
+
+    # DPOTrainer's reference log-probabilities (precompute_ref_log_probs): the pipelined reference on every rank.
+    def compute_ref_log_probs(self, model: nn.Module, inputs: dict[str, Any]):
+        if self.dpo is None:
+            return super().compute_ref_log_probs(model, inputs)
+        return self.dpo.reference_logps(self, inputs).chunk(2)
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        if self.dpo is None:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        return self.dpo.precompute(self, dataset, name, batch_size)
 
     def _clip_grad_norm(self, model: nn.Module):
         return self.pipelined.clip_grad_norm_(self.args.max_grad_norm)

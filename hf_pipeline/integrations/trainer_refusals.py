@@ -18,6 +18,7 @@ from torch import nn
 from ..core import PipelineCore
 from ..errors import CheckpointExistsError, PipelineError, UsageError
 from .peft_host import is_pipelined_model
+from .trainer_dpo import DPO_TRAINERS
 
 __all__ = [
     "OWN_LOSS_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments", "check_model",
@@ -97,9 +98,9 @@ def check_trainer_class(trainer_class: type, mixin: type) -> None:
     other than ``mixin`` and :data:`OWN_LOSS_TRAINERS`) defines ``compute_loss`` or ``training_step``.
 
     The pipeline's step (``model.train_step``) computes the model's own loss from ``labels`` on the last stage,
-    microbatch by microbatch, inside the schedule: a Trainer's own loss (TRL's DPOTrainer: the log-probabilities
-    of chosen and rejected rows, paired, against a reference model; GRPO, KTO, RLOO, reward modelling,
-    distillation) would be silently replaced by it.
+    microbatch by microbatch, inside the schedule, or a loss the mixin knows (TRL's DPOTrainer's,
+    :mod:`.trainer_dpo`): any other Trainer's own loss (GRPO, KTO, RLOO, reward modelling, distillation) would
+    be silently replaced by it.
 
     Raises:
         UsageError: naming the class, its method and what the pipeline lacks.
@@ -109,17 +110,16 @@ def check_trainer_class(trainer_class: type, mixin: type) -> None:
     for cls in trainer_class.__mro__:
         if cls is Trainer:
             return
-        if cls is mixin or f"{cls.__module__}.{cls.__qualname__}" in OWN_LOSS_TRAINERS:
+        if cls is mixin or f"{cls.__module__}.{cls.__qualname__}" in OWN_LOSS_TRAINERS | DPO_TRAINERS:
             continue
         defined = [name for name in _LOSS_METHODS if name in vars(cls)]
         if defined:
             raise UsageError(
                 f"{trainer_class.__name__} cannot train a pipelined model: {cls.__name__} defines its own "
                 f"{' and '.join(defined)}, and the pipeline's step runs only the model's own loss on its labels, on "
-                f"the last stage inside the pipeline schedule (it has no place for a Trainer's loss over the logits, "
-                f"such as DPO's over paired chosen / rejected rows and a reference model's log-probabilities); train "
-                f"with hf_pipeline.PipelineTrainer or PipelineTrainerMixin on a Trainer whose loss is the model's "
-                f"(trl's SFTTrainer)"
+                f"the last stage inside the pipeline schedule, or the losses it knows (it has no place for another "
+                f"Trainer's loss over the logits, such as GRPO's or KTO's); train with hf_pipeline.PipelineTrainer or "
+                f"PipelineTrainerMixin on a Trainer whose loss is the model's (trl's SFTTrainer) or trl's DPOTrainer"
             )
 
 
@@ -209,7 +209,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         # trl's SFTConfig: "dft" weighs each token's loss by its probability, which the model's own loss does not.
-        applies=lambda args, model, extra: getattr(args, "loss_type", "nll") != "nll",
+        applies=lambda args, model, extra: not extra.get("dpo") and getattr(args, "loss_type", "nll") != "nll",
         message=lambda args, model: (
             f"loss_type={args.loss_type!r} is not supported by PipelineTrainer: the pipeline trains on the model's own "
             "loss; pass loss_type='nll'"

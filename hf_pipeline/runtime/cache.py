@@ -140,7 +140,10 @@ class PipelineRuntime:
             stage_class(stage, stage.spec.index, self.plan.num_stages, self.device, group=self.dims.pp_group)
             for stage in self.stages
         ]
-        kwargs = {"n_microbatches": m, "loss_fn": loss_fn, "scale_grads": scale_grads}
+        # Note: torch's single-stage schedules divide every .grad by n_microbatches at the end of each step when
+        # scale_grads=True, also a step without backward: a forward-only call between two accumulated training
+        # steps (a Trainer's evaluation, DPO's reference pass) would scale the gradients kept so far.
+        kwargs = {"n_microbatches": m, "loss_fn": loss_fn, "scale_grads": scale_grads and training}
         if training:
             schedule = spec.cls(pstages if spec.multi else pstages[0], **kwargs)
             if spec.zero_bubble:

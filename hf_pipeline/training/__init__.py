@@ -3,8 +3,8 @@
 Lives here:
 
 * :mod:`.step`: ``model.train_step`` (one global batch forward and backward through torch's
-  schedules, gradients synced) and ``clip_grad_norm_``; :mod:`.flat_reduce` (gradients summed in flat
-  buckets).
+  schedules, gradients synced; the head's loss or one given); :mod:`.clipping`: ``clip_grad_norm_``;
+  :mod:`.flat_reduce` (gradients summed in flat buckets).
 * :mod:`.inference_loss`: the loss a pipelined ``forward()`` returns, whose backward points at
   ``train_step``.
 * :mod:`.data`: fixed-length rows from a local file, the same batches on every rank.

@@ -32,7 +32,7 @@ Example (``torchrun --nproc_per_node 2 train.py``):
     >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     >>> for batch in loader:
     ...     loss = model.train_step(batch)          # same value on every rank
-    ...     model.clip_grad_norm_(1.0)
+    ...     model.clip_grad_norm_(1.0)          # clipping.py
     ...     opt.step(); opt.zero_grad()
 """
 
@@ -50,8 +50,8 @@ from torch import nn
 
 from ..core import PipelineCore
 from ..distributed.agreement import fingerprint, raise_on_any_rank
-from ..distributed.shards import is_sharded, local_tensor, mesh_norm_power, norm_power
-from ..errors import InputError, InputTypeError, TrainingError
+from ..distributed.shards import local_tensor
+from ..errors import InputError, InputTypeError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..families.router_loss import RouterAux, router_aux_of
 from ..planning.schedules import check_training
@@ -61,7 +61,7 @@ from ..runtime.checks import check_microbatches, check_model_inputs
 from .flat_reduce import all_reduce_flat, fsdp_sync_group, refuse_unsharded
 from .router_aux import aux_pass, forward_only
 
-__all__ = ["TrainStepState", "clip_grad_norm_", "train_step"]
+__all__ = ["TrainStepState", "train_state", "train_step"]
 
 # Inputs a training step cannot take: caches and precomputed encoder outputs belong to generation.
 _NOT_FOR_TRAINING = ("past_key_values", "encoder_outputs", "cache_position", "use_cache", "logits_to_keep")
@@ -90,6 +90,7 @@ class TrainStepState:
     norm_params: list[nn.Parameter]  # counted once in the global gradient norm
     params: list[nn.Parameter] = field(default_factory=list)  # every distinct local Parameter
     router_aux: RouterAux | None = None  # the routers' load-balancing loss transformers adds (router_aux.py)
+    loss_fns: dict[LossFunction, PipelineLoss] = field(default_factory=dict)
 
 
 def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
@@ -124,7 +125,7 @@ def _group_for(model: PipelineCore, pp_ranks: tuple[int, ...], made: dict) -> di
     return made[ranks]
 
 
-def _train_state(model: PipelineCore) -> TrainStepState:
+def train_state(model: PipelineCore) -> TrainStepState:
     """The model's :class:`TrainStepState`, made on first use (collective then: it creates the sync groups).
 
     Kept in the model's own typed field ``train_step_state``: it describes one model (its stages' parameters,
@@ -196,13 +197,13 @@ def _digest(batch: Mapping[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(material.encode(), digest_size=8).digest(), "little") & ((1 << 62) - 1)
 
 
-def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
+def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str, Any], loss: LossFunction) -> _Batch:
     if not isinstance(batch, Mapping):
         raise InputTypeError(
             f"train_step takes a dict of tensors (as a transformers data collator makes it), got {type(batch).__name__}"
         )
     batch = {k: v for k, v in batch.items() if v is not None}
-    names = state.loss.targets  # ("labels",), or transformers' ("start_positions", "end_positions")
+    names = loss.targets  # ("labels",), or transformers' ("start_positions", "end_positions")
     missing = [n for n in names if n not in batch]
     if names == ("labels",) and missing:
         raise InputError(
@@ -230,10 +231,11 @@ def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[st
     # One target tensor, split into microbatches with the inputs (QA's start and end positions stacked: (B, 2)).
     ids = batch.get("input_ids", batch.get("inputs_embeds"))
     length = ids.shape[-1] if "input_ids" in batch else ids.shape[-2] if ids is not None else 0
-    labels = state.loss.make_targets(given, length)
+    labels = loss.make_targets(given, length)
     # Ids (dtype, shape, inside the vocabulary) and labels (shape, inside the vocabulary or -100) first:
     # the shapes below are only meaningful for (batch, length) ids.
-    check_model_inputs(model.config, state.loss.name, batch, labels=labels, dtype=model.dtype)
+    checked = (loss.labels_as, given["labels"]) if loss.labels_as else (loss.name, labels)
+    check_model_inputs(model.config, checked[0], batch, labels=checked[1], dtype=model.dtype)
     rows = model.batch_size(batch)
     for k, v in batch.items():
         if v.dim() == 0 or v.shape[0] != rows:
@@ -251,7 +253,7 @@ def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[st
     check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
     prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
     labels = prepared.pop("labels")
-    denominator = state.loss.denominator(labels, model.config)
+    denominator = loss.denominator(labels, model.config)
     if dp > 1:
         share = rows // dp
         lo, hi = model.dims.dp_rank * share, (model.dims.dp_rank + 1) * share
@@ -298,7 +300,7 @@ def _autocast(model: PipelineCore, dtype: torch.dtype | None):
 
 
 def _run_local(
-    model: PipelineCore, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
+    model: PipelineCore, loss_fn: PipelineLoss, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
 ) -> None:
     # All stages on this rank (pipeline size 1): microbatch by microbatch, as the schedules would.
     m = b.n_microbatches
@@ -310,7 +312,7 @@ def _run_local(
         for stage in model.stages:
             x = stage(*x, **inputs)
             x = x if isinstance(x, tuple) else (x,)
-        loss = state.loss_fn(x if len(x) > 1 else x[0], targets[i], **loss_kwargs)
+        loss = loss_fn(x if len(x) > 1 else x[0], targets[i], **loss_kwargs)
         loss.backward()
         losses.append(loss.detach())
 
@@ -338,12 +340,12 @@ def _sync_gradients(state: TrainStepState) -> None:
                     p.grad.copy_(total)
 
 
-def _agreed_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str, Any]) -> _Batch:
+def _agreed_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str, Any], loss: LossFunction):
     """This replica's share of ``batch``, once every rank has prepared its own and they agree."""
     error: BaseException | None = None
     b: _Batch | None = None
     try:
-        b = _prepare_batch(model, state, batch)
+        b = _prepare_batch(model, state, batch, loss)
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks below, then raised everywhere
         error = e
     _agree(model, error, b.digest if b is not None else 0)  # raises on every rank if any failed
@@ -352,7 +354,8 @@ def _agreed_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[str
 
 
 def _run_schedule(
-    model: PipelineCore, state: TrainStepState, b: _Batch, loss_kwargs: dict[str, float], autocast: torch.dtype | None
+    model: PipelineCore, loss_fn: PipelineLoss, router_aux: RouterAux | None, b: _Batch, loss_kwargs: dict[str, float],
+    autocast: torch.dtype | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Forward and backward of this rank's stages over every microbatch: the losses and router loss terms made here.
 
@@ -361,15 +364,16 @@ def _run_schedule(
     for stage in model.stages:
         stage.train(model.training)
     losses: list[torch.Tensor] = []
-    aux = contextlib.nullcontext([]) if state.router_aux is None else aux_pass(
-        model, state.router_aux, lambda: forward_only(model, b.inputs, b.n_microbatches), loss_kwargs["loss_scale"])
+    aux = contextlib.nullcontext([]) if router_aux is None else aux_pass(
+        model, router_aux, lambda: forward_only(model, b.inputs, b.n_microbatches), loss_kwargs["loss_scale"])
     try:
         with _autocast(model, autocast), aux as aux_values:
             if model.plan.pp_size == 1:
-                _run_local(model, state, b, loss_kwargs, losses)
+                _run_local(model, loss_fn, b, loss_kwargs, losses)
             else:
-                key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype),)
-                _, schedule = model.runtime.get(key, training=True, loss_fn=state.loss_fn, scale_grads=False,
+                # The loss is part of the key: a schedule keeps the loss_fn it was built with.
+                key = signature(b.inputs) + (("labels", tuple(b.labels.shape), b.labels.dtype), ("loss", loss_fn.loss))
+                _, schedule = model.runtime.get(key, training=True, loss_fn=loss_fn, scale_grads=False,
                                                 n_microbatches=b.n_microbatches)
                 # Zero-bubble: linears' weight gradients wait for the W actions (weight_pass.py).
                 with weight_pass.deferring() if model.schedule.zero_bubble else contextlib.nullcontext():
@@ -388,6 +392,7 @@ def train_step(
     *,
     loss_scale: float = 1.0,
     autocast: torch.dtype | None = None,
+    loss: LossFunction | None = None,
 ) -> torch.Tensor:
     """Forward + backward of one global batch through the pipeline. Collective: every rank passes the same batch.
 
@@ -403,6 +408,8 @@ def train_step(
         loss_scale: multiplies this step's gradients (``1/k`` for k accumulation steps); the returned
             loss is not scaled.
         autocast: e.g. ``torch.bfloat16``: run the step under ``torch.autocast`` on the model's device.
+        loss: a :class:`~hf_pipeline.families.losses.LossFunction` in place of the head's (its ``targets`` are batch
+            keys; e.g. DPO's over chosen / rejected rows); the same object every step (its schedule is kept).
 
     Returns:
         The mean loss over the real items of the global batch (what transformers reports for it),
@@ -417,15 +424,17 @@ def train_step(
     plan = model.plan
     check_training(model.schedule, pp_size=plan.pp_size, virtual_stages=plan.virtual_stages,
                    n_microbatches=model.n_microbatches)
-    state = _train_state(model)
-    b = _agreed_batch(model, state, batch)
+    state = train_state(model)
+    own = loss in (None, state.loss)
+    loss_fn = state.loss_fn if own else state.loss_fns.setdefault(loss, PipelineLoss(loss, model.config))
+    b = _agreed_batch(model, state, batch, loss_fn.loss)
     # Gradients of earlier steps (accumulation) sit aside so the sync below only sums this step's.
     stash = [(p, p.grad) for p in state.params if p.grad is not None]
     for p, _ in stash:
         p.grad = None
     loss_kwargs = {"denominator": b.denominator, "loss_scale": float(loss_scale)}
     try:
-        losses, aux_values = _run_schedule(model, state, b, loss_kwargs, autocast)
+        losses, aux_values = _run_schedule(model, loss_fn, state.router_aux, b, loss_kwargs, autocast)
         _sync_gradients(state)
     except BaseException:  # a failed step changes nothing: its partial gradients go, earlier ones come back
         kept = {id(p): old for p, old in stash}
@@ -447,54 +456,3 @@ def train_step(
     if model.ctx.is_distributed:
         dist.all_reduce(total, group=model.ctx.group)
     return total
-
-
-# --------------------------------------------------------------------------------------------
-# Gradient clipping
-# --------------------------------------------------------------------------------------------
-def clip_grad_norm_(
-    model: PipelineCore, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
-) -> torch.Tensor:
-    """Clip every gradient by the global norm over all stages (keys held by several stages counted once).
-
-    Collective over the pipeline; data-parallel replicas hold the same (synced) gradients, so each
-    replica computes the same norm. Same semantics as ``torch.nn.utils.clip_grad_norm_`` on the
-    unsplit model.
-
-    Args:
-        model: the :class:`~hf_pipeline.model.PipelinedModel`, after ``train_step``.
-        max_norm: the largest allowed norm.
-        norm_type: p of the p-norm (``float("inf")`` for the max norm).
-        error_if_nonfinite: raise if the total norm is nan or inf.
-
-    Returns:
-        The total norm before clipping (a scalar tensor, the same on every rank).
-    """
-    state = _train_state(model)
-    norm_type = float(norm_type)
-    grads = [p.grad for p in state.norm_params if p.grad is not None]
-    if model.dims.fsdp_size > 1 and model.dims.tp_size > 1:  # shards of two meshes: (fsdp, tp) and fsdp alone
-        local = mesh_norm_power(grads, norm_type, device=model.device)
-    else:
-        local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)
-    group = model.dims.pp_group if model.dims.pp_group is not None else model.ctx.group
-    inf = norm_type == float("inf")
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-    total = local if inf else local ** (1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise TrainingError(
-            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); lower the learning "
-            "rate or use bf16 autocast with care, or pass error_if_nonfinite=False"
-        )
-    params = [p for p in state.params if p.grad is not None and not is_sharded(p.grad)]
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    # Tensor-parallel shards are scaled as local tensors, by the coefficient clip_grads_with_norm_ uses:
-    # DTensor refuses a plain-tensor factor, and the norm is already the whole model's.
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in state.params:
-        if p.grad is not None and is_sharded(p.grad):
-            p.grad.to_local().mul_(coef.to(p.grad.device))
-    return total
-

@@ -4,10 +4,12 @@ with one line that says what to change, and the model usable afterwards.
 * ``trl.SFTTrainer`` and ``trl.DPOTrainer`` as they come (no ``PipelineTrainerMixin``): their step would run the
   pipelined model as one module; refused naming the mixin (``refuse_plain_trainer``, read by transformers'
   ``Trainer.__init__``).
-* ``class T(PipelineTrainerMixin, DPOTrainer)``: DPO's loss (paired chosen / rejected rows, a reference model)
-  is its own ``compute_loss`` / ``training_step``, which the pipeline's step would replace with the model's
-  token loss; refused naming DPOTrainer (``check_trainer_class``). So is a PipelineTrainer subclass with a
-  ``compute_loss`` of its own, and SFTConfig's ``loss_type="dft"``.
+* ``class T(PipelineTrainerMixin, DPOTrainer)`` trains (tests/integrations/test_trl_dpo.py); what its pipelined
+  loss cannot do as TRL does is refused naming the option (``check_dpo``): a loss type that is no per-pair
+  function (``aot``), full fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would
+  load an unsplit copy on every rank), an unpipelined ``ref_model``, ``use_weighting``.
+* A PipelineTrainer subclass with a ``compute_loss`` of its own is refused (``check_trainer_class``), and so is
+  SFTConfig's ``loss_type="dft"``.
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ def _sft(tmp_path, **overrides):
     return trl.SFTConfig(str(tmp_path / "sft"), **{**args, **overrides}), data
 
 
-def _dpo(tmp_path):
-    args = trl.DPOConfig(str(tmp_path / "dpo"), per_device_train_batch_size=2, max_steps=1, report_to=[],
-                         use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", max_length=16)
+def _dpo(tmp_path, **overrides):
+    args = dict(per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True, bf16=False,
+                gradient_checkpointing=False, save_strategy="no", max_length=16)
     data = datasets.Dataset.from_dict(
         {"prompt": ["Return the"] * 4, "chosen": [" value."] * 4, "rejected": [" file."] * 4}
     )
-    return args, data
+    return trl.DPOConfig(str(tmp_path / "dpo"), **{**args, **overrides}), data
 
 
 def _one_line(error: pytest.ExceptionInfo) -> str:
@@ -77,11 +79,20 @@ def test_a_trainer_with_a_loss_of_its_own_is_refused_through_the_mixin(bundled, 
     class PipelineDPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         pass
 
-    dpo_args, dpo_data = _dpo(tmp_path)
-    with pytest.raises(UsageError, match=r"^PipelineDPOTrainer cannot train a pipelined model: DPOTrainer defines its "
-                       r"own compute_loss and training_step") as e:
-        PipelineDPOTrainer(model=model, args=dpo_args, train_dataset=dpo_data, processing_class=tok)
-    assert "reference model" in _one_line(e)
+    refused = [
+        ({"loss_type": "aot"}, {}, r"^loss_type='aot' is not supported by PipelineTrainerMixin with DPOTrainer: it "
+         r"sorts the log-ratios over the whole batch"),
+        ({}, {}, r"^ref_model=None is not supported by PipelineTrainerMixin with DPOTrainer; pass ref_model=<a second "
+         r"pipelined model> or precompute_ref_log_probs=True"),
+        ({}, {"ref_model": torch.nn.Linear(1, 1)}, r"^ref_model=Linear is not supported .*from_pretrained\(path, "
+         r"pipeline=True\)"),
+        ({"use_weighting": True, "precompute_ref_log_probs": True}, {}, r"^use_weighting=True is not supported"),
+    ]
+    for overrides, extra, message in refused:
+        dpo_args, dpo_data = _dpo(tmp_path, **overrides)
+        with pytest.raises(UsageError, match=message) as e:
+            PipelineDPOTrainer(model=model, args=dpo_args, train_dataset=dpo_data, processing_class=tok, **extra)
+        _one_line(e)
 
     class OwnLoss(hf_pipeline.PipelineTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
