@@ -18,26 +18,10 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from .errors import InternalError
 
 __all__ = [
-    "Action",
-    "ComputationType",
-    "FakeTensorMode",
-    "PROFILED_METHODS",
-    "PipelineScheduleRuntime",
-    "PipelineStageBase",
-    "ACCELERATE_PREPARED_FLAG",
-    "abort_process_group",
-    "auto_model_mapping",
-    "decoder_start_token_tensor",
-    "default_store",
-    "eos_token_tensor",
-    "flatten_dense_tensors",
-    "generation_helper",
-    "pad_token_tensor",
-    "pytree",
-    "revert_weight_conversion",
-    "set_attn_implementation",
-    "torch_schedules",
-    "unflatten_dense_tensors",
+    "Action", "ComputationType", "FakeTensorMode", "PROFILED_METHODS", "PipelineScheduleRuntime", "PipelineStageBase",
+    "ACCELERATE_PREPARED_FLAG", "abort_process_group", "auto_model_mapping", "decoder_start_token_tensor",
+    "default_store", "eos_token_tensor", "flatten_dense_tensors", "generation_helper", "pad_token_tensor", "pytree",
+    "revert_weight_conversion", "set_attn_implementation", "torch_schedules", "unflatten_dense_tensors",
 ]
 
 # --- torch.distributed -------------------------------------------------------------------------
@@ -403,13 +387,13 @@ def peft_freeze_base(tuner: Any, module: torch.nn.Module) -> None:
     tuner._mark_only_adapters_as_trainable(module)
 
 
-# peft's methods replaced while a pipelined model is alive (integrations/peft_patches.py installs the
-# wrappers and puts peft's own methods back; each wrapper calls peft's own method for any other model).
-# peft has no extension point for a model whose modules are spread over ranks, and its entry points
-# (``get_peft_model``, ``PeftModel.from_pretrained``, a PeftModel's methods) are called by the user on
-# peft, with no call of this package around them: peft consults nothing on the model object that could
-# route the injection (the tuner class comes from peft's registry keyed by the config's peft_type, and
-# the tuner is built and injects inside PeftModel's constructor). (module, class, method, reason):
+# peft's methods replaced while a pipelined model is alive (integrations/peft_patches.py installs the wrappers and
+# puts peft's own methods back; each wrapper calls peft's own method for any other model). peft has no extension point
+# for a model whose modules are spread over ranks, and its entry points (``get_peft_model``,
+# ``PeftModel.from_pretrained``, a PeftModel's methods) are called by the user on peft, with no call of this package
+# around them: peft consults nothing on the model object that could route the injection (the tuner class comes from
+# peft's registry keyed by the config's peft_type, and the tuner is built and injects inside PeftModel's constructor).
+# (module, class, method, reason):
 PEFT_PATCHED_METHODS = (
     ("peft.tuners.tuners_utils", "BaseTuner", "inject_adapter",
      "peft walks one process's modules by their local names and raises on a rank whose stages hold no target; "
@@ -420,9 +404,9 @@ PEFT_PATCHED_METHODS = (
     ("peft.peft_model", "PeftModel", "load_adapter",
      "peft maps the file's keys to local module names; a pipelined model maps one-process keys to its stages"),
 )
-# A module global swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (a context
-# manager, integrations/peft_patches.reading_weights): peft looks ``modules_to_save`` copies up by its
-# own module names (``stages.1.classifier``), which a file written on one process cannot have.
+# A module global swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (a context manager,
+# integrations/peft_patches.reading_weights): peft looks ``modules_to_save`` copies up by its own module names
+# (``stages.1.classifier``), which a file written on one process cannot have.
 PEFT_WEIGHTS_READER = ("peft.peft_model", "load_peft_weights")
 
 
@@ -431,8 +415,8 @@ __all__ += [
     "peft_override_create_and_replace",
 ]
 # --- for loading/tensor_parallel ----------------------------------------------------------------------
-# A packed weight (GPT-2's fused q, k, v) sharded block by block is torch's strided shard placement
-# (what transformers' packed styles use too); it has no public name yet.
+# A packed weight (GPT-2's fused q, k, v) sharded block by block is torch's strided shard placement (what
+# transformers' packed styles use too); it has no public name yet.
 def strided_shard(dim: int, split_factor: int) -> Any:
     """A DTensor placement: ``split_factor`` blocks along ``dim``, each sharded over the mesh dim."""
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -442,10 +426,10 @@ def strided_shard(dim: int, split_factor: int) -> Any:
 
 __all__ += ["strided_shard"]
 # --- for distributed/groups (renewing a tensor-parallel mesh) ----------------------------------------
-# A DeviceMesh names its process groups (``_dim_group_names``) and looks each up by name on use; there
-# is no public way to point a mesh at other groups. After a failure stopped the groups, the fresh
-# mesh's names go into the old mesh object, so every DTensor, optimizer state and parallel style that
-# holds that object (torch's Colwise/RowwiseParallel hooks capture it) communicates in the new groups.
+# A DeviceMesh names its process groups (``_dim_group_names``) and looks each up by name on use; there is no public
+# way to point a mesh at other groups. After a failure stopped the groups, the fresh mesh's names go into the old mesh
+# object, so every DTensor, optimizer state and parallel style that holds that object (torch's Colwise/RowwiseParallel
+# hooks capture it) communicates in the new groups.
 def mesh_group_names(mesh: Any) -> list[str]:
     """The names of the process groups ``mesh`` communicates in, one per mesh dim."""
     return list(mesh._dim_group_names)
@@ -458,9 +442,9 @@ def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
 
 __all__ += ["mesh_group_names", "set_mesh_group_names"]
 # --- for loading/fsdp (a packed bias kept whole on each fsdp rank) ---------------------------------
-# FSDP2 takes a per-parameter mesh from ``shard_placement_fn`` (``ShardPlacementResult``, its mesh info
-# types have no public name yet), and a (fsdp ranks, 1) view of the fsdp mesh, sharing its root mesh so
-# that FSDP can concatenate it with the tp mesh, comes from ``DeviceMesh._unflatten``.
+# FSDP2 takes a per-parameter mesh from ``shard_placement_fn`` (``ShardPlacementResult``, its mesh info types have no
+# public name yet), and a (fsdp ranks, 1) view of the fsdp mesh, sharing its root mesh so that FSDP can concatenate it
+# with the tp mesh, comes from ``DeviceMesh._unflatten``.
 def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
     """``mesh`` (1-D) as a mesh of ``sizes`` named ``names`` over the same ranks (collective over the world)."""
     return mesh._unflatten(0, sizes, names)
