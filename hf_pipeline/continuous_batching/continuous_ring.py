@@ -25,6 +25,13 @@ The last stage chooses each row's token from its own logits processors (transfor
 the row's merged ``GenerationConfig``) and, when sampling, its own generator seeded from
 ``(seed, choice index)`` (``generation.sampling.row_seed``): a row's tokens never depend on its neighbours.
 
+Tensor and expert parallelism (a stage over ``tp_size`` ranks; expert-parallel ranks are the stage's tp
+ranks): every tp rank of a stage runs the same forward on the same rows in the same order. Each tp
+slot has its own pipeline group, so the activations below flow slot by slot, as in static
+``generate``; only stage 0's lead (tp rank 0, which holds the queue) plans, and broadcasts each op's
+header, the kept rows' tokens and the joining rows' JSON to the stage's other tp ranks (tp group).
+The last stage's lead alone chooses tokens and replies (its tp ranks hold the same logits).
+
 Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
 its layout is in :mod:`.wire`) and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros
@@ -73,8 +80,8 @@ def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
     if model.config.is_encoder_decoder:
         return "encoder-decoder models decode against a per-request encoder output"
-    if model.dims.dp_size > 1 or model.dims.tp_size > 1:
-        return "data-parallel replicas and tensor parallelism are served in static rounds"
+    if model.dims.dp_size > 1:
+        return "data-parallel replicas are served in static rounds (one request queue, on rank 0, feeds one ring)"
     if any(len(model.plan.stages_for_rank(r)) != 1 for r in range(model.plan.pp_size)):
         return "the continuous ring runs one stage per rank"
     if model.plan.stages[0].rank != 0:
@@ -107,10 +114,10 @@ class ContinuousRing:
     of the pipeline runs :meth:`run` at the same time.
 
     Args:
-        model: the pipelined model (one stage per rank: :func:`continuous_refusal` says None).
+        model: the pipelined model (one stage per rank, any tp / ep size: :func:`continuous_refusal` says None).
         groups: microbatches in flight (the number of stages fills the pipe).
         group_size: slots per group.
-        feeder: stage 0's queue (rank 0); None on the other ranks.
+        feeder: stage 0's queue (rank 0: stage 0's tp lead); None on the other ranks.
     """
 
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None):
@@ -119,7 +126,11 @@ class ContinuousRing:
         self.index = self.stage.spec.index
         self.n_stages = model.plan.num_stages
         self.first, self.last = self.index == 0, self.index == self.n_stages - 1
-        if self.first and feeder is None:
+        # Tensor / expert parallelism: each of a stage's tp ranks is in the pipeline of its own tp slot (pp_group),
+        # so activations flow slot by slot; only the plan is made once, by stage 0's lead (tp rank 0).
+        self.tp_group = model.dims.tp_group
+        self.lead = model.dims.tp_rank == 0
+        if self.first and self.lead and feeder is None:
             raise InternalError("stage 0 of the continuous ring needs the feeder (the request queue)")
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
@@ -194,7 +205,9 @@ class ContinuousRing:
     def _op(self, i: int, t: int) -> bool:
         """Group ``i`` of step ``t`` on this stage; False when it was a stop."""
         if self.first:
-            header, new, payload = self._plan(i, t)
+            header, new, payload, tokens = self._plan(i, t) if self.lead else (None, [], None, None)
+            if self.tp_group is not None:
+                header, new, payload, tokens = self._share_plan(header, payload, tokens)
             kept = None
         else:
             header, kept, payload, new_in = self._take(i)
@@ -206,14 +219,15 @@ class ContinuousRing:
         n_old = len(old_slots)
         self._keep(self.state[i], old_slots)
         if self.first:
-            old_in = torch.tensor([[self.last_token[s]] for s in old_slots], dtype=torch.long, device=self.device)
+            old_in = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)
         else:
             old_in = kept[:n_old]
         old_out = self._decode(self.state[i], old_in) if n_old else None
         new_out = self._prefill(self.state[i], new, None if self.first else new_in) if new else None
         self.state[i].slots = old_slots + [r.slot for r in new]
         if self.last:
-            self._choose(i, header, new, old_out, new_out)
+            if self.lead:  # the other tp ranks hold the same logits; one choice, one reply
+                self._choose(i, header, new, old_out, new_out)
         else:
             self._pass_on(header, old_out, payload, new_out)
         return True
@@ -252,10 +266,29 @@ class ContinuousRing:
             self._send(payload, self.index + 1)
             self._send(new_out.to(self.dtype), self.index + 1)
 
+    def _share_plan(self, header: OpHeader | None, payload: torch.Tensor | None, tokens: list[int] | None
+                    ) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """Stage 0 under tensor / expert parallelism: the lead's plan to the stage's other tp ranks (a broadcast
+        in the tp group: the header and the kept rows' tokens, then the joining rows' JSON), so that every tp
+        rank runs the same rows in the same order; returns what the lead planned, on every tp rank."""
+        head = OpHeader.nbytes(self.group_size) // 8
+        fixed = torch.full((head + self.group_size,), -1, dtype=torch.long, device=self.device)
+        if self.lead:
+            fixed[:head] = header.pack(self.group_size, self.device)
+            fixed[head: head + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        dist.broadcast(fixed, group=self.tp_group, group_src=0)
+        header = OpHeader.unpack(fixed[:head])
+        if header.payload_bytes:
+            if not self.lead:
+                payload = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+            dist.broadcast(payload, group=self.tp_group, group_src=0)
+        new = unpack_rows(payload) if payload is not None else []
+        return header, new, payload, fixed[head: head + len(header.kept)].tolist()
+
     # ------------------------------------------------------------ stage 0: who runs
-    def _plan(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None]:
-        """Stage 0: take group ``i``'s tokens of the last step, let rows leave and join; the header, the
-        joining rows and their JSON (None when none join)."""
+    def _plan(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """Stage 0's lead: take group ``i``'s tokens of the last step, let rows leave and join; the header, the
+        joining rows, their JSON (None when none join) and the kept rows' next input tokens."""
         if t > 0:
             if self.n_stages > 1:
                 work, message = self._tokens_ahead.pop(i)
@@ -276,7 +309,7 @@ class ContinuousRing:
         if i == 0 and t > 0:
             self._stopping = not any(self.sent) and self.feeder.idle()
         if t > 0 and self._stopping:
-            return OpHeader.stop(), [], None
+            return OpHeader.stop(), [], None, []
         base = i * self.group_size
         free = [s for s in range(base, base + self.group_size) if s not in kept]
         new = self.feeder.admit(free) if free else []
@@ -299,7 +332,7 @@ class ContinuousRing:
             if not self._busy:
                 self.steps += 1
             self._busy = True
-        return header, new, payload
+        return header, new, payload, [self.last_token[s] for s in kept]
 
     # ------------------------------------------------------------ every stage: caches
     def _observe(self) -> None:
@@ -418,7 +451,7 @@ class ContinuousRing:
         prompts = [None] * n_old + [self._prompt_entries(r, new_out[k], new_out.shape[1]) for k, r in enumerate(new)]
         layout = Reply.of([None] * n_old + list(new), {s: self.rows[s].logprobs for s in slots}, slots)
         message = layout.pack(tokens, chosen, prompts, self.device)
-        if self.first:
+        if self.first:  # (one stage: the lead is stage 0's, which reads it)
             self.local_tokens[i] = message
         else:
             self._send(message, 0)

@@ -8,9 +8,10 @@ join free slots between steps as others finish, each with its own prompt, ``max_
 criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline.serving.handles.Handle`
 as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, within the slot pool of
 :mod:`hf_pipeline.continuous_batching.kv_budget`). The ring ends once a whole step ran no row and
-nothing is queued. Models the ring does not serve fall back to static rounds (``engine.batching``
-then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models (T5), data-parallel
-replicas, tensor parallelism, several stages per rank and cache layers other than full and
+nothing is queued. Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
+lead plans, its tp group gets the plan by broadcast). Models the ring does not serve fall back to static
+rounds (``engine.batching`` then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder
+models (T5), data-parallel replicas, several stages per rank and cache layers other than full and
 sliding-window attention (chunked attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
 
 ``batching="static"``: each round rank 0 takes a batch from its queue

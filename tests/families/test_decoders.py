@@ -240,10 +240,9 @@ def _stream(model, text: str):
     if model.ctx.rank != 0:
         engine.serve_forever()
         return None
-    # one stage per rank: rows join and leave the running ring; else (V and interleaved schedules, a stage
-    # over several ranks) static rounds
+    # one stage per rank (expert-parallel stages included): rows join and leave the running ring; else (V and
+    # interleaved schedules) static rounds
     one_each = all(len(model.plan.stages_for_rank(r)) == 1 for r in range(model.plan.pp_size))
-    one_each = one_each and model.dims.tp_size == 1
     assert engine.batching == ("continuous" if one_each else "static"), (engine.batching, engine.static_reason)
     out: dict = {}
 
