@@ -9,10 +9,11 @@ criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline
 as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, within the slot pool of
 :mod:`hf_pipeline.continuous_batching.kv_budget`). The ring ends once a whole step ran no row and
 nothing is queued. Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
-lead plans, its tp group gets the plan by broadcast). Models the ring does not serve fall back to static
+lead plans, its tp group gets the plan by broadcast), and so do several stages per rank (interleaved
+and V layouts: a rank runs its stages in turn). Models the ring does not serve fall back to static
 rounds (``engine.batching`` then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder
-models (T5), data-parallel replicas, several stages per rank and cache layers other than full and
-sliding-window attention (chunked attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
+models (T5), data-parallel replicas and cache layers other than full and sliding-window attention
+(chunked attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
 
 ``batching="static"``: each round rank 0 takes a batch from its queue
 (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its plan as JSON, and every rank
@@ -161,7 +162,7 @@ class Engine:
         batching: ``"continuous"`` (rows join the running ring as others leave) or ``"static"`` (rounds
             of one ``generate`` call each); models the ring does not serve run static rounds.
         kv_cache_bytes: continuous only: KV-cache memory per rank for the slot pool; rows that would
-            not fit (a full-context row on the most loaded stage each) wait in the queue. None: ``max_batch``.
+            not fit (a full-context row on the most loaded rank each) wait in the queue. None: ``max_batch``.
 
     Attributes:
         batching: the batching in use; ``static_reason`` says why static when continuous was asked for.

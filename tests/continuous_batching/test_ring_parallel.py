@@ -1,6 +1,8 @@
-"""Continuous batching inside parallel stages (one spawned job per world size): at 4 ranks, LLaMA with
+"""Continuous batching beyond one stage per rank (one spawned job per world size): at 4 ranks, LLaMA with
 tensor parallelism (pp2 x tp2) and Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks
-keep half of every MoE layer's experts). The engine must report ``batching == "continuous"`` and serve
+keep half of every MoE layer's experts); at 2 ranks, LLaMA with two stages per rank, interleaved
+(stages 0, 2 | 1, 3: the reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2:
+two hand-overs within a rank). The engine must report ``batching == "continuous"`` and serve
 a stream whose requests join and leave at different times (different prompt lengths and
 ``max_new_tokens``, two ended early by a stop id from their own continuation, the rest submitted while
 the first decodes, 3 slots for 7 requests); every greedy output equals transformers' ``generate`` of
@@ -33,7 +35,7 @@ def _serve(path: str, load: dict, requests: list[dict]) -> dict | None:
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False,
                                                              **load)
     engine = Engine(model, max_batch=3, batching="continuous", idle_s=0.05)
-    out: dict = {"batching": engine.batching, "reason": engine.static_reason}
+    out: dict = {"batching": engine.batching, "reason": engine.static_reason, "stages": len(model.stages)}
     if model.ctx.rank != 0:
         engine.serve_forever()
         return out
@@ -103,4 +105,22 @@ def test_continuous_ring_under_tensor_and_expert_parallelism_at_4_ranks(tmp_path
         assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
         for j, req in enumerate(requests[name]):
             assert got["choices"][j] == [_alone(refs[name], req)], (name, j, req)
+        assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
+
+
+def test_continuous_ring_with_two_stages_per_rank_at_2_ranks(tmp_path):
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1))
+    ref = tiny.reference(path, "AutoModelForCausalLM")
+    requests = _requests(ref)
+    layouts = {"interleaved": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": 2},
+               "V": {"schedule": "zbv-zero-bubble", "n_microbatches": 4}}
+    per_rank = run_distributed(_job, 2, [(path, load, requests) for load in layouts.values()], timeout=600)
+    for k, name in enumerate(layouts):
+        ranks = [r[k] for r in per_rank]
+        assert all(r["batching"] == "continuous" for r in ranks), (name, ranks[0]["reason"])
+        assert all(r["stages"] == 2 for r in ranks), name
+        got = ranks[0]
+        assert got["peak_rows"] == 3, (name, got["peak_rows"])
+        for j, req in enumerate(requests):
+            assert got["choices"][j] == [_alone(ref, req)], (name, j, req)
         assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
