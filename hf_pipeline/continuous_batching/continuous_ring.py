@@ -20,6 +20,15 @@ slot has its own pipeline group, so the activations below flow slot by slot, as 
 header, the kept rows' tokens and the joining rows' JSON to the stage's other tp ranks (tp group).
 The last stage's lead alone chooses tokens and replies (its tp ranks hold the same logits).
 
+Data-parallel replicas (not FSDP-sharded: those gather parameters in collectives across replicas,
+whose rings run different numbers of forwards) each run their own ring over their own slots (replica
+``d``'s group ``i`` is slot group ``d * groups + i``); the coordinator, replica 0's stage 0 lead, which
+holds the queue, plans them all. At each op of group ``i`` it takes every replica's reply of the last
+step (each other replica's stage 0 lead forwards its own, unread, over the data-parallel group), lets
+rows leave and join every replica's group ``i``, and sends each other replica's lead its plan: the
+header, the kept rows' tokens and the size of the reply to come, then the joining rows' JSON. The
+replicas so advance op by op together, each on its own rows.
+
 Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
 its layout is in :mod:`.wire`) and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros
@@ -66,8 +75,9 @@ def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
     if model.config.is_encoder_decoder:
         return "encoder-decoder models decode against a per-request encoder output"
-    if model.dims.dp_size > 1:
-        return "data-parallel replicas are served in static rounds (one request queue, on rank 0, feeds one ring)"
+    if model.dims.fsdp_size > 1:
+        return ("FSDP-sharded stages gather their parameters in collectives across replicas, whose rings run "
+                "different numbers of forwards; they are served in static rounds")
     if model.plan.stages[0].rank != 0:
         return "stage 0 must be on rank 0, where the queue is"
     return merge_refusal(model.config)
@@ -89,14 +99,20 @@ class ContinuousRing:
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None):
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         self.n_stages = model.plan.num_stages
-        self.lanes = [RingStage(model, s, groups=groups, group_size=group_size)
+        # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),
+        # all planned by the coordinator, replica 0's stage 0 lead, which holds the queue (module Note).
+        self.replicas, self.replica, self.dp_group = model.dims.dp_size, model.dims.dp_rank, model.dims.dp_group
+        self.lanes = [RingStage(model, s, groups=groups, group_size=group_size,
+                                slot_base=self.replica * groups * group_size)
                       for s in sorted(model.stages, key=lambda s: s.spec.index)]
         self.first = self.lanes[0].first  # this rank holds stage 0
         # Tensor / expert parallelism: each of a stage's tp ranks is in the pipeline of its own tp slot (pp_group),
         # so activations flow slot by slot; only the plan is made once, by stage 0's lead (tp rank 0).
         self.tp_group = model.dims.tp_group
         self.lead = model.dims.tp_rank == 0
-        if self.first and self.lead and feeder is None:
+        self.coordinator = self.first and self.lead and self.replica == 0
+        self.relay = self.first and self.lead and self.replica > 0  # another replica's stage 0 lead
+        if self.coordinator and feeder is None:
             raise InternalError("stage 0 of the continuous ring needs the feeder (the request queue)")
         # Several stages per rank: a tick's messages are taken at its start, in their senders' order (module Note).
         self.ordered = len(self.lanes) > 1
@@ -104,10 +120,11 @@ class ContinuousRing:
             raise InternalError(f"several stages per rank run {self.n_stages} groups (one per stage), got {groups}")
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
-        self.sent: list[list[int]] = [[] for _ in range(groups)]  # stage 0: the rows each group ran last
+        self.sent: list[list[int]] = [[] for _ in range(groups * self.replicas)]  # coordinator: each group's rows
         self.last_token: dict[int, int] = {}  # stage 0: each row's token to feed next
         self.inbox: dict[tuple, Any] = {}  # ("h", stage, group) / ("tok", group): taken or delivered on this rank
-        self.replies: list[tuple[Reply, list]] = [(Reply(()), []) for _ in range(groups)]  # stage 0: per group
+        self.replies: list[tuple[Reply, list]] = [(Reply(()), []) for _ in range(groups * self.replicas)]
+        self.reply_sizes = [1] * groups  # stage 0's lead: the size of each own group's next reply
         self.asked: dict[int, int | None] = {}  # stage 0: each live row's logprobs (its reply's layout)
         # Sends are kept alive until done by the ring's own mailbox (receives are posted here: they carry no key).
         self._mail = Mailbox(pp_rank=model.dims.pp_rank, rank_of=lambda stage: model.plan.stages[stage].rank,
@@ -118,6 +135,7 @@ class ContinuousRing:
         self._tokens_ahead: dict[int, tuple[Any, torch.Tensor]] = {}  # stage 0: token receives posted ahead
         self._ahead: tuple = ()  # one stage per rank, not stage 0: the next op's header and kept-row receives
         self._busy = False  # stage 0: some row ran in this step
+        self._dp_sends: list[tuple[Any, torch.Tensor]] = []  # coordinator <-> relays, kept alive until done
 
     @property
     def forwards(self) -> int:
@@ -180,7 +198,7 @@ class ContinuousRing:
                 fixed = self._recv((sum(self._op_bytes),), torch.uint8, lane.index - 1)
                 self.inbox[("h", lane.index, i)] = self._read_op(fixed, lane.index)
             elif lane.first and t > 0 and self.lead and not self._local(self.n_stages - 1):
-                self.inbox[("tok", i)] = self._recv((self.replies[i][0].size,), torch.float64, self.n_stages - 1)
+                self.inbox[("tok", i)] = self._recv((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
 
     def _take(self, lane: RingStage, i: int) -> tuple:
         """Not stage 0: this op's header, kept rows' states, joining rows' JSON and states; with one stage per
@@ -243,13 +261,18 @@ class ContinuousRing:
         finally:
             self._observe()
             self._mail.close()
+            for work, _ in self._dp_sends:
+                work.wait()
         if self.inbox:
             raise InternalError(f"the continuous ring ended with unconsumed messages {sorted(self.inbox)}")
 
     def _op(self, lane: RingStage, i: int, t: int) -> bool:
         """Group ``i`` of step ``t`` on ``lane`` (one of this rank's stages); False when it was a stop."""
         if lane.first:
-            header, new, payload, tokens = self._plan(i, t) if self.lead else (None, [], None, None)
+            if self.coordinator:
+                header, new, payload, tokens = self._coordinate(i, t)
+            else:
+                header, new, payload, tokens = self._relayed(i, t) if self.relay else (None, [], None, None)
             if self.tp_group is not None:
                 header, new, payload, tokens = self._share_plan(header, payload, tokens)
             old_in, new_in = torch.tensor([[tok] for tok in tokens], dtype=torch.long, device=self.device), None
@@ -299,42 +322,87 @@ class ContinuousRing:
         work.wait()
         return message
 
-    def _plan(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
-        """Stage 0's lead: take group ``i``'s tokens of the last step, let rows leave and join; the header, the
-        joining rows, their JSON (None when none join) and the kept rows' next input tokens."""
-        kept = []
+    def _coordinate(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """The coordinator: group ``i``'s tokens of the last step from every replica, its rows leave and join; each
+        other replica's plan sent to its stage 0 lead; replica 0's header, joining rows, their JSON (None when none
+        join) and the kept rows' next input tokens returned."""
+        if i == 0:
+            self._busy = False
+        own = [d * self.groups + i for d in range(self.replicas)]  # group i of each replica
+        kept: list[list[int]] = [[] for _ in own]
         if t > 0:
-            layout, prompts = self.replies[i]
-            for slot, (token, chosen, prompt_lp) in zip(self.sent[i], layout.unpack(self._tokens(i), prompts)):
-                if not self.feeder.deliver(slot, token, chosen, prompt_lp):
-                    kept.append(slot)
-                    self.last_token[slot] = token
-                else:
-                    self.last_token.pop(slot, None)
-                    self.asked.pop(slot, None)
+            messages = [self._tokens(i)] + [self._dp_recv((self.replies[g][0].size,), torch.float64, d)
+                                            for d, g in enumerate(own) if d > 0]
+            kept = [self._deliver(g, m) for g, m in zip(own, messages)]
         if i == 0 and t > 0:
             self._stopping = not any(self.sent) and self.feeder.idle()
-        if t > 0 and self._stopping:
+        plans = [self._admit(g, k, stop=t > 0 and self._stopping) for g, k in zip(own, kept)]
+        for d, (header, _, payload, tokens) in enumerate(plans[1:], start=1):
+            size = self.replies[own[d]][0].size if header.run else 0
+            tail = tokens + [-1] * (self.group_size - len(tokens)) + [size]
+            fixed = torch.cat([header.pack(self.group_size, self.device), torch.tensor(tail, device=self.device)])
+            self._dp_sends += [(dist.isend(x, group=self.dp_group, group_dst=d), x)
+                               for x in (fixed, payload) if x is not None]
+        header = plans[0][0]
+        self.reply_sizes[i] = self.replies[i][0].size
+        if header.run and not self.ordered and not self._local(self.n_stages - 1):
+            # this run op's reply comes back: post the receive now (its exact size), in op order
+            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
+        return plans[0]
+
+    def _dp_recv(self, shape: tuple[int, ...], dtype: torch.dtype, replica: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, group=self.dp_group, group_src=replica)
+        return buf
+
+    def _relayed(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """Another replica's stage 0 lead: group ``i``'s reply of the last step to the coordinator (unread), then
+        the coordinator's plan for this op: header, kept rows' tokens, the reply's size, the joining rows' JSON."""
+        if t > 0:
+            reply = self._tokens(i)
+            self._dp_sends.append((dist.isend(reply, group=self.dp_group, group_dst=0), reply))
+        head = OpHeader.nbytes(self.group_size) // 8
+        fixed = self._dp_recv((head + self.group_size + 1,), torch.long, 0)
+        header = OpHeader.unpack(fixed[:head])
+        payload = self._dp_recv((header.payload_bytes,), torch.uint8, 0) if header.payload_bytes else None
+        self.reply_sizes[i] = int(fixed[-1])
+        if header.run and not self.ordered and not self._local(self.n_stages - 1):
+            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
+        new = unpack_rows(payload) if payload is not None else []
+        return header, new, payload, fixed[head: head + len(header.kept)].tolist()
+
+    def _deliver(self, g: int, message: torch.Tensor) -> list[int]:
+        """The coordinator: replica group ``g``'s tokens to the feeder; the slots of the rows that stay."""
+        layout, prompts = self.replies[g]
+        kept = []
+        for slot, (token, chosen, prompt_lp) in zip(self.sent[g], layout.unpack(message, prompts)):
+            if not self.feeder.deliver(slot, token, chosen, prompt_lp):
+                kept.append(slot)
+                self.last_token[slot] = token
+            else:
+                self.last_token.pop(slot, None)
+                self.asked.pop(slot, None)
+        return kept
+
+    def _admit(self, g: int, kept: list[int], stop: bool) -> tuple[OpHeader, list[NewRow], torch.Tensor | None,
+                                                                     list[int]]:
+        """The coordinator: replica group ``g``'s op (``kept`` stay, queued rows join its free slots): the header,
+        the joining rows, their JSON (None when none join) and the kept rows' next input tokens."""
+        if stop:
             return OpHeader.stop(), [], None, []
-        base = i * self.group_size
+        base = g * self.group_size
         free = [s for s in range(base, base + self.group_size) if s not in kept]
         new = self.feeder.admit(free) if free else []
         if any(r.slot not in free for r in new):
             raise InternalError("the feeder admitted a row into a slot that is not free")
         order = kept + [r.slot for r in new]
-        self.sent[i] = order
+        self.sent[g] = order
         self.asked.update({r.slot: r.logprobs for r in new})
         joining: list[NewRow | None] = [None] * len(kept) + list(new)
-        layout = Reply.of(joining, self.asked, order)
-        self.replies[i] = (layout, [None if r is None else r.prompt for r in joining])
-        if not self.ordered and not self._local(self.n_stages - 1):
-            # this run op's reply comes back: post the receive now (its exact size), in op order
-            self._tokens_ahead[i] = self._post((layout.size,), torch.float64, self.n_stages - 1)
+        self.replies[g] = (Reply.of(joining, self.asked, order), [None if r is None else r.prompt for r in joining])
         payload = pack_rows(new, self.device) if new else None
         header = OpHeader(run=True, kept=tuple(kept), joining=tuple(r.slot for r in new),
                           payload_bytes=0 if payload is None else payload.numel())
-        if i == 0:
-            self._busy = False
         if order:
             if not self._busy:
                 self.steps += 1

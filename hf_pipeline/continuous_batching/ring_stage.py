@@ -73,10 +73,11 @@ class RingStage:
         model: the pipelined model.
         stage: one of ``model.stages`` (this rank's).
         groups: the ring's groups; group_size: slots per group.
+        slot_base: the first slot of this stage's group 0 (a data-parallel replica's groups follow the others').
     """
 
-    def __init__(self, model: PipelineCore, stage: Any, *, groups: int, group_size: int):
-        self.model, self.stage, self.group_size = model, stage, group_size
+    def __init__(self, model: PipelineCore, stage: Any, *, groups: int, group_size: int, slot_base: int = 0):
+        self.model, self.stage, self.group_size, self.slot_base = model, stage, group_size, slot_base
         self.index = stage.spec.index
         self.first, self.last = self.index == 0, self.index == model.plan.num_stages - 1
         self.device = model.device
@@ -191,7 +192,7 @@ class RingStage:
         """Last stage: each row's token from its own processors (and generator); the reply to stage 0 with the
         log-probabilities the row asked for (:class:`~.wire.Reply`)."""
         slots = self.state[i].slots
-        group = range(i * self.group_size, (i + 1) * self.group_size)
+        group = range(self.slot_base + i * self.group_size, self.slot_base + (i + 1) * self.group_size)
         for s in [s for s in self.rows if s in group and s not in slots]:
             del self.rows[s]  # left the ring
         for r in new:

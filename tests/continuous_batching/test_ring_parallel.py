@@ -1,6 +1,7 @@
 """Continuous batching beyond one stage per rank (one spawned job per world size): at 4 ranks, LLaMA with
-tensor parallelism (pp2 x tp2) and Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks
-keep half of every MoE layer's experts); at 2 ranks, LLaMA with two stages per rank, interleaved
+tensor parallelism (pp2 x tp2), Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks
+keep half of every MoE layer's experts) and LLaMA in two data-parallel replicas (dp2 x pp2: rank 0
+plans both replicas' rings, each runs its own rows); at 2 ranks, LLaMA with two stages per rank, interleaved
 (stages 0, 2 | 1, 3: the reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2:
 two hand-overs within a rank). The engine must report ``batching == "continuous"`` and serve
 a stream whose requests join and leave at different times (different prompt lengths and
@@ -35,10 +36,11 @@ def _serve(path: str, load: dict, requests: list[dict]) -> dict | None:
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False,
                                                              **load)
     engine = Engine(model, max_batch=3, batching="continuous", idle_s=0.05)
-    out: dict = {"batching": engine.batching, "reason": engine.static_reason, "stages": len(model.stages)}
+    out: dict = {"batching": engine.batching, "reason": engine.static_reason, "stages": len(model.stages),
+                 "dp": model.dims.dp_size}
     if model.ctx.rank != 0:
         engine.serve_forever()
-        return out
+        return {**out, "forwards": engine.forwards}
 
     def client():
         reqs = [CompletionRequest(**r) for r in requests]
@@ -52,7 +54,7 @@ def _serve(path: str, load: dict, requests: list[dict]) -> dict | None:
     thread.start()
     engine.serve_forever()
     thread.join(timeout=60)
-    out.update(peak_rows=engine.peak_rows, steps=engine.decode_steps)
+    out.update(peak_rows=engine.peak_rows, steps=engine.decode_steps, forwards=engine.forwards)
     return out
 
 
@@ -91,9 +93,10 @@ def _mixtral(directory) -> str:
     return str(directory)
 
 
-def test_continuous_ring_under_tensor_and_expert_parallelism_at_4_ranks(tmp_path):
-    paths = {"llama tp2": (str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1)), {"tp_size": 2}),
-             "mixtral ep2": (_mixtral(tmp_path / "mixtral"), {"ep_size": 2})}
+def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp_path):
+    llama = str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1))
+    paths = {"llama tp2": (llama, {"tp_size": 2}), "mixtral ep2": (_mixtral(tmp_path / "mixtral"), {"ep_size": 2}),
+             "llama dp2": (llama, {"num_stages": 2})}
     refs = {name: tiny.reference(path, "AutoModelForCausalLM") for name, (path, _) in paths.items()}
     requests = {name: _requests(ref) for name, ref in refs.items()}
     cases = [(path, load, requests[name]) for name, (path, load) in paths.items()]
@@ -102,7 +105,11 @@ def test_continuous_ring_under_tensor_and_expert_parallelism_at_4_ranks(tmp_path
         ranks = [r[k] for r in per_rank]
         assert all(r["batching"] == "continuous" for r in ranks), (name, ranks[0]["reason"])
         got = ranks[0]
-        assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
+        assert all(r["forwards"] > 0 for r in ranks), name  # every rank (both replicas) ran rows
+        if name == "llama dp2":  # two replicas of 3 slots: more rows at once than one replica holds
+            assert ranks[0]["dp"] == 2 and got["peak_rows"] > 3, (name, got["peak_rows"])
+        else:
+            assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
         for j, req in enumerate(requests[name]):
             assert got["choices"][j] == [_alone(refs[name], req)], (name, j, req)
         assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
