@@ -341,14 +341,19 @@ class ContinuousRing:
             size = self.replies[own[d]][0].size if header.run else 0
             tail = tokens + [-1] * (self.group_size - len(tokens)) + [size]
             fixed = torch.cat([header.pack(self.group_size, self.device), torch.tensor(tail, device=self.device)])
-            self._dp_sends += [(dist.isend(x, group=self.dp_group, group_dst=d), x)
-                               for x in (fixed, payload) if x is not None]
+            for x in (fixed, payload) if payload is not None else (fixed,):
+                self._dp_send(x, d)
         header = plans[0][0]
         self.reply_sizes[i] = self.replies[i][0].size
         if header.run and not self.ordered and not self._local(self.n_stages - 1):
             # this run op's reply comes back: post the receive now (its exact size), in op order
             self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
         return plans[0]
+
+    def _dp_send(self, tensor: torch.Tensor, replica: int) -> None:
+        self._dp_sends.append((dist.isend(tensor, group=self.dp_group, group_dst=replica), tensor))
+        if len(self._dp_sends) > 32:  # completed sends release their buffers now and then, as the mailbox's
+            self._dp_sends = [(w, t) for w, t in self._dp_sends if not w.is_completed()]
 
     def _dp_recv(self, shape: tuple[int, ...], dtype: torch.dtype, replica: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -359,8 +364,7 @@ class ContinuousRing:
         """Another replica's stage 0 lead: group ``i``'s reply of the last step to the coordinator (unread), then
         the coordinator's plan for this op: header, kept rows' tokens, the reply's size, the joining rows' JSON."""
         if t > 0:
-            reply = self._tokens(i)
-            self._dp_sends.append((dist.isend(reply, group=self.dp_group, group_dst=0), reply))
+            self._dp_send(self._tokens(i), 0)
         head = OpHeader.nbytes(self.group_size) // 8
         fixed = self._dp_recv((head + self.group_size + 1,), torch.long, 0)
         header = OpHeader.unpack(fixed[:head])
