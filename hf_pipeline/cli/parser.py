@@ -235,11 +235,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--served-model-name", default=None, help="the model name clients pass (default: the folder name)")
     p.add_argument("--max-batch", type=_positive, default=8,
-                   help="rows in flight (continuous) or per generate round (static) at most (default 8)")
+                   help="rows in flight (continuous: per data-parallel replica) or per generate round (static) at most "
+                   "(default 8)")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join the running decode ring as others finish; static: rounds of "
                    "one generate call, each as long as its longest row (default continuous; models the ring "
-                   "does not serve, such as encoder-decoders or data-parallel replicas, run static rounds)")
+                   "does not serve, such as encoder-decoders or FSDP-sharded stages, run static rounds)")
     p.add_argument("--kv-cache-mb", type=_positive, default=None,
                    help="continuous: KV-cache memory per rank for the rows in flight; requests that do not fit "
                    "wait in the queue (default: --max-batch rows)")

@@ -2,7 +2,9 @@
 steps as others finish, and what feeds and bounds it.
 
 Lives here: :mod:`.continuous_ring` (:class:`ContinuousRing`, the ring every rank runs, and
-:func:`continuous_refusal`, which models it cannot serve), :mod:`.group_cache` (a group's KV cache: rows
+:func:`continuous_refusal`, which models it cannot serve: when each stage runs what, and the messages
+between stages), :mod:`.ring_stage` (:class:`RingStage`, one stage's groups: their caches, forwards and,
+on the last stage, each row's token), :mod:`.group_cache` (a group's KV cache: rows
 merged right aligned and cut, full and sliding-window layers each keeping their own columns),
 :mod:`.wire` (what travels down the ring with each op: :class:`OpHeader`, the typed header that packs
 itself into its int64 tensor and parses itself back, and :class:`NewRow`, the joining rows as JSON),

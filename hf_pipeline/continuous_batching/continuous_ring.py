@@ -1,43 +1,52 @@
 """The continuous decode ring: rows join free slots between steps as others finish.
 
-A long-lived ring over the pipeline's stages (one stage per rank). Its ``groups`` microbatches are
-each a group of ``group_size`` slots; stage 0 runs group ``i`` of step ``t`` after group ``i - 1``,
-and every other stage follows it one op behind, as in :mod:`hf_pipeline.generation.timetable`
-(``groups`` equal to the number of stages fills the pipe). Before each of its ops, stage 0 (whose
-rank holds the request queue, through a :class:`~.feeder.Feeder`) hands the tokens that came back to
-the feeder, which says which rows finished (stop ids, stop strings, ``max_new_tokens``, a cancelled
-request), and lets queued rows into the group's free slots. It sends that decision down the pipe
-with the activations, so every stage knows which rows of its group cache stay, which leave and
-which join:
+A long-lived ring over the pipeline's stages. Its ``groups`` microbatches are each a group of
+``group_size`` slots; stage 0 runs group ``i`` of step ``t`` after group ``i - 1``, and every other
+stage follows it one op behind, as in :mod:`hf_pipeline.generation.timetable`: stage ``k`` runs
+group ``i`` of step ``t`` at tick ``t * groups + i + k`` (``groups`` equal to the number of stages
+fills the pipe), and a rank that holds several stages (interleaved and V layouts) runs its stages'
+ops in tick order, stage order within a tick. Before each of its ops, stage 0 (whose rank holds the
+request queue, through a :class:`~.feeder.Feeder`) hands the tokens that came back to the feeder,
+which says which rows finished (stop ids, stop strings, ``max_new_tokens``, a cancelled request),
+and lets queued rows into the group's free slots. It sends that decision down the pipe with the
+activations, so every stage knows which rows of its group cache stay, which leave and which join;
+what a stage then does with them is :mod:`.ring_stage` (decode the kept rows, drop the leaving ones,
+prefill the joining ones and merge their cache, and on the last stage choose each row's token).
 
-  * rows that stay run one decode step on the group's cache;
-  * rows that leave are dropped from it (``Cache.batch_select_indices``), and cache columns that
-    no remaining row uses any more are cut from the left, so memory follows what is live;
-  * rows that join run their whole prompt through the stage with a fresh cache (left padded
-    among themselves, with an attention mask), whose keys and values are then put next to the
-    group's, right aligned: the shorter side is left padded with zero columns that the mask hides.
-    Positions are per row (``cumsum(mask) - 1`` as transformers makes them), so padding never
-    changes a row's tokens: greedy rows equal transformers' ``generate`` of each request alone.
-    Sliding-window layers keep only their window's last columns through all of this
-    (:mod:`.group_cache`, which also names the cache layers the ring does not merge).
+Tensor and expert parallelism (a stage over ``tp_size`` ranks; expert-parallel ranks are the stage's tp
+ranks): every tp rank of a stage runs the same forward on the same rows in the same order. Each tp
+slot has its own pipeline group, so the activations below flow slot by slot, as in static
+``generate``; only stage 0's lead (tp rank 0, which holds the queue) plans, and broadcasts each op's
+header, the kept rows' tokens and the joining rows' JSON to the stage's other tp ranks (tp group).
+The last stage's lead alone chooses tokens and replies (its tp ranks hold the same logits).
 
-The last stage chooses each row's token from its own logits processors (transformers', built from
-the row's merged ``GenerationConfig``) and, when sampling, its own generator seeded from
-``(seed, choice index)`` (``generation.sampling.row_seed``): a row's tokens never depend on its neighbours.
+Data-parallel replicas (not FSDP-sharded: those gather parameters in collectives across replicas,
+whose rings run different numbers of forwards) each run their own ring over their own slots (replica
+``d``'s group ``i`` is slot group ``d * groups + i``); the coordinator, replica 0's stage 0 lead, which
+holds the queue, plans them all. At each op of group ``i`` it takes every replica's reply of the last
+step (each other replica's stage 0 lead forwards its own, unread, over the data-parallel group), lets
+rows leave and join every replica's group ``i``, and sends each other replica's lead its plan: the
+header, the kept rows' tokens and the size of the reply to come, then the joining rows' JSON. The
+replicas so advance op by op together, each on its own rows.
 
 Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
 its layout is in :mod:`.wire`) and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros
 past the kept rows; sent for a stop too), both as bytes in one uint8 message; then, when rows join,
 their JSON (:func:`~.wire.pack_rows`: prompt and sampling parameters) and hidden states ``(joining,
-longest prompt, hidden)``. The fixed-size message is received ahead (posted once the previous op's
-messages are), the others when the header gives their size.
-Last stage -> stage 0, per run op: the float64 :class:`~.wire.Reply`, the chosen token of each row in
-header order with the log-probabilities the row asked for (its size follows from the op's rows),
-received ahead from the moment stage 0 sends the op. Each directed pair of ranks carries one
-kind of message stream, in order, so the receives pair up on any backend. Stage 0 stops the ring
-when a whole step had no rows and its feeder has nothing queued: a stop header for every group of
-that step, which each stage passes on before leaving.
+longest prompt, hidden)``. Last stage -> stage 0, per run op: the float64 :class:`~.wire.Reply`,
+the chosen token of each row in header order with the log-probabilities the row asked for (its
+size follows from the op's rows). Every message an op needs was sent by an op of the tick before.
+Between stages of one rank, nothing is sent: the message waits in the ring's inbox.
+With one stage per rank each directed pair of ranks carries one kind of message stream, in order,
+so the fixed-size message is received ahead (posted once the previous op's messages are) and the
+reply from the moment stage 0 sends the op; the others when the header gives their size. With
+several stages per rank, two streams may share a pair (interleaved at 2 ranks: stage 1 -> 2 and the
+reply 3 -> 0 both run rank 1 -> 0), so each tick starts by taking every message its ops need, in the
+order their senders sent them (sender stage order, the reply from the last stage last): the
+receives pair up on any backend, tags or not, and wait only for messages of the tick before.
+Stage 0 stops the ring when a whole step had no rows and its feeder has nothing queued: a stop
+header for every group of that step, which each stage passes on before leaving.
 
 Example (every rank; stage 0 passes the feeder):
     >>> ring = ContinuousRing(model, groups=2, group_size=4, feeder=feeder if model.ctx.rank == 0 else None)
@@ -46,24 +55,17 @@ Example (every rank; stage 0 passes the feeder):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache, MinNewTokensLengthLogitsProcessor
 
-from ..compat import generation_helper
 from ..core import PipelineCore
 from ..errors import InternalError
-from ..generation.config import prepare_generation_config
-from ..generation.kv_cache import cache_nbytes, new_cache
-from ..generation.logprobs import entries
 from ..generation.mailbox import Mailbox
-from ..generation.penalties import penalty_processors
-from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
 from .feeder import Feeder
-from .group_cache import cut_columns, merge, merge_refusal
+from .group_cache import merge_refusal
+from .ring_stage import RingStage
 from .wire import NewRow, OpHeader, Reply, pack_rows, unpack_rows
 
 __all__ = ["ContinuousRing", "continuous_refusal"]
@@ -73,33 +75,12 @@ def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
     if model.config.is_encoder_decoder:
         return "encoder-decoder models decode against a per-request encoder output"
-    if model.dims.dp_size > 1 or model.dims.tp_size > 1:
-        return "data-parallel replicas and tensor parallelism are served in static rounds"
-    if any(len(model.plan.stages_for_rank(r)) != 1 for r in range(model.plan.pp_size)):
-        return "the continuous ring runs one stage per rank"
+    if model.dims.fsdp_size > 1:
+        return ("FSDP-sharded stages gather their parameters in collectives across replicas, whose rings run "
+                "different numbers of forwards; they are served in static rounds")
     if model.plan.stages[0].rank != 0:
         return "stage 0 must be on rank 0, where the queue is"
     return merge_refusal(model.config)
-
-
-@dataclass
-class _Group:
-    """One group (microbatch) on this stage: its slots in row order, their cache, mask and next positions."""
-
-    slots: list[int] = field(default_factory=list)
-    cache: DynamicCache | None = None
-    mask: torch.Tensor | None = None  # (rows, cache length) long
-    next_pos: torch.Tensor | None = None  # (rows,) position of each row's next token
-
-
-@dataclass
-class _Row:
-    """Last stage: one row's sequence so far, its logits processors and, when sampling, its generator."""
-
-    ids: torch.Tensor  # (1, L)
-    processors: Any
-    generator: torch.Generator | None
-    logprobs: int | None = None  # alternatives sent back with each chosen token's log-probability
 
 
 class ContinuousRing:
@@ -107,42 +88,64 @@ class ContinuousRing:
     of the pipeline runs :meth:`run` at the same time.
 
     Args:
-        model: the pipelined model (one stage per rank: :func:`continuous_refusal` says None).
-        groups: microbatches in flight (the number of stages fills the pipe).
+        model: the pipelined model (:func:`continuous_refusal` says None: any number of stages per rank,
+            any tp / ep size).
+        groups: microbatches in flight (the number of stages fills the pipe; with several stages per rank,
+            exactly that many).
         group_size: slots per group.
-        feeder: stage 0's queue (rank 0); None on the other ranks.
+        feeder: stage 0's queue (rank 0: stage 0's tp lead); None on the other ranks.
     """
 
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None):
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
-        (self.stage,) = model.stages
-        self.index = self.stage.spec.index
         self.n_stages = model.plan.num_stages
-        self.first, self.last = self.index == 0, self.index == self.n_stages - 1
-        if self.first and feeder is None:
+        # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),
+        # all planned by the coordinator, replica 0's stage 0 lead, which holds the queue (module Note).
+        self.replicas, self.replica, self.dp_group = model.dims.dp_size, model.dims.dp_rank, model.dims.dp_group
+        self.lanes = [RingStage(model, s, groups=groups, group_size=group_size,
+                                slot_base=self.replica * groups * group_size)
+                      for s in sorted(model.stages, key=lambda s: s.spec.index)]
+        self.first = self.lanes[0].first  # this rank holds stage 0
+        # Tensor / expert parallelism: each of a stage's tp ranks is in the pipeline of its own tp slot (pp_group),
+        # so activations flow slot by slot; only the plan is made once, by stage 0's lead (tp rank 0).
+        self.tp_group = model.dims.tp_group
+        self.lead = model.dims.tp_rank == 0
+        self.coordinator = self.first and self.lead and self.replica == 0
+        self.relay = self.first and self.lead and self.replica > 0  # another replica's stage 0 lead
+        if self.coordinator and feeder is None:
             raise InternalError("stage 0 of the continuous ring needs the feeder (the request queue)")
+        # Several stages per rank: a tick's messages are taken at its start, in their senders' order (module Note).
+        self.ordered = len(self.lanes) > 1
+        if self.ordered and groups != self.n_stages:
+            raise InternalError(f"several stages per rank run {self.n_stages} groups (one per stage), got {groups}")
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
-        self.state = [_Group() for _ in range(groups)]
-        self.rows: dict[int, _Row] = {}  # last stage
-        self.sent: list[list[int]] = [[] for _ in range(groups)]  # stage 0: the rows each group ran last
+        self.sent: list[list[int]] = [[] for _ in range(groups * self.replicas)]  # coordinator: each group's rows
         self.last_token: dict[int, int] = {}  # stage 0: each row's token to feed next
-        self.local_tokens: dict[int, torch.Tensor] = {}  # one stage: the chosen tokens, without a send
-        self.replies: list[tuple[Reply, list]] = [(Reply(()), []) for _ in range(groups)]  # stage 0: per group
+        self.inbox: dict[tuple, Any] = {}  # ("h", stage, group) / ("tok", group): taken or delivered on this rank
+        self.replies: list[tuple[Reply, list]] = [(Reply(()), []) for _ in range(groups * self.replicas)]
+        self.reply_sizes = [1] * groups  # stage 0's lead: the size of each own group's next reply
         self.asked: dict[int, int | None] = {}  # stage 0: each live row's logprobs (its reply's layout)
         # Sends are kept alive until done by the ring's own mailbox (receives are posted here: they carry no key).
         self._mail = Mailbox(pp_rank=model.dims.pp_rank, rank_of=lambda stage: model.plan.stages[stage].rank,
                              dims=model.dims, device=self.device)
-        self._configs: dict[tuple, Any] = {}
         self.steps = 0  # stage 0: steps in which some row ran
-        self.forwards = 0  # stage forward calls on this rank
         self.peak_cache_bytes = 0
         self._stopping = False  # stage 0: this step stops the ring
         self._tokens_ahead: dict[int, tuple[Any, torch.Tensor]] = {}  # stage 0: token receives posted ahead
-        self._ahead: tuple = ()  # other stages: the next op's header and kept-row receives
+        self._ahead: tuple = ()  # one stage per rank, not stage 0: the next op's header and kept-row receives
         self._busy = False  # stage 0: some row ran in this step
+        self._dp_sends: list[tuple[Any, torch.Tensor]] = []  # coordinator <-> relays, kept alive until done
+
+    @property
+    def forwards(self) -> int:
+        """Stage forward calls on this rank."""
+        return sum(lane.forwards for lane in self.lanes)
 
     # ------------------------------------------------------------ messages
+    def _local(self, stage: int) -> bool:
+        return self.model.plan.stages[stage].rank == self.model.dims.pp_rank
+
     def _peer(self, stage: int) -> int:
         return self.model.dims.global_rank(self.model.plan.stages[stage].rank)
 
@@ -166,9 +169,73 @@ class ContinuousRing:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return OpHeader.nbytes(self.group_size), self.group_size * self.hidden * itemsize
 
-    def _post_next_op(self) -> None:
-        """Non-first stage: receive the next op's fixed-size message (header and kept rows' states) ahead."""
-        self._ahead = self._post((sum(self._op_bytes),), torch.uint8, self.index - 1)
+    def _post_next_op(self, lane: RingStage) -> None:
+        """One stage per rank, not stage 0: receive the next op's fixed-size message (header, kept states) ahead."""
+        self._ahead = self._post((sum(self._op_bytes),), torch.uint8, lane.index - 1)
+
+    def _read_op(self, fixed: torch.Tensor, stage: int) -> tuple:
+        """An op's messages to ``stage`` once its fixed-size one arrived: header, kept rows' states and, when rows
+        join, their JSON and states (received now: their size is in the header)."""
+        head = self._op_bytes[0]
+        header = OpHeader.unpack(fixed[:head].view(torch.long))
+        kept = fixed[head:].view(self.dtype).view(self.group_size, 1, self.hidden)
+        payload = new_in = None
+        if header.payload_bytes:
+            payload = self._recv((header.payload_bytes,), torch.uint8, stage - 1)
+            rows = unpack_rows(payload)
+            new_in = self._recv((len(rows), max(len(r.prompt) for r in rows), self.hidden), self.dtype, stage - 1)
+        return header, kept, payload, new_in
+
+    def _gather(self, tick: int) -> None:
+        """Several stages per rank: take every message from another rank that this tick's ops need, in the order
+        their senders sent them at the tick before (sender stage order; stage 0's reply, from the last, last)."""
+        for lane in self.lanes[1:] + self.lanes[:1] if self.first else self.lanes:
+            since = tick - lane.index
+            if since < 0 or lane.done:
+                continue
+            t, i = divmod(since, self.groups)
+            if not lane.first and not self._local(lane.index - 1):
+                fixed = self._recv((sum(self._op_bytes),), torch.uint8, lane.index - 1)
+                self.inbox[("h", lane.index, i)] = self._read_op(fixed, lane.index)
+            elif lane.first and t > 0 and self.lead and not self._local(self.n_stages - 1):
+                self.inbox[("tok", i)] = self._recv((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
+
+    def _take(self, lane: RingStage, i: int) -> tuple:
+        """Not stage 0: this op's header, kept rows' states, joining rows' JSON and states; with one stage per
+        rank from the receive posted ahead (then the next op's goes up), else from the inbox."""
+        if self.ordered:
+            return self.inbox.pop(("h", lane.index, i))
+        work, buf = self._ahead
+        work.wait()
+        header, kept, payload, new_in = self._read_op(buf, lane.index)
+        # After a stop only the other groups' stops follow; after the last group's, nothing.
+        if header.run or i < self.groups - 1:
+            self._post_next_op(lane)
+        return header, kept, payload, new_in
+
+    def _pass_on(self, lane: RingStage, i: int, header: OpHeader, old_out, payload, new_out) -> None:
+        """To the next stage, in the order it receives: header, kept rows (always ``group_size`` of them,
+        zeros past the kept ones, so it can post the receive ahead), then the joining rows' JSON and states."""
+        if lane.last:
+            return
+        kept = torch.zeros(self.group_size, 1, self.hidden, dtype=self.dtype, device=self.device)
+        if old_out is not None:
+            kept[: old_out.shape[0]] = old_out.to(self.dtype)
+        if self._local(lane.index + 1):
+            self.inbox[("h", lane.index + 1, i)] = (header, kept, payload, new_out)
+            return
+        # One message for both (the header as bytes, then the states' bytes): one hand-over per op, not two.
+        packed = header.pack(self.group_size, self.device)
+        self._send(torch.cat([packed.view(torch.uint8), kept.view(-1).view(torch.uint8)]), lane.index + 1)
+        if payload is not None:
+            self._send(payload, lane.index + 1)
+            self._send(new_out.to(self.dtype), lane.index + 1)
+
+    def _reply(self, i: int, message: torch.Tensor) -> None:
+        if self._local(0):
+            self.inbox[("tok", i)] = message
+        else:
+            self._send(message, 0)
 
     # ------------------------------------------------------------ the loop
     # No autograd: the group caches live across steps for as long as the ring has rows, so a graph recorded
@@ -176,259 +243,172 @@ class ContinuousRing:
     @torch.no_grad()
     def run(self) -> None:
         """Serve until stage 0 finds a whole step without rows and nothing queued (collective)."""
-        t = 0
-        if not self.first:
-            self._post_next_op()
+        if not self.ordered and not self.first:
+            self._post_next_op(self.lanes[0])
+        tick = 0
         try:
-            while True:
-                stop = False
-                for i in range(self.groups):
-                    stop = not self._op(i, t) or stop
-                if stop:
-                    return
-                t += 1
+            while not all(lane.done for lane in self.lanes):
+                if self.ordered:
+                    self._gather(tick)
+                for lane in self.lanes:
+                    since = tick - lane.index
+                    if since < 0 or lane.done:
+                        continue
+                    t, i = divmod(since, self.groups)
+                    if not self._op(lane, i, t) and i == self.groups - 1:
+                        lane.done = True
+                tick += 1
         finally:
             self._observe()
             self._mail.close()
+            for work, _ in self._dp_sends:
+                work.wait()
+        if self.inbox:
+            raise InternalError(f"the continuous ring ended with unconsumed messages {sorted(self.inbox)}")
 
-    def _op(self, i: int, t: int) -> bool:
-        """Group ``i`` of step ``t`` on this stage; False when it was a stop."""
-        if self.first:
-            header, new, payload = self._plan(i, t)
-            kept = None
+    def _op(self, lane: RingStage, i: int, t: int) -> bool:
+        """Group ``i`` of step ``t`` on ``lane`` (one of this rank's stages); False when it was a stop."""
+        if lane.first:
+            if self.coordinator:
+                header, new, payload, tokens = self._coordinate(i, t)
+            else:
+                header, new, payload, tokens = self._relayed(i, t) if self.relay else (None, [], None, None)
+            if self.tp_group is not None:
+                header, new, payload, tokens = self._share_plan(header, payload, tokens)
+            old_in, new_in = torch.tensor([[tok] for tok in tokens], dtype=torch.long, device=self.device), None
         else:
-            header, kept, payload, new_in = self._take(i)
+            header, kept, payload, new_in = self._take(lane, i)
             new = unpack_rows(payload) if payload is not None else []
+            old_in = kept[: len(header.kept)]
         if not header.run:
-            self._pass_on(header, None, None, None)
+            self._pass_on(lane, i, header, None, None, None)
             return False
-        old_slots = list(header.kept)
-        n_old = len(old_slots)
-        self._keep(self.state[i], old_slots)
-        if self.first:
-            old_in = torch.tensor([[self.last_token[s]] for s in old_slots], dtype=torch.long, device=self.device)
-        else:
-            old_in = kept[:n_old]
-        old_out = self._decode(self.state[i], old_in) if n_old else None
-        new_out = self._prefill(self.state[i], new, None if self.first else new_in) if new else None
-        self.state[i].slots = old_slots + [r.slot for r in new]
-        if self.last:
-            self._choose(i, header, new, old_out, new_out)
-        else:
-            self._pass_on(header, old_out, payload, new_out)
+        old_out, new_out = lane.run(i, header, new, old_in, new_in)
+        self._observe()
+        if not lane.last:
+            self._pass_on(lane, i, header, old_out, payload, new_out)
+        elif self.lead:  # the other tp ranks hold the same logits; one choice, one reply
+            self._reply(i, lane.choose(i, new, old_out, new_out))
         return True
 
-    def _take(self, i: int) -> tuple[OpHeader, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Non-first stage: this op's header, kept rows' hidden states and, when rows join, their JSON and
-        hidden states (received now: their size is in the header); then the next op's receives go up."""
-        work, buf = self._ahead
-        work.wait()
-        head = self._op_bytes[0]
-        header = OpHeader.unpack(buf[:head].view(torch.long))
-        kept = buf[head:].view(self.dtype).view(self.group_size, 1, self.hidden)
-        payload = new_in = None
-        if header.payload_bytes:
-            payload = self._recv((header.payload_bytes,), torch.uint8, self.index - 1)
-            rows = unpack_rows(payload)
-            new_in = self._recv((len(rows), max(len(r.prompt) for r in rows), self.hidden), self.dtype,
-                                self.index - 1)
-        # After a stop only the other groups' stops follow; after the last group's, nothing.
-        if header.run or i < self.groups - 1:
-            self._post_next_op()
-        return header, kept, payload, new_in
-
-    def _pass_on(self, header: OpHeader, old_out, payload, new_out) -> None:
-        """To the next stage, in the order it receives: header, kept rows (always ``group_size`` of them,
-        zeros past the kept ones, so it can post the receive ahead), then the joining rows' JSON and states."""
-        if self.last:
-            return
-        kept = torch.zeros(self.group_size, 1, self.hidden, dtype=self.dtype, device=self.device)
-        if old_out is not None:
-            kept[: old_out.shape[0]] = old_out.to(self.dtype)
-        # One message for both (the header as bytes, then the states' bytes): one hand-over per op, not two.
-        packed = header.pack(self.group_size, self.device)
-        self._send(torch.cat([packed.view(torch.uint8), kept.view(-1).view(torch.uint8)]), self.index + 1)
-        if payload is not None:
-            self._send(payload, self.index + 1)
-            self._send(new_out.to(self.dtype), self.index + 1)
+    def _observe(self) -> None:
+        self.peak_cache_bytes = max(self.peak_cache_bytes, sum(lane.cache_bytes() for lane in self.lanes))
 
     # ------------------------------------------------------------ stage 0: who runs
-    def _plan(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None]:
-        """Stage 0: take group ``i``'s tokens of the last step, let rows leave and join; the header, the
-        joining rows and their JSON (None when none join)."""
+    def _share_plan(self, header: OpHeader | None, payload: torch.Tensor | None, tokens: list[int] | None
+                    ) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """Stage 0 under tensor / expert parallelism: the lead's plan to the stage's other tp ranks (a broadcast
+        in the tp group: the header and the kept rows' tokens, then the joining rows' JSON), so that every tp
+        rank runs the same rows in the same order; returns what the lead planned, on every tp rank."""
+        head = OpHeader.nbytes(self.group_size) // 8
+        fixed = torch.full((head + self.group_size,), -1, dtype=torch.long, device=self.device)
+        if self.lead:
+            fixed[:head] = header.pack(self.group_size, self.device)
+            fixed[head: head + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        dist.broadcast(fixed, group=self.tp_group, group_src=0)
+        header = OpHeader.unpack(fixed[:head])
+        if header.payload_bytes:
+            if not self.lead:
+                payload = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
+            dist.broadcast(payload, group=self.tp_group, group_src=0)
+        new = unpack_rows(payload) if payload is not None else []
+        return header, new, payload, fixed[head: head + len(header.kept)].tolist()
+
+    def _tokens(self, i: int) -> torch.Tensor:
+        """Stage 0: group ``i``'s reply of the last step (in the inbox, else from its receive posted ahead)."""
+        if ("tok", i) in self.inbox:
+            return self.inbox.pop(("tok", i))
+        work, message = self._tokens_ahead.pop(i)
+        work.wait()
+        return message
+
+    def _coordinate(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """The coordinator: group ``i``'s tokens of the last step from every replica, its rows leave and join; each
+        other replica's plan sent to its stage 0 lead; replica 0's header, joining rows, their JSON (None when none
+        join) and the kept rows' next input tokens returned."""
+        if i == 0:
+            self._busy = False
+        own = [d * self.groups + i for d in range(self.replicas)]  # group i of each replica
+        kept: list[list[int]] = [[] for _ in own]
         if t > 0:
-            if self.n_stages > 1:
-                work, message = self._tokens_ahead.pop(i)
-                work.wait()
-            else:
-                message = self.local_tokens.pop(i)
-            layout, prompts = self.replies[i]
-            kept = []
-            for slot, (token, chosen, prompt_lp) in zip(self.sent[i], layout.unpack(message, prompts)):
-                if not self.feeder.deliver(slot, token, chosen, prompt_lp):
-                    kept.append(slot)
-                    self.last_token[slot] = token
-                else:
-                    self.last_token.pop(slot, None)
-                    self.asked.pop(slot, None)
-        else:
-            kept = []
+            messages = [self._tokens(i)] + [self._dp_recv((self.replies[g][0].size,), torch.float64, d)
+                                            for d, g in enumerate(own) if d > 0]
+            kept = [self._deliver(g, m) for g, m in zip(own, messages)]
         if i == 0 and t > 0:
             self._stopping = not any(self.sent) and self.feeder.idle()
-        if t > 0 and self._stopping:
-            return OpHeader.stop(), [], None
-        base = i * self.group_size
+        plans = [self._admit(g, k, stop=t > 0 and self._stopping) for g, k in zip(own, kept)]
+        for d, (header, _, payload, tokens) in enumerate(plans[1:], start=1):
+            size = self.replies[own[d]][0].size if header.run else 0
+            tail = tokens + [-1] * (self.group_size - len(tokens)) + [size]
+            fixed = torch.cat([header.pack(self.group_size, self.device), torch.tensor(tail, device=self.device)])
+            for x in (fixed, payload) if payload is not None else (fixed,):
+                self._dp_send(x, d)
+        header = plans[0][0]
+        self.reply_sizes[i] = self.replies[i][0].size
+        if header.run and not self.ordered and not self._local(self.n_stages - 1):
+            # this run op's reply comes back: post the receive now (its exact size), in op order
+            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
+        return plans[0]
+
+    def _dp_send(self, tensor: torch.Tensor, replica: int) -> None:
+        self._dp_sends.append((dist.isend(tensor, group=self.dp_group, group_dst=replica), tensor))
+        if len(self._dp_sends) > 32:  # completed sends release their buffers now and then, as the mailbox's
+            self._dp_sends = [(w, t) for w, t in self._dp_sends if not w.is_completed()]
+
+    def _dp_recv(self, shape: tuple[int, ...], dtype: torch.dtype, replica: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, group=self.dp_group, group_src=replica)
+        return buf
+
+    def _relayed(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
+        """Another replica's stage 0 lead: group ``i``'s reply of the last step to the coordinator (unread), then
+        the coordinator's plan for this op: header, kept rows' tokens, the reply's size, the joining rows' JSON."""
+        if t > 0:
+            self._dp_send(self._tokens(i), 0)
+        head = OpHeader.nbytes(self.group_size) // 8
+        fixed = self._dp_recv((head + self.group_size + 1,), torch.long, 0)
+        header = OpHeader.unpack(fixed[:head])
+        payload = self._dp_recv((header.payload_bytes,), torch.uint8, 0) if header.payload_bytes else None
+        self.reply_sizes[i] = int(fixed[-1])
+        if header.run and not self.ordered and not self._local(self.n_stages - 1):
+            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
+        new = unpack_rows(payload) if payload is not None else []
+        return header, new, payload, fixed[head: head + len(header.kept)].tolist()
+
+    def _deliver(self, g: int, message: torch.Tensor) -> list[int]:
+        """The coordinator: replica group ``g``'s tokens to the feeder; the slots of the rows that stay."""
+        layout, prompts = self.replies[g]
+        kept = []
+        for slot, (token, chosen, prompt_lp) in zip(self.sent[g], layout.unpack(message, prompts)):
+            if not self.feeder.deliver(slot, token, chosen, prompt_lp):
+                kept.append(slot)
+                self.last_token[slot] = token
+            else:
+                self.last_token.pop(slot, None)
+                self.asked.pop(slot, None)
+        return kept
+
+    def _admit(self, g: int, kept: list[int], stop: bool) -> tuple[OpHeader, list[NewRow], torch.Tensor | None,
+                                                                     list[int]]:
+        """The coordinator: replica group ``g``'s op (``kept`` stay, queued rows join its free slots): the header,
+        the joining rows, their JSON (None when none join) and the kept rows' next input tokens."""
+        if stop:
+            return OpHeader.stop(), [], None, []
+        base = g * self.group_size
         free = [s for s in range(base, base + self.group_size) if s not in kept]
         new = self.feeder.admit(free) if free else []
         if any(r.slot not in free for r in new):
             raise InternalError("the feeder admitted a row into a slot that is not free")
         order = kept + [r.slot for r in new]
-        self.sent[i] = order
+        self.sent[g] = order
         self.asked.update({r.slot: r.logprobs for r in new})
         joining: list[NewRow | None] = [None] * len(kept) + list(new)
-        layout = Reply.of(joining, self.asked, order)
-        self.replies[i] = (layout, [None if r is None else r.prompt for r in joining])
-        if self.n_stages > 1:  # this run op's reply comes back: post the receive now (its exact size), in op order
-            self._tokens_ahead[i] = self._post((layout.size,), torch.float64, self.n_stages - 1)
+        self.replies[g] = (Reply.of(joining, self.asked, order), [None if r is None else r.prompt for r in joining])
         payload = pack_rows(new, self.device) if new else None
         header = OpHeader(run=True, kept=tuple(kept), joining=tuple(r.slot for r in new),
                           payload_bytes=0 if payload is None else payload.numel())
-        if i == 0:
-            self._busy = False
         if order:
             if not self._busy:
                 self.steps += 1
             self._busy = True
-        return header, new, payload
-
-    # ------------------------------------------------------------ every stage: caches
-    def _observe(self) -> None:
-        total = sum(cache_nbytes(g.cache) for g in self.state)
-        self.peak_cache_bytes = max(self.peak_cache_bytes, total)
-
-    def _keep(self, g: _Group, slots: list[int]) -> None:
-        """Keep only ``slots`` (in their order) in group ``g``; cut cache columns no kept row uses."""
-        if slots == g.slots:
-            return
-        self._observe()
-        if not slots:
-            g.slots, g.cache, g.mask, g.next_pos = [], None, None, None
-            return
-        try:
-            keep = torch.tensor([g.slots.index(s) for s in slots], dtype=torch.long, device=self.device)
-        except ValueError:
-            raise InternalError(f"the ring kept slots {slots} that this stage does not hold ({g.slots})") from None
-        g.cache.batch_select_indices(keep)
-        g.mask, g.next_pos, g.slots = g.mask[keep], g.next_pos[keep], slots
-        used = g.mask.any(dim=0).nonzero()
-        cut = int(used[0, 0]) if used.numel() else g.mask.shape[1]
-        if cut:
-            g.mask = g.mask[:, cut:]
-            cut_columns(g.cache, cut, g.mask.shape[1])
-
-    def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False) -> torch.Tensor:
-        inputs: dict[str, Any] = {"cache": cache, "attention_mask": mask, "position_ids": positions}
-        if self.first:
-            inputs["input_ids"] = received
-            hidden: tuple = ()
-        else:
-            hidden = (received,)
-        if self.last and not every_logit:  # every position's logits: a joining row asked for its prompt's logprobs
-            inputs["logits_to_keep"] = 1
-        self.forwards += 1
-        out = self.stage(*hidden, **inputs)
-        return out[0] if isinstance(out, tuple) else out
-
-    def _decode(self, g: _Group, received: torch.Tensor) -> torch.Tensor:
-        """The kept rows' next step on the group cache."""
-        g.mask = torch.cat([g.mask, g.mask.new_ones(g.mask.shape[0], 1)], dim=1)
-        out = self._forward(received, g.cache, g.mask, g.next_pos[:, None])
-        g.next_pos = g.next_pos + 1
-        return out
-
-    def _prefill(self, g: _Group, new: list[NewRow], received: torch.Tensor | None) -> torch.Tensor:
-        """The joining rows' prompts on a fresh cache, then put next to the group's (right aligned)."""
-        width = max(len(r.prompt) for r in new)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in new],
-                            dtype=torch.long, device=self.device)
-        if self.first:
-            # The padding positions' ids are masked out; 0 is any valid id.
-            received = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in new],
-                                    dtype=torch.long, device=self.device)
-        cache = new_cache(self.model.config, encoder_decoder=False)
-        every = self.last and any(r.prompt_logprobs is not None for r in new)
-        out = self._forward(received, cache, mask, left_padded_position_ids(mask, width).to(self.device), every)
-        lengths = mask.sum(dim=1)
-        if g.cache is None:
-            g.cache, g.mask, g.next_pos = cache, mask, lengths
-            return out
-        g.mask = merge(g.cache, g.mask, cache, mask)
-        g.next_pos = torch.cat([g.next_pos, lengths])
-        self._observe()
-        return out
-
-    # ------------------------------------------------------------ last stage: tokens
-    def _row(self, r: NewRow) -> _Row:
-        do_sample = r.temperature > 0
-        key = (do_sample, r.temperature, r.top_p, r.max_new_tokens)
-        if key not in self._configs:
-            kw = {"do_sample": True, "temperature": r.temperature, "top_p": r.top_p} if do_sample else {
-                "do_sample": False}
-            self._configs[key] = prepare_generation_config(self.model, None, max_new_tokens=r.max_new_tokens, **kw)[0]
-        prompt = torch.tensor([r.prompt], dtype=torch.long, device=self.device)
-        custom = penalty_processors(prompt_length=len(r.prompt), presence=r.presence_penalty,
-                                    frequency=r.frequency_penalty, repetition=r.repetition_penalty,
-                                    bias={int(t): b for t, b in r.logit_bias})
-        if r.min_tokens and r.stop_ids:
-            # transformers' own processor, given the row's stop ids (EOS unless ignored, and its stop ids) as
-            # vLLM's min_tokens suppresses both; a custom processor runs before the sampling warpers.
-            custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=len(r.prompt),
-                                                            min_new_tokens=r.min_tokens, eos_token_id=r.stop_ids,
-                                                            device=self.device))
-        processors = generation_helper(self.model.skeleton, "_get_logits_processor")(
-            generation_config=self._configs[key], input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
-            logits_processor=custom, device=self.device,
-            model_kwargs={"attention_mask": torch.ones_like(prompt)},
-        )
-        gen = row_generators(r.seed if r.seed is not None else 0, [r.index], self.device)[0] if do_sample else None
-        return _Row(ids=prompt, processors=processors, generator=gen, logprobs=r.logprobs)
-
-    def _choose(self, i: int, header: OpHeader, new: list[NewRow], old_out, new_out) -> None:
-        """Last stage: each row's token from its own processors (and generator), back to stage 0 with the
-        log-probabilities the row asked for (:class:`~.wire.Reply`)."""
-        slots = self.state[i].slots
-        group = range(i * self.group_size, (i + 1) * self.group_size)
-        for s in [s for s in self.rows if s in group and s not in slots]:
-            del self.rows[s]  # left the ring
-        for r in new:
-            self.rows[r.slot] = self._row(r)
-        parts = [o[:, -1, :] for o in (old_out, new_out) if o is not None]
-        logits = torch.cat(parts).float() if parts else None
-        tokens, chosen = [], []
-        for j, slot in enumerate(slots):
-            row = self.rows[slot]
-            scores = row.processors(row.ids, logits[j: j + 1])
-            gens = [row.generator] if row.generator is not None else None
-            token = select_tokens(scores, do_sample=row.generator is not None, generators=gens)
-            row.ids = torch.cat([row.ids, token[:, None].to(row.ids.device)], dim=1)
-            tokens.append(int(token[0]))
-            chosen.append(None if row.logprobs is None else
-                          entries(torch.log_softmax(scores.float(), dim=-1), token, row.logprobs)[0])
-        n_old = len(slots) - len(new)
-        prompts = [None] * n_old + [self._prompt_entries(r, new_out[k], new_out.shape[1]) for k, r in enumerate(new)]
-        layout = Reply.of([None] * n_old + list(new), {s: self.rows[s].logprobs for s in slots}, slots)
-        message = layout.pack(tokens, chosen, prompts, self.device)
-        if self.first:
-            self.local_tokens[i] = message
-        else:
-            self._send(message, 0)
-
-    @staticmethod
-    def _prompt_entries(r: NewRow, logits: torch.Tensor, width: int) -> torch.Tensor | None:
-        """A joining row's prompt log-probabilities from its prefill logits ``(width, V)`` (left padded):
-        position ``p``'s raw logits give token ``p + 1``; None when it did not ask."""
-        if r.prompt_logprobs is None:
-            return None
-        start = width - len(r.prompt)
-        logprobs = torch.log_softmax(logits[start: width - 1].float(), dim=-1)  # (len - 1, V)
-        return entries(logprobs, torch.tensor(r.prompt[1:], dtype=torch.long), r.prompt_logprobs)
+        return header, new, payload, [self.last_token[s] for s in kept]

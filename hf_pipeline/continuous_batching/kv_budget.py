@@ -1,7 +1,7 @@
 """The continuous ring's KV budget: how many rows the slot pool may hold in a rank's KV-cache memory.
 
-A row may grow to the model's full context, so the pool is sized for full-context rows on the stage
-that holds the most decoder layers (its KV cache is the largest): :func:`row_kv_bytes` is one such
+A row may grow to the model's full context, so the pool is sized for full-context rows on the rank
+whose stages hold the most decoder layers (its KV cache is the largest): :func:`row_kv_bytes` is one such
 row's bytes, from the config alone (:func:`hf_pipeline.planning.kv_cache_sizes.kv_cache_bytes`), and
 :func:`pool_rows` how many of them a budget holds, at most ``max_batch``. Rows beyond the pool wait
 in the queue (:class:`~hf_pipeline.continuous_batching.feeder.RingFeeder` admits up to it).
@@ -20,19 +20,20 @@ __all__ = ["pool_rows", "row_kv_bytes"]
 
 
 def row_kv_bytes(model: PipelineCore, context: int) -> int:
-    """KV-cache bytes one row of ``context`` tokens takes on the stage with the most decoder layers.
+    """KV-cache bytes one row of ``context`` tokens takes on the rank whose stages hold the most decoder layers
+    (a rank with several stages, interleaved or V, keeps a cache for each).
 
     Returns:
-        context x layers of the stage x KV heads x head dim x 2 (K and V) x dtype bytes (sliding
-        layers capped at their window), the largest over the stages.
+        context x layers of the rank's stages x KV heads x head dim x 2 (K and V) x dtype bytes (sliding
+        layers capped at their window), the largest over the ranks.
     """
     decoder = model.resolved.stacks[-1].blocks
-    per_stage = [
-        kv_cache_bytes(model.config, layers=[decoder.index(b) for b in s.attention_blocks if b in decoder],
-                       dtype=model.dtype, batch=1, seq=context)
-        for s in model.plan.stages
-    ]
-    return max(per_stage)
+    per_rank: dict[int, int] = {}
+    for s in model.plan.stages:
+        nbytes = kv_cache_bytes(model.config, layers=[decoder.index(b) for b in s.attention_blocks if b in decoder],
+                                dtype=model.dtype, batch=1, seq=context)
+        per_rank[s.rank] = per_rank.get(s.rank, 0) + nbytes
+    return max(per_rank.values())
 
 
 def pool_rows(model: PipelineCore, *, max_batch: int, kv_cache_bytes: int | None, context: int | None) -> int:
@@ -55,6 +56,6 @@ def pool_rows(model: PipelineCore, *, max_batch: int, kv_cache_bytes: int | None
     if rows < 1:
         raise UsageError(
             f"kv_cache_bytes={kv_cache_bytes} cannot hold one request of the full context ({context} tokens need "
-            f"{per_row} bytes on the most loaded stage); raise the budget or serve a model with a shorter context"
+            f"{per_row} bytes on the most loaded rank); raise the budget or serve a model with a shorter context"
         )
     return rows

@@ -8,10 +8,13 @@ join free slots between steps as others finish, each with its own prompt, ``max_
 criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline.serving.handles.Handle`
 as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, within the slot pool of
 :mod:`hf_pipeline.continuous_batching.kv_budget`). The ring ends once a whole step ran no row and
-nothing is queued. Models the ring does not serve fall back to static rounds (``engine.batching``
-then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models (T5), data-parallel
-replicas, tensor parallelism, several stages per rank and cache layers other than full and
-sliding-window attention (chunked attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
+nothing is queued. Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
+lead plans, its tp group gets the plan by broadcast), and so do several stages per rank (interleaved
+and V layouts: a rank runs its stages in turn) and data-parallel replicas (each its own ring of
+``max_batch`` rows, all planned by rank 0). Models the ring does not serve fall back to static rounds
+(``engine.batching`` then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models
+(T5), FSDP-sharded stages and cache layers other than full and sliding-window attention (chunked
+attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
 
 ``batching="static"``: each round rank 0 takes a batch from its queue
 (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its plan as JSON, and every rank
@@ -152,7 +155,7 @@ class Engine:
     Args:
         model: a pipelined causal LM (``hf_pipeline.AutoModelForCausalLM.from_pretrained(..., pipeline=True)``).
         tokenizer: its tokenizer (text, stop strings); needed on every rank when requests use ``stop``.
-        max_batch: rows in flight (continuous) or per round (static) at most.
+        max_batch: rows in flight (continuous: per data-parallel replica) or per round (static) at most.
         max_queue: queued rows at most (a request with ``n`` choices is ``n`` rows); :meth:`submit` raises
             :class:`ServerBusy` beyond it.
         max_n: choices per request at most (``n``); more is refused (:class:`ServingRequestError`).
@@ -160,7 +163,7 @@ class Engine:
         batching: ``"continuous"`` (rows join the running ring as others leave) or ``"static"`` (rounds
             of one ``generate`` call each); models the ring does not serve run static rounds.
         kv_cache_bytes: continuous only: KV-cache memory per rank for the slot pool; rows that would
-            not fit (a full-context row on the most loaded stage each) wait in the queue. None: ``max_batch``.
+            not fit (a full-context row on the most loaded rank each) wait in the queue. None: ``max_batch``.
 
     Attributes:
         batching: the batching in use; ``static_reason`` says why static when continuous was asked for.
@@ -406,7 +409,8 @@ class Engine:
     def _run_ring(self) -> None:
         """Every rank: the continuous ring until it runs dry; a failure inside it fails the requests it held."""
         groups, size = self._ring_shape()
-        feeder = RingFeeder(self, self.pool, _ChoiceWriter) if self.ctx.rank == 0 else None
+        # Each data-parallel replica runs a ring of its own pool's rows (rank 0 plans them all).
+        feeder = RingFeeder(self, self.pool * self.model.dims.dp_size, _ChoiceWriter) if self.ctx.rank == 0 else None
         ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder)
         try:
             with self.model.spreading_failures("serving (continuous batching)"):

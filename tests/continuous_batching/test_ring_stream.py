@@ -78,20 +78,20 @@ def _serve(path: str, text: str, requests: list[dict], late: int, pool_rows: int
 def _fail_once(path: str) -> dict:
     """Every rank: the last stage's token choice raises once; the requests in flight fail, the next is served."""
     import hf_pipeline
-    from hf_pipeline.continuous_batching.continuous_ring import ContinuousRing
+    from hf_pipeline.continuous_batching.ring_stage import RingStage
     from hf_pipeline.errors import InputError
     from hf_pipeline.serving import CompletionRequest, Engine
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
-    engine, choose, calls = Engine(model, max_batch=4, idle_s=0.05), ContinuousRing._choose, []
+    engine, choose, calls = Engine(model, max_batch=4, idle_s=0.05), RingStage.choose, []
 
-    def broken(ring, *args):
+    def broken(stage, *args):
         calls.append(1)
         if len(calls) == 3:
             raise InputError("a logits processor failed")
-        return choose(ring, *args)
+        return choose(stage, *args)
 
-    ContinuousRing._choose = broken
+    RingStage.choose = broken
     out: dict = {}
 
     def client():
@@ -112,7 +112,7 @@ def _fail_once(path: str) -> dict:
     try:
         engine.serve_forever()
     finally:
-        ContinuousRing._choose = choose
+        RingStage.choose = choose
     if thread is not None:
         thread.join(timeout=60)
         out["after"] = [c.token_ids for c in out["after"]]

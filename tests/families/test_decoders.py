@@ -13,8 +13,8 @@ attention sinks, ALiBi, partial rotary, parallel residual, learned positions, mu
   microbatches, greedy ``generate`` with an EOS that ends some rows early, one ``train_step``'s loss
   and every gradient by checkpoint key (at 2 ranks the families take turns through every schedule,
   interleaved, zero-bubble and V schedules with two stages per rank); at 2 ranks beam search and a
-  request stream through the serving engine (continuous batching where the family's stages allow it,
-  else static rounds), each request against transformers' ``generate`` of it alone.
+  request stream through the serving engine (continuous batching, two stages per rank included), each
+  request against transformers' ``generate`` of it alone.
 
 Tolerances (fp32, the same kernels; only microbatching and the order of a few sums differ):
 |logits| ~0.5 here, so 1e-5 absolute is ~100 fp32 ulps, while a dropped embedding scale, soft-cap or
@@ -226,11 +226,9 @@ def _stream(model, text: str):
     if model.ctx.rank != 0:
         engine.serve_forever()
         return None
-    # one stage per rank: rows join and leave the running ring; else (V and interleaved schedules, a stage
-    # over several ranks) static rounds
-    one_each = all(len(model.plan.stages_for_rank(r)) == 1 for r in range(model.plan.pp_size))
-    one_each = one_each and model.dims.tp_size == 1
-    assert engine.batching == ("continuous" if one_each else "static"), (engine.batching, engine.static_reason)
+    # rows join and leave the running ring under every layout (V and interleaved: two stages per rank) and
+    # within expert-parallel stages
+    assert engine.batching == "continuous", engine.static_reason
     out: dict = {}
 
     def client():

@@ -1,0 +1,225 @@
+"""One stage's part of the continuous ring: its groups' KV caches and forwards, and on the last stage each row's token.
+
+:class:`RingStage` is what a stage does with one op once the ring
+(:class:`~hf_pipeline.continuous_batching.continuous_ring.ContinuousRing`) has its header and inputs:
+
+  * rows that stay run one decode step on the group's cache;
+  * rows that leave are dropped from it (``Cache.batch_select_indices``), and cache columns that
+    no remaining row uses any more are cut from the left, so memory follows what is live;
+  * rows that join run their whole prompt through the stage with a fresh cache (left padded
+    among themselves, with an attention mask), whose keys and values are then put next to the
+    group's, right aligned: the shorter side is left padded with zero columns that the mask hides.
+    Positions are per row (``cumsum(mask) - 1`` as transformers makes them), so padding never
+    changes a row's tokens: greedy rows equal transformers' ``generate`` of each request alone.
+    Sliding-window layers keep only their window's last columns through all of this
+    (:mod:`.group_cache`, which also names the cache layers the ring does not merge).
+
+The last stage chooses each row's token from its own logits processors (transformers', built from
+the row's merged ``GenerationConfig``) and, when sampling, its own generator seeded from
+``(seed, choice index)`` (``generation.sampling.row_seed``): a row's tokens never depend on its neighbours.
+A rank that holds several stages (interleaved and V layouts) keeps one :class:`RingStage` for each.
+
+Example (inside the ring, for group ``i``):
+    >>> old_out, new_out = stage.run(i, header, new_rows, old_in, new_in)
+    >>> reply = stage.choose(i, new_rows, old_out, new_out)        # the last stage
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache, MinNewTokensLengthLogitsProcessor
+
+from ..compat import generation_helper
+from ..core import PipelineCore
+from ..errors import InternalError
+from ..generation.config import prepare_generation_config
+from ..generation.kv_cache import cache_nbytes, new_cache
+from ..generation.logprobs import entries
+from ..generation.penalties import penalty_processors
+from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
+from .group_cache import cut_columns, merge
+from .wire import NewRow, OpHeader, Reply
+
+__all__ = ["RingStage"]
+
+
+@dataclass
+class _Group:
+    """One group (microbatch) on this stage: its slots in row order, their cache, mask and next positions."""
+
+    slots: list[int] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None  # (rows, cache length) long
+    next_pos: torch.Tensor | None = None  # (rows,) position of each row's next token
+
+
+@dataclass
+class _Row:
+    """Last stage: one row's sequence so far, its logits processors and, when sampling, its generator."""
+
+    ids: torch.Tensor  # (1, L)
+    processors: Any
+    generator: torch.Generator | None
+    logprobs: int | None = None  # alternatives sent back with each chosen token's log-probability
+
+
+class RingStage:
+    """One stage's groups in the continuous ring (see the module docstring).
+
+    Args:
+        model: the pipelined model.
+        stage: one of ``model.stages`` (this rank's).
+        groups: the ring's groups; group_size: slots per group.
+        slot_base: the first slot of this stage's group 0 (a data-parallel replica's groups follow the others').
+    """
+
+    def __init__(self, model: PipelineCore, stage: Any, *, groups: int, group_size: int, slot_base: int = 0):
+        self.model, self.stage, self.group_size, self.slot_base = model, stage, group_size, slot_base
+        self.index = stage.spec.index
+        self.first, self.last = self.index == 0, self.index == model.plan.num_stages - 1
+        self.device = model.device
+        self.state = [_Group() for _ in range(groups)]
+        self.rows: dict[int, _Row] = {}  # last stage
+        self._configs: dict[tuple, Any] = {}
+        self.forwards = 0  # forward calls of this stage
+        self.done = False  # the ring's stop passed this stage for every group
+
+    def cache_bytes(self) -> int:
+        return sum(cache_nbytes(g.cache) for g in self.state)
+
+    def run(self, i: int, header: OpHeader, new: list[NewRow], old_in: torch.Tensor | None,
+            new_in: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Group ``i``'s op: keep the header's kept rows, decode them on ``old_in``, prefill the joining ``new`` rows
+        (stage 0: from their prompts; else on ``new_in``). Returns the kept and joining rows' outputs (None: none)."""
+        old_slots = list(header.kept)
+        g = self.state[i]
+        self._keep(g, old_slots)
+        old_out = self._decode(g, old_in) if old_slots else None
+        new_out = self._prefill(g, new, new_in) if new else None
+        g.slots = old_slots + [r.slot for r in new]
+        return old_out, new_out
+
+    # ------------------------------------------------------------ caches
+    def _keep(self, g: _Group, slots: list[int]) -> None:
+        """Keep only ``slots`` (in their order) in group ``g``; cut cache columns no kept row uses."""
+        if slots == g.slots:
+            return
+        if not slots:
+            g.slots, g.cache, g.mask, g.next_pos = [], None, None, None
+            return
+        try:
+            keep = torch.tensor([g.slots.index(s) for s in slots], dtype=torch.long, device=self.device)
+        except ValueError:
+            raise InternalError(f"the ring kept slots {slots} that this stage does not hold ({g.slots})") from None
+        g.cache.batch_select_indices(keep)
+        g.mask, g.next_pos, g.slots = g.mask[keep], g.next_pos[keep], slots
+        used = g.mask.any(dim=0).nonzero()
+        cut = int(used[0, 0]) if used.numel() else g.mask.shape[1]
+        if cut:
+            g.mask = g.mask[:, cut:]
+            cut_columns(g.cache, cut, g.mask.shape[1])
+
+    def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False) -> torch.Tensor:
+        inputs: dict[str, Any] = {"cache": cache, "attention_mask": mask, "position_ids": positions}
+        if self.first:
+            inputs["input_ids"] = received
+            hidden: tuple = ()
+        else:
+            hidden = (received,)
+        if self.last and not every_logit:  # every position's logits: a joining row asked for its prompt's logprobs
+            inputs["logits_to_keep"] = 1
+        self.forwards += 1
+        out = self.stage(*hidden, **inputs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _decode(self, g: _Group, received: torch.Tensor) -> torch.Tensor:
+        """The kept rows' next step on the group cache."""
+        g.mask = torch.cat([g.mask, g.mask.new_ones(g.mask.shape[0], 1)], dim=1)
+        out = self._forward(received, g.cache, g.mask, g.next_pos[:, None])
+        g.next_pos = g.next_pos + 1
+        return out
+
+    def _prefill(self, g: _Group, new: list[NewRow], received: torch.Tensor | None) -> torch.Tensor:
+        """The joining rows' prompts on a fresh cache, then put next to the group's (right aligned)."""
+        width = max(len(r.prompt) for r in new)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in new],
+                            dtype=torch.long, device=self.device)
+        if self.first:
+            # The padding positions' ids are masked out; 0 is any valid id.
+            received = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in new],
+                                    dtype=torch.long, device=self.device)
+        cache = new_cache(self.model.config, encoder_decoder=False)
+        every = self.last and any(r.prompt_logprobs is not None for r in new)
+        out = self._forward(received, cache, mask, left_padded_position_ids(mask, width).to(self.device), every)
+        lengths = mask.sum(dim=1)
+        if g.cache is None:
+            g.cache, g.mask, g.next_pos = cache, mask, lengths
+            return out
+        g.mask = merge(g.cache, g.mask, cache, mask)
+        g.next_pos = torch.cat([g.next_pos, lengths])
+        return out
+
+    # ------------------------------------------------------------ last stage: tokens
+    def _row(self, r: NewRow) -> _Row:
+        do_sample = r.temperature > 0
+        key = (do_sample, r.temperature, r.top_p, r.max_new_tokens)
+        if key not in self._configs:
+            kw = {"do_sample": True, "temperature": r.temperature, "top_p": r.top_p} if do_sample else {
+                "do_sample": False}
+            self._configs[key] = prepare_generation_config(self.model, None, max_new_tokens=r.max_new_tokens, **kw)[0]
+        prompt = torch.tensor([r.prompt], dtype=torch.long, device=self.device)
+        custom = penalty_processors(prompt_length=len(r.prompt), presence=r.presence_penalty,
+                                    frequency=r.frequency_penalty, repetition=r.repetition_penalty,
+                                    bias={int(t): b for t, b in r.logit_bias})
+        if r.min_tokens and r.stop_ids:
+            # transformers' own processor, given the row's stop ids (EOS unless ignored, and its stop ids) as
+            # vLLM's min_tokens suppresses both; a custom processor runs before the sampling warpers.
+            custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=len(r.prompt),
+                                                            min_new_tokens=r.min_tokens, eos_token_id=r.stop_ids,
+                                                            device=self.device))
+        processors = generation_helper(self.model.skeleton, "_get_logits_processor")(
+            generation_config=self._configs[key], input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
+            logits_processor=custom, device=self.device,
+            model_kwargs={"attention_mask": torch.ones_like(prompt)},
+        )
+        gen = row_generators(r.seed if r.seed is not None else 0, [r.index], self.device)[0] if do_sample else None
+        return _Row(ids=prompt, processors=processors, generator=gen, logprobs=r.logprobs)
+
+    def choose(self, i: int, new: list[NewRow], old_out, new_out) -> torch.Tensor:
+        """Last stage: each row's token from its own processors (and generator); the reply to stage 0 with the
+        log-probabilities the row asked for (:class:`~.wire.Reply`)."""
+        slots = self.state[i].slots
+        group = range(self.slot_base + i * self.group_size, self.slot_base + (i + 1) * self.group_size)
+        for s in [s for s in self.rows if s in group and s not in slots]:
+            del self.rows[s]  # left the ring
+        for r in new:
+            self.rows[r.slot] = self._row(r)
+        parts = [o[:, -1, :] for o in (old_out, new_out) if o is not None]
+        logits = torch.cat(parts).float() if parts else None
+        tokens, chosen = [], []
+        for j, slot in enumerate(slots):
+            row = self.rows[slot]
+            scores = row.processors(row.ids, logits[j: j + 1])
+            gens = [row.generator] if row.generator is not None else None
+            token = select_tokens(scores, do_sample=row.generator is not None, generators=gens)
+            row.ids = torch.cat([row.ids, token[:, None].to(row.ids.device)], dim=1)
+            tokens.append(int(token[0]))
+            chosen.append(None if row.logprobs is None else
+                          entries(torch.log_softmax(scores.float(), dim=-1), token, row.logprobs)[0])
+        n_old = len(slots) - len(new)
+        prompts = [None] * n_old + [self._prompt_entries(r, new_out[k], new_out.shape[1]) for k, r in enumerate(new)]
+        layout = Reply.of([None] * n_old + list(new), {s: self.rows[s].logprobs for s in slots}, slots)
+        return layout.pack(tokens, chosen, prompts, self.device)
+
+    @staticmethod
+    def _prompt_entries(r: NewRow, logits: torch.Tensor, width: int) -> torch.Tensor | None:
+        """A joining row's prompt log-probabilities from its prefill logits ``(width, V)`` (left padded):
+        position ``p``'s raw logits give token ``p + 1``; None when it did not ask."""
+        if r.prompt_logprobs is None:
+            return None
+        start = width - len(r.prompt)
+        logprobs = torch.log_softmax(logits[start: width - 1].float(), dim=-1)  # (len - 1, V)
+        return entries(logprobs, torch.tensor(r.prompt[1:], dtype=torch.long), r.prompt_logprobs)

@@ -1,0 +1,133 @@
+"""Continuous batching beyond one stage per rank (one spawned job per world size): at 4 ranks, LLaMA with
+tensor parallelism (pp2 x tp2), Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks
+keep half of every MoE layer's experts) and LLaMA in two data-parallel replicas (dp2 x pp2: rank 0
+plans both replicas' rings, each runs its own rows); at 2 ranks, LLaMA with two stages per rank, interleaved
+(stages 0, 2 | 1, 3: the reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2:
+two hand-overs within a rank). The engine must report ``batching == "continuous"`` and serve
+a stream whose requests join and leave at different times (different prompt lengths and
+``max_new_tokens``, two ended early by a stop id from their own continuation, the rest submitted while
+the first decodes, 3 slots for 7 requests); every greedy output equals transformers' ``generate`` of
+that request alone on one process, token for token (fp32: a tp rank's partial sums add up in another
+order, ~1e-7 on logits of order 1, far below the gap between the top two logits these tiny models
+leave; a row run with another row's positions, cache or plan moves its tokens)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import tiny
+import torch
+from decoders import decoder_config
+from harness import run_distributed
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+# (prompt length, max_new_tokens); prompts are seeded word ids.
+STREAM = [(3, 9), (8, 3), (5, 12), (2, 5), (10, 7), (4, 10), (6, 4)]
+EARLY = (2, 5)  # requests ended by a stop id of their own continuation
+
+
+def _serve(path: str, load: dict, requests: list[dict]) -> dict | None:
+    """Every rank: one continuous engine; rank 0 submits 3 requests, the rest once the first has tokens."""
+    import hf_pipeline
+    from hf_pipeline.serving import CompletionRequest, Engine
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False,
+                                                             **load)
+    engine = Engine(model, max_batch=3, batching="continuous", idle_s=0.05)
+    out: dict = {"batching": engine.batching, "reason": engine.static_reason, "stages": len(model.stages),
+                 "dp": model.dims.dp_size}
+    if model.ctx.rank != 0:
+        engine.serve_forever()
+        return {**out, "forwards": engine.forwards}
+
+    def client():
+        reqs = [CompletionRequest(**r) for r in requests]
+        handles = [engine.submit(r) for r in reqs[:3]]
+        next(iter(handles[0]))  # the first request has tokens: the rest arrive while it decodes
+        handles += [engine.submit(r) for r in reqs[3:]]
+        out["choices"] = [[(c.token_ids, c.finish_reason) for c in h.result(timeout=120)] for h in handles]
+        engine.drain()
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    engine.serve_forever()
+    thread.join(timeout=60)
+    out.update(peak_rows=engine.peak_rows, steps=engine.decode_steps, forwards=engine.forwards)
+    return out
+
+
+def _job(cases):
+    torch.set_num_threads(1)
+    return [_serve(*c) for c in cases]
+
+
+def _alone(ref, req: dict) -> tuple[list[int], str]:
+    """transformers' greedy generate of the request alone, cut as the engine cuts it (EOS 2, its stop ids)."""
+    ids = req["prompt_ids"]
+    with torch.no_grad():
+        full = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=req["max_new_tokens"], do_sample=False, pad_token_id=0)
+    full = full[0, len(ids):].tolist()
+    stops = {2} | set(req.get("stop_token_ids", ()))
+    cut = next((k for k, t in enumerate(full) if t in stops), None)
+    return (full, "length") if cut is None else (full[:cut], "stop")
+
+
+def _requests(ref) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    reqs = [dict(prompt_ids=torch.randint(5, tiny.VOCAB, (n,), generator=g).tolist(), max_new_tokens=m)
+            for n, m in STREAM]
+    for k in EARLY:
+        full, _ = _alone(ref, reqs[k])
+        reqs[k]["stop_token_ids"] = [full[2]]  # ends at its third token (or earlier, where it came before)
+    return reqs
+
+
+def _mixtral(directory) -> str:
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(decoder_config("mixtral")).save_pretrained(directory)
+    return str(directory)
+
+
+def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp_path):
+    llama = str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1))
+    paths = {"llama tp2": (llama, {"tp_size": 2}), "mixtral ep2": (_mixtral(tmp_path / "mixtral"), {"ep_size": 2}),
+             "llama dp2": (llama, {"num_stages": 2})}
+    refs = {name: tiny.reference(path, "AutoModelForCausalLM") for name, (path, _) in paths.items()}
+    requests = {name: _requests(ref) for name, ref in refs.items()}
+    cases = [(path, load, requests[name]) for name, (path, load) in paths.items()]
+    per_rank = run_distributed(_job, 4, cases, timeout=600)
+    for k, name in enumerate(paths):
+        ranks = [r[k] for r in per_rank]
+        assert all(r["batching"] == "continuous" for r in ranks), (name, ranks[0]["reason"])
+        got = ranks[0]
+        assert all(r["forwards"] > 0 for r in ranks), name  # every rank (both replicas) ran rows
+        if name == "llama dp2":  # two replicas of 3 slots: more rows at once than one replica holds
+            assert ranks[0]["dp"] == 2 and got["peak_rows"] > 3, (name, got["peak_rows"])
+        else:
+            assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
+        for j, req in enumerate(requests[name]):
+            assert got["choices"][j] == [_alone(refs[name], req)], (name, j, req)
+        assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
+
+
+def test_continuous_ring_with_two_stages_per_rank_at_2_ranks(tmp_path):
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1))
+    ref = tiny.reference(path, "AutoModelForCausalLM")
+    requests = _requests(ref)
+    layouts = {"interleaved": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": 2},
+               "V": {"schedule": "zbv-zero-bubble", "n_microbatches": 4}}
+    per_rank = run_distributed(_job, 2, [(path, load, requests) for load in layouts.values()], timeout=600)
+    for k, name in enumerate(layouts):
+        ranks = [r[k] for r in per_rank]
+        assert all(r["batching"] == "continuous" for r in ranks), (name, ranks[0]["reason"])
+        assert all(r["stages"] == 2 for r in ranks), name
+        got = ranks[0]
+        assert got["peak_rows"] == 3, (name, got["peak_rows"])
+        for j, req in enumerate(requests):
+            assert got["choices"][j] == [_alone(ref, req)], (name, j, req)
+        assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
