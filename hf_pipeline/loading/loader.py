@@ -201,6 +201,24 @@ def _own_experts(experts: dict, conversions: dict, parts: dict, wanted: dict) ->
     return conversions
 
 
+def _fsdp_shards(
+    stages: list[nn.Module], maker: StageMaker, options: PipelineOptions, dims: ParallelDims, device: torch.device,
+    *, parts: dict, wanted: dict, fresh: dict, conversions: dict,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An FSDP rank's parts (with tensor / expert parallelism: each tp slice's fsdp chunk, ``parts`` being the
+    tp / ep ones) and the local shards they are read into, each in the dtype it is read or drawn in."""
+    split = options.tp_plan or options.ep_plan
+    tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
+    parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
+    dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
+    dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
+    shards = shard_stages(
+        stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=maker.resolved.tied, tp=tp,
+        experts=(options.ep_plan, options.ep_implementation),
+    )
+    return parts, shards
+
+
 def _load_stages(
     maker: StageMaker, ckpt: pathlib.Path, local, *, ctx: RankContext, options: PipelineOptions,
     rng_state: torch.Tensor, progress: bool | None, started: float, dims: ParallelDims,
@@ -232,17 +250,9 @@ def _load_stages(
     mine = {n: (0, i * fsdp + f, c * fsdp) for n, (_, i, c) in experts.items()} if on_meta else experts
     conversions = _own_experts(mine, keys.conversions, parts, wanted)
     merged_mine = set(experts) - set(parts)  # merged from this rank's experts alone: already its part
-    if on_meta:  # with tensor / expert parallelism: each tp slice's fsdp chunk, read into the 2-D shard
-        parts.update(experts)
-        split = options.tp_plan or options.ep_plan
-        tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
-        parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
-        dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
-        dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
-        shards = shard_stages(
-            stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp,
-            experts=(options.ep_plan, options.ep_implementation),
-        )
+    if on_meta:
+        parts, shards = _fsdp_shards(stages, maker, options, dims, ctx.device, parts={**parts, **experts},
+                                     wanted=wanted, fresh=fresh, conversions=conversions)
     for n in set(fresh) & set(parts):  # keep the slice
         fresh[n] = local_slice(fresh[n], parts[n])
     # Tensors stored split (experts one tensor each): each source read straight into its place in the merged
