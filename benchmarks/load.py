@@ -2,7 +2,10 @@
 
 A >= 1 GB LLaMA-architecture bf16 checkpoint loaded by hf_pipeline (each rank its stages) and by
 transformers' ``from_pretrained`` on every rank (what accelerate's ``prepare_pippy`` needs), for
-p = 1, 2, 4 ranks; each rank's load wall time against plainly reading its byte ranges.
+p = 1, 2, 4 ranks; each rank's load wall time against plainly reading its byte ranges. Then a mixture of
+experts saved as transformers saves it (the mesh section's Mixtral, experts one tensor each, which the
+loader merges into transformers' stacked tensors) by mesh (:data:`MOE_LOADS`): each rank's peak RSS against
+the bytes it keeps, and the bytes it read.
 """
 
 from __future__ import annotations
@@ -11,10 +14,20 @@ import gc
 import time
 
 from benchmarks.config import Sizes
-from benchmarks.meters import PeakMeter, byte_ranges, drop_page_cache, plain_read, touch
+from benchmarks.meters import PeakMeter, byte_ranges, drop_page_cache, kept, plain_read, touch
 from benchmarks.timing import median, sync
+from devtools.host_memory import trim_host_heap
 
-__all__ = ["TASKS", "launches"]
+__all__ = ["MOE_LOADS", "TASKS", "launches"]
+
+# The mixture of experts' loads: (mesh, ranks, from_pretrained keyword arguments); those whose ranks are among
+# ``load_ranks`` run (``--quick``: the first three).
+MOE_LOADS: list[tuple[str, int, dict]] = [
+    ("pp1", 1, {"num_stages": 1}),
+    ("pp2", 2, {"num_stages": 2}),
+    ("pp1 x ep2", 2, {"num_stages": 1, "ep_size": 2}),
+    ("pp2 x ep2", 4, {"num_stages": 2, "ep_size": 2}),
+]
 
 
 def _load_read_pairs(spec: dict, ranges, n: int, *, cold: bool) -> list[tuple[float, float]]:
@@ -123,11 +136,36 @@ def load_hf(spec: dict, out: dict) -> None:
     sync()
 
 
-TASKS = {"load_ours": load_ours, "load_hf": load_hf}
+def load_moe(spec: dict, out: dict) -> None:
+    """hf_pipeline's load of the mixture of experts as ``spec["kwargs"]`` asks: peak RSS, bytes kept and read."""
+    from hf_pipeline import AutoModelForCausalLM
+
+    kwargs = spec["kwargs"]
+    AutoModelForCausalLM.from_pretrained(spec["warmup"], pipeline=True, device="cpu", progress=False, **kwargs)
+    # What this process freed before (the dense loads) goes back to the OS first, or this load would reuse it
+    # unseen (glibc keeps freed heap) and its peak would read low.
+    gc.collect()
+    trim_host_heap()
+    sync()
+    with PeakMeter() as meter:
+        model = AutoModelForCausalLM.from_pretrained(spec["path"], pipeline=True, device="cpu", progress=False,
+                                                     **kwargs)
+        # local parts: an expert-parallel rank's DTensors read without collectives
+        touch(p.to_local() if hasattr(p, "to_local") else p for _, p in model.checkpoint_named_parameters())
+    out.update(peak_rss=meter.peak, resettable=meter.resettable, kept_bytes=kept(model)[1],
+               bytes_read=model.load_report.bytes_read, stages=[s.spec.index for s in model.stages])
+    del model
+    gc.collect()
+    trim_host_heap()
+    sync()
+
+
+TASKS = {"load_ours": load_ours, "load_hf": load_hf, "load_moe": load_moe}
 
 
 def launches(sizes: Sizes, ckpts: dict[str, str], *, quick: bool) -> dict[int, list[dict]]:
-    """The load section's tasks by world size: both loaders for every ``load_ranks``."""
+    """The load section's tasks by world size: both loaders for every ``load_ranks``, then the mixture of
+    experts' loads (:data:`MOE_LOADS`) on those ranks."""
     jobs: dict[int, list[dict]] = {}
     for p in sizes.load_ranks:
         jobs.setdefault(p, []).extend([
@@ -136,4 +174,8 @@ def launches(sizes: Sizes, ckpts: dict[str, str], *, quick: bool) -> dict[int, l
              "cold": not quick},
             {"task": "load_hf", "label": f"load transformers p={p}", "path": ckpts["load"], "warmup": ckpts["warmup"]},
         ])
+    for name, p, kwargs in MOE_LOADS:
+        if p in sizes.load_ranks:
+            jobs.setdefault(p, []).append({"task": "load_moe", "label": f"load moe {name}", "path": ckpts["moe"],
+                                           "warmup": ckpts["moe_warmup"], "kwargs": kwargs})
     return jobs

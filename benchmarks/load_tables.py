@@ -28,6 +28,37 @@ def _memory_table(ld: dict) -> Table:
     return table
 
 
+def _moe_table(moe: dict) -> Table:
+    table = Table(["mesh", "ranks", "kept per rank", "bytes read per rank", "peak RSS per rank",
+                   "peak / kept (max)", "bytes read / kept (max)"])
+    for row in moe["meshes"]:
+        if "error" in row:
+            table.add(row["mesh"], row["ranks_count"], f"error: {row['error'][:160]}", None, None, None, None)
+            continue
+        ranks = row["ranks"]
+        table.add(row["mesh"], row["ranks_count"], ", ".join(gb(r["kept_bytes"]) for r in ranks),
+                  ", ".join(gb(r["bytes_read"]) for r in ranks), ", ".join(gb(r["peak_rss"]) for r in ranks),
+                  f"{row['peak_over_kept']:.2f}x (target <= 1.05x)", f"{row['read_over_kept']:.2f}x")
+    return table
+
+
+def _moe_blocks(res: dict[str, Any]) -> list:
+    """results.md's mixture-of-experts load table (results from before it was measured have none)."""
+    moe, s = res["load"].get("moe"), res["sizes"]
+    if not moe:
+        return []
+    return [
+        "",
+        f"A mixture of experts as transformers saves it (Mixtral, hidden {s['hidden']}, {s['layers']} layers, "
+        f"{s['moe_experts']} experts of {s['moe_intermediate']}, fp32; {gb(moe['tensor_bytes'])}; experts one "
+        "tensor each, merged at load into transformers' stacked `gate_up_proj` / `down_proj`), loaded by mesh: "
+        "each rank's peak RSS (as above) against the parameter bytes it keeps (its experts' share under ep), "
+        "and the bytes it read.",
+        "",
+        _moe_table(moe),
+    ]
+
+
 def _seconds(xs) -> str:
     return ", ".join("-" if x is None else f"{x:.2f}" for x in xs)
 
@@ -79,7 +110,7 @@ def markdown(res: dict[str, Any]) -> list:
         blocks += ["", f"Whole checkpoint: {gb(ld['checkpoint_bytes'])}. Largest per-rank peak RSS: " + "; ".join(
             f"{p} ranks {gb(max(row['ours_peak_rss']))} (transformers {gb(max(row['hf_peak_rss']))})"
             for p, row in worlds) + "."]
-    return blocks + [""]
+    return blocks + _moe_blocks(res) + [""]
 
 
 def readme(res: dict[str, Any]) -> list:
@@ -96,4 +127,12 @@ def readme(res: dict[str, Any]) -> list:
         warm = f"{row['load_over_read']:.2f}x" if "load_over_read" in row else "-"
         table.add(p, f"{row['peak_over_stage']:.2f}x", f"{row['bytes_read_over_checkpoint']:.2f}x",
                   f"{row['hf_bytes_read_over_checkpoint']:.2f}x", warm, cold)
-    return [f"Load ({gb(ld['checkpoint_bytes'])} bf16 LLaMA in {ld['shards']} shards):", "", table, ""]
+    blocks = [f"Load ({gb(ld['checkpoint_bytes'])} bf16 LLaMA in {ld['shards']} shards):", "", table, ""]
+    if ld.get("moe"):
+        moe = Table(["mesh", "peak RSS / kept", "bytes read / kept"])
+        for row in ld["moe"]["meshes"]:
+            moe.add(row["mesh"], *((None, None) if "error" in row else (
+                f"{row['peak_over_kept']:.2f}x", f"{row['read_over_kept']:.2f}x")))
+        blocks += [f"Load, a Mixtral of {res['sizes']['moe_experts']} experts stored one tensor each "
+                   f"({gb(ld['moe']['tensor_bytes'])}), by mesh:", "", moe, ""]
+    return blocks

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from benchmarks.config import Sizes
-from benchmarks.meters import PeakMeter
+from benchmarks.meters import PeakMeter, kept
 from benchmarks.tables import Table, gb
 from benchmarks.timing import batch, sync
 from devtools.host_memory import trim_host_heap
@@ -45,12 +45,6 @@ MOE_MESHES: list[tuple[str, dict[str, Any]]] = [
     ("moe pp1 x fsdp2 x ep2", {"num_stages": 1, "fsdp_size": 2, "ep_size": 2}),
 ]
 STEPS = 2  # timed steps after one warm-up
-
-
-def _kept(model) -> tuple[int, int]:
-    """(parameters, bytes) this rank holds: the local part of a sharded one."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in model.checkpoint_named_parameters()]
-    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
 
 
 def mesh_rank(task: dict, out: dict) -> None:
@@ -78,9 +72,9 @@ def mesh_rank(task: dict, out: dict) -> None:
         with torch.no_grad():  # read every weight once, as a first forward would (local parts: no collectives)
             for _, p in model.checkpoint_named_parameters():
                 (p.to_local() if hasattr(p, "to_local") else p).sum()
-    params, kept = _kept(model)
+    params, kept_bytes = kept(model)
     dims = model.dims
-    out.update(peak_rss=meter.peak, resettable=meter.resettable, kept_params=params, kept_bytes=kept,
+    out.update(peak_rss=meter.peak, resettable=meter.resettable, kept_params=params, kept_bytes=kept_bytes,
                bytes_read=model.load_report.bytes_read,
                place=[dims.dp_rank // dims.fsdp_size, dims.fsdp_rank, dims.pp_rank, dims.tp_rank])  # mesh coordinates
     del model
@@ -101,7 +95,7 @@ def mesh_rank(task: dict, out: dict) -> None:
         opt.zero_grad()
         if step:
             seconds.append(time.perf_counter() - t)
-    out.update(step_seconds=seconds, train_kept_bytes=_kept(model)[1])
+    out.update(step_seconds=seconds, train_kept_bytes=kept(model)[1])
     if task.get("generate"):
         out["generate_tokens_per_s"] = _generate_rate(model, task["sizes"])
     del model, opt

@@ -15,7 +15,7 @@ import time
 
 from devtools.host_memory import host_peak_rss, host_rss, reset_host_peak
 
-__all__ = ["PeakMeter", "byte_ranges", "drop_page_cache", "plain_read", "touch"]
+__all__ = ["PeakMeter", "byte_ranges", "drop_page_cache", "kept", "plain_read", "touch"]
 
 
 def touch(params) -> None:
@@ -28,6 +28,12 @@ def touch(params) -> None:
     with torch.no_grad():
         for p in params:
             p.sum()
+
+
+def kept(model) -> tuple[int, int]:
+    """(parameters, bytes) a loaded pipeline keeps on this rank: the local part of a sharded one."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in model.checkpoint_named_parameters()]
+    return sum(t.numel() for t in local), sum(t.numel() * t.element_size() for t in local)
 
 
 class PeakMeter:

@@ -8,9 +8,12 @@ objects (source patterns, a target pattern, ``ConversionOps`` such as ``MergeMod
 ``Concatenate``). This module asks transformers for those converters and plans them per model
 tensor from the checkpoint's index alone (:func:`checkpoint_conversions`: which keys feed which
 tensor, so a rank reads only its own stages' experts), then runs the converter's own operations on
-the tensors read (:func:`convert_tensors`). For saving, :func:`load_conversions` notes which transforms the
+the tensors read (:func:`convert_tensors`), or, for the merges it recognises (experts stacked, kinds
+concatenated), has the reader read each source straight into its place in the merged tensor
+(:func:`merge_in_place`). For saving, :func:`load_conversions` notes which transforms the
 checkpoint's keys went through (as ``from_pretrained`` does) and :func:`saved_tensors` reverts them with
-transformers' ``revert_weight_conversion``. Nothing here re-implements an operation.
+transformers' ``revert_weight_conversion``. No operation is re-implemented: the in-place merge lays tensors out
+only as the two operations it recognises by type would, and leaves every other converter to transformers.
 
 Example:
     >>> plan = checkpoint_conversions(skeleton, index.keys(), variants)
@@ -32,8 +35,8 @@ from ..errors import CheckpointError
 from .checkpoint_files import name_listing
 
 __all__ = [
-    "Conversion", "checkpoint_conversions", "convert_tensors", "load_conversions", "narrow_conversion",
-    "refuse_unconverted", "saved_shapes", "saved_tensors",
+    "Conversion", "InPlaceMerges", "checkpoint_conversions", "convert_tensors", "load_conversions", "merge_in_place",
+    "narrow_conversion", "refuse_unconverted", "saved_shapes", "saved_tensors",
 ]
 
 
@@ -255,7 +258,8 @@ def _release_freed_heap() -> None:
 
     Why: glibc keeps freed memory in its heap, and the merged tensor (all experts stacked) is larger than any
     one expert's freed block, so it cannot reuse them: without this a rank's RSS while loading a mixture of
-    experts reached about 2x what it keeps (1.87x measured on one process), with it 1.15x.
+    experts reached about 2x what it keeps (1.87x measured on one process), with it 1.15x. Only the
+    converters :func:`merge_in_place` leaves to transformers get here.
     """
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
@@ -270,6 +274,106 @@ def _release_freed_heap() -> None:
 
 
 _MALLOC_TRIM = None  # libc's malloc_trim once looked up, False where there is none
+
+
+@dataclass(frozen=True, kw_only=True)
+class InPlaceMerges:
+    """What :func:`merge_in_place` planned: ``targets`` (model name -> its merged tensor, allocated once),
+    ``views`` (checkpoint key -> the part of its target it is read into) and ``rest`` (the conversions
+    transformers' converters still run, :func:`convert_tensors`)."""
+
+    targets: dict[str, torch.Tensor]
+    views: dict[str, torch.Tensor]
+    rest: dict[str, Conversion]
+
+
+def merge_in_place(
+    conversions: Mapping[str, Conversion], wanted: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
+    device: torch.device, into: Mapping[str, torch.Tensor] | None = None,
+) -> InPlaceMerges:
+    """Allocate each merged tensor whose sources are all ``wanted`` once, and give each source key a view of its
+    place in it, for the reader to read it straight there (``load_tensors(into=...)``).
+
+    Why not transformers' own converter for the copy: it takes every source tensor of the merge materialised
+    (``MergeModulelist`` stacks a list of them, ``Concatenate`` joins the stacks), so a rank held all of a
+    stage's per-expert tensors beside the merged ones: peak RSS 1.1-1.2x of what it keeps. The layout stays
+    the converter's: only a converter of exactly ``MergeModulelist(dim=0)`` (one source pattern), or that then
+    ``Concatenate(dim >= 1)`` (several), in its ``source_patterns`` order, is planned here, where every
+    source's place is a contiguous block; any other (a transpose, another op, a subclass) stays in ``rest``
+    for the converter to run, as before.
+
+    Args:
+        conversions: model name -> :class:`Conversion` (narrowed to this rank's experts where it reads those).
+        wanted: checkpoint key -> (shape, dtype) the reader reads it as.
+        device: where the merged tensors go.
+        into: model name -> a tensor to merge into instead of a new one, where its shape and dtype match (FSDP's
+            local shard).
+    """
+    targets: dict[str, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}
+    rest: dict[str, Conversion] = {}
+    for name, conv in conversions.items():
+        placed = _merge_views(conv, wanted, device, (into or {}).get(name))
+        if placed is None:
+            rest[name] = conv
+        else:
+            targets[name], found = placed
+            views.update(found)
+    return InPlaceMerges(targets=targets, views=views, rest=rest)
+
+
+def _merge_layout(conv: Conversion) -> tuple[int, list[list[int]]] | None:
+    """``(concat dim, source indices by pattern in the converter's order)`` of a merge :func:`merge_in_place`
+    can do in place, or None. The concat dim is 1 (unused) for a plain stack."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(getattr(conv.converter, "operations", ()))
+    if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+        return None
+    by_pattern: dict[str, list[int]] = {}
+    for i, pattern in enumerate(conv.patterns):
+        by_pattern.setdefault(pattern, []).append(i)
+    order = [p for p in conv.converter.source_patterns if p in by_pattern]
+    if len(order) != len(by_pattern) or len({len(g) for g in by_pattern.values()}) != 1:
+        return None
+    if len(ops) == 1 and len(order) == 1:
+        return 1, [by_pattern[order[0]]]
+    if len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim >= 1 and len(order) > 1:
+        return ops[1].dim, [by_pattern[p] for p in order]
+    return None
+
+
+def _merge_views(conv: Conversion, wanted: Mapping, device: torch.device, given: torch.Tensor | None):
+    """``(merged tensor, checkpoint key -> its view)`` of one conversion (:func:`merge_in_place`), or None."""
+    layout = _merge_layout(conv)
+    if layout is None or not all(k in wanted for k in conv.sources):
+        return None
+    dim, groups = layout
+    dtypes = {wanted[k][1] for k in conv.sources}
+    shapes = [{tuple(wanted[conv.sources[i]][0]) for i in g} for g in groups]
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point or any(len(s) != 1 for s in shapes):
+        return None
+    stacks = [(len(g), *next(iter(s))) for g, s in zip(groups, shapes)]  # each pattern's MergeModulelist result
+    if dim >= len(stacks[0]) or any(len(s) != len(stacks[0]) for s in stacks):
+        return None
+    if any(s[:dim] + s[dim + 1:] != stacks[0][:dim] + stacks[0][dim + 1:] for s in stacks):
+        return None
+    shape = (*stacks[0][:dim], sum(s[dim] for s in stacks), *stacks[0][dim + 1:])  # the Concatenate result
+    dtype = next(iter(dtypes))
+    fits = given is not None and (tuple(given.shape), given.dtype, given.device) == (shape, dtype, device)
+    if fits and given.is_contiguous() and not given.requires_grad:
+        merged = given
+    else:
+        merged = torch.empty(shape, dtype=dtype, device=device)
+    views, at = {}, 0
+    for g, stack in zip(groups, stacks):
+        block = merged.narrow(dim, at, stack[dim]) if len(stacks) > 1 else merged
+        for j, i in enumerate(g):
+            views[conv.sources[i]] = block[j]  # (*source shape): expert j of this pattern
+        at += stack[dim]
+    if not all(v.is_contiguous() for v in views.values()):
+        return None
+    return merged, views
 
 
 def narrow_conversion(conv: Conversion, index: int, count: int) -> Conversion | None:

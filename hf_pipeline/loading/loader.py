@@ -50,7 +50,7 @@ from .compiled import check_compile, compile_blocks
 from .expert_parallel import apply_expert_parallel, expert_parts
 from .fsdp import fsdp_parts, refuse_packed, set_buffers, shard_stages
 from .identity import parallel_arguments, pipeline_identity
-from .key_conversions import convert_tensors, load_conversions, narrow_conversion
+from .key_conversions import convert_tensors, load_conversions, merge_in_place, narrow_conversion
 from .key_plan import UNEXPECTED_HINT, key_plan, log_load_report, wanted_tensors
 from .missing_weights import agreed_rng_state, initialize_missing
 from .stages import StageMaker, materialize
@@ -201,6 +201,24 @@ def _own_experts(experts: dict, conversions: dict, parts: dict, wanted: dict) ->
     return conversions
 
 
+def _fsdp_shards(
+    stages: list[nn.Module], maker: StageMaker, options: PipelineOptions, dims: ParallelDims, device: torch.device,
+    *, parts: dict, wanted: dict, fresh: dict, conversions: dict,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An FSDP rank's parts (with tensor / expert parallelism: each tp slice's fsdp chunk, ``parts`` being the
+    tp / ep ones) and the local shards they are read into, each in the dtype it is read or drawn in."""
+    split = options.tp_plan or options.ep_plan
+    tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
+    parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
+    dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
+    dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
+    shards = shard_stages(
+        stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=maker.resolved.tied, tp=tp,
+        experts=(options.ep_plan, options.ep_implementation),
+    )
+    return parts, shards
+
+
 def _load_stages(
     maker: StageMaker, ckpt: pathlib.Path, local, *, ctx: RankContext, options: PipelineOptions,
     rng_state: torch.Tensor, progress: bool | None, started: float, dims: ParallelDims,
@@ -232,29 +250,26 @@ def _load_stages(
     mine = {n: (0, i * fsdp + f, c * fsdp) for n, (_, i, c) in experts.items()} if on_meta else experts
     conversions = _own_experts(mine, keys.conversions, parts, wanted)
     merged_mine = set(experts) - set(parts)  # merged from this rank's experts alone: already its part
-    if on_meta:  # with tensor / expert parallelism: each tp slice's fsdp chunk, read into the 2-D shard
-        parts.update(experts)
-        split = options.tp_plan or options.ep_plan
-        tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
-        parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
-        dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
-        dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
-        shards = shard_stages(
-            stages, dtypes, mesh=dims.fsdp_mesh, device=ctx.device, tied=maker.resolved.tied, tp=tp,
-            experts=(options.ep_plan, options.ep_implementation),
-        )
+    if on_meta:
+        parts, shards = _fsdp_shards(stages, maker, options, dims, ctx.device, parts={**parts, **experts},
+                                     wanted=wanted, fresh=fresh, conversions=conversions)
     for n in set(fresh) & set(parts):  # keep the slice
         fresh[n] = local_slice(fresh[n], parts[n])
+    # Tensors stored split (experts one tensor each): each source read straight into its place in the merged
+    # tensor where the converter is a stack (and concatenation) merge_in_place knows, so no source outlives its
+    # read; else merged by transformers' own converters. Then placed like the initialised ones (a tp / fsdp
+    # rank keeps its part of the merged tensor; an fsdp shard is merged into where it fits).
+    merges = merge_in_place(conversions, wanted, device=ctx.device, into=shards)
     staged_at = time.perf_counter()
     tensors, report = load_tensors(
         index, wanted, aliases=aliases, device=ctx.device, expected_keys=expected, ignore_unexpected=ignore,
         progress=ctx.is_main_process if progress is None else progress,
         floating=[n for n, (_, dt) in wanted.items() if dt.is_floating_point], unexpected_hint=UNEXPECTED_HINT,
-        parts=parts, into=shards,
+        parts=parts, into={**shards, **merges.views},
     )
-    # Tensors stored split (experts one tensor each): merged by transformers' own converters, then placed
-    # like the initialised ones (a tp / fsdp rank keeps its part of the merged tensor).
-    converted = convert_tensors(conversions, tensors, maker.skeleton)
+    for key in merges.views:
+        del tensors[key]
+    converted = {**convert_tensors(merges.rest, tensors, maker.skeleton), **merges.targets}
     for n in set(converted) & set(parts) - merged_mine:
         converted[n] = local_slice(converted[n], parts[n])
     fresh.update(converted)
@@ -265,7 +280,8 @@ def _load_stages(
     if on_meta:
         with torch.no_grad():
             for n, t in fresh.items():
-                shards[n].copy_(t)
+                if t is not shards[n]:  # a merge read straight into its shard is there already
+                    shards[n].copy_(t)
         set_buffers(stages, tensors, ctx.device)
     tensors.update(fresh)
     del fresh

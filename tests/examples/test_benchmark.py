@@ -237,6 +237,16 @@ def test_quick_benchmark_runs_every_section(tmp_path):
                 v >= 0 for v in phases.values()
             )
 
+    # the mixture of experts by mesh (ranks 1 and 2 in quick runs): every rank reads exactly the bytes it keeps (its
+    # stages' tensors, its experts' share under ep), and its peak RSS is measured
+    moe = {row["mesh"]: row for row in load["moe"]["meshes"]}
+    assert set(moe) == {"pp1", "pp2", "pp1 x ep2"}, moe
+    for name, row in moe.items():
+        assert "error" not in row and len(row["ranks"]) == row["ranks_count"], (name, row)
+        assert all(r["bytes_read"] == r["kept_bytes"] and r["peak_rss"] > 0 for r in row["ranks"]), (name, row)
+    whole = moe["pp1"]["ranks"][0]["kept_bytes"]
+    assert max(r["kept_bytes"] for r in moe["pp1 x ep2"]["ranks"]) < whole, moe  # half the experts each
+
     # Generate: every ratio is this run's pipelined figure over this run's baseline, tokens equal.
     gen = res["generate"]
     assert gen["pipelined"]["tokens_equal_transformers"] and gen["one_microbatch"]["tokens_equal_transformers"]

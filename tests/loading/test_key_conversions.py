@@ -3,13 +3,18 @@
 Single process, no pipeline run: which checkpoint keys feed which stage tensor (transformers' own
 conversion mapping), that a stage reads those keys and no others (bytes counted by the reader), that
 transformers' converters merge them into what ``from_pretrained`` loads (bitwise: the same stack and
-cat of the same fp32 bytes), and the refusals for incomplete or unconvertible checkpoints. The merged
-models equal transformers end to end in tests/families/test_decoders.py.
+cat of the same fp32 bytes), that the loader reads each expert tensor straight into its place in the
+merged parameter (no source tensor of its own, checked on the reader's calls: all of a stage's sources
+alive at once is what made a load peak at 1.1-1.2x of what it keeps), and the refusals for incomplete or
+unconvertible checkpoints. The merged models equal transformers end to end in tests/families/test_decoders.py.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
+import weakref
 
 import pytest
 import tiny
@@ -18,9 +23,11 @@ import transformers
 from decoders import decoder_config
 from safetensors import safe_open
 
+import hf_pipeline
 from hf_pipeline.errors import CheckpointError
+from hf_pipeline.loading import weights
 from hf_pipeline.loading.checkpoint_files import CheckpointIndex
-from hf_pipeline.loading.key_conversions import convert_tensors
+from hf_pipeline.loading.key_conversions import convert_tensors, merge_in_place, narrow_conversion
 from hf_pipeline.loading.key_plan import key_plan, wanted_tensors
 from hf_pipeline.loading.stages import recipe_front_end
 from hf_pipeline.loading.weights import load_tensors, resolve_keys
@@ -141,3 +148,74 @@ def test_a_checkpoint_holding_the_merged_tensors_is_read_as_it_is(saved, tmp_pat
     maker = _maker(tmp_path)
     plan = key_plan(maker.skeleton, maker.resolved, CheckpointIndex.from_directory(tmp_path))
     assert plan.conversions == {}
+
+
+def test_the_loader_reads_each_expert_tensor_into_its_merged_parameter(saved, monkeypatch):
+    """Every expert key is read into a view of the loaded parameter it merges into, so no source tensor is
+    alive beside the merged ones; the parameters equal transformers' bitwise. Old path (every source read
+    into a tensor of its own, then transformers' converter): all of a stage's sources alive at once."""
+    _, directory, ref = saved
+    read = weights._TensorReader.read
+    sources: list = []  # (key, weak reference to the tensor read for it, bytes) of expert keys read on their own
+    into: dict[str, int] = {}  # expert key -> the storage it was read into
+    peak = [0, 0]  # the most bytes of expert sources alive at once; the largest one
+
+    def tracked(self, f, t, **kw):
+        dest = kw.get("into")
+        out = read(self, f, t, **kw)
+        if ".experts." in t.key:
+            if dest is None:
+                sources.append((t.key, weakref.ref(out), out.nbytes))
+                peak[1] = max(peak[1], out.nbytes)
+            else:
+                into[t.key] = dest.untyped_storage().data_ptr()
+            peak[0] = max(peak[0], sum(n for _, alive, n in sources if alive() is not None))
+        return out
+
+    monkeypatch.setattr(weights._TensorReader, "read", tracked)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(
+        directory, pipeline=True, device="cpu", num_stages=2, schedule="interleaved-1f1b", n_microbatches=2,
+        progress=False,
+    )
+    assert peak[0] <= peak[1], f"{peak[0]} bytes of expert tensors alive at once, one is at most {peak[1]}"
+    params = dict(model.checkpoint_named_parameters())
+    storages = {n: p.untyped_storage().data_ptr() for n, p in params.items() if ".experts." in n}
+    plan = key_plan(_maker(directory).skeleton, _maker(directory).resolved, CheckpointIndex.from_directory(directory))
+    for name, conv in plan.conversions.items():
+        assert all(into.get(k) == storages[name] for k in conv.sources), name  # read in place, every one
+    want = ref.state_dict()
+    for name, p in params.items():
+        assert torch.equal(p.detach(), want[name]), name  # the same bytes as transformers' converters give
+
+
+def test_an_expert_parallel_part_merged_in_place_equals_transformers_converter(saved):
+    """One rank's half of the experts (narrowed as ep_size=2 reads them), cast to bf16 on the way (the
+    reader's bounce buffer writes into the views): bitwise the converter's stack and cat of the same reads.
+    A converter with an operation merge_in_place does not know is left to transformers'."""
+    _, directory, _ = saved
+    maker = _maker(directory)
+    index = CheckpointIndex.from_directory(directory)
+    plan = key_plan(maker.skeleton, maker.resolved, index)
+    stages = maker.make_stages(maker.plan.stages)
+    wanted, aliases, _, _ = wanted_tensors(maker.skeleton, maker.resolved, stages, index, torch.bfloat16)
+    narrowed = {n: narrow_conversion(c, 1, 2) for n, c in plan.conversions.items()}
+    mine = {k for c in narrowed.values() for k in c.sources}
+    wanted = {k: v for k, v in wanted.items() if ".experts." not in k or k in mine}
+    tensors, _ = load_tensors(index, wanted, aliases=aliases)
+    want = convert_tensors(narrowed, tensors, maker.skeleton)
+    merges = merge_in_place(narrowed, wanted, device=torch.device("cpu"))
+    assert not merges.rest and sorted(merges.views) == sorted(mine)
+    load_tensors(index, wanted, aliases=aliases, into=merges.views)
+    assert sorted(merges.targets) == sorted(want)
+    for name, t in want.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(merges.targets[name], t), name
+
+    from transformers.core_model_loading import Transpose
+
+    def transposed(conv):
+        converter = copy.deepcopy(conv.converter)
+        converter.operations = [*converter.operations, Transpose(1, 2)]
+        return dataclasses.replace(conv, converter=converter)
+
+    odd = merge_in_place({n: transposed(c) for n, c in narrowed.items()}, wanted, device=torch.device("cpu"))
+    assert not odd.targets and not odd.views and sorted(odd.rest) == sorted(narrowed)
