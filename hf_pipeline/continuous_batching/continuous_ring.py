@@ -57,6 +57,7 @@ from ..compat import generation_helper
 from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.config import prepare_generation_config
+from ..generation.grammar import GrammarProcessor, GrammarTokenizer
 from ..generation.kv_cache import cache_nbytes, new_cache
 from ..generation.logprobs import entries
 from ..generation.mailbox import Mailbox
@@ -111,10 +112,13 @@ class ContinuousRing:
         groups: microbatches in flight (the number of stages fills the pipe).
         group_size: slots per group.
         feeder: stage 0's queue (rank 0); None on the other ranks.
+        grammars: the tokenizer compiled for rows that follow a grammar (``response_format``); the last stage's.
     """
 
-    def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None):
+    def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None,
+                 grammars: GrammarTokenizer | None = None):
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
+        self.grammars = grammars
         (self.stage,) = model.stages
         self.index = self.stage.spec.index
         self.n_stages = model.plan.num_stages
@@ -385,6 +389,10 @@ class ContinuousRing:
             custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=len(r.prompt),
                                                             min_new_tokens=r.min_tokens, eos_token_id=r.stop_ids,
                                                             device=self.device))
+        if r.grammar is not None:
+            if self.grammars is None:
+                raise InternalError("a row follows a grammar but the ring was given no tokenizer for it")
+            custom.append(GrammarProcessor(self.grammars, r.grammar, prompt_length=len(r.prompt)))
         processors = generation_helper(self.model.skeleton, "_get_logits_processor")(
             generation_config=self._configs[key], input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
             logits_processor=custom, device=self.device,
