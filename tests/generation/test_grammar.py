@@ -119,7 +119,12 @@ def test_the_engine_equals_transformers_with_the_processor(bundled, batching):
     cases = [(ids, rf) for ids in prompts for rf in formats] + [(prompts[0], None)]
     handles = [engine.submit(CompletionRequest(prompt_ids=ids, max_new_tokens=24, grammar=json_grammar(rf)))
                for ids, rf in cases]
-    _run(engine, handles)
+    # n > 1 (sampled): every choice is a row of its own, each following the grammar.
+    sampled = engine.submit(CompletionRequest(prompt_ids=prompts[0], max_new_tokens=40, n=3, temperature=1.0,
+                                              seed=1, grammar=json_grammar(AS_SCHEMA)))
+    _run(engine, handles + [sampled])
+    for c in sampled.result():
+        assert c.finish_reason == "stop" and _valid(json.loads(c.text)), (batching, c.text)
     for (ids, rf), h in zip(cases, handles):
         got = h.result()[0]
         assert got.token_ids == _reference(ref, grammars, ids, json_grammar(rf), 24), (batching, rf)
