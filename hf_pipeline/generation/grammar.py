@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -99,6 +100,8 @@ class GrammarTokenizer:
         self.vocab_size, self.keep = vocab_size, keep
         self._compiled: Any = None
         self._first: OrderedDict[str, Any] = OrderedDict()
+        # The server checks grammars in its request threads while the ring builds rows' matchers.
+        self._lock = threading.Lock()
 
     @property
     def compiled(self) -> Any:
@@ -111,15 +114,16 @@ class GrammarTokenizer:
 
     def matcher(self, grammar: str) -> Any:
         """A fresh matcher of ``grammar`` (a copy of the one compiled first)."""
-        first = self._first.pop(grammar, None)
-        if first is None:
-            first = _llguidance().LLMatcher(self.compiled, grammar, log_level=0)
-            if first.is_error():
-                raise InputError(f"response_format grammar failed to compile: {first.get_error()}")
-        self._first[grammar] = first
-        while len(self._first) > self.keep:
-            self._first.popitem(last=False)
-        return first.deep_copy()
+        with self._lock:
+            first = self._first.pop(grammar, None)
+            if first is None:
+                first = _llguidance().LLMatcher(self.compiled, grammar, log_level=0)
+                if first.is_error():
+                    raise InputError(f"response_format grammar failed to compile: {first.get_error()}")
+            self._first[grammar] = first
+            while len(self._first) > self.keep:
+                self._first.popitem(last=False)
+            return first.deep_copy()
 
 
 class GrammarProcessor(LogitsProcessor):

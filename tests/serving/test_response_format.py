@@ -2,14 +2,15 @@
 in one process: the processor in transformers' own ``generate`` makes text ``json.loads`` takes and the schema
 accepts (where the same prompt without it makes no JSON); the serving engine, continuous and static, gives the
 same greedy tokens as transformers' ``generate`` with that processor; bad ``response_format`` values are 400s
-naming the field, before the queue."""
+naming the field, before the queue; through the app, log-probabilities of masked tokens are vLLM's
+-9999.0 (JSON has no -inf)."""
 
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
+import test_engine
 import torch
 import transformers
 
@@ -55,17 +56,6 @@ def _reference(ref, grammars, ids: list[int], grammar: str | None, n: int) -> li
     out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, logits_processor=procs)
     out = out[0, len(ids):].tolist()
     return out[: out.index(2)] if 2 in out else out
-
-
-def _run(engine: Engine, handles: list) -> None:
-    """Rounds in this thread until every handle is done, then drain and stop."""
-    def stop_when_done():
-        for h in handles:
-            h.result(timeout=120)
-        engine.drain()
-
-    threading.Thread(target=stop_when_done, daemon=True).start()
-    engine.serve_forever()
 
 
 def test_the_processor_makes_valid_json_in_transformers_generate(bundled):
@@ -122,7 +112,7 @@ def test_the_engine_equals_transformers_with_the_processor(bundled, batching):
     # n > 1 (sampled): every choice is a row of its own, each following the grammar.
     sampled = engine.submit(CompletionRequest(prompt_ids=prompts[0], max_new_tokens=40, n=3, temperature=1.0,
                                               seed=1, grammar=json_grammar(AS_SCHEMA)))
-    _run(engine, handles + [sampled])
+    test_engine._run(engine, handles + [sampled])
     for c in sampled.result():
         assert c.finish_reason == "stop" and _valid(json.loads(c.text)), (batching, c.text)
     for (ids, rf), h in zip(cases, handles):
@@ -130,3 +120,19 @@ def test_the_engine_equals_transformers_with_the_processor(bundled, batching):
         assert got.token_ids == _reference(ref, grammars, ids, json_grammar(rf), 24), (batching, rf)
         if rf is AS_SCHEMA:
             assert got.finish_reason == "stop" and _valid(json.loads(got.text)), got.text
+
+
+def test_the_app_answers_logprobs_and_refusals_as_openai(bundled):
+    tok, model, _, _ = bundled
+    with test_engine.app_client(Engine(model, tok), tok) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+                "logprobs": True, "top_logprobs": 3, "response_format": {"type": "json_object"}}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        first = r.json()["choices"][0]["logprobs"]["content"][0]
+        # The grammar allows only "{" first: its log-probability 0, the other alternatives masked (-inf).
+        assert first["token"] == "{" and first["logprob"] == 0.0
+        assert [t["logprob"] for t in first["top_logprobs"][1:]] == [-9999.0, -9999.0]
+        bad = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}}
+        r = client.post("/v1/chat/completions", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
