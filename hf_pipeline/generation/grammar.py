@@ -139,11 +139,10 @@ class GrammarProcessor(LogitsProcessor):
         self.grammars, self.grammar, self.prompt_length = grammars, grammar, prompt_length
         self._rows: dict[tuple[int, ...], Any] = {}  # each row's ids so far -> its matcher (see the Note)
 
-    def _matcher(self, row: tuple[int, ...], fresh: dict[tuple[int, ...], Any]) -> Any:
+    def _matcher(self, row: tuple[int, ...]) -> Any:
+        """The matcher of ``row`` (its ids so far), advanced by its last token."""
         if len(row) <= self.prompt_length:
             return self.grammars.matcher(self.grammar)
-        if row in fresh:  # an equal row of this call: the same state, its own copy
-            return fresh[row].deep_copy()
         previous = self._rows.get(row[:-1])
         m = previous.deep_copy() if previous is not None else self.grammars.matcher(self.grammar)
         if previous is None:  # never seen (a processor first called mid-row): follow the row's tokens
@@ -155,21 +154,21 @@ class GrammarProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         llgt = _llguidance().torch
         rows = [tuple(r) for r in input_ids.tolist()]
-        fresh = {r: self._matcher(r, {}) for r in dict.fromkeys(rows)}
+        # Equal rows (n choices of one prompt, before they differ) are in the same state: one matcher for them.
+        fresh = {r: self._matcher(r) for r in dict.fromkeys(rows)}
         vocab = self.grammars.compiled.vocab_size
         bitmask = llgt.allocate_token_bitmask(len(rows), vocab)  # (B, ceil(V / 32)) int32, one bit per token
+        failed = [i for i, r in enumerate(rows) if fresh[r].is_error()]
         for i, r in enumerate(rows):
-            m = fresh[r]
-            if m.is_error():
-                bitmask[i] = 0  # left the grammar (never by this mask): only EOS may end it
-                for t in self.grammars.eos:
-                    bitmask[i, t // 32] |= 1 << (t % 32)
-            else:
-                llgt.fill_next_token_bitmask(m, bitmask, i)
+            if i not in failed:
+                llgt.fill_next_token_bitmask(fresh[r], bitmask, i)
         # The package's apply_token_bitmask_inplace is torch.compile'd (about a minute to compile on CPU):
         # the bits unpacked here instead, little-endian within each int32 word as llguidance writes them.
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]  # (B, V)
+        for i in failed:  # the row left the grammar (never by this mask: a finished row's padding): EOS only
+            allowed[i] = False
+            allowed[i, [t for t in self.grammars.eos if t < vocab]] = True
         width = min(vocab, scores.shape[-1])
         keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         keep[:, :width] = allowed[:, :width].to(scores.device)

@@ -136,3 +136,16 @@ def test_the_app_answers_logprobs_and_refusals_as_openai(bundled):
         bad = {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}}
         r = client.post("/v1/chat/completions", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_a_row_that_left_the_grammar_may_only_end(bundled):
+    # A static round's finished rows get padding, which the grammar refuses: such a row is offered EOS alone;
+    # rows that share a past and then differ each get their own matcher.
+    tok, _, _, grammars = bundled
+    proc = GrammarProcessor(grammars, json_grammar({"type": "json_object"}), prompt_length=2)
+    brace = tok.convert_tokens_to_ids("{")
+    allowed = [(proc(torch.tensor(ids), torch.zeros(len(ids), 2048)) == 0) for ids in
+               ([[5, 6]], [[5, 6, 7], [5, 6, brace]])]
+    assert allowed[0].nonzero().tolist() == [[0, brace]]
+    assert allowed[1][0].nonzero().flatten().tolist() == [2]
+    assert allowed[1][1, brace].item() is False and allowed[1][1].sum() > 1  # after "{": a key or "}"
