@@ -4,6 +4,8 @@ Each field is a row of :data:`FIELDS` (its accepted types and default) or of one
 :data:`ENDPOINT_FIELDS`; fields the engine cannot honour are the rows of :data:`UNSUPPORTED` (what values
 are refused); any other field is refused, every unknown one named, as OpenAI refuses them; the counts
 OpenAI refuses below 1 are :data:`AT_LEAST_ONE`. Chat content may be a list of text parts.
+``response_format`` (json_object, json_schema) becomes an llguidance grammar here, so a bad one is refused
+before the request is queued (:mod:`hf_pipeline.generation.grammar`).
 A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
 ``param`` names the field, which the server turns into OpenAI's 400 error object. A prompt (or the
 chat messages) longer than ``max_prompt_chars`` is refused before the tokenizer sees it
