@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from ..core import PipelineCore
 from ..errors import InternalError
+from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
 from .feeder import Feeder
 from .group_cache import merge_refusal
@@ -94,16 +95,18 @@ class ContinuousRing:
             exactly that many).
         group_size: slots per group.
         feeder: stage 0's queue (rank 0: stage 0's tp lead); None on the other ranks.
+        grammars: the tokenizer compiled for rows that follow a grammar (``response_format``); the last stage's.
     """
 
-    def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None):
+    def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None,
+                 grammars: GrammarTokenizer | None = None):
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         self.n_stages = model.plan.num_stages
         # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),
         # all planned by the coordinator, replica 0's stage 0 lead, which holds the queue (module Note).
         self.replicas, self.replica, self.dp_group = model.dims.dp_size, model.dims.dp_rank, model.dims.dp_group
         self.lanes = [RingStage(model, s, groups=groups, group_size=group_size,
-                                slot_base=self.replica * groups * group_size)
+                                slot_base=self.replica * groups * group_size, grammars=grammars)
                       for s in sorted(model.stages, key=lambda s: s.spec.index)]
         self.first = self.lanes[0].first  # this rank holds stage 0
         # Tensor / expert parallelism: each of a stage's tp ranks is in the pipeline of its own tp slot (pp_group),

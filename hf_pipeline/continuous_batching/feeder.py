@@ -83,7 +83,7 @@ class RingFeeder:
                                prompt_logprobs=req.logprobs if req.echo else None,
                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                repetition_penalty=req.repetition_penalty,
-                               logit_bias=[[t, b] for t, b in req.logit_bias.items()]))
+                               logit_bias=[[t, b] for t, b in req.logit_bias.items()], grammar=req.grammar))
         self.peak_rows = max(self.peak_rows, len(self.live))
         return rows
 

@@ -36,6 +36,7 @@ from ..compat import generation_helper
 from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.config import prepare_generation_config
+from ..generation.grammar import GrammarProcessor, GrammarTokenizer
 from ..generation.kv_cache import cache_nbytes, new_cache
 from ..generation.logprobs import entries
 from ..generation.penalties import penalty_processors
@@ -74,10 +75,13 @@ class RingStage:
         stage: one of ``model.stages`` (this rank's).
         groups: the ring's groups; group_size: slots per group.
         slot_base: the first slot of this stage's group 0 (a data-parallel replica's groups follow the others').
+        grammars: the tokenizer compiled for rows that follow a grammar (``response_format``); the last stage's.
     """
 
-    def __init__(self, model: PipelineCore, stage: Any, *, groups: int, group_size: int, slot_base: int = 0):
+    def __init__(self, model: PipelineCore, stage: Any, *, groups: int, group_size: int, slot_base: int = 0,
+                 grammars: GrammarTokenizer | None = None):
         self.model, self.stage, self.group_size, self.slot_base = model, stage, group_size, slot_base
+        self.grammars = grammars
         self.index = stage.spec.index
         self.first, self.last = self.index == 0, self.index == model.plan.num_stages - 1
         self.device = model.device
@@ -180,6 +184,10 @@ class RingStage:
             custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=len(r.prompt),
                                                             min_new_tokens=r.min_tokens, eos_token_id=r.stop_ids,
                                                             device=self.device))
+        if r.grammar is not None:
+            if self.grammars is None:
+                raise InternalError("a row follows a grammar but the ring was given no tokenizer for it")
+            custom.append(GrammarProcessor(self.grammars, r.grammar, prompt_length=len(r.prompt)))
         processors = generation_helper(self.model.skeleton, "_get_logits_processor")(
             generation_config=self._configs[key], input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
             logits_processor=custom, device=self.device,

@@ -113,6 +113,8 @@ class NewRow:
         prompt_logprobs: None, or its prompt tokens' log-probabilities come back (with this many alternatives).
         presence_penalty / frequency_penalty / repetition_penalty / logit_bias: its penalties
             (:func:`~hf_pipeline.generation.penalties.penalty_processors`); logit_bias as ``[[id, bias], ...]``.
+        grammar: None, or the llguidance grammar its tokens follow (``response_format``:
+            :class:`~hf_pipeline.generation.grammar.GrammarProcessor`).
     """
 
     slot: int
@@ -130,6 +132,7 @@ class NewRow:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: list[list[float]] = field(default_factory=list)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:

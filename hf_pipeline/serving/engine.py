@@ -52,6 +52,7 @@ from ..continuous_batching.kv_budget import pool_rows
 from ..core import PipelineCore
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
+from ..generation.grammar import GrammarProcessor, GrammarTokenizer
 from ..generation.logprobs import TokenLogprob
 from ..log import get_logger
 from .channel import TokenChannel, broadcast_json
@@ -199,6 +200,9 @@ class Engine:
         self.peak_rows = 0  # continuous, rank 0: the most rows in flight at once
         self.context, self.max_queue, self.max_n, self.idle_s = context, max_queue, max_n, idle_s
         self.eos = _eos_ids(model)
+        # response_format: the tokenizer compiled for llguidance once per engine (first use: it walks the vocabulary).
+        vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+        self.grammars = None if tokenizer is None else GrammarTokenizer(tokenizer, sorted(self.eos), vocab_size=vocab)
         pad = generation_config(model).pad_token_id
         self.pad = int(pad) if pad is not None else (min(self.eos) if self.eos else 0)
         self._queue: deque[Handle] = deque()
@@ -256,6 +260,8 @@ class Engine:
             )
         if req.stop and self.tokenizer is None:
             raise ServingRequestError("stop strings need the engine's tokenizer", param="stop")
+        if req.grammar is not None:
+            self._check_grammar(req.grammar)
         if self.batching == "static":
             for param, asks in _RING_ONLY.items():
                 if asks(req):
@@ -263,6 +269,15 @@ class Engine:
                         f"{param} needs continuous batching (each row's own logits processors and "
                         "log-probabilities); this server runs static rounds "
                         f"({self.static_reason or '--batching static'}); leave {param} out", param=param)
+
+    def _check_grammar(self, grammar: str) -> None:
+        """A grammar this engine's tokenizer compiles (here, before the request is queued, not on the last stage)."""
+        if self.grammars is None:
+            raise ServingRequestError("response_format needs the engine's tokenizer", param="response_format")
+        try:
+            self.grammars.matcher(grammar)
+        except (InputError, ValueError) as e:
+            raise ServingRequestError(str(e), param="response_format") from None
 
     def submit(self, req: CompletionRequest) -> Handle:
         """Queue ``req`` (rank 0 only; thread-safe).
@@ -363,6 +378,9 @@ class Engine:
             kw["eos_token_id"] = sorted(self.eos | set(plan.stop_token_ids))
         if plan.stop:
             kw.update(stop_strings=list(plan.stop), tokenizer=self.tokenizer)
+        if plan.grammar is not None:  # every row is left padded to the longest prompt: the grammar starts after it
+            width = max(len(r) for r in plan.rows)
+            kw["logits_processor"] = [GrammarProcessor(self.grammars, plan.grammar, prompt_length=width)]
         return kw
 
     def _run_round(self, plan: RoundPlan) -> None:
@@ -411,7 +429,7 @@ class Engine:
         groups, size = self._ring_shape()
         # Each data-parallel replica runs a ring of its own pool's rows (rank 0 plans them all).
         feeder = RingFeeder(self, self.pool * self.model.dims.dp_size, _ChoiceWriter) if self.ctx.rank == 0 else None
-        ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder)
+        ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder, grammars=self.grammars)
         try:
             with self.model.spreading_failures("serving (continuous batching)"):
                 ring.run()

@@ -44,6 +44,9 @@ class CompletionRequest:
         echo: also the prompt's token log-probabilities (with ``logprobs``); ``max_new_tokens`` may then be 0.
         presence_penalty / frequency_penalty: OpenAI's, in [-2, 2]; repetition_penalty: transformers' (> 0);
         logit_bias: {token id: bias in [-100, 100]} (:mod:`hf_pipeline.generation.penalties`).
+        grammar: None, or the llguidance grammar every choice follows (``response_format``,
+            :func:`~hf_pipeline.generation.grammar.json_grammar`); it decides where a choice ends, so not
+            with ``min_tokens``.
     """
 
     prompt_ids: Sequence[int]
@@ -63,6 +66,7 @@ class CompletionRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -90,6 +94,9 @@ class CompletionRequest:
             raise ServingRequestError("logit_bias maps token ids to numbers", param="logit_bias") from None
         if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
             raise ServingRequestError("logit_bias values must be in [-100, 100]", param="logit_bias")
+        if self.grammar is not None and self.min_tokens:
+            raise ServingRequestError("min_tokens is not served with response_format (the grammar decides where "
+                                      "the answer ends, with EOS); leave min_tokens out", param="min_tokens")
         if self.echo and self.logprobs is None:
             raise ServingRequestError("echo needs logprobs (the prompt's log-probabilities come with them); "
                                       "pass logprobs", param="echo")

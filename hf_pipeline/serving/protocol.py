@@ -4,6 +4,8 @@ Each field is a row of :data:`FIELDS` (its accepted types and default) or of one
 :data:`ENDPOINT_FIELDS`; fields the engine cannot honour are the rows of :data:`UNSUPPORTED` (what values
 are refused); any other field is refused, every unknown one named, as OpenAI refuses them; the counts
 OpenAI refuses below 1 are :data:`AT_LEAST_ONE`. Chat content may be a list of text parts.
+``response_format`` (json_object, json_schema) becomes an llguidance grammar here, so a bad one is refused
+before the request is queued (:mod:`hf_pipeline.generation.grammar`).
 A refusal is a :class:`~hf_pipeline.errors.ServingRequestError` whose
 ``param`` names the field, which the server turns into OpenAI's 400 error object. A prompt (or the
 chat messages) longer than ``max_prompt_chars`` is refused before the tokenizer sees it
@@ -19,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ServingRequestError
+from ..errors import InputError, ServingRequestError
+from ..generation.grammar import json_grammar
 from .handles import CompletionRequest
 
 __all__ = ["AT_LEAST_ONE", "ENDPOINT_FIELDS", "FIELDS", "UNSUPPORTED", "ParsedRequest", "error_body", "parse_chat",
@@ -46,18 +49,19 @@ FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "frequency_penalty": (_NUMBER, 0.0),
     "repetition_penalty": (_NUMBER, 1.0),  # vLLM's extension: transformers' repetition penalty
     "logit_bias": ((dict,), None),
+    # JSON modes (json_object, json_schema) through llguidance: :mod:`hf_pipeline.generation.grammar`.
+    "response_format": ((dict,), None),
 }
 # Fields one endpoint takes besides FIELDS and UNSUPPORTED (an unknown field is refused, as OpenAI does).
 ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
     "completions": frozenset({"prompt", "suffix", "echo", "best_of", "logprobs"}),
-    "chat": frozenset({"messages", "logprobs", "top_logprobs", "tools", "response_format"}),
+    "chat": frozenset({"messages", "logprobs", "top_logprobs", "tools"}),
 }
 # field -> (refused when, what to do instead)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: v is not None, "suffix is not supported; leave it out"),
     "best_of": (lambda v: v not in (None, 1), "best_of is not supported; use n"),
     "tools": (lambda v: bool(v), "tools are not supported; leave them out"),
-    "response_format": (lambda v: v not in (None, {"type": "text"}), "response_format is not supported"),
 }
 # Counts OpenAI answers 400 below 1 (a 0 must not fall back to the default).
 AT_LEAST_ONE = ("max_tokens", "max_completion_tokens", "n")
@@ -125,6 +129,14 @@ def _check_names(body: dict[str, Any], endpoint: str) -> None:
                                   "stream_options out", param="stream_options")
 
 
+def _grammar(body: dict[str, Any]) -> str | None:
+    """``response_format`` as an llguidance grammar (None for text), checked before the request is queued."""
+    try:
+        return json_grammar(_field(body, "response_format"))
+    except InputError as e:
+        raise ServingRequestError(str(e), param="response_format") from None
+
+
 def _common(body: Any, model_name: str, endpoint: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ServingRequestError("the request body must be a JSON object")
@@ -158,7 +170,7 @@ def _common(body: Any, model_name: str, endpoint: str) -> dict[str, Any]:
             "top_p": float(_field(body, "top_p")), "stop": stop, "seed": _field(body, "seed"), "n": _field(body, "n"),
             "ignore_eos": _field(body, "ignore_eos"), "min_tokens": min_tokens,
             **{k: float(_field(body, k)) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")},
-            "logit_bias": _field(body, "logit_bias") or {},
+            "logit_bias": _field(body, "logit_bias") or {}, "grammar": _grammar(body),
         },
         "stream": _field(body, "stream"), "include_usage": bool(options.get("include_usage")),
     }

@@ -6,8 +6,8 @@ joining and leaving the decode ring between tokens, :mod:`hf_pipeline.continuous
 rounds also serve the models the ring does not (encoder-decoders, data-parallel replicas).
 
 A batch holds requests that can share one ``generate`` call:
-  * the same sampling parameters (greedy, or the same temperature and top_p), the same stop strings
-    and stop ids (``generate`` takes them per call, not per row);
+  * the same sampling parameters (greedy, or the same temperature and top_p), the same stop strings,
+    stop ids and ``response_format`` grammar (``generate`` takes them per call, not per row);
   * a seeded request alone: ``generate`` seeds row ``r`` from ``(seed, r)`` (``sampling.row_seed``),
     so a seeded request's tokens would otherwise depend on where it sits in the batch;
   * prompts left padded to the longest: the longest prompt plus the largest ``max_new_tokens`` must fit
@@ -37,7 +37,7 @@ def batch_key(req: CompletionRequest, request_id: str) -> tuple[Any, ...]:
     """Requests with equal keys can share one generate call (the reasons are in the module docstring)."""
     sampling = ("greedy",) if req.greedy else ("sample", req.temperature, req.top_p)
     alone = request_id if req.seed is not None and not req.greedy else None
-    return sampling + (tuple(req.stop), tuple(req.stop_token_ids), alone)
+    return sampling + (tuple(req.stop), tuple(req.stop_token_ids), req.grammar, alone)
 
 
 @dataclass(kw_only=True)
@@ -99,6 +99,7 @@ class RoundPlan:
         stop / stop_token_ids: the batch's stop strings and extra stop ids.
         seed: the call's seed (the request's own, or drawn on rank 0 for unseeded sampling).
         stream: whether some request of the round streams (tokens then come back every step).
+        grammar: None, or the llguidance grammar every row follows (``response_format``).
     """
 
     round_id: int
@@ -110,6 +111,7 @@ class RoundPlan:
     stop_token_ids: list[int]
     seed: int | None
     stream: bool = True
+    grammar: str | None = None
 
     @classmethod
     def of(cls, round_id: int, handles: list[Handle], rng: random.Random) -> RoundPlan:
@@ -119,7 +121,7 @@ class RoundPlan:
             round_id=round_id, rows=[list(h.request.prompt_ids) for h in handles for _ in range(h.request.n)],
             max_new_tokens=max(h.request.max_new_tokens for h in handles), temperature=first.temperature,
             top_p=first.top_p, stop=list(first.stop), stop_token_ids=list(first.stop_token_ids), seed=seed,
-            stream=any(h.request.stream for h in handles),
+            stream=any(h.request.stream for h in handles), grammar=first.grammar,
         )
 
     def to_json(self) -> dict[str, Any]:

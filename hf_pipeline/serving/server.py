@@ -67,6 +67,12 @@ def _submit_all(engine: Engine, parsed: ParsedRequest) -> list[Handle]:
     return handles
 
 
+def _finite(logprob: float) -> float:
+    """A log-probability as JSON can carry it: a token a processor masked (top-p, a ``response_format``
+    grammar) has ``-inf``, which JSON has no number for; vLLM's floor, -9999.0, stands in for it."""
+    return max(logprob, -9999.0)
+
+
 class _Api:
     """The routes' shared state: the engine, the tokenizer, the served name, the request timeout."""
 
@@ -175,7 +181,7 @@ class _Api:
 
         def one(token: int, logprob: float) -> dict[str, Any]:
             text = self._token(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries]}
 
@@ -192,8 +198,8 @@ class _Api:
             nonlocal offset
             text = self._token(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append(top)
+            out["token_logprobs"].append(None if logprob is None else _finite(logprob))
+            out["top_logprobs"].append(None if top is None else {t: _finite(lp) for t, lp in top.items()})
             out["text_offset"].append(offset)
             offset += len(text)
         if prompt is not None:
