@@ -1,9 +1,9 @@
 """PipelinedModel: one model whose stages live on different ranks, called like a transformers model.
 
-Every rank of a ``torchrun`` / ``accelerate launch`` job builds the same :class:`StagePlan` from the
-config, materialises only its own stages (read shard by shard from safetensors) and joins the
-pipelined calls: ``model(**inputs)`` is collective, every rank passes the same inputs, and every
-rank gets the full output (``gather_output=False`` keeps it on the last stage only).
+Every rank of a ``torchrun`` / ``accelerate launch`` job builds the same :class:`StagePlan` from the config,
+materialises only its own stages (read shard by shard from safetensors) and joins the pipelined calls:
+``model(**inputs)`` is collective, every rank passes the same inputs, and every rank gets the full output
+(``gather_output=False`` keeps it on the last stage only).
 
 Example (``torchrun --nproc_per_node 2 script.py``):
     >>> from hf_pipeline import AutoModelForCausalLM
@@ -39,11 +39,12 @@ from .load_options import LoadOptions
 from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
+from .planning.auto_choice import call_microbatches
 from .planning.layout import ParamLayout, count_parameters, param_layout
 from .planning.options import PipelineOptions
 from .planning.plan import StagePlan
 from .planning.resolve import ResolvedRecipe
-from .planning.schedules import ScheduleSpec, fitting_microbatches
+from .planning.schedules import ScheduleSpec
 from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, signature
@@ -301,9 +302,9 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
             if self.router_aux is None:
                 outputs = self._run_forward(inputs, batch)
             else:  # counted as it runs: transformers' aux_loss of the batch, added to its loss
-                tokens = next(v for k, v in inputs.items() if k in ("input_ids", "inputs_embeds")).shape[:2].numel()
+                ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
                 outputs, aux_loss = forward_aux_loss(self, self.router_aux, lambda: self._run_forward(inputs, batch),
-                                                     tokens)
+                                                     ids.shape[:2].numel())
         if outputs is None:
             return None
         result = dict(zip(self.resolved.head.outputs, outputs))
@@ -373,13 +374,14 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         return enable_checkpointing(self, activation_checkpointing_kwargs, every_n_layers, offload,
                                     memory_budget_bytes=memory_budget_bytes, budget_batch=budget_batch)
 
-    def microbatches_for(self, rows: int, *, training: bool) -> int:
-        """Microbatches a call of ``rows`` rows runs: ``n_microbatches``, or where the default chose that count for
-        a planned batch (``options.adapt_microbatches``), the most up to it that split these rows."""
+    def microbatches_for(self, rows: int, *, training: bool, seq: int | None = None) -> int:
+        """Microbatches a call of ``rows`` rows (a step: ``seq`` tokens) runs; see ``auto_choice.call_microbatches``."""
         if not self.options.adapt_microbatches:
             return self.n_microbatches
-        return fitting_microbatches(self.schedule, pp_size=self.plan.pp_size, virtual_stages=self.plan.virtual_stages,
-                                    n_microbatches=self.n_microbatches, rows=rows, training=training)
+        return call_microbatches(
+            self.schedule.name, pp_size=self.plan.pp_size, virtual_stages=self.plan.virtual_stages,
+            n_microbatches=self.n_microbatches, rows=rows, training=training, seq=seq,
+            flops=tuple(s.flops_per_token for s in self.plan.stages), device_type=self.ctx.device.type)
 
     def set_schedule(self, schedule: str | type, *, n_microbatches: int | None = None) -> None:
         """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved

@@ -317,7 +317,8 @@ class DPOStep:
         (its chosen rows, then theirs rejected), with the loss's targets."""
         rows = inputs["input_ids"].shape[0]
         pairs, dims = rows // 2, self.pipelined.dims
-        groups = dims.dp_size * self.pipelined.microbatches_for(rows // dims.dp_size, training=True)
+        groups = dims.dp_size * self.pipelined.microbatches_for(rows // dims.dp_size, training=True,
+                                                                 seq=inputs["input_ids"].shape[1])
         size = pairs // groups
         order = torch.cat([torch.cat([torch.arange(g * size, (g + 1) * size),
                                       pairs + torch.arange(g * size, (g + 1) * size)]) for g in range(groups)])

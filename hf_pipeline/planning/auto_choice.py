@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,10 +38,11 @@ from ..errors import InputError, PipelineError
 from .actions import peak_in_flight, schedule_actions
 from .options import PipelineOptions, parse_size
 from .plan import StagePlan
-from .schedules import SCHEDULES, ScheduleSpec, check_layout, get_schedule
+from .schedules import SCHEDULES, ScheduleSpec, check_layout, fitting_microbatches, get_schedule
 from .simulate import simulate_step
 
 __all__ = [
+    "call_microbatches",
     "AUTO", "OVERHEAD_TOKENS", "AutoChoice", "Candidate", "Estimate", "PredictedPeak", "StagePlanOf",
     "DEFAULT_REFUSALS", "choose_candidate", "choose_default", "microbatch_counts", "same_placement", "with_schedule",
 ]
@@ -377,3 +379,40 @@ def with_schedule(options: PipelineOptions, schedule: str, n_microbatches: int) 
         raise InputError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
     check_layout(spec, pp_size=options.pp_size, virtual_stages=options.virtual_stages, n_microbatches=n_microbatches)
     return dataclasses.replace(options, schedule=spec, n_microbatches=n_microbatches, adapt_microbatches=False)
+
+
+# ----------------------------------------------------------------------------- per call
+@functools.lru_cache(maxsize=256)
+def call_microbatches(
+    schedule: str, *, pp_size: int, virtual_stages: int, n_microbatches: int, rows: int, training: bool,
+    seq: int | None, flops: tuple[float, ...], device_type: str,
+) -> int:
+    """Microbatches a call of ``rows`` rows runs when the default chose ``n_microbatches`` for a planned batch
+    (``PipelineOptions.adapt_microbatches``).
+
+    A forward, or a step of unknown length: the most up to the chosen count that split the rows
+    (:func:`~hf_pipeline.planning.schedules.fitting_microbatches`). A training step of ``seq`` tokens: among the
+    counts up to the chosen one that split its rows and train with the schedule, the one whose simulated step
+    is shortest for THIS call's shape, as the load chose for the planned one (the per-action overhead weighs
+    more against short sequences: on 2 CPU ranks a 16 x 512 batch runs 1F1B best with 16 microbatches, a
+    16 x 128 one with 8). Only counts of at least the schedule's training minimum are candidates, so no rank
+    keeps more activations live than under the old default. Pure and cached: every rank computes the same.
+    """
+    spec = get_schedule(schedule)
+    fit = fitting_microbatches(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=n_microbatches,
+                               rows=rows, training=training)
+    if not training or seq is None:
+        return fit
+    counts = [m for m in range(1, min(n_microbatches, rows) + 1) if rows % m == 0
+              and spec.training_problem(pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m) is None]
+    if not counts:
+        return fit
+    share = sum(flops) / pp_size
+    overhead = OVERHEAD_TOKENS.get(device_type, _DEFAULT_OVERHEAD_TOKENS) * share
+
+    def step(m: int) -> float:
+        return simulate_step(spec, pp_size=pp_size, virtual_stages=virtual_stages, n_microbatches=m,
+                             stage_cost=[f * rows * seq / m for f in flops], overhead=overhead)[0]
+
+    # Ties (to 4 digits, as the load's choice): fewer microbatches, bigger matmuls.
+    return min(counts, key=lambda m: (round(step(m) / step(fit), 4), m))

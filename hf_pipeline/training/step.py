@@ -249,7 +249,7 @@ def _prepare_batch(model: PipelineCore, state: TrainStepState, batch: Mapping[st
             f"a global batch of {rows} rows does not split over dp_size={dp} data-parallel replicas; pass a "
             f"multiple of dp_size x n_microbatches = {dp * model.n_microbatches} rows"
         )
-    m = model.microbatches_for(rows // dp, training=True)
+    m = model.microbatches_for(rows // dp, training=True, seq=length)
     check_microbatches(batch=rows // dp, n_microbatches=m, training=True)
     prepared = model.prepare_inputs({**batch, "labels": labels})  # on the device; T5 derives decoder_input_ids
     labels = prepared.pop("labels")

@@ -87,7 +87,8 @@ def test_trl_private_names_the_mixin_uses_exist(dpo):
 
 def test_microbatches_hold_whole_pairs():
     pairs, rows = 8, 16
-    model = types.SimpleNamespace(dims=types.SimpleNamespace(dp_size=2), microbatches_for=lambda r, training: 2)
+    model = types.SimpleNamespace(dims=types.SimpleNamespace(dp_size=2),
+                                  microbatches_for=lambda r, training, seq=None: 2)
     step = DPOStep.__new__(DPOStep)
     step.pipelined = model
     ids = torch.arange(rows)[:, None].repeat(1, 3)  # row r holds r everywhere: [chosen 0..7; rejected 8..15]

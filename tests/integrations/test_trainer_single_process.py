@@ -81,7 +81,7 @@ def test_a_tensor_parallel_or_fsdp_model_is_not_refused_but_an_adapter_on_fsdp_i
     from hf_pipeline.integrations.trainer_refusals import check_arguments
 
     def model(**dims):
-        return SimpleNamespace(n_microbatches=2, microbatches_for=lambda rows, training: 2,
+        return SimpleNamespace(n_microbatches=2, microbatches_for=lambda rows, training, seq=None: 2,
                                dims=SimpleNamespace(**dims))
 
     for dims in ({"tp_size": 2}, {"fsdp_size": 1}, {"fsdp_size": 2}):

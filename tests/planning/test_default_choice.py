@@ -107,6 +107,26 @@ def test_a_chosen_count_fits_each_call():
     assert [fit(r, False) for r in (16, 5, 1)] == [8, 5, 1]  # a forward pads its last microbatch
 
 
+@pytest.mark.unit
+def test_a_training_call_runs_the_count_with_the_shortest_simulated_step_for_its_shape():
+    """The benchmark's LLaMA (hidden 384, 12 layers) on 2 CPU ranks, the default having chosen 1F1B with 16: a
+    16 x 512 step runs 16 microbatches, a 16 x 128 one 8 (measured faster there: the per-action overhead weighs
+    more against short microbatches), 12 rows the count that divides them; without a length, the most that fit."""
+    from hf_pipeline.memory.auto_choice_costs import _loader_plan
+    from hf_pipeline.planning.auto_choice import call_microbatches
+
+    cfg = transformers.LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
+                                   num_attention_heads=6, num_key_value_heads=6, vocab_size=2048,
+                                   max_position_embeddings=512)
+    flops = tuple(s.flops_per_token for s in _loader_plan(cfg, PipelineOptions.resolve(cfg, 2)).stages)
+    call = lambda rows, seq: call_microbatches("1f1b", pp_size=2, virtual_stages=1, n_microbatches=16,  # noqa: E731
+                                               rows=rows, training=True, seq=seq, flops=flops, device_type="cpu")
+    assert [call(16, 512), call(16, 128), call(16, None), call(12, 128), call(4, 128)] == [16, 8, 16, 12, 4]
+    forward = call_microbatches("1f1b", pp_size=2, virtual_stages=1, n_microbatches=16, rows=5, training=False,
+                                seq=128, flops=flops, device_type="cpu")
+    assert forward == 5  # a forward pads: the most up to its rows
+
+
 def _default_trains_as_transformers(path):
     from hf_pipeline import AutoModelForCausalLM
 
