@@ -92,8 +92,9 @@ class LoadOptions:
     # ---------------------------------------------------------------- pipeline: split and schedule
     n_microbatches: int | str | None = _option(
         None, "microbatches per pipelined call; `\"auto\"`: chosen with `schedule`, see `tune_batch`. Named neither: "
-        "chosen with the schedule (see `schedule`), and a call whose rows that count does not split runs the most that "
-        "do; `schedule` named alone: the number of stages", concern="pipeline", acts="resolve",
+        "chosen with the schedule (see `schedule`) as the most a call runs: a training step runs the count up to it "
+        "that splits its rows with the shortest simulated step for its rows and length, a forward the most up to its "
+        "rows; `schedule` named alone: the number of stages", concern="pipeline", acts="resolve",
         cli="microbatches per pipelined call (default: chosen with the schedule, or the number of stages when "
         "--schedule is given)", cli_type="positive")
     num_stages: int | None = _option(

@@ -355,8 +355,8 @@ def _default_note(choice: AutoChoice, base: PipelineOptions) -> str:
     return (
         f"schedule {c.schedule!r}, n_microbatches={c.n_microbatches}: chosen because no schedule or n_microbatches "
         f"was named, as the shortest simulated training step of a {choice.batch} x {choice.seq} batch among the "
-        f"schedules of this placement ({by[c].relative_step:.2f}x ideal{against}); a call whose rows "
-        f"{c.n_microbatches} microbatches do not split runs the most that do"
+        f"schedules of this placement ({by[c].relative_step:.2f}x ideal{against}), as the most a call runs: a "
+        f"training step runs the count up to it simulated fastest for its own rows and length"
     )
 
 
