@@ -244,7 +244,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--kv-cache-mb", type=_positive, default=None,
                    help="continuous: KV-cache memory per rank for the rows in flight; requests that do not fit "
                    "wait in the queue (default: --max-batch rows); what they leave holds the prefix cache")
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--prefill-chunk", type=_non_negative, default=512,
                    help="continuous: prompt tokens a decode step runs at most beside the decoding rows (chunked "
                    "prefill: a longer prompt joins over several steps); 0: whole prompts at once (default 512)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

@@ -1,5 +1,6 @@
-"""Chunked prefill and prefix caching in the continuous ring (one spawned job at 2 ranks): LLaMA with one
-stage per rank and with two stages per rank (interleaved: stages 0, 2 | 1, 3), 3 slots for 7 requests,
+"""Chunked prefill and prefix caching in the continuous ring (one spawned job per world size): LLaMA at 2
+ranks with one stage per rank and with two stages per rank (interleaved: stages 0, 2 | 1, 3), and at 4
+ranks with tensor parallelism (pp2 x tp2: each tp rank's prefix cache holds its own heads), 3 slots for 7 requests,
 ``prefill_chunk=4`` and prefix blocks of 4 tokens. A short request decodes from the start; the next
 carries a 12-token head (3 blocks) and arrives with it; once it has tokens the rest arrive, four of them
 with the same head and tails of their own, so their prompts (13 to 20 tokens, longer than a chunk)
@@ -90,13 +91,11 @@ def _sharp_llama(directory) -> str:
     return str(directory)
 
 
-def test_chunked_prefill_and_prefix_caching_at_2_ranks(tmp_path):
+def _check(tmp_path, world: int, layouts: dict) -> None:
     path = _sharp_llama(tmp_path / "llama")
     ref = tiny.reference(path, "AutoModelForCausalLM")
     requests = _requests()
-    layouts = {"one stage per rank": {}, "interleaved": {"schedule": "interleaved-1f1b", "virtual_stages": 2,
-                                                         "n_microbatches": 2}}
-    per_rank = run_distributed(_job, 2, [(path, load, requests) for load in layouts.values()], timeout=600)
+    per_rank = run_distributed(_job, world, [(path, load, requests) for load in layouts.values()], timeout=600)
     for k, name in enumerate(layouts):
         ranks = [r[k] for r in per_rank]
         got = ranks[0]
@@ -107,3 +106,12 @@ def test_chunked_prefill_and_prefix_caching_at_2_ranks(tmp_path):
         assert got["hits"] == HITS and got["hit_tokens"] == HITS * HEAD, (name, got)
         for r in ranks:  # each of the rank's stages copied the head for each hit
             assert r["reused"] == r["stages"] * HITS * HEAD, (name, r)
+
+
+def test_chunked_prefill_and_prefix_caching_at_2_ranks(tmp_path):
+    _check(tmp_path, 2, {"one stage per rank": {}, "interleaved": {"schedule": "interleaved-1f1b",
+                                                                   "virtual_stages": 2, "n_microbatches": 2}})
+
+
+def test_chunked_prefill_and_prefix_caching_under_tensor_parallelism_at_4_ranks(tmp_path):
+    _check(tmp_path, 4, {"pp2 x tp2": {"tp_size": 2}})
