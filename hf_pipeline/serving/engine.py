@@ -216,7 +216,9 @@ class Engine:
                               else prefix_refusal(model.config))
         blocks = prefix_blocks(model, block=prefix_block, pool=self.pool, kv_cache_bytes=kv_cache_bytes,
                                context=context)
-        self.prefix = RingPrefix(block=prefix_block, capacity=blocks) if not self.prefix_reason and blocks else None
+        if not self.prefix_reason and not blocks:
+            self.prefix_reason = "kv_cache_bytes leaves no room beside the pool's full-context rows"
+        self.prefix = None if self.prefix_reason else RingPrefix(block=prefix_block, capacity=blocks)
         self.prefill_chunks = self.prefix_hits = self.prefix_tokens = self.reused_tokens = 0
         self.decode_steps = 0
         self.forwards = 0  # continuous: this rank's stage forward calls
