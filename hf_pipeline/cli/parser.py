@@ -243,7 +243,13 @@ def _add_serve(sub) -> None:
                    "does not serve, such as encoder-decoders or FSDP-sharded stages, run static rounds)")
     p.add_argument("--kv-cache-mb", type=_positive, default=None,
                    help="continuous: KV-cache memory per rank for the rows in flight; requests that do not fit "
-                   "wait in the queue (default: --max-batch rows)")
+                   "wait in the queue (default: --max-batch rows); what they leave holds the prefix cache")
+    p.add_argument("--prefill-chunk", type=_non_negative, default=512,
+                   help="continuous: prompt tokens a decode step runs at most beside the decoding rows (chunked "
+                   "prefill: a longer prompt joins over several steps); 0: whole prompts at once (default 512)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="continuous: compute every prompt in full (default: prompt heads shared with earlier "
+                   "requests, in blocks of 16 tokens, are reused from each stage's prefix cache)")
     p.add_argument("--max-queue", type=_positive, default=64,
                    help="queued rows at most, a request with n choices counting n; more are answered 429 (default 64)")
     p.add_argument("--max-n", type=_positive, default=16,

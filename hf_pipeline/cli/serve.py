@@ -57,7 +57,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or pathlib.Path(args.path or path).name
     budget = None if args.kv_cache_mb is None else args.kv_cache_mb * 2**20
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_n=args.max_n,
-                    batching=args.batching, kv_cache_bytes=budget)
+                    batching=args.batching, kv_cache_bytes=budget, prefill_chunk=args.prefill_chunk,
+                    prefix_cache=args.prefix_cache)
     serve(engine, tok, model_name=name, host=args.host, port=args.port, timeout_s=args.request_timeout,
           limits=limits)
     return 0

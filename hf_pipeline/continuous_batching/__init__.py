@@ -6,6 +6,9 @@ Lives here: :mod:`.continuous_ring` (:class:`ContinuousRing`, the ring every ran
 between stages), :mod:`.ring_stage` (:class:`RingStage`, one stage's groups: their caches, forwards and,
 on the last stage, each row's token), :mod:`.group_cache` (a group's KV cache: rows
 merged right aligned and cut, full and sliding-window layers each keeping their own columns),
+:mod:`.prefill_plan` (:class:`PrefillPlanner`: chunked prefill, which part of each joining row's
+prompt an op runs, and how much of it comes from the prefix cache), :mod:`.prefix_cache` (shared prompt
+heads' keys and values kept per stage, in blocks, LRU, with the coordinator's mirrored index),
 :mod:`.wire` (what travels down the ring with each op: :class:`OpHeader`, the typed header that packs
 itself into its int64 tensor and parses itself back, and :class:`NewRow`, the joining rows as JSON),
 :mod:`.feeder` (:class:`Feeder`, what the ring asks of stage 0's queue, and :class:`RingFeeder`, the

@@ -12,6 +12,9 @@ and lets queued rows into the group's free slots. It sends that decision down th
 activations, so every stage knows which rows of its group cache stay, which leave and which join;
 what a stage then does with them is :mod:`.ring_stage` (decode the kept rows, drop the leaving ones,
 prefill the joining ones and merge their cache, and on the last stage choose each row's token).
+Which part of a joining row's prompt an op runs is :mod:`.prefill_plan`'s: at most ``prefill_chunk``
+prompt tokens an op (a longer prompt joins over the group's next ops, holding its slot, and gets
+its first token once it is all in), less the head its prefix cache holds (:mod:`.prefix_cache`).
 
 Tensor and expert parallelism (a stage over ``tp_size`` ranks; expert-parallel ranks are the stage's tp
 ranks): every tp rank of a stage runs the same forward on the same rows in the same order. Each tp
@@ -33,9 +36,10 @@ Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.O
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
 its layout is in :mod:`.wire`) and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros
 past the kept rows; sent for a stop too), both as bytes in one uint8 message; then, when rows join,
-their JSON (:func:`~.wire.pack_rows`: prompt and sampling parameters) and hidden states ``(joining,
-longest prompt, hidden)``. Last stage -> stage 0, per run op: the float64 :class:`~.wire.Reply`,
-the chosen token of each row in header order with the log-probabilities the row asked for (its
+their JSON (:func:`~.wire.pack_rows`: prompt, the part of it this op runs and sampling parameters)
+and hidden states ``(joining, widest part, hidden)``, each row's right aligned. Last stage -> stage 0,
+per run op: the float64 :class:`~.wire.Reply`, the chosen token of each row in header order (the kept
+rows, then the joining rows whose prompt is now in) with the log-probabilities the row asked for (its
 size follows from the op's rows). Every message an op needs was sent by an op of the tick before.
 Between stages of one rank, nothing is sent: the message waits in the ring's inbox.
 With one stage per rank each directed pair of ranks carries one kind of message stream, in order,
@@ -45,7 +49,8 @@ several stages per rank, two streams may share a pair (interleaved at 2 ranks: s
 reply 3 -> 0 both run rank 1 -> 0), so each tick starts by taking every message its ops need, in the
 order their senders sent them (sender stage order, the reply from the last stage last): the
 receives pair up on any backend, tags or not, and wait only for messages of the tick before.
-Stage 0 stops the ring when a whole step had no rows and its feeder has nothing queued: a stop
+Stage 0 stops the ring when a whole step had no rows, no row is part-way into its prompt and its feeder
+has nothing queued: a stop
 header for every group of that step, which each stage passes on before leaving.
 
 Example (every rank; stage 0 passes the feeder):
@@ -66,6 +71,8 @@ from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
 from .feeder import Feeder
 from .group_cache import merge_refusal
+from .prefill_plan import PrefillPlanner
+from .prefix_cache import RingPrefix
 from .ring_stage import RingStage
 from .wire import NewRow, OpHeader, Reply, pack_rows, unpack_rows
 
@@ -96,17 +103,21 @@ class ContinuousRing:
         group_size: slots per group.
         feeder: stage 0's queue (rank 0: stage 0's tp lead); None on the other ranks.
         grammars: the tokenizer compiled for rows that follow a grammar (``response_format``); the last stage's.
+        prefill_chunk: prompt tokens an op runs at most (None: whole prompts).
+        prefix: this rank's prefix caches, kept across rings (None: no prefix reuse; the same on every rank).
     """
 
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None,
-                 grammars: GrammarTokenizer | None = None):
+                 grammars: GrammarTokenizer | None = None, prefill_chunk: int | None = None,
+                 prefix: RingPrefix | None = None):
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         self.n_stages = model.plan.num_stages
         # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),
         # all planned by the coordinator, replica 0's stage 0 lead, which holds the queue (module Note).
         self.replicas, self.replica, self.dp_group = model.dims.dp_size, model.dims.dp_rank, model.dims.dp_group
         self.lanes = [RingStage(model, s, groups=groups, group_size=group_size,
-                                slot_base=self.replica * groups * group_size, grammars=grammars)
+                                slot_base=self.replica * groups * group_size, grammars=grammars,
+                                prefix=None if prefix is None else prefix.stage(s.spec.index))
                       for s in sorted(model.stages, key=lambda s: s.spec.index)]
         self.first = self.lanes[0].first  # this rank holds stage 0
         # Tensor / expert parallelism: each of a stage's tp ranks is in the pipeline of its own tp slot (pp_group),
@@ -124,6 +135,8 @@ class ContinuousRing:
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
         self.sent: list[list[int]] = [[] for _ in range(groups * self.replicas)]  # coordinator: each group's rows
+        self.planner = PrefillPlanner(chunk=prefill_chunk, indexes=None if prefix is None else
+                                      [prefix.index(d) for d in range(self.replicas)])  # coordinator
         self.last_token: dict[int, int] = {}  # stage 0: each row's token to feed next
         self.inbox: dict[tuple, Any] = {}  # ("h", stage, group) / ("tok", group): taken or delivered on this rank
         self.replies: list[tuple[Reply, list]] = [(Reply(()), []) for _ in range(groups * self.replicas)]
@@ -144,6 +157,11 @@ class ContinuousRing:
     def forwards(self) -> int:
         """Stage forward calls on this rank."""
         return sum(lane.forwards for lane in self.lanes)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens this rank's stages copied from their prefix caches instead of computing them."""
+        return sum(lane.reused_tokens for lane in self.lanes)
 
     # ------------------------------------------------------------ messages
     def _local(self, stage: int) -> bool:
@@ -186,7 +204,7 @@ class ContinuousRing:
         if header.payload_bytes:
             payload = self._recv((header.payload_bytes,), torch.uint8, stage - 1)
             rows = unpack_rows(payload)
-            new_in = self._recv((len(rows), max(len(r.prompt) for r in rows), self.hidden), self.dtype, stage - 1)
+            new_in = self._recv((len(rows), max(r.width for r in rows), self.hidden), self.dtype, stage - 1)
         return header, kept, payload, new_in
 
     def _gather(self, tick: int) -> None:
@@ -338,7 +356,7 @@ class ContinuousRing:
                                             for d, g in enumerate(own) if d > 0]
             kept = [self._deliver(g, m) for g, m in zip(own, messages)]
         if i == 0 and t > 0:
-            self._stopping = not any(self.sent) and self.feeder.idle()
+            self._stopping = not any(self.sent) and not self.planner.partial and self.feeder.idle()
         plans = [self._admit(g, k, stop=t > 0 and self._stopping) for g, k in zip(own, kept)]
         for d, (header, _, payload, tokens) in enumerate(plans[1:], start=1):
             size = self.replies[own[d]][0].size if header.run else 0
@@ -397,20 +415,18 @@ class ContinuousRing:
         the joining rows, their JSON (None when none join) and the kept rows' next input tokens."""
         if stop:
             return OpHeader.stop(), [], None, []
-        base = g * self.group_size
-        free = [s for s in range(base, base + self.group_size) if s not in kept]
-        new = self.feeder.admit(free) if free else []
-        if any(r.slot not in free for r in new):
-            raise InternalError("the feeder admitted a row into a slot that is not free")
-        order = kept + [r.slot for r in new]
+        slots = range(g * self.group_size, (g + 1) * self.group_size)
+        new = self.planner.plan(g // self.groups, slots, kept, self.feeder.admit)
+        final = [r for r in new if r.final]  # rows part-way into their prompt get no token yet
+        order = kept + [r.slot for r in final]
         self.sent[g] = order
-        self.asked.update({r.slot: r.logprobs for r in new})
-        joining: list[NewRow | None] = [None] * len(kept) + list(new)
+        self.asked.update({r.slot: r.logprobs for r in final})
+        joining: list[NewRow | None] = [None] * len(kept) + final
         self.replies[g] = (Reply.of(joining, self.asked, order), [None if r is None else r.prompt for r in joining])
         payload = pack_rows(new, self.device) if new else None
         header = OpHeader(run=True, kept=tuple(kept), joining=tuple(r.slot for r in new),
                           payload_bytes=0 if payload is None else payload.numel())
-        if order:
+        if order or new:
             if not self._busy:
                 self.steps += 1
             self._busy = True

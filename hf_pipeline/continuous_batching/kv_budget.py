@@ -16,7 +16,7 @@ from ..core import PipelineCore
 from ..errors import UsageError
 from ..planning.kv_cache_sizes import kv_cache_bytes
 
-__all__ = ["pool_rows", "row_kv_bytes"]
+__all__ = ["pool_rows", "prefix_blocks", "row_kv_bytes"]
 
 
 def row_kv_bytes(model: PipelineCore, context: int) -> int:
@@ -59,3 +59,23 @@ def pool_rows(model: PipelineCore, *, max_batch: int, kv_cache_bytes: int | None
             f"{per_row} bytes on the most loaded rank); raise the budget or serve a model with a shorter context"
         )
     return rows
+
+
+def prefix_blocks(model: PipelineCore, *, block: int, pool: int, kv_cache_bytes: int | None,
+                  context: int | None) -> int:
+    """Blocks of ``block`` tokens the prefix cache (:mod:`.prefix_cache`) may keep beside the pool's rows.
+
+    Args:
+        model: the pipelined model.
+        block: tokens per block.
+        pool: the pool's rows (:func:`pool_rows`), each sized for a full-context row.
+        kv_cache_bytes: KV-cache memory per rank (None: as many blocks as the pool's rows hold, ``pool`` full
+            contexts, 64 blocks a row when the context is unknown).
+        context: the model's context.
+    Returns:
+        What the budget leaves once the pool is counted, in blocks (0: no prefix is kept).
+    """
+    if kv_cache_bytes is None or context is None:
+        return pool * (-(-context // block) if context else 64)
+    spare = kv_cache_bytes - pool * row_kv_bytes(model, context)
+    return max(0, spare // max(row_kv_bytes(model, block), 1))

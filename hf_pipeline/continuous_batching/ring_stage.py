@@ -11,6 +11,12 @@
     group's, right aligned: the shorter side is left padded with zero columns that the mask hides.
     Positions are per row (``cumsum(mask) - 1`` as transformers makes them), so padding never
     changes a row's tokens: greedy rows equal transformers' ``generate`` of each request alone.
+  * chunked prefill: a long prompt joins over several ops, ``prompt[start:end]`` each
+    (:class:`~.wire.NewRow`); until its last chunk the row keeps a cache of its own (batch 1, no
+    padding, positions ``start..end-1``), then joins the group's as above and gets its first token;
+  * prefix caching: a row whose prompt head is in the stage's :class:`~.prefix_cache.PrefixCache`
+    starts its own cache from those blocks' keys and values and runs only the rest; every row whose
+    prompt is in adds its whole blocks.
     Sliding-window layers keep only their window's last columns through all of this
     (:mod:`.group_cache`, which also names the cache layers the ring does not merge).
 
@@ -42,6 +48,7 @@ from ..generation.logprobs import entries
 from ..generation.penalties import penalty_processors
 from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
 from .group_cache import cut_columns, merge
+from .prefix_cache import PrefixCache
 from .wire import NewRow, OpHeader, Reply
 
 __all__ = ["RingStage"]
@@ -76,10 +83,11 @@ class RingStage:
         groups: the ring's groups; group_size: slots per group.
         slot_base: the first slot of this stage's group 0 (a data-parallel replica's groups follow the others').
         grammars: the tokenizer compiled for rows that follow a grammar (``response_format``); the last stage's.
+        prefix: this stage's prefix cache (:mod:`.prefix_cache`), kept across rings; None: no prefix reuse.
     """
 
     def __init__(self, model: PipelineCore, stage: Any, *, groups: int, group_size: int, slot_base: int = 0,
-                 grammars: GrammarTokenizer | None = None):
+                 grammars: GrammarTokenizer | None = None, prefix: PrefixCache | None = None):
         self.model, self.stage, self.group_size, self.slot_base = model, stage, group_size, slot_base
         self.grammars = grammars
         self.index = stage.spec.index
@@ -89,10 +97,13 @@ class RingStage:
         self.rows: dict[int, _Row] = {}  # last stage
         self._configs: dict[tuple, Any] = {}
         self.forwards = 0  # forward calls of this stage
+        self.pending: dict[int, DynamicCache] = {}  # chunked prefill: a row's own cache until its prompt is in
+        self.prefix = prefix  # this stage's prefix cache (None: prefixes are not reused)
+        self.reused_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.done = False  # the ring's stop passed this stage for every group
 
     def cache_bytes(self) -> int:
-        return sum(cache_nbytes(g.cache) for g in self.state)
+        return sum(cache_nbytes(c) for c in [g.cache for g in self.state] + list(self.pending.values()))
 
     def run(self, i: int, header: OpHeader, new: list[NewRow], old_in: torch.Tensor | None,
             new_in: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -103,7 +114,7 @@ class RingStage:
         self._keep(g, old_slots)
         old_out = self._decode(g, old_in) if old_slots else None
         new_out = self._prefill(g, new, new_in) if new else None
-        g.slots = old_slots + [r.slot for r in new]
+        g.slots = old_slots + [r.slot for r in new if r.final]
         return old_out, new_out
 
     # ------------------------------------------------------------ caches
@@ -147,7 +158,51 @@ class RingStage:
         return out
 
     def _prefill(self, g: _Group, new: list[NewRow], received: torch.Tensor | None) -> torch.Tensor:
-        """The joining rows' prompts on a fresh cache, then put next to the group's (right aligned)."""
+        """The joining rows' part of their prompts (``prompt[start:end]``); rows whose prompt is then in join the
+        group's cache (right aligned), the others keep their own cache for their next chunk. Whole rows (all their
+        prompt now, nothing cached) run batched, left padded, ahead of the others, which run one by one on their
+        own cache. ``received`` and the result: ``(joining, widest, X)``, each row's part right aligned."""
+        n_whole = sum(r.whole for r in new)
+        if any(r.whole for r in new[n_whole:]):
+            raise InternalError("the ring's joining rows put whole prompts ahead of chunks and reused prefixes")
+        # Every reused prefix is read before this op adds any block (the index's order: prefix_cache Note).
+        taken = [self.prefix.take(r.prompt, r.reused) if r.reused else None for r in new]
+        outs, finals = [], []
+        if n_whole:
+            rows = new[:n_whole]
+            width = max(len(r.prompt) for r in rows)
+            out, cache, mask = self._prefill_whole(rows, None if self.first else received[:n_whole, -width:])
+            finals += [(r, _row_kv(cache, k, width - len(r.prompt))) for k, r in enumerate(rows)]
+            self._join(g, cache, mask)
+            outs.append(out)
+        for k in range(n_whole, len(new)):
+            r = new[k]
+            cache = self._row_cache(r, taken[k])
+            out = self._forward(torch.tensor([r.prompt[r.start: r.end]], dtype=torch.long, device=self.device)
+                                if self.first else received[k: k + 1, -r.width:],
+                                cache, torch.ones(1, r.end, dtype=torch.long, device=self.device),
+                                torch.arange(r.start, r.end, device=self.device)[None])
+            outs.append(out)
+            if r.final:
+                finals.append((r, _row_kv(cache, 0, 0)))
+                self._join(g, cache, torch.ones(1, r.end, dtype=torch.long, device=self.device))
+            else:
+                self.pending[r.slot] = cache
+        if self.prefix is not None:
+            for r in new:
+                if r.reused:
+                    self.prefix.touch(r.prompt, r.reused)
+                    self.reused_tokens += r.reused
+            for r, kv in finals:
+                self.prefix.add(r.prompt, lambda b, kv=kv: _block(kv, b, self.prefix.block))
+        widest = max(o.shape[1] for o in outs)
+        return torch.cat([o if o.shape[1] == widest else torch.cat([o.new_zeros(o.shape[0], widest - o.shape[1],
+                                                                                *o.shape[2:]), o], dim=1)
+                          for o in outs])
+
+    def _prefill_whole(self, new: list[NewRow], received: torch.Tensor | None) -> tuple:
+        """Rows that run their whole prompt now, batched on a fresh cache (left padded, with a mask): the output,
+        the cache and the mask ``(rows, widest prompt)``."""
         width = max(len(r.prompt) for r in new)
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in new],
                             dtype=torch.long, device=self.device)
@@ -158,13 +213,29 @@ class RingStage:
         cache = new_cache(self.model.config, encoder_decoder=False)
         every = self.last and any(r.prompt_logprobs is not None for r in new)
         out = self._forward(received, cache, mask, left_padded_position_ids(mask, width).to(self.device), every)
+        return out, cache, mask
+
+    def _row_cache(self, r: NewRow, taken: list | None) -> DynamicCache:
+        """A chunked row's own cache: its earlier chunks', or a fresh one holding its reused prefix's blocks."""
+        if r.start and not r.reused:
+            if r.slot not in self.pending:
+                raise InternalError(f"the ring continues slot {r.slot}'s prompt, which this stage did not start")
+            return self.pending.pop(r.slot)
+        cache = new_cache(self.model.config, encoder_decoder=False)
+        for layer in taken[0] if taken else ():
+            keys = torch.cat([blk[layer][0] for blk in taken], dim=1)[None]  # (1, heads, reused, D)
+            values = torch.cat([blk[layer][1] for blk in taken], dim=1)[None]
+            cache.update(keys, values, layer)
+        return cache
+
+    def _join(self, g: _Group, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Rows whose prompt is in (``cache``, ``mask``) join the group's cache after its rows."""
         lengths = mask.sum(dim=1)
         if g.cache is None:
             g.cache, g.mask, g.next_pos = cache, mask, lengths
-            return out
+            return
         g.mask = merge(g.cache, g.mask, cache, mask)
         g.next_pos = torch.cat([g.next_pos, lengths])
-        return out
 
     # ------------------------------------------------------------ last stage: tokens
     def _row(self, r: NewRow) -> _Row:
@@ -203,9 +274,10 @@ class RingStage:
         group = range(self.slot_base + i * self.group_size, self.slot_base + (i + 1) * self.group_size)
         for s in [s for s in self.rows if s in group and s not in slots]:
             del self.rows[s]  # left the ring
-        for r in new:
-            self.rows[r.slot] = self._row(r)
-        parts = [o[:, -1, :] for o in (old_out, new_out) if o is not None]
+        fin = [k for k, r in enumerate(new) if r.final]  # rows whose prompt is in: their first token now
+        for k in fin:
+            self.rows[new[k].slot] = self._row(new[k])
+        parts = [o[:, -1, :] for o in (old_out, None if new_out is None else new_out[fin]) if o is not None]
         logits = torch.cat(parts).float() if parts else None
         tokens, chosen = [], []
         for j, slot in enumerate(slots):
@@ -217,9 +289,9 @@ class RingStage:
             tokens.append(int(token[0]))
             chosen.append(None if row.logprobs is None else
                           entries(torch.log_softmax(scores.float(), dim=-1), token, row.logprobs)[0])
-        n_old = len(slots) - len(new)
-        prompts = [None] * n_old + [self._prompt_entries(r, new_out[k], new_out.shape[1]) for k, r in enumerate(new)]
-        layout = Reply.of([None] * n_old + list(new), {s: self.rows[s].logprobs for s in slots}, slots)
+        n_old = len(slots) - len(fin)
+        prompts = [None] * n_old + [self._prompt_entries(new[k], new_out[k], new_out.shape[1]) for k in fin]
+        layout = Reply.of([None] * n_old + [new[k] for k in fin], {s: self.rows[s].logprobs for s in slots}, slots)
         return layout.pack(tokens, chosen, prompts, self.device)
 
     @staticmethod
@@ -231,3 +303,16 @@ class RingStage:
         start = width - len(r.prompt)
         logprobs = torch.log_softmax(logits[start: width - 1].float(), dim=-1)  # (len - 1, V)
         return entries(logprobs, torch.tensor(r.prompt[1:], dtype=torch.long), r.prompt_logprobs)
+
+
+def _row_kv(cache: DynamicCache, row: int, offset: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Row ``row``'s keys and values ``(heads, prompt, D)`` in each layer this stage filled, from column ``offset``
+    (its left padding skipped): views, valid for this op (the ring replaces cache tensors, never writes into them)."""
+    return {k: (layer.keys[row, :, offset:], layer.values[row, :, offset:]) for k, layer in enumerate(cache.layers)
+            if layer.is_initialized and layer.keys is not None and layer.keys.numel()}
+
+
+def _block(kv: dict, b: int, size: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Block ``b`` of a row's keys and values, copied (a view would keep the row's whole cache alive)."""
+    return {k: (keys[:, b * size: (b + 1) * size].clone(), values[:, b * size: (b + 1) * size].clone())
+            for k, (keys, values) in kv.items()}

@@ -40,7 +40,8 @@ class OpHeader:
     Attributes:
         run: True for an op that runs its rows; False for a stop (the ring ends after this step).
         kept: slots of the rows that stay, in the order of the group's cache rows.
-        joining: slots of the rows that join after them (their prompts run on a fresh cache).
+        joining: slots of the rows that run part of their prompt (:class:`NewRow`); those whose prompt is then
+            in join the group after the kept rows.
         payload_bytes: size of the joining rows' JSON (:func:`pack_rows`), sent after the header; 0 when none join.
     """
 
@@ -115,6 +116,11 @@ class NewRow:
             (:func:`~hf_pipeline.generation.penalties.penalty_processors`); logit_bias as ``[[id, bias], ...]``.
         grammar: None, or the llguidance grammar its tokens follow (``response_format``:
             :class:`~hf_pipeline.generation.grammar.GrammarProcessor`).
+        start / end: the prompt tokens this op runs, ``prompt[start:end]`` (chunked prefill: a long prompt joins
+            over several ops; the tokens before ``start`` are in the row's own cache already). ``end`` -1: the
+            whole prompt.
+        reused: on the row's first chunk, prompt tokens whose keys and values each stage copies from its prefix
+            cache (:mod:`.prefix_cache`) instead of computing them (``start`` then equals it); 0 otherwise.
     """
 
     slot: int
@@ -133,10 +139,33 @@ class NewRow:
     repetition_penalty: float = 1.0
     logit_bias: list[list[float]] = field(default_factory=list)
     grammar: str | None = None
+    start: int = 0
+    end: int = -1
+    reused: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise InternalError("a row joining the ring needs a prompt of at least one token")
+        if self.end == -1:
+            self.end = len(self.prompt)
+        if not 0 <= self.start < self.end <= len(self.prompt) or self.reused not in (0, self.start):
+            raise InternalError(f"a joining row runs a non-empty part of its prompt, got start={self.start} "
+                                f"end={self.end} reused={self.reused} of {len(self.prompt)} tokens")
+
+    @property
+    def width(self) -> int:
+        """Tokens this op runs for the row."""
+        return self.end - self.start
+
+    @property
+    def final(self) -> bool:
+        """Its whole prompt is in after this op: it joins the group's cache and gets its first token."""
+        return self.end == len(self.prompt)
+
+    @property
+    def whole(self) -> bool:
+        """Its whole prompt runs in this op on a fresh cache (such rows run batched, ahead of the others)."""
+        return self.start == 0 and self.final
 
 
 def pack_rows(rows: list[NewRow], device: torch.device | str | None = None) -> torch.Tensor:

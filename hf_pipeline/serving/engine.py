@@ -8,7 +8,11 @@ join free slots between steps as others finish, each with its own prompt, ``max_
 criteria and sampling parameters, and the tokens reach each :class:`~hf_pipeline.serving.handles.Handle`
 as they come (:mod:`hf_pipeline.continuous_batching.feeder` is rank 0's side, within the slot pool of
 :mod:`hf_pipeline.continuous_batching.kv_budget`). The ring ends once a whole step ran no row and
-nothing is queued. Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
+nothing is queued. A prompt longer than ``prefill_chunk`` tokens (default 512) joins in chunks beside
+the decoding rows, one chunk per step (:mod:`hf_pipeline.continuous_batching.prefill_plan`), and
+prompt heads shared with earlier requests are copied from each stage's prefix cache instead of
+computed (``prefix_cache``; :mod:`hf_pipeline.continuous_batching.prefix_cache`; not for sliding-window
+caches: ``engine.prefix_reason``). Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
 lead plans, its tp group gets the plan by broadcast), and so do several stages per rank (interleaved
 and V layouts: a rank runs its stages in turn) and data-parallel replicas (each its own ring of
 ``max_batch`` rows, all planned by rank 0). Models the ring does not serve fall back to static rounds
@@ -48,7 +52,8 @@ import torch
 
 from ..continuous_batching.continuous_ring import ContinuousRing, continuous_refusal
 from ..continuous_batching.feeder import RingFeeder
-from ..continuous_batching.kv_budget import pool_rows
+from ..continuous_batching.kv_budget import pool_rows, prefix_blocks
+from ..continuous_batching.prefix_cache import RingPrefix, prefix_refusal
 from ..core import PipelineCore
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
@@ -165,12 +170,21 @@ class Engine:
             of one ``generate`` call each); models the ring does not serve run static rounds.
         kv_cache_bytes: continuous only: KV-cache memory per rank for the slot pool; rows that would
             not fit (a full-context row on the most loaded rank each) wait in the queue. None: ``max_batch``.
+            What the pool leaves is the prefix cache's.
+        prefill_chunk: continuous only: prompt tokens one op of a group runs at most beside its decoding rows
+            (chunked prefill: a longer prompt joins over several steps); None or 0: whole prompts at once.
+        prefix_cache: continuous only: reuse cached prompt heads (blocks of ``prefix_block`` tokens, kept per
+            stage within the KV budget, least recently used evicted); off for sliding-window and chunked
+            attention caches (``prefix_reason`` says why).
 
     Attributes:
         batching: the batching in use; ``static_reason`` says why static when continuous was asked for.
         rounds: rounds run (static ``generate`` calls or continuous ring sessions), alike on every rank.
         decode_steps: ring steps run over all rounds (static: each round's longest row; continuous:
             steps in which some row ran), alike on every rank.
+        prefill_chunks / prefix_hits / prefix_tokens: rank 0, continuous: row ops that ran part of a prompt
+            split over several ops; rows that reused a cached prefix, and its tokens.
+        reused_tokens: continuous: prompt tokens this rank's stages copied from their prefix caches.
     """
 
     @property
@@ -180,9 +194,10 @@ class Engine:
 
     def __init__(self, model: PipelineCore, tokenizer: Any = None, *, max_batch: int = 8, max_queue: int = 64,
                  max_n: int = 16, idle_s: float = 0.5,
-                 batching: str = "continuous", kv_cache_bytes: int | None = None):
+                 batching: str = "continuous", kv_cache_bytes: int | None = None, prefill_chunk: int | None = 512,
+                 prefix_cache: bool = True, prefix_block: int = 16):
         self.model, self.tokenizer = model, tokenizer
-        for name, value in (("max_queue", max_queue), ("max_n", max_n)):
+        for name, value in (("max_queue", max_queue), ("max_n", max_n), ("prefix_block", prefix_block)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
         context = getattr(model.config, "max_position_embeddings", None)
@@ -194,6 +209,18 @@ class Engine:
         if self.static_reason:
             log.info("serving in static rounds: %s", self.static_reason)
         self.pool = pool_rows(model, max_batch=max_batch, kv_cache_bytes=kv_cache_bytes, context=context)
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 0):
+            raise InputError(f"prefill_chunk must be a whole number of tokens >= 0 (0 or None: whole prompts), "
+                             f"got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk or None
+        self.prefix_reason = ("turned off" if not prefix_cache else "static rounds" if self.batching == "static"
+                              else prefix_refusal(model.config))
+        blocks = prefix_blocks(model, block=prefix_block, pool=self.pool, kv_cache_bytes=kv_cache_bytes,
+                               context=context)
+        if not self.prefix_reason and not blocks:
+            self.prefix_reason = "kv_cache_bytes leaves no room beside the pool's full-context rows"
+        self.prefix = None if self.prefix_reason else RingPrefix(block=prefix_block, capacity=blocks)
+        self.prefill_chunks = self.prefix_hits = self.prefix_tokens = self.reused_tokens = 0
         self.decode_steps = 0
         self.forwards = 0  # continuous: this rank's stage forward calls
         self.peak_cache_bytes = 0  # continuous: the largest KV cache this rank held (the pool bounds it)
@@ -429,7 +456,8 @@ class Engine:
         groups, size = self._ring_shape()
         # Each data-parallel replica runs a ring of its own pool's rows (rank 0 plans them all).
         feeder = RingFeeder(self, self.pool * self.model.dims.dp_size, _ChoiceWriter) if self.ctx.rank == 0 else None
-        ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder, grammars=self.grammars)
+        ring = ContinuousRing(self.model, groups=groups, group_size=size, feeder=feeder, grammars=self.grammars,
+                              prefill_chunk=self.prefill_chunk, prefix=self.prefix)
         try:
             with self.model.spreading_failures("serving (continuous batching)"):
                 ring.run()
@@ -437,10 +465,17 @@ class Engine:
             log.warning("the continuous ring failed: %s", e)
             if feeder is not None:
                 feeder.fail_all(str(e))
+            if self.prefix is not None:
+                self.prefix.clear()  # the stages' caches and rank 0's index may no longer agree
         finally:
             self.running = []
         self.decode_steps += broadcast_json(self.ctx, ring.steps if self.ctx.rank == 0 else None)
         self.forwards += ring.forwards
+        self.reused_tokens += ring.reused_tokens
+        planner = ring.planner
+        self.prefill_chunks += planner.chunks
+        self.prefix_hits += planner.prefix_hits
+        self.prefix_tokens += planner.reused_tokens
         self.peak_cache_bytes = max(self.peak_cache_bytes, ring.peak_cache_bytes)
         if feeder is not None:
             self.peak_rows = max(self.peak_rows, feeder.peak_rows)

@@ -3,7 +3,8 @@
 What vLLM's and transformers serve's dashboards read, named ``hf_pipeline_*``:
 
 * gauges read from the engine when scraped: requests queued, rows running, the KV pool's rows
-  (continuous batching: how many rows the pool holds at most) and the largest KV cache a rank held;
+  (continuous batching: how many rows the pool holds at most), the largest KV cache a rank held, and
+  the prefill chunks run, prefix-cache hits and tokens reused (totals);
 * counters: requests answered (by HTTP status), prompt and generated tokens (their ``rate()`` is
   tokens/s);
 * histograms: time to first token and whole-request time.
@@ -40,6 +41,12 @@ class ServerMetrics:
             "hf_pipeline_running_rows": ("Rows (choices) being generated", lambda: len(engine.running)),
             "hf_pipeline_kv_pool_rows": ("Rows the KV pool holds at most (continuous batching)", lambda: engine.pool),
             "hf_pipeline_peak_kv_cache_bytes": ("Largest KV cache this rank held", lambda: engine.peak_cache_bytes),
+            # engine totals, so counters' semantics; read as gauges when scraped (they only grow)
+            "hf_pipeline_prefill_chunks": ("Row ops that ran part of a prompt split over several steps",
+                                           lambda: engine.prefill_chunks),
+            "hf_pipeline_prefix_cache_hits": ("Rows that reused a cached prompt prefix", lambda: engine.prefix_hits),
+            "hf_pipeline_prefix_cache_tokens": ("Prompt tokens reused from the prefix cache",
+                                                lambda: engine.prefix_tokens),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: float(read() or 0))

@@ -10,7 +10,9 @@
   half of it submitted while the first request decodes; every request's greedy tokens equal
   transformers' ``generate`` of it alone (exactly: greedy tokens).
 * Two ranks (one spawned job): Qwen2 (stage 0 full layers only, stage 1 sliding only) and Gemma 3, the
-  same stream, the same check.
+  same stream, the same check, with prompts joining in chunks of 4 (chunked prefill: a row's own sliding
+  cache grows chunk by chunk across the window, then merges with its group's). Prefix caching is off
+  for these caches (``engine.prefix_reason`` names the sliding kind).
 """
 
 from __future__ import annotations
@@ -69,13 +71,13 @@ def _alone(path: str) -> list[list[int]]:
     return out
 
 
-def _stream(path: str) -> dict | None:
+def _stream(path: str, chunk: int | None = 512) -> dict | None:
     """Every rank: a continuous engine; rank 0 submits the first requests, the rest while the first decodes."""
     import hf_pipeline
     from hf_pipeline.serving import CompletionRequest, Engine
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
-    engine = Engine(model, max_batch=MAX_BATCH, batching="continuous", idle_s=0.05)
+    engine = Engine(model, max_batch=MAX_BATCH, batching="continuous", idle_s=0.05, prefill_chunk=chunk)
     if model.ctx.rank != 0:
         engine.serve_forever()
         return None
@@ -94,7 +96,7 @@ def _stream(path: str) -> dict | None:
     engine.serve_forever()
     thread.join(timeout=60)
     return {**out, "mode": engine.batching, "reason": engine.static_reason, "steps": engine.decode_steps,
-            "peak_rows": engine.peak_rows}
+            "peak_rows": engine.peak_rows, "chunks": engine.prefill_chunks, "prefix": engine.prefix_reason}
 
 
 def _check(name: str, got: dict, want: list[list[int]]) -> None:
@@ -164,7 +166,7 @@ def test_sliding_window_family_streams_continuously_equal_to_each_request_alone(
 # ----------------------------------------------------------------------------------------- two ranks
 def _job(paths: list[str]) -> list[dict | None]:
     torch.set_num_threads(1)
-    return [_stream(p) for p in paths]
+    return [_stream(p, chunk=4) for p in paths]
 
 
 @pytest.mark.dist
@@ -176,3 +178,4 @@ def test_sliding_window_streams_at_2_ranks(tmp_path):
     assert per_rank[1] == [None, None]
     for name, path, got in zip(names, paths, per_rank[0]):
         _check(name, got, _alone(path))
+        assert got["chunks"] > 0 and "sliding_attention" in got["prefix"], (name, got["chunks"], got["prefix"])

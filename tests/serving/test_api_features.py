@@ -291,3 +291,4 @@ def test_metrics_count_what_the_server_answered(bundled):
     assert samples[("hf_pipeline_request_seconds_count", ())] == 2
     assert samples[("hf_pipeline_queued_requests", ())] == 0 and samples[("hf_pipeline_running_rows", ())] == 0
     assert samples[("hf_pipeline_kv_pool_rows", ())] == engine.pool
+    assert samples[("hf_pipeline_prefix_cache_hits", ())] == engine.prefix_hits  # the engine's totals, exposed

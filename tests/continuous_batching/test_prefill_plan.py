@@ -1,0 +1,43 @@
+"""The pure parts of chunked prefill and prefix caching: the block index (LRU, mirrored between the
+coordinator and each stage) and the planner's per-op token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_pipeline.continuous_batching.prefill_plan import PrefillPlanner
+from hf_pipeline.continuous_batching.prefix_cache import PrefixCache
+from hf_pipeline.continuous_batching.wire import NewRow
+
+pytestmark = pytest.mark.unit
+
+
+def test_prefix_cache_matches_whole_blocks_and_evicts_tails_first():
+    cache = PrefixCache(block=4, capacity=3)
+    head = list(range(10, 18))  # 2 blocks
+    cache.add(head + [1, 2, 3, 4, 5])  # 3 whole blocks kept, the last token's partial block not
+    assert cache.match(head + [1, 2, 3, 4, 9]) == 12  # 3 blocks, the last token left to run
+    assert cache.match(head + [1, 2, 3, 4]) == 8  # never the whole prompt: its last token must run
+    assert cache.match(head + [7, 7, 7, 7, 7]) == 8 and cache.match([0] + head) == 0
+    cache.add(head + [6, 6, 6, 6])  # a 4th block: the least recent, the first prompt's tail, goes
+    assert cache.match(head + [1, 2, 3, 4, 9]) == 8 and cache.match(head + [6, 6, 6, 6, 0]) == 12
+    assert len(cache.take(head + [6, 6, 6, 6, 0], 12)) == 3
+
+
+def test_planner_splits_prompts_by_the_budget_and_reuses_prefixes():
+    index = PrefixCache(block=4, capacity=16)
+    planner = PrefillPlanner(chunk=6, indexes=[index])
+    queue = [NewRow(slot=-1, prompt=list(range(5, 19)), max_new_tokens=2),  # 14 tokens
+             NewRow(slot=-1, prompt=[3, 4], max_new_tokens=2)]
+
+    def admit(free):
+        return [NewRow(**{**queue.pop(0).__dict__, "slot": free[0]})] if queue else []
+
+    ops = [planner.plan(0, range(0, 3), [], admit) for _ in range(3)]
+    # 6 tokens an op; the short prompt is admitted beside the long one's last chunk and, whole, runs first
+    assert [[(r.slot, r.start, r.end) for r in op] for op in ops] == [[(0, 0, 6)], [(0, 6, 12)],
+                                                                      [(1, 0, 2), (0, 12, 14)]]
+    assert not planner.partial and planner.chunks == 3
+    queue.append(NewRow(slot=-1, prompt=list(range(5, 17)) + [40, 41], max_new_tokens=2))  # shares 12 tokens
+    (r,) = planner.plan(0, range(0, 3), [1], admit)
+    assert (r.slot, r.start, r.end, r.reused) == (0, 12, 14, 12) and planner.prefix_hits == 1
