@@ -18,7 +18,8 @@ fixed lengths come with ``ignore_eos``, which ``transformers serve`` refuses (42
 length is fixed through each server's own field (``ignore_eos`` for ``hf-pipeline serve``,
 ``generation_config={"eos_token_id": []}`` for transformers') with guidellm's ``max_tokens`` backend option.
 The completions endpoint: the bundled model has no chat template in ``transformers serve``. Each server gets
-one warm-up request before guidellm starts.
+one warm-up request before guidellm starts. guidellm itself runs on the same host: on a 2-core machine its
+processes take part of the servers' CPU (the limit's two runs twice), one more reason for a quiet machine.
 
 What a GPU run must show (one device per stage, ``--device cuda``; both servers on GPUs): the two stages
 then own separate compute and memory bandwidth, so the 2-way limit is ~2x one process, and the served
@@ -183,11 +184,17 @@ def _guidellm(servers: list[_Server], model: str, texts: list[str], work: pathli
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs.append(out)
     reports = []
-    for proc, out in zip(procs, outs):
-        text, _ = proc.communicate(timeout=3600)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"guidellm exited with {proc.returncode}: {text[-2000:]}")
-        reports.append(json.loads(out.read_text()))
+    try:
+        for proc, out in zip(procs, outs):
+            text, _ = proc.communicate(timeout=3600)
+            if proc.returncode != 0 or not out.is_file():
+                raise RuntimeError(f"guidellm exited with {proc.returncode}: {text[-2000:]}")
+            reports.append(json.loads(out.read_text()))
+    finally:
+        for proc in procs:  # a failed or timed-out run's twin does not outlive it
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return reports
 
 
