@@ -248,9 +248,9 @@ def _run(sizes: Sizes, models: dict[str, str], work: pathlib.Path, device: str, 
     result: dict[str, Any] = {
         "world": sizes.world, "device": device, "prompt_tokens": sizes.http_prompt_tokens,
         "output_tokens": sizes.http_output_tokens,
-        "example_command": shlex.join(guidellm_command("URL", "MODEL", pathlib.Path("PROMPTS.jsonl"),
-                                                     pathlib.Path("OUT.json"), kind="hf_pipeline", streams=8,
-                                                     requests=32, max_tokens=sizes.http_output_tokens)),
+        "example_command": shlex.join(["guidellm", *guidellm_command(
+            "URL", "MODEL", pathlib.Path("PROMPTS.jsonl"), pathlib.Path("OUT.json"), kind="hf_pipeline", streams=8,
+            requests=32, max_tokens=sizes.http_output_tokens)[1:]]),
         "models": {name: _model_section(name, path, sizes, work, device, log) for name, path in models.items()},
     }
     errors = []
