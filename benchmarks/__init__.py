@@ -38,6 +38,12 @@ baseline runs in the same invocation):
             batching on one process and transformers' native pipeline (``pp_size``, static batches):
             throughput, p50 / p99 latency, time to first token, each against the served pipeline.
 
+  serve-http  ``guidellm run`` (its CLI, concurrent profile, completions) against real servers on 127.0.0.1:
+            ``hf-pipeline serve`` at 2 ranks, one ``transformers serve --continuous-batching`` process, and
+            the machine's 2-way limit (two such processes, half the requests each, at once); the bundled tiny
+            model and a decode-heavy random LLaMA (hidden 1024, 24 layers); concurrency 1 and 8 (quick: the
+            tiny model at 1 and 2). What a GPU run must show: :mod:`benchmarks.serve_http`.
+
 Writes ``<out>/results.md`` (the tables, the command and the machine) and ``<out>/results.json``.
 ``--out`` defaults to ``bench_results/`` (committed) for full runs and to ``bench_out/quick/`` (ignored
 by git) for ``--quick``, whose tiny sizes make numbers that only show the script works.
@@ -45,7 +51,8 @@ by git) for ``--quick``, whose tiny sizes make numbers that only show the script
 The package, by job: ``config`` (sizes, schedules, sections), ``checkpoints`` (the random
 checkpoints), ``meters`` (peak RSS, page cache, plain reads), ``timing`` (medians, inputs, one
 message's hop), ``torch_pipeline`` (the same pipelines without hf_pipeline), ``split_backward``;
-one module per section measuring (``load``, ``train``, ``generate``, ``serve``: the tasks each rank runs), its
+one module per section measuring (``load``, ``train``, ``generate``, ``serve``: the tasks each rank runs;
+``serve_http``: the servers and guidellm runs), its
 results (``<section>_results``: results.json's part) and its tables (``<section>_tables``);
 ``processes`` (fresh processes per launch), ``run`` (one run), ``report`` (results.md and README's
 block, rendered once by ``tables.render``), ``cli`` (the command line).

@@ -11,7 +11,7 @@ from benchmarks.config import Sizes
 from devtools.llama import llama_config
 from hf_pipeline.loading.key_conversions import saved_shapes
 
-__all__ = ["cache_dir", "checkpoints", "write_random_checkpoint"]
+__all__ = ["cache_dir", "checkpoints", "decode_heavy_checkpoint", "write_random_checkpoint"]
 
 
 def _shards(entries, itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -122,6 +122,32 @@ def checkpoints(args, sizes: Sizes) -> dict[str, str]:
     moe = write_random_checkpoint(root / moe_tag, _moe_config(sizes, max_pos), shard_bytes=16_000_000)
     return {"load": str(load), "warmup": str(warmup), "train": str(train), "moe": str(moe),
             "moe_warmup": str(moe_warmup), "load_seconds": f"{created:.1f}"}
+
+
+def decode_heavy_checkpoint(args, sizes: Sizes) -> pathlib.Path:
+    """The serve-http section's decode-heavy model: a random fp32 LLaMA of ``heavy_*`` shape (hidden 1024, 24
+    layers: its decode step costs several times a pipeline hop) with the bundled model's tokenizer, vocabulary
+    and special tokens, so both servers tokenize the prompts alike; written once into the cache."""
+    import shutil
+
+    import transformers
+
+    from hf_pipeline.tools.default_model import default_model_path
+
+    tiny = default_model_path()
+    vocab = transformers.AutoConfig.from_pretrained(tiny)
+    tag = f"serve-heavy-h{sizes.heavy_hidden}-l{sizes.heavy_layers}-v{vocab.vocab_size}"
+    cfg = llama_config(
+        hidden=sizes.heavy_hidden, intermediate=sizes.heavy_intermediate, layers=sizes.heavy_layers,
+        heads=sizes.heavy_heads, kv_heads=sizes.heavy_kv_heads, vocab=vocab.vocab_size,
+        max_pos=vocab.max_position_embeddings, dtype="float32", pad_token_id=vocab.pad_token_id,
+        bos_token_id=vocab.bos_token_id, eos_token_id=vocab.eos_token_id,
+    )
+    path = write_random_checkpoint(cache_dir(args) / tag, cfg, shard_bytes=200_000_000)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tiny / name).is_file() and not (path / name).is_file():
+            shutil.copyfile(tiny / name, path / name)
+    return path
 
 
 def _moe_config(sizes: Sizes, max_pos: int):

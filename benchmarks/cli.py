@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="where the random checkpoints are written once (default ~/.cache/hf_pipeline/bench)")
     parser.add_argument("--load-ranks", default=None, help="world sizes of the load section (default 1,2,4; quick 1,2)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
+    parser.add_argument("--http-device", default="cpu", choices=("cpu", "cuda"),
+                        help="serve-http: the servers' device (cuda: a device per stage of the served pipeline, "
+                        "cuda:i for the i-th transformers process)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per launched job")
     parser.add_argument("--update-readme", action="store_true",
                         help="rewrite README.md's benchmark tables and bench_results/results.md from "

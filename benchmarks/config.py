@@ -21,7 +21,7 @@ SCHEDULES = [
 def is_fixed(name: str) -> bool:
     """A schedule named with its microbatch count, run as it is (not chosen, measured or compiled)."""
     return name not in ("auto", "default") and not name.endswith((MEASURED, COMPILED))
-SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora", "serve", "mesh")
+SECTIONS = ("load", "train", "generate", "bubble", "checkpointing", "lora", "serve", "mesh", "serve-http")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,19 @@ class Sizes:
     serve_prompt_len: tuple[int, int] = (8, 64)
     serve_new_tokens: tuple[int, int] = (8, 48)
     serve_batch: int = 8
+    # serve-http: guidellm against live servers; the models by name (benchmarks.serve_http), the decode-heavy
+    # one's shape (LLaMA, random weights, the bundled tokenizer), fixed prompt and output lengths
+    http_models: tuple[str, ...] = ("tiny", "decode-heavy")
+    http_concurrency: tuple[int, ...] = (1, 8)
+    http_requests_per_stream: int = 4
+    http_min_requests: int = 8
+    http_prompt_tokens: int = 32
+    http_output_tokens: int = 32
+    heavy_hidden: int = 1024
+    heavy_intermediate: int = 2816
+    heavy_layers: int = 24
+    heavy_heads: int = 16
+    heavy_kv_heads: int = 4
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -80,4 +93,6 @@ class Sizes:
             new_tokens=8, gen_reps=1, compile_backend="aot_eager", moe_experts=4, moe_intermediate=64, ckpt_seq=64,
             ckpt_batch=4, ckpt_microbatches=2, ckpt_reps=1,
             serve_requests=6, serve_rate=50.0, serve_prompt_len=(2, 8), serve_new_tokens=(2, 6), serve_batch=4,
+            http_models=("tiny",), http_concurrency=(1, 2), http_requests_per_stream=2, http_min_requests=2,
+            http_prompt_tokens=8, http_output_tokens=4,
         )

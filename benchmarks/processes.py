@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["ROOT", "launch", "machine", "run_worker"]
+__all__ = ["ROOT", "launch", "machine", "run_worker", "worker_env"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def run_worker(spec_path: str, tasks: dict[str, Callable[[dict, dict], None]]) -
     return 0
 
 
-def _env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
     """The workers' environment: 1 thread everywhere, offline, gloo on loopback, this checkout importable."""
     env = dict(os.environ)
     env.update(
@@ -72,7 +72,7 @@ def launch(world: int, tasks: list[dict], *, timeout: float, log) -> list[list[d
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", *worker]
         log(f"  launching {world} process(es): {', '.join(t.get('label') or t['task'] for t in tasks)}")
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+        proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
         results = []
         for r in range(world):
             f = pathlib.Path(tmp, f"rank{r}.json")

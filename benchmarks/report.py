@@ -10,7 +10,16 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from benchmarks import checkpointing, generate_tables, load_tables, lora_tables, mesh, serve_tables, train_tables
+from benchmarks import (
+    checkpointing,
+    generate_tables,
+    load_tables,
+    lora_tables,
+    mesh,
+    serve_http_tables,
+    serve_tables,
+    train_tables,
+)
 from benchmarks.tables import render
 from hf_pipeline.checkpointing.durable import replace_file
 
@@ -72,6 +81,7 @@ def to_markdown(res: dict[str, Any]) -> str:
         blocks += serve_tables.markdown(res)
     if "mesh" in res:
         blocks += mesh.markdown(res)
+    blocks += serve_http_tables.markdown(res)
     return render(blocks + _footer(res))
 
 
@@ -91,6 +101,7 @@ def readme_tables(res: dict[str, Any]) -> str:
     if "generate" in res and "pipelined" in res["generate"]:
         blocks += generate_tables.readme(res)
     blocks += mesh.readme(res)
+    blocks += serve_http_tables.readme(res)
     return render(blocks + [README_END])
 
 

@@ -19,11 +19,12 @@ from benchmarks import (
     lora_results,
     mesh,
     serve,
+    serve_http,
     serve_results,
     train,
     train_results,
 )
-from benchmarks.checkpoints import cache_dir, checkpoints
+from benchmarks.checkpoints import cache_dir, checkpoints, decode_heavy_checkpoint
 from benchmarks.config import SECTIONS, Sizes
 from benchmarks.processes import launch, machine
 
@@ -46,6 +47,14 @@ def _sections(args) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     return sections
+
+
+def _http_models(args, sizes: Sizes) -> dict[str, str]:
+    """The serve-http section's models by name: the bundled tiny default model, the decode-heavy random one."""
+    from hf_pipeline.tools.default_model import default_model_path
+
+    paths = {"tiny": default_model_path, "decode-heavy": lambda: decode_heavy_checkpoint(args, sizes)}
+    return {name: str(paths[name]()) for name in sizes.http_models}
 
 
 def _launches(sections: list[str], sizes: Sizes, ckpts: dict[str, str], *, quick: bool,
@@ -101,6 +110,9 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
     launches = _launches(sections, sizes, ckpts, quick=args.quick, timeline_dir=str(timeline_dir))
     raw = {world: launch(world, launches[world], timeout=args.timeout, log=log) for world in sorted(launches)}
     results.update(summarize(raw, sections, sizes, ckpts))
+    if "serve-http" in sections:  # real servers, each its own processes: no launch of benchmark workers
+        results["serve_http"] = serve_http.run(sizes, _http_models(args, sizes), device=args.http_device, log=log)
+        results["errors"] += results["serve_http"]["errors"]
     results["seconds"] = time.time() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return results
@@ -136,7 +148,7 @@ def merge(previous: dict[str, Any], new: dict[str, Any], sections: list[str]) ->
     """``previous`` results with a partial rerun's ``new`` ones: only its sections replaced, the run listed."""
     # A partial rerun replaces only its sections (bubble numbers live in the train section).
     merged = dict(previous)
-    for key in ("load", "train", "generate", "checkpointing", "lora", "serve", "mesh"):
+    for key in ("load", "train", "generate", "checkpointing", "lora", "serve", "mesh", "serve_http"):
         if key in new:
             merged[key] = new[key]
     run = {k: new[k] for k in ("command", "date", "seconds") if k in new}
