@@ -87,9 +87,9 @@ class GenerationStats:
         time_split: where ``seconds`` went on this rank, in seconds: ``compute`` (its stages'
             forwards, the encoder's too), ``fill`` (blocked on messages while the pipe fills: the
             encoder, the prompt's steps and the first token's trip round the ring), ``wait``
-            (blocked on messages after that: hops and stage imbalance), ``drain`` (the result's broadcast from the last stage, which the other
-            ranks wait in while it finishes) and ``other`` (the rest: the checks, the ring's Python,
-            choosing tokens, the caches' bookkeeping).
+            (blocked on messages after that: hops and stage imbalance), ``drain`` (the result's
+            broadcast from the last stage, which the other ranks wait in while it finishes) and
+            ``other`` (the rest: the checks, the ring's Python, choosing tokens, the caches' bookkeeping).
     """
 
     new_tokens: int
