@@ -142,18 +142,31 @@ def _timed_runs(runs: _Runs, world: int) -> dict[str, Any]:
     kinds = (("pipelined", None, None), ("chunked_prefill", None, sizes["prefill_chunk"]), ("one_microbatch", 1, None),
              ("more_microbatches", world + 1, None))
     for label, m, chunk in kinds:
-        times, stats, tokens, limit = [], None, None, []
+        times, stats, tokens, limit, splits = [], None, None, [], []
         for _ in range(sizes["gen_reps"] + 1):
             if label in ("pipelined", "chunked_prefill"):
                 limit.append(runs.two_way())
             took, tokens, stats = runs.pipelined(sizes["new_tokens"], n_microbatches=m, prefill_chunk_size=chunk)
             times.append(took)
+            splits.append({k: v / stats.seconds for k, v in stats.time_split.items()})
         results[label] = {"seconds": times[1:], "new_tokens": stats.new_tokens, "n_microbatches": stats.n_microbatches,
-                          "tokens": tokens.tolist(), "prefill_steps": stats.prefill_steps}
+                          "tokens": tokens.tolist(), "prefill_steps": stats.prefill_steps,
+                          "time_split": _every_rank(splits[1:])}
         if limit:
             results[label]["two_way_seconds"] = limit[1:]
     results["two_way_seconds"] = results["pipelined"]["two_way_seconds"]
     return results
+
+
+def _every_rank(splits: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each rank's median share of its call's time per part of ``GenerationStats.time_split`` (compute,
+    fill, wait, drain, other), gathered from every rank, in rank order."""
+    import torch.distributed as dist
+
+    mine = {k: median([s[k] for s in splits]) for k in splits[0]}
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks
 
 
 def _prefill_seconds(runs: _Runs) -> dict[str, list[float]]:

@@ -62,6 +62,8 @@ def _run_row(r: dict, want, base_ok: bool) -> dict[str, Any]:
         "n_microbatches": r["n_microbatches"],
         "tokens_equal_transformers": base_ok and r["tokens"] == want, "prefill_steps": r["prefill_steps"],
     }
+    if "time_split" in r:  # per rank: each part's median share of the call (GenerationStats.time_split)
+        row["time_split"] = r["time_split"]
     if "two_way_seconds" in r:
         row["two_way_seconds"] = r["two_way_seconds"]
         row["fraction_of_two_way"] = _ratios(r["two_way_seconds"], r["seconds"])
@@ -89,6 +91,9 @@ def _pipelined(gen: dict, base: dict, pp: dict, world: int) -> None:
     gen["prefill"] = _prefill(gen, pp["prefill_seconds"], world)
     gen["idle_fraction"] = pp["idle_fraction"]
     gen["two_way_seconds"] = pp["two_way_seconds"]
+    # The 2-way limit as a run of its own: the processes' calls paired with the pipelined runs, all prompts' tokens.
+    gen["two_way"] = {"seconds": pp["two_way_seconds"],
+                      "tokens_per_s": pp["pipelined"]["new_tokens"] / median(pp["two_way_seconds"])}
     # median over runs of (2-way time / pipelined time), each pair run back to back
     gen["fraction_of_two_way"] = _ratios(pp["two_way_seconds"], pp["pipelined"]["seconds"])
     if base.get("ok"):

@@ -27,6 +27,13 @@ def _runs_table(g: dict, s: dict) -> Table:
             vs = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if "tokens_per_s" in b else "-"
             table.add(name, str(r["n_microbatches"]), f"{median(r['seconds']):.2f}", f"{r['tokens_per_s']:.0f}", vs,
                       "yes" if r["tokens_equal_transformers"] else "no")
+    if "two_way" in g:
+        r = g["two_way"]
+        vs = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if "tokens_per_s" in b else "-"
+        each = s["prompts"] // s["world"]
+        table.add(f"2-way limit: {s['world']} transformers processes at once, {each} prompts each "
+                  "(each run right before a pipelined generate)", "-", f"{median(r['seconds']):.2f}",
+                  f"{r['tokens_per_s']:.0f}", vs, "-")
     if "error" in g:
         table.add("pipelined generate", f"error: {g['error'][:200]}", None, None, None, None)
     return table
@@ -48,6 +55,32 @@ def _speedups(g: dict, s: dict) -> list:
             f"**{pct(g['fraction_of_two_way'])}** of it (median over back-to-back pairs).",
         ]
     return blocks
+
+
+_PARTS = ("compute", "fill", "wait", "drain", "other")
+
+
+def _breakdown(g: dict) -> list:
+    """Where each rank's pipelined call goes (``GenerationStats.time_split``), as a share of the call."""
+    rows = [(label, name) for label, name in (("pipelined", "pipelined"), ("chunked_prefill", "chunked prefill"))
+            if "time_split" in g.get(label, {})]
+    if not rows:
+        return []
+    table = Table(["run", "rank", *_PARTS])
+    for label, name in rows:
+        for rank, split in enumerate(g[label]["time_split"]):
+            table.add(name, str(rank), *[pct(split.get(part, 0.0)) for part in _PARTS])
+    return [
+        "",
+        "Where a pipelined call's time goes, per rank (share of the call, median of the timed runs): **compute** its "
+        "stages' forwards (the 2-way processes' work, split in stages); waiting for a message while the pipe fills "
+        "(**fill**: the prompt's steps and the first token's trip round the ring) and after it (**wait**: the hops "
+        "and the stages' imbalance, on the ring's critical path with one microbatch per stage); **drain** the "
+        "result's broadcast from the last stage; **other** the rest, Python: the call's checks, the ring's loop, "
+        "choosing tokens, the caches' bookkeeping.",
+        "",
+        table,
+    ]
 
 
 def _prefill(g: dict, s: dict) -> list:
@@ -172,6 +205,7 @@ def markdown(res: dict[str, Any]) -> list:
         "",
         _runs_table(g, s),
         *_speedups(g, s),
+        *_breakdown(g),
         *_prefill(g, s),
     ]
     if "speedup_bound" in g.get("bound", {}):
@@ -197,4 +231,9 @@ def readme(res: dict[str, Any]) -> list:
         text += (f". The same ring built from transformers' model and torch's P2P alone loses "
                  f"{1 - bd['back_to_back_token_s'] / bd['torch_ring_token_s']:.0%} against its steps back to back; "
                  f"hf_pipeline's ring runs at {bd['torch_ring_token_s'] / per_token:.0%} of that ring's speed")
+    splits = g.get("pipelined", {}).get("time_split")
+    if splits:
+        parts = "; ".join(f"rank {r}: " + ", ".join(f"{part} {pct(split[part])}" for part in _PARTS)
+                          for r, split in enumerate(splits))
+        text += f". Where each rank's call goes ({parts})"
     return [text + ".", ""]

@@ -8,13 +8,13 @@ How it runs:
   * Each rank keeps the KV cache of its own layers only: one transformers ``DynamicCache`` (T5:
     ``EncoderDecoderCache``) per (local stage, microbatch), built from the config so layer indices
     are the model's global ones. Cache memory per rank is about 1/p of the whole.
-  * The batch is split into ``m`` microbatches (default ``max(model.n_microbatches, num_stages)``,
-    at most the batch size). The prompt's hidden states cross each stage boundary once (prefill);
-    every later step sends only the new token's hidden state. The last stage turns logits into the
-    next token (transformers' own logits processors and stopping criteria, from the merged
-    ``GenerationConfig``) and sends the token ids with a row-alive flag back to the first stage: a
-    ring. With ``m >= S`` microbatches, stage k works on microbatch i while stage k+1 works on
-    microbatch i-1; the pipe is never drained between tokens.
+  * The batch is split into ``m`` microbatches (default one per stage, ``num_stages``, at most the
+    batch size; the load's ``n_microbatches`` plans training steps, not this). The prompt's hidden
+    states cross each stage boundary once (prefill); every later step sends only the new token's
+    hidden state. The last stage turns logits into the next token (transformers' own logits
+    processors and stopping criteria, from the merged ``GenerationConfig``) and sends the token ids
+    with a row-alive flag back to the first stage: a ring. With ``m >= S`` microbatches, stage k
+    works on microbatch i while stage k+1 works on microbatch i-1; the pipe is never drained between tokens.
   * Finished rows (EOS, stop strings) are dropped from their microbatch's caches and inputs
     (``Cache.batch_select_indices``) on every stage, so they stop costing compute; a microbatch whose
     rows are all done leaves the ring. The output is padded with ``pad_token_id`` as transformers does.
@@ -51,7 +51,7 @@ Example (``torchrun --nproc_per_node 2 script.py``):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -84,6 +84,12 @@ class GenerationStats:
         prefill_steps: the ring's steps that fed the prompt: its chunks with ``prefill_chunk_size``
             (transformers' chunked prefill; each microbatch's chunks follow each other down the
             pipeline, so its prefill idles less), else 1.
+        time_split: where ``seconds`` went on this rank, in seconds: ``compute`` (its stages'
+            forwards, the encoder's too), ``fill`` (blocked on messages while the pipe fills: the
+            encoder, the prompt's steps and the first token's trip round the ring), ``wait``
+            (blocked on messages after that: hops and stage imbalance), ``drain`` (the result's
+            broadcast from the last stage, which the other ranks wait in while it finishes) and
+            ``other`` (the rest: the checks, the ring's Python, choosing tokens, the caches' bookkeeping).
     """
 
     new_tokens: int
@@ -92,6 +98,7 @@ class GenerationStats:
     n_microbatches: int
     peak_cache_bytes: int
     prefill_steps: int = 1
+    time_split: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -140,8 +147,8 @@ def generate(
         generation_config: a ``GenerationConfig``; ``kwargs`` that are its fields override it, and the
             checkpoint's ``generation_config.json`` fills what neither sets (transformers' merging).
         streamer: ``.put(ids)`` / ``.end()`` object (e.g. ``TextStreamer``), fed on the last stage's rank.
-        n_microbatches: microbatches in flight (default ``max(model.n_microbatches, num_stages)``,
-            capped by the batch size); 1 is the naive pipeline without overlap.
+        n_microbatches: microbatches in flight (default ``num_stages``, capped by the batch size,
+            whatever the load's ``n_microbatches``); 1 is the naive pipeline without overlap.
         seed: sampling seed; each row samples from its own generator seeded from (seed, row), so the
             tokens do not depend on the number of stages or microbatches. Default: drawn from torch's
             global generator (``torch.manual_seed`` on every rank makes it reproducible).
@@ -183,13 +190,17 @@ def generate(
     req = build_request(model, call)
     ring = Ring(model, req)
     ring.decode_loop()
+    drain = time.perf_counter()
     output, ids, lengths = _collect(model, req, ring)
     if not return_stats:
         return output
+    end = time.perf_counter()
+    split = {**ring.seconds, "drain": end - drain}
+    split["other"] = max(end - start - sum(split.values()), 0.0)
     stats = GenerationStats(
         new_tokens=int(lengths.sum().item()), steps=ids.shape[1] - req.prompt.shape[1],
-        seconds=time.perf_counter() - start, n_microbatches=len(req.bounds), peak_cache_bytes=ring.peak_cache_bytes,
-        prefill_steps=len(ring.timetable.chunks),
+        seconds=end - start, n_microbatches=len(req.bounds), peak_cache_bytes=ring.peak_cache_bytes,
+        prefill_steps=len(ring.timetable.chunks), time_split=split,
     )
     return output, stats
 

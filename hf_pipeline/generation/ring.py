@@ -27,6 +27,7 @@ Example (inside ``generate``):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,10 @@ class Ring:
         self.dtype, self.device = model.dtype, model.device
         self.mailbox = Mailbox(pp_rank=self.pp_rank, rank_of=self._rank_of, dims=model.dims, device=self.device)
         self.peak_cache_bytes = 0
+        # Seconds this rank spent in its stages' forwards ("compute", the encoder's too) and blocked on
+        # messages while the pipe fills ("fill": the encoder, the prompt's steps and the first token's trip
+        # round the ring) or after it ("wait": hops and stage imbalance), for GenerationStats.time_split.
+        self.seconds = {"compute": 0.0, "fill": 0.0, "wait": 0.0}
         self.slots = {
             (s, i): _Slot(
                 stage=self.local_stages[s], stage_index=s, microbatch=i, rows=torch.arange(hi - lo, device=self.device),
@@ -169,8 +174,12 @@ class Ring:
                 inputs = {"input_ids": req.enc_ids[lo:hi]}
                 if req.enc_mask is not None:
                     inputs["attention_mask"] = req.enc_mask[lo:hi]
+                started = time.perf_counter()
                 received = () if s == 0 else (box.take(("enc", s, i)),)
+                taken = time.perf_counter()
                 out = self.local_stages[s](*received, **inputs)
+                self.seconds["fill"] += taken - started
+                self.seconds["compute"] += time.perf_counter() - taken
                 out = (out[0] if isinstance(out, tuple) else out).to(self.dtype)
                 self._check(out, (hi - lo, t_enc, hidden), f"encoder stage {s}")
                 if s < last_encoder:
@@ -180,9 +189,11 @@ class Ring:
                     for r in receivers:
                         box.send(out, r)
             box.prune()
+        started = time.perf_counter()
         for i in range(timetable.n_microbatches):
             if ("encout", i) in box.inbox:
                 encoder_out[i] = box.take(("encout", i))
+        self.seconds["fill"] += time.perf_counter() - started
         for (_, i), slot in self.slots.items():
             lo, hi = req.bounds[i]
             slot.encoder_out = encoder_out[i]
@@ -246,7 +257,9 @@ class Ring:
         span = chunks[t] if t < len(chunks) else None
         # The step's new token: step t chooses token t - first_token_step (prefill steps before it, none).
         token_step = t - self.timetable.first_token_step
+        started = time.perf_counter()
         received = self._receive(s, i, hi - lo, prefill=span is not None)
+        self.seconds["fill" if t <= self.timetable.first_token_step + 1 else "wait"] += time.perf_counter() - started
         if not bool(received.alive.any()):
             self._pass_end(slot, t, token_step)
             return
@@ -255,7 +268,9 @@ class Ring:
             self._compact(slot, live)
         if received.sources is not None and span is None:
             self._reorder(slot, received.sources)
+        started = time.perf_counter()
         out = self._forward(slot, received, live, span)
+        self.seconds["compute"] += time.perf_counter() - started
         if s == self.last_stage:
             if token_step >= 0:  # a prompt chunk before the last fills its cache and chooses no token
                 self._choose_and_return(i, token_step, live, out)

@@ -374,6 +374,18 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         statistics.median(gen["baseline"]["seconds"]) / statistics.median(gen["two_way_seconds"])
     )
     assert _ratio(gen["two_way_speedup"], world) and _ratio(gen["fraction_of_two_way"], world)
+    # the 2-way limit's own row, from the same paired calls; where each rank's pipelined call goes, in parts
+    # of the call that never overlap (so they sum to at most the whole; "other" is the remainder)
+    new_tokens = gen["pipelined"]["tokens_per_s"] * statistics.median(gen["pipelined"]["seconds"])
+    assert gen["two_way"]["tokens_per_s"] == pytest.approx(new_tokens / statistics.median(gen["two_way_seconds"]))
+    assert "2-way limit: 2 transformers processes" in md and "Where a pipelined call's time goes" in md
+    for label in ("pipelined", "chunked_prefill"):
+        splits = gen[label]["time_split"]
+        assert len(splits) == world, splits
+        for split in splits:
+            assert set(split) == {"compute", "fill", "wait", "drain", "other"}, split
+            assert all(v >= 0 for v in split.values()) and split["compute"] > 0, split
+            assert sum(split.values()) == pytest.approx(1, abs=0.05), split  # medians of parts summing to 1
 
     # Train: each schedule's steps are paired with 2-way transformers steps run just before them, in its job.
     train = res["train"]

@@ -88,7 +88,7 @@ def _run_generation(case):
     model = getattr(hf_pipeline, case["auto"]).from_pretrained(
         case["path"], pipeline=True, device="cpu", progress=False, **case["load"]
     )
-    res = {"blocks": _generating_blocks(model)}
+    res = {"blocks": _generating_blocks(model), "num_stages": model.plan.num_stages}
     for label, inputs, kwargs in case["requests"]:
         streamer = _Collect() if label.endswith("stream") else None
         ids, stats = model.generate(**inputs, **kwargs, streamer=streamer, return_stats=True)
@@ -97,6 +97,9 @@ def _run_generation(case):
             "peak": stats.peak_cache_bytes,
             "new_tokens": stats.new_tokens,
             "prefill_steps": stats.prefill_steps,
+            "n_microbatches": stats.n_microbatches,
+            "seconds": stats.seconds,
+            "split": stats.time_split,
         }
         if streamer is not None:
             res[label]["puts"], res[label]["ended"] = streamer.puts, streamer.ended
@@ -275,7 +278,8 @@ def _gen_cases(assets, world: int):
                 "virtual": virtual,
                 "path": a["path"],
                 "auto": tiny.AUTO[arch],
-                "load": {"virtual_stages": virtual},
+                # n_microbatches at load plans training steps; generate keeps one microbatch per stage
+                "load": {"virtual_stages": virtual, **({"n_microbatches": 4} if virtual == 1 else {})},
             }
             if virtual == 1:
                 requests.append(("full", a["inputs"], full_kwargs))
@@ -408,6 +412,12 @@ def _check_generation(assets, cases, per_rank, world):
             if "full" in res:
                 assert torch.equal(res["full"]["ids"], a["full"]), f"{where}: min_new_tokens run differs"
             assert res["greedy"]["prefill_steps"] == 1, where
+            rows = a["inputs"]["input_ids"].shape[0]
+            assert res["greedy"]["n_microbatches"] == min(res["num_stages"], rows), (where, res["greedy"])
+            # the call's time in parts that never overlap, "other" the remainder (rounding: 1 us)
+            split = res["greedy"]["split"]
+            assert set(split) == {"compute", "fill", "wait", "drain", "other"} and min(split.values()) >= 0, split
+            assert split["compute"] > 0 and sum(split.values()) == pytest.approx(res["greedy"]["seconds"], abs=1e-6)
             if "chunked" in res:
                 assert torch.equal(res["chunked"]["ids"], a["chunked"]), (
                     f"{where}: chunked prefill differs from transformers'"

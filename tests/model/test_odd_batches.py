@@ -113,7 +113,7 @@ def _case(name: str, path: str) -> dict:
         for side, inputs in _forward_inputs(seq).items():
             res["logits"][m, side] = model(**inputs).logits
         if generates:
-            res["ids"] = model.generate(**_gen_inputs(), **GREEDY)
+            res["ids"] = model.generate(**_gen_inputs(), **GREEDY, n_microbatches=m)  # (default: one per stage)
     model = cls.from_pretrained(path, pipeline=True, device="cpu", progress=False, n_microbatches=TRAIN_M)
     if generates:  # the attention kinds of this rank's layers
         kinds = attention_kinds(model.config)
