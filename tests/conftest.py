@@ -12,8 +12,12 @@ Tiers (markers registered in pyproject.toml), marked explicitly in each test fil
   (:func:`_dist_tests_are_marked`).
 - ``slow``: measured 15 s or more on a 2-core machine; ``@pytest.mark.slow`` (with ``dist`` when it
   spawns). Never in the quick tier.
-- ``unit``: every other test (added here): one process, in-process equivalence included;
-  ``-m unit -n 2`` runs them all in under a minute on 2 cores (pytest-xdist workers).
+- ``equiv``: one process, but an in-process equivalence run long enough to matter (tiny models through
+  training steps, generation, compile or the tracer); ``@pytest.mark.equiv``. It runs in the full suite,
+  not in the quick tier; each area keeps at least one quick equivalence test in ``unit``.
+- ``unit``: every other test (added here): one process, its quick equivalence checks included;
+  ``-m unit -n 2`` runs them all in under a minute on 2 cores (pytest-xdist workers). A test marked
+  ``unit`` by hand and also ``dist``, ``slow`` or ``equiv`` is a collection error (``-m unit`` would run it).
 
 Test folders mirror the package's subpackages (``tests/loading`` tests ``hf_pipeline/loading``);
 ``tests/model`` holds what goes through the model facade as a whole, ``tests/examples`` the
@@ -57,14 +61,23 @@ def _clean_state():
 
 
 # ------------------------------------------------------------------------------------------ tiers
-TIERS = ("unit", "dist", "slow")
+TIERS = ("unit", "dist", "slow", "equiv")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test that is neither ``dist`` nor ``slow`` ``unit`` (see the module docstring)."""
+    """Mark every test that is none of ``dist``, ``slow``, ``equiv`` ``unit`` (see the module docstring)."""
+    both = []
     for item in items:
-        if not (item.get_closest_marker("dist") or item.get_closest_marker("slow")):
+        outside = [name for name in TIERS[1:] if item.get_closest_marker(name)]
+        if not outside:
             item.add_marker(pytest.mark.unit)
+        elif item.get_closest_marker("unit"):
+            both.append(f"{item.nodeid} ({', '.join(outside)})")
+    if both:
+        raise pytest.UsageError(
+            "marked unit and also outside the quick tier (drop the unit mark, often a module's pytestmark): "
+            + "; ".join(both)
+        )
 
 
 @pytest.fixture(autouse=True)

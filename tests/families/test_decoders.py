@@ -145,6 +145,9 @@ def _all_full(ref):
 QUIRKS = {"gemma2": _no_softcap, "opt": _no_final_norm, "gemma3_text": _all_full}
 
 
+# 3 to 4 s each on 2 shared cores, with generate: in the full suite. The quick tier keeps the base model
+# class's two stages below, and gemma3_text's sliding layers in continuous_batching/test_ring_sliding_window.py.
+@pytest.mark.equiv
 @pytest.mark.parametrize("model_type", sorted(QUIRKS))
 def test_two_stages_in_one_process_equal_transformers(tmp_path, model_type):
     import hf_pipeline

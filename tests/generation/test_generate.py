@@ -491,6 +491,7 @@ def _check_inference(assets, cases, per_rank, world):
                 assert torch.equal(got["logits"].argmax(-1), want.logits.argmax(-1))
 
 
+@pytest.mark.equiv  # every request kind on 3 architectures: about 4 s on 2 shared cores (test_beam.py's stays quick)
 def test_generate_world_1(assets):
     # One process, all stages local: the same ring, with local hand-offs instead of messages.
     cases = _gen_cases(assets, 1)

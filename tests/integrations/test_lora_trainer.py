@@ -138,6 +138,7 @@ def llama_path(tmp_path_factory) -> str:
     return str(tiny.make_checkpoint(tmp_path_factory.mktemp("lora-trainer"), "llama"))
 
 
+@pytest.mark.equiv  # two Trainer runs: about 2.5 s on 2 shared cores (test_lora.py's one-process check stays quick)
 def test_lora_trainer_on_one_process_equals_peft_trainer(llama_path, tmp_path):
     _check([_train_rank(llama_path, str(tmp_path / "runs"), None)], llama_path, tmp_path / "runs", 1, 1)
 

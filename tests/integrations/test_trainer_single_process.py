@@ -61,6 +61,7 @@ def test_refused_at_construction_naming_the_argument(refused_model, tmp_path, ov
     _refuse(refused_model, tmp_path, overrides, extra, named)
 
 
+@pytest.mark.equiv
 def test_a_model_every_refusal_was_raised_for_still_trains(llama_path, tmp_path):
     # Nothing ran before any refusal: one model refused by every case in turn then trains.
     model = _pipelined(llama_path)
@@ -118,6 +119,7 @@ def test_iterable_dataset_trains_as_transformers_trainer(llama_path, tmp_path):
     _assert_params_equal(dict(model.checkpoint_named_parameters()), ref_model.state_dict(), "iterable")
 
 
+@pytest.mark.equiv  # Trainer runs against transformers' (as each below): 3 to 6 s each on 2 shared cores
 @pytest.mark.parametrize("argument", ["activation_checkpointing", "gradient_checkpointing"])
 def test_activation_checkpointing(llama_path, tmp_path, argument):
     model = _pipelined(llama_path)
@@ -152,6 +154,7 @@ def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_argu
     assert defined - {"_gather_nothing", "_store_callback_states", "_reload_model"} == set(TRAINER_OVERRIDES)
 
 
+@pytest.mark.equiv
 def test_save_total_limit_and_resume_true_as_transformers(llama_path, tmp_path):
     def run(trainer_class, load, out):
         args = _args(out, 4, eval_strategy="no", save_steps=1, save_total_limit=2)
@@ -200,6 +203,7 @@ def test_rotation_removes_only_the_trainers_own_checkpoints(llama_path, tmp_path
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1000", "checkpoint-4", "checkpoint-notes"]
 
 
+@pytest.mark.equiv
 def test_keeping_only_the_best_checkpoint_at_the_end_removes_only_the_trainers(llama_path, tmp_path):
     # With save_total_limit=1 and a best checkpoint, transformers removes every checkpoint-<number> but the best
     # when training ends.

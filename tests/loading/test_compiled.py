@@ -46,6 +46,7 @@ def _run(model) -> dict:
     return out
 
 
+@pytest.mark.equiv  # torch.compile's tracing: about 5 s on 2 shared cores
 def test_compiled_blocks_equal_the_eager_pipeline_and_share_one_graph(llama):
     from torch._dynamo.utils import counters
 

@@ -265,6 +265,7 @@ def test_llama_can_be_forced_through_the_tracer_and_recipes_stay_the_default(che
         _load(path, split_method="export")
 
 
+@pytest.mark.equiv  # traces a model twice: about 2.5 s on 2 shared cores
 def test_untraceable_model_and_generate_fail_with_what_to_do(tmp_path, checkpoints):
     from hf_pipeline.loading.trace import TraceError
 

@@ -27,8 +27,8 @@ def _llama(layers: int = 8):
     )
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("world,v", [(2, None), (4, None), (2, 2), (4, 2)])
+# (4, 2) is the path of (4, None) and (2, 2) together, and the longest (1.5 s): in the full suite.
+@pytest.mark.parametrize("world,v", [(2, None), (4, None), (2, 2), pytest.param(4, 2, marks=pytest.mark.equiv)])
 def test_default_picks_what_auto_picks_among_the_schedules_of_its_placement(world, v):
     cfg = _llama()
     kwargs, choice = default_choice(cfg, world, device_type="cpu", auto_class=CAUSAL, virtual_stages=v)

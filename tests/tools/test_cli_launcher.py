@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.unit
 psutil = pytest.importorskip("psutil")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
