@@ -140,18 +140,23 @@ def test_activation_checkpointing(llama_path, tmp_path, argument):
 def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_arguments():
     import inspect
 
-    from hf_pipeline.compat import TRAINER_HELPERS, TRAINER_OVERRIDES
+    import trl
+
+    from hf_pipeline.compat import TRAINER_HELPERS, TRAINER_OVERRIDES, TRL_DPO_OVERRIDES
     from hf_pipeline.integrations.trainer import PipelineTrainerMixin
 
-    for name in TRAINER_OVERRIDES:
-        theirs = inspect.signature(getattr(transformers.Trainer, name)).parameters
-        ours = inspect.signature(getattr(PipelineTrainerMixin, name)).parameters
-        assert list(ours) == list(theirs), f"{name}: transformers takes {list(theirs)}"
+    # transformers' Trainer's methods, and trl's DPOTrainer's for the ones only it has.
+    for owner, names in ((transformers.Trainer, TRAINER_OVERRIDES), (trl.DPOTrainer, TRL_DPO_OVERRIDES)):
+        for name in names:
+            theirs = inspect.signature(getattr(owner, name)).parameters
+            ours = inspect.signature(getattr(PipelineTrainerMixin, name)).parameters
+            assert list(ours) == list(theirs), f"{name}: {owner.__name__} takes {list(theirs)}"
     for name in TRAINER_HELPERS:
         assert callable(getattr(transformers.Trainer, name, None)), name
     # Every underscored Trainer method the mixin defines is listed (and so checked above).
     defined = {n for n in vars(PipelineTrainerMixin) if n.startswith("_") and not n.startswith("__")}
-    assert defined - {"_gather_nothing", "_store_callback_states", "_reload_model"} == set(TRAINER_OVERRIDES)
+    listed = set(TRAINER_OVERRIDES) | set(TRL_DPO_OVERRIDES)
+    assert defined - {"_gather_nothing", "_store_callback_states", "_reload_model"} == listed
 
 
 @pytest.mark.equiv
