@@ -228,7 +228,7 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         "--timeout",
         "240",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=str(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     after = _files(ROOT / "bench_results")
     changed = sorted(name for name in committed.keys() | after.keys() if committed.get(name) != after.get(name))
     assert not changed, f"a quick run with the default --out changed bench_results/: {changed}"
