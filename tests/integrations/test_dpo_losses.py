@@ -63,6 +63,7 @@ def _ours(trainer, batch, loss_types, weights) -> torch.Tensor:
     return pair_loss(stats[:n, 0], stats[n:, 0], ref, batch["completion_mask"].sum(1), settings).mean()
 
 
+@pytest.mark.equiv
 @pytest.mark.parametrize("loss_types", [(t,) for t in sorted(PAIR_LOSSES)] + [("sigmoid", "ipo")], ids=str)
 def test_pair_losses_equal_trl(dpo, loss_types):
     trainer, batch = dpo
@@ -74,6 +75,10 @@ def test_pair_losses_equal_trl(dpo, loss_types):
     assert float(got) == pytest.approx(float(want), rel=TOL, abs=TOL), loss_types
     assert abs(float(want) - float(_ours(trainer, batch, ("hinge" if loss_types[0] != "hinge" else "sigmoid",),
                                          (1.0,)))) > 1e-3  # the loss types differ: the comparison can fail
+
+
+def test_the_default_pair_loss_equals_trl(dpo):
+    test_pair_losses_equal_trl(dpo, ("sigmoid",))  # the quick tier's representative; every loss runs in the full suite
 
 
 def test_trl_private_names_the_mixin_uses_exist(dpo):

@@ -100,6 +100,7 @@ def test_bad_response_formats_are_refused_naming_the_field(bundled):
     assert e.value.param == "response_format" and engine.queued == 0
 
 
+@pytest.mark.equiv
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_the_engine_equals_transformers_with_the_processor(bundled, batching):
     tok, model, ref, grammars = bundled

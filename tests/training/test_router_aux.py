@@ -88,6 +88,7 @@ def _check_forward(what, got, want):
 
 
 # Mixtral (adds the loss) and DeepSeek-V3 (adds none); the other families are compared at 2 and 4 ranks below.
+@pytest.mark.equiv
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
 def test_in_process_step_and_forward_equal_transformers(tmp_path, model_type):
     import transformers
@@ -116,6 +117,7 @@ def test_in_process_step_and_forward_equal_transformers(tmp_path, model_type):
     _check_forward(model_type, _forward(model), want)
 
 
+@pytest.mark.equiv
 def test_a_different_balancing_loss_is_refused_at_load_and_randomness_while_training(tmp_path):
     from transformers.models.mixtral import modeling_mixtral as mixtral
 
