@@ -24,7 +24,6 @@ from hf_pipeline.integrations.trainer_dpo import PAIR_LOSSES, DPOStep, pair_loss
 
 trl = pytest.importorskip("trl")
 
-pytestmark = pytest.mark.unit
 
 TOL = 1e-5
 

@@ -23,8 +23,6 @@ from hf_pipeline.tools.default_model import default_model_path
 pytest.importorskip("llguidance")
 from hf_pipeline.generation.grammar import GrammarProcessor, GrammarTokenizer, json_grammar  # noqa: E402
 
-pytestmark = pytest.mark.unit
-
 PROMPT = "If the file does not exist, the function"
 SCHEMA = {
     "type": "object",
