@@ -36,7 +36,6 @@ import pathlib
 import random
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from typing import Any
 from benchmarks.config import Sizes
 from benchmarks.processes import ROOT, worker_env
 from benchmarks.serve_http_results import contender_row, ratios
+from devtools.process_tree import kill_tree
 
 __all__ = ["CONTENDERS", "NO_EOS", "guidellm_command", "prompts", "run"]
 
@@ -108,14 +108,7 @@ class _Server:
 
     def stop(self) -> None:
         """Stop the launcher's session and every process it started (hf-pipeline's ranks have sessions of their own)."""
-        for p in self.children:
-            try:
-                p.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=60)
+        kill_tree(self.proc, self.children)
 
 
 def _start(kind: str, model: str, log: pathlib.Path, sizes: Sizes, device: str) -> _Server:

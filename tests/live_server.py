@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from harness import free_port
+
+from devtools.process_tree import kill_tree
 
 __all__ = ["ROOT", "STARTUP_S", "LiveServer", "rss_bytes", "start_server"]
 
@@ -66,14 +67,7 @@ class LiveServer:
 
     def stop(self) -> None:
         """Kill the launcher and every process it started (each rank is in a session of its own)."""
-        for p in self.children:
-            try:
-                p.kill()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        kill_tree(self.proc, self.children, wait_s=30)
 
 
 def start_server(model: pathlib.Path, log: pathlib.Path, *args: str, processes: int = 2, name: str = "tiny",
