@@ -65,14 +65,9 @@ def _job(cases):
 
 def _alone(ref, req: dict) -> tuple[list[int], str]:
     """transformers' greedy generate of the request alone, cut as the engine cuts it (EOS 2, its stop ids)."""
-    ids = req["prompt_ids"]
-    with torch.no_grad():
-        full = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=req["max_new_tokens"], do_sample=False, pad_token_id=0)
-    full = full[0, len(ids):].tolist()
-    stops = {2} | set(req.get("stop_token_ids", ()))
-    cut = next((k for k, t in enumerate(full) if t in stops), None)
-    return (full, "length") if cut is None else (full[:cut], "stop")
+    tokens, stopped = tiny.greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"],
+                                        stops={2} | set(req.get("stop_token_ids", ())))
+    return tokens, "stop" if stopped else "length"
 
 
 def _requests(ref) -> list[dict]:

@@ -65,12 +65,7 @@ def _job(cases):
 
 def _alone(ref, req: dict) -> list[int]:
     """transformers' greedy generate of the request alone, cut at EOS (2) as the engine cuts it."""
-    ids = req["prompt_ids"]
-    with torch.no_grad():
-        full = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=req["max_new_tokens"], do_sample=False, pad_token_id=0)
-    full = full[0, len(ids):].tolist()
-    return full[: full.index(2)] if 2 in full else full
+    return tiny.greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"])[0]
 
 
 def _requests() -> list[dict]:

@@ -60,15 +60,7 @@ def _save(root: pathlib.Path, name: str) -> str:
 def _alone(path: str) -> list[list[int]]:
     """transformers' greedy generate of each request alone, cut at the EOS (2) as the engine cuts it."""
     ref = tiny.reference(path, "AutoModelForCausalLM")
-    out = []
-    for r in _requests():
-        ids = r["prompt_ids"]
-        with torch.no_grad():
-            full = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=r["max_new_tokens"], do_sample=False, pad_token_id=0)
-        full = full[0, len(ids):].tolist()
-        out.append(full[: full.index(2)] if 2 in full else full)
-    return out
+    return [tiny.greedy_alone(ref, r["prompt_ids"], r["max_new_tokens"])[0] for r in _requests()]
 
 
 def _stream(path: str, chunk: int | None = 512) -> dict | None:

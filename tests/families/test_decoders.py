@@ -276,12 +276,7 @@ def _pick_eos(ref) -> int:
 
 
 def _alone(ref, req: dict) -> list[int]:
-    ids = req["prompt_ids"]
-    with torch.no_grad():
-        full = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=req["max_new_tokens"], do_sample=False, pad_token_id=0)
-    full = full[0, len(ids):].tolist()
-    return full[: full.index(2)] if 2 in full else full  # the engine stops at the config's EOS (2)
+    return tiny.greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"])[0]  # the engine stops at EOS (2)
 
 
 @pytest.fixture(scope="module")

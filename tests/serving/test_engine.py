@@ -10,6 +10,7 @@ import time
 from collections import deque
 
 import pytest
+import tiny
 import torch
 import transformers
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.unit
 PROMPTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
 
 
-@pytest.fixture(scope="module")
-def bundled():
+def bundled_model() -> tuple:
+    """The bundled model: its tokenizer, the pipelined model and transformers' copy."""
     path = str(default_model_path())
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False)
@@ -32,10 +33,14 @@ def bundled():
     return tok, model, ref
 
 
+@pytest.fixture(scope="module")
+def bundled():
+    return bundled_model()
+
+
 def _alone(ref, ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy tokens for one prompt on its own (no padding), EOS and what follows dropped."""
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
-    return out[: out.index(2)] if 2 in out else out
+    return tiny.greedy_alone(ref, ids, max_new_tokens)[0]
 
 
 @contextlib.contextmanager

@@ -11,14 +11,12 @@ import json
 
 import pytest
 import test_engine
+import tiny
 import torch
-import transformers
 
-import hf_pipeline
 from hf_pipeline.errors import InputError, ServingRequestError
 from hf_pipeline.serving import CompletionRequest, Engine
 from hf_pipeline.serving.protocol import parse_chat, parse_completion
-from hf_pipeline.tools.default_model import default_model_path
 
 pytest.importorskip("llguidance")
 from hf_pipeline.generation.grammar import GrammarProcessor, GrammarTokenizer, json_grammar  # noqa: E402
@@ -41,19 +39,14 @@ def _valid(value) -> bool:
 
 @pytest.fixture(scope="module")
 def bundled():
-    path = str(default_model_path())
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tok, model, ref = test_engine.bundled_model()
     return tok, model, ref, GrammarTokenizer(tok, [2], vocab_size=ref.config.vocab_size)
 
 
 def _reference(ref, grammars, ids: list[int], grammar: str | None, n: int) -> list[int]:
     """transformers' greedy tokens, with the grammar's processor, EOS and what follows dropped."""
     procs = [GrammarProcessor(grammars, grammar, prompt_length=len(ids))] if grammar else []
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, logits_processor=procs)
-    out = out[0, len(ids):].tolist()
-    return out[: out.index(2)] if 2 in out else out
+    return tiny.greedy_alone(ref, ids, n, logits_processor=procs)[0]
 
 
 def test_the_processor_makes_valid_json_in_transformers_generate(bundled):
