@@ -155,6 +155,11 @@ class _StageView:
         parent, _, self.holder_name = stack.holder.rpartition(".")
         self.holder_parent = stage.hf_root.get_submodule(parent)
         self.answer = _BaseAnswer(None)
+        # transformers' own record of router logits and per-stage loss would be dead work: the training step adds the
+        # routers' loss over the whole batch (training/router_aux.py), so the calls ask for none.
+        self.no_router_records = ({"output_router_logits": False}
+                                  if getattr(stage.config.get_text_config(decoder=True), "output_router_logits", False)
+                                  else {})
 
 
 class DecoderGlue(Glue):
@@ -184,10 +189,7 @@ class DecoderGlue(Glue):
         slot.received, slot.sent = (None if stage.spec.is_first else received[0]), None  # (B, T, H)
         cache = inputs.get("cache")
         kwargs = self._base_inputs(slot, inputs, cache)
-        if getattr(stage.config.get_text_config(decoder=True), "output_router_logits", False):
-            # transformers' own record of router logits and per-stage loss would be dead work: the training step
-            # adds the routers' loss over the whole batch (training/router_aux.py).
-            kwargs["output_router_logits"] = False
+        kwargs.update(view.no_router_records)
         with contextlib.ExitStack() as stack:
             for name, module in view.stand_ins:
                 stack.enter_context(_swapped(view.holder, name, module))
@@ -221,8 +223,7 @@ class DecoderGlue(Glue):
             args["inputs_embeds"] = out.last_hidden_state  # only its batch size is read (pooling heads)
         if keep:
             args["logits_to_keep"] = int(keep)
-        if getattr(stage.config.get_text_config(decoder=True), "output_router_logits", False):
-            args["output_router_logits"] = False
+        args.update(view.no_router_records)
         view.answer.output = out
         try:
             with _swapped(view.holder_parent, view.holder_name, view.answer):
