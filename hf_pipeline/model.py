@@ -47,7 +47,7 @@ from .planning.resolve import ResolvedRecipe
 from .planning.schedules import ScheduleSpec
 from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
-from .runtime.cache import PipelineRuntime, pad_batch, signature
+from .runtime.cache import PipelineRuntime, pad_batch, run_local_stages, signature
 from .training.inference_loss import inference_only
 from .training.router_aux import forward_aux_loss
 
@@ -335,12 +335,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def _run_forward_eval(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         if self.plan.pp_size == 1:
-            # Every stage is local: run them one after another on the whole batch.
-            x: tuple = ()
-            for stage in self.stages:
-                x = stage(*x, **inputs)
-                x = x if isinstance(x, tuple) else (x,)
-            return x
+            return run_local_stages(self.stages, inputs)  # every stage is local: one after another, whole batch
         # Any batch runs: padded to a multiple of its microbatch count (fewer rows than that included); the padded
         # rows' outputs are dropped below.
         m = self.microbatches_for(batch, training=False)

@@ -42,22 +42,27 @@ class RouterAux:
     top_k: int
     coef: float  # router_aux_loss_coef
 
-    def counts(self, logits: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, R) of one router call: top-k choices per expert and rows, mask-weighted (transformers' ops)."""
-        routing = torch.softmax(logits, dim=-1)
+    @staticmethod
+    def routing(logits: torch.Tensor) -> torch.Tensor:
+        """The routing probabilities of one router call's logits, as transformers' loss recomputes them."""
+        return torch.softmax(logits, dim=-1)
+
+    def counts(self, routing: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, R) of one router call's routing probabilities: top-k choices per expert and rows, mask-weighted
+        (transformers' ops)."""
         _, chosen = torch.topk(routing, self.top_k, dim=-1)
         if mask is None:
-            ones = torch.ones(chosen.numel(), dtype=torch.float32, device=logits.device)
-            rows = torch.tensor(float(routing.shape[0]), device=logits.device)
+            ones = torch.ones(chosen.numel(), dtype=torch.float32, device=routing.device)
+            rows = torch.tensor(float(routing.shape[0]), device=routing.device)
         else:
             ones, rows = mask.repeat_interleave(self.top_k), mask.sum()
-        t = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
+        t = torch.zeros(self.num_experts, dtype=torch.float32, device=routing.device)
         return t.scatter_add_(0, chosen.reshape(-1), ones), rows
 
     @staticmethod
-    def probabilities(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """P of one router call: the softmax probabilities per expert summed over its (masked) rows."""
-        routing = torch.softmax(logits, dim=-1).float()
+    def probabilities(routing: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """P of one router call: its routing probabilities per expert summed over its (masked) rows."""
+        routing = routing.float()
         return (routing if mask is None else routing * mask.unsqueeze(-1)).sum(dim=0)
 
 
@@ -76,9 +81,9 @@ def _probe(reference: Callable, aux: RouterAux) -> float:
         t, r = torch.zeros(aux.num_experts, device="cpu"), torch.zeros((), device="cpu")
         parts = [(x[i], None if mask is None else mask[i]) for x in logits for i in range(2)]  # (layer, microbatch)
         for x, m in parts:
-            dt, dr = aux.counts(x.detach(), m)
+            dt, dr = aux.counts(aux.routing(x.detach()), m)
             t, r = t + dt, r + dr
-        got = sum(aux.num_experts * torch.dot(t, aux.probabilities(x, m)) / (r * r) for x, m in parts)
+        got = sum(aux.num_experts * torch.dot(t, aux.probabilities(aux.routing(x), m)) / (r * r) for x, m in parts)
         got_grads = torch.autograd.grad(got, logits)
         gaps = [float((a - b).abs().max()) for a, b in zip(got_grads, want_grads)]
         worst = max([worst, abs(float((got - want).detach())), *gaps])

@@ -37,7 +37,10 @@ from . import weight_pass
 from .chunk_marks import MarkedStage
 from .forward_schedule import forward_schedule
 
-__all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "PipelineRuntime", "cache_size", "pad_batch", "signature"]
+__all__ = [
+    "CACHE_ENV", "DEFAULT_CACHE_SIZE", "PipelineRuntime", "cache_size", "pad_batch", "run_local_stages", "signature",
+    "split_microbatches",
+]
 
 DEFAULT_CACHE_SIZE = 8  # input shapes whose built stages, schedules (and traces) are kept
 CACHE_ENV = "HF_PIPELINE_RUNTIME_CACHE"
@@ -66,6 +69,21 @@ def signature(inputs: dict[str, Any]) -> tuple:
     return tuple(
         (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, repr(v)) for k, v in sorted(inputs.items())
     )
+
+
+def split_microbatches(inputs: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """``inputs`` cut into ``n`` microbatches as torch's schedules cut them (``tensor_split``; non-tensors to each)."""
+    chunks = {k: torch.tensor_split(v, n) if isinstance(v, torch.Tensor) else [v] * n for k, v in inputs.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(n)]
+
+
+def run_local_stages(stages, inputs: dict[str, Any]) -> tuple:
+    """Every stage of a pipeline of size 1, one after another on ``inputs``: the last stage's outputs, a tuple."""
+    x: tuple = ()
+    for stage in stages:
+        x = stage(*x, **inputs)
+        x = x if isinstance(x, tuple) else (x,)
+    return x
 
 
 def pad_batch(inputs: dict[str, Any], batch: int, multiple: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from ..core import PipelineCore
 from ..distributed.shards import local_tensor
 from ..errors import InputError
 from ..families.router_loss import RouterAux, training_randomness
+from ..runtime.cache import run_local_stages, signature, split_microbatches
 from ..runtime.chunk_marks import in_microbatch
 
 __all__ = ["aux_pass", "forward_aux_loss", "forward_only"]
@@ -82,11 +83,11 @@ class _Hooks:
                  limit: int | None = None) -> None:
         self.aux, self.weight = aux, weight  # weight: None while counting, else loss_scale*coef*E*T/R^2
         self.t = torch.zeros(aux.num_experts, dtype=torch.float32)
-        self.p = torch.zeros(aux.num_experts, dtype=torch.float32)  # counting: P too (a forward's aux_loss)
+        self.p = torch.zeros(aux.num_experts, dtype=torch.float32)  # a forward's counting: P too (its aux_loss)
         self.rows = torch.zeros((), dtype=torch.float32)
         self.values: list[torch.Tensor] = []  # each stage call's term, detached
-        # A forward pads its batch to whole microbatches by repeating the last row: each router counts its
-        # first ``limit`` token rows only (the microbatches reach a stage in order).
+        # A forward (``limit`` set) pads its batch to whole microbatches by repeating the last row: each router
+        # counts its first ``limit`` token rows only (the microbatches reach a stage in order).
         self.limit, self.seen = limit, {}
         self.local = local  # every stage runs here, called directly (no torch PipelineStage)
         self._mask: torch.Tensor | None = None
@@ -114,9 +115,11 @@ class _Hooks:
                 self.seen[id(module)] = before + logits.shape[0]
                 keep = max(0, min(logits.shape[0], self.limit - before))
                 logits, mask = logits[:keep], None if mask is None else mask[:keep]
-            t, rows = self.aux.counts(logits.detach(), mask)
-            p = self.aux.probabilities(logits.detach(), mask)
-            self.t, self.p, self.rows = self.t + t.cpu(), self.p + p.cpu(), self.rows + rows.cpu()
+            routing = self.aux.routing(logits.detach())
+            t, rows = self.aux.counts(routing, mask)
+            self.t, self.rows = self.t + t.cpu(), self.rows + rows.cpu()
+            if self.limit is not None:  # a forward's aux_loss needs P too; a training step's counting pass does not
+                self.p = self.p + self.aux.probabilities(routing, mask).cpu()
         else:
             self._kept.append((logits, mask))
 
@@ -125,7 +128,7 @@ class _Hooks:
         if self.weight is None or not kept:
             return output
         weight = self.weight.to(kept[0][0].device)
-        term = sum(torch.dot(weight, self.aux.probabilities(x, m)) for x, m in kept)
+        term = sum(torch.dot(weight, self.aux.probabilities(self.aux.routing(x), m)) for x, m in kept)
         self.values.append(term.detach())
         return _attach(output, term)
 
@@ -177,19 +180,12 @@ def aux_pass(
 
 def forward_only(model: PipelineCore, inputs: dict[str, Any], n_microbatches: int) -> None:
     """The step's microbatches forward through this rank's stages, as the training schedule splits them."""
-    from ..runtime.cache import signature
-
     if model.plan.pp_size > 1:
         _, schedule = model.runtime.get(signature(inputs), training=False, n_microbatches=n_microbatches)
         schedule.step(**inputs, return_outputs=False)
         return
-    chunks = {k: torch.tensor_split(v, n_microbatches) if isinstance(v, torch.Tensor) else [v] * n_microbatches
-              for k, v in inputs.items()}
-    for i in range(n_microbatches):
-        x: tuple = ()
-        for stage in model.stages:
-            x = stage(*x, **{k: c[i] for k, c in chunks.items()})
-            x = x if isinstance(x, tuple) else (x,)
+    for chunk in split_microbatches(inputs, n_microbatches):
+        run_local_stages(model.stages, chunk)
 
 
 def forward_aux_loss(

@@ -56,7 +56,7 @@ from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..families.router_loss import RouterAux, router_aux_of
 from ..planning.schedules import check_training
 from ..runtime import weight_pass
-from ..runtime.cache import signature
+from ..runtime.cache import run_local_stages, signature, split_microbatches
 from ..runtime.checks import check_microbatches, check_model_inputs
 from .flat_reduce import all_reduce_flat, fsdp_sync_group, refuse_unsharded
 from .router_aux import aux_pass, forward_only
@@ -303,15 +303,9 @@ def _run_local(
     model: PipelineCore, loss_fn: PipelineLoss, b: _Batch, loss_kwargs: dict[str, float], losses: list[torch.Tensor]
 ) -> None:
     # All stages on this rank (pipeline size 1): microbatch by microbatch, as the schedules would.
-    m = b.n_microbatches
-    chunks = {k: torch.tensor_split(v, m) if isinstance(v, torch.Tensor) else [v] * m for k, v in b.inputs.items()}
-    targets = torch.tensor_split(b.labels, m)
-    for i in range(m):
-        inputs = {k: c[i] for k, c in chunks.items()}
-        x: tuple = ()
-        for stage in model.stages:
-            x = stage(*x, **inputs)
-            x = x if isinstance(x, tuple) else (x,)
+    targets = torch.tensor_split(b.labels, b.n_microbatches)
+    for i, inputs in enumerate(split_microbatches(b.inputs, b.n_microbatches)):
+        x = run_local_stages(model.stages, inputs)
         loss = loss_fn(x if len(x) > 1 else x[0], targets[i], **loss_kwargs)
         loss.backward()
         losses.append(loss.detach())
