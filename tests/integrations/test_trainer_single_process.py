@@ -199,6 +199,7 @@ def _kept_user_folders(out) -> None:
         assert (out / name / "notes.txt").read_text() == f"{name}: mine", f"{name} was removed or changed"
 
 
+@pytest.mark.equiv
 def test_rotation_removes_only_the_trainers_own_checkpoints(llama_path, tmp_path):
     out = tmp_path / "out"
     _user_folders(out)

@@ -122,6 +122,7 @@ def test_traced_model_is_refused(llama_path):
     assert not model.is_activation_checkpointing
 
 
+@pytest.mark.equiv
 def test_memory_budget_picks_the_fewest_layers_that_fit(llama_path):
     from hf_pipeline.memory.recompute_budget import predicted_activation_peak
 

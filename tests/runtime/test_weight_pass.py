@@ -83,6 +83,7 @@ def test_input_pass_leaves_only_linear_weights_and_the_weight_pass_completes_aut
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
+@pytest.mark.equiv
 def test_weight_passes_accumulate_in_any_order_and_outside_a_step_nothing_is_deferred():
     model = _model("llama")
     weight_pass.install(model)

@@ -18,8 +18,6 @@ from hf_pipeline.serving import CompletionRequest, Engine
 from hf_pipeline.serving.protocol import parse_chat, parse_completion
 from hf_pipeline.tools.default_model import CHAT_TEMPLATE, default_model_path
 
-pytestmark = pytest.mark.unit
-
 PROMPT = "If the file does not exist, the function"
 # Log-probabilities: the ring runs the same fp32 ops as transformers on rows padded and batched with
 # others, which moves logits by ~1e-6 (values of order 10); 1e-4 allows that. A wrong position, a
@@ -76,6 +74,7 @@ def test_unknown_fields_stream_options_and_content_parts(bundled):
         assert e.value.param == next(iter(bad)), bad
 
 
+@pytest.mark.equiv
 def test_ignore_eos_min_tokens_and_the_eos_counted(bundled):
     tok, model, ref = bundled
     ids = tok(PROMPT)["input_ids"]
@@ -228,6 +227,7 @@ def test_presence_frequency_penalty_is_openais_formula():
     assert got.tolist() == [[0.0, -0.75, -1.25, 0.0, 0.0, 0.0]]
 
 
+@pytest.mark.equiv
 def test_penalties_and_logit_bias_equal_transformers(bundled):
     from hf_pipeline.generation.penalties import PresenceFrequencyPenalty
 

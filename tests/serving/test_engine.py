@@ -19,8 +19,6 @@ from hf_pipeline.errors import ServerBusy, ServingRequestError
 from hf_pipeline.serving import CompletionRequest, Engine, Handle, StaticBatcher
 from hf_pipeline.tools.default_model import default_model_path
 
-pytestmark = pytest.mark.unit
-
 PROMPTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
 
 
@@ -71,6 +69,7 @@ def _run(engine: Engine, handles: list[Handle]) -> None:
     engine.serve_forever()
 
 
+@pytest.mark.equiv
 def test_greedy_requests_batched_together_equal_each_alone(bundled):
     tok, model, ref = bundled
     engine = Engine(model, tok, max_batch=8, batching="static")

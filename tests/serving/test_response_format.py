@@ -49,6 +49,7 @@ def _reference(ref, grammars, ids: list[int], grammar: str | None, n: int) -> li
     return tiny.greedy_alone(ref, ids, n, logits_processor=procs)[0]
 
 
+@pytest.mark.equiv
 def test_the_processor_makes_valid_json_in_transformers_generate(bundled):
     tok, _, ref, grammars = bundled
     ids = tok(PROMPT)["input_ids"]

@@ -422,6 +422,7 @@ def test_regular_install_ships_recipes_default_model_and_the_console_script(tmp_
 
 
 # ------------------------------------------------------------------------------------------ default model
+@pytest.mark.equiv
 def test_bundled_default_model_matches_its_model_card():
     from hf_pipeline.tools.default_model import bundled_model_path
 

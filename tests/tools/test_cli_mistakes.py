@@ -107,6 +107,7 @@ def test_empty_or_malformed_data_file_is_one_line(tmp_path, capsys, no_load):
     assert _one_line(capsys, [*train, missing]) == f"{missing} is not a file; pass the data file (--data)"
 
 
+@pytest.mark.equiv
 def test_a_save_that_fails_at_the_end_keeps_the_trained_model_and_says_where(tmp_path, notes, capsys, monkeypatch):
     from hf_pipeline.model import PipelinedModel
 
