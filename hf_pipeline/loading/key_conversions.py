@@ -33,6 +33,7 @@ from torch import nn
 from ..compat import revert_weight_conversion
 from ..errors import CheckpointError
 from .checkpoint_files import name_listing
+from .weights import chunk_bounds
 
 __all__ = [
     "Conversion", "InPlaceMerges", "checkpoint_conversions", "convert_tensors", "load_conversions", "merge_in_place",
@@ -376,14 +377,18 @@ def _merge_views(conv: Conversion, wanted: Mapping, device: torch.device, given:
     return merged, views
 
 
-def narrow_conversion(conv: Conversion, index: int, count: int) -> Conversion | None:
-    """``conv`` reading only the experts of part ``index`` of ``count`` along the merged tensor's dim 0, or
-    None when its converter does not build dim 0 by stacking one source per expert.
+def narrow_conversion(conv: Conversion, part: tuple) -> Conversion | None:
+    """``conv`` reading only the experts of ``part`` of the merged tensor's dim 0, or None when its converter
+    does not build dim 0 by stacking one source per expert, or ``part`` cuts another dim.
+
+    ``part`` is a loader part along dim 0, ``(0, index, count)``, or a tuple of them each cut from the one
+    before (an expert-parallel rank's experts, then its FSDP chunk of them), cut as ``torch.chunk`` and FSDP2
+    cut: the last chunks may be shorter or empty (an empty one reads no source).
 
     transformers' expert converters first stack each source pattern's tensors, one per expert in natural key
     order (``MergeModulelist(dim=0)``), then join the kinds along another dim (``Concatenate(dim=1)``): the
-    stacked experts ``[lo, hi)`` are then the same operations run on those experts' sources alone, so an
-    expert-parallel rank reads ``1 / count`` of the bytes instead of reading every expert and slicing.
+    stacked experts ``[lo, hi)`` are then the same operations run on those experts' sources alone, so a rank
+    reads only the bytes it keeps instead of reading every expert and slicing.
     """
     ops = list(getattr(conv.converter, "operations", ()))
     first = type(ops[0]).__name__ if ops else ""
@@ -395,10 +400,14 @@ def narrow_conversion(conv: Conversion, index: int, count: int) -> Conversion | 
     for i, pattern in enumerate(conv.patterns):
         groups.setdefault(pattern, []).append(i)
     sizes = {len(g) for g in groups.values()}
-    if len(sizes) != 1 or next(iter(sizes)) % count:
+    steps = part if part and isinstance(part[0], tuple) else (part,)
+    if len(sizes) != 1 or any(len(step) != 3 or step[0] != 0 for step in steps):
         return None
-    per = next(iter(sizes)) // count
-    keep = sorted(i for g in groups.values() for i in g[index * per:(index + 1) * per])
+    lo, size = 0, next(iter(sizes))
+    for _, index, count in steps:
+        first_row, size = chunk_bounds(size, index, count)
+        lo += first_row
+    keep = sorted(i for g in groups.values() for i in g[lo:lo + size])
     return Conversion(
         target=conv.target, sources=tuple(conv.sources[i] for i in keep), shapes=tuple(conv.shapes[i] for i in keep),
         patterns=tuple(conv.patterns[i] for i in keep), converter=conv.converter,

@@ -182,28 +182,56 @@ def _parallel(asked: LoadOptions, ctx: RankContext) -> ParallelRequest | None:
     return None if parallel == ParallelRequest() else parallel
 
 
-def _own_experts(experts: dict, conversions: dict, parts: dict, wanted: dict) -> dict:
-    """The conversions an expert-parallel rank runs, reading only its experts (``experts``: name -> its part).
+def _own_experts(
+    mine: dict, experts: dict, conversions: dict, parts: dict, wanted: dict,
+) -> tuple[dict, set[str], dict[str, torch.dtype]]:
+    """The conversions a rank runs, reading only the experts it keeps (``mine``: name -> its dim-0 part of
+    the merged tensor, :func:`_expert_parts_kept`; ``experts``: the expert-parallel parts alone).
 
-    Where the checkpoint stores experts one tensor each, a cut tensor is merged from this rank's experts'
-    tensors alone (already its part: the other experts' keys leave ``wanted``); else it is sliced as it is
-    read (its part joins ``parts``). Both dicts are updated in place.
+    Where the checkpoint stores experts one tensor each, a kept tensor is merged from this rank's experts'
+    tensors alone (already its part: the other experts' keys leave ``wanted``); else an expert-parallel
+    tensor is sliced as it is read (its part joins ``parts``; FSDP chunks are added by the caller).
+    ``parts`` and ``wanted`` are updated in place.
+
+    Returns:
+        (the conversions, the names merged from their own experts alone, name -> dtype of those keeping no
+        expert: an FSDP chunk past the last expert, read from nothing and left out of the conversions).
     """
     conversions = dict(conversions)
-    for name, (_, index, count) in experts.items():
-        narrowed = narrow_conversion(conversions[name], index, count) if name in conversions else None
-        if narrowed is None:
-            parts[name] = experts[name]
+    narrowed: set[str] = set()
+    empty: dict[str, torch.dtype] = {}
+    for name, part in mine.items():
+        cut = narrow_conversion(conversions[name], part) if name in conversions else None
+        if cut is None:
+            if name in experts:
+                parts[name] = experts[name]
             continue
-        for key in set(conversions[name].sources) - set(narrowed.sources):
+        if not cut.sources and conversions[name].sources[0] in wanted:
+            empty[name] = wanted[conversions[name].sources[0]][1]
+        for key in set(conversions[name].sources) - set(cut.sources):
             wanted.pop(key, None)
-        conversions[name] = narrowed
-    return conversions
+        conversions[name] = cut
+        narrowed.add(name)
+    for name in empty:
+        del conversions[name]
+    return conversions, narrowed, empty
+
+
+def _expert_parts_kept(experts: dict, conversions: dict, fsdp: tuple[int, int] | None) -> dict:
+    """Stage name -> the dim-0 part of its merged tensor a rank keeps, for each tensor merged from experts
+    stored one tensor each (and each expert-parallel one): its ep part, then under FSDP its chunk of that
+    (FSDP2 chunks dim 0, the experts' dim, whole experts each, the last chunks shorter or empty)."""
+    names = set(experts) | (set(conversions) if fsdp else set())
+    out = {}
+    for name in names:
+        ep = experts.get(name, (0, 0, 1))
+        out[name] = ep if fsdp is None else (ep, (0, *fsdp))
+    return out
 
 
 def _fsdp_shards(
     stages: list[nn.Module], maker: StageMaker, options: PipelineOptions, dims: ParallelDims, device: torch.device,
-    *, parts: dict, wanted: dict, fresh: dict, conversions: dict,
+    *, parts: dict, wanted: dict, fresh: dict, conversions: dict, empty: dict,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """An FSDP rank's parts (with tensor / expert parallelism: each tp slice's fsdp chunk, ``parts`` being the
     tp / ep ones) and the local shards they are read into, each in the dtype it is read or drawn in."""
@@ -212,6 +240,7 @@ def _fsdp_shards(
     parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
     dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
     dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
+    dtypes.update(empty)  # chunks past the last expert: no source left to say their dtype
     shards = shard_stages(
         stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=maker.resolved.tied, tp=tp,
         experts=(options.ep_plan, options.ep_implementation),
@@ -245,14 +274,12 @@ def _load_stages(
     experts = expert_parts(stages, options.ep_plan, dims.tp_mesh)
     shards: dict[str, torch.Tensor] = {}
     on_meta = dims.fsdp_size > 1
-    # Under FSDP a rank keeps the dim-0 chunk of its ep part: whole experts too, where they divide evenly.
-    fsdp, f = dims.fsdp_size, dims.fsdp_rank
-    mine = {n: (0, i * fsdp + f, c * fsdp) for n, (_, i, c) in experts.items()} if on_meta else experts
-    conversions = _own_experts(mine, keys.conversions, parts, wanted)
-    merged_mine = set(experts) - set(parts)  # merged from this rank's experts alone: already its part
+    # Under FSDP a rank keeps the dim-0 chunk of its ep part (of the whole tensor without ep): whole experts.
+    mine = _expert_parts_kept(experts, keys.conversions, (dims.fsdp_rank, dims.fsdp_size) if on_meta else None)
+    conversions, merged_mine, empty = _own_experts(mine, experts, keys.conversions, parts, wanted)
     if on_meta:
         parts, shards = _fsdp_shards(stages, maker, options, dims, ctx.device, parts={**parts, **experts},
-                                     wanted=wanted, fresh=fresh, conversions=conversions)
+                                     wanted=wanted, fresh=fresh, conversions=conversions, empty=empty)
     for n in set(fresh) & set(parts):  # keep the slice
         fresh[n] = local_slice(fresh[n], parts[n])
     # Tensors stored split (experts one tensor each): each source read straight into its place in the merged
@@ -270,6 +297,7 @@ def _load_stages(
     for key in merges.views:
         del tensors[key]
     converted = {**convert_tensors(merges.rest, tensors, maker.skeleton), **merges.targets}
+    converted.update({n: shards[n] for n in empty})  # an FSDP chunk past the last expert: nothing to read
     for n in set(converted) & set(parts) - merged_mine:
         converted[n] = local_slice(converted[n], parts[n])
     fresh.update(converted)

@@ -179,3 +179,54 @@ def test_pp2_fsdp2_ep2_at_8_ranks_equals_transformers(tmp_path):
     for rank, res in enumerate(per_rank):  # a rank reads its shards' bytes only: its experts' alone, merged
         case = res["cases"][0]
         assert case["bytes"] == case["kept"], (rank, case["bytes"], case["kept"])
+
+
+
+def _fsdp_run(model, pipelined):
+    """Logits of 3 rows, then one AdamW step on 6 rows (loss, clipped norm, every parameter after it): sizes
+    3 data-parallel ranks split evenly."""
+    import tiny
+    from tp_helpers import gathered
+
+    out = {}
+    with torch.no_grad():
+        out["logits"] = model(**tiny.sample_inputs("decoder", batch=3, seq=9)).logits
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)
+    batch = tiny.make_batch("decoder", 6, seed=1)
+    if pipelined:
+        out["losses"], out["norms"] = [float(model.train_step(batch))], [float(model.clip_grad_norm_(1.0))]
+    else:
+        loss = model(**batch).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        out["losses"], out["norms"] = [float(loss.detach())], [float(norm)]
+    opt.step()
+    out["params"] = gathered(model) if pipelined else {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _fsdp_job(path):
+    model = _load(path, fsdp_size=3, num_stages=1, n_microbatches=1)
+    local = {n: p.to_local() for n, p in model.named_parameters()}
+    res = {"bytes": model.load_report.bytes_read, "kept": sum(t.numel() * t.element_size() for t in local.values()),
+           "experts": {n: t.shape[0] for n, t in local.items() if n.endswith("experts.gate_up_proj")}}
+    return {**res, **_fsdp_run(model, pipelined=True)}
+
+
+def test_fsdp_chunks_of_uneven_experts_read_only_their_experts_at_3_ranks(tmp_path):
+    """FSDP alone over a mixture of experts whose experts its ranks do not divide: 4 experts over 3 ranks are
+    chunked 2, 2 and none (as torch.chunk and FSDP2 chunk dim 0). Each rank merges its own chunk's experts from
+    the per-expert tensors and reads nothing else (bytes read equal bytes kept: reading every expert and
+    slicing would read 2x, or all 4 experts for the empty chunk), and the model equals transformers (logits,
+    loss, clipped norm, parameters after an AdamW step; tolerances of ``tp_helpers.compare``)."""
+    import transformers
+
+    mixtral = _checkpoint(tmp_path, "mixtral")
+    per_rank = run_distributed(_fsdp_job, 3, mixtral, timeout=900)
+    ref = _fsdp_run(transformers.AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32).eval(), False)
+    for rank, res in enumerate(per_rank):
+        compare(f"mixtral fsdp3 rank {rank}", res, ref)
+        assert res["bytes"] == res["kept"], (rank, res["bytes"], res["kept"])
+    kept = [set(res["experts"].values()) for res in per_rank]
+    assert kept == [{2}, {2}, {0}] and len(per_rank[0]["experts"]) >= 2, [res["experts"] for res in per_rank]

@@ -198,7 +198,7 @@ def test_an_expert_parallel_part_merged_in_place_equals_transformers_converter(s
     plan = key_plan(maker.skeleton, maker.resolved, index)
     stages = maker.make_stages(maker.plan.stages)
     wanted, aliases, _, _ = wanted_tensors(maker.skeleton, maker.resolved, stages, index, torch.bfloat16)
-    narrowed = {n: narrow_conversion(c, 1, 2) for n, c in plan.conversions.items()}
+    narrowed = {n: narrow_conversion(c, (0, 1, 2)) for n, c in plan.conversions.items()}
     mine = {k for c in narrowed.values() for k in c.sources}
     wanted = {k: v for k, v in wanted.items() if ".experts." not in k or k in mine}
     tensors, _ = load_tensors(index, wanted, aliases=aliases)

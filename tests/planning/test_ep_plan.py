@@ -97,8 +97,14 @@ def test_a_rank_merges_only_its_experts_from_a_checkpoint_storing_them_one_by_on
     target = "model.layers.0.mlp.experts.gate_up_proj"
     whole = model.state_dict()[target]
     for index in range(2):
-        mine = narrow_conversion(conversions[target], index, 2)
+        mine = narrow_conversion(conversions[target], (0, index, 2))
         assert len(mine.sources) == len(conversions[target].sources) // 2
         made = convert_tensors({target: mine}, {k: saved[k].clone() for k in mine.sources}, model)[target]
         assert torch.equal(made, whole[2 * index:2 * index + 2])  # experts 2i, 2i + 1, gate and up joined
-    assert narrow_conversion(conversions[target], 0, 3) is None  # 4 experts do not split 3 ways
+    # FSDP's chunks of an ep part, cut as torch.chunk cuts: 4 experts over 3 ranks are 2, 2 and none, and
+    # expert 1 of ep part 0 of 2 chunked over 2 ranks is expert 1 alone.
+    assert [len(narrow_conversion(conversions[target], (0, i, 3)).sources) for i in range(3)] == [4, 4, 0]
+    one = narrow_conversion(conversions[target], ((0, 0, 2), (0, 1, 2)))
+    made = convert_tensors({target: one}, {k: saved[k].clone() for k in one.sources}, model)[target]
+    assert torch.equal(made, whole[1:2])
+    assert narrow_conversion(conversions[target], (1, 0, 2)) is None  # a cut along another dim than the experts'
