@@ -137,10 +137,14 @@ class _ChoiceWriter:
         self.handle.update(write)
 
     def _held(self, text: str) -> int:
-        """Characters at the end of ``text`` a reader must not see yet."""
-        if text.endswith("\ufffd"):
-            return len(text)  # an incomplete multi-byte character: wait for the next token
-        return max((k for s in self.handle.request.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        """Characters at the end of ``text`` a reader must not see yet: an incomplete multi-byte character
+        (U+FFFD until its next bytes come) and, before it, a tail that may still become a stop string.
+
+        Note: only the tail is held. A reader's delta is the visible text past what it has seen (by length),
+        so the visible text must only grow: holding the whole text back made the next delta resend it all."""
+        body = text.rstrip("\ufffd")
+        stop = max((k for s in self.handle.request.stop for k in range(1, len(s)) if body.endswith(s[:k])), default=0)
+        return len(text) - len(body) + stop
 
     def finish(self, row: list[int]) -> None:
         """The round is over: take what the stream missed from the final ``row`` and end the choice."""

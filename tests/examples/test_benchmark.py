@@ -156,6 +156,9 @@ def test_serve_http_figures_come_from_guidellm_reports():
     assert r["limit_vs_one_process"] == pytest.approx(1.25)
     assert r["ttft_p50_served_vs_one_process"] == pytest.approx(2 / 3)
     assert r["outputs_equal_one_process"] == 1  # "b": "y" against "z"
+    # transformers serve never streams a last incomplete character (U+FFFD once decoded); one in the middle counts.
+    tail = contender_row([_guidellm_report(4.0, 16.0, [("a", "x\ufffd", 10, 2), ("b", "\ufffdy", 30, 4)])])
+    assert ratios({"served": tail, "one_process": one})["outputs_equal_one_process"] == 1
     skipped = {"skipped": "concurrency 1 cannot be split over 2 processes"}
     assert ratios({"served": served, "one_process": one, "limit": skipped}).keys() == {
         "served_vs_one_process", "ttft_p50_served_vs_one_process", "outputs_equal_one_process"}

@@ -58,9 +58,10 @@ def _data(directory: str):
     return datasets.Dataset.from_dict(rows), tiny.word_tokenizer(text)
 
 
-def _config(out: str, case: str):
+def _config(out: str, case: str, pairs: int = 4):
+    # pairs: per pipeline replica (the global batch is pairs x replicas); 4 on one process.
     return trl.DPOConfig(
-        out, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3, max_grad_norm=0.5,
+        out, per_device_train_batch_size=pairs, gradient_accumulation_steps=2, learning_rate=1e-3, max_grad_norm=0.5,
         logging_steps=1, max_steps=2, seed=7, report_to=[], use_cpu=True, disable_tqdm=True, max_length=16,
         save_strategy="no", gradient_checkpointing=False, bf16=False, **CASES[case],
     )
@@ -89,25 +90,29 @@ def _trained(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _dpo_rank(path: str, ref_path: str, directory: str) -> dict:
+def _dpo_rank(path: str, ref_path: str, directory: str, load: dict | None = None, pairs: int = 4) -> dict:
+    """Every case trained through the mixin, the models loaded with ``load`` (default: one stage per rank and 2
+    microbatches), ``pairs`` per replica."""
     from hf_pipeline import AutoModelForCausalLM
     from hf_pipeline.integrations.trainer import PipelineTrainerMixin
 
     class PipelineDPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         pass
 
+    load = load or {"n_microbatches": 2}
     data, tokenizer = _data(directory)
     results = {}
     for case in CASES:
-        model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2, progress=False)
+        model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **load)
+        results["dims"] = (model.dims.dp_size, model.dims.pp_size)
         ref = None
         if case == "peft":
             torch.manual_seed(0)
             model = peft.get_peft_model(model, _lora())
         else:
-            ref = AutoModelForCausalLM.from_pretrained(ref_path, pipeline=True, n_microbatches=2, progress=False)
+            ref = AutoModelForCausalLM.from_pretrained(ref_path, pipeline=True, progress=False, **load)
         out = os.path.join(directory, f"{case}-rank{os.environ['RANK']}")
-        trainer = PipelineDPOTrainer(model=model, ref_model=ref, args=_config(out, case), train_dataset=data,
+        trainer = PipelineDPOTrainer(model=model, ref_model=ref, args=_config(out, case, pairs), train_dataset=data,
                                      processing_class=tokenizer)
         trainer.train()
         results[case] = {"logs": _logs(trainer), "params": _trained(model), "eval": _eval(trainer, case, data)}
@@ -135,14 +140,21 @@ def test_dpo_trainer_through_the_mixin_equals_dpo_trainer(tmp_path):
     path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
     ref_path = str(tiny.make_checkpoint(tmp_path / "llama-ref", "llama", seed=5))
     results = run_distributed(_dpo_rank, 2, path, ref_path, str(tmp_path), timeout=300)
+    assert [r["dims"] for r in results] == [(1, 2)] * 2
+    assert_equal_to_trl(results, path, ref_path, str(tmp_path), "pp2")
+
+
+def assert_equal_to_trl(results: list[dict], path: str, ref_path: str, directory: str, mesh: str) -> None:
+    """Every case of every rank's ``results`` against ``trl.DPOTrainer`` on one process with the global batch
+    (4 pairs): logged steps, ``evaluate()`` and the trained parameters, each within ``TOL``."""
     for case in CASES:
-        want = _reference(path, ref_path, str(tmp_path), case)
+        want = _reference(path, ref_path, directory, case)
         held = set().union(*(by_case[case]["params"] for by_case in results))
         assert held == set(want["params"]), f"{case}: trained parameters {sorted(held ^ set(want['params']))[:3]}"
         assert len(want["logs"]) == 3  # 2 steps and the summary
         assert abs(want["logs"][0]["rewards/margins"]) > 1e-4 or case == "peft"  # the reference counts
         for rank, by_case in enumerate(results):
-            got, what = by_case[case], f"{case} rank {rank}"
+            got, what = by_case[case], f"{mesh} {case} rank {rank}"
             assert [sorted(e) for e in got["logs"]] == [sorted(e) for e in want["logs"]], what
             for step, (g, w) in enumerate(zip(got["logs"], want["logs"])):
                 for key, value in w.items():

@@ -259,3 +259,28 @@ def test_a_client_that_leaves_cancels_its_request(bundled):
 
     assert asyncio.run(read()) == []
     assert handle.cancelled and engine.queued == 0
+
+
+def test_a_stream_holds_back_only_an_incomplete_character():
+    # Byte tokens: "€" and "日本" arrive a byte at a time (decoded as U+FFFD until complete), and the last
+    # token is a lone lead byte. A reader's deltas must add up to the decoded tokens exactly: the text seen so
+    # far only grows (holding the whole text back made the next delta resend it: served streams then repeated
+    # their beginning). The stop string "日本" is held across its incomplete second character and never sent.
+    from hf_pipeline.serving.engine import _ChoiceWriter
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(default_model_path()))
+    ids = tok(" return € and 日本 and", add_special_tokens=False)["input_ids"] + tok("€", add_special_tokens=False)[
+        "input_ids"][:1]
+    full = tok.decode(ids, skip_special_tokens=True)
+    assert full.endswith("and\ufffd") and full.count("\ufffd") == 1  # the test's premise: bytes, one left incomplete
+    for stop, expected in (((), full), (("日本",), full[: full.index("日本")])):
+        handle = Handle(CompletionRequest(prompt_ids=[1], max_new_tokens=len(ids), ignore_eos=True, stop=stop), "r")
+        writer, reader, seen = _ChoiceWriter(handle, 0, tok, set()), iter(handle), []
+        for t in ids:
+            writer.add([t])
+            seen.append(next(reader))  # every token is news: its id, and its text once complete
+            visible = "".join(d.text for d in seen)
+            assert full.startswith(visible) and not (visible.endswith("\ufffd") and seen[-1].finish_reason is None)
+            if seen[-1].finish_reason:
+                break
+        assert "".join(d.text for d in seen) == expected == handle.result()[0].text, stop
