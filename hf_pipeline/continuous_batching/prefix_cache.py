@@ -28,6 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -46,12 +48,19 @@ def prefix_refusal(config: Any) -> str | None:
     return f"cache layers of kind {', '.join(kinds)} keep only part of a prompt's columns"
 
 
-def block_keys(prompt: list[int], block: int, n: int) -> list[int]:
-    """The chained keys of ``prompt``'s first ``n`` blocks: key ``b`` names the whole prefix ``prompt[:(b+1)*block]``
-    (Python's hash of int tuples is the same in every process: no hash seed applies to them)."""
-    keys, parent = [], 0
+def block_keys(prompt: list[int], block: int, n: int) -> list[bytes]:
+    """The chained keys of ``prompt``'s first ``n`` blocks: key ``b`` names the whole prefix ``prompt[:(b+1)*block]``.
+
+    Why SHA-256 and not Python's ``hash``: a key decides whose keys and values a row reuses, so two prefixes
+    with one key would give one client's request another's prompt as context (and its answers would leak
+    it). Python's tuple hash is 64 bits and not made to resist crafted collisions; SHA-256 is (vLLM's prefix
+    caching moved to it for the same reason). It is also the same in every process, as the mirrored caches
+    need.
+    """
+    keys, parent = [], b""
     for b in range(n):
-        parent = hash((parent, tuple(prompt[b * block: (b + 1) * block])))
+        chunk = prompt[b * block: (b + 1) * block]
+        parent = hashlib.sha256(parent + array("q", chunk).tobytes()).digest()
         keys.append(parent)
     return keys
 
@@ -69,7 +78,7 @@ class PrefixCache:
         if block < 1 or capacity < 0:
             raise InternalError(f"a prefix cache needs block >= 1 and capacity >= 0, got {block}, {capacity}")
         self.block, self.capacity = block, capacity
-        self.blocks: OrderedDict[int, Any] = OrderedDict()
+        self.blocks: OrderedDict[bytes, Any] = OrderedDict()
 
     def match(self, prompt: list[int]) -> int:
         """Tokens at the head of ``prompt`` held here, whole blocks and at most ``len(prompt) - 1`` (the last prompt

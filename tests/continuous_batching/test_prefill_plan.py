@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hf_pipeline.continuous_batching.prefill_plan import PrefillPlanner
-from hf_pipeline.continuous_batching.prefix_cache import PrefixCache
+from hf_pipeline.continuous_batching.prefix_cache import PrefixCache, block_keys
 from hf_pipeline.continuous_batching.wire import NewRow
 
 pytestmark = pytest.mark.unit
@@ -22,6 +22,17 @@ def test_prefix_cache_matches_whole_blocks_and_evicts_tails_first():
     cache.add(head + [6, 6, 6, 6])  # a 4th block: the least recent, the first prompt's tail, goes
     assert cache.match(head + [1, 2, 3, 4, 9]) == 8 and cache.match(head + [6, 6, 6, 6, 0]) == 12
     assert len(cache.take(head + [6, 6, 6, 6, 0], 12)) == 3
+
+
+def test_block_keys_name_the_whole_prefix_by_a_digest():
+    # A key stands for everything before it: equal second blocks under different first blocks get different
+    # keys, so a row never reuses keys and values computed after another prompt's head. The keys are SHA-256
+    # digests (32 bytes), not Python's 64-bit hash, which crafted prompts could collide (another client's
+    # prompt would then become a request's context).
+    a, b = block_keys([1, 2, 3, 4, 5, 6], 3, 2), block_keys([9, 2, 3, 4, 5, 6], 3, 2)
+    assert a[0] != b[0] and a[1] != b[1] and all(len(k) == 32 for k in a + b)
+    assert block_keys([1, 2, 3, 4, 5, 6, 7], 3, 2) == a  # the same blocks, the same keys (every process alike)
+    assert block_keys([3, 2, 1, 4, 5, 6], 3, 2)[1] != a[1]  # order within a block counts
 
 
 def test_planner_splits_prompts_by_the_budget_and_reuses_prefixes():
