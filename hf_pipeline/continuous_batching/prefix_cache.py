@@ -79,6 +79,7 @@ class PrefixCache:
             raise InternalError(f"a prefix cache needs block >= 1 and capacity >= 0, got {block}, {capacity}")
         self.block, self.capacity = block, capacity
         self.blocks: OrderedDict[bytes, Any] = OrderedDict()
+        self.nbytes = 0  # the tensors' bytes of the payloads held (a stage's keys and values; 0 in an index)
 
     def match(self, prompt: list[int]) -> int:
         """Tokens at the head of ``prompt`` held here, whole blocks and at most ``len(prompt) - 1`` (the last prompt
@@ -114,9 +115,17 @@ class PrefixCache:
             if keys[b] in self.blocks:
                 self.blocks.move_to_end(keys[b])
             else:
-                self.blocks[keys[b]] = payload(b)
+                self.blocks[keys[b]] = made = payload(b)
+                self.nbytes += _payload_bytes(made)
         while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
+            self.nbytes -= _payload_bytes(self.blocks.popitem(last=False)[1])
+
+
+def _payload_bytes(payload: Any) -> int:
+    """Bytes of a block's tensors (layer -> (keys, values)); 0 for an index's None."""
+    if not payload:
+        return 0
+    return sum(t.numel() * t.element_size() for pair in payload.values() for t in pair)
 
 
 class RingPrefix:

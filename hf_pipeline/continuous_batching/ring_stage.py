@@ -103,7 +103,9 @@ class RingStage:
         self.done = False  # the ring's stop passed this stage for every group
 
     def cache_bytes(self) -> int:
-        return sum(cache_nbytes(c) for c in [g.cache for g in self.state] + list(self.pending.values()))
+        """The keys and values this stage holds: its groups' and chunked rows' caches, and its prefix cache's blocks."""
+        held = sum(cache_nbytes(c) for c in [g.cache for g in self.state] + list(self.pending.values()))
+        return held + (self.prefix.nbytes if self.prefix is not None else 0)
 
     def run(self, i: int, header: OpHeader, new: list[NewRow], old_in: torch.Tensor | None,
             new_in: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -35,6 +35,20 @@ def test_block_keys_name_the_whole_prefix_by_a_digest():
     assert block_keys([3, 2, 1, 4, 5, 6], 3, 2)[1] != a[1]  # order within a block counts
 
 
+def test_prefix_cache_counts_the_bytes_it_holds():
+    # What a ring reports as its peak KV bytes includes the prefix blocks (the budget also pays for them):
+    # added blocks count, evicted ones stop counting, and an index (no tensors) holds none.
+    import torch
+
+    cache, index = PrefixCache(block=2, capacity=2), PrefixCache(block=2, capacity=2)
+    kv = lambda b: {0: (torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))}  # noqa: E731 - one layer's keys and values
+    cache.add([1, 2, 3, 4], kv)
+    index.add([1, 2, 3, 4])
+    assert cache.nbytes == 2 * 2 * 8 * 4 and index.nbytes == 0  # 2 blocks x (keys, values) x 8 floats x 4 bytes
+    cache.add([5, 6, 7, 8, 9, 10], kv)  # 3 more blocks: 3 of 5 evicted
+    assert len(cache.blocks) == 2 and cache.nbytes == 2 * 2 * 8 * 4
+
+
 def test_planner_splits_prompts_by_the_budget_and_reuses_prefixes():
     index = PrefixCache(block=4, capacity=16)
     planner = PrefillPlanner(chunk=6, indexes=[index])
