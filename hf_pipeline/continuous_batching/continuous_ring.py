@@ -23,14 +23,16 @@ slot has its own pipeline group, so the activations below flow slot by slot, as 
 header, the kept rows' tokens and the joining rows' JSON to the stage's other tp ranks (tp group).
 The last stage's lead alone chooses tokens and replies (its tp ranks hold the same logits).
 
-Data-parallel replicas (not FSDP-sharded: those gather parameters in collectives across replicas,
-whose rings run different numbers of forwards) each run their own ring over their own slots (replica
+Data-parallel replicas each run their own ring over their own slots (replica
 ``d``'s group ``i`` is slot group ``d * groups + i``); the coordinator, replica 0's stage 0 lead, which
 holds the queue, plans them all. At each op of group ``i`` it takes every replica's reply of the last
 step (each other replica's stage 0 lead forwards its own, unread, over the data-parallel group), lets
 rows leave and join every replica's group ``i``, and sends each other replica's lead its plan: the
 header, the kept rows' tokens and the size of the reply to come, then the joining rows' JSON. The
-replicas so advance op by op together, each on its own rows.
+replicas so advance op by op together, each on its own rows. FSDP-sharded stages (whose fsdp ranks are
+such replicas, each running its own number of forwards) gather every FSDP unit once as the ring starts,
+on every rank together (:func:`~hf_pipeline.loading.fsdp.gathered`), and reshard as it ends: loaded with
+``reshard_after_forward=False``, they then run no collective inside the ring.
 
 Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
@@ -60,6 +62,7 @@ Example (every rank; stage 0 passes the feeder):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -69,6 +72,7 @@ from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
+from ..loading.fsdp import gathered
 from .feeder import Feeder
 from .group_cache import merge_refusal
 from .prefill_plan import PrefillPlanner
@@ -83,9 +87,6 @@ def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
     if model.config.is_encoder_decoder:
         return "encoder-decoder models decode against a per-request encoder output"
-    if model.dims.fsdp_size > 1:
-        return ("FSDP-sharded stages gather their parameters in collectives across replicas, whose rings run "
-                "different numbers of forwards; they are served in static rounds")
     if model.plan.stages[0].rank != 0:
         return "stage 0 must be on rank 0, where the queue is"
     return merge_refusal(model.config)
@@ -264,6 +265,11 @@ class ContinuousRing:
     @torch.no_grad()
     def run(self) -> None:
         """Serve until stage 0 finds a whole step without rows and nothing queued (collective)."""
+        # FSDP: every unit gathered here, on every rank at once; none inside the ring (module docstring).
+        with gathered(self.model.stages) if self.model.dims.fsdp_size > 1 else contextlib.nullcontext():
+            self._loop()
+
+    def _loop(self) -> None:
         if not self.ordered and not self.first:
             self._post_next_op(self.lanes[0])
         tick = 0

@@ -15,10 +15,10 @@ computed (``prefix_cache``; :mod:`hf_pipeline.continuous_batching.prefix_cache`;
 caches: ``engine.prefix_reason``). Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
 lead plans, its tp group gets the plan by broadcast), and so do several stages per rank (interleaved
 and V layouts: a rank runs its stages in turn) and data-parallel replicas (each its own ring of
-``max_batch`` rows, all planned by rank 0). Models the ring does not serve fall back to static rounds
-(``engine.batching`` then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models
-(T5), FSDP-sharded stages and cache layers other than full and sliding-window attention (chunked
-attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
+``max_batch`` rows, all planned by rank 0; FSDP-sharded stages too, gathered once per ring). Models the
+ring does not serve fall back to static rounds (``engine.batching`` then says ``"static"`` and
+``engine.static_reason`` why): encoder-decoder models (T5) and cache layers other than full and
+sliding-window attention (chunked attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
 
 ``batching="static"``: each round rank 0 takes a batch from its queue
 (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its plan as JSON, and every rank
