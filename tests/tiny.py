@@ -376,6 +376,7 @@ def greedy_alone(ref, prompt_ids: list[int], max_new_tokens: int, *, stops=(2,),
                  ) -> tuple[list[int], bool]:
     """transformers' greedy tokens for one prompt on its own (no padding), cut as the serving engine cuts them: at
     the first of ``stops`` (the config's EOS 2, and a request's stop ids), which is dropped with what follows.
+    An encoder-decoder's prompt is its encoder's input; its tokens follow the decoder's start token.
 
     Returns:
         (the tokens, whether a stop cut them).
@@ -383,6 +384,6 @@ def greedy_alone(ref, prompt_ids: list[int], max_new_tokens: int, *, stops=(2,),
     with torch.no_grad():
         full = ref.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **generate_kwargs)
-    full = full[0, len(prompt_ids):].tolist()
+    full = full[0, 1 if ref.config.is_encoder_decoder else len(prompt_ids):].tolist()
     cut = next((k for k, t in enumerate(full) if t in set(stops)), None)
     return (full, False) if cut is None else (full[:cut], True)

@@ -240,7 +240,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join the running decode ring as others finish; static: rounds of "
                    "one generate call, each as long as its longest row (default continuous; models the ring "
-                   "does not serve, such as encoder-decoders or FSDP-sharded stages, run static rounds)")
+                   "does not serve, such as chunked-attention caches, run static rounds)")
     p.add_argument("--kv-cache-mb", type=_positive, default=None,
                    help="continuous: KV-cache memory per rank for the rows in flight; requests that do not fit "
                    "wait in the queue (default: --max-batch rows); what they leave holds the prefix cache")

@@ -4,7 +4,9 @@ steps as others finish, and what feeds and bounds it.
 Lives here: :mod:`.continuous_ring` (:class:`ContinuousRing`, the ring every rank runs, and
 :func:`continuous_refusal`, which models it cannot serve: when each stage runs what, and the messages
 between stages), :mod:`.ring_stage` (:class:`RingStage`, one stage's groups: their caches, forwards and,
-on the last stage, each row's token), :mod:`.group_cache` (a group's KV cache: rows
+on the last stage, each row's token), :mod:`.encoder_decoder_stage` (:class:`EncoderDecoderStage`, the same
+for an encoder-decoder: the encoder once per joining row, its output and cross-attention cache per row on
+the decoder stages), :mod:`.group_cache` (a group's KV cache: rows
 merged right aligned and cut, full and sliding-window layers each keeping their own columns),
 :mod:`.prefill_plan` (:class:`PrefillPlanner`: chunked prefill, which part of each joining row's
 prompt an op runs, and how much of it comes from the prefix cache), :mod:`.prefix_cache` (shared prompt

@@ -15,6 +15,9 @@ prefill the joining ones and merge their cache, and on the last stage choose eac
 Which part of a joining row's prompt an op runs is :mod:`.prefill_plan`'s: at most ``prefill_chunk``
 prompt tokens an op (a longer prompt joins over the group's next ops, holding its slot, and gets
 its first token once it is all in), less the head its prefix cache holds (:mod:`.prefix_cache`).
+An encoder-decoder's stages are :mod:`.encoder_decoder_stage`'s: a joining row's prompt runs whole through
+the encoder stages and its encoder output travels down with its states; stages before the first decoder
+stage pass the kept rows' tokens on (in the bytes of the kept rows' states, :func:`_token_view`).
 
 Tensor and expert parallelism (a stage over ``tp_size`` ranks; expert-parallel ranks are the stage's tp
 ranks): every tp rank of a stage runs the same forward on the same rows in the same order. Each tp
@@ -23,24 +26,28 @@ slot has its own pipeline group, so the activations below flow slot by slot, as 
 header, the kept rows' tokens and the joining rows' JSON to the stage's other tp ranks (tp group).
 The last stage's lead alone chooses tokens and replies (its tp ranks hold the same logits).
 
-Data-parallel replicas (not FSDP-sharded: those gather parameters in collectives across replicas,
-whose rings run different numbers of forwards) each run their own ring over their own slots (replica
+Data-parallel replicas each run their own ring over their own slots (replica
 ``d``'s group ``i`` is slot group ``d * groups + i``); the coordinator, replica 0's stage 0 lead, which
 holds the queue, plans them all. At each op of group ``i`` it takes every replica's reply of the last
 step (each other replica's stage 0 lead forwards its own, unread, over the data-parallel group), lets
 rows leave and join every replica's group ``i``, and sends each other replica's lead its plan: the
 header, the kept rows' tokens and the size of the reply to come, then the joining rows' JSON. The
-replicas so advance op by op together, each on its own rows.
+replicas so advance op by op together, each on its own rows. FSDP-sharded stages (whose fsdp ranks are
+such replicas, each running its own number of forwards) gather every FSDP unit once as the ring starts,
+on every rank together (:func:`~hf_pipeline.loading.fsdp.gathered`), and reshard as it ends: loaded with
+``reshard_after_forward=False``, they then run no collective inside the ring.
 
 Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
 its layout is in :mod:`.wire`) and the kept rows' hidden states ``(group_size, 1, hidden)`` (zeros
-past the kept rows; sent for a stop too), both as bytes in one uint8 message; then, when rows join,
-their JSON (:func:`~.wire.pack_rows`: prompt, the part of it this op runs and sampling parameters)
-and hidden states ``(joining, widest part, hidden)``, each row's right aligned. Last stage -> stage 0,
-per run op: the float64 :class:`~.wire.Reply`, the chosen token of each row in header order (the kept
-rows, then the joining rows whose prompt is now in) with the log-probabilities the row asked for (its
-size follows from the op's rows). Every message an op needs was sent by an op of the tick before.
+past the kept rows; sent for a stop too; up to an encoder-decoder's first decoder stage, their tokens
+as int64 in those bytes), both as bytes in one uint8 message; then, when rows join, their JSON
+(:func:`~.wire.pack_rows`: prompt, the part of it this op runs and sampling parameters) and hidden
+states ``(joining, widest part, hidden)``, each row's right aligned (an encoder-decoder's: the encoder's
+``(joining, widest prompt, hidden)``, after a decoder stage with the decoder's state as one more column).
+Last stage -> stage 0, per run op: the float64 :class:`~.wire.Reply`, the chosen token of each row in
+header order (the kept rows, then the joining rows whose prompt is now in) with the log-probabilities
+the row asked for (its size follows from the op's rows). Every message an op needs was sent by an op of the tick before.
 Between stages of one rank, nothing is sent: the message waits in the ring's inbox.
 With one stage per rank each directed pair of ranks carries one kind of message stream, in order,
 so the fixed-size message is received ahead (posted once the previous op's messages are) and the
@@ -60,6 +67,7 @@ Example (every rank; stage 0 passes the feeder):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -69,6 +77,8 @@ from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
+from ..loading.fsdp import gathered
+from .encoder_decoder_stage import EncoderDecoderStage
 from .feeder import Feeder
 from .group_cache import merge_refusal
 from .prefill_plan import PrefillPlanner
@@ -81,11 +91,6 @@ __all__ = ["ContinuousRing", "continuous_refusal"]
 
 def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
-    if model.config.is_encoder_decoder:
-        return "encoder-decoder models decode against a per-request encoder output"
-    if model.dims.fsdp_size > 1:
-        return ("FSDP-sharded stages gather their parameters in collectives across replicas, whose rings run "
-                "different numbers of forwards; they are served in static rounds")
     if model.plan.stages[0].rank != 0:
         return "stage 0 must be on rank 0, where the queue is"
     return merge_refusal(model.config)
@@ -115,9 +120,14 @@ class ContinuousRing:
         # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),
         # all planned by the coordinator, replica 0's stage 0 lead, which holds the queue (module Note).
         self.replicas, self.replica, self.dp_group = model.dims.dp_size, model.dims.dp_rank, model.dims.dp_group
-        self.lanes = [RingStage(model, s, groups=groups, group_size=group_size,
-                                slot_base=self.replica * groups * group_size, grammars=grammars,
-                                prefix=None if prefix is None else prefix.stage(s.spec.index))
+        # An encoder-decoder's rows run their whole prompt through the encoder as they join (no chunks, no prefixes).
+        encdec = bool(model.config.is_encoder_decoder)
+        if encdec:
+            prefill_chunk, prefix = None, None
+        lane = EncoderDecoderStage if encdec else RingStage
+        self.lanes = [lane(model, s, groups=groups, group_size=group_size,
+                           slot_base=self.replica * groups * group_size, grammars=grammars,
+                           prefix=None if prefix is None else prefix.stage(s.spec.index))
                       for s in sorted(model.stages, key=lambda s: s.spec.index)]
         self.first = self.lanes[0].first  # this rank holds stage 0
         # Tensor / expert parallelism: each of a stage's tp ranks is in the pipeline of its own tp slot (pp_group),
@@ -134,6 +144,8 @@ class ContinuousRing:
             raise InternalError(f"several stages per rank run {self.n_stages} groups (one per stage), got {groups}")
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
+        if encdec and self._op_bytes[1] < 8 * group_size:
+            raise InternalError(f"hidden size {self.hidden} leaves no room for the kept rows' token ids in an op")
         self.sent: list[list[int]] = [[] for _ in range(groups * self.replicas)]  # coordinator: each group's rows
         self.planner = PrefillPlanner(chunk=prefill_chunk, indexes=None if prefix is None else
                                       [prefix.index(d) for d in range(self.replicas)])  # coordinator
@@ -194,17 +206,17 @@ class ContinuousRing:
         """One stage per rank, not stage 0: receive the next op's fixed-size message (header, kept states) ahead."""
         self._ahead = self._post((sum(self._op_bytes),), torch.uint8, lane.index - 1)
 
-    def _read_op(self, fixed: torch.Tensor, stage: int) -> tuple:
-        """An op's messages to ``stage`` once its fixed-size one arrived: header, kept rows' states and, when rows
+    def _read_op(self, fixed: torch.Tensor, lane: RingStage) -> tuple:
+        """An op's messages to ``lane`` once its fixed-size one arrived: header, kept rows' states and, when rows
         join, their JSON and states (received now: their size is in the header)."""
-        head = self._op_bytes[0]
+        head, stage = self._op_bytes[0], lane.index
         header = OpHeader.unpack(fixed[:head].view(torch.long))
         kept = fixed[head:].view(self.dtype).view(self.group_size, 1, self.hidden)
         payload = new_in = None
         if header.payload_bytes:
             payload = self._recv((header.payload_bytes,), torch.uint8, stage - 1)
             rows = unpack_rows(payload)
-            new_in = self._recv((len(rows), max(r.width for r in rows), self.hidden), self.dtype, stage - 1)
+            new_in = self._recv((len(rows), lane.received_width(rows), self.hidden), self.dtype, stage - 1)
         return header, kept, payload, new_in
 
     def _gather(self, tick: int) -> None:
@@ -217,7 +229,7 @@ class ContinuousRing:
             t, i = divmod(since, self.groups)
             if not lane.first and not self._local(lane.index - 1):
                 fixed = self._recv((sum(self._op_bytes),), torch.uint8, lane.index - 1)
-                self.inbox[("h", lane.index, i)] = self._read_op(fixed, lane.index)
+                self.inbox[("h", lane.index, i)] = self._read_op(fixed, lane)
             elif lane.first and t > 0 and self.lead and not self._local(self.n_stages - 1):
                 self.inbox[("tok", i)] = self._recv((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
 
@@ -228,7 +240,7 @@ class ContinuousRing:
             return self.inbox.pop(("h", lane.index, i))
         work, buf = self._ahead
         work.wait()
-        header, kept, payload, new_in = self._read_op(buf, lane.index)
+        header, kept, payload, new_in = self._read_op(buf, lane)
         # After a stop only the other groups' stops follow; after the last group's, nothing.
         if header.run or i < self.groups - 1:
             self._post_next_op(lane)
@@ -240,7 +252,9 @@ class ContinuousRing:
         if lane.last:
             return
         kept = torch.zeros(self.group_size, 1, self.hidden, dtype=self.dtype, device=self.device)
-        if old_out is not None:
+        if old_out is not None and old_out.dtype == torch.long:  # token ids, for the first decoder stage
+            _token_view(kept, old_out.shape[0])[:] = old_out
+        elif old_out is not None:
             kept[: old_out.shape[0]] = old_out.to(self.dtype)
         if self._local(lane.index + 1):
             self.inbox[("h", lane.index + 1, i)] = (header, kept, payload, new_out)
@@ -264,6 +278,11 @@ class ContinuousRing:
     @torch.no_grad()
     def run(self) -> None:
         """Serve until stage 0 finds a whole step without rows and nothing queued (collective)."""
+        # FSDP: every unit gathered here, on every rank at once; none inside the ring (module docstring).
+        with gathered(self.model.stages) if self.model.dims.fsdp_size > 1 else contextlib.nullcontext():
+            self._loop()
+
+    def _loop(self) -> None:
         if not self.ordered and not self.first:
             self._post_next_op(self.lanes[0])
         tick = 0
@@ -300,7 +319,8 @@ class ContinuousRing:
         else:
             header, kept, payload, new_in = self._take(lane, i)
             new = unpack_rows(payload) if payload is not None else []
-            old_in = kept[: len(header.kept)]
+            n = len(header.kept)
+            old_in = _token_view(kept, n).clone() if lane.takes_tokens else kept[:n]
         if not header.run:
             self._pass_on(lane, i, header, None, None, None)
             return False
@@ -431,3 +451,9 @@ class ContinuousRing:
                 self.steps += 1
             self._busy = True
         return header, new, payload, [self.last_token[s] for s in kept]
+
+
+def _token_view(kept: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` kept rows' token ids ``(n, 1)`` int64, in the bytes of the kept states ``(group_size, 1,
+    hidden)``: before the first decoder stage of an encoder-decoder the kept rows carry tokens, not states."""
+    return kept.view(-1).view(torch.uint8)[: 8 * n].view(torch.long).view(n, 1)

@@ -42,6 +42,8 @@ __all__ = ["PrefixCache", "RingPrefix", "block_keys", "prefix_refusal"]
 
 def prefix_refusal(config: Any) -> str | None:
     """Why rows of ``config``'s model cannot reuse cached prefixes, or None (every layer full attention)."""
+    if config.is_encoder_decoder:
+        return "an encoder-decoder's prompt is its encoder's input, which attends both ways (no prefix is final)"
     kinds = sorted(set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]) - {"full_attention"})
     if not kinds:
         return None

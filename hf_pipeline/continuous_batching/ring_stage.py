@@ -62,6 +62,8 @@ class _Group:
     cache: DynamicCache | None = None
     mask: torch.Tensor | None = None  # (rows, cache length) long
     next_pos: torch.Tensor | None = None  # (rows,) position of each row's next token
+    enc_out: torch.Tensor | None = None  # encoder-decoder: (rows, T_enc, hidden) each row's encoder output
+    enc_mask: torch.Tensor | None = None  # encoder-decoder: (rows, T_enc) long, right aligned as enc_out
 
 
 @dataclass
@@ -101,6 +103,16 @@ class RingStage:
         self.prefix = prefix  # this stage's prefix cache (None: prefixes are not reused)
         self.reused_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.done = False  # the ring's stop passed this stage for every group
+
+    takes_tokens = False  # kept rows' inputs are token ids sent in the states' bytes (encoder-decoder stages)
+
+    def received_width(self, rows: list[NewRow]) -> int:
+        """Columns of the joining rows' states this stage receives: the widest part of a prompt this op runs."""
+        return max(r.width for r in rows)
+
+    def first_ids(self, r: NewRow) -> torch.Tensor:
+        """The ids a joining row's logits processors start from ``(1, L)``: its prompt."""
+        return torch.tensor([r.prompt], dtype=torch.long, device=self.device)
 
     def cache_bytes(self) -> int:
         """The keys and values this stage holds: its groups' and chunked rows' caches, and its prefix cache's blocks."""
@@ -248,26 +260,27 @@ class RingStage:
                 "do_sample": False}
             self._configs[key] = prepare_generation_config(self.model, None, max_new_tokens=r.max_new_tokens, **kw)[0]
         prompt = torch.tensor([r.prompt], dtype=torch.long, device=self.device)
-        custom = penalty_processors(prompt_length=len(r.prompt), presence=r.presence_penalty,
+        ids = self.first_ids(r)  # what transformers' processors see: the decoder's ids (an encoder-decoder's start)
+        custom = penalty_processors(prompt_length=ids.shape[1], presence=r.presence_penalty,
                                     frequency=r.frequency_penalty, repetition=r.repetition_penalty,
                                     bias={int(t): b for t, b in r.logit_bias})
         if r.min_tokens and r.stop_ids:
             # transformers' own processor, given the row's stop ids (EOS unless ignored, and its stop ids) as
             # vLLM's min_tokens suppresses both; a custom processor runs before the sampling warpers.
-            custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=len(r.prompt),
+            custom.append(MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=ids.shape[1],
                                                             min_new_tokens=r.min_tokens, eos_token_id=r.stop_ids,
                                                             device=self.device))
         if r.grammar is not None:
             if self.grammars is None:
                 raise InternalError("a row follows a grammar but the ring was given no tokenizer for it")
-            custom.append(GrammarProcessor(self.grammars, r.grammar, prompt_length=len(r.prompt)))
+            custom.append(GrammarProcessor(self.grammars, r.grammar, prompt_length=ids.shape[1]))
         processors = generation_helper(self.model.skeleton, "_get_logits_processor")(
-            generation_config=self._configs[key], input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
+            generation_config=self._configs[key], input_ids_seq_length=ids.shape[1], encoder_input_ids=prompt,
             logits_processor=custom, device=self.device,
             model_kwargs={"attention_mask": torch.ones_like(prompt)},
         )
         gen = row_generators(r.seed if r.seed is not None else 0, [r.index], self.device)[0] if do_sample else None
-        return _Row(ids=prompt, processors=processors, generator=gen, logprobs=r.logprobs)
+        return _Row(ids=ids, processors=processors, generator=gen, logprobs=r.logprobs)
 
     def choose(self, i: int, new: list[NewRow], old_out, new_out) -> torch.Tensor:
         """Last stage: each row's token from its own processors (and generator); the reply to stage 0 with the

@@ -48,7 +48,7 @@ from .expert_parallel import apply_expert_parallel
 from .tensor_parallel import apply_tensor_parallel
 from .weights import chunk_bounds
 
-__all__ = ["fsdp_parts", "refuse_packed", "resharded_after", "set_buffers", "shard_stages"]
+__all__ = ["fsdp_parts", "gathered", "refuse_packed", "resharded_after", "set_buffers", "shard_stages"]
 
 
 def fsdp_parts(
@@ -279,3 +279,24 @@ def resharded_after(stages: list[nn.Module], call: ContextManager) -> Iterator[N
                 for module in stage.modules():
                     if isinstance(module, FSDPModule):
                         module.reshard()
+
+
+@contextlib.contextmanager
+def gathered(stages: list[nn.Module]) -> Iterator[None]:
+    """Gather every FSDP unit of ``stages`` now, run the block, then reshard them (:func:`resharded_after`).
+
+    Collective over each stage's fsdp group: every rank of the job enters it at the same point. With
+    ``reshard_after_forward=False`` a gathered unit stays gathered through every forward in the block
+    (FSDP2's pre-forward gather is then a no-op), so the block runs no collective of FSDP's: a loop whose
+    fsdp ranks run different numbers of forwards (the continuous ring, each data-parallel replica on its
+    own rows) cannot deadlock on a gather another rank never reaches. Units are gathered in module order,
+    which is the same on every fsdp rank of a stage (they hold the same stages).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    with resharded_after(stages, contextlib.nullcontext()):
+        for stage in stages:
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.unshard()
+        yield

@@ -15,10 +15,12 @@ computed (``prefix_cache``; :mod:`hf_pipeline.continuous_batching.prefix_cache`;
 caches: ``engine.prefix_reason``). Stages over several tensor- or expert-parallel ranks run the ring too (stage 0's
 lead plans, its tp group gets the plan by broadcast), and so do several stages per rank (interleaved
 and V layouts: a rank runs its stages in turn) and data-parallel replicas (each its own ring of
-``max_batch`` rows, all planned by rank 0). Models the ring does not serve fall back to static rounds
-(``engine.batching`` then says ``"static"`` and ``engine.static_reason`` why): encoder-decoder models
-(T5), FSDP-sharded stages and cache layers other than full and sliding-window attention (chunked
-attention: :mod:`hf_pipeline.continuous_batching.group_cache`).
+``max_batch`` rows, all planned by rank 0; FSDP-sharded stages too, gathered once per ring), and
+encoder-decoder models (T5: each prompt runs whole through the encoder as its row joins;
+:mod:`hf_pipeline.continuous_batching.encoder_decoder_stage`). Models the ring does not serve fall back
+to static rounds (``engine.batching`` then says ``"static"`` and ``engine.static_reason`` why): cache
+layers other than full and sliding-window attention (chunked attention:
+:mod:`hf_pipeline.continuous_batching.group_cache`).
 
 ``batching="static"``: each round rank 0 takes a batch from its queue
 (:class:`~hf_pipeline.serving.scheduler.StaticBatcher`), broadcasts its plan as JSON, and every rank
@@ -177,9 +179,10 @@ class Engine:
             What the pool leaves is the prefix cache's.
         prefill_chunk: continuous only: prompt tokens one op of a group runs at most beside its decoding rows
             (chunked prefill: a longer prompt joins over several steps); None or 0: whole prompts at once.
+            An encoder-decoder's prompts always run whole (its encoder attends both ways).
         prefix_cache: continuous only: reuse cached prompt heads (blocks of ``prefix_block`` tokens, kept per
             stage within the KV budget, least recently used evicted); off for sliding-window and chunked
-            attention caches (``prefix_reason`` says why).
+            attention caches and encoder-decoders (``prefix_reason`` says why).
 
     Attributes:
         batching: the batching in use; ``static_reason`` says why static when continuous was asked for.
@@ -293,6 +296,10 @@ class Engine:
             raise ServingRequestError("stop strings need the engine's tokenizer", param="stop")
         if req.grammar is not None:
             self._check_grammar(req.grammar)
+        if req.echo and self.model.config.is_encoder_decoder:
+            raise ServingRequestError("echo answers the prompt's log-probabilities, which an encoder-decoder model "
+                                      "does not compute (its prompt is the encoder's input); leave echo out",
+                                      param="echo")
         if self.batching == "static":
             for param, asks in _RING_ONLY.items():
                 if asks(req):

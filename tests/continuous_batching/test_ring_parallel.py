@@ -1,7 +1,9 @@
 """Continuous batching beyond one stage per rank (one spawned job per world size): at 4 ranks, LLaMA with
 tensor parallelism (pp2 x tp2), Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks
-keep half of every MoE layer's experts) and LLaMA in two data-parallel replicas (dp2 x pp2: rank 0
-plans both replicas' rings, each runs its own rows); at 2 ranks, LLaMA with two stages per rank, interleaved
+keep half of every MoE layer's experts), LLaMA in two data-parallel replicas (dp2 x pp2: rank 0
+plans both replicas' rings, each runs its own rows) and LLaMA FSDP-sharded (pp2 x fsdp2: the fsdp
+ranks are such replicas; every FSDP unit is gathered as the ring starts and no all-gather runs inside
+a ring op, counted by a patch on torch's all-gather); at 2 ranks, LLaMA with two stages per rank, interleaved
 (stages 0, 2 | 1, 3: the reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2:
 two hand-overs within a rank). The engine must report ``batching == "continuous"`` and serve
 a stream whose requests join and leave at different times (different prompt lengths and
@@ -13,6 +15,7 @@ leave; a row run with another row's positions, cache or plan moves its tokens)."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -31,13 +34,61 @@ EARLY = (2, 5)  # requests ended by a stop id of their own continuation
 def _serve(path: str, load: dict, requests: list[dict]) -> dict | None:
     """Every rank: one continuous engine; rank 0 submits 3 requests, the rest once the first has tokens."""
     import hf_pipeline
-    from hf_pipeline.serving import CompletionRequest, Engine
+    from hf_pipeline.serving import Engine
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False,
                                                              **load)
     engine = Engine(model, max_batch=3, batching="continuous", idle_s=0.05)
     out: dict = {"batching": engine.batching, "reason": engine.static_reason, "stages": len(model.stages),
                  "dp": model.dims.dp_size}
+    with _counting_gathers() as gathers:
+        out.update(_run(engine, model, requests))
+    return {**out, "gathers": gathers}
+
+
+@contextlib.contextmanager
+def _counting_gathers():
+    """Counts torch's all-gathers (FSDP2's unshard calls one per unit): ``{"all": n, "in_op": n}``, those run
+    inside a continuous-ring op apart."""
+    import torch.distributed as dist
+
+    from hf_pipeline.continuous_batching.continuous_ring import ContinuousRing
+
+    counts = {"all": 0, "in_op": 0}
+    in_op = [False]
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+    op = ContinuousRing._op
+
+    def counted(original):
+        def gather(*args, **kwargs):
+            counts["all"] += 1
+            counts["in_op"] += in_op[0]
+            return original(*args, **kwargs)
+        return gather
+
+    def watched_op(self, *args, **kwargs):
+        in_op[0] = True
+        try:
+            return op(self, *args, **kwargs)
+        finally:
+            in_op[0] = False
+
+    for n in names:
+        setattr(dist, n, counted(originals[n]))
+    ContinuousRing._op = watched_op
+    try:
+        yield counts
+    finally:
+        for n in names:
+            setattr(dist, n, originals[n])
+        ContinuousRing._op = op
+
+
+def _run(engine, model, requests: list[dict]) -> dict:
+    from hf_pipeline.serving import CompletionRequest
+
+    out: dict = {}
     if model.ctx.rank != 0:
         engine.serve_forever()
         return {**out, "forwards": engine.forwards}
@@ -91,7 +142,7 @@ def _mixtral(directory) -> str:
 def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp_path):
     llama = str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1))
     paths = {"llama tp2": (llama, {"tp_size": 2}), "mixtral ep2": (_mixtral(tmp_path / "mixtral"), {"ep_size": 2}),
-             "llama dp2": (llama, {"num_stages": 2})}
+             "llama dp2": (llama, {"num_stages": 2}), "llama fsdp2": (llama, {"num_stages": 2, "fsdp_size": 2})}
     refs = {name: tiny.reference(path, "AutoModelForCausalLM") for name, (path, _) in paths.items()}
     requests = {name: _requests(ref) for name, ref in refs.items()}
     cases = [(path, load, requests[name]) for name, (path, load) in paths.items()]
@@ -101,7 +152,10 @@ def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp
         assert all(r["batching"] == "continuous" for r in ranks), (name, ranks[0]["reason"])
         got = ranks[0]
         assert all(r["forwards"] > 0 for r in ranks), name  # every rank (both replicas) ran rows
-        if name == "llama dp2":  # two replicas of 3 slots: more rows at once than one replica holds
+        if name == "llama fsdp2":  # gathered as each ring starts (a unit per block and stage), never in an op
+            assert all(r["gathers"]["all"] > 0 and r["gathers"]["in_op"] == 0 for r in ranks), \
+                [r["gathers"] for r in ranks]
+        if name in ("llama dp2", "llama fsdp2"):  # two replicas of 3 slots: more rows than one replica holds
             assert ranks[0]["dp"] == 2 and got["peak_rows"] > 3, (name, got["peak_rows"])
         else:
             assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
