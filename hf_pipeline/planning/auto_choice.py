@@ -18,12 +18,13 @@ world over a stage's ranks and fsdp (``ParallelRequest``), its rows the batch ov
 ranks, and a candidate the loader would refuse there is left out with its reason.
 
 Two inputs come from above this room and are passed in: the stage plan of a candidate's options
-(the loader's own front end builds it on a meta model, ``loading.stages.recipe_front_end``) and,
-with ``max_memory``, its predicted training peak (the memory planner's fake-tensor run,
-``memory.planner.plan_report``). :mod:`hf_pipeline.memory.auto_choice_costs` binds both; every rule
-of the choice stays here. :func:`with_schedule` switches a loaded model's options to another
-schedule of the same stage placement (``model.set_schedule``); measuring schedules by running them
-is a tool, :mod:`hf_pipeline.tools.schedule_tuning`.
+(the loader's own front end builds it on a meta model, ``loading.stages.recipe_front_end``; its FLOPs
+those of one rank of a stage) and, with ``max_memory``, its predicted training peak on the mesh (the
+memory planner's fake-tensor run, ``memory.mesh_report.mesh_report``).
+:mod:`hf_pipeline.memory.auto_choice_costs` binds both; every rule of the choice stays here.
+:func:`with_schedule` switches a loaded model's options to another schedule of the same stage
+placement (``model.set_schedule``); measuring schedules by running them is a tool,
+:mod:`hf_pipeline.tools.schedule_tuning`.
 
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="auto", n_microbatches="auto",
@@ -60,7 +61,7 @@ AUTO = "auto"
 OVERHEAD_TOKENS = {"cpu": 24, "cuda": 256}
 _DEFAULT_OVERHEAD_TOKENS = 64
 
-# (config, options) -> the stage plan the loader builds for those options.
+# (config, options) -> the stage plan the loader builds for those options (FLOPs per stage: one of its ranks').
 StagePlanOf = Callable[[Any, PipelineOptions], StagePlan]
 # (config, options, candidate, rows, seq) -> the fullest rank's predicted training peak in bytes.
 PredictedPeak = Callable[..., int]
