@@ -44,6 +44,7 @@ MESHES = {  # name -> (config, world size, the request inside each stage)
     "llama pp2 x fsdp2": (_llama, 4, ParallelRequest(fsdp_size=2)),
     "mixtral pp2 x ep2": (lambda: decoder_config("mixtral"), 4, ParallelRequest(ep_size=2)),
     "qwen3_moe pp2 x tp2 x ep2": (lambda: decoder_config("qwen3_moe"), 4, ParallelRequest(tp_size=2, ep_size=2)),
+    "qwen3_moe pp2 x fsdp2 x ep2": (lambda: decoder_config("qwen3_moe"), 8, ParallelRequest(ep_size=2, fsdp_size=2)),
 }
 
 
@@ -56,7 +57,7 @@ def test_default_and_auto_choose_on_each_mesh(mesh):
     kwargs, choice = default_choice(cfg, world, device_type="cpu", **kw)
     assert choice is not None, kwargs["schedule_note"]
     opts = PipelineOptions.resolve(cfg, world, **{k: v for k, v in kwargs.items() if k != "tune_batch"})
-    assert opts.pp_size == 2 and opts.tp_size * opts.fsdp_size == 2 and opts.adapt_microbatches
+    assert opts.pp_size == 2 and opts.pp_size * opts.tp_size * opts.dp_size == world and opts.adapt_microbatches
     assert opts.schedule_note.startswith(f"schedule {choice.chosen.schedule!r}, n_microbatches="
                                          f"{choice.chosen.n_microbatches}: chosen because no schedule"), opts
     kwargs, auto = choose(cfg, world, device_type="cpu", schedule="auto", n_microbatches="auto", **kw)
