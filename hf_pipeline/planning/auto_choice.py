@@ -296,6 +296,9 @@ def _estimate(
     except (InputError, PlanError) as e:
         return Estimate(candidate=c, note=str(e))
     plan = plans[key]
+    # A pipeline's rows: fsdp's ranks are data-parallel (each runs its own rows, so its compute is not divided
+    # further; its gathers are left to the per-action overhead), while a stage's tp / ep ranks share its rows
+    # and split its compute (the stage plan's FLOPs are one such rank's).
     rows = batch // opts.dp_size
     mb_tokens = rows * seq / c.n_microbatches
     per_token = [s.flops_per_token for s in plan.stages] if plan is not None else [1.0] * opts.num_stages
