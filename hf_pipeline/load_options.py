@@ -107,8 +107,9 @@ class LoadOptions:
         None, "`gpipe`, `1f1b`, `interleaved-1f1b`, `looped-bfs`, `interleaved-zero-bubble`, `zbv-zero-bubble`, "
         "`dualpipev`, or `\"auto\"` (the simulated fastest; see `tune_batch`). Named neither schedule nor "
         "`n_microbatches`: the simulated fastest schedule and count among the schedules of the default placement, "
-        "keeping no more activations live than `1f1b` with one microbatch per stage; where that choice cannot plan "
-        "(tensor/FSDP/expert parallelism, traced stages, encoder-decoders, one stage) `1f1b` "
+        "keeping no more activations live than `1f1b` with one microbatch per stage (tp / ep / fsdp meshes too, a "
+        "stage costed by one of its ranks); where that choice cannot plan (traced stages, encoder-decoders, one "
+        "stage) `1f1b` "
         "(`interleaved-1f1b` with 2+ stages per rank). With `n_microbatches` named alone: that default, or, when it "
         "cannot train them, the schedule of the same layout with the smallest bubble that can. "
         "`model.options.schedule_note` and `hf-pipeline plan` say which and why. A schedule you name is refused with "
@@ -133,7 +134,8 @@ class LoadOptions:
         concern="pipeline", acts="choose")
     max_memory: int | str | None = _option(
         None, "with `schedule=\"auto\"` / `n_microbatches=\"auto\"`, or neither named: a per-rank budget (bytes or "
-        "`\"20GiB\"`) for the predicted training peak of the candidates", concern="pipeline", acts="choose")
+        "`\"20GiB\"`) for the candidates' predicted training peak on the mesh (weights, gradients, AdamW state, "
+        "activations of the rank's routed tokens)", concern="pipeline", acts="choose")
     # ---------------------------------------------------------------- mesh: parallelism inside each stage
     tp_size: int | None = _option(
         None, "tensor-parallel ranks per stage (families with a tensor-parallel plan; default 1)", concern="mesh",

@@ -373,10 +373,11 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Microbatches a call of ``rows`` rows (a step: ``seq`` tokens) runs; see ``auto_choice.call_microbatches``."""
         if not self.options.adapt_microbatches:
             return self.n_microbatches
+        costs = self.auto_choice.stage_costs if self.auto_choice is not None else ()  # as the load's choice costed
         return call_microbatches(
             self.schedule.name, pp_size=self.plan.pp_size, virtual_stages=self.plan.virtual_stages,
             n_microbatches=self.n_microbatches, rows=rows, training=training, seq=seq,
-            flops=tuple(s.flops_per_token for s in self.plan.stages), device_type=self.ctx.device.type)
+            flops=costs or tuple(s.flops_per_token for s in self.plan.stages), device_type=self.ctx.device.type)
 
     def set_schedule(self, schedule: str | type, *, n_microbatches: int | None = None) -> None:
         """Train with another schedule that places the stages as loaded (1F1B <-> GPipe; interleaved

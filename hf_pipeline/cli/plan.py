@@ -28,9 +28,9 @@ def cmd_plan(args) -> int:
         n_microbatches=args.n_microbatches, auto_class=auto, split=split_option(args.split),
         checkpoint_every_n_layers=args.checkpoint_every_n_layers, moe_routing=args.moe_routing,
     )
+    if args.schedule is None and args.n_microbatches is None:
+        common.update(_default_choice(config, args, auto))
     if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1 and args.ep_size == 1:
-        if args.schedule is None and args.n_microbatches is None:
-            common.update(_default_choice(config, args, auto))
         report = plan_report(config, stages=args.stages or 2, **common)
     else:  # a mesh: every rank's share of it
         from ..memory.mesh_report import mesh_report
@@ -42,15 +42,25 @@ def cmd_plan(args) -> int:
 
 
 def _default_choice(config, args, auto) -> dict:
-    """The schedule, count and note a load naming neither would choose for these stages (on this machine's device)."""
+    """The schedule, count and note a load naming neither would choose for these stages and mesh (on this
+    machine's device); the stages and world as ``mesh_report`` takes them (one replica unless ``--num-processes``)."""
     import torch
 
     from ..memory.auto_choice_costs import default_choice
+    from ..memory.mesh_report import mesh_shape
+    from ..planning.tp_plan import ParallelRequest
 
-    stages = args.stages or 2
+    per_rank, stage_ranks = args.virtual_stages or 1, max(args.tp_size, args.ep_size) * args.fsdp_size
+    stages = args.stages or (max(1, args.mesh_processes // stage_ranks) if args.mesh_processes else 2) * per_rank
+    world = args.mesh_processes or stages // per_rank * stage_ranks
+    # the mesh's own checks first, worded for the flags (the report repeats them)
+    mesh_shape(world, pp_size=max(1, stages // per_rank), tp_size=args.tp_size, fsdp_size=args.fsdp_size,
+               ep_size=args.ep_size)
+    parallel = ParallelRequest(tp_size=args.tp_size, ep_size=args.ep_size, fsdp_size=args.fsdp_size)
     kwargs, _ = default_choice(
-        config, stages // (args.virtual_stages or 1), device_type="cuda" if torch.cuda.is_available() else "cpu",
-        auto_class=auto, virtual_stages=args.virtual_stages, num_stages=stages, split=split_option(args.split),
+        config, world,
+        device_type="cuda" if torch.cuda.is_available() else "cpu", auto_class=auto, virtual_stages=args.virtual_stages,
+        num_stages=stages, split=split_option(args.split), parallel=None if parallel == ParallelRequest() else parallel,
     )
     return {k: kwargs.get(k, None) for k in ("schedule", "n_microbatches", "virtual_stages", "schedule_note")}
 

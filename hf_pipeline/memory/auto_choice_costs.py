@@ -3,8 +3,11 @@
 The rules of the choice (candidates, the simulated step, ties, the memory budget) are
 :func:`hf_pipeline.planning.auto_choice.choose_candidate`'s. It needs two figures per candidate that
 planning cannot compute, since both build the model on the meta device: the stage plan the loader
-will build (``loading.stages.recipe_front_end``: its FLOPs per stage) and, with ``max_memory``, the
-fullest rank's predicted training peak (:func:`~hf_pipeline.memory.planner.plan_report`, a
+will build (``loading.stages.recipe_front_end``), its FLOPs per stage those of one rank of the stage
+(:func:`~.mesh_shares.rank_flops_per_token`: a tensor-parallel rank's slices, an expert-parallel rank's
+experts), and, with ``max_memory``, the fullest rank's predicted training peak on the load's mesh
+(:func:`~hf_pipeline.memory.mesh_report.mesh_report`: parameters, gradients and AdamW state as the rank
+holds them under tp / ep / fsdp, fsdp's gathers, and the activations of its routed tokens from a
 fake-tensor run of those stages). This module passes both in, so it sits in the lowest room that
 holds the memory planner; :func:`chooser` is what every load calls (``model.load_pipelined``).
 
@@ -16,15 +19,19 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 from ..errors import InputError
 from ..loading.stages import recipe_front_end
 from ..planning.auto_choice import AutoChoice, Candidate, choose_candidate, choose_default
+from ..planning.moe_costs import routed_shares
 from ..planning.options import PipelineOptions
 from ..planning.plan import StagePlan
-from .planner import plan_report
+from ..planning.resolve import hidden_size
+from .mesh_report import mesh_report
+from .mesh_shares import rank_flops_per_token
 
 __all__ = ["choose", "chooser", "default_choice", "predicted_training_peak"]
 
@@ -81,11 +88,6 @@ def choose(
     Returns:
         (the arguments with concrete values, the :class:`~hf_pipeline.planning.auto_choice.AutoChoice`).
     """
-    if option_kwargs.get("parallel") is not None:
-        raise InputError(
-            "schedule='auto' / n_microbatches='auto' plan pipelines without tensor parallelism or FSDP; name the "
-            "schedule and n_microbatches with tp_size / fsdp_size / distributed_config / device_mesh"
-        )
     return choose_candidate(
         config, world_size, device_type=device_type, stage_plan=_loader_plan, predicted_peak=predicted_training_peak,
         tune_batch=tune_batch, max_memory=max_memory, overhead_tokens=overhead_tokens, **option_kwargs,
@@ -93,14 +95,30 @@ def choose(
 
 
 def _loader_plan(config, options: PipelineOptions) -> StagePlan:
-    # The loader's own front end: the plan from_pretrained will build for these options.
-    return recipe_front_end(config, options).plan
+    """The plan from_pretrained will build for these options (the loader's own front end), each stage's FLOPs per
+    token those of one of its ranks (:func:`~.mesh_shares.rank_flops_per_token`; the whole stage without tp / ep)."""
+    maker = recipe_front_end(config, options)
+    if options.tp_size == 1:
+        return maker.plan
+    shares, hidden = routed_shares(maker.skeleton), hidden_size(maker.skeleton)
+    stages = tuple(
+        dataclasses.replace(spec, flops_per_token=rank_flops_per_token(
+            stage, options, flops=spec.flops_per_token, attention=len(spec.attention_blocks), hidden=hidden,
+            shares=shares))
+        for spec, stage in zip(maker.plan.stages, maker.make_stages(maker.plan.stages)))
+    return dataclasses.replace(maker.plan, stages=stages)
 
 
 def predicted_training_peak(config, opts: PipelineOptions, c: Candidate, *, rows: int, seq: int) -> int:
-    """The largest rank's predicted training peak for candidate ``c`` (:func:`.planner.plan_report`)."""
-    report = plan_report(
-        config, stages=opts.num_stages, virtual_stages=opts.virtual_stages, schedule=c.schedule, dtype=opts.dtype,
-        batch=rows, seq=seq, n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
+    """The fullest rank's predicted training peak for candidate ``c`` on the options' mesh
+    (:func:`.mesh_report.mesh_report`, ``rows`` per pipeline): weights, gradients and AdamW state as the rank
+    holds them, fsdp's gathers, P2P buffers and its live activations, a mixture of experts' priced at the
+    ``"worst"`` routing (an upper bound: every token's top_k experts on this rank as far as it holds them)."""
+    ep_alone = opts.ep_size > 1 and not opts.tp_plan  # the stage's tp_size ranks split only the experts
+    report = mesh_report(
+        config, num_processes=opts.dp_size * opts.pp_size * opts.tp_size, tp_size=1 if ep_alone else opts.tp_size,
+        ep_size=opts.ep_size, fsdp_size=opts.fsdp_size, stages=opts.num_stages, virtual_stages=opts.virtual_stages,
+        batch=rows * opts.dp_size, schedule=c.schedule, dtype=opts.dtype, seq=seq, n_microbatches=c.n_microbatches,
+        auto_class=opts.model_class, split=opts.split,
     )
     return max(r.train_peak_bytes for r in report.ranks)

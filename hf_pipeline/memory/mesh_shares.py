@@ -1,8 +1,9 @@
 """What one rank of a mesh holds of a stage's parameters: tensor-parallel slices, expert-parallel experts,
-fsdp's units.
+fsdp's units; and the compute per token those shares leave it (:func:`rank_flops_per_token`).
 
-Used by the memory planner (:mod:`.planner`, which runs the stages on these shapes) and by
-:mod:`.mesh_report` (the per-rank report of a mesh).
+Used by the memory planner (:mod:`.planner`, which runs the stages on these shapes), by
+:mod:`.mesh_report` (the per-rank report of a mesh) and by the automatic schedule choice
+(:mod:`.auto_choice_costs`, which costs a stage by one of its ranks).
 
 Example:
     >>> tp_local_shapes(stage, options.tp_plan, 2)["model.layers.0.self_attn.q_proj.weight"]   # (heads*hd/2, hidden)
@@ -10,12 +11,17 @@ Example:
 
 from __future__ import annotations
 
+import math
+from typing import Mapping
+
 from torch import nn
 
 from ..loading.expert_parallel import expert_parts
 from ..loading.tensor_parallel import shard_parts
+from ..planning.resolve import COST_SEQ_LEN, attention_flops
 
-__all__ = ["ep_local_shapes", "fsdp_unit_bytes", "human_bytes", "local_shapes", "tp_local_shapes"]
+__all__ = ["ep_local_shapes", "fsdp_unit_bytes", "human_bytes", "local_shapes", "rank_flops_per_token",
+           "tp_local_shapes"]
 
 
 def human_bytes(n: float) -> str:
@@ -79,6 +85,38 @@ def local_shapes(stage: nn.Module, options) -> dict[str, tuple]:
     tensor-parallel slices and its experts; only the parameters it does not hold whole."""
     return {**tp_local_shapes(stage, options.tp_plan, options.tp_size),
             **ep_local_shapes(stage, options.ep_plan, options.ep_size)}
+
+
+def rank_flops_per_token(stage: nn.Module, options, *, flops: float, attention: int, hidden: int,
+                         shares: Mapping[str, float]) -> float:
+    """FLOPs per token one rank of a stage computes under ``options``: the stage's ``flops`` (the splitter's count,
+    ``StageSpec.flops_per_token``) less what its ``tp_size`` / ``ep_size`` peers compute instead.
+
+    A matmul with a tensor-parallel slice or a rank's experts costs the rank its local share (the plan's slices
+    and ``E / ep_size`` experts of every experts module, weighed as the splitter does by ``shares``: ``top_k / E``
+    per token). Every rank of a stage runs the same tokens (the stage's batch is not split over them), so
+    what is whole (embeddings, norms, a router, with ep alone attention too) costs each rank all of it, and the
+    experts' share assumes routing spread evenly over the ranks (what the load-balancing loss aims at). Attention
+    scores run on heads / tp when a tensor-parallel plan splits the stage (every plan cuts the attention
+    projections by heads). The collectives (tp's all-reduces, ep's token exchange) are not counted here: the
+    choice's per-action overhead stands in for them.
+
+    Args:
+        stage: a stage module (meta), its parameter names the skeleton's.
+        options: ``PipelineOptions`` with the stage's ``tp_plan`` / ``ep_plan`` and sizes.
+        flops: the stage's FLOPs per token as the splitter counts them (at ``COST_SEQ_LEN``).
+        attention: attention layers of the stage (``StageSpec.attention_blocks``).
+        hidden: the model's hidden size.
+        shares: experts module name -> share a token runs through (``routed_shares``).
+    """
+    cut = 0.0
+    for name, shape in local_shapes(stage, options).items():
+        p = stage.get_parameter(name)
+        if p.dim() >= 2:  # as module_stats counts a matmul: 2 x its elements x the routed share
+            cut += 2.0 * (p.numel() - math.prod(shape)) * shares.get(name.rpartition(".")[0], 1.0)
+    if options.tp_plan and options.tp_size > 1:
+        cut += attention_flops(attention, COST_SEQ_LEN, hidden) * (1 - 1 / options.tp_size)
+    return flops - cut
 
 
 def fsdp_unit_bytes(stage: nn.Module, local_shapes: dict[str, tuple], itemsize: int) -> list[int]:

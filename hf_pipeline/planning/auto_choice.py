@@ -5,21 +5,26 @@ costed by **simulating one training step** (:func:`choose_candidate`): each rank
 the order torch's schedule lists them (:func:`hf_pipeline.planning.simulate.simulate_step`), an action
 starting when its rank is free and its input exists (a forward after the previous stage's
 forward, a backward after the next stage's backward, a weight-gradient pass after its input
-pass). An action costs its stage's FLOPs per token (the planner's model, :class:`StagePlan`) times
+pass). An action costs its stage's FLOPs per token (the planner's model, :class:`StagePlan`; on a mesh
+those of one of the stage's tensor- or expert-parallel ranks, which run the stage together) times
 the microbatch's tokens — forward 1x, full backward 2x, input and weight backward 1x each — plus a
 fixed overhead per action (Python, communication, a smaller matmul's lower FLOP rate), written as
 the compute of :data:`OVERHEAD_TOKENS` tokens of one rank's share of the model. The simulation
 sees what the bubble formulas do not: stage imbalance, the schedule's real order and the cost of
 many small microbatches. With ``max_memory``, candidates whose predicted training peak does not
 fit are left out. The choice is pure arithmetic on the config, so every rank makes the same one.
+Meshes with tp / ep / fsdp inside the stages are planned like any other: a pipeline's ranks are the
+world over a stage's ranks and fsdp (``ParallelRequest``), its rows the batch over the data-parallel
+ranks, and a candidate the loader would refuse there is left out with its reason.
 
 Two inputs come from above this room and are passed in: the stage plan of a candidate's options
-(the loader's own front end builds it on a meta model, ``loading.stages.recipe_front_end``) and,
-with ``max_memory``, its predicted training peak (the memory planner's fake-tensor run,
-``memory.planner.plan_report``). :mod:`hf_pipeline.memory.auto_choice_costs` binds both; every rule
-of the choice stays here. :func:`with_schedule` switches a loaded model's options to another
-schedule of the same stage placement (``model.set_schedule``); measuring schedules by running them
-is a tool, :mod:`hf_pipeline.tools.schedule_tuning`.
+(the loader's own front end builds it on a meta model, ``loading.stages.recipe_front_end``; its FLOPs
+those of one rank of a stage) and, with ``max_memory``, its predicted training peak on the mesh (the
+memory planner's fake-tensor run, ``memory.mesh_report.mesh_report``).
+:mod:`hf_pipeline.memory.auto_choice_costs` binds both; every rule of the choice stays here.
+:func:`with_schedule` switches a loaded model's options to another schedule of the same stage
+placement (``model.set_schedule``); measuring schedules by running them is a tool,
+:mod:`hf_pipeline.tools.schedule_tuning`.
 
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, schedule="auto", n_microbatches="auto",
@@ -34,12 +39,13 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import InputError, PipelineError
+from ..errors import InputError, PipelineError, PlanError
 from .actions import peak_in_flight, schedule_actions
 from .options import PipelineOptions, parse_size
 from .plan import StagePlan
 from .schedules import SCHEDULES, ScheduleSpec, check_layout, fitting_microbatches, get_schedule
 from .simulate import simulate_step
+from .tp_plan import ParallelRequest
 
 __all__ = [
     "call_microbatches",
@@ -55,7 +61,7 @@ AUTO = "auto"
 OVERHEAD_TOKENS = {"cpu": 24, "cuda": 256}
 _DEFAULT_OVERHEAD_TOKENS = 64
 
-# (config, options) -> the stage plan the loader builds for those options.
+# (config, options) -> the stage plan the loader builds for those options (FLOPs per stage: one of its ranks').
 StagePlanOf = Callable[[Any, PipelineOptions], StagePlan]
 # (config, options, candidate, rows, seq) -> the fullest rank's predicted training peak in bytes.
 PredictedPeak = Callable[..., int]
@@ -82,6 +88,7 @@ class Estimate:
         peak_bytes: predicted training peak of the fullest rank (with ``max_memory`` only).
         measured_seconds: median measured step time (:func:`~hf_pipeline.tools.schedule_tuning.tune` only).
         note: why the candidate was left out, if it was.
+        stage_costs: FLOPs per token of each stage as simulated (one of its ranks'); empty when not simulated.
     """
 
     candidate: Candidate
@@ -90,6 +97,7 @@ class Estimate:
     peak_bytes: int | None = None
     measured_seconds: float | None = None
     note: str = ""
+    stage_costs: tuple[float, ...] = ()
 
     @property
     def usable(self) -> bool:
@@ -105,6 +113,12 @@ class AutoChoice:
     basis: str  # "cost model" or "measured"
     batch: int
     seq: int
+
+    @property
+    def stage_costs(self) -> tuple[float, ...]:
+        """The chosen candidate's stage costs as the cost model simulated them (empty when measured): what a call's
+        own microbatch count is simulated with (:func:`call_microbatches`), so it prices stages as the load did."""
+        return next((e.stage_costs for e in self.estimates if e.candidate == self.chosen), ())
 
     def __str__(self) -> str:
         rows = [f"automatic schedule choice ({self.basis}; batch {self.batch} x {self.seq} tokens): {self.chosen}"]
@@ -128,24 +142,28 @@ def microbatch_counts(rows: int, fixed: int | None) -> list[int]:
 
 def _candidates(
     world_size: int, *, schedule: Any, virtual_stages: int | None, num_stages: int | None, n_microbatches: Any,
-    rows: int, placement: PipelineOptions | None = None,
+    rows: int, placement: PipelineOptions | None = None, parallel: ParallelRequest | None = None,
 ) -> list[Candidate]:
     # n_microbatches: AUTO (every count that divides the rows), None (the loader's default: one per
-    # stage) or a fixed count. placement: only the schedules that run its stages as they are.
+    # stage) or a fixed count. placement: only the schedules that run its stages as they are. parallel:
+    # the mesh inside each stage; a pipeline rank is a stage's tp (or ep) ranks, and fsdp shards over replicas.
     specs = list(SCHEDULES.values()) if schedule == AUTO else [get_schedule(schedule)]
     if placement is not None:
         specs = [s for s in specs if same_placement(s, placement)]
         virtual_stages, num_stages = placement.virtual_stages, placement.num_stages
+    stage_ranks = (parallel or ParallelRequest()).stage_ranks
+    pipeline_slots = world_size // stage_ranks.tp_size  # pipeline ranks x data-parallel ranks (replicas x fsdp)
+    pp_default = stage_ranks.pp_size or pipeline_slots // stage_ranks.fsdp_size
     out = []
     for spec in specs:
         vs = [v for v in ((virtual_stages,) if virtual_stages is not None else (1, 2)) if spec.accepts_virtual(v)]
         for v in vs:
-            stages = num_stages if num_stages is not None else world_size * v
-            if stages % v or world_size % (stages // v):
+            stages = num_stages if num_stages is not None else pp_default * v
+            if not stages or stages % v or pipeline_slots % (stages // v):
                 continue
             pp = stages // v
             fixed = None if n_microbatches == AUTO else n_microbatches
-            counts = [stages] if n_microbatches is None else microbatch_counts(rows // (world_size // pp), fixed)
+            counts = [stages] if n_microbatches is None else microbatch_counts(rows // (pipeline_slots // pp), fixed)
             for m in counts:
                 if spec.training_problem(pp_size=pp, virtual_stages=v, n_microbatches=m) is None:
                     out.append(Candidate(schedule=spec.name, virtual_stages=v, n_microbatches=m))
@@ -194,7 +212,7 @@ def choose_candidate(
     cands = _candidates(
         world_size, schedule=schedule, virtual_stages=option_kwargs.get("virtual_stages"),
         num_stages=option_kwargs.get("num_stages"),
-        n_microbatches=m_fixed, rows=batch, placement=placement,
+        n_microbatches=m_fixed, rows=batch, placement=placement, parallel=option_kwargs.get("parallel"),
     )
     if not cands:
         raise InputError(
@@ -215,44 +233,72 @@ def choose_candidate(
         base = _live_rows(placement.schedule, placement.pp_size, placement.virtual_stages, placement.n_microbatches)
         estimates = [_within_live_rows(e, placement, base) for e in estimates]
     usable = [e for e in estimates if e.usable]
-    if not usable and budget is None:  # the default's bound on live activations left every candidate out
-        raise InputError(f"no candidate for a batch of {batch} x {seq} tokens keeps no more activations live than "
-                         f"the fixed default: {estimates[0].note}")
     if not usable:
-        raise InputError(
-            f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest "
-            "predicted peak is "
-            f"{min(e.peak_bytes for e in estimates) / 2**20:.0f} MiB; use more stages, a smaller tune_batch or "
-            "a larger budget"
-        )
+        _refuse_none_usable(estimates, batch=batch, seq=seq, max_memory=max_memory)
     # Ties: fewer microbatches (bigger matmuls), then fewer stages per rank (fewer messages).
     best = min(usable,
                key=lambda e: (round(e.relative_step, 4), e.candidate.virtual_stages, e.candidate.n_microbatches))
     chosen = best.candidate
+    choice = AutoChoice(chosen=chosen, estimates=tuple(estimates), basis="cost model", batch=batch, seq=seq)
     kwargs = {**option_kwargs, "schedule": chosen.schedule, "virtual_stages": chosen.virtual_stages,
-              "n_microbatches": chosen.n_microbatches}
-    return kwargs, AutoChoice(chosen=chosen, estimates=tuple(estimates), basis="cost model", batch=batch, seq=seq)
+              "n_microbatches": chosen.n_microbatches,
+              "schedule_note": _auto_note(choice, best, option_kwargs, max_memory)}
+    return kwargs, choice
+
+
+def _refuse_none_usable(estimates: list[Estimate], *, batch: int, seq: int, max_memory: Any) -> None:
+    """Raise the :class:`InputError` that says why every candidate was left out."""
+    refused = [e for e in estimates if e.relative_step is None]  # options the loader refuses (the mesh's rules)
+    if len(refused) == len(estimates):
+        raise InputError(f"no schedule of these options loads on this mesh: {refused[0].candidate}: "
+                         f"{refused[0].note}")
+    if max_memory is None:  # the default's bound on live activations left every candidate out
+        raise InputError(f"no candidate for a batch of {batch} x {seq} tokens keeps no more activations live than "
+                         f"the fixed default: {estimates[0].note}")
+    smallest = min(e.peak_bytes for e in estimates if e.peak_bytes is not None)
+    raise InputError(
+        f"no schedule fits max_memory={max_memory!r} for a batch of {batch} x {seq} tokens: the smallest predicted "
+        f"peak is {smallest / 2**20:.0f} MiB; use more stages, a smaller tune_batch or a larger budget"
+    )
+
+
+def _auto_note(choice: AutoChoice, best: Estimate, asked: dict[str, Any], max_memory: Any) -> str:
+    """``schedule_note`` of a load that asked for ``"auto"``: what was chosen, by what, against what budget."""
+    c = choice.chosen
+    by = " / ".join(f"{k}='auto'" for k in ("schedule", "n_microbatches") if asked.get(k) == AUTO)
+    fits = "" if max_memory is None else f", among those whose predicted per-rank peak fits max_memory={max_memory!r}"
+    return (f"schedule {c.schedule!r}, n_microbatches={c.n_microbatches}: chosen by {by} as the shortest simulated "
+            f"training step of a {choice.batch} x {choice.seq} batch ({best.relative_step:.2f}x ideal, each stage "
+            f"costed by one of its ranks){fits}")
 
 
 def _estimate(
     config, world_size: int, c: Candidate, option_kwargs: dict[str, Any], plans: dict[tuple, Any], *, batch: int,
     seq: int, overhead_tokens: float, budget: int | None, stage_plan: StagePlanOf, predicted_peak: PredictedPeak,
 ) -> Estimate:
-    """One candidate's simulated training step (and, with a memory budget, its predicted peak)."""
-    opts = PipelineOptions.resolve(config, world_size, **{  # the layout checks of loading, too
-        **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
-        "n_microbatches": c.n_microbatches,
-    })
-    spec = opts.schedule
-    # The split balances for the schedule and microbatch count (make_plan) when a rank holds
-    # several stages; with one stage per rank it is the same for every candidate.
-    key = (opts.virtual_stages, spec.layout, opts.pp_size)
-    key += (spec.name, c.n_microbatches) if opts.virtual_stages > 1 else ()
-    if key not in plans:
-        # The loader's own front end (the plan from_pretrained will build); the tracer's split is
-        # costed as balanced, since tracing every candidate would cost more than it tells.
-        plans[key] = None if opts.traced else stage_plan(config, opts)
+    """One candidate's simulated training step (and, with a memory budget, its predicted peak); a candidate
+    the loader would refuse (a schedule fsdp or the tensor-parallel plan cannot run, more stages than blocks)
+    is left out, saying why."""
+    try:
+        opts = PipelineOptions.resolve(config, world_size, **{  # the layout and mesh checks of loading, too
+            **option_kwargs, "schedule": c.schedule, "virtual_stages": c.virtual_stages,
+            "n_microbatches": c.n_microbatches,
+        })
+        spec = opts.schedule
+        # The split balances for the schedule and microbatch count (make_plan) when a rank holds
+        # several stages; with one stage per rank it is the same for every candidate.
+        key = (opts.virtual_stages, spec.layout, opts.pp_size)
+        key += (spec.name, c.n_microbatches) if opts.virtual_stages > 1 else ()
+        if key not in plans:
+            # The loader's own front end (the plan from_pretrained will build); the tracer's split is
+            # costed as balanced, since tracing every candidate would cost more than it tells.
+            plans[key] = None if opts.traced else stage_plan(config, opts)
+    except (InputError, PlanError) as e:
+        return Estimate(candidate=c, note=str(e))
     plan = plans[key]
+    # A pipeline's rows: fsdp's ranks are data-parallel (each runs its own rows, so its compute is not divided
+    # further; its gathers are left to the per-action overhead), while a stage's tp / ep ranks share its rows
+    # and split its compute (the stage plan's FLOPs are one such rank's).
     rows = batch // opts.dp_size
     mb_tokens = rows * seq / c.n_microbatches
     per_token = [s.flops_per_token for s in plan.stages] if plan is not None else [1.0] * opts.num_stages
@@ -269,7 +315,7 @@ def _estimate(
         if peak > budget:
             note = f"predicted peak {peak / 2**20:.0f} MiB > max_memory {budget / 2**20:.0f} MiB"
     return Estimate(candidate=c, relative_step=step / ideal, idle=1 - max(busy.values()) / step, peak_bytes=peak,
-                    note=note)
+                    note=note, stage_costs=tuple(per_token))
 
 
 def _live_rows(spec: ScheduleSpec, pp_size: int, virtual_stages: int, n_microbatches: int) -> list[float]:
@@ -302,8 +348,6 @@ def _within_live_rows(e: Estimate, placement: PipelineOptions, base: list[float]
 # (rule, why). Those loads keep today's default, and its schedule_note says why.
 DEFAULT_REFUSALS: tuple[tuple[Callable[[PipelineOptions, Any], bool], str], ...] = (
     (lambda o, c: o.pp_size == 1, "one stage per pipeline leaves nothing to overlap"),
-    (lambda o, c: o.tp_size * o.fsdp_size * o.ep_size > 1,
-     "the choice plans pipelines without tensor, FSDP or expert parallelism"),
     (lambda o, c: o.traced, "the stages are traced, so the cost model has no per-stage costs"),
     (lambda o, c: bool(getattr(c, "is_encoder_decoder", False)),
      "the cost model counts one sequence length, and an encoder-decoder has two"),

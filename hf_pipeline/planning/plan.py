@@ -23,7 +23,7 @@ from ..errors import PlanError
 from ..families.recipe import Recipe
 from .moe_costs import routed_shares
 from .partition import CUT_GAIN, Objective, objective, stage_costs
-from .resolve import ResolvedRecipe, hidden_size, module_stats, outside_blocks, resolve_recipe
+from .resolve import COST_SEQ_LEN, ResolvedRecipe, hidden_size, module_stats, outside_blocks, resolve_recipe
 from .schedules import ScheduleSpec, rank_of_stage
 
 __all__ = ["PlanError", "StagePlan", "StageSpec", "compress_blocks", "human_count", "make_plan", "stage_flops_parts"]
@@ -415,7 +415,7 @@ def make_plan(
     layout: str = "loop",
     split: str | Sequence[str] = "auto",
     dtype: torch.dtype | None = None,
-    seq_len: int = 256,
+    seq_len: int = COST_SEQ_LEN,
     schedule: ScheduleSpec | str | None = None,
     n_microbatches: int | None = None,
     measured_flops: Mapping[str, float] | None = None,

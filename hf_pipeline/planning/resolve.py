@@ -22,7 +22,13 @@ from torch import nn
 from ..families.recipe import HeadSpec, Recipe, RecipeError, StackSpec
 from ..families.roles import ROLES, decoder_roles
 
-__all__ = ["ResolvedRecipe", "ResolvedStack", "hidden_size", "module_stats", "outside_blocks", "resolve_recipe"]
+__all__ = [
+    "COST_SEQ_LEN", "ResolvedRecipe", "ResolvedStack", "attention_flops", "hidden_size", "module_stats",
+    "outside_blocks", "resolve_recipe",
+]
+
+# The sequence length the splitter costs attention at (its scores grow with the length; the matmuls do not).
+COST_SEQ_LEN = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,5 +229,10 @@ def module_stats(
                     continue
                 seen.add(id(p))
                 params += p.numel()
-    flops += attention * 4.0 * seq_len * hidden  # attention scores and weighted sum: QK^T and AV, per layer
+    flops += attention_flops(attention, seq_len, hidden)
     return params, params * itemsize, flops
+
+
+def attention_flops(attention: int, seq_len: int, hidden: int) -> float:
+    """FLOPs per token of ``attention`` layers' scores and weighted sum (QK^T and AV), beyond their projections."""
+    return attention * 4.0 * seq_len * hidden

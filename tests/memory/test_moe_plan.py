@@ -149,11 +149,13 @@ def test_load_default_and_max_memory_plan_a_mixture_of_experts():
     cfg = decoder_config("qwen3_moe")
     kwargs, choice = default_choice(cfg, 2, device_type="cpu", tune_batch=(8, 16))
     assert choice is not None and kwargs["schedule_note"].startswith(f"schedule {choice.chosen.schedule!r}"), kwargs
-    # max_memory's figure: the planner's fullest rank for the candidate
+    # max_memory's figure: the planner's fullest rank for the candidate, AdamW state included (mesh_report)
+    from hf_pipeline.memory.mesh_report import mesh_report
+
     opts = PipelineOptions.resolve(cfg, 2, dtype="fp32")
     peak = predicted_training_peak(cfg, opts, Candidate(schedule="1f1b", virtual_stages=1, n_microbatches=2),
                                    rows=8, seq=16)
-    report = plan_report(cfg, stages=2, dtype="fp32", batch=8, seq=16, n_microbatches=2, schedule="1f1b")
+    report = mesh_report(cfg, num_processes=2, dtype="fp32", batch=8, seq=16, n_microbatches=2, schedule="1f1b")
     assert peak == max(r.train_peak_bytes for r in report.ranks) > 0
 
 
@@ -210,7 +212,12 @@ def test_cli_plans_an_expert_parallel_mesh_and_refuses_experts_it_cannot_price(t
     assert cli.main(argv) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["mesh"] == {"dp": 1, "fsdp": 1, "pp": 2, "tp": 1, "ep": 2, "world": 4}, d["mesh"]
-    direct = plan_report(cfg, stages=2, dtype="fp32", batch=4, seq=16, ep_size=2, moe_routing="balanced")
+    # no schedule named: the load default's choice for this mesh (tests/planning/test_mesh_choice.py), planned
+    pipe = d["pipeline"]
+    assert any(f"schedule {pipe['schedule']!r}, n_microbatches={pipe['n_microbatches']}: chosen" in n
+               for n in pipe["notes"]), pipe["notes"]
+    direct = plan_report(cfg, stages=2, dtype="fp32", batch=4, seq=16, ep_size=2, moe_routing="balanced",
+                         schedule=pipe["schedule"], n_microbatches=pipe["n_microbatches"])
     assert [r["weight_bytes"] for r in d["ranks"]] == [r.weight_bytes for r in direct.ranks]
     assert [r["activation_bytes"] for r in d["ranks"]] == [r.activation_bytes for r in direct.ranks]
     # an experts module the config's base_model_ep_plan does not name: refused, naming it (its routing would run)

@@ -15,7 +15,6 @@ from hf_pipeline.memory.auto_choice_costs import choose, chooser, default_choice
 from hf_pipeline.planning.auto_choice import same_placement
 from hf_pipeline.planning.options import PipelineOptions
 from hf_pipeline.planning.schedules import fitting_microbatches, get_schedule
-from hf_pipeline.planning.tp_plan import ParallelRequest
 
 CAUSAL = "AutoModelForCausalLM"
 
@@ -74,12 +73,11 @@ def test_named_options_are_honoured_and_only_neither_chooses():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("case", ["tp", "traced", "t5", "one rank", "no candidate"])
+@pytest.mark.parametrize("case", ["traced", "t5", "one rank", "no candidate"])
 def test_default_falls_back_to_the_fixed_default_with_a_note(case):
+    # (meshes with tp / ep / fsdp are chosen for: tests/planning/test_mesh_choice.py)
     cfg, world, kw, why = _llama(), 2, {"auto_class": CAUSAL}, ""
-    if case == "tp":
-        world, kw, why = 4, {**kw, "parallel": ParallelRequest(tp_size=2)}, "tensor, FSDP or expert parallelism"
-    elif case == "traced":
+    if case == "traced":
         kw, why = {**kw, "split_method": "trace"}, "traced"
     elif case == "t5":
         cfg, kw, why = tiny.config_for("t5"), {"auto_class": "AutoModelForSeq2SeqLM"}, "encoder-decoder"
