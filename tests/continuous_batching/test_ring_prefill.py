@@ -1,19 +1,26 @@
 """Chunked prefill and prefix caching in the continuous ring (one spawned job per world size): LLaMA at 2
 ranks with one stage per rank and with two stages per rank (interleaved: stages 0, 2 | 1, 3), and at 4
-ranks with tensor parallelism (pp2 x tp2: each tp rank's prefix cache holds its own heads), 3 slots for 7 requests,
-``prefill_chunk=4`` and prefix blocks of 4 tokens. A short request decodes from the start; the next
-carries a 12-token head (3 blocks) and arrives with it; once it has tokens the rest arrive, four of them
-with the same head and tails of their own, so their prompts (13 to 20 tokens, longer than a chunk)
-join in chunks beside the rows decoding and copy the head's keys and values at each stage instead of
-computing them. Every greedy output must equal transformers' ``generate`` of that request alone on one
+ranks with tensor parallelism (pp2 x tp2: each tp rank's prefix cache holds its own heads), 4 slots
+(groups of 2; interleaved: 4 groups of 1), ``prefill_chunk=4`` and prefix blocks of 4 tokens. A short
+request decodes from the start; the next carries a 12-token head (3 blocks) and arrives with it; once it
+has tokens the rest arrive, four of them with the same head and tails of their own, so their prompts (13
+to 20 tokens, longer than a chunk) join in chunks beside the rows decoding and copy the head's keys and
+values at each stage instead of computing them. Once all are done, five more are let in at once (the
+feeder held while they are queued, so the plan is the same every run): two head rows join one group in
+one op, one of them cut by the budget; a 9-token prompt's last chunk joins its group beside a head row
+with a longer tail, in one forward whose mask hides columns between a row's past and its new tokens;
+the fifth reuses two blocks that 9-token row's stages stored from its columns as moved after that
+forward. Every greedy output must equal transformers' ``generate`` of that request alone on one
 process, token for token (fp32, a LLaMA whose weights are large enough that positions matter; a head
 computed in another batch with other padding moves logits by ~1e-6, far below the top-two gaps of
-~1e-2; a chunk run at wrong positions moves them by ~1, a block copied from another prompt or into
-the wrong row too). The counters prove both mechanisms ran:
-rank 0's chunked row ops and prefix hits (the four later head rows: 12 tokens each), and on every rank
-the tokens its stages copied from their prefix caches (each stage copies for each hit).
+~1e-2; a chunk run at wrong positions moves them by ~1, a block copied from another prompt, from the
+wrong columns or into the wrong row too). The counters prove the mechanisms ran: rank 0's chunked row
+ops and prefix hits (the head rows: 12 tokens each, the fifth: 8), on every rank the tokens its stages
+copied from their prefix caches (each stage copies for each hit), one forward for each op with joining
+rows, and two rows with a past (an earlier chunk, a reused head) in one forward where a group has two slots.
 
-The pure parts (the block index, the planner's budget) are in ``test_prefill_plan.py``."""
+The pure parts (the block index, the planner's budget) are in ``test_prefill_plan.py``, the stacked
+caches' helpers in ``test_group_stack.py``."""
 
 from __future__ import annotations
 
