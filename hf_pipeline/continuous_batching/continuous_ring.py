@@ -171,6 +171,13 @@ class ContinuousRing:
         return sum(lane.forwards for lane in self.lanes)
 
     @property
+    def prefill(self) -> tuple[int, int, int]:
+        """This rank's stages: ops with joining rows, the forwards those ran, the most rows with a past (an
+        earlier chunk, a reused prefix) that one forward ran."""
+        return (sum(lane.prefill_ops for lane in self.lanes), sum(lane.prefill_forwards for lane in self.lanes),
+                max(lane.peak_stacked for lane in self.lanes))
+
+    @property
     def reused_tokens(self) -> int:
         """Prompt tokens this rank's stages copied from their prefix caches instead of computing them."""
         return sum(lane.reused_tokens for lane in self.lanes)

@@ -19,6 +19,14 @@ would move as the group's left padding changes).
 Example:
     >>> mask = merge(group_cache, group_mask, fresh_cache, fresh_mask)   # rows of both, right aligned
     >>> cut_columns(group_cache, cut=3, columns=mask.shape[1] - 3)        # after rows left
+
+Rows with caches of their own (chunked prompts, reused prefixes) run one batched forward on a cache
+:func:`stack` builds, right aligned, their new tokens after it, right aligned too (so a row whose part
+is narrower than the widest has masked columns between its past and its new tokens; positions are
+explicit, so only the mask sees columns); :func:`compact` then moves each row's columns together at the
+right and :func:`take_rows` copies rows out. These three hold full-attention layers only: a
+sliding layer counts its window in columns, which the gap would stretch (the ring runs such rows one
+by one, each on its own cache).
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-__all__ = ["MERGED", "cut_columns", "merge", "merge_refusal", "stored_columns"]
+from ..errors import InternalError
+
+__all__ = ["MERGED", "compact", "cut_columns", "merge", "merge_refusal", "stack", "stored_columns", "take_rows"]
 
 # attention kind (``config.layer_types``, as the cache reads it) -> the cache layer class merged for it
 MERGED: dict[str, type] = {"full_attention": DynamicLayer, "sliding_attention": DynamicSlidingWindowLayer}
@@ -104,3 +114,54 @@ def cut_columns(cache: DynamicCache, cut: int, columns: int) -> None:
         n = stored_columns(layer, columns)
         layer.keys, layer.values = _fit(layer.keys, n), _fit(layer.values, n)
         _set_columns(layer, columns)
+
+
+def _full_only(layers: list[Any], what: str) -> None:
+    if any(getattr(layer, "is_sliding", False) for layer in layers):
+        raise InternalError(f"{what} holds full-attention cache layers only (a sliding window counts columns)")
+
+
+def stack(cache: DynamicCache, rows: list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None],
+          columns: int) -> DynamicCache:
+    """Fill the fresh ``cache`` with each row's keys and values (``{layer: (keys, values)}``, each
+    ``(heads, length, D)``; None: the row has none), right aligned in ``columns``, zeros before; returns it."""
+    for k in sorted({k for kv in rows if kv for k in kv}):
+        ref = next(kv[k] for kv in rows if kv)
+        keys = torch.stack([_fit(kv[k][0] if kv else ref[0][:, :0], columns, 1) for kv in rows])
+        values = torch.stack([_fit(kv[k][1] if kv else ref[1][:, :0], columns, 1) for kv in rows])
+        cache.update(keys, values, k)
+    _full_only(_filled(cache), "a stacked cache")
+    return cache
+
+
+def compact(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+    """Move each row's columns (its mask's ones, in order) to the right end, in place, zeros before them, and
+    drop the leading columns no row uses; the mask so laid out ``(rows, most columns a row uses)``."""
+    width = int(mask.sum(dim=1).max())
+    # A stable sort puts each row's masked columns first and its own after them, each in their order.
+    order = torch.sort(mask, dim=1, stable=True).indices[:, mask.shape[1] - width:]
+    kept = torch.gather(mask, 1, order)
+    layers = _filled(cache)
+    _full_only(layers, "compact")
+    for layer in layers:
+        index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        keep = kept[:, None, :, None].to(layer.keys.dtype)
+        layer.keys = torch.gather(layer.keys, 2, index) * keep
+        layer.values = torch.gather(layer.values, 2, index) * keep
+    return kept
+
+
+def take_rows(cache: DynamicCache, mask: torch.Tensor, rows: list[int], fresh: DynamicCache
+              ) -> tuple[DynamicCache, torch.Tensor]:
+    """Rows ``rows`` of ``cache`` (right aligned, ``mask``) copied into the fresh cache ``fresh``, the leading
+    columns none of them uses cut: ``(fresh, their mask)``."""
+    index = torch.tensor(rows, dtype=torch.long, device=mask.device)
+    mask = mask[index]
+    used = mask.any(dim=0).nonzero()
+    cut = int(used[0, 0]) if used.numel() else mask.shape[1]
+    layers = _filled(cache)
+    _full_only(layers, "take_rows")
+    for k, layer in enumerate(cache.layers):
+        if layer in layers:
+            fresh.update(layer.keys[index, :, cut:], layer.values[index, :, cut:], k)
+    return fresh, mask[:, cut:]

@@ -17,6 +17,11 @@
   * prefix caching: a row whose prompt head is in the stage's :class:`~.prefix_cache.PrefixCache`
     starts its own cache from those blocks' keys and values and runs only the rest; every row whose
     prompt is in adds its whole blocks.
+  * all of an op's joining rows (whole prompts, chunks, reused prefixes) run in one forward: their
+    own caches stacked right aligned (:func:`~.group_cache.stack`), their parts after them, a mask
+    hiding the columns between, then each row's columns moved together (:func:`~.group_cache.compact`).
+    On sliding-window caches (a window counts columns, which that gap would stretch) whole prompts
+    run in one forward and each other row in one of its own, on its own cache.
     Sliding-window layers keep only their window's last columns through all of this
     (:mod:`.group_cache`, which also names the cache layers the ring does not merge).
 
@@ -46,8 +51,8 @@ from ..generation.grammar import GrammarProcessor, GrammarTokenizer
 from ..generation.kv_cache import cache_nbytes, new_cache
 from ..generation.logprobs import entries
 from ..generation.penalties import penalty_processors
-from ..generation.sampling import left_padded_position_ids, row_generators, select_tokens
-from .group_cache import cut_columns, merge
+from ..generation.sampling import row_generators, select_tokens
+from .group_cache import compact, cut_columns, merge, stack, take_rows
 from .prefix_cache import PrefixCache
 from .wire import NewRow, OpHeader, Reply
 
@@ -102,6 +107,11 @@ class RingStage:
         self.pending: dict[int, DynamicCache] = {}  # chunked prefill: a row's own cache until its prompt is in
         self.prefix = prefix  # this stage's prefix cache (None: prefixes are not reused)
         self.reused_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
+        # ops with joining rows, the forwards they ran, and the most rows with a past (an earlier chunk, a reused
+        # prefix) one forward ran: all of an op's joining rows run in one forward on full-attention caches
+        self.prefill_ops = self.prefill_forwards = self.peak_stacked = 0
+        self.full_attention = not any(getattr(layer, "is_sliding", False)
+                                      for layer in new_cache(model.config, encoder_decoder=False).layers)
         self.done = False  # the ring's stop passed this stage for every group
 
     takes_tokens = False  # kept rows' inputs are token ids sent in the states' bytes (encoder-decoder stages)
@@ -173,35 +183,27 @@ class RingStage:
 
     def _prefill(self, g: _Group, new: list[NewRow], received: torch.Tensor | None) -> torch.Tensor:
         """The joining rows' part of their prompts (``prompt[start:end]``); rows whose prompt is then in join the
-        group's cache (right aligned), the others keep their own cache for their next chunk. Whole rows (all their
-        prompt now, nothing cached) run batched, left padded, ahead of the others, which run one by one on their
-        own cache. ``received`` and the result: ``(joining, widest, X)``, each row's part right aligned."""
-        n_whole = sum(r.whole for r in new)
-        if any(r.whole for r in new[n_whole:]):
-            raise InternalError("the ring's joining rows put whole prompts ahead of chunks and reused prefixes")
+        group's cache (right aligned), the others keep their own cache for their next chunk. All run in one
+        forward (:meth:`_run_rows`); on sliding-window caches whole rows run batched, ahead of the others, which
+        run one by one on their own cache (:mod:`.group_cache`: a window counts columns). ``received`` and the
+        result: ``(joining, widest, X)``, each row's part right aligned."""
+        if self.full_attention:
+            batches = [range(len(new))]
+        else:
+            n_whole = sum(r.whole for r in new)
+            if any(r.whole for r in new[n_whole:]):
+                raise InternalError("the ring's joining rows put whole prompts ahead of chunks and reused prefixes")
+            batches = ([range(n_whole)] if n_whole else []) + [range(k, k + 1) for k in range(n_whole, len(new))]
         # Every reused prefix is read before this op adds any block (the index's order: prefix_cache Note).
         taken = [self.prefix.take(r.prompt, r.reused) if r.reused else None for r in new]
         outs, finals = [], []
-        if n_whole:
-            rows = new[:n_whole]
-            width = max(len(r.prompt) for r in rows)
-            out, cache, mask = self._prefill_whole(rows, None if self.first else received[:n_whole, -width:])
-            finals += [(r, _row_kv(cache, k, width - len(r.prompt))) for k, r in enumerate(rows)]
-            self._join(g, cache, mask)
+        self.prefill_ops += 1
+        for ks in batches:
+            rows = [new[k] for k in ks]
+            part = None if self.first else received[ks.start: ks.stop, -max(r.width for r in rows):]
+            out, cache, mask = self._run_rows(rows, part, taken[ks.start: ks.stop])
             outs.append(out)
-        for k in range(n_whole, len(new)):
-            r = new[k]
-            cache = self._row_cache(r, taken[k])
-            out = self._forward(torch.tensor([r.prompt[r.start: r.end]], dtype=torch.long, device=self.device)
-                                if self.first else received[k: k + 1, -r.width:],
-                                cache, torch.ones(1, r.end, dtype=torch.long, device=self.device),
-                                torch.arange(r.start, r.end, device=self.device)[None])
-            outs.append(out)
-            if r.final:
-                finals.append((r, _row_kv(cache, 0, 0)))
-                self._join(g, cache, torch.ones(1, r.end, dtype=torch.long, device=self.device))
-            else:
-                self.pending[r.slot] = cache
+            finals += self._settle(g, rows, cache, mask)
         if self.prefix is not None:
             for r in new:
                 if r.reused:
@@ -214,20 +216,50 @@ class RingStage:
                                                                                 *o.shape[2:]), o], dim=1)
                           for o in outs])
 
-    def _prefill_whole(self, new: list[NewRow], received: torch.Tensor | None) -> tuple:
-        """Rows that run their whole prompt now, batched on a fresh cache (left padded, with a mask): the output,
-        the cache and the mask ``(rows, widest prompt)``."""
-        width = max(len(r.prompt) for r in new)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in new],
-                            dtype=torch.long, device=self.device)
-        if self.first:
-            # The padding positions' ids are masked out; 0 is any valid id.
-            received = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in new],
+    def _run_rows(self, rows: list[NewRow], received: torch.Tensor | None, taken: list) -> tuple:
+        """One forward of ``rows``' parts: their pasts (earlier chunks, reused prefixes) stacked right aligned on
+        one cache, then their parts, each right aligned (a mask hides the columns between; positions
+        ``start..end-1``). Returns the output, the cache and its mask, each row's columns together at the right."""
+        past, width = max(r.start for r in rows), max(r.width for r in rows)
+        if not past:
+            cache = new_cache(self.model.config, encoder_decoder=False)
+        elif len(rows) == 1:  # its own cache as it is (a sliding layer's too)
+            cache = self._row_cache(rows[0], taken[0])
+        else:
+            pasts = [_row_kv(self._row_cache(r, t), 0, 0) if r.start else None for r, t in zip(rows, taken)]
+            cache = stack(new_cache(self.model.config, encoder_decoder=False), pasts, past)
+        self.peak_stacked = max(self.peak_stacked, sum(bool(r.start) for r in rows))
+        pad = [width - r.width for r in rows]
+        mask = torch.tensor([[0] * (past - r.start) + [1] * r.start + [0] * p + [1] * r.width
+                             for r, p in zip(rows, pad)], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[0] * p + list(range(r.start, r.end)) for r, p in zip(rows, pad)],
+                                 dtype=torch.long, device=self.device)
+        if self.first:  # the padding positions' ids are masked out; 0 is any valid id
+            received = torch.tensor([[0] * p + r.prompt[r.start: r.end] for r, p in zip(rows, pad)],
                                     dtype=torch.long, device=self.device)
-        cache = new_cache(self.model.config, encoder_decoder=False)
-        every = self.last and any(r.prompt_logprobs is not None for r in new)
-        out = self._forward(received, cache, mask, left_padded_position_ids(mask, width).to(self.device), every)
+        every = self.last and any(r.prompt_logprobs is not None for r in rows)
+        out = self._forward(received, cache, mask, positions, every)
+        self.prefill_forwards += 1
+        if any(r.start and p for r, p in zip(rows, pad)):  # masked columns between a row's past and its part
+            mask = compact(cache, mask)
         return out, cache, mask
+
+    def _settle(self, g: _Group, rows: list[NewRow], cache: DynamicCache, mask: torch.Tensor) -> list:
+        """After :meth:`_run_rows`: rows whose prompt is in join the group's cache, the others keep their own
+        columns as their cache; each joining row with its keys and values ``(row, {layer: (keys, values)})``."""
+        fin = [k for k, r in enumerate(rows) if r.final]
+        for k, r in enumerate(rows):
+            if not r.final:
+                self.pending[r.slot] = cache if len(rows) == 1 else take_rows(
+                    cache, mask, [k], new_cache(self.model.config, encoder_decoder=False))[0]
+        if not fin:
+            return []
+        if len(fin) < len(rows):
+            cache, mask = take_rows(cache, mask, fin, new_cache(self.model.config, encoder_decoder=False))
+        width = mask.shape[1]
+        finals = [(rows[k], _row_kv(cache, j, width - len(rows[k].prompt))) for j, k in enumerate(fin)]
+        self._join(g, cache, mask)
+        return finals
 
     def _row_cache(self, r: NewRow, taken: list | None) -> DynamicCache:
         """A chunked row's own cache: its earlier chunks', or a fresh one holding its reused prefix's blocks."""

@@ -192,6 +192,8 @@ class Engine:
         prefill_chunks / prefix_hits / prefix_tokens: rank 0, continuous: row ops that ran part of a prompt
             split over several ops; rows that reused a cached prefix, and its tokens.
         reused_tokens: continuous: prompt tokens this rank's stages copied from their prefix caches.
+        prefill_ops / prefill_forwards / peak_stacked: continuous, this rank's stages: ops with joining rows, the
+            forwards they ran (one an op but on sliding-window caches), the most rows with a past one forward ran.
     """
 
     @property
@@ -228,6 +230,7 @@ class Engine:
             self.prefix_reason = "kv_cache_bytes leaves no room beside the pool's full-context rows"
         self.prefix = None if self.prefix_reason else RingPrefix(block=prefix_block, capacity=blocks)
         self.prefill_chunks = self.prefix_hits = self.prefix_tokens = self.reused_tokens = 0
+        self.prefill_ops = self.prefill_forwards = self.peak_stacked = 0
         self.decode_steps = 0
         self.forwards = 0  # continuous: this rank's stage forward calls
         self.peak_cache_bytes = 0  # continuous: the largest KV cache this rank held (the pool bounds it)
@@ -483,6 +486,9 @@ class Engine:
         self.decode_steps += broadcast_json(self.ctx, ring.steps if self.ctx.rank == 0 else None)
         self.forwards += ring.forwards
         self.reused_tokens += ring.reused_tokens
+        ops, forwards, stacked = ring.prefill
+        self.prefill_ops, self.prefill_forwards = self.prefill_ops + ops, self.prefill_forwards + forwards
+        self.peak_stacked = max(self.peak_stacked, stacked)
         planner = ring.planner
         self.prefill_chunks += planner.chunks
         self.prefix_hits += planner.prefix_hits

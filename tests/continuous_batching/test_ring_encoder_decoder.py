@@ -1,13 +1,15 @@
 """Continuous batching of an encoder-decoder model (T5; one spawned 2-rank job): the encoder runs once per
 request as it joins, its output travels with the row and is kept per slot on the decoder stages, the
-cross-attention cache is merged and cut per row. Two layouts: 2 stages (encoder | decoder: the kept rows'
-tokens pass through the encoder's stage) and interleaved over 4 stages (a stage holding the encoder's
-tail and the decoder's head, then decoder stages after decoder stages). A stream of 7 requests of
-different prompt lengths and ``max_new_tokens`` (two ended by a stop id of their own continuation, four
-submitted while the first decodes, 3 slots) must run with ``engine.batching == "continuous"`` and every
-greedy output must equal transformers' ``generate`` of that request alone, token for token (fp32; left
-padding of the encoder input and of the group's caches is masked and T5's relative position bias sees
-only distances, so a row run with another row's padding, encoder output or cache moves its tokens)."""
+cross-attention cache is merged and cut per row. Three layouts: 2 stages (encoder | decoder: the kept rows'
+tokens pass through the encoder's stage), interleaved over 4 stages (a stage holding the encoder's tail and
+the decoder's head, then decoder stages after decoder stages) and 2 stages whose first holds the whole encoder
+and the decoder's first block (it encodes joining rows and decodes kept ones from their tokens). Tensor
+parallelism and data-parallel replicas of T5 are in ``test_ring_parallel.py``'s 4-rank job. A stream of 7
+requests of different prompt lengths and ``max_new_tokens`` (two ended by a stop id of their own continuation,
+four submitted while the first decodes, 3 slots) must run with ``engine.batching == "continuous"`` and every
+greedy output must equal transformers' ``generate`` of that request alone, token for token (fp32; left padding
+of the encoder input and of the group's caches is masked and T5's relative position bias sees only distances,
+so a row run with another row's padding, encoder output or cache moves its tokens)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # (prompt length, max_new_tokens); prompts are seeded word ids.
 STREAM = [(3, 9), (8, 3), (5, 12), (2, 5), (10, 7), (4, 10), (6, 4)]
 EARLY = (2, 5)  # requests ended by a stop id of their own continuation
-# enc | dec; and interleaved enc | enc, dec | dec | dec (stages 0, 2 on rank 0): the kept rows' tokens pass through
-# an encoder-only stage into one of both stacks, then decoder stages follow decoder stages.
+# enc | dec; interleaved enc | enc, dec | dec | dec (stages 0, 2 on rank 0): the kept rows' tokens pass through
+# an encoder-only stage into one of both stacks, then decoder stages follow decoder stages; enc, dec | dec.
 LAYOUTS = {"2 stages": {}, "interleaved": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "n_microbatches": 2,
-                                           "split": ["encoder.block.2", "decoder.block.1", "decoder.block.2"]}}
+                                           "split": ["encoder.block.2", "decoder.block.1", "decoder.block.2"]},
+           "both stacks first": {"split": ["decoder.block.1"]}}
 
 
 def _serve(path: str, load: dict, requests: list[dict]) -> dict:
@@ -98,3 +101,5 @@ def test_continuous_ring_serves_t5_at_2_ranks(tmp_path):
         assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
     # the interleaved layout has a stage of both stacks, and decoder stages after decoder stages
     assert per_rank[0][1]["stacks"] == [("encoder",), ("encoder", "decoder"), ("decoder",), ("decoder",)]
+    # stage 0 holds the whole encoder and the decoder's first block: it encodes and takes the kept rows' tokens
+    assert per_rank[0][2]["stacks"] == [("encoder", "decoder"), ("decoder",)]

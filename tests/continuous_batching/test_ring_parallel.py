@@ -1,9 +1,10 @@
 """Continuous batching beyond one stage per rank (one spawned job per world size): at 4 ranks, LLaMA with
 tensor parallelism (pp2 x tp2), Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks
 keep half of every MoE layer's experts), LLaMA in two data-parallel replicas (dp2 x pp2: rank 0
-plans both replicas' rings, each runs its own rows) and LLaMA FSDP-sharded (pp2 x fsdp2: the fsdp
+plans both replicas' rings, each runs its own rows), LLaMA FSDP-sharded (pp2 x fsdp2: the fsdp
 ranks are such replicas; every FSDP unit is gathered as the ring starts and no all-gather runs inside
-a ring op, counted by a patch on torch's all-gather); at 2 ranks, LLaMA with two stages per rank, interleaved
+a ring op, counted by a patch on torch's all-gather) and the encoder-decoder T5 (encoder | decoder) both
+with tensor parallelism and in two data-parallel replicas; at 2 ranks, LLaMA with two stages per rank, interleaved
 (stages 0, 2 | 1, 3: the reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2:
 two hand-overs within a rank). The engine must report ``batching == "continuous"`` and serve
 a stream whose requests join and leave at different times (different prompt lengths and
@@ -31,13 +32,12 @@ STREAM = [(3, 9), (8, 3), (5, 12), (2, 5), (10, 7), (4, 10), (6, 4)]
 EARLY = (2, 5)  # requests ended by a stop id of their own continuation
 
 
-def _serve(path: str, load: dict, requests: list[dict]) -> dict | None:
+def _serve(path: str, load: dict, requests: list[dict], auto: str = "AutoModelForCausalLM") -> dict | None:
     """Every rank: one continuous engine; rank 0 submits 3 requests, the rest once the first has tokens."""
     import hf_pipeline
     from hf_pipeline.serving import Engine
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False,
-                                                             **load)
+    model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, device="cpu", progress=False, **load)
     engine = Engine(model, max_batch=3, batching="continuous", idle_s=0.05)
     out: dict = {"batching": engine.batching, "reason": engine.static_reason, "stages": len(model.stages),
                  "dp": model.dims.dp_size}
@@ -141,11 +141,15 @@ def _mixtral(directory) -> str:
 
 def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp_path):
     llama = str(tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1))
+    # T5 at the default init scale answers every prompt with the same token; 3x gives varied outputs.
+    t5 = str(tiny.make_checkpoint(tmp_path / "t5", "t5", shards=1, initializer_factor=3.0))
     paths = {"llama tp2": (llama, {"tp_size": 2}), "mixtral ep2": (_mixtral(tmp_path / "mixtral"), {"ep_size": 2}),
-             "llama dp2": (llama, {"num_stages": 2}), "llama fsdp2": (llama, {"num_stages": 2, "fsdp_size": 2})}
-    refs = {name: tiny.reference(path, "AutoModelForCausalLM") for name, (path, _) in paths.items()}
+             "llama dp2": (llama, {"num_stages": 2}), "llama fsdp2": (llama, {"num_stages": 2, "fsdp_size": 2}),
+             "t5 tp2": (t5, {"tp_size": 2}), "t5 dp2": (t5, {"num_stages": 2})}
+    autos = {name: "AutoModelForSeq2SeqLM" if name.startswith("t5") else "AutoModelForCausalLM" for name in paths}
+    refs = {name: tiny.reference(path, autos[name]) for name, (path, _) in paths.items()}
     requests = {name: _requests(ref) for name, ref in refs.items()}
-    cases = [(path, load, requests[name]) for name, (path, load) in paths.items()]
+    cases = [(path, load, requests[name], autos[name]) for name, (path, load) in paths.items()]
     per_rank = run_distributed(_job, 4, cases, timeout=600)
     for k, name in enumerate(paths):
         ranks = [r[k] for r in per_rank]
@@ -155,7 +159,7 @@ def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp
         if name == "llama fsdp2":  # gathered as each ring starts (a unit per block and stage), never in an op
             assert all(r["gathers"]["all"] > 0 and r["gathers"]["in_op"] == 0 for r in ranks), \
                 [r["gathers"] for r in ranks]
-        if name in ("llama dp2", "llama fsdp2"):  # two replicas of 3 slots: more rows than one replica holds
+        if name in ("llama dp2", "llama fsdp2", "t5 dp2"):  # two replicas of 3 slots: more rows than one replica holds
             assert ranks[0]["dp"] == 2 and got["peak_rows"] > 3, (name, got["peak_rows"])
         else:
             assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
