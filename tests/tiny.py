@@ -387,3 +387,11 @@ def greedy_alone(ref, prompt_ids: list[int], max_new_tokens: int, *, stops=(2,),
     full = full[0, 1 if ref.config.is_encoder_decoder else len(prompt_ids):].tolist()
     cut = next((k for k, t in enumerate(full) if t in set(stops)), None)
     return (full, False) if cut is None else (full[:cut], True)
+
+
+def alone_choice(ref, req: dict) -> tuple[list[int], str]:
+    """:func:`greedy_alone` of a serving request's fields (``prompt_ids``, ``max_new_tokens``, ``stop_token_ids``;
+    EOS 2) as the engine reports a choice: (tokens, ``"stop"`` or ``"length"``)."""
+    tokens, stopped = greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"],
+                                   stops={2} | set(req.get("stop_token_ids", ())))
+    return tokens, "stop" if stopped else "length"

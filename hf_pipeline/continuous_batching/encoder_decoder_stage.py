@@ -40,7 +40,7 @@ from ..errors import InputError, InternalError
 from ..generation.config import generation_config
 from ..generation.kv_cache import new_cache
 from .group_cache import cut_columns, merge
-from .ring_stage import RingStage
+from .ring_stage import RingStage, kept_rows
 from .wire import NewRow, OpHeader
 
 __all__ = ["EncoderDecoderStage", "stage_roles"]
@@ -191,10 +191,7 @@ class EncoderDecoderStage(RingStage):
         if not slots:
             g.slots, g.cache, g.mask, g.enc_out, g.enc_mask = [], None, None, None, None
             return
-        try:
-            keep = torch.tensor([g.slots.index(s) for s in slots], dtype=torch.long, device=self.device)
-        except ValueError:
-            raise InternalError(f"the ring kept slots {slots} that this stage does not hold ({g.slots})") from None
+        keep = kept_rows(g.slots, slots, self.device)
         g.cache.batch_select_indices(keep)
         g.mask, g.enc_out, g.enc_mask, g.slots = g.mask[keep], g.enc_out[keep], g.enc_mask[keep], slots
         g.mask = _cut(g.cache.self_attention_cache, g.mask)

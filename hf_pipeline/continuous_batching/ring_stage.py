@@ -56,7 +56,7 @@ from .group_cache import compact, cut_columns, merge, stack, take_rows
 from .prefix_cache import PrefixCache
 from .wire import NewRow, OpHeader, Reply
 
-__all__ = ["RingStage"]
+__all__ = ["RingStage", "kept_rows"]
 
 
 @dataclass
@@ -149,10 +149,7 @@ class RingStage:
         if not slots:
             g.slots, g.cache, g.mask, g.next_pos = [], None, None, None
             return
-        try:
-            keep = torch.tensor([g.slots.index(s) for s in slots], dtype=torch.long, device=self.device)
-        except ValueError:
-            raise InternalError(f"the ring kept slots {slots} that this stage does not hold ({g.slots})") from None
+        keep = kept_rows(g.slots, slots, self.device)
         g.cache.batch_select_indices(keep)
         g.mask, g.next_pos, g.slots = g.mask[keep], g.next_pos[keep], slots
         used = g.mask.any(dim=0).nonzero()
@@ -350,6 +347,14 @@ class RingStage:
         start = width - len(r.prompt)
         logprobs = torch.log_softmax(logits[start: width - 1].float(), dim=-1)  # (len - 1, V)
         return entries(logprobs, torch.tensor(r.prompt[1:], dtype=torch.long), r.prompt_logprobs)
+
+
+def kept_rows(held: list[int], slots: list[int], device: torch.device) -> torch.Tensor:
+    """The rows of a group holding slots ``held`` that keep ``slots`` (in their order), as an index tensor."""
+    try:
+        return torch.tensor([held.index(s) for s in slots], dtype=torch.long, device=device)
+    except ValueError:
+        raise InternalError(f"the ring kept slots {slots} that this stage does not hold ({held})") from None
 
 
 def _row_kv(cache: DynamicCache, row: int, offset: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

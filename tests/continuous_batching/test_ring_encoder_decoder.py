@@ -72,13 +72,6 @@ def _job(cases):
     return [_serve(*c) for c in cases]
 
 
-def _alone(ref, req: dict) -> tuple[list[int], str]:
-    """transformers' greedy generate of the request alone, cut as the engine cuts it (EOS 2, its stop ids)."""
-    tokens, stopped = tiny.greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"],
-                                        stops={2} | set(req.get("stop_token_ids", ())))
-    return tokens, "stop" if stopped else "length"
-
-
 def test_continuous_ring_serves_t5_at_2_ranks(tmp_path):
     # T5 at the default init scale answers every prompt with the same token; 3x gives varied outputs.
     path = str(tiny.make_checkpoint(tmp_path / "t5", "t5", shards=1, initializer_factor=3.0))
@@ -87,7 +80,7 @@ def test_continuous_ring_serves_t5_at_2_ranks(tmp_path):
     requests = [dict(prompt_ids=torch.randint(5, tiny.VOCAB, (n,), generator=g).tolist(), max_new_tokens=m)
                 for n, m in STREAM]
     for k in EARLY:
-        full, _ = _alone(ref, requests[k])
+        full, _ = tiny.alone_choice(ref, requests[k])
         requests[k]["stop_token_ids"] = [full[2]]  # ends at its third token (or earlier, where it came before)
     per_rank = run_distributed(_job, 2, [(path, load, requests) for load in LAYOUTS.values()], timeout=600)
     for k, name in enumerate(LAYOUTS):
@@ -97,7 +90,7 @@ def test_continuous_ring_serves_t5_at_2_ranks(tmp_path):
         assert got["echo"] == "echo", name  # no prompt log-probabilities: the prompt is the encoder's input
         assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
         for j, req in enumerate(requests):
-            assert got["choices"][j] == [_alone(ref, req)], (name, j, req)
+            assert got["choices"][j] == [tiny.alone_choice(ref, req)], (name, j, req)
         assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
     # the interleaved layout has a stage of both stacks, and decoder stages after decoder stages
     assert per_rank[0][1]["stacks"] == [("encoder",), ("encoder", "decoder"), ("decoder",), ("decoder",)]

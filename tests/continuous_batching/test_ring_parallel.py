@@ -114,19 +114,12 @@ def _job(cases):
     return [_serve(*c) for c in cases]
 
 
-def _alone(ref, req: dict) -> tuple[list[int], str]:
-    """transformers' greedy generate of the request alone, cut as the engine cuts it (EOS 2, its stop ids)."""
-    tokens, stopped = tiny.greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"],
-                                        stops={2} | set(req.get("stop_token_ids", ())))
-    return tokens, "stop" if stopped else "length"
-
-
 def _requests(ref) -> list[dict]:
     g = torch.Generator().manual_seed(5)
     reqs = [dict(prompt_ids=torch.randint(5, tiny.VOCAB, (n,), generator=g).tolist(), max_new_tokens=m)
             for n, m in STREAM]
     for k in EARLY:
-        full, _ = _alone(ref, reqs[k])
+        full, _ = tiny.alone_choice(ref, reqs[k])
         reqs[k]["stop_token_ids"] = [full[2]]  # ends at its third token (or earlier, where it came before)
     return reqs
 
@@ -164,7 +157,7 @@ def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp
         else:
             assert got["peak_rows"] == 3, (name, got["peak_rows"])  # the slots were shared: rows waited and joined
         for j, req in enumerate(requests[name]):
-            assert got["choices"][j] == [_alone(refs[name], req)], (name, j, req)
+            assert got["choices"][j] == [tiny.alone_choice(refs[name], req)], (name, j, req)
         assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
 
 
@@ -182,5 +175,5 @@ def test_continuous_ring_with_two_stages_per_rank_at_2_ranks(tmp_path):
         got = ranks[0]
         assert got["peak_rows"] == 3, (name, got["peak_rows"])
         for j, req in enumerate(requests):
-            assert got["choices"][j] == [_alone(ref, req)], (name, j, req)
+            assert got["choices"][j] == [tiny.alone_choice(ref, req)], (name, j, req)
         assert all(got["choices"][j][0][1] == "stop" for j in EARLY), name
