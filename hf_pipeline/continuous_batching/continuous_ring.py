@@ -69,6 +69,7 @@ from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
+from ..planning.ep_plan import refuse_generation_over_data
 from .feeder import Feeder
 from .group_cache import merge_refusal
 from .prefill_plan import PrefillPlanner
@@ -110,6 +111,7 @@ class ContinuousRing:
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None,
                  grammars: GrammarTokenizer | None = None, prefill_chunk: int | None = None,
                  prefix: RingPrefix | None = None):
+        refuse_generation_over_data(model.dims.ep_data, "continuous batching")
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         self.n_stages = model.plan.num_stages
         # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),
