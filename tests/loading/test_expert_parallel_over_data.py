@@ -5,7 +5,8 @@ Each rank keeps half of every MoE layer's experts (``Shard(0)`` on its ep mesh: 
 consecutive replicas, whose rows differ), and transformers' ``AllToAllEP`` exchanges the routed tokens
 between the replicas. Meshes: pp1 x ep2 over dp2 (2 ranks); pp2 x dp2 with ep2 over the replicas under 1F1B
 and ZBV, and pp1 x dp4 with ep2 (two ep groups: the expert gradients summed over the expert-replica group)
-at 4 ranks. On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
+at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends its slice of the shared rows).
+On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
 
 - logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another summation
   order, ~1e-7; an expert missed or run twice moves them by its whole contribution, ~1e-1);
@@ -43,8 +44,8 @@ def _checkpoint(root, model_type):
 def _load(path, kwargs):
     import hf_pipeline
 
-    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", ep_size=2,
-                                                            ep_over="data", **kwargs)
+    kwargs = {"ep_size": 2, "ep_over": "data", **kwargs}
+    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
 
 
 def _refusals(model):
@@ -122,7 +123,7 @@ def _halves(path) -> tuple[int, int]:
     return total, experts
 
 
-def _check(name, per_rank, i, path, saved, dims, pp1):
+def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
     import transformers
 
     ref = _reference(path)
@@ -132,7 +133,7 @@ def _check(name, per_rank, i, path, saved, dims, pp1):
         assert case["dims"] == dims, f"{name} rank {rank}: dims {case['dims']}"
         assert case["experts"], f"{name} rank {rank}: no expert tensor is split"
         for key, (local, whole) in case["experts"].items():
-            assert local[0] * 2 == whole[0] and local[1:] == whole[1:], f"{name} rank {rank}: {key} {local} {whole}"
+            assert local[0] * share == whole[0] and local[1:] == whole[1:], f"{name} rank {rank}: {key} {local} {whole}"
         compare(f"{name} rank {rank}", case, ref)
         if pp1:
             assert case["bytes"] == total - experts // 2, f"{name} rank {rank}: read {case['bytes']} of {total}"
@@ -157,7 +158,7 @@ def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
         _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True)
 
 
-def test_pp2_x_dp2_and_pp1_x_dp4_with_ep2_over_replicas_equal_transformers(tmp_path):
+def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_transformers(tmp_path):
     paths = {t: _checkpoint(tmp_path, t) for t in ("mixtral", "qwen3_moe")}
     cases = [
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2}, str(tmp_path / "s-1f1b"),
@@ -165,8 +166,11 @@ def test_pp2_x_dp2_and_pp1_x_dp4_with_ep2_over_replicas_equal_transformers(tmp_p
         (paths["qwen3_moe"], {"num_stages": 4, "schedule": "zbv-zero-bubble", "n_microbatches": 4},
          str(tmp_path / "s-zbv"), None),
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1}, str(tmp_path / "s-dp4"), None),
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2, "tp_size": 2, "ep_size": 4},
+         str(tmp_path / "s-tp2"), None),
     ]
     per_rank = run_distributed(_job, 4, cases, timeout=900)
     _check("mixtral pp2 x dp2 1F1B", per_rank, 0, paths["mixtral"], cases[0][2], (2, 2, 1), pp1=False)
     _check("qwen3_moe pp2 x dp2 ZBV", per_rank, 1, paths["qwen3_moe"], cases[1][2], (2, 2, 1), pp1=False)
     _check("qwen3_moe pp1 x dp4", per_rank, 2, paths["qwen3_moe"], cases[2][2], (1, 4, 1), pp1=True)
+    _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, paths["qwen3_moe"], cases[3][2], (1, 2, 2), pp1=False, share=4)
