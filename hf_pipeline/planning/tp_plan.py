@@ -125,7 +125,8 @@ def _check_ep_over(ep_size: int, tp_size: int, fsdp_size: int, ep_over: Any, imp
         raise InputError(
             f"ep_over='data' (or DistributedConfig's ep_size > tp_size, experts over its fsdp ranks) with fsdp_size="
             f"{fsdp_size}: experts over data-parallel ranks run with plain pipeline replicas only, not FSDP; pass "
-            "ep_size=... with ep_over='data' and no fsdp_size, or an ep_size equal to tp_size (experts within each stage)"
+            "ep_size=... with ep_over='data' and no fsdp_size, or an ep_size equal to tp_size (experts within each "
+            "stage)"
         )
 
 
