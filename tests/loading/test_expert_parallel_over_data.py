@@ -8,8 +8,9 @@ and ZBV, and pp1 x dp4 with ep2 (two ep groups: the expert gradients summed over
 at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends its slice of the shared rows).
 On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
 
-- logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another summation
-  order, ~1e-7; an expert missed or run twice moves them by its whole contribution, ~1e-1);
+- logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another
+  summation order, ~1e-7; an expert missed or run twice moves them by its whole contribution, ~1e-1), and
+  the loss of a forward with labels (relative 1e-5);
 - two ``train_step`` + ``clip_grad_norm_`` + AdamW steps on a global batch of 8: losses and norms (relative
   1e-5), every parameter afterwards gathered whole (1e-5; an expert gradient summed over the ep group as well
   doubles it and moves the parameter by ~lr = 1e-3 after AdamW's normalisation of the second step's moments);
@@ -95,11 +96,20 @@ def _case(path, kwargs, save_to, resume_to):
                        if isinstance(p, DTensor) and ".experts." in n},
            "bytes": model.load_report.bytes_read, "dims": (model.dims.pp_size, model.dims.dp_size, model.dims.tp_size),
            "refused": _refusals(model)}
+    res["labelled"] = _labelled_loss(model)
     res.update(exercise(model, "decoder", pipelined=True, generate=False, rows=4))
     model.save_pretrained(save_to)
     if resume_to:
         res["resumed"] = _resume(model, path, kwargs, resume_to)
     return res
+
+
+def _labelled_loss(model) -> float:
+    """The loss of a forward with labels (inference: every replica runs the whole batch, the same microbatches)."""
+    import tiny
+
+    with torch.no_grad():
+        return float(model(**tiny.make_batch("decoder", 4, seed=5)).loss)
 
 
 def _job(cases):
@@ -110,7 +120,7 @@ def _reference(path):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return exercise(model, "decoder", pipelined=False, generate=False, rows=4)
+    return {"labelled": _labelled_loss(model), **exercise(model, "decoder", pipelined=False, generate=False, rows=4)}
 
 
 def _halves(path) -> tuple[int, int]:
@@ -135,6 +145,8 @@ def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
         for key, (local, whole) in case["experts"].items():
             assert local[0] * share == whole[0] and local[1:] == whole[1:], f"{name} rank {rank}: {key} {local} {whole}"
         compare(f"{name} rank {rank}", case, ref)
+        # fp32 mean loss, relative: summation order ~1e-7; an expert's tokens lost or doubled move it >= 1e-3.
+        assert abs(case["labelled"] - ref["labelled"]) <= 1e-5 * abs(ref["labelled"]), (name, rank, case["labelled"])
         if pp1:
             assert case["bytes"] == total - experts // 2, f"{name} rank {rank}: read {case['bytes']} of {total}"
         for msg in case["refused"]:
