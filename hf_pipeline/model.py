@@ -228,7 +228,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
-        groups = (self.dims.pp_group, self.dims.dp_group, self.dims.tp_group)
+        groups = (self.dims.pp_group, self.dims.dp_group, self.dims.tp_group, *self.dims.expert_groups)
         # FSDP2 keeps its process groups itself, which fresh groups cannot replace (distributed/groups.py's Note).
         recover = None if self.dims.fsdp_size > 1 else self._renew_groups
         calling = spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=recover)

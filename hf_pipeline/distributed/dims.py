@@ -220,6 +220,13 @@ class ParallelDims:
         return self.ep_mesh if self.ep_data > 1 else self.tp_mesh
 
     @property
+    def expert_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups of experts over replicas (ep group, expert-replica group) this rank is in; () without."""
+        if self.ep_mesh is None:
+            return ()
+        return tuple(g for g in (self.ep_mesh.get_group(), self.expert_replica_group) if g is not None)
+
+    @property
     def batch_mesh(self) -> Any:
         """The 1-D mesh of the ranks sharing this rank's batch (its tensor-parallel ranks; size 1 without them)."""
         return None if self.mesh is None else self.mesh["tp"]

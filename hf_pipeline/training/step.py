@@ -129,10 +129,11 @@ def _experts_over_data(model: PipelineCore, local: list[_LocalKey]) -> dict[str,
     """The keys of experts split over data-parallel ranks (``ep_over="data"``), not summed over the replicas: the
     all-to-all's backward already brought each of its experts the gradient of every token of the ep group's
     batches, so only the other ep groups' copies (the expert-replica group, None when there are none) add theirs."""
-    mesh = model.dims.ep_mesh
-    if mesh is None:
+    if model.dims.ep_mesh is None:
         return {}
-    return {e.key: e for e in local if any(getattr(p, "device_mesh", None) is mesh for p in e.params)}
+    # By the mesh's name, not identity: after fresh groups the stages keep their own (rebound) mesh object.
+    return {e.key: e for e in local
+            if any(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) == ("ep",) for p in e.params)}
 
 
 def train_state(model: PipelineCore) -> TrainStepState:

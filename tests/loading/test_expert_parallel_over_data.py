@@ -88,7 +88,27 @@ def _resume(model, path, kwargs, save_dir):
     return went_on, step(resumed, opt, 4)
 
 
-def _case(path, kwargs, save_to, resume_to):
+def _survives(model) -> dict:
+    """A forward failing on the last rank only, before its first MoE layer, while the others wait for it in the
+    all-to-all: every rank raises (the culprit its own error), and the model runs on in fresh groups (the ep
+    mesh rebound: the comparisons that follow use it)."""
+    import tiny
+
+    def fail_once(module, args):
+        handle.remove()
+        raise ValueError("a bug in the last rank")
+
+    last = model.ctx.rank == model.ctx.world_size - 1
+    if last:
+        handle = model.stages[0].register_forward_pre_hook(fail_once)
+    try:
+        model(**tiny.sample_inputs("decoder", batch=2, seq=5))
+    except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
+        return {"raised": type(e).__name__, "last": last}
+    return {"raised": None, "last": last}
+
+
+def _case(path, kwargs, save_to, resume_to, survive=False):
     from torch.distributed.tensor import DTensor
 
     model = _load(path, kwargs)
@@ -96,6 +116,8 @@ def _case(path, kwargs, save_to, resume_to):
                        if isinstance(p, DTensor) and ".experts." in n},
            "bytes": model.load_report.bytes_read, "dims": (model.dims.pp_size, model.dims.dp_size, model.dims.tp_size),
            "refused": _refusals(model)}
+    if survive:
+        res["survived"] = _survives(model)
     res["labelled"] = _labelled_loss(model)
     res.update(exercise(model, "decoder", pipelined=True, generate=False, rows=4))
     model.save_pretrained(save_to)
@@ -152,6 +174,9 @@ def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
         for msg in case["refused"]:
             assert msg is not None and msg.startswith("InputError: generate is not supported"), f"rank {rank}: {msg}"
             assert "ep_over='data'" in msg and "within each stage" in msg, f"rank {rank}: {msg}"
+        if "survived" in case:
+            want = "ValueError" if case["survived"]["last"] else "RankError"
+            assert case["survived"]["raised"] == want, f"{name} rank {rank}: {case['survived']}"
         if "resumed" in case:
             went_on, resumed = case["resumed"]
             assert went_on == resumed, f"{name} rank {rank}: step after resume {resumed} != {went_on}"
@@ -163,9 +188,9 @@ def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
 def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
     paths = {t: _checkpoint(tmp_path, t) for t in ("mixtral", "qwen3_moe")}
     kwargs = {"num_stages": 1, "n_microbatches": 2}
-    cases = [(paths[t], kwargs, str(tmp_path / f"saved-{t}"), str(tmp_path / "state") if t == "mixtral" else None)
-             for t in paths]
-    per_rank = run_distributed(_job, 2, cases, timeout=600)
+    cases = [(paths[t], kwargs, str(tmp_path / f"saved-{t}"), str(tmp_path / "state") if t == "mixtral" else None,
+              t == "qwen3_moe") for t in paths]
+    per_rank = run_distributed(_job, 2, cases, timeout=600, env={"HF_PIPELINE_TIMEOUT": "60"})
     for i, t in enumerate(paths):
         _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True)
 
