@@ -18,6 +18,10 @@ On every rank, against transformers on one process (``tp_helpers.compare``, gene
   state saved with the optimizer resumed on the same mesh takes the next step with the same loss (exactly);
 - bytes read per rank at pp1: the dense tensors and exactly half of the experts' bytes.
 
+At 4 ranks Mixtral trains with the routers' load-balancing loss (``output_router_logits``). At 2 ranks a
+forward failing on one rank while the other waits for it in the all-to-all raises on both, and the model
+then runs on in fresh groups (the comparisons above follow it).
+
 ``generate`` (greedy and beam) is refused on every rank with one InputError naming ep over data-parallel ranks.
 """
 
@@ -33,12 +37,12 @@ from tp_helpers import EPS, LR, compare, exercise
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def _checkpoint(root, model_type):
+def _checkpoint(root, model_type, **overrides):
     import transformers
 
-    path = root / model_type
+    path = root / f"{model_type}{'-aux' if overrides else ''}"
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(decoder_config(model_type)).save_pretrained(path)
+    transformers.AutoModelForCausalLM.from_config(decoder_config(model_type, **overrides)).save_pretrained(path)
     return str(path)
 
 
@@ -196,7 +200,9 @@ def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
 
 
 def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_transformers(tmp_path):
-    paths = {t: _checkpoint(tmp_path, t) for t in ("mixtral", "qwen3_moe")}
+    # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
+    paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
+             "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
     cases = [
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2}, str(tmp_path / "s-1f1b"),
          str(tmp_path / "state")),
