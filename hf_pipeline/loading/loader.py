@@ -248,6 +248,23 @@ def _fsdp_shards(
     return parts, shards
 
 
+def _place_stages(stages: list[nn.Module], tensors: dict, maker: StageMaker, options: PipelineOptions,
+                  dims: ParallelDims, device: torch.device) -> None:
+    """Make ``stages``' parameters of the tensors read, then split them over the stage's ranks (tp, ep)."""
+    made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
+    # Experts over replicas: their dispatch's batch mesh is the tp shards' mesh object, so that renewing the groups
+    # after a failure (distributed/groups.py: rebind_meshes, which finds meshes on parameters) rebinds it too.
+    tp_mesh = dims.tp_mesh
+    batch_mesh = (tp_mesh or dims.batch_mesh) if dims.ep_data > 1 else None
+    for stage in stages:
+        materialize(stage, tensors, device=device, tied=maker.resolved.tied, made=made)
+        stage.eval()
+        if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
+            apply_tensor_parallel(stage, options.tp_plan, tp_mesh)
+        apply_expert_parallel(stage, options.ep_plan, dims.expert_mesh, options.ep_implementation,
+                              batch_mesh=batch_mesh)
+
+
 def _load_stages(
     maker: StageMaker, ckpt: pathlib.Path, local, *, ctx: RankContext, options: PipelineOptions,
     rng_state: torch.Tensor, progress: bool | None, started: float, dims: ParallelDims,
@@ -313,18 +330,8 @@ def _load_stages(
         set_buffers(stages, tensors, ctx.device)
     tensors.update(fresh)
     del fresh
-    made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
-    # Experts over replicas: their dispatch's batch mesh is the tp shards' mesh object, so that renewing the groups
-    # after a failure (distributed/groups.py: rebind_meshes, which finds meshes on parameters) rebinds it too.
-    tp_mesh = dims.tp_mesh
-    batch_mesh = (tp_mesh or dims.batch_mesh) if dims.ep_data > 1 else None
-    for stage in stages if not on_meta else ():
-        materialize(stage, tensors, device=ctx.device, tied=maker.resolved.tied, made=made)
-        stage.eval()
-        if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
-            apply_tensor_parallel(stage, options.tp_plan, tp_mesh)
-        apply_expert_parallel(stage, options.ep_plan, dims.expert_mesh, options.ep_implementation,
-                              batch_mesh=batch_mesh)
+    if not on_meta:
+        _place_stages(stages, tensors, maker, options, dims, ctx.device)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}
