@@ -463,13 +463,18 @@ __all__ += ["unflatten_mesh", "whole_placement"]
 
 
 # ---- mixtures of experts: transformers' expert dispatch (no public entry point for one module) and router records
-def install_expert_dispatch(experts: torch.nn.Module, mesh: Any, implementation: str) -> None:
+def install_expert_dispatch(
+    experts: torch.nn.Module, mesh: Any, implementation: str, *, batch_mesh: Any = None
+) -> None:
     """Make ``experts`` (whose stacked parameters hold this rank's experts) reach its tokens through
-    transformers' ``EPImplementationInterface[implementation]`` over ``mesh``, the ranks sharing the batch
-    (so its ep mesh and tp mesh at once, as in transformers with ``ep_size == tp_size``)."""
+    transformers' ``EPImplementationInterface[implementation]`` over ``mesh``. ``batch_mesh`` is transformers'
+    tp_mesh, the ranks sharing this rank's batch: by default ``mesh`` itself (ep mesh and tp mesh at once, as in
+    transformers with ``ep_size == tp_size``); across replicas their tp ranks (size 1 without tensor parallelism),
+    and transformers then exchanges the routed tokens all-to-all."""
     from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
 
-    EpDispatchExpertsParallel().install_forward(experts, ep_mesh=mesh, tp_mesh=mesh, ep_implementation=implementation)
+    EpDispatchExpertsParallel().install_forward(
+        experts, ep_mesh=mesh, tp_mesh=mesh if batch_mesh is None else batch_mesh, ep_implementation=implementation)
 
 
 def router_logits_recorder(model_class: type) -> tuple[type, int] | None:

@@ -40,6 +40,7 @@ from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
 from .planning.auto_choice import call_microbatches
+from .planning.ep_plan import refuse_generation_over_data
 from .planning.layout import ParamLayout, count_parameters, param_layout
 from .planning.options import PipelineOptions
 from .planning.plan import StagePlan
@@ -227,7 +228,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
     def spreading_failures(self, what: str):
         """A failure inside the call reaches every rank, naming the failing rank's stage (faults.py)."""
-        groups = (self.dims.pp_group, self.dims.dp_group, self.dims.tp_group)
+        groups = (self.dims.pp_group, self.dims.dp_group, self.dims.tp_group, *self.dims.expert_groups)
         # FSDP2 keeps its process groups itself, which fresh groups cannot replace (distributed/groups.py's Note).
         recover = None if self.dims.fsdp_size > 1 else self._renew_groups
         calling = spread_failures(self.ctx, what, groups=groups, describe=self.rank_label, recover=recover)
@@ -440,6 +441,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
         if self.stage_maker.generate_refusal is not None:
             raise TraceError(self.stage_maker.generate_refusal)
+        refuse_generation_over_data(self.dims.ep_data)
         with self.spreading_failures("generate"):
             # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -106,9 +106,16 @@ class _RankShare:
     plan: _RankPlan
 
 
+def _gathers(dims) -> bool:
+    """Whether this rank takes part in gathering sharded tensors whole: the first replica's ranks, and every
+    rank when shards span replicas (FSDP chunks; experts over data-parallel ranks, whose ep mesh holds ranks
+    of several replicas: one left out would hang the others' gather)."""
+    return dims.dp_rank == 0 or dims.fsdp_size > 1 or dims.ep_data > 1
+
+
 def _my_tensors(model: PipelineCore) -> dict[str, torch.Tensor]:
     """checkpoint key -> tensor, for the keys whose first holding stage is on this rank (replica 0 only)."""
-    if model.dims.dp_rank != 0 and model.dims.fsdp_size == 1:
+    if not _gathers(model.dims):
         return {}  # replicas hold the same values: the first one writes (FSDP ranks hold chunks: all gather)
     # Tensor-parallel ranks (and FSDP ranks) see the same whole tensors once gathered: the first one writes
     # them; the others drop each one at once, so they never hold more than one whole tensor.
@@ -180,7 +187,7 @@ def _rank_share(model: PipelineCore, max_shard_size: int | str, optimizer) -> _R
     shards = _plan_shards(tensors, parse_size(max_shard_size, what="max_shard_size"))
     # The first replica's ranks gather sharded states whole (every fsdp rank: they hold the chunks); one rank
     # per pipeline rank keeps them (None elsewhere).
-    gathers = model.dims.dp_rank == 0 or model.dims.fsdp_size > 1
+    gathers = _gathers(model.dims)
     opt_state = optimizer_state_by_key(model, optimizer) if optimizer is not None and gathers else None
 
     def sizes(key: str) -> tuple[str, int, int]:

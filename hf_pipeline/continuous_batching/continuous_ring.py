@@ -78,6 +78,7 @@ from ..errors import InternalError
 from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
 from ..loading.fsdp import gathered
+from ..planning.ep_plan import refuse_generation_over_data
 from .encoder_decoder_stage import EncoderDecoderStage
 from .feeder import Feeder
 from .group_cache import merge_refusal
@@ -115,6 +116,7 @@ class ContinuousRing:
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None,
                  grammars: GrammarTokenizer | None = None, prefill_chunk: int | None = None,
                  prefix: RingPrefix | None = None):
+        refuse_generation_over_data(model.dims.ep_data, "continuous batching")
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         self.n_stages = model.plan.num_stages
         # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),

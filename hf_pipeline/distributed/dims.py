@@ -56,6 +56,30 @@ def _data_group(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int) -> d
     return mine
 
 
+def _expert_groups(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int, k: int):
+    """This rank's expert-parallel group (its stage's tp ranks in ``k`` consecutive replicas, ordered replica-major
+    so its place is ``(replica - first) x tp_size + tp_rank``) and expert-replica group (the ranks at its place in
+    the other ep groups; None when ``dp_size == k``). Collective over the job: every rank makes every group,
+    in order."""
+    d, rest = divmod(ctx.rank, pp_size * tp_size)
+    p, t = divmod(rest, tp_size)
+    ep = replica = None
+    for b in range(dp_size // k):
+        for q in range(pp_size):
+            group = dist.new_group([(e * pp_size + q) * tp_size + s for e in range(b * k, (b + 1) * k)
+                                    for s in range(tp_size)])
+            if (b, q) == (d // k, p):
+                ep = group
+    if dp_size > k:
+        for q in range(pp_size):
+            for j in range(k):
+                for s in range(tp_size):
+                    group = dist.new_group([((b * k + j) * pp_size + q) * tp_size + s for b in range(dp_size // k)])
+                    if (q, j, s) == (p, d % k, t):
+                        replica = group
+    return ep, replica
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """How the job's ranks form pipelines: ``dp_size`` replicas of a ``pp_size``-rank pipeline, each
@@ -79,6 +103,11 @@ class ParallelDims:
         fsdp_group: the ranks sharing this rank's stage parameters' shards (None without FSDP).
         mesh: the (dp, pp, tp) device mesh with several replicas or tensor-parallel ranks ((fsdp, pp, tp)
             with FSDP, (dp, fsdp, pp, tp) with replicas of FSDP pipelines), else None.
+        ep_data: replicas one expert-parallel group spans (1: a stage's experts split over its own ranks).
+        ep_mesh: with ``ep_data > 1``, the 1-D ``("ep",)`` mesh of this rank's expert-parallel group: its stage's
+            tp ranks in ``ep_data`` consecutive replicas (``planning/ep_plan.py``); else None.
+        expert_replica_group: with ``ep_data > 1`` and more replicas, the ranks holding the same experts in
+            the other ep groups (their gradients are summed over it); else None.
     """
 
     pp_size: int
@@ -93,11 +122,16 @@ class ParallelDims:
     tp_group: dist.ProcessGroup | None = None
     fsdp_group: dist.ProcessGroup | None = None
     mesh: Any = None
+    ep_data: int = 1
+    ep_mesh: Any = None
+    expert_replica_group: dist.ProcessGroup | None = None
 
     @classmethod
-    def build(cls, ctx: RankContext, pp_size: int, tp_size: int = 1, fsdp_size: int = 1) -> "ParallelDims":
+    def build(
+        cls, ctx: RankContext, pp_size: int, tp_size: int = 1, fsdp_size: int = 1, ep_data: int = 1,
+    ) -> "ParallelDims":
         """The dims of ``ctx``'s job for ``pp_size``-rank pipelines of ``tp_size``-rank stages, sharded over
-        ``fsdp_size`` data-parallel ranks (collective when a mesh is made)."""
+        ``fsdp_size`` data-parallel ranks, experts over ``ep_data`` replicas (collective when a mesh is made)."""
         if ctx.world_size % (pp_size * tp_size):
             raise InputError(
                 f"world size {ctx.world_size} is not a multiple of pp_size x tp_size = {pp_size} x {tp_size} "
@@ -110,6 +144,12 @@ class ParallelDims:
                 f"fsdp_size={fsdp_size} does not divide the {dp_size} data-parallel ranks (world size "
                 f"{ctx.world_size} / (pp_size {pp_size} x tp_size {tp_size})); launch a multiple of "
                 f"{pp_size * tp_size * fsdp_size} processes or change fsdp_size"
+            )
+        if ep_data > 1 and (dp_size % ep_data or fsdp_size > 1):
+            raise InputError(
+                f"experts over {ep_data} data-parallel replicas (ep_over='data', ep_size / tp_size) need plain "
+                f"replicas in a multiple of {ep_data}, got {dp_size} (fsdp_size={fsdp_size}); "
+                "change ep_size or the world size"
             )
         if not ctx.is_distributed:
             return cls(pp_size=pp_size)
@@ -130,7 +170,15 @@ class ParallelDims:
         groups = {name: ctx.group if g is dist.group.WORLD else g for name, g in groups.items()}
         ctx.apply_timeout(*groups.values())
         data = groups.get("data", groups[names[0]])
-        return cls(
+        experts: dict[str, Any] = {}
+        if ep_data > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ep, replica = _expert_groups(ctx, dp_size, pp_size, tp_size, ep_data)
+            ctx.apply_timeout(*(g for g in (ep, replica) if g is not None))
+            experts = {"ep_data": ep_data, "expert_replica_group": replica,
+                       "ep_mesh": DeviceMesh.from_group(ep, ctx.device.type, mesh_dim_names=("ep",))}
+        return cls(**experts,
             pp_size=pp_size, dp_size=dp_size, tp_size=tp_size, fsdp_size=fsdp_size, pp_rank=mesh.get_local_rank("pp"),
             dp_rank=_data_rank(mesh, names, fsdp_size), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],
             dp_group=data if dp_size > 1 else None, tp_group=groups["tp"] if tp_size > 1 else None,
@@ -165,6 +213,23 @@ class ParallelDims:
     def sharded(self) -> bool:
         """Whether stages hold DTensor shards (tensor parallelism or FSDP), bound to this mesh's groups."""
         return self.tp_size > 1 or self.fsdp_size > 1
+
+    @property
+    def expert_mesh(self) -> Any:
+        """The mesh a stage's experts are split over: the ep mesh across replicas, else the stage's own ranks."""
+        return self.ep_mesh if self.ep_data > 1 else self.tp_mesh
+
+    @property
+    def expert_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups of experts over replicas (ep group, expert-replica group) this rank is in; () without."""
+        if self.ep_mesh is None:
+            return ()
+        return tuple(g for g in (self.ep_mesh.get_group(), self.expert_replica_group) if g is not None)
+
+    @property
+    def batch_mesh(self) -> Any:
+        """The 1-D mesh of the ranks sharing this rank's batch (its tensor-parallel ranks; size 1 without them)."""
+        return None if self.mesh is None else self.mesh["tp"]
 
     @property
     def tp_mesh(self) -> Any:

@@ -83,9 +83,10 @@ def renew_groups(
     if dims.fsdp_size > 1:
         raise InternalError("FSDP2 stages keep their process groups themselves; they cannot be given fresh ones")
     fresh = own_group(ctx)
-    renewed = ParallelDims.build(fresh, dims.pp_size, dims.tp_size, dims.fsdp_size)
+    old_experts = dims.expert_groups  # before rebinding: the stages' ep mesh is dims.ep_mesh itself
+    renewed = ParallelDims.build(fresh, dims.pp_size, dims.tp_size, dims.fsdp_size, dims.ep_data)
     rebind_meshes(stages, renewed)
-    release_groups(ctx.group, dims.pp_group, dims.dp_group, dims.tp_group, dims.fsdp_group, *made)
+    release_groups(ctx.group, dims.pp_group, dims.dp_group, dims.tp_group, dims.fsdp_group, *old_experts, *made)
     return fresh, renewed
 
 
@@ -108,6 +109,9 @@ def rebind_meshes(stages: Iterable[nn.Module], dims: ParallelDims) -> int:
     meshes = {id(p.device_mesh): p.device_mesh for s in stages for p in s.parameters() if isinstance(p, DTensor)}
     for mesh in meshes.values():
         names = mesh.mesh_dim_names
+        if names == ("ep",):  # experts over replicas: their own 1-D mesh, not a dim of dims.mesh
+            set_mesh_group_names(mesh, mesh_group_names(dims.ep_mesh))
+            continue
         target = dims.mesh if names == dims.mesh.mesh_dim_names else dims.mesh[names]
         set_mesh_group_names(mesh, mesh_group_names(target))
     return len(meshes)

@@ -7,7 +7,9 @@ biases) is cut along its expert dim: rank ``r`` of ``ep_size`` reads and keeps e
 optimizer and the checkpoint writer see the whole tensor (``full_tensor()`` is the checkpoint's layout).
 Its module then counts only its own experts (``num_experts``, as transformers' ``MoEParamShard`` sets
 it) and skips the routes to other ranks' experts (``_is_expert_parallel``). An ``"ep_dispatch_experts"``
-module's forward becomes transformers' ``EpDispatchExpertsParallel`` over the stage's ranks
+module's forward becomes transformers' ``EpDispatchExpertsParallel`` over the stage's ranks (or, with
+``ep_over="data"``, over the ep mesh of several replicas' ranks: their batches differ, so the routed tokens go
+all-to-all)
 (:func:`~hf_pipeline.compat.install_expert_dispatch`): the router and everything else run whole on every
 rank, and only the experts' tokens move.
 
@@ -54,9 +56,10 @@ def expert_parts(stages, plan, mesh) -> dict[str, tuple[int, int, int]]:
     return {name: (0, rank, count) for stage in stages for name in _cut_params(stage, _by_name(stage, plan))}
 
 
-def apply_expert_parallel(stage: nn.Module, plan, mesh, implementation: str) -> None:
+def apply_expert_parallel(stage: nn.Module, plan, mesh, implementation: str, *, batch_mesh=None) -> None:
     """Split ``stage``'s experts over ``mesh`` in place. Their cut parameters hold this rank's experts
-    already (read with :func:`expert_parts`); no communication."""
+    already (read with :func:`expert_parts`); no communication. ``batch_mesh``: the ranks sharing this rank's
+    batch when ``mesh`` spans replicas too (transformers' tp_mesh; default ``mesh``: they share one batch)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not plan:
@@ -79,4 +82,4 @@ def apply_expert_parallel(stage: nn.Module, plan, mesh, implementation: str) -> 
             )
         experts.num_experts = total // ep_size  # transformers' MoEParamShard: the experts' forward counts its own
         experts._is_expert_parallel = True  # and skips the routes that name another rank's experts
-        install_expert_dispatch(experts, mesh, implementation)
+        install_expert_dispatch(experts, mesh, implementation, batch_mesh=batch_mesh)

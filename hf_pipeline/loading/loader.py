@@ -165,7 +165,7 @@ def _stage_roles(plan: StagePlan, dims: ParallelDims) -> Callable[[int], str]:
 
 def _build_dims(ctx: RankContext, maker: StageMaker, options: PipelineOptions) -> ParallelDims:
     """The job's mesh (collective when there is one), also written into the plan it reports."""
-    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size, options.fsdp_size)
+    dims = ParallelDims.build(ctx, options.pp_size, options.tp_size, options.fsdp_size, options.ep_data)
     maker.plan = dataclasses.replace(
         maker.plan, dp_size=dims.dp_size, tp_size=dims.tp_size, tp_plan=options.tp_plan, fsdp_size=dims.fsdp_size,
         ep_plan=options.ep_plan,
@@ -248,6 +248,23 @@ def _fsdp_shards(
     return parts, shards
 
 
+def _place_stages(stages: list[nn.Module], tensors: dict, maker: StageMaker, options: PipelineOptions,
+                  dims: ParallelDims, device: torch.device) -> None:
+    """Make ``stages``' parameters of the tensors read, then split them over the stage's ranks (tp, ep)."""
+    made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
+    # Experts over replicas: their dispatch's batch mesh is the tp shards' mesh object, so that renewing the groups
+    # after a failure (distributed/groups.py: rebind_meshes, which finds meshes on parameters) rebinds it too.
+    tp_mesh = dims.tp_mesh
+    batch_mesh = (tp_mesh or dims.batch_mesh) if dims.ep_data > 1 else None
+    for stage in stages:
+        materialize(stage, tensors, device=device, tied=maker.resolved.tied, made=made)
+        stage.eval()
+        if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
+            apply_tensor_parallel(stage, options.tp_plan, tp_mesh)
+        apply_expert_parallel(stage, options.ep_plan, dims.expert_mesh, options.ep_implementation,
+                              batch_mesh=batch_mesh)
+
+
 def _load_stages(
     maker: StageMaker, ckpt: pathlib.Path, local, *, ctx: RankContext, options: PipelineOptions,
     rng_state: torch.Tensor, progress: bool | None, started: float, dims: ParallelDims,
@@ -271,7 +288,7 @@ def _load_stages(
     fresh = {n: t for n, t in fresh.items() if n in local_names}  # drawn whole, as transformers draws them
     # A tensor-parallel or FSDP rank reads only its slices; an FSDP rank reads them into its shards.
     parts = shard_parts(stages, options.tp_plan, dims.tp_mesh)
-    experts = expert_parts(stages, options.ep_plan, dims.tp_mesh)
+    experts = expert_parts(stages, options.ep_plan, dims.expert_mesh)
     shards: dict[str, torch.Tensor] = {}
     on_meta = dims.fsdp_size > 1
     # Under FSDP a rank keeps the dim-0 chunk of its ep part (of the whole tensor without ep): whole experts.
@@ -313,13 +330,8 @@ def _load_stages(
         set_buffers(stages, tensors, ctx.device)
     tensors.update(fresh)
     del fresh
-    made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
-    for stage in stages if not on_meta else ():
-        materialize(stage, tensors, device=ctx.device, tied=maker.resolved.tied, made=made)
-        stage.eval()
-        if options.tp_plan:  # each tensor-parallel rank keeps its slice of the whole tensors it loaded
-            apply_tensor_parallel(stage, options.tp_plan, dims.tp_mesh)
-        apply_expert_parallel(stage, options.ep_plan, dims.tp_mesh, options.ep_implementation)
+    if not on_meta:
+        _place_stages(stages, tensors, maker, options, dims, ctx.device)
     del tensors
     maker.on_loaded(stages)
     report.seconds = {"meta stages, wanted tensors": staged_at - started, **report.seconds}

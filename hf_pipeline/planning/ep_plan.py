@@ -7,8 +7,12 @@ transformers when ``ep_size == tp_size``: every rank keeps ``num_experts / ep_si
 modules run on every rank, and an ``"ep_dispatch_experts"`` module brings its experts their tokens through
 transformers' own implementation (``ep_implementation``: ``"all_to_all"`` exchanges the routed tokens,
 ``"all_reduce"`` runs each rank's experts on the shared batch and sums, ``"auto"`` picks the second at
-inference and the first in training). Experts spread over data-parallel ranks (``ep_size > tp_size``)
-are refused: every replica would have to run the same microbatches in lock step at every MoE layer.
+inference and the first in training). With ``ep_over="data"`` (transformers' ``ep_size > tp_size``) the
+experts are split over a stage's ranks in ``ep_size / tp_size`` replicas, whose batches differ: every exchange is
+all-to-all, and every rank of an ep group must run the same MoE forwards in the same order. Forward and
+``train_step`` do (every replica runs the same microbatch count of the global batch); generation, beam search
+and serving would need every replica's ring in lock step at every MoE layer although replicas finish at different
+steps, so they are refused (:func:`refuse_generation_over_data`).
 
 Example:
     >>> ep_plan(mixtral_config, 2, model_class="MixtralForCausalLM")   # with fsdp_size too: FSDP over its slices
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 from ..errors import InputError
 
-__all__ = ["EP_IMPLEMENTATIONS", "EP_STYLES", "ep_plan", "num_experts", "without_experts"]
+__all__ = [
+    "EP_IMPLEMENTATIONS", "EP_STYLES", "ep_plan", "num_experts", "refuse_generation_over_data", "without_experts",
+]
 
 # The styles of transformers' ``base_model_ep_plan`` applied here: parameters cut by whole experts, and the
 # experts module whose forward dispatches the tokens.
@@ -98,3 +104,16 @@ def without_experts(tp: tuple[tuple[str, str], ...], ep: tuple[tuple[str, str], 
     module with an ep rule, and everything inside it, keeps no tp rule)."""
     experts = [k for k, _ in ep]
     return tuple((k, v) for k, v in tp if not any(k == e or k.startswith(e + ".") for e in experts))
+
+
+def refuse_generation_over_data(ep_data: int, what: str = "generate") -> None:
+    """Refuse ``what`` (generate, beam search, continuous batching, serving) on a model whose experts span
+    ``ep_data > 1`` data-parallel replicas: each replica's ring runs its own prompts and stops when they finish,
+    while the all-to-all at every MoE layer needs all of them there at once. Same facts on every rank: all refuse."""
+    if ep_data > 1:
+        raise InputError(
+            f"{what} is not supported on a model whose experts are split over data-parallel ranks (ep_over='data', "
+            f"{ep_data} replicas per expert group): every replica would have to run each MoE layer in lock step while "
+            "they finish at different steps; load it with the experts split within each stage instead (ep_size equal "
+            "to tp_size or alone, without ep_over='data') to generate or serve"
+        )

@@ -327,9 +327,11 @@ class PipelineOptions:
         tp_size: tensor-parallel ranks per stage (1: none).
         fsdp_size: data-parallel ranks sharding each stage's parameters with FSDP2 (1: none).
         tp_plan: ``(module pattern, style)`` pairs sharding each stage (empty without tensor parallelism).
-        ep_size: of the ``tp_size`` ranks of a stage, those splitting its experts (1: none; else ``tp_size``).
+        ep_size: ranks splitting a stage's experts (1: none; ``tp_size``: the stage's own ranks; with
+            ``ep_over="data"`` a multiple k > 1 of it: ``tp_size`` ranks times k consecutive replicas).
         ep_plan: ``(pattern, style)`` pairs splitting each stage's experts (empty without expert parallelism).
         ep_implementation: how tokens reach the experts (``planning/ep_plan.py``).
+        ep_over: ``"stage"`` or ``"data"`` (:class:`~hf_pipeline.planning.tp_plan.ParallelRequest`).
         n_microbatches: microbatches per pipelined call.
         dtype: the weights' dtype.
         split: ``"auto"``, ``"uniform"`` or the names that start stages 1..S-1.
@@ -360,6 +362,7 @@ class PipelineOptions:
     ep_size: int = 1
     ep_plan: tuple[tuple[str, str], ...] = ()
     ep_implementation: str = "auto"
+    ep_over: str = "stage"
 
     def __post_init__(self) -> None:
         # Here, not in resolve, so options made with dataclasses.replace (auto_choice.with_schedule) are
@@ -368,14 +371,26 @@ class PipelineOptions:
         for name in ("virtual_stages", "num_stages", "pp_size", "dp_size", "n_microbatches", "tp_size", "fsdp_size",
                      "ep_size"):
             _positive(name, getattr(self, name))
-        if self.ep_size > 1 and self.ep_size != self.tp_size:
+        if self.ep_over == "stage" and self.ep_size > 1 and self.ep_size != self.tp_size:
             raise InputError(f"ep_size={self.ep_size} must equal the ranks of a stage, tp_size={self.tp_size}")
+        if self.ep_data > 1 and self.dp_size % self.ep_data:
+            raise InputError(
+                f"ep_over='data' with ep_size={self.ep_size}: its experts span ep_size / tp_size = {self.ep_data} "
+                f"data-parallel replicas, which must divide the {self.dp_size} replicas (world size / (pp_size "
+                f"{self.pp_size} x tp_size {self.tp_size})); launch a multiple of {self.ep_data} replicas or change "
+                "ep_size"
+            )
         if self.num_stages != self.pp_size * self.virtual_stages:
             raise InputError(
                 f"num_stages={self.num_stages} must be pp_size x virtual_stages = "
                 f"{self.pp_size} x {self.virtual_stages}"
             )
         check_layout(self.schedule, pp_size=self.pp_size, virtual_stages=self.virtual_stages)
+
+    @property
+    def ep_data(self) -> int:
+        """Data-parallel replicas one expert-parallel group spans (1: experts within each stage)."""
+        return self.ep_size // self.tp_size if self.ep_over == "data" else 1
 
     @classmethod
     def resolve(
@@ -454,4 +469,5 @@ class PipelineOptions:
             traced=traced, schedule_note=note, adapt_microbatches=adapt_microbatches, tp_size=parallel.tp_size,
             tp_plan=shards, fsdp_size=parallel.fsdp_size,
             ep_size=parallel.ep_size, ep_plan=experts, ep_implementation=parallel.ep_implementation,
+            ep_over=parallel.ep_over,
         )

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["ParallelRequest", "parallel_request", "tp_plan"]
+__all__ = ["EP_OVER", "ParallelRequest", "parallel_request", "tp_plan"]
 
 # The styles of transformers' plans this version applies are planning/mesh_rules.STYLES and packed colwise.
 
@@ -56,6 +56,10 @@ class ParallelRequest:
             ``ep_size`` ranks shard only the experts (transformers' ``ep_size=tp_size, tp_plan={}``).
         ep_plan: ``(module or parameter pattern, style)`` pairs overriding the config's ``base_model_ep_plan``.
         ep_implementation: how tokens reach the experts (transformers' ``DistributedConfig.ep_implementation``).
+        ep_over: ``"stage"`` (default): the ``ep_size`` expert-parallel ranks share one batch, as above;
+            ``"data"``: they are a stage's ``tp_size`` ranks times ``ep_size / tp_size`` consecutive data-parallel
+            ranks, whose batches differ (transformers' ``ep_size > tp_size``: the routed tokens are exchanged
+            all-to-all among them).
     """
 
     tp_size: int = 1
@@ -66,29 +70,67 @@ class ParallelRequest:
     ep_size: int = 1
     ep_plan: tuple[tuple[str, str], ...] | None = None
     ep_implementation: str = "auto"
+    ep_over: str = "stage"
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "fsdp_size", "ep_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if self.ep_size > 1 and self.tp_size not in (1, self.ep_size):
-            raise InputError(
-                f"ep_size={self.ep_size} with tp_size={self.tp_size}: a stage's experts are split over the ranks that "
-                f"share its batch, its tensor-parallel ranks, so ep_size must equal tp_size (or be given alone); "
-                f"experts across data-parallel ranks (ep_size > tp_size) are not supported yet"
-            )
+        _check_ep_over(self.ep_size, self.tp_size, self.fsdp_size, self.ep_over, self.ep_implementation)
+
+    @property
+    def ep_data(self) -> int:
+        """Data-parallel ranks one expert-parallel group spans (``ep_size / tp_size`` with ``ep_over="data"``,
+        else 1)."""
+        return self.ep_size // self.tp_size if self.ep_over == "data" else 1
 
     @property
     def stage_ranks(self) -> ParallelRequest:
         """This request with ``tp_size`` counting every rank of a stage: an ``ep_size`` given alone makes
         ``ep_size`` ranks per stage with no tensor-parallel rule (transformers' ``tp_plan={}``)."""
-        if self.ep_size > 1 and self.tp_size == 1:
+        if self.ep_size > 1 and self.tp_size == 1 and self.ep_over == "stage":
             return dataclasses.replace(self, tp_size=self.ep_size, plan=())
         return self
 
 
-def _from_distributed_config(dc: Any) -> ParallelRequest:
+EP_OVER = ("stage", "data")
+
+
+def _check_ep_over(ep_size: int, tp_size: int, fsdp_size: int, ep_over: Any, implementation: str) -> None:
+    """Which ranks an ``ep_size`` spans: a stage's batch-sharing ranks, or (``ep_over="data"``) ``ep_size / tp_size``
+    data-parallel ranks of ``tp_size`` ranks each; refused by name otherwise."""
+    if ep_over not in EP_OVER:
+        raise InputError(f"ep_over must be one of {list(EP_OVER)}, got {ep_over!r}")
+    if ep_over == "stage" and ep_size > 1 and tp_size not in (1, ep_size):
+        raise InputError(
+            f"ep_size={ep_size} with tp_size={tp_size}: a stage's experts are split over the ranks that share its "
+            "batch, its tensor-parallel ranks, so ep_size must equal tp_size (or be given alone); for experts across "
+            "data-parallel ranks pass ep_over='data' with ep_size a multiple of tp_size"
+        )
+    if ep_over != "data":
+        return
+    if ep_size <= tp_size or ep_size % tp_size:
+        raise InputError(
+            f"ep_over='data' with ep_size={ep_size} and tp_size={tp_size}: the experts span tp_size ranks times "
+            "ep_size / tp_size > 1 data-parallel ranks, so ep_size must be a multiple k > 1 of tp_size; pass such an "
+            "ep_size, or leave ep_over unset to split the experts over each stage's own ranks"
+        )
+    if implementation == "all_reduce":
+        raise InputError(
+            "ep_over='data' with ep_implementation='all_reduce': all-reduce needs every expert-parallel rank to hold "
+            "the same batch, and replicas hold different rows; use ep_implementation='auto' or 'all_to_all'"
+        )
+    if fsdp_size > 1:
+        raise InputError(
+            f"ep_over='data' (or DistributedConfig's ep_size > tp_size, experts over its fsdp ranks) with fsdp_size="
+            f"{fsdp_size}: experts over data-parallel ranks run with plain pipeline replicas only, not FSDP; pass "
+            "ep_size=... with ep_over='data' and no fsdp_size, or an ep_size equal to tp_size (experts within each "
+            "stage)"
+        )
+
+
+def _from_distributed_config(dc: Any, ep_over: str | None = None) -> ParallelRequest:
     """transformers' ``DistributedConfig`` as a request; fields this version lacks are refused by name."""
     defaults = {f.name: f.default for f in fields(dc)}
     for name, what in _UNSUPPORTED.items():
@@ -105,12 +147,17 @@ def _from_distributed_config(dc: Any) -> ParallelRequest:
     ep_plan = getattr(dc, "ep_plan", None)
     # Its __post_init__ turns unset sizes into 1: a 1 says nothing here, so the pipeline depth comes from
     # num_stages (default world / tp_size) and the replicas from what the world leaves, as with tp_size=.
+    # ep_size > tp_size > 1 can only mean experts over data-parallel ranks (transformers' meaning); with tp_size 1
+    # an ep_size stays the stage's own ranks unless ep_over says otherwise.
+    ep_size, tp_size = getattr(dc, "ep_size", None) or 1, dc.tp_size or 1
+    if ep_over is None:
+        ep_over = "data" if ep_size > tp_size > 1 else "stage"
     return ParallelRequest(
-        tp_size=dc.tp_size or 1, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
+        tp_size=tp_size, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
         dp_size=dc.dp_replicate_size if (dc.dp_replicate_size or 1) > 1 else None,
         plan=tuple(plan.items()) if isinstance(plan, dict) else None, fsdp_size=dc.fsdp_size or 1,
-        ep_size=getattr(dc, "ep_size", None) or 1, ep_plan=tuple(ep_plan.items()) if ep_plan else None,
-        ep_implementation=getattr(dc, "ep_implementation", "auto"),
+        ep_size=ep_size, ep_plan=tuple(ep_plan.items()) if ep_plan else None,
+        ep_implementation=getattr(dc, "ep_implementation", "auto"), ep_over=ep_over,
     )
 
 
@@ -138,7 +185,7 @@ def _from_mesh(mesh: Any, world_size: int) -> ParallelRequest:
 
 def parallel_request(
     *, tp_size: int | None, distributed_config: Any, device_mesh: Any, world_size: int | None,
-    fsdp_size: int | None = None, ep_size: int | None = None,
+    fsdp_size: int | None = None, ep_size: int | None = None, ep_over: str | None = None,
 ) -> ParallelRequest:
     """One :class:`ParallelRequest` from ``from_pretrained``'s ``tp_size`` / ``fsdp_size`` / ``ep_size``
     (together or alone), ``distributed_config`` and ``device_mesh``.
@@ -164,12 +211,15 @@ def parallel_request(
                 f"distributed_config must be a transformers.distributed.DistributedConfig, got "
                 f"{type(distributed_config).__name__}"
             )
-        return _from_distributed_config(distributed_config)
+        return _from_distributed_config(distributed_config, ep_over)
     if device_mesh is not None:
+        if ep_over is not None:
+            raise InputError("ep_over needs ep_size (or distributed_config=DistributedConfig(ep_size=...)), not "
+                             "device_mesh; pass ep_size=... and ep_over='data' instead of device_mesh")
         return _from_mesh(device_mesh, world_size or 1)
     return ParallelRequest(
         tp_size=1 if tp_size is None else tp_size, fsdp_size=1 if fsdp_size is None else fsdp_size,
-        ep_size=1 if ep_size is None else ep_size,
+        ep_size=1 if ep_size is None else ep_size, ep_over="stage" if ep_over is None else ep_over,
     )
 
 

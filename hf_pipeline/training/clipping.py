@@ -33,7 +33,8 @@ def clip_grad_norm_(
     state = train_state(model)
     norm_type = float(norm_type)
     grads = [p.grad for p in state.norm_params if p.grad is not None]
-    if model.dims.fsdp_size > 1 and model.dims.tp_size > 1:  # shards of two meshes: (fsdp, tp) and fsdp alone
+    # Shards of two meshes: (fsdp, tp) and fsdp alone, or tp and the experts' ep mesh (each counted once over its own).
+    if (model.dims.fsdp_size > 1 and model.dims.tp_size > 1) or model.dims.ep_data > 1:
         local = mesh_norm_power(grads, norm_type, device=model.device)
     else:
         local = norm_power(grads, norm_type, device=model.device, tp_group=model.dims.shard_group)

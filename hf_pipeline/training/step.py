@@ -125,6 +125,17 @@ def _group_for(model: PipelineCore, pp_ranks: tuple[int, ...], made: dict) -> di
     return made[ranks]
 
 
+def _experts_over_data(model: PipelineCore, local: list[_LocalKey]) -> dict[str, _LocalKey]:
+    """The keys of experts split over data-parallel ranks (``ep_over="data"``), not summed over the replicas: the
+    all-to-all's backward already brought each of its experts the gradient of every token of the ep group's
+    batches, so only the other ep groups' copies (the expert-replica group, None when there are none) add theirs."""
+    if model.dims.ep_mesh is None:
+        return {}
+    # By the mesh's name, not identity: after fresh groups the stages keep their own (rebound) mesh object.
+    return {e.key: e for e in local
+            if any(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) == ("ep",) for p in e.params)}
+
+
 def train_state(model: PipelineCore) -> TrainStepState:
     """The model's :class:`TrainStepState`, made on first use (collective then: it creates the sync groups).
 
@@ -164,14 +175,17 @@ def _new_train_state(model: PipelineCore) -> TrainStepState:
     if mine not in groups:
         groups[mine] = _group_for(model, mine, made)
     ranks_of = {e.key: layout.pp_ranks(e.key) if e.key in layout.holders else mine for e in local}
+    experts = _experts_over_data(model, local)
     buckets = []
     for s in groups:
         if model.dims.pp_rank not in s:
             continue
         # Sorted by key: the flat buffers of all members of the group must line up.
-        keys = sorted((e for e in local if ranks_of[e.key] == s), key=lambda e: e.key)
+        keys = sorted((e for e in local if ranks_of[e.key] == s and e.key not in experts), key=lambda e: e.key)
         if keys:
             buckets.append((groups[s], keys))
+    if experts:
+        buckets.append((model.dims.expert_replica_group, sorted(experts.values(), key=lambda e: e.key)))
     norm_params = [e.params[0] for e in local if ranks_of[e.key] == mine or layout.owner_stage(e.key) in local_stages]
     return TrainStepState(
         loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),

@@ -1,0 +1,219 @@
+"""Experts over data-parallel ranks (``ep_over="data"``: transformers' ``ep_size > tp_size``) equal
+single-process transformers with the same global batch, for Mixtral and Qwen3-MoE.
+
+Each rank keeps half of every MoE layer's experts (``Shard(0)`` on its ep mesh: the same stage in 2
+consecutive replicas, whose rows differ), and transformers' ``AllToAllEP`` exchanges the routed tokens
+between the replicas. Meshes: pp1 x ep2 over dp2 (2 ranks); pp2 x dp2 with ep2 over the replicas under 1F1B
+and ZBV, and pp1 x dp4 with ep2 (two ep groups: the expert gradients summed over the expert-replica group)
+at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends its slice of the shared rows).
+On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
+
+- logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another
+  summation order, ~1e-7; an expert missed or run twice moves them by its whole contribution, ~1e-1), and
+  the loss of a forward with labels (relative 1e-5);
+- two ``train_step`` + ``clip_grad_norm_`` + AdamW steps on a global batch of 8: losses and norms (relative
+  1e-5), every parameter afterwards gathered whole (1e-5; an expert gradient summed over the ep group as well
+  doubles it and moves the parameter by ~lr = 1e-3 after AdamW's normalisation of the second step's moments);
+- ``save_pretrained`` reloaded by plain transformers equal to the trained parameters (exactly), and the training
+  state saved with the optimizer resumed on the same mesh takes the next step with the same loss (exactly);
+- bytes read per rank at pp1: the dense tensors and exactly half of the experts' bytes.
+
+At 4 ranks Mixtral trains with the routers' load-balancing loss (``output_router_logits``). At 2 ranks a
+forward failing on one rank while the other waits for it in the all-to-all raises on both, and the model
+then runs on in fresh groups (the comparisons above follow it).
+
+``generate`` (greedy and beam) is refused on every rank with one InputError naming ep over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decoders import decoder_config
+from harness import run_distributed
+from safetensors import safe_open
+from tp_helpers import EPS, LR, compare, exercise
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+def _checkpoint(root, model_type, **overrides):
+    import transformers
+
+    path = root / f"{model_type}{'-aux' if overrides else ''}"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(decoder_config(model_type, **overrides)).save_pretrained(path)
+    return str(path)
+
+
+def _load(path, kwargs):
+    import hf_pipeline
+
+    kwargs = {"ep_size": 2, "ep_over": "data", **kwargs}
+    return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
+
+
+def _refusals(model):
+    import tiny
+
+    prompt = tiny.sample_inputs("decoder", batch=2, seq=6)
+    out = []
+    for beams in (1, 2):
+        try:
+            model.generate(**prompt, max_new_tokens=2, num_beams=beams, do_sample=False, pad_token_id=0)
+            out.append(None)
+        except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def _resume(model, path, kwargs, save_dir):
+    """One more step saved with its optimizer, then the next step on the model and on the resumed save."""
+    import tiny
+
+    from hf_pipeline.checkpointing.training_state import load_training_state
+
+    def step(m, opt, seed):
+        loss = float(m.train_step(tiny.make_batch("decoder", 8, seed=seed)))
+        m.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    step(model, opt, 3)
+    model.save_pretrained(save_dir, optimizer=opt, step=1)
+    went_on = step(model, opt, 4)
+    resumed = _load(save_dir, kwargs)
+    resumed.train()
+    opt = torch.optim.AdamW(resumed.parameters(), lr=LR, eps=EPS)
+    load_training_state(resumed, save_dir, optimizer=opt)
+    return went_on, step(resumed, opt, 4)
+
+
+def _survives(model) -> dict:
+    """A forward failing on the last rank only, before its first MoE layer, while the others wait for it in the
+    all-to-all: every rank raises (the culprit its own error), and the model runs on in fresh groups (the ep
+    mesh rebound: the comparisons that follow use it)."""
+    import tiny
+
+    def fail_once(module, args):
+        handle.remove()
+        raise ValueError("a bug in the last rank")
+
+    last = model.ctx.rank == model.ctx.world_size - 1
+    if last:
+        handle = model.stages[0].register_forward_pre_hook(fail_once)
+    try:
+        model(**tiny.sample_inputs("decoder", batch=2, seq=5))
+    except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
+        return {"raised": type(e).__name__, "last": last}
+    return {"raised": None, "last": last}
+
+
+def _case(path, kwargs, save_to, resume_to, survive=False):
+    from torch.distributed.tensor import DTensor
+
+    model = _load(path, kwargs)
+    res = {"experts": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in model.named_parameters()
+                       if isinstance(p, DTensor) and ".experts." in n},
+           "bytes": model.load_report.bytes_read, "dims": (model.dims.pp_size, model.dims.dp_size, model.dims.tp_size),
+           "refused": _refusals(model)}
+    if survive:
+        res["survived"] = _survives(model)
+    res["labelled"] = _labelled_loss(model)
+    res.update(exercise(model, "decoder", pipelined=True, generate=False, rows=4))
+    model.save_pretrained(save_to)
+    if resume_to:
+        res["resumed"] = _resume(model, path, kwargs, resume_to)
+    return res
+
+
+def _labelled_loss(model) -> float:
+    """The loss of a forward with labels (inference: every replica runs the whole batch, the same microbatches)."""
+    import tiny
+
+    with torch.no_grad():
+        return float(model(**tiny.make_batch("decoder", 4, seed=5)).loss)
+
+
+def _job(cases):
+    return [_case(*c) for c in cases]
+
+
+def _reference(path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return {"labelled": _labelled_loss(model), **exercise(model, "decoder", pipelined=False, generate=False, rows=4)}
+
+
+def _halves(path) -> tuple[int, int]:
+    """(all tensors', expert tensors') stored bytes of a one-file float32 checkpoint."""
+    total = experts = 0
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        for key in f.keys():
+            n = torch.tensor(f.get_slice(key).get_shape()).prod().item() * 4
+            total, experts = total + n, experts + (n if ".experts." in key else 0)
+    return total, experts
+
+
+def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
+    import transformers
+
+    ref = _reference(path)
+    total, experts = _halves(path)
+    for rank, res in enumerate(per_rank):
+        case = res[i]
+        assert case["dims"] == dims, f"{name} rank {rank}: dims {case['dims']}"
+        assert case["experts"], f"{name} rank {rank}: no expert tensor is split"
+        for key, (local, whole) in case["experts"].items():
+            assert local[0] * share == whole[0] and local[1:] == whole[1:], f"{name} rank {rank}: {key} {local} {whole}"
+        compare(f"{name} rank {rank}", case, ref)
+        # fp32 mean loss, relative: summation order ~1e-7; an expert's tokens lost or doubled move it >= 1e-3.
+        assert abs(case["labelled"] - ref["labelled"]) <= 1e-5 * abs(ref["labelled"]), (name, rank, case["labelled"])
+        if pp1:
+            assert case["bytes"] == total - experts // 2, f"{name} rank {rank}: read {case['bytes']} of {total}"
+        for msg in case["refused"]:
+            assert msg is not None and msg.startswith("InputError: generate is not supported"), f"rank {rank}: {msg}"
+            assert "ep_over='data'" in msg and "within each stage" in msg, f"rank {rank}: {msg}"
+        if "survived" in case:
+            want = "ValueError" if case["survived"]["last"] else "RankError"
+            assert case["survived"]["raised"] == want, f"{name} rank {rank}: {case['survived']}"
+        if "resumed" in case:
+            went_on, resumed = case["resumed"]
+            assert went_on == resumed, f"{name} rank {rank}: step after resume {resumed} != {went_on}"
+    params = dict(transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).named_parameters())
+    for key, got in per_rank[0][i]["params"].items():
+        assert torch.equal(params[key].detach(), got), f"{name}: saved {key} differs after reload"
+
+
+def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
+    paths = {t: _checkpoint(tmp_path, t) for t in ("mixtral", "qwen3_moe")}
+    kwargs = {"num_stages": 1, "n_microbatches": 2}
+    cases = [(paths[t], kwargs, str(tmp_path / f"saved-{t}"), str(tmp_path / "state") if t == "mixtral" else None,
+              t == "qwen3_moe") for t in paths]
+    per_rank = run_distributed(_job, 2, cases, timeout=600, env={"HF_PIPELINE_TIMEOUT": "60"})
+    for i, t in enumerate(paths):
+        _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True)
+
+
+def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_transformers(tmp_path):
+    # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
+    paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
+             "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
+    cases = [
+        (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2}, str(tmp_path / "s-1f1b"),
+         str(tmp_path / "state")),
+        (paths["qwen3_moe"], {"num_stages": 4, "schedule": "zbv-zero-bubble", "n_microbatches": 4},
+         str(tmp_path / "s-zbv"), None),
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1}, str(tmp_path / "s-dp4"), None),
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2, "tp_size": 2, "ep_size": 4},
+         str(tmp_path / "s-tp2"), None),
+    ]
+    per_rank = run_distributed(_job, 4, cases, timeout=900)
+    _check("mixtral pp2 x dp2 1F1B", per_rank, 0, paths["mixtral"], cases[0][2], (2, 2, 1), pp1=False)
+    _check("qwen3_moe pp2 x dp2 ZBV", per_rank, 1, paths["qwen3_moe"], cases[1][2], (2, 2, 1), pp1=False)
+    _check("qwen3_moe pp1 x dp4", per_rank, 2, paths["qwen3_moe"], cases[2][2], (1, 4, 1), pp1=True)
+    _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, paths["qwen3_moe"], cases[3][2], (1, 2, 2), pp1=False, share=4)
