@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import platform
 import sys
 
 import pytest
@@ -109,6 +110,10 @@ def _no_processes(nodeid: str):
     def refuse(*args, **kwargs):
         raise AssertionError(f"{nodeid} starts a process: mark it @pytest.mark.dist (it is not a quick-tier test)")
 
+    # Python's platform module asks ``uname -p`` once per interpreter, the first time anything reads the
+    # platform (``hf-pipeline env`` does, as transformers' env does): ask it before the guard, so whether a test
+    # "starts a process" does not depend on which test happened to run first on its worker.
+    platform.processor()
     saved = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
     subprocess.Popen.__init__ = refuse
     multiprocessing.process.BaseProcess.start = refuse
