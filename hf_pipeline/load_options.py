@@ -154,7 +154,7 @@ class LoadOptions:
         None, "which ranks `ep_size` spans: `\"stage\"` (default: each stage's own batch-sharing ranks) or "
         "`\"data\"`: `tp_size` ranks times `ep_size / tp_size` data-parallel replicas, the routed tokens exchanged "
         "all-to-all (transformers' `ep_size > tp_size`, implied by a `DistributedConfig` asking for it; plain "
-        "replicas, no `generate`)", concern="mesh", acts="mesh")
+        "replicas; `generate` steps them in lock step, no beam search or serving)", concern="mesh", acts="mesh")
     distributed_config: Any = _option(
         None, "transformers' `DistributedConfig(tp_size, tp_plan, ep_size, ep_plan, ep_implementation, fsdp_size, "
         "dp_replicate_size, pp_size)`, instead of `tp_size` / `fsdp_size` / `ep_size`", concern="mesh", acts="mesh")
