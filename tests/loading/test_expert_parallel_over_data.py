@@ -23,7 +23,8 @@ forward failing on one rank while the other waits for it in the all-to-all raise
 then runs on in fresh groups (the comparisons above follow it).
 
 ``generate`` runs every replica in lock step (rows padded until all replicas' rows are done): greedy tokens
-equal transformers' and seeded sampling equals the pipeline on one process (its per-row streams), both with
+equal transformers' on every mesh, and seeded sampling (all but ZBV and tp2, for time) equals the pipeline on
+one process (its per-row streams), both with
 EOS ids chosen so that one replica's rows all end while another's still generate, 5 prompts split 3 / 2 (or
 2 / 1 / 1 / 1) over the replicas and every replica cut into the same number of microbatches. Beam search is
 refused on every rank with one InputError naming ep over data-parallel ranks.
@@ -67,8 +68,8 @@ def _prompts():
 
 
 def _generations(model, gen) -> dict:
-    """Beam search refused; greedy and seeded sampling in lock step (3 microbatches asked for: 2 rows per
-    replica at most, so each replica cuts its share into as many as the smallest share allows)."""
+    """Beam search refused; greedy and seeded sampling in lock step (3 microbatches asked for: over 2 replicas
+    the shares are 3 and 2 rows, and both cut theirs into 2, as many as the smallest share allows)."""
     inputs, out = _prompts(), {}
     try:
         model.generate(**inputs, max_new_tokens=2, num_beams=2, do_sample=False, pad_token_id=0)
@@ -80,7 +81,8 @@ def _generations(model, gen) -> dict:
         **inputs, do_sample=False, eos_token_id=gen["greedy"], return_stats=True, **common
     )
     out["microbatches"], out["prefill_steps"] = stats.n_microbatches, stats.prefill_steps
-    out["sampled"] = model.generate(**inputs, eos_token_id=gen["sampled"], **SAMPLING, **common)
+    if "sampled" in gen:
+        out["sampled"] = model.generate(**inputs, eos_token_id=gen["sampled"], **SAMPLING, **common)
     return out
 
 
@@ -257,7 +259,8 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
         # logits, would be a near-tie the tiny models do not have; a replica stepping out of lock hangs or
         # feeds another replica's rows).
         assert torch.equal(case["greedy"], expect["greedy"]), f"{name} rank {rank}: greedy {case['greedy']}"
-        assert torch.equal(case["sampled"], expect["sampled"]), f"{name} rank {rank}: sampled {case['sampled']}"
+        if "sampled" in case:
+            assert torch.equal(case["sampled"], expect["sampled"]), f"{name} rank {rank}: sampled {case['sampled']}"
         # Every replica cuts its share into as many microbatches (3 asked, capped by the smallest share), and
         # feeds each prompt in one forward.
         assert (case["microbatches"], case["prefill_steps"]) == (min(3, ROWS // dims[1]), 1), (name, rank)
@@ -288,15 +291,17 @@ def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_tran
     paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
              "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
     gens = {t: _generation_refs(paths[t]) for t in paths}
+    # Sampling where the ring or the ep groups change (pp2, two ep groups); greedy alone at ZBV and tp2 (time).
+    greedy_only = {"greedy": gens["qwen3_moe"][0]["greedy"]}
     cases = [
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2}, str(tmp_path / "s-1f1b"),
          str(tmp_path / "state"), False, gens["mixtral"][0]),
         (paths["qwen3_moe"], {"num_stages": 4, "schedule": "zbv-zero-bubble", "n_microbatches": 4},
-         str(tmp_path / "s-zbv"), None, False, gens["qwen3_moe"][0]),
+         str(tmp_path / "s-zbv"), None, False, greedy_only),
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1}, str(tmp_path / "s-dp4"), None, False,
          gens["qwen3_moe"][0]),
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2, "tp_size": 2, "ep_size": 4},
-         str(tmp_path / "s-tp2"), None, False, gens["qwen3_moe"][0]),
+         str(tmp_path / "s-tp2"), None, False, greedy_only),
     ]
     per_rank = run_distributed(_job, 4, cases, timeout=900)
     mixtral, qwen = (paths["mixtral"], gens["mixtral"]), (paths["qwen3_moe"], gens["qwen3_moe"])
