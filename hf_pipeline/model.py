@@ -40,7 +40,6 @@ from .loading.fsdp import resharded_after
 from .loading.loader import LoadedPipeline, StageMaker, load_pipeline
 from .loading.weights import LoadReport
 from .planning.auto_choice import call_microbatches
-from .planning.ep_plan import refuse_generation_over_data
 from .planning.layout import ParamLayout, count_parameters, param_layout
 from .planning.options import PipelineOptions
 from .planning.plan import StagePlan
@@ -441,7 +440,6 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
         if self.stage_maker.generate_refusal is not None:
             raise TraceError(self.stage_maker.generate_refusal)
-        refuse_generation_over_data(self.dims.ep_data)
         with self.spreading_failures("generate"):
             # generate() agrees on its arguments across ranks first, then validates them on every rank.
             return generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -18,6 +18,8 @@ How it runs:
   * Finished rows (EOS, stop strings) are dropped from their microbatch's caches and inputs
     (``Cache.batch_select_indices``) on every stage, so they stop costing compute; a microbatch whose
     rows are all done leaves the ring. The output is padded with ``pad_token_id`` as transformers does.
+    With experts over data-parallel ranks (``ep_over="data"``) the replicas step in lock step instead:
+    finished rows stay, padded, until every replica's rows are done (``ring.py``, Note "lock step").
   * Encoder-decoder models (T5): the encoder runs once, pipelined over the encoder stages; its
     output is sent once per request to every rank holding decoder stages, which keep it (and the
     cross-attention keys/values in their ``EncoderDecoderCache``) for all decoding steps.

@@ -7,13 +7,15 @@ share into the microbatches the decode ring keeps in flight. Pure, tested alone
 Example:
     >>> microbatch_bounds(5, 2)
     [(0, 3), (3, 5)]
+    >>> replica_share(5, 2, 1, 3, same_count=True)      # replica 1 of 2: rows 3..5, as many microbatches as replica 0
+    ((3, 5), [(0, 1), (1, 2)])
 """
 
 from __future__ import annotations
 
 from ..errors import InputError
 
-__all__ = ["microbatch_bounds"]
+__all__ = ["microbatch_bounds", "replica_share"]
 
 
 def microbatch_bounds(batch: int, n: int) -> list[tuple[int, int]]:
@@ -38,3 +40,24 @@ def microbatch_bounds(batch: int, n: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def replica_share(
+    units: int, replicas: int, replica: int, n_microbatches: int, *, same_count: bool = False,
+) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """Replica ``replica``'s contiguous share of ``units`` rows, and its microbatches (share-local ranges).
+
+    Args:
+        units: rows of the whole batch, ``>= replicas``.
+        replicas: data-parallel replicas.
+        replica: this replica's index.
+        n_microbatches: microbatches asked for (each replica keeps at most one per row).
+        same_count: every replica cuts its share into the same number of microbatches (the fewest rows of
+            any share caps it): replicas that run each MoE layer together (experts over data-parallel ranks)
+            must run the same (step, microbatch) forwards, so their decode rings' timetables are the same.
+    Returns:
+        ``((lo, hi), bounds)``: the share's rows of the batch, and its microbatches' ``[start, stop)`` ranges.
+    """
+    lo, hi = microbatch_bounds(units, replicas)[replica]
+    cap = units // replicas if same_count else hi - lo  # the smallest share (larger ones first)
+    return (lo, hi), microbatch_bounds(hi - lo, min(n_microbatches, cap))

@@ -26,7 +26,7 @@ from ..errors import InputError, InputTypeError
 from ..log import get_logger
 from ..runtime.checks import check_index_inputs, check_sequence_length, check_token_ids, vocab_size
 from .config import generation_config, prepare_generation_config
-from .microbatches import microbatch_bounds
+from .microbatches import replica_share
 from .refusals import refuse
 from .sampling import left_padded_position_ids
 
@@ -75,6 +75,7 @@ class Request:
     do_sample: bool
     num_beams: int  # > 1: beam search; each microbatch holds whole groups of num_beams rows
     keep_rows: bool  # per-step scores / logits asked for: finished rows stay in the ring (see Ring)
+    lock_step: bool  # experts over data-parallel ranks: every replica's ring runs the same ops (see Ring)
     seed: int | None
     pad: int
     streamer: Any
@@ -137,6 +138,7 @@ def build_request(model: PipelineCore, call: GenerateCall) -> Request:
         bounds=share.bounds, row_offset=share.row_offset, max_new=gc.max_length - prompt_length,
         do_sample=bool(gc.do_sample), seed=seed, pad=pad, streamer=call.streamer, num_beams=int(gc.num_beams or 1),
         keep_rows=bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits)),
+        lock_step=model.dims.ep_data > 1,
         logits_processor=call.logits_processor, stopping_criteria=call.stopping_criteria, tokenizer=call.tokenizer,
     )
 
@@ -238,14 +240,17 @@ def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_mic
     refuse(
         "rows", copies=copies, beams=beams, do_sample=gc.do_sample, batch=units, dp_size=model.dims.dp_size,
         n_microbatches=n_microbatches, return_dict=bool(gc.return_dict_in_generate), criteria=criteria,
+        ep_data=model.dims.ep_data,
     )
     if repeats > 1:
         rows = rows.select(lambda t: t.repeat_interleave(repeats, dim=0))
     # As transformers: a mask of all ones is dropped (same kernels, same numbers), decided for the whole batch.
     all_ones = rows.mask is None or bool((rows.mask == 1).all())
-    # Data-parallel replicas each generate a contiguous share of the units (gathered at the end).
-    lo, hi = microbatch_bounds(units, model.dims.dp_size)[model.dims.dp_rank]
-    bounds = microbatch_bounds(hi - lo, min(n_microbatches, hi - lo))
+    # Data-parallel replicas each generate a contiguous share of the units (gathered at the end); replicas
+    # in lock step (experts over them) all cut theirs into the same number of microbatches.
+    (lo, hi), bounds = replica_share(
+        units, model.dims.dp_size, model.dims.dp_rank, n_microbatches, same_count=model.dims.ep_data > 1
+    )
     return _Share(
         rows=rows.select(lambda t: t[lo * unit: hi * unit]), row_offset=lo * unit,
         bounds=[(a * unit, b * unit) for a, b in bounds], all_ones=all_ones,

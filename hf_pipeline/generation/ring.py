@@ -19,6 +19,18 @@
 
 Note (protocol): the ticks, messages and shapes are described in :mod:`.timetable`.
 
+Note (lock step): with experts over data-parallel ranks (``ep_over="data"``) every rank of an expert group
+calls transformers' all-to-all at every MoE layer, so every replica's ring must run the same (stage, step,
+microbatch) forwards although their rows differ, as transformers' ``generate(synced_gpus=True)`` keeps every
+rank stepping until all are done. The timetable is already the same (equal microbatch counts:
+``microbatches.replica_share``; the prompt's length and ``max_new`` are the whole batch's); what differs is
+when rows leave. So every row stays in the ring, finished rows fed ``pad_token_id`` as transformers pads them,
+until the replicas agree that all rows are done: at each token choice, one MIN all-reduce of "all my rows
+finished" over the expert group, on the last stage, whose answer travels down the ring in the existing
+still-generating flags. Running ``max_new_tokens`` steps always would need no agreement but can cost many
+times the work (EOS long before the limit); one 4-byte all-reduce per microbatch and step is what
+transformers pays per step, and it keeps the exit rule the ring already has for per-step scores.
+
 Example (inside ``generate``):
     >>> ring = Ring(model, request)
     >>> ring.decode_loop()
@@ -32,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..core import PipelineCore
 from ..errors import InternalError
@@ -122,6 +135,8 @@ class Ring:
         self.token_width = 3 if self.beam else 2  # token, still generating[, beam source row]
         chooser = BeamChooser if self.beam else TokenChooser
         self.chooser = chooser(model.skeleton, req, self.device) if self.is_last else None
+        # Lock step (experts over data-parallel ranks, see the Note): the replicas agreeing when to stop.
+        self.lock_group = model.dims.ep_mesh.get_group() if req.lock_step else None
         streams = self.is_last and req.streamer is not None
         self.streamer = StepStreamer(req.streamer, req.prompt.shape[0], req.pad) if streams else None
 
@@ -366,14 +381,24 @@ class Ring:
         # With per-step scores or logits asked for, every row stays in the ring, finished or not, while
         # any microbatch still generates, as transformers computes the whole batch every step (a
         # microbatch does not yet know the later ones' last step: it may run one step more, cut at the end,
-        # though never past the last step any row may take).
-        keep = self.req.keep_rows and token_step + 1 < self.req.max_new
-        if keep and not all(self.chooser.finished(j) for j in range(self.timetable.n_microbatches)):
+        # though never past the last step any row may take). In lock step, while any replica's does.
+        keep = (self.req.keep_rows or self.req.lock_step) and token_step + 1 < self.req.max_new
+        if keep and not self._all_finished():
             flags = torch.ones_like(flags)
         columns = [tokens, flags.long()] + ([self.chooser.sources(i)] if self.beam else [])
         message = torch.stack(columns, dim=1)  # (n, token_width)
         self.mailbox.deliver(("tok", i), self.first_decode, message)
         self._stream(i, token_step)
+
+    def _all_finished(self) -> bool:
+        """Whether every row of this request has finished: this replica's, and in lock step every replica's of
+        the expert group (one MIN all-reduce, which every replica's last stage makes at the same op)."""
+        done = all(self.chooser.finished(j) for j in range(self.timetable.n_microbatches))
+        if self.lock_group is None:
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.lock_group)
+        return bool(flag.item())
 
     def _end_step(self, tick: int) -> None:
         """Last stage: at the tick of a step's last microbatch (run, or skipped since it left the ring),

@@ -10,9 +10,11 @@ transformers' own implementation (``ep_implementation``: ``"all_to_all"`` exchan
 inference and the first in training). With ``ep_over="data"`` (transformers' ``ep_size > tp_size``) the
 experts are split over a stage's ranks in ``ep_size / tp_size`` replicas, whose batches differ: every exchange is
 all-to-all, and every rank of an ep group must run the same MoE forwards in the same order. Forward and
-``train_step`` do (every replica runs the same microbatch count of the global batch); generation, beam search
-and serving would need every replica's ring in lock step at every MoE layer although replicas finish at different
-steps, so they are refused (:func:`refuse_generation_over_data`).
+``train_step`` do (every replica runs the same microbatch count of the global batch); greedy and sampled
+``generate`` run every replica's ring in lock step (``generation/ring.py``: finished rows padded until the
+replicas agree all are done, as transformers' ``synced_gpus``); beam search is refused in the request
+(``generation/refusals.py``), and continuous batching and serving, whose requests join and leave each replica's
+ring at their own times, by :func:`refuse_generation_over_data`.
 
 Example:
     >>> ep_plan(mixtral_config, 2, model_class="MixtralForCausalLM")   # with fsdp_size too: FSDP over its slices
@@ -106,14 +108,15 @@ def without_experts(tp: tuple[tuple[str, str], ...], ep: tuple[tuple[str, str], 
     return tuple((k, v) for k, v in tp if not any(k == e or k.startswith(e + ".") for e in experts))
 
 
-def refuse_generation_over_data(ep_data: int, what: str = "generate") -> None:
-    """Refuse ``what`` (generate, beam search, continuous batching, serving) on a model whose experts span
-    ``ep_data > 1`` data-parallel replicas: each replica's ring runs its own prompts and stops when they finish,
-    while the all-to-all at every MoE layer needs all of them there at once. Same facts on every rank: all refuse."""
+def refuse_generation_over_data(ep_data: int, what: str = "continuous batching") -> None:
+    """Refuse ``what`` (continuous batching, serving) on a model whose experts span ``ep_data > 1`` data-parallel
+    replicas: each replica's ring admits and retires its own requests as they come and finish, while the all-to-all
+    at every MoE layer needs every replica there at once. Same facts on every rank: all refuse."""
     if ep_data > 1:
         raise InputError(
             f"{what} is not supported on a model whose experts are split over data-parallel ranks (ep_over='data', "
-            f"{ep_data} replicas per expert group): every replica would have to run each MoE layer in lock step while "
-            "they finish at different steps; load it with the experts split within each stage instead (ep_size equal "
-            "to tp_size or alone, without ep_over='data') to generate or serve"
+            f"{ep_data} replicas per expert group): each replica's requests join and leave its ring at their own "
+            "times, while every replica must run each MoE layer in lock step; call generate() (greedy or sampling, "
+            "which runs the replicas in lock step), or load it with the experts split within each stage instead "
+            "(ep_size equal to tp_size or alone, without ep_over='data') to serve"
         )

@@ -22,19 +22,27 @@ At 4 ranks Mixtral trains with the routers' load-balancing loss (``output_router
 forward failing on one rank while the other waits for it in the all-to-all raises on both, and the model
 then runs on in fresh groups (the comparisons above follow it).
 
-``generate`` (greedy and beam) is refused on every rank with one InputError naming ep over data-parallel ranks.
+``generate`` runs every replica in lock step (rows padded until all replicas' rows are done): greedy tokens
+equal transformers' on every mesh, and seeded sampling (all but ZBV and tp2, for time) equals the pipeline on
+one process (its per-row streams), both with
+EOS ids chosen so that one replica's rows all end while another's still generate, 5 prompts split 3 / 2 (or
+2 / 1 / 1 / 1) over the replicas and every replica cut into the same number of microbatches. Beam search is
+refused on every rank with one InputError naming ep over data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from decoders import decoder_config
+from decoders import VOCAB, decoder_config
 from harness import run_distributed
 from safetensors import safe_open
 from tp_helpers import EPS, LR, compare, exercise
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ROWS, PROMPT, NEW = 5, 6, 8  # generate: prompts (5 rows: shares of 3 and 2 over 2 replicas), new tokens
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, seed=11)
 
 
 def _checkpoint(root, model_type, **overrides):
@@ -53,17 +61,28 @@ def _load(path, kwargs):
     return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
 
 
-def _refusals(model):
+def _prompts():
     import tiny
 
-    prompt = tiny.sample_inputs("decoder", batch=2, seq=6)
-    out = []
-    for beams in (1, 2):
-        try:
-            model.generate(**prompt, max_new_tokens=2, num_beams=beams, do_sample=False, pad_token_id=0)
-            out.append(None)
-        except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
-            out.append(f"{type(e).__name__}: {e}")
+    return tiny.sample_inputs("decoder", batch=ROWS, seq=PROMPT)
+
+
+def _generations(model, gen) -> dict:
+    """Beam search refused; greedy and seeded sampling in lock step (3 microbatches asked for: over 2 replicas
+    the shares are 3 and 2 rows, and both cut theirs into 2, as many as the smallest share allows)."""
+    inputs, out = _prompts(), {}
+    try:
+        model.generate(**inputs, max_new_tokens=2, num_beams=2, do_sample=False, pad_token_id=0)
+        out["refused"] = None
+    except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
+        out["refused"] = f"{type(e).__name__}: {e}"
+    common = dict(max_new_tokens=NEW, pad_token_id=0, n_microbatches=3)
+    out["greedy"], stats = model.generate(
+        **inputs, do_sample=False, eos_token_id=gen["greedy"], return_stats=True, **common
+    )
+    out["microbatches"], out["prefill_steps"] = stats.n_microbatches, stats.prefill_steps
+    if "sampled" in gen:
+        out["sampled"] = model.generate(**inputs, eos_token_id=gen["sampled"], **SAMPLING, **common)
     return out
 
 
@@ -112,14 +131,14 @@ def _survives(model) -> dict:
     return {"raised": None, "last": last}
 
 
-def _case(path, kwargs, save_to, resume_to, survive=False):
+def _case(path, kwargs, save_to, resume_to, survive, gen):
     from torch.distributed.tensor import DTensor
 
     model = _load(path, kwargs)
     res = {"experts": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in model.named_parameters()
                        if isinstance(p, DTensor) and ".experts." in n},
            "bytes": model.load_report.bytes_read, "dims": (model.dims.pp_size, model.dims.dp_size, model.dims.tp_size),
-           "refused": _refusals(model)}
+           **_generations(model, gen)}
     if survive:
         res["survived"] = _survives(model)
     res["labelled"] = _labelled_loss(model)
@@ -149,6 +168,58 @@ def _reference(path):
     return {"labelled": _labelled_loss(model), **exercise(model, "decoder", pipelined=False, generate=False, rows=4)}
 
 
+def _lengths(ids: torch.Tensor, eos: list[int]) -> list[int]:
+    """Each row's new tokens up to and including its first EOS (``NEW`` when none)."""
+    hit = torch.isin(ids[:, PROMPT:], torch.tensor(eos))
+    return [int(row.nonzero()[0, 0]) + 1 if row.any() else NEW for row in hit]
+
+
+def _replica_ends(lengths: list[int], replicas: int) -> list[int]:
+    """The step at which each data-parallel replica's last row finishes (its contiguous share of the rows)."""
+    from hf_pipeline.generation.microbatches import microbatch_bounds
+
+    return [max(lengths[lo:hi]) for lo, hi in microbatch_bounds(len(lengths), replicas)]
+
+
+def _eos_ending_replica_0_first(generate) -> list[int]:
+    """EOS ids (some row's early tokens in the 2-replica split's first share) that end replica 0's rows while
+    replica 1 still generates: the replicas' last steps differ, and replica 0 must step on with padded rows."""
+    free = generate([VOCAB + 5])  # an id never produced: no row stops early
+    for step in range(3):
+        eos = sorted({int(free[r, PROMPT + step]) for r in range(ROWS - ROWS // 2)} - {0})
+        ends = _replica_ends(_lengths(generate(eos), eos), 2)
+        if ends[0] < ends[1]:
+            return eos
+    raise AssertionError("no EOS ends replica 0 first; change the prompts")
+
+
+def _generation_refs(path) -> tuple[dict, dict]:
+    """(EOS ids for greedy and for sampling, what each gives on one process): greedy from transformers, and
+    seeded sampling from the pipelined model on one process without experts split (the seeded per-row streams
+    are the pipeline's documented semantics, not transformers' one global stream: tests/generation does the same)."""
+    import transformers
+
+    import hf_pipeline
+
+    # transformers' own generate fails with output_router_logits on (the flag changes no logits): off here.
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_router_logits=False
+    ).eval()
+    one = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", num_stages=1)
+
+    def greedy(eos):
+        with torch.no_grad():
+            return model.generate(**_prompts(), max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+    def sampled(eos):
+        return one.generate(**_prompts(), max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0, **SAMPLING)
+
+    eos = {"greedy": _eos_ending_replica_0_first(greedy), "sampled": _eos_ending_replica_0_first(sampled)}
+    want = {"sampled": sampled(eos["sampled"]), "greedy": greedy(eos["greedy"])}
+    assert not torch.equal(want["sampled"], want["greedy"]), "sampling should differ from greedy"
+    return eos, want
+
+
 def _halves(path) -> tuple[int, int]:
     """(all tensors', expert tensors') stored bytes of a one-file float32 checkpoint."""
     total = experts = 0
@@ -159,10 +230,15 @@ def _halves(path) -> tuple[int, int]:
     return total, experts
 
 
-def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
+def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
     import transformers
 
+    eos, expect = gen
     ref = _reference(path)
+    # The rows' EOS steps differ between this mesh's replicas (so some replica steps on with finished rows).
+    for what in ("greedy", "sampled"):
+        ends = _replica_ends(_lengths(expect[what], eos[what]), dims[1])
+        assert len(set(ends)) > 1, f"{name}: {what} replicas all end at step {ends}"
     total, experts = _halves(path)
     for rank, res in enumerate(per_rank):
         case = res[i]
@@ -175,9 +251,19 @@ def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
         assert abs(case["labelled"] - ref["labelled"]) <= 1e-5 * abs(ref["labelled"]), (name, rank, case["labelled"])
         if pp1:
             assert case["bytes"] == total - experts // 2, f"{name} rank {rank}: read {case['bytes']} of {total}"
-        for msg in case["refused"]:
-            assert msg is not None and msg.startswith("InputError: generate is not supported"), f"rank {rank}: {msg}"
-            assert "ep_over='data'" in msg and "within each stage" in msg, f"rank {rank}: {msg}"
+        msg = case["refused"]
+        assert msg is not None and msg.startswith("InputError: beam search (num_beams=2) is not supported"), msg
+        assert "ep_over='data'" in msg and "within each stage" in msg, f"rank {rank}: {msg}"
+        # Greedy: token for token transformers' (pad after EOS, as wide as the longest row); sampling: the
+        # pipeline on one process, exactly (an argmax flipped by the all-to-all's summation order, ~1e-7 on
+        # logits, would be a near-tie the tiny models do not have; a replica stepping out of lock hangs or
+        # feeds another replica's rows).
+        assert torch.equal(case["greedy"], expect["greedy"]), f"{name} rank {rank}: greedy {case['greedy']}"
+        if "sampled" in case:
+            assert torch.equal(case["sampled"], expect["sampled"]), f"{name} rank {rank}: sampled {case['sampled']}"
+        # Every replica cuts its share into as many microbatches (3 asked, capped by the smallest share), and
+        # feeds each prompt in one forward.
+        assert (case["microbatches"], case["prefill_steps"]) == (min(3, ROWS // dims[1]), 1), (name, rank)
         if "survived" in case:
             want = "ValueError" if case["survived"]["last"] else "RankError"
             assert case["survived"]["raised"] == want, f"{name} rank {rank}: {case['survived']}"
@@ -191,29 +277,35 @@ def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
 
 def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
     paths = {t: _checkpoint(tmp_path, t) for t in ("mixtral", "qwen3_moe")}
+    gens = {t: _generation_refs(paths[t]) for t in paths}
     kwargs = {"num_stages": 1, "n_microbatches": 2}
     cases = [(paths[t], kwargs, str(tmp_path / f"saved-{t}"), str(tmp_path / "state") if t == "mixtral" else None,
-              t == "qwen3_moe") for t in paths]
+              t == "qwen3_moe", gens[t][0]) for t in paths]
     per_rank = run_distributed(_job, 2, cases, timeout=600, env={"HF_PIPELINE_TIMEOUT": "60"})
     for i, t in enumerate(paths):
-        _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True)
+        _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True, gen=gens[t])
 
 
 def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_transformers(tmp_path):
     # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
     paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
              "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
+    gens = {t: _generation_refs(paths[t]) for t in paths}
+    # Sampling where the ring or the ep groups change (pp2, two ep groups); greedy alone at ZBV and tp2 (time).
+    greedy_only = {"greedy": gens["qwen3_moe"][0]["greedy"]}
     cases = [
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2}, str(tmp_path / "s-1f1b"),
-         str(tmp_path / "state")),
+         str(tmp_path / "state"), False, gens["mixtral"][0]),
         (paths["qwen3_moe"], {"num_stages": 4, "schedule": "zbv-zero-bubble", "n_microbatches": 4},
-         str(tmp_path / "s-zbv"), None),
-        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1}, str(tmp_path / "s-dp4"), None),
+         str(tmp_path / "s-zbv"), None, False, greedy_only),
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1}, str(tmp_path / "s-dp4"), None, False,
+         gens["qwen3_moe"][0]),
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2, "tp_size": 2, "ep_size": 4},
-         str(tmp_path / "s-tp2"), None),
+         str(tmp_path / "s-tp2"), None, False, greedy_only),
     ]
     per_rank = run_distributed(_job, 4, cases, timeout=900)
-    _check("mixtral pp2 x dp2 1F1B", per_rank, 0, paths["mixtral"], cases[0][2], (2, 2, 1), pp1=False)
-    _check("qwen3_moe pp2 x dp2 ZBV", per_rank, 1, paths["qwen3_moe"], cases[1][2], (2, 2, 1), pp1=False)
-    _check("qwen3_moe pp1 x dp4", per_rank, 2, paths["qwen3_moe"], cases[2][2], (1, 4, 1), pp1=True)
-    _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, paths["qwen3_moe"], cases[3][2], (1, 2, 2), pp1=False, share=4)
+    mixtral, qwen = (paths["mixtral"], gens["mixtral"]), (paths["qwen3_moe"], gens["qwen3_moe"])
+    _check("mixtral pp2 x dp2 1F1B", per_rank, 0, mixtral[0], cases[0][2], (2, 2, 1), pp1=False, gen=mixtral[1])
+    _check("qwen3_moe pp2 x dp2 ZBV", per_rank, 1, qwen[0], cases[1][2], (2, 2, 1), pp1=False, gen=qwen[1])
+    _check("qwen3_moe pp1 x dp4", per_rank, 2, qwen[0], cases[2][2], (1, 4, 1), pp1=True, gen=qwen[1])
+    _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, qwen[0], cases[3][2], (1, 2, 2), pp1=False, gen=qwen[1], share=4)

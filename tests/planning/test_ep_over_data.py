@@ -1,7 +1,8 @@
 """Experts over data-parallel ranks (``ep_over="data"``, transformers' ``ep_size > tp_size``), asked for and
 planned on one process: the request keeps ``ep_size`` alone meaning the stage's own ranks, ``ep_over="data"``
 makes ``ep_size / tp_size`` replicas per expert group, and what cannot run is refused by name (an ``ep_size``
-that is no multiple k > 1 of ``tp_size``, k not dividing the replicas, FSDP, all-reduce dispatch, generation).
+that is no multiple k > 1 of ``tp_size``, k not dividing the replicas, FSDP, all-reduce dispatch, beam search,
+serving), and replicas generating in lock step cut their rows into the same microbatch count.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from decoders import decoder_config
 from transformers.distributed import DistributedConfig
 
 from hf_pipeline.errors import InputError
+from hf_pipeline.generation.microbatches import replica_share
+from hf_pipeline.generation.refusals import refuse
 from hf_pipeline.load_options import LoadOptions
 from hf_pipeline.planning.ep_plan import refuse_generation_over_data
 from hf_pipeline.planning.options import PipelineOptions
@@ -61,5 +64,26 @@ def test_transformers_config_asking_ep_over_its_fsdp_ranks_and_other_refusals():
     with pytest.raises(InputError, match="must divide the 1 replicas"):  # pp2 at 2 ranks: one replica
         PipelineOptions.resolve(decoder_config("mixtral"), 2, parallel=_req(ep_size=2, ep_over="data"))
     refuse_generation_over_data(1)
-    with pytest.raises(InputError, match="generate is not supported.*ep_over='data'.*within each stage"):
-        refuse_generation_over_data(2)
+    with pytest.raises(InputError, match="serving is not supported.*ep_over='data'.*call generate.*within each stage"):
+        refuse_generation_over_data(2, "serving")
+    rows = dict(copies=1, do_sample=False, batch=4, dp_size=2, n_microbatches=2, return_dict=False, criteria=False)
+    refuse("rows", beams=1, ep_data=2, **rows)  # greedy and sampling run in lock step
+    refuse("rows", beams=2, ep_data=1, **rows)
+    with pytest.raises(InputError, match=r"^beam search \(num_beams=2\) is not supported .*ep_over='data'"):
+        refuse("rows", beams=2, ep_data=2, **rows)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_replicas_in_lock_step_cut_their_shares_into_the_same_microbatch_count(replicas):
+    # Experts over replicas: every replica's ring must have the same timetable, so the same microbatch count,
+    # whatever the batch and the microbatches asked for; the shares still cover the batch once, in order.
+    for units in range(replicas, 3 * replicas + 2):
+        for asked in range(1, 5):
+            shares = [replica_share(units, replicas, r, asked, same_count=True) for r in range(replicas)]
+            assert len({len(bounds) for _, bounds in shares}) == 1, (units, asked, shares)
+            assert [lo for (lo, _), _ in shares] == [0] + [hi for (_, hi), _ in shares[:-1]]
+            assert shares[-1][0][1] == units
+            for (lo, hi), bounds in shares:
+                assert bounds[0][0] == 0 and bounds[-1][1] == hi - lo
+    # Without lock step a smaller share keeps one microbatch per row (5 rows over 2 replicas, 3 asked: 3 and 2).
+    assert [len(replica_share(5, 2, r, 3)[1]) for r in range(2)] == [3, 2]
