@@ -49,7 +49,8 @@ def _checkpoint(root, model_type, **overrides):
 def _load(path, kwargs):
     import hf_pipeline
 
-    kwargs = {"ep_size": 2, "ep_over": "data", **kwargs}
+    if "distributed_config" not in kwargs:
+        kwargs = {"ep_size": 2, "ep_over": "data", **kwargs}
     return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
 
 
@@ -112,6 +113,27 @@ def _survives(model) -> dict:
     return {"raised": None, "last": last}
 
 
+def _foreach_matches_loop(model) -> float:
+    """One AdamW step with ``foreach=True`` over FSDP shards (fsdp mesh) and experts (ep mesh) at once, against the
+    per-tensor loop on the same gradients: the largest difference of any local shard afterwards."""
+    import tiny
+
+    from hf_pipeline.distributed.shards import local_tensor
+
+    model.train()
+    model.train_step(tiny.make_batch("decoder", 8, seed=6))
+    params = [p for p in model.parameters() if p.grad is not None]
+    start = [local_tensor(p.detach()).clone() for p in params]
+    after = []
+    for foreach in (False, True):
+        with torch.no_grad():
+            for p, t in zip(params, start, strict=True):
+                local_tensor(p.detach()).copy_(t)
+        torch.optim.AdamW(params, lr=LR, eps=EPS, foreach=foreach).step()
+        after.append([local_tensor(p.detach()).clone() for p in params])
+    return max((a - b).abs().max().item() for a, b in zip(*after, strict=True))
+
+
 def _case(path, kwargs, save_to, resume_to, survive=False):
     from torch.distributed.tensor import DTensor
 
@@ -119,7 +141,7 @@ def _case(path, kwargs, save_to, resume_to, survive=False):
     res = {"experts": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in model.named_parameters()
                        if isinstance(p, DTensor) and ".experts." in n},
            "bytes": model.load_report.bytes_read, "dims": (model.dims.pp_size, model.dims.dp_size, model.dims.tp_size),
-           "refused": _refusals(model)}
+           "refused": _refusals(model), "kept": _kept(model)}
     if survive:
         res["survived"] = _survives(model)
     res["labelled"] = _labelled_loss(model)
@@ -127,7 +149,17 @@ def _case(path, kwargs, save_to, resume_to, survive=False):
     model.save_pretrained(save_to)
     if resume_to:
         res["resumed"] = _resume(model, path, kwargs, resume_to)
+    if model.dims.fsdp_size > 1:
+        res["foreach"] = _foreach_matches_loop(model)
     return res
+
+
+def _kept(model) -> int:
+    """Bytes of the parameters this rank holds as loaded (its FSDP chunks, its experts whole, plain tensors)."""
+    from hf_pipeline.distributed.shards import local_tensor
+
+    unique = {id(p): local_tensor(p.detach()) for p in model.parameters()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _labelled_loss(model) -> float:
@@ -175,6 +207,11 @@ def _check(name, per_rank, i, path, saved, dims, pp1, share=2):
         assert abs(case["labelled"] - ref["labelled"]) <= 1e-5 * abs(ref["labelled"]), (name, rank, case["labelled"])
         if pp1:
             assert case["bytes"] == total - experts // 2, f"{name} rank {rank}: read {case['bytes']} of {total}"
+        if "foreach" in case:  # under FSDP: every byte read is one kept (its chunks, its experts), and no other
+            assert case["bytes"] == case["kept"], f"{name} rank {rank}: read {case['bytes']}, keeps {case['kept']}"
+            # AdamW foreach over the fsdp and ep meshes' DTensors at once equals its per-tensor loop (the same
+            # fp32 arithmetic: a tensor left out, or stepped on the wrong mesh's view, moves it by ~lr = 1e-3).
+            assert case["foreach"] <= 1e-7, f"{name} rank {rank}: foreach differs by {case['foreach']}"
         for msg in case["refused"]:
             assert msg is not None and msg.startswith("InputError: generate is not supported"), f"rank {rank}: {msg}"
             assert "ep_over='data'" in msg and "within each stage" in msg, f"rank {rank}: {msg}"
@@ -199,7 +236,9 @@ def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
         _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True)
 
 
-def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_transformers(tmp_path):
+def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal_transformers(tmp_path):
+    from transformers.distributed import DistributedConfig
+
     # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
     paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
              "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
@@ -211,9 +250,18 @@ def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_tran
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1}, str(tmp_path / "s-dp4"), None),
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2, "tp_size": 2, "ep_size": 4},
          str(tmp_path / "s-tp2"), None),
+        # Experts over FSDP ranks: transformers' own DistributedConfig (two ep groups of 2 of the 4 fsdp ranks),
+        # with its training state resumed, and pp2 x fsdp2 under 1F1B with the routers' loss.
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2,
+                              "distributed_config": DistributedConfig(fsdp_size=4, ep_size=2)},
+         str(tmp_path / "s-fsdp4"), str(tmp_path / "state-fsdp4")),
+        (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2, "fsdp_size": 2},
+         str(tmp_path / "s-fsdp2"), None),
     ]
     per_rank = run_distributed(_job, 4, cases, timeout=900)
     _check("mixtral pp2 x dp2 1F1B", per_rank, 0, paths["mixtral"], cases[0][2], (2, 2, 1), pp1=False)
     _check("qwen3_moe pp2 x dp2 ZBV", per_rank, 1, paths["qwen3_moe"], cases[1][2], (2, 2, 1), pp1=False)
     _check("qwen3_moe pp1 x dp4", per_rank, 2, paths["qwen3_moe"], cases[2][2], (1, 4, 1), pp1=True)
     _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, paths["qwen3_moe"], cases[3][2], (1, 2, 2), pp1=False, share=4)
+    _check("qwen3_moe fsdp4, ep2", per_rank, 4, paths["qwen3_moe"], cases[4][2], (1, 4, 1), pp1=False)
+    _check("mixtral pp2 x fsdp2 1F1B, ep2", per_rank, 5, paths["mixtral"], cases[5][2], (2, 2, 1), pp1=False)
