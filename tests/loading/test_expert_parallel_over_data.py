@@ -6,6 +6,10 @@ consecutive replicas, whose rows differ), and transformers' ``AllToAllEP`` excha
 between the replicas. Meshes: pp1 x ep2 over dp2 (2 ranks); pp2 x dp2 with ep2 over the replicas under 1F1B
 and ZBV, and pp1 x dp4 with ep2 (two ep groups: the expert gradients summed over the expert-replica group)
 at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends its slice of the shared rows).
+Over FSDP ranks (the experts left out of FSDP, each rank keeping its own whole): fsdp4 with ep2 asked through
+transformers' ``DistributedConfig(fsdp_size=4, ep_size=2)`` (two ep groups, its training state resumed), and
+pp2 x fsdp2 with ep2 under 1F1B; there every byte read is one kept, and one AdamW ``foreach`` step over both
+meshes' DTensors equals the per-tensor loop.
 On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
 
 - logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another

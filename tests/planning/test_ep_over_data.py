@@ -60,6 +60,14 @@ def test_transformers_config_asking_ep_over_its_fsdp_ranks_is_ep_over_data_and_o
         ParallelRequest(ep_size=2, ep_over="data", ep_implementation="all_reduce")
     with pytest.raises(InputError, match="must divide the 1 replicas"):  # pp2 at 2 ranks: one replica
         PipelineOptions.resolve(decoder_config("mixtral"), 2, parallel=_req(ep_size=2, ep_over="data"))
+    fsdp = _req(ep_size=4, fsdp_size=4, ep_over="data", world_size=8)
+    assert PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2, parallel=fsdp).ep_data == 4
+    with pytest.raises(InputError, match="its experts span 4 fsdp ranks, which must divide fsdp_size"):  # 4 of fsdp 2
+        PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
+                                parallel=_req(ep_size=4, fsdp_size=2, ep_over="data", world_size=8))
+    with pytest.raises(InputError, match=r"HSDP\s+replicas, here 2, are not supported"):  # fsdp2 x 2 replicas
+        PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
+                                parallel=_req(ep_size=2, fsdp_size=2, ep_over="data", world_size=8))
     refuse_generation_over_data(1)
     with pytest.raises(InputError, match="generate is not supported.*ep_over='data'.*within each stage"):
         refuse_generation_over_data(2)
