@@ -8,8 +8,9 @@ and ZBV, and pp1 x dp4 with ep2 (two ep groups: the expert gradients summed over
 at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends its slice of the shared rows).
 Over FSDP ranks (the experts left out of FSDP, each rank keeping its own whole): fsdp4 with ep2 asked through
 transformers' ``DistributedConfig(fsdp_size=4, ep_size=2)`` (two ep groups, its training state resumed), and
-pp2 x fsdp2 with ep2 under 1F1B; there every byte read is one kept, and one AdamW ``foreach`` step over both
-meshes' DTensors equals the per-tensor loop.
+pp2 x fsdp2 with ep2 under 1F1B, and fsdp2 x tp2 with ep4 (``DistributedConfig(tp_size=2, fsdp_size=2,
+ep_size=4)``: FSDP over the tp shards, the experts on their own mesh); there every byte read is one kept, and
+one AdamW ``foreach`` step over both meshes' DTensors equals the per-tensor loop.
 On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
 
 - logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another
@@ -261,6 +262,10 @@ def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal
          str(tmp_path / "s-fsdp4"), str(tmp_path / "state-fsdp4")),
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2, "fsdp_size": 2},
          str(tmp_path / "s-fsdp2"), None),
+        # Mixtral: Qwen3-MoE's per-head q_norm / k_norm lose their tp gradient sum under FSDP x TP (ep aside).
+        (paths["mixtral"], {"num_stages": 1, "n_microbatches": 2,
+                            "distributed_config": DistributedConfig(tp_size=2, fsdp_size=2, ep_size=4)},
+         str(tmp_path / "s-fsdp2-tp2"), None),
     ]
     per_rank = run_distributed(_job, 4, cases, timeout=900)
     _check("mixtral pp2 x dp2 1F1B", per_rank, 0, paths["mixtral"], cases[0][2], (2, 2, 1), pp1=False)
@@ -269,3 +274,4 @@ def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal
     _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, paths["qwen3_moe"], cases[3][2], (1, 2, 2), pp1=False, share=4)
     _check("qwen3_moe fsdp4, ep2", per_rank, 4, paths["qwen3_moe"], cases[4][2], (1, 4, 1), pp1=False)
     _check("mixtral pp2 x fsdp2 1F1B, ep2", per_rank, 5, paths["mixtral"], cases[5][2], (2, 2, 1), pp1=False)
+    _check("mixtral fsdp2 x tp2, ep4", per_rank, 6, paths["mixtral"], cases[6][2], (1, 2, 2), pp1=False, share=4)
