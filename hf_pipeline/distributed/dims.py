@@ -57,7 +57,8 @@ def _data_group(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int) -> d
 
 
 def _expert_groups(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int, k: int):
-    """This rank's expert-parallel group (its stage's tp ranks in ``k`` consecutive replicas, ordered replica-major
+    """This rank's expert-parallel group (its stage's tp ranks in ``k`` consecutive data-parallel ranks: replicas, or
+    the fsdp ranks of one sharded pipeline; ordered replica-major
     so its place is ``(replica - first) x tp_size + tp_rank``) and expert-replica group (the ranks at its place in
     the other ep groups; None when ``dp_size == k``). Collective over the job: every rank makes every group,
     in order."""
@@ -106,7 +107,7 @@ class ParallelDims:
         ep_data: data-parallel ranks (replicas, or fsdp ranks) one expert-parallel group spans (1: a stage's experts
             split over its own ranks).
         ep_mesh: with ``ep_data > 1``, the 1-D ``("ep",)`` mesh of this rank's expert-parallel group: its stage's
-            tp ranks in ``ep_data`` consecutive replicas (``planning/ep_plan.py``); else None.
+            tp ranks in ``ep_data`` consecutive replicas, or fsdp ranks (``planning/ep_plan.py``); else None.
         expert_replica_group: with ``ep_data > 1`` and more replicas, the ranks holding the same experts in
             the other ep groups (their gradients are summed over it); else None.
     """
