@@ -57,7 +57,8 @@ def _data_group(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int) -> d
 
 
 def _expert_groups(ctx: RankContext, dp_size: int, pp_size: int, tp_size: int, k: int):
-    """This rank's expert-parallel group (its stage's tp ranks in ``k`` consecutive replicas, ordered replica-major
+    """This rank's expert-parallel group (its stage's tp ranks in ``k`` consecutive data-parallel ranks: replicas, or
+    the fsdp ranks of one sharded pipeline; ordered replica-major
     so its place is ``(replica - first) x tp_size + tp_rank``) and expert-replica group (the ranks at its place in
     the other ep groups; None when ``dp_size == k``). Collective over the job: every rank makes every group,
     in order."""
@@ -103,9 +104,10 @@ class ParallelDims:
         fsdp_group: the ranks sharing this rank's stage parameters' shards (None without FSDP).
         mesh: the (dp, pp, tp) device mesh with several replicas or tensor-parallel ranks ((fsdp, pp, tp)
             with FSDP, (dp, fsdp, pp, tp) with replicas of FSDP pipelines), else None.
-        ep_data: replicas one expert-parallel group spans (1: a stage's experts split over its own ranks).
+        ep_data: data-parallel ranks (replicas, or fsdp ranks) one expert-parallel group spans (1: a stage's experts
+            split over its own ranks).
         ep_mesh: with ``ep_data > 1``, the 1-D ``("ep",)`` mesh of this rank's expert-parallel group: its stage's
-            tp ranks in ``ep_data`` consecutive replicas (``planning/ep_plan.py``); else None.
+            tp ranks in ``ep_data`` consecutive replicas, or fsdp ranks (``planning/ep_plan.py``); else None.
         expert_replica_group: with ``ep_data > 1`` and more replicas, the ranks holding the same experts in
             the other ep groups (their gradients are summed over it); else None.
     """
@@ -145,11 +147,12 @@ class ParallelDims:
                 f"{ctx.world_size} / (pp_size {pp_size} x tp_size {tp_size})); launch a multiple of "
                 f"{pp_size * tp_size * fsdp_size} processes or change fsdp_size"
             )
-        if ep_data > 1 and (dp_size % ep_data or fsdp_size > 1):
+        if ep_data > 1 and (dp_size % ep_data or (fsdp_size > 1 and (fsdp_size % ep_data or dp_size > fsdp_size))):
+            # Over FSDP ranks an ep group is k consecutive fsdp ranks of the one sharded pipeline (torchtitan's layout).
             raise InputError(
-                f"experts over {ep_data} data-parallel replicas (ep_over='data', ep_size / tp_size) need plain "
-                f"replicas in a multiple of {ep_data}, got {dp_size} (fsdp_size={fsdp_size}); "
-                "change ep_size or the world size"
+                f"experts over {ep_data} data-parallel ranks (ep_over='data', ep_size / tp_size) need plain replicas "
+                f"or fsdp ranks (one fsdp-sharded pipeline, no HSDP replicas) in a multiple of {ep_data}, got "
+                f"{dp_size} data-parallel ranks with fsdp_size={fsdp_size}; change ep_size, fsdp_size or the world size"
             )
         if not ctx.is_distributed:
             return cls(pp_size=pp_size)

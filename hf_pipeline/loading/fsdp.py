@@ -53,15 +53,18 @@ __all__ = ["fsdp_parts", "gathered", "refuse_packed", "resharded_after", "set_bu
 
 def fsdp_parts(
     stages: list[nn.Module], rank: int, count: int, tp_parts: Mapping[str, tuple] | None = None,
+    unchunked: set[str] = frozenset(),
 ) -> dict[str, tuple]:
     """Stage parameter name -> ``(0, rank, count)``: the dim-0 chunk fsdp rank ``rank`` of ``count`` reads
     of it (every replica's fsdp rank ``rank`` alike, under HSDP); ``(tp part, (0, rank, count))`` for a
     tensor in ``tp_parts`` (:func:`~hf_pipeline.loading.tensor_parallel.shard_parts`): the chunk of the
     tp slice, as FSDP2 chunks a ``DTensor``'s local tensor; the tp part alone (the whole slice) for a tensor
-    packed along dim 0, which every fsdp rank keeps whole (:func:`_whole_placement`)."""
+    packed along dim 0, which every fsdp rank keeps whole (:func:`_whole_placement`), and for the names in
+    ``unchunked`` (experts over the fsdp ranks, which FSDP leaves out: their ep part whole)."""
     tp_parts = tp_parts or {}
     chunk = (0, rank, count)
-    whole = _packed_dim0(tp_parts)  # kept whole on each fsdp rank (see _whole_placement): its tp slice alone
+    # Kept whole on each fsdp rank (see _whole_placement), or left out by FSDP: the tp / ep part alone.
+    whole = _packed_dim0(tp_parts) | set(unchunked)
     return {
         name: (tp_parts[name] if name in whole else (tp_parts[name], chunk)) if name in tp_parts else chunk
         for stage in stages for name, _ in stage.named_parameters(remove_duplicate=False)
@@ -184,7 +187,7 @@ def _allocate(stage: nn.Module, device: torch.device) -> dict[str, torch.Tensor]
 
 def shard_stages(
     stages: list[nn.Module], dtypes: Mapping[str, torch.dtype], *, mesh, device: torch.device,
-    tied: tuple[tuple[str, ...], ...] = (), tp: tuple | None = None, experts: tuple = ((), "auto"),
+    tied: tuple[tuple[str, ...], ...] = (), tp: tuple | None = None, experts: tuple = ((), "auto", None, None),
 ) -> dict[str, torch.Tensor]:
     """Shard this rank's meta ``stages`` over ``mesh`` (FSDP2) and allocate only the local shards.
 
@@ -196,7 +199,10 @@ def shard_stages(
         tied: the tied name groups (one Parameter per group within a stage).
         tp: ``(plan, tp_mesh, tp_parts)`` to make the stages tensor-parallel first (FSDP over tp; ``tp_parts``
             holds the expert-parallel parts too).
-        experts: ``(ep_plan, ep_implementation)`` to make them expert-parallel over ``tp_mesh`` first.
+        experts: ``(ep_plan, ep_implementation, ep_mesh, batch_mesh)`` to make them expert-parallel first, over
+            ``ep_mesh`` (None: ``tp_mesh``). An ep mesh over the fsdp ranks themselves (``batch_mesh`` given:
+            experts over data-parallel ranks, torchtitan's layout) keeps each rank's experts whole: FSDP leaves
+            them out (``ignored_params``), their gradients are summed over the expert-replica group by the step.
 
     Returns:
         stage parameter name -> its local shard, uninitialised: the part of :func:`fsdp_parts`,
@@ -212,14 +218,22 @@ def shard_stages(
         # Buffers (rotary frequencies, position ids) are real already; to_empty would drop them.
         buffers = dict(stage.named_buffers())
         _meta_parameters(stage, dtypes, tied, tp[2] if tp else None)
+        ignored = None
         if tp:  # the meta tp slices become tp DTensors, which fully_shard then chunks (no data moves)
-            apply_tensor_parallel(stage, tp[0], tp[1])
-            ep_plan, implementation = experts
-            apply_expert_parallel(stage, ep_plan, tp[1], implementation)  # this rank's experts, likewise
+            if tp[1] is not None:  # none with experts over the fsdp ranks alone
+                apply_tensor_parallel(stage, tp[0], tp[1])
+            ep_plan, implementation, ep_mesh, batch_mesh = experts
+            # This rank's experts, likewise (over tp: chunked by FSDP too; over the fsdp ranks: left out of it).
+            apply_expert_parallel(stage, ep_plan, ep_mesh or tp[1], implementation, batch_mesh=batch_mesh)
+            if batch_mesh is not None:
+                # By the mesh's name: a later load's DTensors may hold an equal mesh object of their own.
+                ignored = {p for p in stage.parameters()
+                           if getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) == ("ep",)}
         placement = _whole_placement(stage, tp[2], whole_mesh) if tp else None
         for unit in _units(stage):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement)
-        fully_shard(stage, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement,
+                        ignored_params=ignored)
+        fully_shard(stage, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement, ignored_params=ignored)
         shards.update(_allocate(stage, device))
         set_buffers([stage], buffers, device)
         _sum_gradients(stage)

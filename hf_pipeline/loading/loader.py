@@ -217,15 +217,16 @@ def _own_experts(
     return conversions, narrowed, empty
 
 
-def _expert_parts_kept(experts: dict, conversions: dict, fsdp: tuple[int, int] | None) -> dict:
+def _expert_parts_kept(experts: dict, conversions: dict, fsdp: tuple[int, int] | None, *, over_fsdp: bool) -> dict:
     """Stage name -> the dim-0 part of its merged tensor a rank keeps, for each tensor merged from experts
     stored one tensor each (and each expert-parallel one): its ep part, then under FSDP its chunk of that
-    (FSDP2 chunks dim 0, the experts' dim, whole experts each, the last chunks shorter or empty)."""
+    (FSDP2 chunks dim 0, the experts' dim, whole experts each, the last chunks shorter or empty). With experts
+    over the fsdp ranks (``over_fsdp``) FSDP leaves the expert-parallel ones out: each rank keeps its ep part whole."""
     names = set(experts) | (set(conversions) if fsdp else set())
     out = {}
     for name in names:
         ep = experts.get(name, (0, 0, 1))
-        out[name] = ep if fsdp is None else (ep, (0, *fsdp))
+        out[name] = ep if fsdp is None or (over_fsdp and name in experts) else (ep, (0, *fsdp))
     return out
 
 
@@ -237,25 +238,31 @@ def _fsdp_shards(
     tp / ep ones) and the local shards they are read into, each in the dtype it is read or drawn in."""
     split = options.tp_plan or options.ep_plan
     tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
-    parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts)
+    # Experts over the fsdp ranks (ep_over="data"): FSDP leaves them out, each rank reads its ep part whole.
+    whole = set(expert_parts(stages, options.ep_plan, dims.expert_mesh)) if dims.ep_data > 1 else set()
+    parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts, unchunked=whole)
     dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
     dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
     dtypes.update(empty)  # chunks past the last expert: no source left to say their dtype
     shards = shard_stages(
         stages, dtypes, mesh=dims.fsdp_mesh, device=device, tied=maker.resolved.tied, tp=tp,
-        experts=(options.ep_plan, options.ep_implementation),
+        experts=(options.ep_plan, options.ep_implementation, dims.expert_mesh, _batch_mesh(dims)),
     )
     return parts, shards
+
+
+def _batch_mesh(dims: ParallelDims):
+    """With experts over data-parallel ranks, the ranks sharing this rank's batch (transformers' tp_mesh for the
+    dispatch): the tp shards' mesh object, so that renewing the groups after a failure (distributed/groups.py:
+    rebind_meshes, which finds meshes on parameters) rebinds it too. None otherwise (the ep mesh shares one batch)."""
+    return (dims.tp_mesh or dims.batch_mesh) if dims.ep_data > 1 else None
 
 
 def _place_stages(stages: list[nn.Module], tensors: dict, maker: StageMaker, options: PipelineOptions,
                   dims: ParallelDims, device: torch.device) -> None:
     """Make ``stages``' parameters of the tensors read, then split them over the stage's ranks (tp, ep)."""
     made: dict = {}  # one Parameter per checkpoint tensor on this rank, across all its stages
-    # Experts over replicas: their dispatch's batch mesh is the tp shards' mesh object, so that renewing the groups
-    # after a failure (distributed/groups.py: rebind_meshes, which finds meshes on parameters) rebinds it too.
-    tp_mesh = dims.tp_mesh
-    batch_mesh = (tp_mesh or dims.batch_mesh) if dims.ep_data > 1 else None
+    tp_mesh, batch_mesh = dims.tp_mesh, _batch_mesh(dims)
     for stage in stages:
         materialize(stage, tensors, device=device, tied=maker.resolved.tied, made=made)
         stage.eval()
@@ -292,7 +299,8 @@ def _load_stages(
     shards: dict[str, torch.Tensor] = {}
     on_meta = dims.fsdp_size > 1
     # Under FSDP a rank keeps the dim-0 chunk of its ep part (of the whole tensor without ep): whole experts.
-    mine = _expert_parts_kept(experts, keys.conversions, (dims.fsdp_rank, dims.fsdp_size) if on_meta else None)
+    mine = _expert_parts_kept(experts, keys.conversions, (dims.fsdp_rank, dims.fsdp_size) if on_meta else None,
+                              over_fsdp=dims.ep_data > 1)
     conversions, merged_mine, empty = _own_experts(mine, experts, keys.conversions, parts, wanted)
     if on_meta:
         parts, shards = _fsdp_shards(stages, maker, options, dims, ctx.device, parts={**parts, **experts},

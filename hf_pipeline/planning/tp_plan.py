@@ -77,7 +77,7 @@ class ParallelRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        _check_ep_over(self.ep_size, self.tp_size, self.fsdp_size, self.ep_over, self.ep_implementation)
+        _check_ep_over(self.ep_size, self.tp_size, self.ep_over, self.ep_implementation)
 
     @property
     def ep_data(self) -> int:
@@ -97,7 +97,7 @@ class ParallelRequest:
 EP_OVER = ("stage", "data")
 
 
-def _check_ep_over(ep_size: int, tp_size: int, fsdp_size: int, ep_over: Any, implementation: str) -> None:
+def _check_ep_over(ep_size: int, tp_size: int, ep_over: Any, implementation: str) -> None:
     """Which ranks an ``ep_size`` spans: a stage's batch-sharing ranks, or (``ep_over="data"``) ``ep_size / tp_size``
     data-parallel ranks of ``tp_size`` ranks each; refused by name otherwise."""
     if ep_over not in EP_OVER:
@@ -121,13 +121,6 @@ def _check_ep_over(ep_size: int, tp_size: int, fsdp_size: int, ep_over: Any, imp
             "ep_over='data' with ep_implementation='all_reduce': all-reduce needs every expert-parallel rank to hold "
             "the same batch, and replicas hold different rows; use ep_implementation='auto' or 'all_to_all'"
         )
-    if fsdp_size > 1:
-        raise InputError(
-            f"ep_over='data' (or DistributedConfig's ep_size > tp_size, experts over its fsdp ranks) with fsdp_size="
-            f"{fsdp_size}: experts over data-parallel ranks run with plain pipeline replicas only, not FSDP; pass "
-            "ep_size=... with ep_over='data' and no fsdp_size, or an ep_size equal to tp_size (experts within each "
-            "stage)"
-        )
 
 
 def _from_distributed_config(dc: Any, ep_over: str | None = None) -> ParallelRequest:
@@ -147,11 +140,12 @@ def _from_distributed_config(dc: Any, ep_over: str | None = None) -> ParallelReq
     ep_plan = getattr(dc, "ep_plan", None)
     # Its __post_init__ turns unset sizes into 1: a 1 says nothing here, so the pipeline depth comes from
     # num_stages (default world / tp_size) and the replicas from what the world leaves, as with tp_size=.
-    # ep_size > tp_size > 1 can only mean experts over data-parallel ranks (transformers' meaning); with tp_size 1
-    # an ep_size stays the stage's own ranks unless ep_over says otherwise.
+    # ep_size > tp_size > 1, or ep_size > tp_size with fsdp_size, can only mean experts over data-parallel (its fsdp)
+    # ranks (transformers' meaning); with tp_size 1 and no fsdp an ep_size stays the stage's own ranks unless ep_over
+    # says otherwise.
     ep_size, tp_size = getattr(dc, "ep_size", None) or 1, dc.tp_size or 1
     if ep_over is None:
-        ep_over = "data" if ep_size > tp_size > 1 else "stage"
+        ep_over = "data" if ep_size > tp_size and (tp_size > 1 or (dc.fsdp_size or 1) > 1) else "stage"
     return ParallelRequest(
         tp_size=tp_size, pp_size=dc.pp_size if (dc.pp_size or 1) > 1 else None,
         dp_size=dc.dp_replicate_size if (dc.dp_replicate_size or 1) > 1 else None,

@@ -6,6 +6,11 @@ consecutive replicas, whose rows differ), and transformers' ``AllToAllEP`` excha
 between the replicas. Meshes: pp1 x ep2 over dp2 (2 ranks); pp2 x dp2 with ep2 over the replicas under 1F1B
 and ZBV, and pp1 x dp4 with ep2 (two ep groups: the expert gradients summed over the expert-replica group)
 at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends its slice of the shared rows).
+Over FSDP ranks (the experts left out of FSDP, each rank keeping its own whole): fsdp4 with ep2 asked through
+transformers' ``DistributedConfig(fsdp_size=4, ep_size=2)`` (two ep groups, its training state resumed), and
+pp2 x fsdp2 with ep2 under 1F1B, and fsdp2 x tp2 with ep4 (``DistributedConfig(tp_size=2, fsdp_size=2,
+ep_size=4)``: FSDP over the tp shards, the experts on their own mesh); there every byte read is one kept, and
+one AdamW ``foreach`` step over both meshes' DTensors equals the per-tensor loop.
 On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
 
 - logits of a padded batch (1e-5: the experts' outputs come back through the all-to-all in another
@@ -57,7 +62,8 @@ def _checkpoint(root, model_type, **overrides):
 def _load(path, kwargs):
     import hf_pipeline
 
-    kwargs = {"ep_size": 2, "ep_over": "data", **kwargs}
+    if "distributed_config" not in kwargs:
+        kwargs = {"ep_size": 2, "ep_over": "data", **kwargs}
     return hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", **kwargs)
 
 
@@ -131,6 +137,27 @@ def _survives(model) -> dict:
     return {"raised": None, "last": last}
 
 
+def _foreach_matches_loop(model) -> float:
+    """One AdamW step with ``foreach=True`` over FSDP shards (fsdp mesh) and experts (ep mesh) at once, against the
+    per-tensor loop on the same gradients: the largest difference of any local shard afterwards."""
+    import tiny
+
+    from hf_pipeline.distributed.shards import local_tensor
+
+    model.train()
+    model.train_step(tiny.make_batch("decoder", 8, seed=6))
+    params = [p for p in model.parameters() if p.grad is not None]
+    start = [local_tensor(p.detach()).clone() for p in params]
+    after = []
+    for foreach in (False, True):
+        with torch.no_grad():
+            for p, t in zip(params, start, strict=True):
+                local_tensor(p.detach()).copy_(t)
+        torch.optim.AdamW(params, lr=LR, eps=EPS, foreach=foreach).step()
+        after.append([local_tensor(p.detach()).clone() for p in params])
+    return max((a - b).abs().max().item() for a, b in zip(*after, strict=True))
+
+
 def _case(path, kwargs, save_to, resume_to, survive, gen):
     from torch.distributed.tensor import DTensor
 
@@ -138,7 +165,7 @@ def _case(path, kwargs, save_to, resume_to, survive, gen):
     res = {"experts": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in model.named_parameters()
                        if isinstance(p, DTensor) and ".experts." in n},
            "bytes": model.load_report.bytes_read, "dims": (model.dims.pp_size, model.dims.dp_size, model.dims.tp_size),
-           **_generations(model, gen)}
+           **_generations(model, gen), "kept": _kept(model)}
     if survive:
         res["survived"] = _survives(model)
     res["labelled"] = _labelled_loss(model)
@@ -146,7 +173,17 @@ def _case(path, kwargs, save_to, resume_to, survive, gen):
     model.save_pretrained(save_to)
     if resume_to:
         res["resumed"] = _resume(model, path, kwargs, resume_to)
+    if model.dims.fsdp_size > 1:
+        res["foreach"] = _foreach_matches_loop(model)
     return res
+
+
+def _kept(model) -> int:
+    """Bytes of the parameters this rank holds as loaded (its FSDP chunks, its experts whole, plain tensors)."""
+    from hf_pipeline.distributed.shards import local_tensor
+
+    unique = {id(p): local_tensor(p.detach()) for p in model.parameters()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def _labelled_loss(model) -> float:
@@ -264,6 +301,11 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
         # Every replica cuts its share into as many microbatches (3 asked, capped by the smallest share), and
         # feeds each prompt in one forward.
         assert (case["microbatches"], case["prefill_steps"]) == (min(3, ROWS // dims[1]), 1), (name, rank)
+        if "foreach" in case:  # under FSDP: every byte read is one kept (its chunks, its experts), and no other
+            assert case["bytes"] == case["kept"], f"{name} rank {rank}: read {case['bytes']}, keeps {case['kept']}"
+            # AdamW foreach over the fsdp and ep meshes' DTensors at once equals its per-tensor loop (the same
+            # fp32 arithmetic: a tensor left out, or stepped on the wrong mesh's view, moves it by ~lr = 1e-3).
+            assert case["foreach"] <= 1e-7, f"{name} rank {rank}: foreach differs by {case['foreach']}"
         if "survived" in case:
             want = "ValueError" if case["survived"]["last"] else "RankError"
             assert case["survived"]["raised"] == want, f"{name} rank {rank}: {case['survived']}"
@@ -286,7 +328,9 @@ def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
         _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True, gen=gens[t])
 
 
-def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_transformers(tmp_path):
+def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal_transformers(tmp_path):
+    from transformers.distributed import DistributedConfig
+
     # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
     paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
              "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
@@ -302,6 +346,18 @@ def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_tran
          gens["qwen3_moe"][0]),
         (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2, "tp_size": 2, "ep_size": 4},
          str(tmp_path / "s-tp2"), None, False, greedy_only),
+        # Experts over FSDP ranks: transformers' own DistributedConfig (two ep groups of 2 of the 4 fsdp ranks),
+        # with its training state resumed, and pp2 x fsdp2 under 1F1B with the routers' loss; greedy generate in
+        # lock step on both.
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 2,
+                              "distributed_config": DistributedConfig(fsdp_size=4, ep_size=2)},
+         str(tmp_path / "s-fsdp4"), str(tmp_path / "state-fsdp4"), False, greedy_only),
+        (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2, "fsdp_size": 2},
+         str(tmp_path / "s-fsdp2"), None, False, {"greedy": gens["mixtral"][0]["greedy"]}),
+        # Mixtral: Qwen3-MoE's per-head q_norm / k_norm lose their tp gradient sum under FSDP x TP (ep aside).
+        (paths["mixtral"], {"num_stages": 1, "n_microbatches": 2,
+                            "distributed_config": DistributedConfig(tp_size=2, fsdp_size=2, ep_size=4)},
+         str(tmp_path / "s-fsdp2-tp2"), None, False, {"greedy": gens["mixtral"][0]["greedy"]}),
     ]
     per_rank = run_distributed(_job, 4, cases, timeout=900)
     mixtral, qwen = (paths["mixtral"], gens["mixtral"]), (paths["qwen3_moe"], gens["qwen3_moe"])
@@ -309,3 +365,7 @@ def test_pp2_x_dp2_pp1_x_dp4_and_dp2_x_tp2_with_experts_over_replicas_equal_tran
     _check("qwen3_moe pp2 x dp2 ZBV", per_rank, 1, qwen[0], cases[1][2], (2, 2, 1), pp1=False, gen=qwen[1])
     _check("qwen3_moe pp1 x dp4", per_rank, 2, qwen[0], cases[2][2], (1, 4, 1), pp1=True, gen=qwen[1])
     _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, qwen[0], cases[3][2], (1, 2, 2), pp1=False, gen=qwen[1], share=4)
+    _check("qwen3_moe fsdp4, ep2", per_rank, 4, qwen[0], cases[4][2], (1, 4, 1), pp1=False, gen=qwen[1])
+    _check("mixtral pp2 x fsdp2 1F1B, ep2", per_rank, 5, mixtral[0], cases[5][2], (2, 2, 1), pp1=False, gen=mixtral[1])
+    _check("mixtral fsdp2 x tp2, ep4", per_rank, 6, mixtral[0], cases[6][2], (1, 2, 2), pp1=False, gen=mixtral[1],
+           share=4)

@@ -45,7 +45,6 @@ def test_ep_over_data_spans_replicas_and_ep_size_alone_keeps_its_meaning():
     ({"ep_size": 3, "tp_size": 2, "ep_over": "data"}, "ep_size must be a multiple k > 1 of tp_size"),
     ({"ep_size": 2, "tp_size": 2, "ep_over": "data"}, "ep_size must be a multiple k > 1 of tp_size"),
     ({"ep_over": "data"}, "ep_size must be a multiple k > 1 of tp_size"),
-    ({"ep_size": 2, "fsdp_size": 2, "ep_over": "data"}, "plain pipeline replicas only, not FSDP"),
     ({"ep_size": 4, "tp_size": 2}, "for experts across data-parallel ranks pass ep_over='data'"),
 ])
 def test_requests_that_cannot_run_are_refused_by_name(ask, wants):
@@ -54,15 +53,24 @@ def test_requests_that_cannot_run_are_refused_by_name(ask, wants):
     assert wants in str(e.value)
 
 
-def test_transformers_config_asking_ep_over_its_fsdp_ranks_and_other_refusals():
-    # transformers' class only builds ep_size > tp_size > 1 with fsdp_size covering it: that is ep over FSDP ranks.
-    dc = DistributedConfig(tp_size=2, ep_size=4, fsdp_size=2)
-    with pytest.raises(InputError, match=r"DistributedConfig's ep_size > tp_size.*fsdp_size=2"):
-        _req(distributed_config=dc)
+def test_transformers_config_asking_ep_over_its_fsdp_ranks_is_ep_over_data_and_other_refusals():
+    # transformers' class only builds ep_size > tp_size with fsdp_size covering it: that is ep over its FSDP ranks.
+    for dc in (DistributedConfig(tp_size=2, ep_size=4, fsdp_size=2), DistributedConfig(fsdp_size=4, ep_size=2)):
+        req = _req(distributed_config=dc)
+        assert (req.ep_over, req.ep_data, req.fsdp_size) == ("data", 2, dc.fsdp_size), req
+    assert _req(distributed_config=DistributedConfig(tp_size=2, ep_size=2)).ep_over == "stage"
     with pytest.raises(InputError, match="ep_implementation='all_reduce'"):
         ParallelRequest(ep_size=2, ep_over="data", ep_implementation="all_reduce")
     with pytest.raises(InputError, match="must divide the 1 replicas"):  # pp2 at 2 ranks: one replica
         PipelineOptions.resolve(decoder_config("mixtral"), 2, parallel=_req(ep_size=2, ep_over="data"))
+    fsdp = _req(ep_size=4, fsdp_size=4, ep_over="data", world_size=8)
+    assert PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2, parallel=fsdp).ep_data == 4
+    with pytest.raises(InputError, match="its experts span 4 fsdp ranks, which must divide fsdp_size"):  # 4 of fsdp 2
+        PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
+                                parallel=_req(ep_size=4, fsdp_size=2, ep_over="data", world_size=8))
+    with pytest.raises(InputError, match=r"HSDP\s+replicas, here 2, are not supported"):  # fsdp2 x 2 replicas
+        PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
+                                parallel=_req(ep_size=2, fsdp_size=2, ep_over="data", world_size=8))
     refuse_generation_over_data(1)
     with pytest.raises(InputError, match="serving is not supported.*ep_over='data'.*call generate.*within each stage"):
         refuse_generation_over_data(2, "serving")
