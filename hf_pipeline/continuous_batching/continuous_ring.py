@@ -333,10 +333,6 @@ class ContinuousRing:
             self._pass_on(lane, i, header, old_out, payload, new_out)
         elif self.lead:  # the other tp ranks hold the same logits; one choice, one reply
             self._reply(i, lane.choose(i, new, old_out, new_out))
-        if lane.first and (self.coordinator or self.relay) and not self.ordered and not self._local(self.n_stages - 1):
-            # This run op's reply comes back: its receive (the exact size), in op order, posted once the op went
-            # down (the reply cannot come sooner), not before the forward: posting costs the critical path time.
-            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
         self._observe()  # after the op's messages left: the next stage need not wait for this count
         return True
 
@@ -394,6 +390,11 @@ class ContinuousRing:
                 self._dp_send(x, d)
         header = plans[0][0]
         self.reply_sizes[i] = self.replies[i][0].size
+        if header.run and not self.ordered and not self._local(self.n_stages - 1):
+            # this run op's reply comes back: post the receive now (its exact size), in op order. Before the op
+            # goes down, not after: gloo sends a message once its receiver posted the receive (a note that travels
+            # ahead of the op here), and a note posted after the op could come after the reply was ready.
+            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
         return plans[0]
 
     def _dp_send(self, tensor: torch.Tensor, replica: int) -> None:
@@ -416,6 +417,8 @@ class ContinuousRing:
         header = OpHeader.unpack(fixed[:head])
         payload = self._dp_recv((header.payload_bytes,), torch.uint8, 0) if header.payload_bytes else None
         self.reply_sizes[i] = int(fixed[-1])
+        if header.run and not self.ordered and not self._local(self.n_stages - 1):
+            self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
         new = unpack_rows(payload) if payload is not None else []
         return header, new, payload, fixed[head: head + len(header.kept)].tolist()
 
