@@ -68,6 +68,7 @@ Example (every rank; stage 0 passes the feeder):
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Any
 
 import torch
@@ -157,15 +158,18 @@ class ContinuousRing:
         self.reply_sizes = [1] * groups  # stage 0's lead: the size of each own group's next reply
         self.asked: dict[int, int | None] = {}  # stage 0: each live row's logprobs (its reply's layout)
         # Sends are kept alive until done by the ring's own mailbox (receives are posted here: they carry no key).
+        # A rank runs at most one step (an op per group) ahead of the peers it sends to, at most 3 messages an op
+        # and lane and a reply: the oldest send past this window was received long ago (Mailbox's Note).
+        self._window = 32 + 4 * groups * (len(self.lanes) + self.replicas)
         self._mail = Mailbox(pp_rank=model.dims.pp_rank, rank_of=lambda stage: model.plan.stages[stage].rank,
-                             dims=model.dims, device=self.device)
+                             dims=model.dims, device=self.device, window=self._window)
         self.steps = 0  # stage 0: steps in which some row ran
         self.peak_cache_bytes = 0
         self._stopping = False  # stage 0: this step stops the ring
         self._tokens_ahead: dict[int, tuple[Any, torch.Tensor]] = {}  # stage 0: token receives posted ahead
         self._ahead: tuple = ()  # one stage per rank, not stage 0: the next op's header and kept-row receives
         self._busy = False  # stage 0: some row ran in this step
-        self._dp_sends: list[tuple[Any, torch.Tensor]] = []  # coordinator <-> relays, kept alive until done
+        self._dp_sends: deque[tuple[Any, torch.Tensor]] = deque()  # coordinator <-> relays, kept alive until done
 
     @property
     def forwards(self) -> int:
@@ -334,11 +338,11 @@ class ContinuousRing:
             self._pass_on(lane, i, header, None, None, None)
             return False
         old_out, new_out = lane.run(i, header, new, old_in, new_in)
-        self._observe()
         if not lane.last:
             self._pass_on(lane, i, header, old_out, payload, new_out)
         elif self.lead:  # the other tp ranks hold the same logits; one choice, one reply
             self._reply(i, lane.choose(i, new, old_out, new_out))
+        self._observe()  # after the op's messages left: the next stage need not wait for this count
         return True
 
     def _observe(self) -> None:
@@ -396,14 +400,16 @@ class ContinuousRing:
         header = plans[0][0]
         self.reply_sizes[i] = self.replies[i][0].size
         if header.run and not self.ordered and not self._local(self.n_stages - 1):
-            # this run op's reply comes back: post the receive now (its exact size), in op order
+            # this run op's reply comes back: post the receive now (its exact size), in op order. Before the op
+            # goes down, not after: gloo sends a message once its receiver posted the receive (a note that travels
+            # ahead of the op here), and a note posted after the op could come after the reply was ready.
             self._tokens_ahead[i] = self._post((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
         return plans[0]
 
     def _dp_send(self, tensor: torch.Tensor, replica: int) -> None:
         self._dp_sends.append((dist.isend(tensor, group=self.dp_group, group_dst=replica), tensor))
-        if len(self._dp_sends) > 32:  # completed sends release their buffers now and then, as the mailbox's
-            self._dp_sends = [(w, t) for w, t in self._dp_sends if not w.is_completed()]
+        while len(self._dp_sends) > self._window:  # the oldest were received long ago (as the mailbox's sends)
+            self._dp_sends.popleft()[0].wait()
 
     def _dp_recv(self, shape: tuple[int, ...], dtype: torch.dtype, replica: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)

@@ -80,6 +80,11 @@ class _Row:
     generator: torch.Generator | None
     logprobs: int | None = None  # alternatives sent back with each chosen token's log-probability
 
+    @property
+    def plain(self) -> bool:
+        """Greedy, no processors, no logprobs: its token is the logits' argmax alone (``ids`` then not kept)."""
+        return not self.processors and self.generator is None and self.logprobs is None
+
 
 class RingStage:
     """One stage's groups in the continuous ring (see the module docstring).
@@ -323,16 +328,26 @@ class RingStage:
             self.rows[new[k].slot] = self._row(new[k])
         parts = [o[:, -1, :] for o in (old_out, None if new_out is None else new_out[fin]) if o is not None]
         logits = torch.cat(parts).float() if parts else None
-        tokens, chosen = [], []
+        tokens: list[int] = [0] * len(slots)
+        chosen: list[torch.Tensor | None] = [None] * len(slots)
+        plain = [j for j, slot in enumerate(slots) if self.rows[slot].plain]
+        if plain:
+            # Greedy rows without processors nor logprobs: one pick for all of them, the same index each row's own
+            # pick gives (the first maximum); a call per row cost more than the op's other Python on a small model.
+            scores = logits if len(plain) == len(slots) else logits[plain]
+            for j, token in zip(plain, select_tokens(scores, do_sample=False).tolist()):
+                tokens[j] = token
         for j, slot in enumerate(slots):
             row = self.rows[slot]
+            if row.plain:
+                continue
             scores = row.processors(row.ids, logits[j: j + 1])
             gens = [row.generator] if row.generator is not None else None
             token = select_tokens(scores, do_sample=row.generator is not None, generators=gens)
             row.ids = torch.cat([row.ids, token[:, None].to(row.ids.device)], dim=1)
-            tokens.append(int(token[0]))
-            chosen.append(None if row.logprobs is None else
-                          entries(torch.log_softmax(scores.float(), dim=-1), token, row.logprobs)[0])
+            tokens[j] = int(token[0])
+            if row.logprobs is not None:
+                chosen[j] = entries(torch.log_softmax(scores.float(), dim=-1), token, row.logprobs)[0]
         n_old = len(slots) - len(fin)
         prompts = [None] * n_old + [self._prompt_entries(new[k], new_out[k], new_out.shape[1]) for k in fin]
         layout = Reply.of([None] * n_old + [new[k] for k in fin], {s: self.rows[s].logprobs for s in slots}, slots)

@@ -235,11 +235,17 @@ class Reply:
              device: torch.device | str | None = None) -> torch.Tensor:
         """The message: each row's token, its ``chosen`` entry ``(entry_width,)`` and ``prompts`` entries
         ``(prompt_len - 1, entry_width)`` where it asked for them (None elsewhere)."""
-        parts = [torch.zeros(1, dtype=torch.float64)] if not self.rows else []
+        parts: list[torch.Tensor] = []
+        run: list[float] = []  # tokens since the last entries: one tensor for them all, not one a row
         for token, c, p in zip(tokens, chosen, prompts):
-            parts.append(torch.tensor([float(token)], dtype=torch.float64))
-            parts.extend(x.reshape(-1).double().cpu() for x in (c, p) if x is not None)
-        return torch.cat(parts).to(device)
+            run.append(float(token))
+            extra = [x.reshape(-1).double().cpu() for x in (c, p) if x is not None]
+            if extra:
+                parts += [torch.tensor(run, dtype=torch.float64), *extra]
+                run = []
+        if run or not parts:
+            parts.append(torch.tensor(run or [0.0], dtype=torch.float64))  # an op without rows: one float
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device)
 
     def unpack(self, message: torch.Tensor, prompts: list[list[int] | None]
                ) -> list[tuple[int, TokenLogprob | None, list[TokenLogprob] | None]]:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -28,12 +29,24 @@ class Mailbox:
 
     A message for a stage on this rank is kept as is (no copy, no send). Receives are posted before
     they are needed and waited for only when :meth:`take` asks for the key.
+
+    Args:
+        window: None, or the most sends kept in flight: past it :meth:`prune` waits for the oldest. Only for
+            protocols in which no rank runs that many messages ahead of the peer that receives them (the
+            continuous ring: a rank is at most one op per group ahead), so the oldest was received long ago
+            and its wait returns at once.
+
+    Note (gloo): a gloo send's work reports ``is_completed()`` only once it was waited for, even after the peer
+    received it, so pruning by ``is_completed`` frees nothing there: a long-lived ring kept every send's buffer
+    and rescanned them all at each prune. With ``window`` the sends are freed in order, whatever the backend.
     """
 
-    def __init__(self, *, pp_rank: int, rank_of: Callable[[int], int], dims: Any, device: torch.device):
+    def __init__(self, *, pp_rank: int, rank_of: Callable[[int], int], dims: Any, device: torch.device,
+                 window: int | None = None):
         self.pp_rank, self.rank_of, self.dims, self.device = pp_rank, rank_of, dims, device
         self.inbox: dict[tuple, Any] = {}
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: deque[tuple[Any, torch.Tensor]] = deque()
+        self.window = window
 
     def deliver(self, key: tuple, stage: int, tensor: torch.Tensor) -> None:
         rank = self.rank_of(stage)
@@ -61,9 +74,12 @@ class Mailbox:
         return item
 
     def prune(self) -> None:
+        if self.window is not None:
+            while len(self.sends) > self.window:
+                self.sends.popleft()[0].wait()  # received long ago (``window``): returns at once
         # Completed sends release their buffers now and then; checking every time would cost more.
-        if len(self.sends) > 32:
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        elif len(self.sends) > 32:
+            self.sends = deque((w, t) for w, t in self.sends if not w.is_completed())
 
     def close(self) -> None:
         """Wait for every send; a message left unread means the ranks disagreed on the timetable."""

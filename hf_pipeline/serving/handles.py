@@ -119,6 +119,47 @@ class CompletionRequest:
         return self.temperature == 0
 
 
+class _LoopWaker:
+    """Sets asyncio events of one event loop from the engine's thread, with one loop callback for all the events set
+    before the loop ran it: an op's tokens for several requests wake the loop once, not once a token (each wake is
+    a write to the loop's pipe, and the loop thread then takes the interpreter from the engine's)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._events: list[asyncio.Event] = []
+
+    def wake(self, event: asyncio.Event) -> None:
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) > 1:
+                return  # a callback is scheduled and has not run yet: it sets this one too
+        try:
+            self.loop.call_soon_threadsafe(self._set)
+        except RuntimeError:  # the loop closed (its server stopped): nobody waits on it any more
+            with self._lock:
+                self._events.clear()
+
+    def _set(self) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+        for event in events:
+            event.set()
+
+
+_wakers: dict[asyncio.AbstractEventLoop, _LoopWaker] = {}
+_wakers_lock = threading.Lock()
+
+
+def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    with _wakers_lock:
+        for closed in [lp for lp in _wakers if lp.is_closed()]:
+            del _wakers[closed]
+        if loop not in _wakers:
+            _wakers[loop] = _LoopWaker(loop)
+        return _wakers[loop]
+
+
 @dataclass(kw_only=True)
 class Choice:
     """One choice of a request as far as it has come: its token ids (without the stop token) and the
@@ -162,7 +203,7 @@ class Handle:
         self.choices = [Choice() for _ in range(request.n)]
         self.error: str | None = None
         self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._waiters: list[tuple[_LoopWaker, asyncio.Event]] = []
 
     # -------------------------------------------------------------- engine side
     def update(self, fn: Any) -> None:
@@ -171,8 +212,8 @@ class Handle:
             fn(self.choices)
             self._cond.notify_all()
             waiters = list(self._waiters)
-        for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
+        for waker, event in waiters:
+            waker.wake(event)
 
     def fail(self, message: str, reason: str = "error") -> None:
         """End every unfinished choice with ``reason`` (``error``: ``message`` says why)."""
@@ -225,8 +266,9 @@ class Handle:
         """Async batches of deltas as they come; an empty batch every ``poll_s`` seconds without news
         (so the caller can check its client and its deadline)."""
         loop, event = asyncio.get_running_loop(), asyncio.Event()
+        waiter = (_waker(loop), event)
         with self._cond:
-            self._waiters.append((loop, event))
+            self._waiters.append(waiter)
         cursor = [(0, 0, False, 0)] * len(self.choices)
         try:
             while True:
@@ -236,13 +278,16 @@ class Handle:
                 yield deltas
                 if done:
                     return
-                try:
-                    await asyncio.wait_for(event.wait(), poll_s)
-                except asyncio.TimeoutError:
-                    pass
+                if not event.is_set():
+                    # A timer that sets the event, not ``wait_for``: that made a task per wait, per token streamed.
+                    timer = loop.call_later(poll_s, event.set)
+                    try:
+                        await event.wait()
+                    finally:
+                        timer.cancel()
         finally:
             with self._cond:
-                self._waiters.remove((loop, event))
+                self._waiters.remove(waiter)
 
     def result(self, timeout: float | None = None) -> list[Choice]:
         """Wait until every choice is done (at most ``timeout`` seconds) and return the choices."""

@@ -67,6 +67,42 @@ def _submit_all(engine: Engine, parsed: ParsedRequest) -> list[Handle]:
     return handles
 
 
+async def _merged(handles: list[Handle], n: int, poll_s: float = 0.5) -> AsyncIterator[list[tuple[int, Any]]]:
+    """Every handle's deltas as ``(choice index over all prompts, Delta)`` batches as they come; an empty batch
+    after ``poll_s`` seconds without news. One handle (one prompt) is read directly: a task and a queue hand-over
+    per token cost the event loop more than the rest of a streamed token."""
+    import asyncio
+
+    if len(handles) == 1:
+        async for batch in handles[0].deltas(poll_s):
+            yield [(d.index, d) for d in batch]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, h: Handle) -> None:
+        async for batch in h.deltas(poll_s):
+            for d in batch:
+                await queue.put((k * n + d.index, d))
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(k, h)) for k, h in enumerate(handles)]
+    open_ = len(tasks)
+    try:
+        while open_:
+            try:
+                item = await asyncio.wait_for(queue.get(), poll_s)
+            except asyncio.TimeoutError:
+                yield []
+                continue
+            if item is None:
+                open_ -= 1
+            else:
+                yield [item]
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 def _finite(logprob: float) -> float:
     """A log-probability as JSON can carry it: a token a processor masked (top-p, a ``response_format``
     grammar) has ``-inf``, which JSON has no number for; vLLM's floor, -9999.0, stands in for it."""
@@ -84,43 +120,27 @@ class _Api:
         """``(choice index over all prompts, Delta)`` as they come; cancels every handle when the client
         leaves or the timeout passes (then yields ``(None, message)`` last). ``started``: the submission's
         ``time.monotonic()``, for the time-to-first-token metric."""
-        import asyncio
-
         deadline, first = time.monotonic() + self.timeout_s, True
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k: int, h: Handle) -> None:
-            async for batch in h.deltas():
-                for d in batch:
-                    await queue.put((k * n + d.index, d))
-            await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(k, h)) for k, h in enumerate(handles)]
-        open_ = len(tasks)
+        batches = _merged(handles, n)
         try:
-            while open_:
-                try:
-                    item = await asyncio.wait_for(queue.get(), 0.5)
-                except asyncio.TimeoutError:
+            async for batch in batches:
+                if not batch:  # half a second without news (or none yet)
                     if await request.is_disconnected():
                         return
                     if time.monotonic() > deadline:
                         yield None, f"the request took longer than --request-timeout {self.timeout_s:g} s"
                         return
                     continue
-                if item is None:
-                    open_ -= 1
-                else:
-                    if first:
-                        self.metrics.first_token(started)
-                        first = False
+                if first:
+                    self.metrics.first_token(started)
+                    first = False
+                for item in batch:
                     yield item
         finally:
+            await batches.aclose()
             for h in handles:
                 if not h.done:
                     h.cancel()
-            for t in tasks:
-                t.cancel()
 
     async def complete(self, request, parsed: ParsedRequest, chat: bool):
         started = time.monotonic()

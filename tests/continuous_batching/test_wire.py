@@ -1,6 +1,7 @@
 """The continuous ring's messages alone (pure, no ranks): the op header packs to the exact int64 layout
 every stage reads (a change of layout fails here, not in a 3-rank run), parses back to itself, and
-refuses what is not a header; the joining rows' JSON round-trips."""
+refuses what is not a header; the joining rows' JSON round-trips; the reply's float64 layout is exact and
+unpacks to each row's token and log-probabilities; the ring's sends are freed in order past their window."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import json
 import pytest
 import torch
 
-from hf_pipeline.continuous_batching.wire import NewRow, OpHeader, pack_rows, unpack_rows
+from hf_pipeline.continuous_batching.wire import NewRow, OpHeader, Reply, ReplyRow, pack_rows, unpack_rows
 from hf_pipeline.errors import InternalError
+from hf_pipeline.generation.logprobs import entries
+from hf_pipeline.generation.mailbox import Mailbox
 
 pytestmark = pytest.mark.unit
 
@@ -68,3 +71,54 @@ def test_joining_rows_round_trip_as_json():
     assert unpack_rows(payload) == rows
     with pytest.raises(InternalError, match="prompt"):
         NewRow(slot=0, prompt=[], max_new_tokens=1)
+
+
+def test_reply_layout_and_round_trip():
+    # Rows without log-probabilities are their tokens alone, in row order; an op without rows is one float.
+    plain = Reply((ReplyRow(), ReplyRow(), ReplyRow()))
+    assert plain.pack([7, 0, 11], [None] * 3, [None] * 3).tolist() == [7.0, 0.0, 11.0]
+    assert Reply(()).pack([], [], []).tolist() == [0.0]
+    # Mixed: a plain row, one with its token's entry (k=1), one joining with its prompt's entries (k=2), a plain one.
+    logprobs = torch.log_softmax(torch.tensor([[0.1, 2.0, -1.0, 0.5]] * 3), dim=-1)  # (3, V=4)
+    chosen = entries(logprobs[:1], torch.tensor([1]), 1)  # (1, 3)
+    prompt = entries(logprobs[1:], torch.tensor([3, 0]), 2)  # (prompt_len - 1 = 2, 5)
+    layout = Reply((ReplyRow(), ReplyRow(logprobs=1), ReplyRow(prompt_logprobs=2, prompt_len=3), ReplyRow()))
+    message = layout.pack([4, 1, 2, 9], [None, chosen[0], None, None], [None, None, prompt, None])
+    # [4] [1, its entry (3)] [2, its prompt's entries (2 x 5)] [9]
+    assert message.shape == (layout.size,) == (1 + 4 + 11 + 1,)
+    assert message[[0, 1, 5, 16]].tolist() == [4.0, 1.0, 2.0, 9.0]
+    rows = layout.unpack(message, [None, None, [5, 3, 0], None])
+    assert [r[0] for r in rows] == [4, 1, 2, 9]
+    assert rows[0][1:] == (None, None) and rows[3][1:] == (None, None)
+    assert rows[1][1].token == 1 and rows[1][1].logprob == pytest.approx(float(logprobs[0, 1]))
+    assert [e.token for e in rows[2][2]] == [3, 0]
+    assert rows[2][2][0].logprob == pytest.approx(float(logprobs[1, 3]))
+
+
+class _Work:
+    """A send's work as gloo's: ``is_completed`` only once waited for."""
+
+    def __init__(self, log: list[int], n: int):
+        self.log, self.n, self.waited = log, n, False
+
+    def wait(self) -> None:
+        self.waited = True
+        self.log.append(self.n)
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+
+def test_mailbox_frees_sends_in_order_past_its_window():
+    log: list[int] = []
+    box = Mailbox(pp_rank=0, rank_of=lambda stage: stage, dims=None, device=torch.device("cpu"), window=3)
+    box.sends.extend((_Work(log, n), torch.zeros(1)) for n in range(8))
+    box.prune()
+    assert log == [0, 1, 2, 3, 4] and len(box.sends) == 3  # the oldest waited for (and freed), oldest first
+    box.close()
+    assert log == list(range(8)) and not box.sends
+    # Without a window, pruning by is_completed frees nothing of gloo's unwaited sends (why the ring sets one).
+    unbounded = Mailbox(pp_rank=0, rank_of=lambda stage: stage, dims=None, device=torch.device("cpu"))
+    unbounded.sends.extend((_Work([], n), torch.zeros(1)) for n in range(40))
+    unbounded.prune()
+    assert len(unbounded.sends) == 40

@@ -284,3 +284,40 @@ def test_a_stream_holds_back_only_an_incomplete_character():
             if seen[-1].finish_reason:
                 break
         assert "".join(d.text for d in seen) == expected == handle.result()[0].text, stop
+
+
+def test_an_ops_updates_wake_an_event_loop_once_and_every_reader_sees_its_own():
+    # The engine hands an op's tokens to several requests; their async readers share one event loop, which is
+    # woken once for all of them (each wake is a write to the loop's pipe and takes the interpreter from the
+    # engine's thread), and each reader still gets exactly its own delta.
+    import asyncio
+
+    handles = [Handle(CompletionRequest(prompt_ids=[1], max_new_tokens=2), f"r{i}") for i in range(3)]
+
+    def token(k: int):
+        def write(choices):
+            choices[0].token_ids.append(10 + k)
+            choices[0].text = f"t{k}"
+        return write
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes, schedule = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), schedule(*a))[1]
+        readers = [h.deltas(poll_s=30) for h in handles]
+        assert [await r.__anext__() for r in readers] == [[], [], []]  # nothing yet; now each waits
+        waiting = [asyncio.ensure_future(r.__anext__()) for r in readers]
+        await asyncio.sleep(0)
+        # The engine's thread, while this loop cannot run (joined here): one op's three tokens.
+        engine = threading.Thread(target=lambda: [h.update(token(k)) for k, h in enumerate(handles)])
+        engine.start()
+        engine.join()
+        batches = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        for r in readers:
+            await r.aclose()
+        return wakes, batches
+
+    wakes, batches = asyncio.run(main())
+    assert len(wakes) == 1
+    assert [[(d.token_ids, d.text) for d in b] for b in batches] == [[([10 + k], f"t{k}")] for k in range(3)]
+    assert all(not h._waiters for h in handles)  # closed readers leave no waiter behind
