@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import re
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -266,11 +267,21 @@ class SummedGradients(ParallelStyle):
     it is accumulated, so ``.grad`` is the whole model's on every rank (over microbatches too)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        group = device_mesh.get_group()
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                p.register_hook(functools.partial(_summed, group=group))
+        hooked: set[int] = set()  # ids of the parameter tensors hooked, each forgotten when its tensor goes
+        hook = functools.partial(_hook_parameters, group=device_mesh.get_group(), hooked=hooked)
+        hook(module, ())
+        # FSDP2 (tp x fsdp) swaps its own unsharded parameter into the module for each forward, a tensor that
+        # never had the hook: each forward hooks whatever parameters the module holds then, each tensor once.
+        module.register_forward_pre_hook(hook)
         return module
+
+
+def _hook_parameters(module: nn.Module, args, *, group, hooked: set[int]) -> None:
+    for p in module.parameters(recurse=False):
+        if p.requires_grad and id(p) not in hooked:
+            hooked.add(id(p))
+            weakref.finalize(p, hooked.discard, id(p))
+            p.register_hook(functools.partial(_summed, group=group))
 
 
 def _summed(grad: torch.Tensor, *, group) -> torch.Tensor:

@@ -28,7 +28,9 @@ of its tp slice of each tensor), and the total norm sums the
 one group only was 1.22 instead of 1.39 in the first step). GPT-2 (untied, no dropout) runs the same
 sequence on that mesh: its packed ``c_attn`` bias (tp rank t holds ``[q_t, k_t, v_t]``) is kept whole
 on each fsdp rank, and every gathered tensor, the saved checkpoint and the resumed step equal
-transformers' (FSDP's dim-0 chunk of it gathered the values out of order, some repeated).
+transformers' (FSDP's dim-0 chunk of it gathered the values out of order, some repeated). Qwen3 too: its
+per-head ``q_norm`` / ``k_norm`` are whole on every tp rank, each rank's gradient from its own heads, summed over
+tp by a hook FSDP's unsharded parameters must get as well.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import pytest
 import tiny
 import torch
+from decoders import decoder_config
 from harness import run_distributed
 from tp_helpers import EPS, LR, compare, gathered
 
@@ -96,13 +99,14 @@ def _case(path, save_dir, kwargs, arch="llama"):
     return res
 
 
-def _job(path, save_dir, base, tp_dir, gpt2, gpt2_dir):
+def _job(path, save_dir, base, tp_dir, gpt2, gpt2_dir, qwen3, qwen3_dir):
     res = _case(path, save_dir, HSDP)
     torch.manual_seed(SEED)
     headless = _load(base)
     res["initialized"], res["lm_head"] = headless.load_report.initialized, gathered(headless)["lm_head.weight"]
     res["tp"] = _case(path, tp_dir, TP_FSDP)
     res["packed"] = _case(gpt2, gpt2_dir, TP_FSDP, "gpt2")  # GPT-2's fused c_attn under tp x fsdp
+    res["qk_norm"] = _case(qwen3, qwen3_dir, TP_FSDP)  # Qwen3's per-head norms: gradients summed over tp
     return res
 
 
@@ -151,8 +155,12 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
     tp_dir = tmp_path / "tp-checkpoint-2"
     gpt2 = str(tiny.make_checkpoint(tmp_path / "gpt2", "gpt2", **GPT2))
     gpt2_dir = tmp_path / "gpt2-checkpoint-2"
-    per_rank = run_distributed(_job, 4, path, str(save_dir), base, str(tp_dir), gpt2, str(gpt2_dir), timeout=600)
-    ref, ref_gpt2 = _reference(path), _reference(gpt2, "gpt2")
+    qwen3, qwen3_dir = tmp_path / "qwen3", tmp_path / "qwen3-checkpoint-2"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(decoder_config("qwen3")).save_pretrained(qwen3)
+    per_rank = run_distributed(_job, 4, path, str(save_dir), base, str(tp_dir), gpt2, str(gpt2_dir), str(qwen3),
+                               str(qwen3_dir), timeout=600)
+    ref, ref_gpt2, ref_qwen3 = _reference(path), _reference(gpt2, "gpt2"), _reference(str(qwen3))
     torch.manual_seed(SEED)
     head = tiny.reference(base, "AutoModelForCausalLM").lm_head.weight.detach()
     whole = sum(t.numel() for t in ref["params"].values())
@@ -177,6 +185,9 @@ def test_dp2_by_fsdp2_and_tp2_by_fsdp2_equal_transformers_save_and_resume(tmp_pa
             assert set(loaded) == set(stored), (case, sorted(set(loaded) ^ set(stored)))
             for key, want in stored.items():  # the shards' placements put the bytes read back in place
                 assert torch.equal(loaded[key], want), f"{case}: loaded {key} differs"
+        # Qwen3's q_norm / k_norm (whole on every tp rank, each rank's gradient from its heads alone) summed over
+        # tp under FSDP too: a tp rank's own share alone was off by ~3e-3 after 2 steps.
+        _check_case(f"rank {rank} Qwen3 tp2 x fsdp2", res["qk_norm"], ref_qwen3)
         packed, case = res["packed"], f"rank {rank} GPT-2 tp2 x fsdp2"  # c_attn.bias whole on each fsdp rank
         assert packed["read"] == 4 * packed["kept"], f"{case}: read {packed['read']} to keep {packed['kept']}"
         _check_case(case, packed, ref_gpt2)
