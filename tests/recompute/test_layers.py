@@ -144,6 +144,7 @@ def test_memory_budget_picks_the_fewest_layers_that_fit(llama_path):
     assert not model.is_activation_checkpointing
 
 
+@pytest.mark.equiv
 def test_forward_and_generate_are_unchanged(llama_path):
     # Checkpointing acts only in training with gradients: eval forward and KV-cached generate (even on a
     # model left in training mode, as transformers' layers skip checkpointing without gradients) are as before.
