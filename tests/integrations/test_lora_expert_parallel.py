@@ -6,7 +6,9 @@ tests/integrations/test_lora_decoders.py (fresh adapter bitwise, loss, every LoR
 an AdamW step, logits disabled / unmerged / merged / unmerged again, the saved adapter loaded by peft on one
 process), with its tolerances, on every rank. An adapter on the experts' own parameters (peft's
 ``target_parameters``), which the ranks split, is refused on every rank at injection, naming the field, as is
-one on a model whose attention tensor parallelism shards (``tp_size=2``).
+one on a model whose attention tensor parallelism shards (``tp_size=2``). Mixtral also runs with its experts
+over the 2 data-parallel replicas (``ep_over="data"``: each rank half the batch, the adapters' gradients summed
+over the replicas): the same checks against the same peft run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 FAMILIES = ("mixtral", "qwen3_moe")
 LOAD = {"ep_size": 2, "n_microbatches": 2}
+# Experts over the 2 data-parallel replicas instead (each rank half the batch, the routed tokens exchanged).
+OVER_DATA = {"ep_size": 2, "ep_over": "data", "num_stages": 1, "n_microbatches": 1}
 
 
 def _refusal(path: str, load: dict, **targets):
@@ -38,7 +42,8 @@ def _refusal(path: str, load: dict, **targets):
 def _both(paths, out, lora):
     experts = _refusal(paths[lora[0]], LOAD, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
     sharded = _refusal(paths[lora[0]], {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"])
-    return {"cases": _job(paths, out, LOAD, lora, ()), "refused": (experts, sharded)}
+    over_data = _job(paths, f"{out}/over-data", OVER_DATA, lora[:1], ())
+    return {"cases": _job(paths, out, LOAD, lora, ()), "refused": (experts, sharded), "over_data": over_data}
 
 
 def test_lora_on_attention_under_expert_parallelism_equals_peft(tmp_path):
@@ -47,10 +52,13 @@ def test_lora_on_attention_under_expert_parallelism_equals_peft(tmp_path):
     results = run_distributed(_both, 2, {k: str(v) for k, v in paths.items()}, str(out), FAMILIES, timeout=600)
     for model_type in FAMILIES:
         ref = refs[model_type]
+        over = [(r, res["over_data"][model_type]) for r, res in enumerate(results) if model_type in res["over_data"]]
+        assert len(over) == (2 if model_type == FAMILIES[0] else 0), (model_type, len(over))
         moved = (ref["merged"] - ref["base"]).abs().max().item()
         assert moved > 0.1, f"{model_type}: the adapter moves the logits by {moved:.3g} only: the checks are blind"
-        for rank, res in enumerate(results):
-            got, what = res["cases"][model_type], f"{model_type} ep2 rank {rank}"
+        cases = [(res["cases"][model_type], f"{model_type} ep2 rank {r}") for r, res in enumerate(results)]
+        cases += [(got, f"{model_type} ep2 over dp2 rank {r}") for r, got in over]
+        for got, what in cases:
             assert set(got["init"]) == set(ref["init"]), f"{what}: adapter entries differ"  # one stage: all of them
             _close(got["init"], ref["init"], what + " fresh adapter", tol=0)
             assert (got["loss"] - ref["loss"]).abs().item() <= 1e-5, f"{what}: loss {got['loss']} {ref['loss']}"
