@@ -113,6 +113,7 @@ def _lora_run(model, peft_model, train) -> dict:
 
 def _job(paths: dict[str, str], out: str, load: dict, lora: tuple, trained: tuple) -> dict:
     import hf_pipeline
+    from hf_pipeline.distributed.shards import full_tensor
 
     results = {}
     for model_type in lora:
@@ -128,8 +129,8 @@ def _job(paths: dict[str, str], out: str, load: dict, lora: tuple, trained: tupl
         )
         trainer.train()
         results[f"trainer-{model_type}"] = {
-            "logs": _logs(trainer.state.log_history),
-            "params": {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()},
+            "logs": _logs(trainer.state.log_history),  # whole tensors (split experts gathered: every rank calls)
+            "params": {n: full_tensor(p.detach()).clone() for n, p in model.checkpoint_named_parameters()},
         }
     return results
 

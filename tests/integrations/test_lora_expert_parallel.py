@@ -8,14 +8,26 @@ process), with its tolerances, on every rank. An adapter on the experts' own par
 ``target_parameters``), which the ranks split, is refused on every rank at injection, naming the field, as is
 one on a model whose attention tensor parallelism shards (``tp_size=2``). Mixtral also runs with its experts
 over the 2 data-parallel replicas (``ep_over="data"``: each rank half the batch, the adapters' gradients summed
-over the replicas): the same checks against the same peft run.
+over the replicas): the same checks against the same peft run; and ``PipelineTrainer`` full fine-tuning on that
+mesh equals transformers' ``Trainer`` on one process with the replicas' global batch (logs and every parameter,
+``test_lora_decoders._check_trainer``'s tolerances).
 """
 
 from __future__ import annotations
 
 import pytest
 from harness import run_distributed
-from test_lora_decoders import _check_saved, _checkpoints, _close, _job, _references
+from test_lora_decoders import (
+    _args,
+    _check_saved,
+    _check_trainer,
+    _checkpoints,
+    _close,
+    _dataset,
+    _job,
+    _logs,
+    _references,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -42,7 +54,7 @@ def _refusal(path: str, load: dict, **targets):
 def _both(paths, out, lora):
     experts = _refusal(paths[lora[0]], LOAD, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
     sharded = _refusal(paths[lora[0]], {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"])
-    over_data = _job(paths, f"{out}/over-data", OVER_DATA, lora[:1], ())
+    over_data = _job(paths, f"{out}/over-data", OVER_DATA, lora[:1], lora[:1])
     return {"cases": _job(paths, out, LOAD, lora, ()), "refused": (experts, sharded), "over_data": over_data}
 
 
@@ -70,8 +82,24 @@ def test_lora_on_attention_under_expert_parallelism_equals_peft(tmp_path):
                 assert diff <= 1e-5, f"{what}: {key} logits differ by {diff:.3g}"
         _check_saved(out / f"adapter-{model_type}", out / f"ref-{model_type}", paths[model_type], ref["trained"],
                      model_type)
+    # The Trainer (full fine-tuning) with the experts over the 2 replicas: transformers' Trainer on one process with
+    # the replicas' global batch (per-device batch x 2, as with 2 data-parallel processes).
+    ref_trainer = {"trainer-mixtral": _trainer_reference(paths["mixtral"], out)}
+    _check_trainer([res["over_data"] for res in results], ref_trainer)
     wants = (("['mlp.experts.gate_up_proj']", "ep_size=2"), ("tp_size=2 (tensor parallelism)",))
     for rank, res in enumerate(results):
         for msg, want in zip(res["refused"], wants, strict=True):
             assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
             assert all(w in msg for w in want), f"rank {rank}: {msg}"
+
+
+def _trainer_reference(path, out) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = _args(str(out / "ref-trainer-over-data"), 8, eval_strategy="no", save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset("llama"))
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"logs": _logs(trainer.state.log_history), "params": params}
