@@ -31,8 +31,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import InputError
+from ..errors import InputError, InternalError
 from .context import RankContext
+from .shards import EXPERT_MESH_DIMS
 
 __all__ = ["ParallelDims"]
 
@@ -148,11 +149,10 @@ class ParallelDims:
                 f"{pp_size * tp_size * fsdp_size} processes or change fsdp_size"
             )
         if ep_data > 1 and (dp_size % ep_data or (fsdp_size > 1 and (fsdp_size % ep_data or dp_size > fsdp_size))):
-            # Over FSDP ranks an ep group is k consecutive fsdp ranks of the one sharded pipeline (torchtitan's layout).
-            raise InputError(
-                f"experts over {ep_data} data-parallel ranks (ep_over='data', ep_size / tp_size) need plain replicas "
-                f"or fsdp ranks (one fsdp-sharded pipeline, no HSDP replicas) in a multiple of {ep_data}, got "
-                f"{dp_size} data-parallel ranks with fsdp_size={fsdp_size}; change ep_size, fsdp_size or the world size"
+            # PipelineOptions refuses these layouts by name before any mesh is built; the groups below need them.
+            raise InternalError(
+                f"experts over {ep_data} data-parallel ranks reached the mesh with {dp_size} data-parallel ranks and "
+                f"fsdp_size={fsdp_size}, a layout the options refuse"
             )
         if not ctx.is_distributed:
             return cls(pp_size=pp_size)
@@ -180,7 +180,7 @@ class ParallelDims:
             ep, replica = _expert_groups(ctx, dp_size, pp_size, tp_size, ep_data)
             ctx.apply_timeout(*(g for g in (ep, replica) if g is not None))
             experts = {"ep_data": ep_data, "expert_replica_group": replica,
-                       "ep_mesh": DeviceMesh.from_group(ep, ctx.device.type, mesh_dim_names=("ep",))}
+                       "ep_mesh": DeviceMesh.from_group(ep, ctx.device.type, mesh_dim_names=EXPERT_MESH_DIMS)}
         return cls(**experts,
             pp_size=pp_size, dp_size=dp_size, tp_size=tp_size, fsdp_size=fsdp_size, pp_rank=mesh.get_local_rank("pp"),
             dp_rank=_data_rank(mesh, names, fsdp_size), tp_rank=mesh.get_local_rank("tp"), pp_group=groups["pp"],

@@ -40,6 +40,7 @@ from ..compat import mesh_group_names, set_mesh_group_names
 from ..errors import InternalError
 from .context import RankContext
 from .dims import ParallelDims
+from .shards import EXPERT_MESH_DIMS
 
 __all__ = ["own_group", "rebind_meshes", "release_groups", "renew_groups"]
 
@@ -109,7 +110,7 @@ def rebind_meshes(stages: Iterable[nn.Module], dims: ParallelDims) -> int:
     meshes = {id(p.device_mesh): p.device_mesh for s in stages for p in s.parameters() if isinstance(p, DTensor)}
     for mesh in meshes.values():
         names = mesh.mesh_dim_names
-        if names == ("ep",):  # experts over replicas: their own 1-D mesh, not a dim of dims.mesh
+        if names == EXPERT_MESH_DIMS:  # experts over replicas: their own 1-D mesh, not a dim of dims.mesh
             set_mesh_group_names(mesh, mesh_group_names(dims.ep_mesh))
             continue
         target = dims.mesh if names == dims.mesh.mesh_dim_names else dims.mesh[names]

@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["full_tensor", "is_replicated", "is_sharded", "local_tensor", "mesh_norm_power", "norm_power"]
+__all__ = [
+    "EXPERT_MESH_DIMS", "full_tensor", "is_replicated", "is_sharded", "local_tensor", "mesh_norm_power", "norm_power",
+    "on_expert_mesh",
+]
+
+# The dim names of the 1-D mesh experts spread over data-parallel ranks are sharded on (``ParallelDims.ep_mesh``).
+EXPERT_MESH_DIMS = ("ep",)
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -25,6 +31,12 @@ def is_sharded(t: torch.Tensor | None) -> bool:
 def is_replicated(t: torch.Tensor | None) -> bool:
     """Whether ``t`` is a ``DTensor`` whose every rank holds all of it (Replicate on every mesh dim)."""
     return isinstance(t, DTensor) and all(p.is_replicate() for p in t.placements)
+
+
+def on_expert_mesh(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a ``DTensor`` on an experts-over-data mesh (:data:`EXPERT_MESH_DIMS`). By the mesh's dim
+    names, not its identity: after fresh groups, or in a later load, the stages hold mesh objects of their own."""
+    return isinstance(t, DTensor) and t.device_mesh.mesh_dim_names == EXPERT_MESH_DIMS
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

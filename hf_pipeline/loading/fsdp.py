@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..compat import unflatten_mesh, whole_placement
+from ..distributed.shards import on_expert_mesh
 from ..errors import InputError, InternalError
 from ..planning.mesh_rules import parse_style
 from .expert_parallel import apply_expert_parallel
@@ -226,9 +227,7 @@ def shard_stages(
             # This rank's experts, likewise (over tp: chunked by FSDP too; over the fsdp ranks: left out of it).
             apply_expert_parallel(stage, ep_plan, ep_mesh or tp[1], implementation, batch_mesh=batch_mesh)
             if batch_mesh is not None:
-                # By the mesh's name: a later load's DTensors may hold an equal mesh object of their own.
-                ignored = {p for p in stage.parameters()
-                           if getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) == ("ep",)}
+                ignored = {p for p in stage.parameters() if on_expert_mesh(p)}
         placement = _whole_placement(stage, tp[2], whole_mesh) if tp else None
         for unit in _units(stage):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False, shard_placement_fn=placement,

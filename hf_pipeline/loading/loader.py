@@ -232,14 +232,16 @@ def _expert_parts_kept(experts: dict, conversions: dict, fsdp: tuple[int, int] |
 
 def _fsdp_shards(
     stages: list[nn.Module], maker: StageMaker, options: PipelineOptions, dims: ParallelDims, device: torch.device,
-    *, parts: dict, wanted: dict, fresh: dict, conversions: dict, empty: dict,
+    *, parts: dict, experts: dict, wanted: dict, fresh: dict, conversions: dict, empty: dict,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """An FSDP rank's parts (with tensor / expert parallelism: each tp slice's fsdp chunk, ``parts`` being the
-    tp / ep ones) and the local shards they are read into, each in the dtype it is read or drawn in."""
+    tp ones and ``experts`` the ep ones) and the local shards they are read into, each in the dtype it is read or
+    drawn in."""
     split = options.tp_plan or options.ep_plan
+    parts = {**parts, **experts}
     tp = (options.tp_plan, dims.tp_mesh, parts) if split else None
     # Experts over the fsdp ranks (ep_over="data"): FSDP leaves them out, each rank reads its ep part whole.
-    whole = set(expert_parts(stages, options.ep_plan, dims.expert_mesh)) if dims.ep_data > 1 else set()
+    whole = set(experts) if dims.ep_data > 1 else set()
     parts = fsdp_parts(stages, dims.fsdp_rank, dims.fsdp_size, tp_parts=parts, unchunked=whole)
     dtypes = {**{n: dt for n, (_, dt) in wanted.items()}, **{n: t.dtype for n, t in fresh.items()}}
     dtypes.update({n: wanted[c.sources[0]][1] for n, c in conversions.items() if c.sources[0] in wanted})
@@ -303,7 +305,7 @@ def _load_stages(
                               over_fsdp=dims.ep_data > 1)
     conversions, merged_mine, empty = _own_experts(mine, experts, keys.conversions, parts, wanted)
     if on_meta:
-        parts, shards = _fsdp_shards(stages, maker, options, dims, ctx.device, parts={**parts, **experts},
+        parts, shards = _fsdp_shards(stages, maker, options, dims, ctx.device, parts=parts, experts=experts,
                                      wanted=wanted, fresh=fresh, conversions=conversions, empty=empty)
     for n in set(fresh) & set(parts):  # keep the slice
         fresh[n] = local_slice(fresh[n], parts[n])

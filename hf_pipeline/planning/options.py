@@ -30,7 +30,7 @@ from ..families.recipe import list_recipes
 from .ep_plan import ep_plan, without_experts
 from .mesh_rules import check_fsdp_schedule
 from .schedules import ScheduleSpec, check_layout, choose_schedule, default_schedule, get_schedule
-from .tp_plan import ParallelRequest, tp_plan
+from .tp_plan import ParallelRequest, ep_data_ranks, tp_plan
 
 __all__ = [
     "SPLIT_METHODS", "PipelineOptions", "load_config", "model_class_for", "parse_dtype", "parse_size", "split_starts",
@@ -398,7 +398,7 @@ class PipelineOptions:
     @property
     def ep_data(self) -> int:
         """Data-parallel replicas one expert-parallel group spans (1: experts within each stage)."""
-        return self.ep_size // self.tp_size if self.ep_over == "data" else 1
+        return ep_data_ranks(self.ep_size, self.tp_size, self.ep_over)
 
     @classmethod
     def resolve(

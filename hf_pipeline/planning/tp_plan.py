@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["EP_OVER", "ParallelRequest", "parallel_request", "tp_plan"]
+__all__ = ["EP_OVER", "ParallelRequest", "ep_data_ranks", "parallel_request", "tp_plan"]
 
 # The styles of transformers' plans this version applies are planning/mesh_rules.STYLES and packed colwise.
 
@@ -81,9 +81,8 @@ class ParallelRequest:
 
     @property
     def ep_data(self) -> int:
-        """Data-parallel ranks one expert-parallel group spans (``ep_size / tp_size`` with ``ep_over="data"``,
-        else 1)."""
-        return self.ep_size // self.tp_size if self.ep_over == "data" else 1
+        """Data-parallel ranks one expert-parallel group spans (:func:`ep_data_ranks`)."""
+        return ep_data_ranks(self.ep_size, self.tp_size, self.ep_over)
 
     @property
     def stage_ranks(self) -> ParallelRequest:
@@ -95,6 +94,12 @@ class ParallelRequest:
 
 
 EP_OVER = ("stage", "data")
+
+
+def ep_data_ranks(ep_size: int, tp_size: int, ep_over: str) -> int:
+    """Data-parallel ranks one expert-parallel group spans: ``ep_size / tp_size`` with ``ep_over="data"``, else 1
+    (the experts split within each stage)."""
+    return ep_size // tp_size if ep_over == "data" else 1
 
 
 def _check_ep_over(ep_size: int, tp_size: int, ep_over: Any, implementation: str) -> None:

@@ -50,7 +50,7 @@ from torch import nn
 
 from ..core import PipelineCore
 from ..distributed.agreement import fingerprint, raise_on_any_rank
-from ..distributed.shards import local_tensor
+from ..distributed.shards import local_tensor, on_expert_mesh
 from ..errors import InputError, InputTypeError
 from ..families.losses import LossFunction, PipelineLoss, get_loss
 from ..families.router_loss import RouterAux, router_aux_of
@@ -131,9 +131,7 @@ def _experts_over_data(model: PipelineCore, local: list[_LocalKey]) -> dict[str,
     batches, so only the other ep groups' copies (the expert-replica group, None when there are none) add theirs."""
     if model.dims.ep_mesh is None:
         return {}
-    # By the mesh's name, not identity: after fresh groups the stages keep their own (rebound) mesh object.
-    return {e.key: e for e in local
-            if any(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) == ("ep",) for p in e.params)}
+    return {e.key: e for e in local if any(on_expert_mesh(p) for p in e.params)}
 
 
 def train_state(model: PipelineCore) -> TrainStepState:
