@@ -395,3 +395,28 @@ def alone_choice(ref, req: dict) -> tuple[list[int], str]:
     tokens, stopped = greedy_alone(ref, req["prompt_ids"], req["max_new_tokens"],
                                    stops={2} | set(req.get("stop_token_ids", ())))
     return tokens, "stop" if stopped else "length"
+
+
+def serve_staggered(engine, requests: list[dict], first: int = 3) -> list:
+    """Rank 0 of a serving test: serve ``requests`` (``CompletionRequest`` fields) from a client thread while this
+    thread runs the engine until drained; the first ``first`` requests are submitted at once, the rest once the
+    first has tokens (so they join while it decodes). Returns each request's choices."""
+    import threading
+
+    from hf_pipeline.serving import CompletionRequest
+
+    out: list = []
+
+    def client():
+        reqs = [CompletionRequest(**r) for r in requests]
+        handles = [engine.submit(r) for r in reqs[:first]]
+        next(iter(handles[0]))  # the first request has tokens: the rest arrive while it decodes
+        handles += [engine.submit(r) for r in reqs[first:]]
+        out.extend(h.result(timeout=120) for h in handles)
+        engine.drain()
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    engine.serve_forever()
+    thread.join(timeout=60)
+    return out

@@ -13,8 +13,6 @@ so a row run with another row's padding, encoder output or cache moves its token
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import tiny
 import torch
@@ -50,20 +48,8 @@ def _serve(path: str, load: dict, requests: list[dict]) -> dict:
         engine.check(CompletionRequest(prompt_ids=[5, 6], max_new_tokens=1, echo=True, logprobs=0))
     except ServingRequestError as e:
         out["echo"] = e.param
-
-    def client():
-        reqs = [CompletionRequest(**r) for r in requests]
-        handles = [engine.submit(r) for r in reqs[:3]]
-        next(iter(handles[0]))  # the first request has tokens: the rest arrive while it decodes
-        handles += [engine.submit(r) for r in reqs[3:]]
-        out["choices"] = [[(c.token_ids, c.finish_reason) for c in h.result(timeout=120)] for h in handles]
-        engine.drain()
-
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    engine.serve_forever()
-    thread.join(timeout=60)
-    out.update(peak_rows=engine.peak_rows)
+    choices = tiny.serve_staggered(engine, requests)
+    out.update(choices=[[(c.token_ids, c.finish_reason) for c in cs] for cs in choices], peak_rows=engine.peak_rows)
     return out
 
 

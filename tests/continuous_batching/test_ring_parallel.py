@@ -17,7 +17,6 @@ leave; a row run with another row's positions, cache or plan moves its tokens)."
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import pytest
 import tiny
@@ -86,27 +85,12 @@ def _counting_gathers():
 
 
 def _run(engine, model, requests: list[dict]) -> dict:
-    from hf_pipeline.serving import CompletionRequest
-
-    out: dict = {}
     if model.ctx.rank != 0:
         engine.serve_forever()
-        return {**out, "forwards": engine.forwards}
-
-    def client():
-        reqs = [CompletionRequest(**r) for r in requests]
-        handles = [engine.submit(r) for r in reqs[:3]]
-        next(iter(handles[0]))  # the first request has tokens: the rest arrive while it decodes
-        handles += [engine.submit(r) for r in reqs[3:]]
-        out["choices"] = [[(c.token_ids, c.finish_reason) for c in h.result(timeout=120)] for h in handles]
-        engine.drain()
-
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    engine.serve_forever()
-    thread.join(timeout=60)
-    out.update(peak_rows=engine.peak_rows, steps=engine.decode_steps, forwards=engine.forwards)
-    return out
+        return {"forwards": engine.forwards}
+    choices = tiny.serve_staggered(engine, requests)
+    return {"choices": [[(c.token_ids, c.finish_reason) for c in cs] for cs in choices],
+            "peak_rows": engine.peak_rows, "steps": engine.decode_steps, "forwards": engine.forwards}
 
 
 def _job(cases):

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import pathlib
-import threading
 
 import pytest
 import tiny
@@ -66,27 +65,14 @@ def _alone(path: str) -> list[list[int]]:
 def _stream(path: str, chunk: int | None = 512) -> dict | None:
     """Every rank: a continuous engine; rank 0 submits the first requests, the rest while the first decodes."""
     import hf_pipeline
-    from hf_pipeline.serving import CompletionRequest, Engine
+    from hf_pipeline.serving import Engine
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
     engine = Engine(model, max_batch=MAX_BATCH, batching="continuous", idle_s=0.05, prefill_chunk=chunk)
     if model.ctx.rank != 0:
         engine.serve_forever()
         return None
-    out: dict = {}
-
-    def client():
-        requests = [CompletionRequest(**r) for r in _requests()]
-        handles = [engine.submit(r) for r in requests[:FIRST]]
-        next(iter(handles[0]))  # the first request has tokens: the rest arrive while it decodes
-        handles += [engine.submit(r) for r in requests[FIRST:]]
-        out["tokens"] = [h.result(timeout=120)[0].token_ids for h in handles]
-        engine.drain()
-
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    engine.serve_forever()
-    thread.join(timeout=60)
+    out = {"tokens": [cs[0].token_ids for cs in tiny.serve_staggered(engine, _requests(), FIRST)]}
     return {**out, "mode": engine.batching, "reason": engine.static_reason, "steps": engine.decode_steps,
             "peak_rows": engine.peak_rows, "chunks": engine.prefill_chunks, "prefix": engine.prefix_reason}
 
