@@ -39,7 +39,7 @@ from ..core import PipelineCore
 from ..errors import InputError, InternalError
 from ..generation.config import generation_config
 from ..generation.kv_cache import new_cache
-from .group_cache import cut_columns, merge
+from .group_cache import cut_unused, merge
 from .ring_stage import RingStage, kept_rows
 from .wire import NewRow, OpHeader
 
@@ -194,16 +194,7 @@ class EncoderDecoderStage(RingStage):
         keep = kept_rows(g.slots, slots, self.device)
         g.cache.batch_select_indices(keep)
         g.mask, g.enc_out, g.enc_mask, g.slots = g.mask[keep], g.enc_out[keep], g.enc_mask[keep], slots
-        g.mask = _cut(g.cache.self_attention_cache, g.mask)
-        enc_mask = _cut(g.cache.cross_attention_cache, g.enc_mask)
+        g.mask = cut_unused(g.cache.self_attention_cache, g.mask)
+        enc_mask = cut_unused(g.cache.cross_attention_cache, g.enc_mask)
         g.enc_out, g.enc_mask = g.enc_out[:, g.enc_out.shape[1] - enc_mask.shape[1]:], enc_mask
 
-
-def _cut(part, mask: torch.Tensor) -> torch.Tensor:
-    """Cut the leading columns of ``part`` (a cache) that no row of ``mask`` uses; the mask so cut."""
-    used = mask.any(dim=0).nonzero()
-    cut = int(used[0, 0]) if used.numel() else mask.shape[1]
-    if cut:
-        mask = mask[:, cut:]
-        cut_columns(part, cut, mask.shape[1])
-    return mask

@@ -39,7 +39,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, ge
 
 from ..errors import InternalError
 
-__all__ = ["MERGED", "compact", "cut_columns", "merge", "merge_refusal", "stack", "stored_columns", "take_rows"]
+__all__ = [
+    "MERGED", "compact", "cut_columns", "cut_unused", "merge", "merge_refusal", "stack", "stored_columns", "take_rows",
+]
 
 # attention kind (``config.layer_types``, as the cache reads it) -> the cache layer class merged for it
 MERGED: dict[str, type] = {"full_attention": DynamicLayer, "sliding_attention": DynamicSlidingWindowLayer}
@@ -116,6 +118,21 @@ def cut_columns(cache: DynamicCache, cut: int, columns: int) -> None:
         _set_columns(layer, columns)
 
 
+def _leading_unused(mask: torch.Tensor) -> int:
+    """Leading columns of ``mask`` ``(rows, columns)`` no row uses."""
+    used = mask.any(dim=0).nonzero()
+    return int(used[0, 0]) if used.numel() else mask.shape[1]
+
+
+def cut_unused(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
+    """Cut the leading columns of ``cache`` that no row of ``mask`` uses (after rows left); the mask so cut."""
+    cut = _leading_unused(mask)
+    if cut:
+        mask = mask[:, cut:]
+        cut_columns(cache, cut, mask.shape[1])
+    return mask
+
+
 def _full_only(layers: list[Any], what: str) -> None:
     if any(getattr(layer, "is_sliding", False) for layer in layers):
         raise InternalError(f"{what} holds full-attention cache layers only (a sliding window counts columns)")
@@ -157,8 +174,7 @@ def take_rows(cache: DynamicCache, mask: torch.Tensor, rows: list[int], fresh: D
     columns none of them uses cut: ``(fresh, their mask)``."""
     index = torch.tensor(rows, dtype=torch.long, device=mask.device)
     mask = mask[index]
-    used = mask.any(dim=0).nonzero()
-    cut = int(used[0, 0]) if used.numel() else mask.shape[1]
+    cut = _leading_unused(mask)
     layers = _filled(cache)
     _full_only(layers, "take_rows")
     for k, layer in enumerate(cache.layers):

@@ -52,7 +52,7 @@ from ..generation.kv_cache import cache_nbytes, new_cache
 from ..generation.logprobs import entries
 from ..generation.penalties import penalty_processors
 from ..generation.sampling import row_generators, select_tokens
-from .group_cache import compact, cut_columns, merge, stack, take_rows
+from .group_cache import compact, cut_unused, merge, stack, take_rows
 from .prefix_cache import PrefixCache
 from .wire import NewRow, OpHeader, Reply
 
@@ -157,11 +157,7 @@ class RingStage:
         keep = kept_rows(g.slots, slots, self.device)
         g.cache.batch_select_indices(keep)
         g.mask, g.next_pos, g.slots = g.mask[keep], g.next_pos[keep], slots
-        used = g.mask.any(dim=0).nonzero()
-        cut = int(used[0, 0]) if used.numel() else g.mask.shape[1]
-        if cut:
-            g.mask = g.mask[:, cut:]
-            cut_columns(g.cache, cut, g.mask.shape[1])
+        g.mask = cut_unused(g.cache, g.mask)
 
     def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False) -> torch.Tensor:
         inputs: dict[str, Any] = {"cache": cache, "attention_mask": mask, "position_ids": positions}
