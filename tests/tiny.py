@@ -420,3 +420,16 @@ def serve_staggered(engine, requests: list[dict], first: int = 3) -> list:
     engine.serve_forever()
     thread.join(timeout=60)
     return out
+
+
+def stopping_stream(ref, stream: list[tuple[int, int]], early: tuple[int, ...], seed: int = 5) -> list[dict]:
+    """A serving test's requests (``CompletionRequest`` fields): seeded prompts of ``stream``'s (prompt length,
+    max_new_tokens), the ``early`` ones given a stop id of their own greedy continuation under ``ref`` (their third
+    token: they end there, or earlier where it came before)."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = [dict(prompt_ids=torch.randint(5, VOCAB, (n,), generator=g).tolist(), max_new_tokens=m)
+            for n, m in stream]
+    for k in early:
+        full, _ = alone_choice(ref, reqs[k])
+        reqs[k]["stop_token_ids"] = [full[2]]
+    return reqs

@@ -62,12 +62,7 @@ def test_continuous_ring_serves_t5_at_2_ranks(tmp_path):
     # T5 at the default init scale answers every prompt with the same token; 3x gives varied outputs.
     path = str(tiny.make_checkpoint(tmp_path / "t5", "t5", shards=1, initializer_factor=3.0))
     ref = tiny.reference(path, "AutoModelForSeq2SeqLM")
-    g = torch.Generator().manual_seed(5)
-    requests = [dict(prompt_ids=torch.randint(5, tiny.VOCAB, (n,), generator=g).tolist(), max_new_tokens=m)
-                for n, m in STREAM]
-    for k in EARLY:
-        full, _ = tiny.alone_choice(ref, requests[k])
-        requests[k]["stop_token_ids"] = [full[2]]  # ends at its third token (or earlier, where it came before)
+    requests = tiny.stopping_stream(ref, STREAM, EARLY)
     per_rank = run_distributed(_job, 2, [(path, load, requests) for load in LAYOUTS.values()], timeout=600)
     for k, name in enumerate(LAYOUTS):
         ranks = [r[k] for r in per_rank]

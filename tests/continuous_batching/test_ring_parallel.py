@@ -99,13 +99,7 @@ def _job(cases):
 
 
 def _requests(ref) -> list[dict]:
-    g = torch.Generator().manual_seed(5)
-    reqs = [dict(prompt_ids=torch.randint(5, tiny.VOCAB, (n,), generator=g).tolist(), max_new_tokens=m)
-            for n, m in STREAM]
-    for k in EARLY:
-        full, _ = tiny.alone_choice(ref, reqs[k])
-        reqs[k]["stop_token_ids"] = [full[2]]  # ends at its third token (or earlier, where it came before)
-    return reqs
+    return tiny.stopping_stream(ref, STREAM, EARLY)
 
 
 def _mixtral(directory) -> str:
