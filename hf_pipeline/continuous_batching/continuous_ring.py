@@ -32,10 +32,12 @@ holds the queue, plans them all. At each op of group ``i`` it takes every replic
 step (each other replica's stage 0 lead forwards its own, unread, over the data-parallel group), lets
 rows leave and join every replica's group ``i``, and sends each other replica's lead its plan: the
 header, the kept rows' tokens and the size of the reply to come, then the joining rows' JSON. The
-replicas so advance op by op together, each on its own rows. FSDP-sharded stages (whose fsdp ranks are
-such replicas, each running its own number of forwards) gather every FSDP unit once as the ring starts,
-on every rank together (:func:`~hf_pipeline.loading.fsdp.gathered`), and reshard as it ends: loaded with
-``reshard_after_forward=False``, they then run no collective inside the ring.
+replicas so advance op by op together, each on its own rows. With experts over the replicas
+(``ep_over="data"``) each op's forwards also match in number across an expert group, as its all-to-all needs
+(:meth:`~.ring_stage.RingStage.run`: the short ranks add a throwaway row's forward). FSDP-sharded stages
+(whose fsdp ranks are such replicas, each running its own number of forwards) gather every FSDP unit once as
+the ring starts, on every rank together (:func:`~hf_pipeline.loading.fsdp.gathered`), and reshard as it ends:
+loaded with ``reshard_after_forward=False``, they then run no collective inside the ring.
 
 Note (protocol): between consecutive stages, per op: the packed :class:`~.wire.OpHeader` (int64
 ``(4 + group_size,)``: run or stop, the kept and joining rows' slots, the joining rows' JSON size;
@@ -79,7 +81,6 @@ from ..errors import InternalError
 from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
 from ..loading.fsdp import gathered
-from ..planning.ep_plan import refuse_generation_over_data
 from .encoder_decoder_stage import EncoderDecoderStage
 from .feeder import Feeder
 from .group_cache import merge_refusal
@@ -95,6 +96,8 @@ def continuous_refusal(model: PipelineCore) -> str | None:
     """Why ``model`` cannot run the continuous ring (the engine then serves static rounds), or None."""
     if model.plan.stages[0].rank != 0:
         return "stage 0 must be on rank 0, where the queue is"
+    if model.config.is_encoder_decoder and model.dims.ep_data > 1:  # no expert lock step in its stages
+        return "an encoder-decoder's experts over data-parallel replicas"
     return merge_refusal(model.config)
 
 
@@ -117,7 +120,6 @@ class ContinuousRing:
     def __init__(self, model: PipelineCore, *, groups: int, group_size: int, feeder: Feeder | None = None,
                  grammars: GrammarTokenizer | None = None, prefill_chunk: int | None = None,
                  prefix: RingPrefix | None = None):
-        refuse_generation_over_data(model.dims.ep_data, "continuous batching")
         self.model, self.groups, self.group_size, self.feeder = model, groups, group_size, feeder
         self.n_stages = model.plan.num_stages
         # Data-parallel replicas: each runs its own ring on its own slots (replica d: groups d * groups ...),

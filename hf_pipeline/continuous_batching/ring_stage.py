@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import DynamicCache, MinNewTokensLengthLogitsProcessor
 
 from ..compat import generation_helper
@@ -118,6 +119,9 @@ class RingStage:
         self.full_attention = not any(getattr(layer, "is_sliding", False)
                                       for layer in new_cache(model.config, encoder_decoder=False).layers)
         self.done = False  # the ring's stop passed this stage for every group
+        # Experts over data-parallel replicas: the expert group whose ranks run each op's forwards together.
+        self.lock_group = model.dims.ep_mesh.get_group() if model.dims.ep_data > 1 else None
+        self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
 
     takes_tokens = False  # kept rows' inputs are token ids sent in the states' bytes (encoder-decoder stages)
 
@@ -141,10 +145,38 @@ class RingStage:
         old_slots = list(header.kept)
         g = self.state[i]
         self._keep(g, old_slots)
+        pads = self._lock_step(int(bool(old_slots)) + (len(self._batches(new)) if new else 0))
         old_out = self._decode(g, old_in) if old_slots else None
         new_out = self._prefill(g, new, new_in) if new else None
+        for _ in range(pads):
+            self._pad_forward()
         g.slots = old_slots + [r.slot for r in new if r.final]
         return old_out, new_out
+
+    # ------------------------------------------------------------ lock step
+    def _lock_step(self, forwards: int) -> int:
+        """Experts over data-parallel replicas: the forwards this rank must add to its op's ``forwards`` so that
+        every rank of its expert group runs as many (one MAX all-reduce over the group); 0 otherwise.
+
+        Each forward calls transformers' all-to-all at every MoE layer of the stage, which every rank of the
+        group must join; the replicas run the same ops in the same order (the coordinator plans them together,
+        :mod:`.continuous_ring`), but an op's rows differ by replica, so its forwards may not: a decode of the
+        kept rows if any, and the joining rows' prefill forwards. Only the count must match (every forward makes
+        the same sequence of collectives), so the short ranks add forwards of one throwaway row."""
+        if self.lock_group is None:
+            return 0
+        most = torch.tensor([forwards], dtype=torch.long, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.lock_group)
+        return int(most) - forwards
+
+    def _pad_forward(self) -> None:
+        """A forward of one throwaway row on a fresh cache (token 0 on stage 0, zero states elsewhere): its tokens
+        reach the experts of the group like any other's, and per-token routing leaves the real rows' outputs as
+        they are; its output is dropped."""
+        one = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        received = (torch.zeros_like(one) if self.first
+                    else torch.zeros(1, 1, self.hidden, dtype=self.model.dtype, device=self.device))
+        self._forward(received, new_cache(self.model.config, encoder_decoder=False), one, torch.zeros_like(one))
 
     # ------------------------------------------------------------ caches
     def _keep(self, g: _Group, slots: list[int]) -> None:
@@ -185,13 +217,7 @@ class RingStage:
         forward (:meth:`_run_rows`); on sliding-window caches whole rows run batched, ahead of the others, which
         run one by one on their own cache (:mod:`.group_cache`: a window counts columns). ``received`` and the
         result: ``(joining, widest, X)``, each row's part right aligned."""
-        if self.full_attention:
-            batches = [range(len(new))]
-        else:
-            n_whole = sum(r.whole for r in new)
-            if any(r.whole for r in new[n_whole:]):
-                raise InternalError("the ring's joining rows put whole prompts ahead of chunks and reused prefixes")
-            batches = ([range(n_whole)] if n_whole else []) + [range(k, k + 1) for k in range(n_whole, len(new))]
+        batches = self._batches(new)
         # Every reused prefix is read before this op adds any block (the index's order: prefix_cache Note).
         taken = [self.prefix.take(r.prompt, r.reused) if r.reused else None for r in new]
         outs, finals = [], []
@@ -213,6 +239,16 @@ class RingStage:
         return torch.cat([o if o.shape[1] == widest else torch.cat([o.new_zeros(o.shape[0], widest - o.shape[1],
                                                                                 *o.shape[2:]), o], dim=1)
                           for o in outs])
+
+    def _batches(self, new: list[NewRow]) -> list[range]:
+        """The joining rows of each prefill forward: all at once on full-attention caches; on sliding-window caches
+        the whole prompts together, then each other row alone (:meth:`_prefill`)."""
+        if self.full_attention:
+            return [range(len(new))]
+        n_whole = sum(r.whole for r in new)
+        if any(r.whole for r in new[n_whole:]):
+            raise InternalError("the ring's joining rows put whole prompts ahead of chunks and reused prefixes")
+        return ([range(n_whole)] if n_whole else []) + [range(k, k + 1) for k in range(n_whole, len(new))]
 
     def _run_rows(self, rows: list[NewRow], received: torch.Tensor | None, taken: list) -> tuple:
         """One forward of ``rows``' parts: their pasts (earlier chunks, reused prefixes) stacked right aligned on

@@ -13,8 +13,8 @@ all-to-all, and every rank of an ep group must run the same MoE forwards in the 
 ``train_step`` do (every replica runs the same microbatch count of the global batch); greedy and sampled
 ``generate`` run every replica's ring in lock step (``generation/ring.py``: finished rows padded until the
 replicas agree all are done, as transformers' ``synced_gpus``); beam search is refused in the request
-(``generation/refusals.py``), and continuous batching and serving, whose requests join and leave each replica's
-ring at their own times, by :func:`refuse_generation_over_data`.
+(``generation/refusals.py``); the continuous ring matches each op's forward count over the expert group
+(``continuous_batching/ring_stage.py``).
 
 Example:
     >>> ep_plan(mixtral_config, 2, model_class="MixtralForCausalLM")   # with fsdp_size too: FSDP over its slices
@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..errors import InputError
 
 __all__ = [
-    "EP_IMPLEMENTATIONS", "EP_STYLES", "ep_plan", "num_experts", "refuse_generation_over_data", "without_experts",
+    "EP_IMPLEMENTATIONS", "EP_STYLES", "ep_plan", "num_experts", "without_experts",
 ]
 
 # The styles of transformers' ``base_model_ep_plan`` applied here: parameters cut by whole experts, and the
@@ -107,16 +107,3 @@ def without_experts(tp: tuple[tuple[str, str], ...], ep: tuple[tuple[str, str], 
     experts = [k for k, _ in ep]
     return tuple((k, v) for k, v in tp if not any(k == e or k.startswith(e + ".") for e in experts))
 
-
-def refuse_generation_over_data(ep_data: int, what: str = "continuous batching") -> None:
-    """Refuse ``what`` (continuous batching, serving) on a model whose experts span ``ep_data > 1`` data-parallel
-    replicas: each replica's ring admits and retires its own requests as they come and finish, while the all-to-all
-    at every MoE layer needs every replica there at once. Same facts on every rank: all refuse."""
-    if ep_data > 1:
-        raise InputError(
-            f"{what} is not supported on a model whose experts are split over data-parallel ranks (ep_over='data', "
-            f"{ep_data} replicas per expert group): each replica's requests join and leave its ring at their own "
-            "times, while every replica must run each MoE layer in lock step; call generate() (greedy or sampling, "
-            "which runs the replicas in lock step), or load it with the experts split within each stage instead "
-            "(ep_size equal to tp_size or alone, without ep_over='data') to serve"
-        )

@@ -62,7 +62,6 @@ from ..generation.config import generation_config
 from ..generation.grammar import GrammarProcessor, GrammarTokenizer
 from ..generation.logprobs import TokenLogprob
 from ..log import get_logger
-from ..planning.ep_plan import refuse_generation_over_data
 from .channel import TokenChannel, broadcast_json
 from .handles import Choice, CompletionRequest, Handle
 from .scheduler import RoundPlan, StaticBatcher
@@ -206,7 +205,6 @@ class Engine:
                  max_n: int = 16, idle_s: float = 0.5,
                  batching: str = "continuous", kv_cache_bytes: int | None = None, prefill_chunk: int | None = 512,
                  prefix_cache: bool = True, prefix_block: int = 16):
-        refuse_generation_over_data(model.dims.ep_data, "serving")
         self.model, self.tokenizer = model, tokenizer
         for name, value in (("max_queue", max_queue), ("max_n", max_n), ("prefix_block", prefix_block)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

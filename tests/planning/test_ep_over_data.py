@@ -15,7 +15,6 @@ from hf_pipeline.errors import InputError
 from hf_pipeline.generation.microbatches import replica_share
 from hf_pipeline.generation.refusals import refuse
 from hf_pipeline.load_options import LoadOptions
-from hf_pipeline.planning.ep_plan import refuse_generation_over_data
 from hf_pipeline.planning.options import PipelineOptions
 from hf_pipeline.planning.tp_plan import ParallelRequest, parallel_request
 
@@ -71,9 +70,6 @@ def test_transformers_config_asking_ep_over_its_fsdp_ranks_is_ep_over_data_and_o
     with pytest.raises(InputError, match=r"HSDP\s+replicas, here 2, are not supported"):  # fsdp2 x 2 replicas
         PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
                                 parallel=_req(ep_size=2, fsdp_size=2, ep_over="data", world_size=8))
-    refuse_generation_over_data(1)
-    with pytest.raises(InputError, match="serving is not supported.*ep_over='data'.*call generate.*within each stage"):
-        refuse_generation_over_data(2, "serving")
     rows = dict(copies=1, do_sample=False, batch=4, dp_size=2, n_microbatches=2, return_dict=False, criteria=False)
     refuse("rows", beams=1, ep_data=2, **rows)  # greedy and sampling run in lock step
     refuse("rows", beams=2, ep_data=1, **rows)
