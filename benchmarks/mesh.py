@@ -43,6 +43,10 @@ MOE_MESHES: list[tuple[str, dict[str, Any]]] = [
     ("moe pp2 x ep2", {"num_stages": 2, "ep_size": 2}),
     ("moe pp2 x tp2 x ep2", {"num_stages": 2, "tp_size": 2, "ep_size": 2}),
     ("moe pp1 x fsdp2 x ep2", {"num_stages": 1, "fsdp_size": 2, "ep_size": 2}),
+    # experts over the data-parallel ranks (each rank a quarter / half of the experts; rows differ by replica)
+    ("moe pp2 x dp2, ep2 over dp", {"num_stages": 2, "ep_size": 2, "ep_over": "data"}),
+    ("moe fsdp4, ep4 over fsdp", {"num_stages": 1, "fsdp_size": 4, "ep_size": 4, "ep_over": "data",
+                                  "n_microbatches": 1}),  # one stage: a quarter of the batch in one microbatch
 ]
 STEPS = 2  # timed steps after one warm-up
 

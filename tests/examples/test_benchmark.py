@@ -245,7 +245,8 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         assert header in md
     _check_serve(res["serve"], res["sizes"])
     meshes = {row["mesh"]: row for row in res["mesh"]["meshes"]}  # 4 ranks each; a refused mesh says why
-    moe = {"moe pp4", "moe pp2 x ep2", "moe pp2 x tp2 x ep2", "moe pp1 x fsdp2 x ep2"}
+    moe = {"moe pp4", "moe pp2 x ep2", "moe pp2 x tp2 x ep2", "moe pp1 x fsdp2 x ep2", "moe pp2 x dp2, ep2 over dp",
+           "moe fsdp4, ep4 over fsdp"}
     assert set(meshes) == {"pp4", "pp2 x tp2", "pp2 x fsdp2"} | moe, meshes
     assert all("error" not in r and "refused" not in meshes[n] for n, r in meshes.items()), meshes
     for name in ("pp4", "pp2 x tp2"):
@@ -261,6 +262,10 @@ def test_quick_benchmark_runs_every_section(tmp_path):
     whole = sum(r["kept_bytes"] for r in meshes["moe pp4"]["ranks"])
     assert max(r["kept_bytes"] for r in meshes["moe pp2 x ep2"]["ranks"]) < whole / 2, (meshes, whole)
     assert all(r["bytes_read"] == r["kept_bytes"] for r in meshes["moe pp2 x ep2"]["ranks"]), meshes["moe pp2 x ep2"]
+    # experts over the fsdp ranks: a quarter of the dense tensors and of the experts each, read alone
+    over = meshes["moe fsdp4, ep4 over fsdp"]["ranks"]
+    assert max(r["kept_bytes"] for r in over) < whole / 3, over
+    assert all(r["bytes_read"] == r["kept_bytes"] for r in over), over
     ck = res["checkpointing"]
     assert ck["seq"] == res["sizes"]["ckpt_seq"] and len(ck["ranks"]) == res["sizes"]["world"], ck
     for row in ck["ranks"]:  # measured and predicted, both runs, every rank
