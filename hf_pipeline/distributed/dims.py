@@ -148,7 +148,7 @@ class ParallelDims:
                 f"{ctx.world_size} / (pp_size {pp_size} x tp_size {tp_size})); launch a multiple of "
                 f"{pp_size * tp_size * fsdp_size} processes or change fsdp_size"
             )
-        if ep_data > 1 and (dp_size % ep_data or (fsdp_size > 1 and (fsdp_size % ep_data or dp_size > fsdp_size))):
+        if ep_data > 1 and (dp_size % ep_data or (fsdp_size > 1 and fsdp_size % ep_data)):
             # PipelineOptions refuses these layouts by name before any mesh is built; the groups below need them.
             raise InternalError(
                 f"experts over {ep_data} data-parallel ranks reached the mesh with {dp_size} data-parallel ranks and "

@@ -380,13 +380,12 @@ class PipelineOptions:
                 f"{self.pp_size} x tp_size {self.tp_size})); launch a multiple of {self.ep_data} replicas or change "
                 "ep_size"
             )
-        if self.ep_data > 1 and self.fsdp_size > 1 and (self.fsdp_size % self.ep_data or self.dp_size > self.fsdp_size):
-            # Over FSDP an ep group is k consecutive fsdp ranks of the one sharded pipeline (torchtitan's layout).
+        if self.ep_data > 1 and self.fsdp_size > 1 and self.fsdp_size % self.ep_data:
+            # Over FSDP an ep group is k consecutive fsdp ranks of one sharded pipeline (torchtitan's layout; with
+            # HSDP replicas, within each replica).
             raise InputError(
                 f"ep_over='data' with ep_size={self.ep_size} and fsdp_size={self.fsdp_size}: its experts span "
-                f"{self.ep_data} fsdp ranks, which must divide fsdp_size, with one fsdp-sharded pipeline (HSDP "
-                f"replicas, here {self.dp_size // self.fsdp_size}, are not supported with experts over data); change "
-                "ep_size or fsdp_size, or launch fsdp_size x pp_size x tp_size processes"
+                f"{self.ep_data} fsdp ranks, which must divide fsdp_size; change ep_size or fsdp_size"
             )
         if self.num_stages != self.pp_size * self.virtual_stages:
             raise InputError(

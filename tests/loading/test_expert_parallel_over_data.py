@@ -9,7 +9,9 @@ at 4 ranks, and dp2 x tp2 with ep4 (transformers' tp_mesh: each tp rank sends it
 Over FSDP ranks (the experts left out of FSDP, each rank keeping its own whole): fsdp4 with ep2 asked through
 transformers' ``DistributedConfig(fsdp_size=4, ep_size=2)`` (two ep groups, its training state resumed), and
 pp2 x fsdp2 with ep2 under 1F1B, and fsdp2 x tp2 with ep4 (``DistributedConfig(tp_size=2, fsdp_size=2,
-ep_size=4)``: FSDP over the tp shards, the experts on their own mesh); there every byte read is one kept, and
+ep_size=4)``: FSDP over the tp shards, the experts on their own mesh), and HSDP (two replicas of an
+fsdp2-sharded pipeline, each replica's fsdp ranks an ep group, its training state resumed); there every byte
+read is one kept, and
 one AdamW ``foreach`` step over both meshes' DTensors equals the per-tensor loop.
 On every rank, against transformers on one process (``tp_helpers.compare``, generate=False):
 
@@ -328,7 +330,7 @@ def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
         _check(f"{t} pp1 x ep2 over dp2", per_rank, i, paths[t], cases[i][2], (1, 2, 1), pp1=True, gen=gens[t])
 
 
-def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal_transformers(tmp_path):
+def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_fsdp_and_hsdp_with_experts_over_replicas_equal_transformers(tmp_path):
     from transformers.distributed import DistributedConfig
 
     # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
@@ -354,6 +356,10 @@ def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal
          str(tmp_path / "s-fsdp4"), str(tmp_path / "state-fsdp4"), False, greedy_only),
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2, "fsdp_size": 2},
          str(tmp_path / "s-fsdp2"), None, False, {"greedy": gens["mixtral"][0]["greedy"]}),
+        # HSDP: two replicas of an fsdp2-sharded pipeline, each replica's two fsdp ranks an ep group (dense
+        # gradients all-reduced over the replicas by FSDP, expert gradients over the expert-replica group).
+        (paths["qwen3_moe"], {"num_stages": 1, "n_microbatches": 1, "fsdp_size": 2, "ep_size": 2, "ep_over": "data"},
+         str(tmp_path / "s-hsdp"), str(tmp_path / "state-hsdp"), False, greedy_only),
         # fsdp2 x tp2 with ep4 (Qwen3-MoE's per-head norms under tp x fsdp: tests/loading/test_hsdp.py).
         (paths["mixtral"], {"num_stages": 1, "n_microbatches": 2,
                             "distributed_config": DistributedConfig(tp_size=2, fsdp_size=2, ep_size=4)},
@@ -367,5 +373,6 @@ def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_and_fsdp_with_experts_over_replicas_equal
     _check("qwen3_moe dp2 x tp2, ep4", per_rank, 3, qwen[0], cases[3][2], (1, 2, 2), pp1=False, gen=qwen[1], share=4)
     _check("qwen3_moe fsdp4, ep2", per_rank, 4, qwen[0], cases[4][2], (1, 4, 1), pp1=False, gen=qwen[1])
     _check("mixtral pp2 x fsdp2 1F1B, ep2", per_rank, 5, mixtral[0], cases[5][2], (2, 2, 1), pp1=False, gen=mixtral[1])
-    _check("mixtral fsdp2 x tp2, ep4", per_rank, 6, mixtral[0], cases[6][2], (1, 2, 2), pp1=False, gen=mixtral[1],
+    _check("qwen3_moe dp2 x fsdp2, ep2", per_rank, 6, qwen[0], cases[6][2], (1, 4, 1), pp1=False, gen=qwen[1])
+    _check("mixtral fsdp2 x tp2, ep4", per_rank, 7, mixtral[0], cases[6][2], (1, 2, 2), pp1=False, gen=mixtral[1],
            share=4)

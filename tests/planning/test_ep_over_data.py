@@ -67,9 +67,8 @@ def test_transformers_config_asking_ep_over_its_fsdp_ranks_is_ep_over_data_and_o
     with pytest.raises(InputError, match="its experts span 4 fsdp ranks, which must divide fsdp_size"):  # 4 of fsdp 2
         PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
                                 parallel=_req(ep_size=4, fsdp_size=2, ep_over="data", world_size=8))
-    with pytest.raises(InputError, match=r"HSDP\s+replicas, here 2, are not supported"):  # fsdp2 x 2 replicas
-        PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2,
-                                parallel=_req(ep_size=2, fsdp_size=2, ep_over="data", world_size=8))
+    hsdp = _req(ep_size=2, fsdp_size=2, ep_over="data", world_size=8)  # fsdp2 x 2 replicas: ep within each
+    assert PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2, parallel=hsdp).ep_data == 2
     rows = dict(copies=1, do_sample=False, batch=4, dp_size=2, n_microbatches=2, return_dict=False, criteria=False)
     refuse("rows", beams=1, ep_data=2, **rows)  # greedy and sampling run in lock step
     refuse("rows", beams=2, ep_data=1, **rows)
