@@ -102,6 +102,7 @@ class _Runs:
     mask: Any
     share: slice
     sizes: dict
+    compiled: Any = None  # the same pipeline loaded with compile=True (its blocks compiled, decode steps too)
 
     def two_way(self, new_tokens: int | None = None) -> float:
         """The 2-way limit: every rank runs transformers' generate on its share of the prompts at once."""
@@ -116,7 +117,7 @@ class _Runs:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
 
-    def pipelined(self, new_tokens: int, **kwargs) -> tuple[float, Any, Any]:
+    def pipelined(self, new_tokens: int, compiled: bool = False, **kwargs) -> tuple[float, Any, Any]:
         """One pipelined generate of every prompt, ranks starting together: the slowest rank's
         seconds (the call ends with the result's broadcast, so the ranks end together), ids, stats."""
         import torch
@@ -124,8 +125,9 @@ class _Runs:
 
         sync()
         t = time.perf_counter()
-        tokens, stats = self.model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=new_tokens,
-                                            do_sample=False, pad_token_id=0, return_stats=True, **kwargs)
+        model = self.compiled if compiled else self.model
+        tokens, stats = model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=new_tokens,
+                                       do_sample=False, pad_token_id=0, return_stats=True, **kwargs)
         took = torch.tensor([time.perf_counter() - t])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took), tokens, stats
@@ -139,19 +141,22 @@ def _timed_runs(runs: _Runs, world: int) -> dict[str, Any]:
     # One more microbatch than ranks: what hiding the message's latency behind another microbatch costs.
     # Chunked prefill: the prompt fed in chunks (transformers' prefill_chunk_size), so the pipeline's
     # prefill fills with chunks x microbatches units instead of microbatches.
+    # Compiled: the same calls with every block compiled (inductor), decode steps included; its first call, which
+    # compiles, is the warm-up (its seconds kept: what compiling costs once).
     kinds = (("pipelined", None, None), ("chunked_prefill", None, sizes["prefill_chunk"]), ("one_microbatch", 1, None),
-             ("more_microbatches", world + 1, None))
+             ("more_microbatches", world + 1, None), ("compiled", None, None))
     for label, m, chunk in kinds:
         times, stats, tokens, limit, splits = [], None, None, [], []
         for _ in range(sizes["gen_reps"] + 1):
-            if label in ("pipelined", "chunked_prefill"):
+            if label in ("pipelined", "chunked_prefill", "compiled"):
                 limit.append(runs.two_way())
-            took, tokens, stats = runs.pipelined(sizes["new_tokens"], n_microbatches=m, prefill_chunk_size=chunk)
+            took, tokens, stats = runs.pipelined(sizes["new_tokens"], compiled=label == "compiled", n_microbatches=m,
+                                                 prefill_chunk_size=chunk)
             times.append(took)
             splits.append({k: v / stats.seconds for k, v in stats.time_split.items()})
         results[label] = {"seconds": times[1:], "new_tokens": stats.new_tokens, "n_microbatches": stats.n_microbatches,
                           "tokens": tokens.tolist(), "prefill_steps": stats.prefill_steps,
-                          "time_split": _every_rank(splits[1:])}
+                          "time_split": _every_rank(splits[1:]), "first_seconds": times[0]}
         if limit:
             results[label]["two_way_seconds"] = limit[1:]
     results["two_way_seconds"] = results["pipelined"]["two_way_seconds"]
@@ -274,7 +279,9 @@ def generate_pp(spec: dict, out: dict) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32).eval()
     rank, world = dist.get_rank(), dist.get_world_size()
     lo, hi = microbatch_bounds(sizes["prompts"], world)[rank]
-    runs = _Runs(model=model, hf=hf, ids=ids, mask=mask, share=slice(lo, hi), sizes=sizes)
+    compiled = AutoModelForCausalLM.from_pretrained(
+        spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, compile=True)
+    runs = _Runs(model=model, hf=hf, ids=ids, mask=mask, share=slice(lo, hi), sizes=sizes, compiled=compiled)
     results = _timed_runs(runs, world)
     results["prefill_seconds"] = _prefill_seconds(runs)
     results.update(_per_token_seconds(runs))

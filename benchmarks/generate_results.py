@@ -13,7 +13,7 @@ from benchmarks.timing import median
 __all__ = ["RUNS", "summarize"]
 
 # The pipelined runs, in the order of the job and of the tables.
-RUNS = ("pipelined", "chunked_prefill", "one_microbatch", "more_microbatches")
+RUNS = ("pipelined", "chunked_prefill", "one_microbatch", "more_microbatches", "compiled")
 
 
 def _ratios(over: list[float], under: list[float]) -> float:
@@ -62,6 +62,8 @@ def _run_row(r: dict, want, base_ok: bool) -> dict[str, Any]:
         "n_microbatches": r["n_microbatches"],
         "tokens_equal_transformers": base_ok and r["tokens"] == want, "prefill_steps": r["prefill_steps"],
     }
+    if "first_seconds" in r:  # the warm-up call (for the compiled run: compiling each graph once)
+        row["first_seconds"] = r["first_seconds"]
     if "time_split" in r:  # per rank: each part's median share of the call (GenerationStats.time_split)
         row["time_split"] = r["time_split"]
     if "two_way_seconds" in r:
@@ -101,6 +103,8 @@ def _pipelined(gen: dict, base: dict, pp: dict, world: int) -> None:
         gen["speedup_vs_transformers"] = gen["pipelined"]["tokens_per_s"] / gen["baseline"]["tokens_per_s"]
         gen["one_microbatch_vs_transformers"] = gen["one_microbatch"]["tokens_per_s"] / gen["baseline"]["tokens_per_s"]
     gen["speedup_vs_one_microbatch"] = gen["pipelined"]["tokens_per_s"] / gen["one_microbatch"]["tokens_per_s"]
+    if "seconds" in gen.get("compiled", {}):  # compiled over eager, each next to its own 2-way run
+        gen["compiled_vs_eager"] = gen["compiled"]["fraction_of_two_way"] / gen["pipelined"]["fraction_of_two_way"]
 
 
 def summarize(sizes: Sizes, find) -> dict[str, Any]:

@@ -20,7 +20,8 @@ def _runs_table(g: dict, s: dict) -> Table:
              ("chunked_prefill",
               f"pipelined, prefill_chunk_size={s.get('prefill_chunk')} (tokens against transformers' chunked prefill)"),
              ("one_microbatch", "pipelined, n_microbatches=1"),
-             ("more_microbatches", f"pipelined, n_microbatches={s['world'] + 1}"))
+             ("more_microbatches", f"pipelined, n_microbatches={s['world'] + 1}"),
+             ("compiled", "pipelined, compile=True (inductor, decode steps too; after the first call's compile)"))
     for label, name in names:
         if label in g:
             r = g[label]
@@ -225,6 +226,11 @@ def readme(res: dict[str, Any]) -> list:
         if "fraction_of_two_way" in g.get("chunked_prefill", {}):
             chunked = pct(g["chunked_prefill"]["fraction_of_two_way"])
             text += f" ({chunked} with `prefill_chunk_size={s['prefill_chunk']}`)"
+        if "compiled_vs_eager" in g:
+            c = g["compiled"]
+            equal = "equal" if c["tokens_equal_transformers"] else "NOT equal"
+            text += (f"; `compile=True` {pct(c['fraction_of_two_way'])} ({g['compiled_vs_eager']:.2f}x eager's, "
+                     f"paired; tokens {equal}; its first call, compiling, {c['first_seconds']:.0f} s)")
     bd = g.get("bound", {})
     if "torch_ring_token_s" in bd and bd.get("decode_token_s", 0) > 0:
         per_token = bd["decode_token_s"]

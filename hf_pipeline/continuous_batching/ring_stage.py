@@ -123,6 +123,11 @@ class RingStage:
         self.lock_group = model.dims.ep_mesh.get_group() if model.dims.ep_data > 1 else None
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
 
+    def _new_cache(self) -> DynamicCache:
+        """An empty cache for this stage's rows (its compiled blocks' kind when compiled: generation/kv_cache.py)."""
+        compiled = bool(getattr(self.stage, "compiled_blocks", 0))  # traced stages have none
+        return new_cache(self.model.config, encoder_decoder=False, compiled=compiled)
+
     takes_tokens = False  # kept rows' inputs are token ids sent in the states' bytes (encoder-decoder stages)
 
     def received_width(self, rows: list[NewRow]) -> int:
@@ -176,7 +181,7 @@ class RingStage:
         one = torch.ones(1, 1, dtype=torch.long, device=self.device)
         received = (torch.zeros_like(one) if self.first
                     else torch.zeros(1, 1, self.hidden, dtype=self.model.dtype, device=self.device))
-        self._forward(received, new_cache(self.model.config, encoder_decoder=False), one, torch.zeros_like(one))
+        self._forward(received, self._new_cache(), one, torch.zeros_like(one))
 
     # ------------------------------------------------------------ caches
     def _keep(self, g: _Group, slots: list[int]) -> None:
@@ -256,12 +261,12 @@ class RingStage:
         ``start..end-1``). Returns the output, the cache and its mask, each row's columns together at the right."""
         past, width = max(r.start for r in rows), max(r.width for r in rows)
         if not past:
-            cache = new_cache(self.model.config, encoder_decoder=False)
+            cache = self._new_cache()
         elif len(rows) == 1:  # its own cache as it is (a sliding layer's too)
             cache = self._row_cache(rows[0], taken[0])
         else:
             pasts = [_row_kv(self._row_cache(r, t), 0, 0) if r.start else None for r, t in zip(rows, taken)]
-            cache = stack(new_cache(self.model.config, encoder_decoder=False), pasts, past)
+            cache = stack(self._new_cache(), pasts, past)
         self.peak_stacked = max(self.peak_stacked, sum(bool(r.start) for r in rows))
         pad = [width - r.width for r in rows]
         mask = torch.tensor([[0] * (past - r.start) + [1] * r.start + [0] * p + [1] * r.width
@@ -285,11 +290,11 @@ class RingStage:
         for k, r in enumerate(rows):
             if not r.final:
                 self.pending[r.slot] = cache if len(rows) == 1 else take_rows(
-                    cache, mask, [k], new_cache(self.model.config, encoder_decoder=False))[0]
+                    cache, mask, [k], self._new_cache())[0]
         if not fin:
             return []
         if len(fin) < len(rows):
-            cache, mask = take_rows(cache, mask, fin, new_cache(self.model.config, encoder_decoder=False))
+            cache, mask = take_rows(cache, mask, fin, self._new_cache())
         width = mask.shape[1]
         finals = [(rows[k], _row_kv(cache, j, width - len(rows[k].prompt))) for j, k in enumerate(fin)]
         self._join(g, cache, mask)
@@ -301,7 +306,7 @@ class RingStage:
             if r.slot not in self.pending:
                 raise InternalError(f"the ring continues slot {r.slot}'s prompt, which this stage did not start")
             return self.pending.pop(r.slot)
-        cache = new_cache(self.model.config, encoder_decoder=False)
+        cache = self._new_cache()
         for layer in taken[0] if taken else ():
             keys = torch.cat([blk[layer][0] for blk in taken], dim=1)[None]  # (1, heads, reused, D)
             values = torch.cat([blk[layer][1] for blk in taken], dim=1)[None]

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from ..loading.compiled import CompiledStepCache
+
 __all__ = ["cache_nbytes", "new_cache"]
 
 
-def new_cache(config: Any, *, encoder_decoder: bool) -> DynamicCache | EncoderDecoderCache:
+def new_cache(config: Any, *, encoder_decoder: bool, compiled: bool = False) -> DynamicCache | EncoderDecoderCache:
     """An empty cache for one (stage, microbatch), as transformers' generate makes it.
 
     A ``DynamicCache`` built from the (decoder) config, so layer indices are the model's own and each
@@ -25,11 +27,13 @@ def new_cache(config: Any, *, encoder_decoder: bool) -> DynamicCache | EncoderDe
     Args:
         config: the model's config (its decoder's text config is used).
         encoder_decoder: an ``EncoderDecoderCache`` (self- and cross-attention) instead.
+        compiled: for a stage whose blocks are compiled (``stage.compiled_blocks``): a decoder-only model's cache
+            is then a :class:`~hf_pipeline.loading.compiled.CompiledStepCache`, which its compiled blocks run with.
     """
     decoder_config = config.get_text_config(decoder=True)
     if encoder_decoder:
         return EncoderDecoderCache(DynamicCache(config=decoder_config), DynamicCache(config=decoder_config))
-    return DynamicCache(config=decoder_config)
+    return (CompiledStepCache if compiled else DynamicCache)(config=decoder_config)
 
 
 def cache_nbytes(cache: Any) -> int:

@@ -118,6 +118,7 @@ class StageModule(nn.Module):
         self.spec = spec
         self.resolved = resolved
         self.glue = glue
+        self.compiled_blocks = 0  # blocks compiled with torch.compile (loading/compiled.py): decode caches follow
         self.stack_runs: list[StackRun] = []
         for stack in resolved.stacks:
             owned = [b for b in stack.blocks if b in spec.blocks]

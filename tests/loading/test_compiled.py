@@ -4,7 +4,10 @@ two stages (interleaved 1F1B), against the same model loaded eager and against t
 - With ``backend="aot_eager"`` (dynamo's graphs run by aten, no fusion: fast, and the same arithmetic) the
   logits, the loss and every gradient equal the eager pipeline's to 1e-6 (measured 0.0), greedy tokens
   are the same, and dynamo captured graphs: a forward graph shared by the blocks (one code object, one
-  graph, not one per block) and one for training; generation steps (a KV cache) run eager and add none.
+  graph, not one per block) and one for training. Generation steps run compiled too (their caches'
+  ``update`` left out of the graph): the first ``generate`` captures the prefill's and the decode step's
+  graphs, and a longer one with other lengths adds none (dynamic shapes: not a graph per step, per cache
+  length or per block), its tokens equal to the eager pipeline's.
 - With the default backend (inductor: fused C++ kernels) the logits equal transformers' to 1e-5 and the loss
   to 1e-5 relative (fusion reorders sums: measured 9e-8 and 5e-7; a block skipped or run twice moves them
   by 1e-1).
@@ -53,15 +56,27 @@ def test_compiled_blocks_equal_the_eager_pipeline_and_share_one_graph(llama):
     import hf_pipeline
 
     path, _ = llama
-    eager = _run(hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, **LOAD))
+    eager_model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, **LOAD)
+    eager = _run(eager_model)
     before = counters["stats"]["unique_graphs"]
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, compile={"backend": "aot_eager"},
                                                              **LOAD)
     blocks = [b for s in model.stages for b in s.blocks]
-    assert len(blocks) == 4
+    assert len(blocks) == 4 and [s.compiled_blocks for s in model.stages] == [2, 2]
+    inputs = tiny.sample_inputs("llama", batch=2, seq=8)
+    with torch.no_grad():
+        model(**inputs)
+    assert counters["stats"]["unique_graphs"] - before == 1, "one forward graph shared by the 4 blocks"
+    before = counters["stats"]["unique_graphs"]
     got = _run(model)
     graphs = counters["stats"]["unique_graphs"] - before
-    assert graphs == 2, f"{graphs} graphs: one forward shared by the 4 blocks, one for training (generation eager)"
+    # training's one and the generation steps' pieces (prefill and decode, each split around the cache update; one
+    # row per microbatch and several specialise apart): with generation eager, only training's
+    assert graphs >= 3, f"{graphs} graphs for generate and training"
+    before = counters["stats"]["unique_graphs"]
+    longer = {"max_new_tokens": 9, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(**inputs, **longer), eager_model.generate(**inputs, **longer))
+    assert counters["stats"]["unique_graphs"] == before, "a longer generate compiled again"
     assert (got["logits"] - eager["logits"]).abs().max().item() <= 1e-6
     assert torch.equal(got["tokens"], eager["tokens"])
     assert abs(got["loss"] - eager["loss"]) <= 1e-6 * abs(eager["loss"])
