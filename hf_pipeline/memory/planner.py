@@ -18,7 +18,9 @@ How the numbers are obtained:
   * a mixture of experts: a rank holds ``E / ep_size`` experts of each MoE layer (the loader's cut), and
     its experts modules run a shape-static stand-in on a fixed number of token-expert pairs
     (:mod:`.routed_experts`; ``moe_routing="worst"``, an upper bound, or ``"balanced"``), since the
-    routing's shapes depend on the data.
+    routing's shapes depend on the data. With experts over data-parallel ranks (``ep_over="data"``) those pairs
+    are of the tokens of the ep group's ``ep_size / tp_size`` replicas (each with its own rows, as ``batch`` is
+    one replica's), while the rest of the stage runs the rank's own rows.
   * KV cache per token: from the config, 2 (K and V) x KV heads x head dim x itemsize per
     decoder layer (+ the cross-attention cache per encoder token of encoder-decoders).
   * KV cache of a request: per decoder layer, the tokens the cache transformers' generate builds
@@ -351,7 +353,8 @@ def _moe_notes(config, *, routing: str, ep_size: int, group: int = 1) -> list[st
              f"tokens x top_k / ep_size = tokens x {top_k / ep_size:g} token-expert pairs (evenly routed; a "
              "skewed batch goes above)")
     if group > 1:
-        pairs += f", the tokens of the {group} replicas of its ep group (ep_over='data'), {group} x its own rows'"
+        pairs += (f", of the tokens of the {group} data-parallel ranks of its ep group (ep_over='data'): "
+                  f"{group} x its own")
     return [f"mixture of experts: a rank holds {held}; activations priced at {pairs}; the split weighs an experts "
             f"module by the {top_k} of {experts} experts a token runs through, not by its parameters"]
 

@@ -120,7 +120,7 @@ def test_experts_over_data_price_the_groups_tokens_on_the_ranks_experts_and_its_
     assert data.stages[0].expert_bytes == stage.stages[0].expert_bytes > 0
     assert data.stages[0].activation_bytes == whole.stages[0].activation_bytes > stage.stages[0].activation_bytes
     assert _plan(cfg, moe_routing="worst").stages[0].activation_bytes > data.stages[0].activation_bytes
-    assert any("2 replicas of its ep group (ep_over='data')" in n for n in data.notes), data.notes
+    assert any("2 data-parallel ranks of its ep group (ep_over='data')" in n for n in data.notes), data.notes
 
 
 @pytest.mark.unit
