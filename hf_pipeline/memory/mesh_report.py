@@ -119,8 +119,10 @@ def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size:
     k = mesh.ep_data
     if k > 1 and (mesh.dp * mesh.fsdp % k or (mesh.fsdp > 1 and (mesh.fsdp % k or mesh.dp > 1))):
         # as the loader's options: an ep group is k replicas, or k fsdp ranks of the one sharded pipeline
-        fix = (f"pass --num-processes {pp_size * tp_size * fsdp_size} (one fsdp-sharded pipeline) and --fsdp-size a "
-               f"multiple of {k}" if fsdp_size > 1 else f"pass --num-processes a multiple of {pp_size * tp_size * k}")
+        fix = (f"pass --fsdp-size a multiple of {k} and --num-processes pp x tp x fsdp = {pp_size} x {tp_size} x "
+               "fsdp (one fsdp-sharded pipeline)" if fsdp_size > 1 else
+               f"pass --num-processes a multiple of pp x tp x {k} = {pp_size * tp_size * k} (or fewer --stages: pp is "
+               f"{pp_size})")
         raise InputError(
             f"--ep-over data with --ep-size {ep_size}: an ep group spans ep / tp = {k} "
             f"{'fsdp ranks' if fsdp_size > 1 else 'replicas'}, and the mesh has {mesh.dp} replica(s) x fsdp "

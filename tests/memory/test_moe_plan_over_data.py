@@ -140,7 +140,7 @@ def test_mesh_with_experts_over_fsdp_ranks_keeps_them_whole_and_shards_the_rest(
 @pytest.mark.unit
 def test_mesh_shape_refuses_experts_over_data_the_mesh_cannot_group():
     assert mesh_shape(4, pp_size=2, ep_size=2, ep_over="data").dp == 2
-    with pytest.raises(InputError, match=r"an ep group spans ep / tp = 2 replicas.*--num-processes a multiple of 4"):
+    with pytest.raises(InputError, match=r"an ep group spans ep / tp = 2 replicas.*--num-processes a multiple of pp x tp x 2 = 4"):
         mesh_shape(2, pp_size=2, ep_size=2, ep_over="data")  # one replica
     with pytest.raises(InputError, match=r"2 fsdp ranks.*one fsdp-sharded pipeline"):
         mesh_shape(8, pp_size=1, fsdp_size=4, ep_size=2, ep_over="data")  # two fsdp-sharded replicas (HSDP)
