@@ -173,6 +173,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--ep-size", type=_positive, default=1,
                    help="expert-parallel ranks per stage of a mixture of experts, each keeping 1/ep of a layer's "
                         "experts: --tp-size's ranks (equal to it), or alone (default 1)")
+    p.add_argument("--ep-over", choices=("stage", "data"), default="stage",
+                   help="the ranks --ep-size spans: stage (a stage's own ranks, default) or data (--tp-size's ranks in "
+                        "ep / tp consecutive replicas or fsdp ranks, whose rows differ: transformers' ep_size > "
+                        "tp_size)")
     p.add_argument("--moe-routing", choices=("worst", "balanced"), default="worst",
                    help="token-expert pairs a rank's experts are priced at: worst (an upper bound: every token's "
                         "top_k experts on the rank) or balanced (tokens x top_k / ep)")

@@ -10,7 +10,7 @@ __all__ = ["cmd_convert", "cmd_plan"]
 
 def cmd_plan(args) -> int:
     """``hf-pipeline plan``: the stage table and per-rank memory, from the config alone (for a mesh with
-    ``--num-processes`` / ``--tp-size`` / ``--fsdp-size`` / ``--ep-size``)."""
+    ``--num-processes`` / ``--tp-size`` / ``--fsdp-size`` / ``--ep-size`` / ``--ep-over``)."""
     config = load_config(args.path, args.download)
     auto = auto_class_for(config, args.auto_class)
     from ..memory.planner import plan_report
@@ -31,12 +31,13 @@ def cmd_plan(args) -> int:
     if args.schedule is None and args.n_microbatches is None:
         common.update(_default_choice(config, args, auto))
     if args.mesh_processes is None and args.tp_size == 1 and args.fsdp_size == 1 and args.ep_size == 1:
-        report = plan_report(config, stages=args.stages or 2, **common)
+        report = plan_report(config, stages=args.stages or 2, ep_over=args.ep_over, **common)
     else:  # a mesh: every rank's share of it
         from ..memory.mesh_report import mesh_report
 
         report = mesh_report(config, num_processes=args.mesh_processes, tp_size=args.tp_size,
-                             fsdp_size=args.fsdp_size, ep_size=args.ep_size, stages=args.stages, **common)
+                             fsdp_size=args.fsdp_size, ep_size=args.ep_size, ep_over=args.ep_over, stages=args.stages,
+                             **common)
     print(report.to_json() if args.json else report)
     return 0
 
@@ -50,13 +51,18 @@ def _default_choice(config, args, auto) -> dict:
     from ..memory.mesh_report import mesh_shape
     from ..planning.tp_plan import ParallelRequest
 
-    per_rank, stage_ranks = args.virtual_stages or 1, max(args.tp_size, args.ep_size) * args.fsdp_size
+    data = args.ep_over == "data"
+    per_rank = args.virtual_stages or 1
+    stage_ranks = (args.tp_size if data else max(args.tp_size, args.ep_size)) * args.fsdp_size
+    # without --num-processes one replica, or the replicas an ep group over data spans (as mesh_report)
+    group = max(1, args.ep_size // (args.tp_size * args.fsdp_size)) if data else 1
     stages = args.stages or (max(1, args.mesh_processes // stage_ranks) if args.mesh_processes else 2) * per_rank
-    world = args.mesh_processes or stages // per_rank * stage_ranks
+    world = args.mesh_processes or stages // per_rank * stage_ranks * group
     # the mesh's own checks first, worded for the flags (the report repeats them)
     mesh_shape(world, pp_size=max(1, stages // per_rank), tp_size=args.tp_size, fsdp_size=args.fsdp_size,
-               ep_size=args.ep_size)
-    parallel = ParallelRequest(tp_size=args.tp_size, ep_size=args.ep_size, fsdp_size=args.fsdp_size)
+               ep_size=args.ep_size, ep_over=args.ep_over)
+    parallel = ParallelRequest(tp_size=args.tp_size, ep_size=args.ep_size, fsdp_size=args.fsdp_size,
+                               ep_over=args.ep_over)
     kwargs, _ = default_choice(
         config, world,
         device_type="cuda" if torch.cuda.is_available() else "cpu", auto_class=auto, virtual_stages=args.virtual_stages,

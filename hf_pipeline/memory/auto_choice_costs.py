@@ -113,12 +113,14 @@ def predicted_training_peak(config, opts: PipelineOptions, c: Candidate, *, rows
     """The fullest rank's predicted training peak for candidate ``c`` on the options' mesh
     (:func:`.mesh_report.mesh_report`, ``rows`` per pipeline): weights, gradients and AdamW state as the rank
     holds them, fsdp's gathers, P2P buffers and its live activations, a mixture of experts' priced at the
-    ``"worst"`` routing (an upper bound: every token's top_k experts on this rank as far as it holds them)."""
-    ep_alone = opts.ep_size > 1 and not opts.tp_plan  # the stage's tp_size ranks split only the experts
+    ``"worst"`` routing (an upper bound: every token's top_k experts on this rank as far as it holds them; with
+    experts over data-parallel ranks, of every token of its ep group's replicas)."""
+    # the stage's tp_size ranks split only the experts (experts over data: tp_size is the stage's own)
+    ep_alone = opts.ep_size > 1 and not opts.tp_plan and opts.ep_data == 1
     report = mesh_report(
         config, num_processes=opts.dp_size * opts.pp_size * opts.tp_size, tp_size=1 if ep_alone else opts.tp_size,
-        ep_size=opts.ep_size, fsdp_size=opts.fsdp_size, stages=opts.num_stages, virtual_stages=opts.virtual_stages,
-        batch=rows * opts.dp_size, schedule=c.schedule, dtype=opts.dtype, seq=seq, n_microbatches=c.n_microbatches,
-        auto_class=opts.model_class, split=opts.split,
+        ep_size=opts.ep_size, ep_over=opts.ep_over, fsdp_size=opts.fsdp_size, stages=opts.num_stages,
+        virtual_stages=opts.virtual_stages, batch=rows * opts.dp_size, schedule=c.schedule, dtype=opts.dtype, seq=seq,
+        n_microbatches=c.n_microbatches, auto_class=opts.model_class, split=opts.split,
     )
     return max(r.train_peak_bytes for r in report.ranks)

@@ -10,7 +10,10 @@ what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds
   0 that fsdp does not divide is left out).
 * experts (a mixture of experts with ``ep_size``): each of a stage's ``ep_size`` ranks holds ``E / ep_size``
   whole experts of each MoE layer (the loader's cut), the router, shared experts and dense layers whole
-  (when ep stands alone) or as the tensor-parallel plan slices them (``ep_size == tp_size``).
+  (when ep stands alone) or as the tensor-parallel plan slices them (``ep_size == tp_size``). With experts over
+  data-parallel ranks (``ep_over="data"``: the ep group a stage's ``tp_size`` ranks in k = ep_size / tp_size
+  consecutive replicas or fsdp ranks) a rank still holds ``E / ep_size`` experts, whole under fsdp too (FSDP
+  leaves them out), its other parameters as tp and fsdp cut them.
 * gradients: as the parameters (same dtype; reduce-scattered to the shard under fsdp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` as ``torch.optim.AdamW`` makes them (``zeros_like`` of the
   parameter: same dtype and shard), 2 x the rank's parameter bytes.
@@ -20,7 +23,8 @@ what one tensor-parallel rank holds, then shards it over fsdp. What a rank holds
 * activations: the stage run on fake tensors with the tp-local parameter shapes (so attention runs
   on heads / tp, the MLP on intermediate / tp, as on a real tensor-parallel rank), for the rows of
   one pipeline: the global batch split over dp x fsdp. A mixture of experts' experts compute a fixed
-  number of token-expert pairs on the experts the rank holds (:mod:`.routed_experts`).
+  number of token-expert pairs on the experts the rank holds (:mod:`.routed_experts`), of the tokens its ep
+  group routes: its pipeline's rows, or with ``ep_over="data"`` the k replicas' rows (k x its own).
 * KV cache: the rank's heads, (KV heads / tp) per layer.
 
 Example:
@@ -33,7 +37,10 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import torch
+
 from ..errors import InputError
+from ..planning.tp_plan import EP_OVER, ParallelRequest
 from .mesh_shares import fsdp_unit_bytes, human_bytes, tp_local_shapes
 from .planner import plan_report
 
@@ -46,24 +53,34 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class MeshShape:
     """The job's mesh: ``dp`` replicas of an ``fsdp`` x ``pp`` x ``tp`` block of ranks; ``ep`` of a stage's
-    ranks split its experts (``tp`` of them, or, given alone, the stage's ``ep`` ranks)."""
+    ranks split its experts (``tp`` of them, or, given alone, the stage's ``ep`` ranks), or with ``ep_over="data"``
+    a stage's ``tp`` ranks in ``ep / tp`` consecutive replicas (fsdp ranks under fsdp)."""
 
     dp: int
     fsdp: int
     pp: int
     tp: int
     ep: int = 1
+    ep_over: str = "stage"
 
     def __post_init__(self) -> None:
         for name in ("dp", "fsdp", "pp", "tp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} size must be a positive integer, got {value!r}")
+        if self.ep_over not in EP_OVER:
+            raise InputError(f"ep_over must be one of {list(EP_OVER)}, got {self.ep_over!r}")
+
+    @property
+    def ep_data(self) -> int:
+        """Replicas (or fsdp ranks) one ep group spans: ``ep / tp`` with ``ep_over="data"``, else 1."""
+        return self.ep // self.tp if self.ep_over == "data" else 1
 
     @property
     def stage_ranks(self) -> int:
-        """Ranks sharing one stage's batch: its tensor-parallel ranks, or its expert-parallel ones given alone."""
-        return max(self.tp, self.ep)
+        """Ranks sharing one stage's batch: its tensor-parallel ranks, or its expert-parallel ones given alone
+        (experts over data-parallel ranks: the tensor-parallel ones)."""
+        return self.tp if self.ep_over == "data" else max(self.tp, self.ep)
 
     @property
     def world(self) -> int:
@@ -72,26 +89,46 @@ class MeshShape:
     def __str__(self) -> str:
         dims = f"tp={self.tp}" + (f" (ep={self.ep})" if self.ep > 1 and self.tp > 1 else "")
         dims = f"ep={self.ep}" if self.tp == 1 and self.ep > 1 else dims
+        if self.ep_over == "data":
+            over = "fsdp" if self.fsdp > 1 else "dp"
+            return (f"dp={self.dp} x fsdp={self.fsdp} x pp={self.pp} x tp={self.tp} = {self.world} ranks, experts over "
+                    f"ep={self.ep} = tp x {self.ep_data} {over} ranks")
         return f"dp={self.dp} x fsdp={self.fsdp} x pp={self.pp} x {dims} = {self.world} ranks"
 
 
 def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size: int = 1,
-               ep_size: int = 1) -> MeshShape:
+               ep_size: int = 1, ep_over: str = "stage") -> MeshShape:
     """The mesh of ``num_processes`` ranks with these sizes; the replicas (dp) are what is left.
 
     Raises:
-        InputError: ``pp_size x tp_size (or ep_size alone) x fsdp_size`` does not divide ``num_processes``.
+        InputError: ``pp_size x tp_size (or ep_size alone) x fsdp_size`` does not divide ``num_processes``; with
+            ``ep_over="data"``, an ``ep_size`` that is not a multiple k > 1 of ``tp_size``, or k data-parallel ranks
+            that the replicas (or fsdp ranks, then one sharded pipeline) cannot form.
     """
-    stage = max(tp_size, ep_size)
+    ParallelRequest(tp_size=tp_size, ep_size=ep_size, ep_over=ep_over)  # ep_over and ep_size vs tp_size, by name
+    stage = tp_size if ep_over == "data" else max(tp_size, ep_size)
     block = pp_size * stage * fsdp_size
     if num_processes < 1 or num_processes % block:
-        what = "tp" if ep_size == 1 else "ep" if tp_size == 1 else "tp (= ep)"
+        what = "tp" if ep_size == 1 or ep_over == "data" else "ep" if tp_size == 1 else "tp (= ep)"
         raise InputError(
             f"--num-processes {num_processes} is not a multiple of pp x {what} x fsdp = {pp_size} x {stage} x "
             f"{fsdp_size} = {block}; pass a multiple of {block}, or change --stages / --tp-size / --ep-size / "
             "--fsdp-size"
         )
-    return MeshShape(dp=num_processes // block, fsdp=fsdp_size, pp=pp_size, tp=tp_size, ep=ep_size)
+    mesh = MeshShape(dp=num_processes // block, fsdp=fsdp_size, pp=pp_size, tp=tp_size, ep=ep_size, ep_over=ep_over)
+    k = mesh.ep_data
+    if k > 1 and (mesh.dp * mesh.fsdp % k or (mesh.fsdp > 1 and (mesh.fsdp % k or mesh.dp > 1))):
+        # as the loader's options: an ep group is k replicas, or k fsdp ranks of the one sharded pipeline
+        fix = (f"pass --fsdp-size a multiple of {k} and --num-processes pp x tp x fsdp = {pp_size} x {tp_size} x "
+               "fsdp (one fsdp-sharded pipeline)" if fsdp_size > 1 else
+               f"pass --num-processes a multiple of pp x tp x {k} = {pp_size * tp_size * k} (or fewer --stages: pp is "
+               f"{pp_size})")
+        raise InputError(
+            f"--ep-over data with --ep-size {ep_size}: an ep group spans ep / tp = {k} "
+            f"{'fsdp ranks' if fsdp_size > 1 else 'replicas'}, and the mesh has {mesh.dp} replica(s) x fsdp "
+            f"{mesh.fsdp}; {fix}, or change --ep-size"
+        )
+    return mesh
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +202,12 @@ class MeshReport:
 
 
 def _pipeline_note(m: MeshShape) -> str:
+    if m.ep_data > 1:
+        over = "fsdp ranks" if m.fsdp > 1 else "replicas"
+        return (f"note: the table above is one rank's pipeline, its replica's rows: 1/{m.ep} of each MoE layer's "
+                f"experts, priced on the tokens the {m.ep_data} {over} of its ep group route to them; the rest "
+                f"{'whole' if m.tp == 1 else 'as its tensor-parallel slices'}, before fsdp (which leaves the experts "
+                "whole)")
     if m.tp == 1 and m.ep > 1:
         return (f"note: the table above is one expert-parallel rank's pipeline (1/{m.ep} of each MoE layer's experts, "
                 "attention and dense layers whole), before fsdp")
@@ -173,7 +216,7 @@ def _pipeline_note(m: MeshShape) -> str:
 
 
 def _stage_ranks(m: MeshShape) -> str:
-    if m.ep == 1:
+    if m.ep == 1 or m.ep_data > 1:
         return f"{m.tp} tensor-parallel"
     return f"{m.ep} expert-parallel" if m.tp == 1 else f"{m.tp} tensor- and expert-parallel"
 
@@ -191,6 +234,7 @@ def mesh_report(
     tp_size: int = 1,
     fsdp_size: int = 1,
     ep_size: int = 1,
+    ep_over: str = "stage",
     stages: int | None = None,
     virtual_stages: int | None = None,
     batch: int = 1,
@@ -200,11 +244,13 @@ def mesh_report(
 
     Args:
         path_or_config: as :func:`~hf_pipeline.memory.planner.plan_report`.
-        num_processes: ranks in the job (default: one replica, stages x tp x fsdp).
+        num_processes: ranks in the job (default: one replica, stages x tp x fsdp; with ``ep_over="data"`` the
+            replicas one ep group spans).
         tp_size: tensor-parallel ranks per stage.
         fsdp_size: ranks each parameter is sharded over (FSDP2), per pipeline rank.
         ep_size: ranks of a stage splitting a mixture of experts' experts (each keeps ``E / ep_size`` of a
             layer's): its ``tp_size`` ranks, or, alone, ``ep_size`` ranks per stage running the rest whole.
+        ep_over: ``"data"``: ``ep_size`` is ``tp_size`` x k consecutive replicas (or fsdp ranks) instead.
         stages: total pipeline stages (default: what the world leaves, num_processes / (tp x fsdp),
             x virtual_stages; 2 without num_processes).
         virtual_stages: stages per pipeline rank.
@@ -221,12 +267,13 @@ def mesh_report(
     if fsdp_size < 1 or tp_size < 1 or ep_size < 1:
         raise InputError(f"--tp-size, --ep-size and --fsdp-size must be >= 1, got {tp_size}, {ep_size} and {fsdp_size}")
     per_rank_stages = virtual_stages or 1
-    stage_ranks = max(tp_size, ep_size)
+    data = ep_over == "data" and ep_size > tp_size and ep_size % tp_size == 0  # else mesh_shape refuses it by name
+    stage_ranks, group = (tp_size, ep_size // tp_size) if data else (max(tp_size, ep_size), 1)
     if stages is None:  # as from_pretrained: the pipeline takes what the stage's ranks and fsdp leave
         stages = (2 if num_processes is None else max(1, num_processes // (stage_ranks * fsdp_size))) * per_rank_stages
     pp = max(1, stages // per_rank_stages)
-    mesh = mesh_shape(num_processes or pp * stage_ranks * fsdp_size, pp_size=pp, tp_size=tp_size, fsdp_size=fsdp_size,
-                      ep_size=ep_size)
+    mesh = mesh_shape(num_processes or pp * stage_ranks * max(fsdp_size, group), pp_size=pp, tp_size=tp_size,
+                      fsdp_size=fsdp_size, ep_size=ep_size, ep_over=ep_over)
     pipelines = mesh.dp * mesh.fsdp
     if batch % pipelines:
         raise InputError(
@@ -234,9 +281,9 @@ def mesh_report(
             f"ranks; pass a multiple of {pipelines}"
         )
     pipeline = plan_report(path_or_config, stages=stages, virtual_stages=virtual_stages, batch=batch // pipelines,
-                           tp_size=tp_size, ep_size=ep_size, **plan_kwargs)
+                           tp_size=tp_size, ep_size=ep_size, ep_over=ep_over, **plan_kwargs)
     return MeshReport(mesh=mesh, batch=batch, pipeline=pipeline,
-                      ranks=tuple(_rank(r, pipeline, fsdp_size) for r in pipeline.ranks))
+                      ranks=tuple(_rank(r, pipeline, mesh) for r in pipeline.ranks))
 
 
 def fsdp_share(nbytes: int, fsdp_size: int) -> int:
@@ -244,14 +291,19 @@ def fsdp_share(nbytes: int, fsdp_size: int) -> int:
     return -(-nbytes // fsdp_size)
 
 
-def _rank(r, pipeline, fsdp_size: int) -> MeshRankMemory:
-    """One pipeline rank's figures under fsdp (``fsdp_size`` 1: the pipeline's own)."""
+def _rank(r, pipeline, mesh: MeshShape) -> MeshRankMemory:
+    """One pipeline rank's figures under fsdp (``mesh.fsdp`` 1: the pipeline's own); with experts over data FSDP
+    leaves the rank's experts whole (``ignored_params``) and shards the rest."""
+    fsdp_size = mesh.fsdp
     mine = [s for s in pipeline.stages if s.rank == r.rank]
-    weights = fsdp_share(r.weight_bytes, fsdp_size)
+    whole = sum(s.expert_bytes for s in mine) if mesh.ep_data > 1 else 0
+    weights = fsdp_share(r.weight_bytes - whole, fsdp_size) + whole
+    params = sum(s.params for s in mine)
+    whole_params = whole // getattr(torch, pipeline.dtype).itemsize if whole else 0
     gather = 2 * max(s.largest_unit_bytes for s in mine) if fsdp_size > 1 else 0
     held = 4 * weights + gather + r.p2p_buffer_bytes  # weights, grads, 2 AdamW states, gathers, P2P buffers
     return MeshRankMemory(
-        pp_rank=r.rank, params=fsdp_share(sum(s.params for s in mine), fsdp_size), weight_bytes=weights,
+        pp_rank=r.rank, params=fsdp_share(params - whole_params, fsdp_size) + whole_params, weight_bytes=weights,
         grad_bytes=weights, optimizer_bytes=2 * weights, fsdp_gather_bytes=gather, activation_bytes=r.activation_bytes,
         p2p_buffer_bytes=r.p2p_buffer_bytes, train_peak_bytes=held + r.activation_bytes,
         checkpointed_activation_bytes=r.checkpointed_activation_bytes,
@@ -263,4 +315,4 @@ def _rank(r, pipeline, fsdp_size: int) -> MeshRankMemory:
 def with_fsdp(report: MeshReport, fsdp_size: int) -> MeshReport:
     """``report`` re-sharded over ``fsdp_size`` (the arithmetic alone: the pipeline plan is kept)."""
     mesh = replace(report.mesh, fsdp=fsdp_size)
-    return replace(report, mesh=mesh, ranks=tuple(_rank(r, report.pipeline, fsdp_size) for r in report.pipeline.ranks))
+    return replace(report, mesh=mesh, ranks=tuple(_rank(r, report.pipeline, mesh) for r in report.pipeline.ranks))

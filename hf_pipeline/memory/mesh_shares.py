@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Container, Mapping
 
 from torch import nn
 
@@ -94,7 +94,8 @@ def rank_flops_per_token(stage: nn.Module, options, *, flops: float, attention: 
 
     A matmul with a tensor-parallel slice or a rank's experts costs the rank its local share (the plan's slices
     and ``E / ep_size`` experts of every experts module, weighed as the splitter does by ``shares``: ``top_k / E``
-    per token). Every rank of a stage runs the same tokens (the stage's batch is not split over them), so
+    per token; with experts over ``ep_data`` replicas, ``ep_over="data"``, those experts run the tokens of that
+    many replicas). Every rank of a stage runs the same tokens (the stage's batch is not split over them), so
     what is whole (embeddings, norms, a router, with ep alone attention too) costs each rank all of it, and the
     experts' share assumes routing spread evenly over the ranks (what the load-balancing loss aims at). Attention
     scores run on heads / tp when a tensor-parallel plan splits the stage (every plan cuts the attention
@@ -110,25 +111,30 @@ def rank_flops_per_token(stage: nn.Module, options, *, flops: float, attention: 
         shares: experts module name -> share a token runs through (``routed_shares``).
     """
     cut = 0.0
+    experts = ep_local_shapes(stage, options.ep_plan, options.ep_size)
     for name, shape in local_shapes(stage, options).items():
         p = stage.get_parameter(name)
+        runs = math.prod(shape) * (options.ep_data if name in experts else 1)  # elements x replicas' tokens
         if p.dim() >= 2:  # as module_stats counts a matmul: 2 x its elements x the routed share
-            cut += 2.0 * (p.numel() - math.prod(shape)) * shares.get(name.rpartition(".")[0], 1.0)
+            cut += 2.0 * (p.numel() - runs) * shares.get(name.rpartition(".")[0], 1.0)
     if options.tp_plan and options.tp_size > 1:
         cut += attention_flops(attention, COST_SEQ_LEN, hidden) * (1 - 1 / options.tp_size)
     return flops - cut
 
 
-def fsdp_unit_bytes(stage: nn.Module, local_shapes: dict[str, tuple], itemsize: int) -> list[int]:
+def fsdp_unit_bytes(stage: nn.Module, local_shapes: dict[str, tuple], itemsize: int, *,
+                    skip: Container[str] = ()) -> list[int]:
     """Bytes of each unit fsdp gathers whole at once: every block, and the stage's other modules together.
 
     Args:
         stage: a stage module (meta).
         local_shapes: :func:`tp_local_shapes` of the stage (the tensor-parallel rank's slices).
         itemsize: bytes per parameter element (the model's dtype).
+        skip: names of parameters fsdp leaves out (``ignored_params``: the experts with ``ep_over="data"``).
     """
-    size = {id(p): itemsize * _numel(local_shapes.get(n, tuple(p.shape))) for n, p in stage.named_parameters()}
-    blocks = [{id(p) for p in m.parameters()} for _, m in stage.blocks]
+    size = {id(p): itemsize * _numel(local_shapes.get(n, tuple(p.shape))) for n, p in stage.named_parameters()
+            if n not in skip}
+    blocks = [{id(p) for p in m.parameters() if id(p) in size} for _, m in stage.blocks]
     rest = set(size) - set().union(*blocks)
     return [sum(size[i] for i in unit) for unit in [*blocks, rest]]
 

@@ -18,7 +18,9 @@ How the numbers are obtained:
   * a mixture of experts: a rank holds ``E / ep_size`` experts of each MoE layer (the loader's cut), and
     its experts modules run a shape-static stand-in on a fixed number of token-expert pairs
     (:mod:`.routed_experts`; ``moe_routing="worst"``, an upper bound, or ``"balanced"``), since the
-    routing's shapes depend on the data.
+    routing's shapes depend on the data. With experts over data-parallel ranks (``ep_over="data"``) those pairs
+    are of the tokens of the ep group's ``ep_size / tp_size`` replicas (each with its own rows, as ``batch`` is
+    one replica's), while the rest of the stage runs the rank's own rows.
   * KV cache per token: from the config, 2 (K and V) x KV heads x head dim x itemsize per
     decoder layer (+ the cross-attention cache per encoder token of encoder-decoders).
   * KV cache of a request: per decoder layer, the tokens the cache transformers' generate builds
@@ -68,7 +70,7 @@ from ..planning.resolve import ResolvedRecipe
 from ..planning.schedules import check_training
 from ..planning.tp_plan import ParallelRequest
 from ..recompute.layers import CheckpointingSettings, apply_checkpointing
-from .mesh_shares import fsdp_unit_bytes, local_shapes
+from .mesh_shares import ep_local_shapes, fsdp_unit_bytes, local_shapes
 from .report import MemoryReport, RankMemory, StageMemory
 from .routed_experts import static_experts
 from .saved_tensors import CheckpointProbe, measure_saved_bytes
@@ -138,6 +140,7 @@ class _StageRun:
     checkpointed_bytes: int  # kept for backward by one microbatch with activation checkpointing (loss included)
     recompute_bytes: int  # with checkpointing: how far a microbatch's backward (its recomputes) goes above that
     tp_saved: tuple[int, int]  # (parameters, bytes) of the stage's that a tensor-parallel rank does not hold
+    expert_bytes: int  # of the rank's parameters, its experts' (fsdp leaves them whole with ep_over="data")
     units: list[int]  # parameter bytes of each unit fsdp would gather whole (blocks, then the rest)
 
 
@@ -152,10 +155,14 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
     stages = [build_stage(skeleton, resolved, spec) for spec in plan.stages]  # deepcopy outside the fake mode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     results: list[_StageRun] = []
-    with _eager_decisions(), static_experts(stages, skeleton.config, routing=moe_routing):
+    with _eager_decisions(), static_experts(stages, skeleton.config, routing=moe_routing, group=options.ep_data):
         shapes = [local_shapes(stage, options) for stage in stages]
         itemsize = torch.empty((), dtype=plan.dtype).element_size()
-        units = [fsdp_unit_bytes(stage, shape, itemsize) for stage, shape in zip(stages, shapes)]
+        cut = [ep_local_shapes(stage, options.ep_plan, options.ep_size) for stage in stages]
+        experts = [itemsize * sum(math.prod(v) for v in c.values()) for c in cut]
+        # with experts over data FSDP leaves the experts out (ignored_params): its units are the rest
+        units = [fsdp_unit_bytes(stage, shape, itemsize, skip=c if options.ep_data > 1 else ())
+                 for stage, shape, c in zip(stages, shapes, cut)]
         saved = [(n := sum(stage.get_parameter(k).numel() - math.prod(v) for k, v in shape.items()), n * itemsize)
                  for stage, shape in zip(stages, shapes)]
         for stage, shape in zip(stages, shapes):
@@ -186,7 +193,8 @@ def _run_stages_fake(skeleton: nn.Module, resolved: ResolvedRecipe, plan: StageP
                 results.append(_StageRun(activation_bytes=nbytes + loss, loss_bytes=loss, send_bytes=send,
                                          recv_bytes=recv, checkpointed_bytes=kept + loss,
                                          recompute_bytes=probe.backward_extra_bytes, units=unit,
-                                         tp_saved=saved[stages.index(stage)]))
+                                         tp_saved=saved[stages.index(stage)],
+                                         expert_bytes=experts[stages.index(stage)]))
                 # as torch's PipelineStage does: the next stage gets detached leaves that require grad
                 received = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outs)
     return results
@@ -207,6 +215,7 @@ def plan_report(
     checkpoint_every_n_layers: int = 1,
     tp_size: int = 1,
     ep_size: int = 1,
+    ep_over: str = "stage",
     moe_routing: str = "worst",
     schedule_note: str | None = None,
 ) -> MemoryReport:
@@ -229,6 +238,7 @@ def plan_report(
         tp_size: tensor-parallel ranks per stage: the figures are one such rank's (its parameter slices,
             heads; see :mod:`.mesh_report`, whose ``mesh_report`` adds fsdp and replicas).
         ep_size: expert-parallel ranks per stage (``tp_size``'s, or alone): one such rank's ``E / ep_size`` experts.
+        ep_over: ``"stage"`` or ``"data"`` (over ep_size / tp_size replicas, ``batch`` one's rows; :mod:`.mesh_report`).
         moe_routing: the token-expert pairs a rank's experts are priced at (:mod:`hf_pipeline.planning.moe_costs`):
             ``"worst"`` (an upper bound) or ``"balanced"``.
         schedule_note: how the schedule was chosen, when it was before (the default's choice, ``hf-pipeline plan``).
@@ -242,14 +252,13 @@ def plan_report(
     options = PipelineOptions.resolve(
         config, auto_class=auto_class, schedule=schedule, virtual_stages=virtual_stages, num_stages=stages,
         n_microbatches=n_microbatches, dtype=dtype, split=split, split_method="recipe",
-        parallel=ParallelRequest(tp_size=tp_size, ep_size=ep_size), schedule_note=schedule_note,
+        parallel=ParallelRequest(tp_size=tp_size, ep_size=ep_size, ep_over=ep_over), schedule_note=schedule_note,
     )
     spec, pp_size, virtual_stages, m = options.schedule, options.pp_size, options.virtual_stages, options.n_microbatches
     seq = _checked_shape(options, config, batch=batch, seq=seq)
     # The loader's own front end: the planner predicts the stages from_pretrained builds.
     maker = recipe_front_end(config, options)
     skeleton, resolved, plan = maker.skeleton, maker.resolved, maker.plan
-
     # Microbatches: torch splits the (padded) batch into m equal chunks; a batch smaller than m
     # still runs one sequence per microbatch at most.
     microbatch = max(1, math.ceil(batch / m))
@@ -269,9 +278,14 @@ def plan_report(
         pp_size=pp_size, virtual_stages=virtual_stages, schedule=spec.name, batch=batch, seq=seq, n_microbatches=m,
         microbatch_size=microbatch, stages=tuple(stage_rows), ranks=tuple(rank_rows), total_params=plan.total_params,
         total_weight_bytes=plan.total_bytes, checkpoint_every_n_layers=checkpoint_every_n_layers,
-        notes=tuple(filter(None, [options.schedule_note])) + tuple(_notes(config, generative=generative, seq=seq))
-        + tuple(_moe_notes(config, routing=moe_routing, ep_size=options.ep_size)),
+        notes=_report_notes(config, options, generative=generative, seq=seq, moe_routing=moe_routing),
     )
+
+
+def _report_notes(config, options: PipelineOptions, *, generative: bool, seq: int, moe_routing: str) -> tuple[str, ...]:
+    """The report's notes: how the schedule was chosen, what the figures include, how experts were priced."""
+    return (*filter(None, [options.schedule_note]), *_notes(config, generative=generative, seq=seq),
+            *_moe_notes(config, routing=moe_routing, ep_size=options.ep_size, group=options.ep_data))
 
 
 def _checked_shape(options: PipelineOptions, config, *, batch: int, seq: int | None) -> int:
@@ -298,7 +312,7 @@ def _stage_rows(
         layers = [decoder.index(b) for b in s.attention_blocks if b in decoder] if generative else []
         rows.append(StageMemory(  # a tensor-parallel rank's share: its parameter slices, KV heads / tp
             index=s.index, rank=s.rank, modules=s.modules, params=s.params - run.tp_saved[0],
-            weight_bytes=s.nbytes - run.tp_saved[1], largest_unit_bytes=max(run.units),
+            weight_bytes=s.nbytes - run.tp_saved[1], largest_unit_bytes=max(run.units), expert_bytes=run.expert_bytes,
             activation_bytes=run.activation_bytes, send_bytes=run.send_bytes, recv_bytes=run.recv_bytes,
             checkpointed_activation_bytes=run.checkpointed_bytes, recompute_bytes=run.recompute_bytes,
             kv_bytes_per_token=kv_cache_bytes_per_token(config, decoder_layers=len(layers), dtype=dtype) // tp_size,
@@ -327,8 +341,8 @@ def _rank_row(rank: int, stage_rows: list[StageMemory], order: list[str], *, n_m
     )
 
 
-def _moe_notes(config, *, routing: str, ep_size: int) -> list[str]:
-    """How a mixture of experts was priced (nothing for a dense model)."""
+def _moe_notes(config, *, routing: str, ep_size: int, group: int = 1) -> list[str]:
+    """How a mixture of experts was priced (nothing for a dense model); ``group``: the replicas an ep group spans."""
     experts, top_k = num_experts(config), experts_per_token(config)
     if experts is None or top_k is None:
         return []
@@ -338,6 +352,9 @@ def _moe_notes(config, *, routing: str, ep_size: int) -> list[str]:
              "an upper bound (every token's top_k experts on this rank)" if routing == "worst" else
              f"tokens x top_k / ep_size = tokens x {top_k / ep_size:g} token-expert pairs (evenly routed; a "
              "skewed batch goes above)")
+    if group > 1:
+        pairs += (f", of the tokens of the {group} data-parallel ranks of its ep group (ep_over='data'): "
+                  f"{group} x its own")
     return [f"mixture of experts: a rank holds {held}; activations priced at {pairs}; the split weighs an experts "
             f"module by the {top_k} of {experts} experts a token runs through, not by its parameters"]
 

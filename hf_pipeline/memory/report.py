@@ -44,6 +44,7 @@ class StageMemory:
     # batch x seq tokens over this stage's decoder layers, sliding-window layers capped at the window
     kv_cache_bytes: int
     largest_unit_bytes: int = 0  # the largest block (or the stage's other modules together): what fsdp gathers
+    expert_bytes: int = 0  # of weight_bytes, the rank's routed experts' (left out of fsdp with ep_over="data")
 
 
 @dataclass(frozen=True, kw_only=True)

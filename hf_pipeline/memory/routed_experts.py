@@ -4,9 +4,10 @@ price them.
 transformers' experts modules pick each expert's tokens with ``nonzero`` (``torch.where`` on the routing
 mask): shapes that depend on the data, which a fake tensor cannot know. While the planner runs a stage,
 :func:`static_experts` makes every experts module compute a fixed number of token-expert pairs
-(:func:`~hf_pipeline.planning.moe_costs.routed_rows`: ``"worst"``, an upper bound, or ``"balanced"``),
-spread evenly over the experts the rank holds, with the ops of transformers' eager loop batched over
-those experts::
+(:func:`~hf_pipeline.planning.moe_costs.routed_rows`: ``"worst"``, an upper bound, or ``"balanced"``) of the
+tokens its expert-parallel group routes (the rank's own, or with experts over ``group`` data-parallel replicas,
+``ep_over="data"``, those replicas' rows: ``group`` x its own), spread evenly over the experts the rank holds,
+with the ops of transformers' eager loop batched over those experts::
 
     x[rows]                 (E_l, n, H)   gathered tokens, saved (and the pair's token index)
     bmm(., gate_up)         (E_l, n, 2I)  saved by the gate
@@ -41,14 +42,14 @@ from ..planning.moe_costs import experts_modules, experts_per_token, routed_rows
 __all__ = ["static_experts"]
 
 
-def _static_forward(module: nn.Module, top_k: int, experts: int, routing: str, hidden_states: torch.Tensor,
+def _static_forward(module: nn.Module, top_k: int, experts: int, routing: str, group: int, hidden_states: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The experts' forward on a fixed number of token-expert pairs (module docstring)."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])  # (T, H)
     gate_up = module.gate_up_proj if module.has_gate else module.up_proj
     local = gate_up.shape[0]  # the experts this rank holds (E / ep_size)
-    pairs = routed_rows(x.shape[0], top_k=top_k, experts=experts, local_experts=local, routing=routing)
+    pairs = routed_rows(x.shape[0] * group, top_k=top_k, experts=experts, local_experts=local, routing=routing)
     per_expert = math.ceil(pairs / local)
     rows = torch.arange(local * per_expert, device=x.device) % x.shape[0]  # (E_l * n,) each pair's token
     picked = x[rows].view(local, per_expert, -1)  # (E_l, n, H)
@@ -65,9 +66,10 @@ def _static_forward(module: nn.Module, top_k: int, experts: int, routing: str, h
 
 
 @contextlib.contextmanager
-def static_experts(stages: Sequence[nn.Module], config, *, routing: str = "worst") -> Iterator[int]:
-    """While inside, every experts module of ``stages`` (the planner's own copies) runs the stand-in;
-    yields how many it replaced (0 for a dense model).
+def static_experts(stages: Sequence[nn.Module], config, *, routing: str = "worst", group: int = 1) -> Iterator[int]:
+    """While inside, every experts module of ``stages`` (the planner's own copies) runs the stand-in on the tokens
+    of ``group`` data-parallel replicas (1: the rank's own; ``PipelineOptions.ep_data``); yields how many it replaced
+    (0 for a dense model).
 
     Raises:
         InputError: an experts module the config's ``base_model_ep_plan`` does not name, or no
@@ -92,7 +94,7 @@ def static_experts(stages: Sequence[nn.Module], config, *, routing: str = "worst
         )
     modules = [s.get_submodule(name) for s, name in found]
     for m in modules:  # an instance attribute on the planner's throwaway copy, removed below
-        m.forward = functools.partial(_static_forward, m, top_k, experts, routing)
+        m.forward = functools.partial(_static_forward, m, top_k, experts, routing, group)
     try:
         yield len(modules)
     finally:

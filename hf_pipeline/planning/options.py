@@ -302,6 +302,13 @@ def _stage_plans(config, parallel: ParallelRequest, *, traced: bool, schedule: s
     return without_experts(shards, experts), experts
 
 
+def _data_ranks(world_size: int | None, pp_size: int, parallel: ParallelRequest) -> int:
+    """Data-parallel ranks (replicas x fsdp): the world's, or without one (planning) one pipeline's fsdp ranks, or the
+    replicas one ep group over data spans (``ep_over="data"``)."""
+    return (world_size or pp_size * parallel.tp_size * max(parallel.fsdp_size, parallel.ep_data)) // (
+        pp_size * parallel.tp_size)
+
+
 def _refuse_with_fsdp(spec: ScheduleSpec, fsdp: int, traced: bool) -> None:
     """What FSDP stages cannot run: traced stages (no blocks to make units of) and the schedules of
     :data:`~hf_pipeline.planning.mesh_rules.FSDP_REFUSED_SCHEDULES`."""
@@ -422,7 +429,8 @@ class PipelineOptions:
         Args:
             config: the transformers config.
             world_size: processes in the job; ``None`` when planning or converting without a job (then
-                ``num_stages`` is taken as given, one pipeline, no data-parallel replicas).
+                ``num_stages`` is taken as given, one pipeline, no data-parallel replicas but the
+                ``ep_size / tp_size`` an ``ep_over="data"`` group spans).
             auto_class: see :func:`model_class_for`.
             schedule: a schedule name. Default: "1f1b", or "interleaved-1f1b" with virtual stages > 1,
                 unless that cannot train ``n_microbatches``: then one that can, by the schedules'
@@ -471,7 +479,7 @@ class PipelineOptions:
         return cls(  # checks the placement and n_microbatches (__post_init__)
             model_class=model_class, schedule=spec, virtual_stages=virtual_stages, num_stages=num_stages,
             pp_size=pp_size,
-            dp_size=(world_size or pp_size * parallel.tp_size * parallel.fsdp_size) // (pp_size * parallel.tp_size),
+            dp_size=_data_ranks(world_size, pp_size, parallel),
             n_microbatches=n_microbatches, dtype=parse_dtype(dtype, config), split=split_starts(split),
             traced=traced, schedule_note=note, adapt_microbatches=adapt_microbatches, tp_size=parallel.tp_size,
             tp_plan=shards, fsdp_size=parallel.fsdp_size,

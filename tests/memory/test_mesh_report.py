@@ -58,7 +58,7 @@ def test_cli_plans_a_mesh_from_a_config_alone(tmp_path, capsys):
             "--seq", "8", "--json"]
     assert cli.main(argv) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["mesh"] == {"dp": 1, "fsdp": 2, "pp": 2, "tp": 2, "ep": 1, "world": 8}
+    assert d["mesh"] == {"dp": 1, "fsdp": 2, "pp": 2, "tp": 2, "ep": 1, "ep_over": "stage", "world": 8}
     assert d["pipeline"]["batch"] == 2  # the global batch over dp x fsdp
     for rank, stage in zip(d["ranks"], d["pipeline"]["stages"]):
         assert rank["weight_bytes"] == -(-stage["weight_bytes"] // 2)

@@ -211,7 +211,7 @@ def test_cli_plans_an_expert_parallel_mesh_and_refuses_experts_it_cannot_price(t
             "--moe-routing", "balanced", "--json"]
     assert cli.main(argv) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["mesh"] == {"dp": 1, "fsdp": 1, "pp": 2, "tp": 1, "ep": 2, "world": 4}, d["mesh"]
+    assert d["mesh"] == {"dp": 1, "fsdp": 1, "pp": 2, "tp": 1, "ep": 2, "ep_over": "stage", "world": 4}, d["mesh"]
     # no schedule named: the load default's choice for this mesh (tests/planning/test_mesh_choice.py), planned
     pipe = d["pipeline"]
     assert any(f"schedule {pipe['schedule']!r}, n_microbatches={pipe['n_microbatches']}: chosen" in n
