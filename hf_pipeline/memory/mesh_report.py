@@ -103,7 +103,7 @@ def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size:
     Raises:
         InputError: ``pp_size x tp_size (or ep_size alone) x fsdp_size`` does not divide ``num_processes``; with
             ``ep_over="data"``, an ``ep_size`` that is not a multiple k > 1 of ``tp_size``, or k data-parallel ranks
-            that the replicas (or fsdp ranks, then one sharded pipeline) cannot form.
+            that the replicas (or each sharded pipeline's fsdp ranks) cannot form.
     """
     ParallelRequest(tp_size=tp_size, ep_size=ep_size, ep_over=ep_over)  # ep_over and ep_size vs tp_size, by name
     stage = tp_size if ep_over == "data" else max(tp_size, ep_size)
@@ -117,10 +117,9 @@ def mesh_shape(num_processes: int, *, pp_size: int, tp_size: int = 1, fsdp_size:
         )
     mesh = MeshShape(dp=num_processes // block, fsdp=fsdp_size, pp=pp_size, tp=tp_size, ep=ep_size, ep_over=ep_over)
     k = mesh.ep_data
-    if k > 1 and (mesh.dp * mesh.fsdp % k or (mesh.fsdp > 1 and (mesh.fsdp % k or mesh.dp > 1))):
-        # as the loader's options: an ep group is k replicas, or k fsdp ranks of the one sharded pipeline
-        fix = (f"pass --fsdp-size a multiple of {k} and --num-processes pp x tp x fsdp = {pp_size} x {tp_size} x "
-               "fsdp (one fsdp-sharded pipeline)" if fsdp_size > 1 else
+    if k > 1 and (mesh.fsdp % k if mesh.fsdp > 1 else mesh.dp % k):
+        # as the loader's options: an ep group is k replicas, or k fsdp ranks of each fsdp-sharded pipeline
+        fix = (f"pass --fsdp-size a multiple of {k}" if fsdp_size > 1 else
                f"pass --num-processes a multiple of pp x tp x {k} = {pp_size * tp_size * k} (or fewer --stages: pp is "
                f"{pp_size})")
         raise InputError(

@@ -140,10 +140,12 @@ def test_mesh_with_experts_over_fsdp_ranks_keeps_them_whole_and_shards_the_rest(
 @pytest.mark.unit
 def test_mesh_shape_refuses_experts_over_data_the_mesh_cannot_group():
     assert mesh_shape(4, pp_size=2, ep_size=2, ep_over="data").dp == 2
-    with pytest.raises(InputError, match=r"an ep group spans ep / tp = 2 replicas.*--num-processes a multiple of pp x tp x 2 = 4"):
+    one = r"an ep group spans ep / tp = 2 replicas.*--num-processes a multiple of pp x tp x 2 = 4"
+    with pytest.raises(InputError, match=one):
         mesh_shape(2, pp_size=2, ep_size=2, ep_over="data")  # one replica
-    with pytest.raises(InputError, match=r"2 fsdp ranks.*one fsdp-sharded pipeline"):
-        mesh_shape(8, pp_size=1, fsdp_size=4, ep_size=2, ep_over="data")  # two fsdp-sharded replicas (HSDP)
+    with pytest.raises(InputError, match=r"spans ep / tp = 4 fsdp ranks.*--fsdp-size a multiple of 4"):
+        mesh_shape(8, pp_size=1, fsdp_size=2, ep_size=4, ep_over="data")
+    assert mesh_shape(8, pp_size=1, fsdp_size=4, ep_size=2, ep_over="data").dp == 2  # HSDP: ep within each replica
     with pytest.raises(InputError, match="ep_size must be a multiple k > 1 of tp_size"):
         mesh_shape(4, pp_size=1, tp_size=2, ep_size=2, ep_over="data")
 
