@@ -411,14 +411,14 @@ PEFT_PATCHED_METHODS = (
 )
 # torch's parametrize.cached() has no public setter of what a parametrized tensor reads as (peft_experts.run_locally).
 PARAMETRIZE_CACHE = ("torch.nn.utils.parametrize", "_cache")
-# A module global swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (a context manager,
-# integrations/peft_patches.reading_weights): peft looks ``modules_to_save`` copies up by its own module names
-# (``stages.1.classifier``), which a file written on one process cannot have.
+# Module globals swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (context managers in
+# integrations/peft_patches.py): peft looks ``modules_to_save`` copies up by its own module names (``stages.1.
+# classifier``), which a one-process file cannot have; it asks transformers for the model's weight conversions.
 PEFT_WEIGHTS_READER = ("peft.peft_model", "load_peft_weights")
-
+PEFT_CONVERSIONS = ("peft.utils.transformers_weight_conversion", "get_model_conversion_mapping")
 
 __all__ += [
-    "PARAMETRIZE_CACHE", "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER", "peft_create_and_replace",
+    "PARAMETRIZE_CACHE", "PEFT_CONVERSIONS", "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER", "peft_create_and_replace",
     "peft_freeze_base", "peft_override_create_and_replace",
 ]
 # --- for loading/tensor_parallel ----------------------------------------------------------------------

@@ -147,6 +147,7 @@ def _load_into_peft_model(peft_model, original, model_id, adapter_name, *args, *
         agreed(model, f"loading adapter {adapter_name!r}"),
         model.loading_adapter(adapter_name),
         peft_patches.reading_weights(lambda w: wrapped_module_keys(model, w)),
+        peft_patches.converting_as(model, model.skeleton),
     ):
         return original(peft_model, model_id, adapter_name, *args, **kwargs)
 

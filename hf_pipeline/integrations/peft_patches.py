@@ -14,8 +14,9 @@ and peft consults nothing on the model object that could route them. So the thre
 * each wrapper checks whether the model is pipelined and otherwise calls peft's own method unchanged (the
   ``ParamWrapper`` ones: whether the wrapped parameter is an expert-parallel ``DTensor``, which only a
   pipelined model's stage holds here, and peft on one process could not add a plain delta to);
-* the module global peft reads adapter files through (:func:`reading_weights`) is swapped only for the
-  duration of one ``load_adapter`` call on a pipelined model.
+* the module globals peft reads adapter files through (:func:`reading_weights`) and asks transformers for
+  the model's weight conversions through (:func:`converting_as`) are swapped only for the duration of one
+  ``load_adapter`` call on a pipelined model.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..compat import PEFT_PATCHED_METHODS, PEFT_WEIGHTS_READER
+from ..compat import PEFT_CONVERSIONS, PEFT_PATCHED_METHODS, PEFT_WEIGHTS_READER
 from ..core import PipelineCore
 
-__all__ = ["PeftHandlers", "installed", "keep_while_alive", "reading_weights"]
+__all__ = ["PeftHandlers", "converting_as", "installed", "keep_while_alive", "reading_weights"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +193,25 @@ def reading_weights(edit: Callable[[dict], dict]):
         yield
     finally:
         setattr(module, name, read)
+
+
+@contextlib.contextmanager
+def converting_as(model: nn.Module, skeleton: nn.Module):
+    """While ``PeftModel.load_adapter`` runs: the weight conversions peft asks transformers for on ``model`` (a
+    pipelined model, whose modules are its stages) are those of ``skeleton``, the one-process model whose keys the
+    adapter file has (peft renames legacy per-expert adapter keys by them; transformers raises on ``model``)."""
+    module_name, name = PEFT_CONVERSIONS
+    module = importlib.import_module(module_name)
+    mapping = getattr(module, name)
+
+    def get_model_conversion_mapping(target, *args, **kwargs):
+        return mapping(skeleton if target is model else target, *args, **kwargs)
+
+    setattr(module, name, get_model_conversion_mapping)
+    try:
+        yield
+    finally:
+        setattr(module, name, mapping)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -15,7 +15,8 @@ gathered from the two stages' first ep ranks).
 Every rank checks: the fresh adapter bitwise, the losses of 2 ``train_step`` calls, every LoRA gradient of both
 steps by name, every LoRA parameter after 2 AdamW steps, eval logits with the adapter disabled / unmerged /
 merged / unmerged again; and the adapter each mesh saves: the keys and values one process writes, and loaded by
-plain peft on plain transformers, its tensors and its logits. Refused on every rank at injection, naming the
+plain peft on plain transformers, its tensors and its logits; and one process's adapter loaded by
+``PeftModel.from_pretrained`` into an ep2 model, its logits. Refused on every rank at injection, naming the
 field: an adapter on expert parameters split over FSDP ranks (pp1 x fsdp2 x ep2), and any adapter on a model whose
 attention tensor parallelism shards (``tp_size=2``). ``PipelineTrainer`` full fine-tuning with the experts over
 the replicas equals transformers' ``Trainer`` on one process with the replicas' global batch (logs and every
@@ -118,6 +119,11 @@ def _ranks(paths: dict, out: str) -> dict:
             results[model_type, mesh] = _run(model, peft_model, model.train_step)
             peft_model.save_pretrained(f"{out}/adapter-{model_type}-{mesh}")
     mixtral = paths["mixtral"]
+    # one process's trained adapter, loaded into an ep2 model: its logits
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(mixtral, pipeline=True, device="cpu", **MESHES["ep2"])
+    loaded = peft.PeftModel.from_pretrained(model, f"{out}/ref-mixtral").eval()
+    with torch.no_grad():
+        results["loaded"] = loaded(**_eval_inputs()).logits
     over_fsdp = {"ep_size": 2, "ep_over": "data", "fsdp_size": 2, "num_stages": 1}
     results["refused"] = (
         _refusal(mixtral, over_fsdp, target_modules=["q_proj"], target_parameters=EXPERTS),
@@ -216,6 +222,9 @@ def test_lora_on_attention_and_experts_under_expert_parallelism_equals_peft(tmp_
             _check_saved(out / f"adapter-{model_type}-{mesh}", out / f"ref-{model_type}", paths[model_type], ref,
                          f"{model_type} {mesh}")
     _check_trainer(results, ref_trainer)
+    for rank, res in enumerate(results):
+        diff = (res["loaded"] - refs["mixtral"]["unmerged"]).abs().max().item()
+        assert diff <= TOL, f"rank {rank}: one process's adapter loaded at ep2 gives logits off by {diff:.3g}"
     wants = (("['mlp.experts.down_proj', 'mlp.experts.gate_up_proj']", "ep_size=2", "fsdp_size=2"),
              ("tp_size=2 (tensor parallelism)",))
     for rank, res in enumerate(results):
