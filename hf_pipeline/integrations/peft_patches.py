@@ -5,7 +5,8 @@ one process's modules (and raises on a rank whose stages hold no target), its st
 the local module names, and ``PeftModel.save_pretrained`` writes what the local process holds. Its
 entry points (``get_peft_model``, ``PeftModel.from_pretrained``, a ``PeftModel``'s ``load_adapter``
 and ``save_pretrained``) are called by the user on peft, with no call of this package around them,
-and peft consults nothing on the model object that could route them. So the three methods named in
+and peft consults nothing on the model object that could route them; its ``lora.ParamWrapper`` adds a plain
+delta to a parameter that expert parallelism made a ``DTensor`` of this rank's experts. So the methods named in
 :data:`hf_pipeline.compat.PEFT_PATCHED_METHODS` are wrapped, and the wrappers are scoped:
 
 * installed when the first pipelined model is built in a process that has imported peft (or right
