@@ -403,16 +403,23 @@ PEFT_PATCHED_METHODS = (
      "which writes it once under one-process keys"),
     ("peft.peft_model", "PeftModel", "load_adapter",
      "peft maps the file's keys to local module names; a pipelined model maps one-process keys to its stages"),
+    ("peft.tuners.lora.layer", "ParamWrapper", "get_delta_factors", "an expert-parallel rank's parameter is a DTensor "
+     "of its experts: the factors of all E experts are put on its mesh (integrations/peft_experts.py)"),
+    ("peft.tuners.lora.layer", "ParamWrapper", "get_delta_weight", "the same for the delta (merge, several adapters)"),
+    ("peft.tuners.lora.layer", "ParamWrapper", "_activate_lora", "transformers' ep kernels take the local part of "
+     "unparametrized DTensor parameters only; the adapted one is given to them as its local part"),
 )
-# A module global swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (a context manager,
-# integrations/peft_patches.reading_weights): peft looks ``modules_to_save`` copies up by its own module names
-# (``stages.1.classifier``), which a file written on one process cannot have.
+# torch's parametrize.cached() has no public setter of what a parametrized tensor reads as (peft_experts.run_locally).
+PARAMETRIZE_CACHE = ("torch.nn.utils.parametrize", "_cache")
+# Module globals swapped only while ``PeftModel.load_adapter`` runs on a pipelined model (context managers in
+# integrations/peft_patches.py): peft looks ``modules_to_save`` copies up by its own module names (``stages.1.
+# classifier``), which a one-process file cannot have; it asks transformers for the model's weight conversions.
 PEFT_WEIGHTS_READER = ("peft.peft_model", "load_peft_weights")
-
+PEFT_CONVERSIONS = ("peft.utils.transformers_weight_conversion", "get_model_conversion_mapping")
 
 __all__ += [
-    "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER", "peft_create_and_replace", "peft_freeze_base",
-    "peft_override_create_and_replace",
+    "PARAMETRIZE_CACHE", "PEFT_CONVERSIONS", "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER", "peft_create_and_replace",
+    "peft_freeze_base", "peft_override_create_and_replace",
 ]
 # --- for loading/tensor_parallel ----------------------------------------------------------------------
 # A packed weight (GPT-2's fused q, k, v) sharded block by block is torch's strided shard placement (what

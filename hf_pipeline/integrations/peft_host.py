@@ -25,6 +25,7 @@ from transformers.integrations import PeftAdapterMixin
 from ..errors import InputError
 from . import peft_patches
 from .peft_agree import agree_on_config, agree_on_files, agreed, refuse_tensor_parallel
+from .peft_experts import on_parameter_mesh, run_locally
 from .peft_inject import AdapterState, inject_on_stages, local_adapter_keys, wrapped_module_keys
 from .peft_save import adapter_tensors, save_adapter_files, saving, write_peft_model
 
@@ -146,6 +147,7 @@ def _load_into_peft_model(peft_model, original, model_id, adapter_name, *args, *
         agreed(model, f"loading adapter {adapter_name!r}"),
         model.loading_adapter(adapter_name),
         peft_patches.reading_weights(lambda w: wrapped_module_keys(model, w)),
+        peft_patches.converting_as(model, model.skeleton),
     ):
         return original(peft_model, model_id, adapter_name, *args, **kwargs)
 
@@ -160,4 +162,6 @@ _HANDLERS = peft_patches.PeftHandlers(
     save=_save_peft_model,
     load=_load_into_peft_model,
     is_pipelined=is_pipelined_model,
+    place=on_parameter_mesh,
+    run_locally=run_locally,
 )

@@ -68,7 +68,7 @@ def check_config(config) -> None:
             f"init_lora_weights={config.init_lora_weights!r} reads the base weights, which a pipelined model "
             f"spreads over ranks: use one of {_RANDOM_INITS}"
         )
-    for name in ("use_dora", "layer_replication", "target_parameters", "trainable_token_indices"):
+    for name in ("use_dora", "layer_replication", "trainable_token_indices"):
         if getattr(config, name, None):
             raise InputError(
                 f"LoraConfig({name}=...) is not supported on a pipelined model (it replaces or reads whole "
@@ -186,7 +186,8 @@ def inject_on_stages(tuner, original, model: PipelineCore, adapter_name: str, **
         torch.set_rng_state(start)  # a refusal leaves the random stream as it found it
     try:
         for stage in model.stages:
-            mine = {n for n, _ in stage.named_modules()}
+            # a target is a module name, or a parameter's (target_parameters: ``...mlp.experts.gate_up_proj``)
+            mine = {n for n, _ in stage.named_modules()} | {n for n, _ in stage.named_parameters()}
             if any(t in mine for t in targets):
                 hook = _recording(tuner, lambda key: torch.set_rng_state(states[key]))
                 _with_create_hook(tuner, hook, lambda s=stage: original(tuner, s, adapter_name, **kwargs))

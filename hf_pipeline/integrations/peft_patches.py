@@ -5,15 +5,19 @@ one process's modules (and raises on a rank whose stages hold no target), its st
 the local module names, and ``PeftModel.save_pretrained`` writes what the local process holds. Its
 entry points (``get_peft_model``, ``PeftModel.from_pretrained``, a ``PeftModel``'s ``load_adapter``
 and ``save_pretrained``) are called by the user on peft, with no call of this package around them,
-and peft consults nothing on the model object that could route them. So the three methods named in
+and peft consults nothing on the model object that could route them; its ``lora.ParamWrapper`` adds a plain
+delta to a parameter that expert parallelism made a ``DTensor`` of this rank's experts. So the methods named in
 :data:`hf_pipeline.compat.PEFT_PATCHED_METHODS` are wrapped, and the wrappers are scoped:
 
 * installed when the first pipelined model is built in a process that has imported peft (or right
   after peft's import, when the model came first), removed when the last pipelined model is
   collected: peft's own class methods are back as soon as no pipelined model is alive;
-* each wrapper checks whether the model is pipelined and otherwise calls peft's own method unchanged;
-* the module global peft reads adapter files through (:func:`reading_weights`) is swapped only for the
-  duration of one ``load_adapter`` call on a pipelined model.
+* each wrapper checks whether the model is pipelined and otherwise calls peft's own method unchanged (the
+  ``ParamWrapper`` ones: whether the wrapped parameter is an expert-parallel ``DTensor``, which only a
+  pipelined model's stage holds here, and peft on one process could not add a plain delta to);
+* the module globals peft reads adapter files through (:func:`reading_weights`) and asks transformers for
+  the model's weight conversions through (:func:`converting_as`) are swapped only for the duration of one
+  ``load_adapter`` call on a pipelined model.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..compat import PEFT_PATCHED_METHODS, PEFT_WEIGHTS_READER
+from ..compat import PEFT_CONVERSIONS, PEFT_PATCHED_METHODS, PEFT_WEIGHTS_READER
 from ..core import PipelineCore
 
-__all__ = ["PeftHandlers", "installed", "keep_while_alive", "reading_weights"]
+__all__ = ["PeftHandlers", "converting_as", "installed", "keep_while_alive", "reading_weights"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,12 +50,19 @@ class PeftHandlers:
         save: ``save(peft_model, original, save_directory, *args, **kwargs)``, for ``PeftModel.save_pretrained``.
         load: ``load(peft_model, original, model_id, adapter_name, *args, **kwargs)``, for ``PeftModel.load_adapter``.
         is_pipelined: whether a module is a pipelined model.
+        place: ``place(wrapper, tensor)``, for what ``ParamWrapper.get_delta_factors`` / ``get_delta_weight``
+            return: the expert-stacked tensor on the wrapped parameter's mesh when it is an expert-parallel
+            ``DTensor``, else the tensor itself.
+        run_locally: ``run_locally(wrapper)``, inside ``ParamWrapper._activate_lora``: the adapted expert-parallel
+            parameter read as its local part until the forward ends (nothing for a plain parameter).
     """
 
     inject: Callable[..., Any]
     save: Callable[..., Any]
     load: Callable[..., Any]
     is_pipelined: Callable[[Any], bool]
+    place: Callable[[Any, Any], Any]
+    run_locally: Callable[[Any], None]
 
 
 @dataclass(kw_only=True)
@@ -70,6 +81,8 @@ def _wrappers(handlers: PeftHandlers, originals: dict) -> dict[str, Callable[...
     by_name = {name: function for (_, name), function in originals.items()}
     original_inject, original_save = by_name["inject_adapter"], by_name["save_pretrained"]
     original_load = by_name["load_adapter"]
+    original_factors, original_delta = by_name["get_delta_factors"], by_name["get_delta_weight"]
+    original_activate = by_name["_activate_lora"]
     signature = inspect.signature(original_inject)
 
     @functools.wraps(original_inject)
@@ -92,7 +105,25 @@ def _wrappers(handlers: PeftHandlers, originals: dict) -> dict[str, Callable[...
             return original_load(self, model_id, adapter_name, *args, **kwargs)
         return handlers.load(self, original_load, model_id, adapter_name, *args, **kwargs)
 
-    return {"inject_adapter": inject_adapter, "save_pretrained": save_pretrained, "load_adapter": load_adapter}
+    @functools.wraps(original_factors)
+    def get_delta_factors(self, adapter_name):
+        lhs, rhs, scaling = original_factors(self, adapter_name)
+        return handlers.place(self, lhs), handlers.place(self, rhs), scaling
+
+    @functools.wraps(original_delta)
+    def get_delta_weight(self, adapter_name, *args, **kwargs):
+        return handlers.place(self, original_delta(self, adapter_name, *args, **kwargs))
+
+    @functools.wraps(original_activate)
+    @contextlib.contextmanager
+    def _activate_lora(self, active_adapters):
+        with original_activate(self, active_adapters):
+            handlers.run_locally(self)
+            yield
+
+    return {"inject_adapter": inject_adapter, "save_pretrained": save_pretrained, "load_adapter": load_adapter,
+            "get_delta_factors": get_delta_factors, "get_delta_weight": get_delta_weight,
+            "_activate_lora": _activate_lora}
 
 
 def _install() -> None:
@@ -163,6 +194,25 @@ def reading_weights(edit: Callable[[dict], dict]):
         yield
     finally:
         setattr(module, name, read)
+
+
+@contextlib.contextmanager
+def converting_as(model: nn.Module, skeleton: nn.Module):
+    """While ``PeftModel.load_adapter`` runs: the weight conversions peft asks transformers for on ``model`` (a
+    pipelined model, whose modules are its stages) are those of ``skeleton``, the one-process model whose keys the
+    adapter file has (peft renames legacy per-expert adapter keys by them; transformers raises on ``model``)."""
+    module_name, name = PEFT_CONVERSIONS
+    module = importlib.import_module(module_name)
+    mapping = getattr(module, name)
+
+    def get_model_conversion_mapping(target, *args, **kwargs):
+        return mapping(skeleton if target is model else target, *args, **kwargs)
+
+    setattr(module, name, get_model_conversion_mapping)
+    try:
+        yield
+    finally:
+        setattr(module, name, mapping)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -46,8 +46,10 @@ def adapter_tensors(model: PipelineCore, source, adapter_name: str, prefix: str 
     local = {prefix + _STAGE_PREFIX.sub("", k): v.detach().to("cpu", copy=True) for k, v in found.items()}
     if not model.ctx.is_distributed:
         return local
-    if model.dims.dp_rank != 0:
-        return None  # every replica holds the same adapter: the first one's is written
+    if model.dims.dp_rank != 0 or model.dims.tp_rank != 0:
+        # every replica holds the same adapter, and so does each of a stage's expert-parallel ranks (adapters on
+        # tensor-parallel modules are refused): the first one's pipeline, with global rank 0, sends its stages'
+        return None
     parts: list = [None] * model.plan.pp_size if model.ctx.rank == 0 else None
     if model.plan.pp_size > 1:
         dist.gather_object(local, parts, dst=0, group=model.dims.pp_group)

@@ -19,18 +19,19 @@ pytest.importorskip("peft")
 def test_peft_methods_are_peft_own_before_the_first_and_after_the_last_pipelined_model(tmp_path):
     path = tiny.make_checkpoint(tmp_path / "llama", "llama")
     code = f"""
-import gc, peft, torch, transformers, hf_pipeline
+import gc, importlib, peft, torch, transformers, hf_pipeline
+from peft.tuners.lora.layer import ParamWrapper
 from peft.tuners.tuners_utils import BaseTuner
 from hf_pipeline.compat import PEFT_PATCHED_METHODS
 from hf_pipeline.integrations import peft_patches
 
-own = {{"inject_adapter": BaseTuner.inject_adapter, "save_pretrained": peft.PeftModel.save_pretrained,
-        "load_adapter": peft.PeftModel.load_adapter}}
+owners = {{"inject_adapter": BaseTuner, "save_pretrained": peft.PeftModel, "load_adapter": peft.PeftModel,
+          "get_delta_factors": ParamWrapper, "get_delta_weight": ParamWrapper, "_activate_lora": ParamWrapper}}
+own = {{name: owner.__dict__[name] for name, owner in owners.items()}}
 def current():
-    return {{"inject_adapter": BaseTuner.__dict__["inject_adapter"],
-             "save_pretrained": peft.PeftModel.__dict__["save_pretrained"],
-             "load_adapter": peft.PeftModel.__dict__["load_adapter"]}}
+    return {{name: owner.__dict__[name] for name, owner in owners.items()}}
 assert {{name for *_, name, _ in PEFT_PATCHED_METHODS}} == set(own)
+assert all(getattr(importlib.import_module(m), c) is owners[n] for m, c, n, _ in PEFT_PATCHED_METHODS)
 assert current() == own and not peft_patches.installed()
 model = hf_pipeline.AutoModelForCausalLM.from_pretrained({str(path)!r}, pipeline=True, device="cpu")
 assert peft_patches.installed() and all(current()[n] is not own[n] for n in own)
