@@ -116,7 +116,7 @@ def refuse_generation_over_data(ep_data: int, what: str = "continuous batching")
         raise InputError(
             f"{what} is not supported on a model whose experts are split over data-parallel ranks (ep_over='data', "
             f"{ep_data} replicas per expert group): each replica's requests join and leave its ring at their own "
-            "times, while every replica must run each MoE layer in lock step; call generate() (greedy or sampling, "
-            "which runs the replicas in lock step), or load it with the experts split within each stage instead "
-            "(ep_size equal to tp_size or alone, without ep_over='data') to serve"
+            "times, while every replica must run each MoE layer in lock step; call generate() (greedy, sampling or "
+            "beam search, which runs the replicas in lock step), or load it with the experts split within each stage "
+            "instead (ep_size equal to tp_size or alone, without ep_over='data') to serve"
         )
