@@ -262,16 +262,18 @@ def _beam_steps(model, eos: list[int], replicas: int) -> list[list[int]]:
     return steps
 
 
-def _eos_splitting_beams(model) -> list[int]:
-    """EOS ids (some early tokens of the 2-replica split's first share) with which the replicas' beam searches end
-    at different steps under every beam configuration: one replica must step on for the other."""
+def _eos_splitting_beams(model) -> tuple[list[int], list[list[int]]]:
+    """EOS ids (some early tokens of the 2-replica split's first share) with which the 2 replicas' beam searches
+    end at different steps under every beam configuration (one replica must step on for the other), and those
+    steps (:func:`_beam_steps`)."""
     with torch.no_grad():
         free = model.generate(**_prompts(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=VOCAB + 5,
                               do_sample=False, **BEAMS[0])
     for step in range(3):
         eos = sorted({int(free[r, PROMPT + step]) for r in range(ROWS - ROWS // 2)} - {0})
-        if all(len(set(ends)) > 1 for ends in _beam_steps(model, eos, 2)):
-            return eos
+        steps = _beam_steps(model, eos, 2)
+        if all(len(set(ends)) > 1 for ends in steps):
+            return eos, steps
     raise AssertionError("no EOS ends the replicas' beam searches at different steps; change the prompts")
 
 
@@ -301,8 +303,7 @@ def _generation_refs(path, *, beam: bool) -> tuple[dict, dict]:
     eos = {"greedy": _eos_ending_replica_0_first(greedy), "sampled": _eos_ending_replica_0_first(sampled)}
     want = {"sampled": sampled(eos["sampled"]), "greedy": greedy(eos["greedy"])}
     if beam:
-        eos["beam"] = _eos_splitting_beams(model)
-        want["beam_steps"] = {n: _beam_steps(model, eos["beam"], n) for n in (2, 4)}
+        eos["beam"], want["beam_steps"] = _eos_splitting_beams(model)
         with torch.no_grad():
             want["beam"] = [model.generate(**_prompts(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos["beam"],
                                            do_sample=False, **b) for b in BEAMS]
@@ -329,10 +330,10 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
     for what in ("greedy", "sampled"):
         ends = _replica_ends(_lengths(expect[what], eos[what]), dims[1])
         assert len(set(ends)) > 1, f"{name}: {what} replicas all end at step {ends}"
-    # transformers' beam search on each replica's share alone ends at different steps (so one replica's ring
-    # must step on for another's, or its peers wait for it in the all-to-all).
-    for b, ends in zip(BEAMS, expect["beam_steps"][dims[1]], strict=True) if "beam" in expect else ():
-        assert len(set(ends)) > 1, f"{name}: beam search {b} ends at step {ends} on every replica"
+    # transformers' beam search on each of 2 replicas' shares alone ends at different steps (so one replica's
+    # ring must step on for the other's, or its peers wait for it in the all-to-all): Mixtral's meshes are dp2.
+    for b, ends in zip(BEAMS, expect["beam_steps"], strict=True) if "beam" in expect else ():
+        assert dims[1] == 2 and len(set(ends)) > 1, f"{name}: beam search {b} ends at steps {ends} (dp{dims[1]})"
     total, experts = _halves(path)
     for rank, res in enumerate(per_rank):
         case = res[i]
