@@ -154,7 +154,7 @@ class LoadOptions:
         None, "which ranks `ep_size` spans: `\"stage\"` (default: each stage's own batch-sharing ranks) or "
         "`\"data\"`: `tp_size` ranks times `ep_size / tp_size` data-parallel replicas, the routed tokens exchanged "
         "all-to-all (transformers' `ep_size > tp_size`, implied by a `DistributedConfig` asking for it; plain "
-        "replicas or fsdp ranks; `generate` and serving step them in lock step, no beam search)", concern="mesh",
+        "replicas or fsdp ranks; `generate` (beam search too) and serving step them in lock step)", concern="mesh",
         acts="mesh",
         cli="which processes --ep-size spans: stage (default) or data (data-parallel replicas)",
         cli_type="text")

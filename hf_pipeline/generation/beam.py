@@ -18,6 +18,10 @@ _sequences`` on its rows). A finished prompt's beams are frozen in transformers'
 candidate gets -1e9), so stopping it earlier changes nothing. One corner differs: transformers also
 goes on while any prompt of the batch has a continuation that hits no stopping criterion; a
 microbatch whose every top-K candidate ends at once (e.g. all of them EOS) stops here.
+A done microbatch stays in the ring while others go on when per-step scores are asked for, or in the ring's
+lock step (experts over data-parallel ranks): :meth:`BeamChooser.choose` then goes on with transformers' steps,
+as its loop does for every prompt of the batch, and a prompt done for good keeps its finished beams (every new
+candidate of it gets -1e9), so the result is the same; the corner above only goes on there as in transformers.
 
 Note (the caller's stopping criteria): they run with the config's, per microbatch, on its top-K
 candidates ``(g * beams_to_keep, cur_len + 1)``, where transformers calls them once per step on

@@ -6,8 +6,7 @@ the first row of that stage that applies raises. Every rank evaluates the same t
 (agreed) arguments, so every rank refuses alike before any message is sent.
 
 Example:
-    >>> facts = dict(copies=1, beams=1, do_sample=False, dp_size=2, n_microbatches=4, return_dict=False, criteria=False,
-    ...              ep_data=1)
+    >>> facts = dict(copies=1, beams=1, do_sample=False, dp_size=2, n_microbatches=4, return_dict=False, criteria=False)
     >>> refuse("rows", batch=8, **facts)
     >>> refuse("rows", batch=1, **facts)
     InputError: batch of 1 rows is smaller than the 2 data-parallel replicas; pass more prompts
@@ -211,8 +210,8 @@ REFUSALS: tuple[Refusal, ...] = (
         "decoder's prompt is one start token, and transformers' chunked prefill cuts the encoder's attention "
         "mask to the chunk; pass prefill_chunk_size=None",
     ),
-    # ---- the rows (facts: copies, do_sample, batch (after the copies), dp_size, n_microbatches, return_dict,
-    # criteria: whether the caller passed stopping criteria, ep_data: replicas one expert group spans)
+    # ---- the rows (facts: copies, beams, do_sample, batch (after the copies), dp_size, n_microbatches, return_dict,
+    # criteria: whether the caller passed stopping criteria)
     Refusal(
         "rows", lambda f: f.copies > 1 and not f.do_sample and f.beams == 1,
         "num_return_sequences > 1 needs do_sample=True or num_beams > 1 (greedy would repeat the same sequence)",
@@ -236,15 +235,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "over all ranks (num_stages = world size) or pass no stopping_criteria",
     ),
     Refusal("rows", lambda f: f.n_microbatches < 1, "n_microbatches must be >= 1, got {f.n_microbatches}"),
-    # Experts over replicas step every replica's ring in lock step (``Ring``: rows stay until all are done);
-    # beam search reorders and drops beams per group at each step, which that padding does not cover.
-    Refusal(
-        "rows", lambda f: f.beams > 1 and f.ep_data > 1,
-        "beam search (num_beams={f.beams}) is not supported on a model whose experts are split over data-parallel "
-        "ranks (ep_over='data', {f.ep_data} replicas per expert group); use greedy or sampling (num_beams=1), or "
-        "load it with the experts split within each stage (ep_size equal to tp_size or alone, without "
-        "ep_over='data')",
-    ),
     # ---- the special tokens, as transformers prepared them (facts: pad, vocab, can_finish)
     # A row that finishes early gets pad_token_id appended and fed back: transformers' embedding then
     # raises IndexError (only in calls where some row finishes first); the ring would carry it on.

@@ -240,7 +240,6 @@ def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_mic
     refuse(
         "rows", copies=copies, beams=beams, do_sample=gc.do_sample, batch=units, dp_size=model.dims.dp_size,
         n_microbatches=n_microbatches, return_dict=bool(gc.return_dict_in_generate), criteria=criteria,
-        ep_data=model.dims.ep_data,
     )
     if repeats > 1:
         rows = rows.select(lambda t: t.repeat_interleave(repeats, dim=0))

@@ -27,9 +27,12 @@ rank stepping until all are done. The timetable is already the same (equal micro
 when rows leave. So every row stays in the ring, finished rows fed ``pad_token_id`` as transformers pads them,
 until the replicas agree that all rows are done: at each token choice, one MIN all-reduce of "all my rows
 finished" over the expert group, on the last stage, whose answer travels down the ring in the existing
-still-generating flags. Running ``max_new_tokens`` steps always would need no agreement but can cost many
-times the work (EOS long before the limit); one 4-byte all-reduce per microbatch and step is what
-transformers pays per step, and it keeps the exit rule the ring already has for per-step scores.
+still-generating flags. Beam search takes the same rule: a microbatch whose beam search is done (``beam.py``)
+stays too, stepped by transformers' beam steps, its caches reordered by the chosen beams, as transformers' batch
+goes on computing its finished prompts' beams, which its own rules keep from changing the finished ones.
+Running ``max_new_tokens`` steps always would need no agreement but can cost many times the work (EOS long
+before the limit); one 4-byte all-reduce per microbatch and step is what transformers pays per step, and it
+keeps the exit rule the ring already has for per-step scores.
 
 Example (inside ``generate``):
     >>> ring = Ring(model, request)

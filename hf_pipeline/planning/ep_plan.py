@@ -1,19 +1,16 @@
-"""Expert parallelism inside each stage: the plan that splits a mixture of experts' experts over the
-stage's ranks, from transformers' own ``base_model_ep_plan``.
-
-A stage's expert-parallel ranks are the ranks that share its batch (its tensor-parallel ranks), as in
-transformers when ``ep_size == tp_size``: every rank keeps ``num_experts / ep_size`` whole experts
-(``"grouped_gemm"``: the experts' stacked parameters cut along the expert dim), the router and the dense
-modules run on every rank, and an ``"ep_dispatch_experts"`` module brings its experts their tokens through
-transformers' own implementation (``ep_implementation``: ``"all_to_all"`` exchanges the routed tokens,
-``"all_reduce"`` runs each rank's experts on the shared batch and sums, ``"auto"`` picks the second at
-inference and the first in training). With ``ep_over="data"`` (transformers' ``ep_size > tp_size``) the
-experts are split over a stage's ranks in ``ep_size / tp_size`` replicas, whose batches differ: every exchange is
-all-to-all, and every rank of an ep group must run the same MoE forwards in the same order. Forward and
-``train_step`` do (every replica runs the same microbatch count of the global batch); greedy and sampled
-``generate`` run every replica's ring in lock step (``generation/ring.py``: finished rows padded until the
-replicas agree all are done, as transformers' ``synced_gpus``); beam search is refused in the request
-(``generation/refusals.py``); the continuous ring matches each op's forward count over the expert group
+"""Expert parallelism inside each stage: the plan that splits a mixture of experts' experts over the stage's ranks,
+from transformers' own ``base_model_ep_plan``. A stage's expert-parallel ranks are the ranks that share its batch
+(its tensor-parallel ranks), as in transformers when ``ep_size == tp_size``: every rank keeps ``num_experts /
+ep_size`` whole experts (``"grouped_gemm"``: the experts' stacked parameters cut along the expert dim), the router
+and the dense modules run on every rank, and an ``"ep_dispatch_experts"`` module brings its experts their tokens
+through transformers' own implementation (``ep_implementation``: ``"all_to_all"`` exchanges the routed tokens,
+``"all_reduce"`` runs each rank's experts on the shared batch and sums, ``"auto"`` picks the second at inference
+and the first in training). With ``ep_over="data"`` (transformers' ``ep_size > tp_size``) the experts are split
+over a stage's ranks in ``ep_size / tp_size`` replicas, whose batches differ: every exchange is all-to-all, and
+every rank of an ep group must run the same MoE forwards in the same order. Forward and ``train_step`` do (every
+replica runs the same microbatch count of the global batch); greedy, sampled and beam ``generate`` run every
+replica's ring in lock step (``generation/ring.py``: finished rows padded until the replicas agree all are done, as
+transformers' ``synced_gpus``); the continuous ring matches each op's forward count over the expert group
 (``continuous_batching/ring_stage.py``).
 
 Example:

@@ -16,7 +16,6 @@ from hf_pipeline.generation.refusals import REFUSALS, refuse
 
 _ROWS_OK = dict(
     copies=1, beams=1, do_sample=False, batch=8, dp_size=2, n_microbatches=4, return_dict=False, criteria=False,
-    ep_data=1,
 )
 
 

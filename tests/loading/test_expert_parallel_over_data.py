@@ -33,8 +33,11 @@ then runs on in fresh groups (the comparisons above follow it).
 equal transformers' on every mesh, and seeded sampling (all but ZBV and tp2, for time) equals the pipeline on
 one process (its per-row streams), both with
 EOS ids chosen so that one replica's rows all end while another's still generate, 5 prompts split 3 / 2 (or
-2 / 1 / 1 / 1) over the replicas and every replica cut into the same number of microbatches. Beam search is
-refused on every rank with one InputError naming ep over data-parallel ranks.
+2 / 1 / 1 / 1) over the replicas and every replica cut into the same number of microbatches. Beam search
+(where sampling runs: two beams, and three with two returned, ``early_stopping=True`` and a length penalty)
+equals transformers' on every rank, with EOS ids that end one replica's beam search steps before another's
+(transformers' steps on each replica's share alone differ): a replica leaving the ring there hangs its peers in
+the all-to-all.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROWS, PROMPT, NEW = 5, 6, 8  # generate: prompts (5 rows: shares of 3 and 2 over 2 replicas), new tokens
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, seed=11)
+# Beam search: transformers' defaults (early_stopping=False, length_penalty=1), then early_stopping=True with a
+# length penalty and more beams than returned sequences.
+BEAMS = (dict(num_beams=2), dict(num_beams=3, num_return_sequences=2, early_stopping=True, length_penalty=0.5))
 
 
 def _checkpoint(root, model_type, **overrides):
@@ -76,14 +82,9 @@ def _prompts():
 
 
 def _generations(model, gen) -> dict:
-    """Beam search refused; greedy and seeded sampling in lock step (3 microbatches asked for: over 2 replicas
-    the shares are 3 and 2 rows, and both cut theirs into 2, as many as the smallest share allows)."""
+    """Greedy, seeded sampling and beam search in lock step (3 microbatches asked for: over 2 replicas the shares
+    are 3 and 2 prompts, and both cut theirs into 2, as many as the smallest share allows)."""
     inputs, out = _prompts(), {}
-    try:
-        model.generate(**inputs, max_new_tokens=2, num_beams=2, do_sample=False, pad_token_id=0)
-        out["refused"] = None
-    except Exception as e:  # noqa: BLE001 - the class and message are what the test compares
-        out["refused"] = f"{type(e).__name__}: {e}"
     common = dict(max_new_tokens=NEW, pad_token_id=0, n_microbatches=3)
     out["greedy"], stats = model.generate(
         **inputs, do_sample=False, eos_token_id=gen["greedy"], return_stats=True, **common
@@ -91,6 +92,9 @@ def _generations(model, gen) -> dict:
     out["microbatches"], out["prefill_steps"] = stats.n_microbatches, stats.prefill_steps
     if "sampled" in gen:
         out["sampled"] = model.generate(**inputs, eos_token_id=gen["sampled"], **SAMPLING, **common)
+    if "beam" in gen:
+        beam = dict(eos_token_id=gen["beam"], do_sample=False, **common)
+        out["beam"] = [model.generate(**inputs, **beam, **b) for b in BEAMS]
     return out
 
 
@@ -232,10 +236,55 @@ def _eos_ending_replica_0_first(generate) -> list[int]:
     raise AssertionError("no EOS ends replica 0 first; change the prompts")
 
 
-def _generation_refs(path) -> tuple[dict, dict]:
-    """(EOS ids for greedy and for sampling, what each gives on one process): greedy from transformers, and
-    seeded sampling from the pipelined model on one process without experts split (the seeded per-row streams
-    are the pipeline's documented semantics, not transformers' one global stream: tests/generation does the same)."""
+def _beam_steps(model, eos: list[int], replicas: int) -> list[list[int]]:
+    """Per beam configuration, the steps transformers' beam search takes on each replica's share of the prompts
+    alone (it calls its stopping criteria once per step: a counter among them, which stops nothing, counts them)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from hf_pipeline.generation.microbatches import microbatch_bounds
+
+    class Count(StoppingCriteria):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, ids, scores, **kwargs):
+            self.calls += 1
+            return torch.zeros(ids.shape[0], dtype=torch.bool)
+
+    steps = []
+    for b in BEAMS:
+        steps.append([])
+        for lo, hi in microbatch_bounds(ROWS, replicas):
+            count = Count()
+            share = {k: v[lo:hi] for k, v in _prompts().items()}
+            with torch.no_grad():
+                model.generate(**share, max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos, do_sample=False,
+                               stopping_criteria=StoppingCriteriaList([count]), **b)
+            steps[-1].append(count.calls)
+    return steps
+
+
+def _eos_splitting_beams(model) -> tuple[list[int], list[list[int]]]:
+    """EOS ids (some early tokens of the 2-replica split's first share) with which the 2 replicas' beam searches
+    end at different steps under every beam configuration (one replica must step on for the other), and those
+    steps (:func:`_beam_steps`)."""
+    with torch.no_grad():
+        free = model.generate(**_prompts(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=VOCAB + 5,
+                              do_sample=False, **BEAMS[0])
+    for step in range(3):
+        eos = sorted({int(free[r, PROMPT + step]) for r in range(ROWS - ROWS // 2)} - {0})
+        steps = _beam_steps(model, eos, 2)
+        if all(len(set(ends)) > 1 for ends in steps):
+            return eos, steps
+    raise AssertionError("no EOS ends the replicas' beam searches at different steps; change the prompts")
+
+
+def _generation_refs(path, *, beam: bool) -> tuple[dict, dict]:
+    """(EOS ids for greedy and for sampling (and beam search), what each gives on one process): greedy and beam
+    search from transformers, and seeded sampling from the pipelined model on one process without experts split
+    (the seeded per-row streams are the pipeline's documented semantics, not transformers' one global stream:
+    tests/generation does the same). Beam search on Mixtral only: on the tiny Qwen3-MoE every early token as EOS
+    ends both replicas' beam searches at the last step."""
     import transformers
 
     import hf_pipeline
@@ -255,6 +304,11 @@ def _generation_refs(path) -> tuple[dict, dict]:
 
     eos = {"greedy": _eos_ending_replica_0_first(greedy), "sampled": _eos_ending_replica_0_first(sampled)}
     want = {"sampled": sampled(eos["sampled"]), "greedy": greedy(eos["greedy"])}
+    if beam:
+        eos["beam"], want["beam_steps"] = _eos_splitting_beams(model)
+        with torch.no_grad():
+            want["beam"] = [model.generate(**_prompts(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=eos["beam"],
+                                           do_sample=False, **b) for b in BEAMS]
     assert not torch.equal(want["sampled"], want["greedy"]), "sampling should differ from greedy"
     return eos, want
 
@@ -278,6 +332,10 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
     for what in ("greedy", "sampled"):
         ends = _replica_ends(_lengths(expect[what], eos[what]), dims[1])
         assert len(set(ends)) > 1, f"{name}: {what} replicas all end at step {ends}"
+    # transformers' beam search on each of 2 replicas' shares alone ends at different steps (so one replica's
+    # ring must step on for the other's, or its peers wait for it in the all-to-all): Mixtral's meshes are dp2.
+    for b, ends in zip(BEAMS, expect["beam_steps"], strict=True) if "beam" in expect else ():
+        assert dims[1] == 2 and len(set(ends)) > 1, f"{name}: beam search {b} ends at steps {ends} (dp{dims[1]})"
     total, experts = _halves(path)
     for rank, res in enumerate(per_rank):
         case = res[i]
@@ -290,9 +348,6 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
         assert abs(case["labelled"] - ref["labelled"]) <= 1e-5 * abs(ref["labelled"]), (name, rank, case["labelled"])
         if pp1:
             assert case["bytes"] == total - experts // 2, f"{name} rank {rank}: read {case['bytes']} of {total}"
-        msg = case["refused"]
-        assert msg is not None and msg.startswith("InputError: beam search (num_beams=2) is not supported"), msg
-        assert "ep_over='data'" in msg and "within each stage" in msg, f"rank {rank}: {msg}"
         # Greedy: token for token transformers' (pad after EOS, as wide as the longest row); sampling: the
         # pipeline on one process, exactly (an argmax flipped by the all-to-all's summation order, ~1e-7 on
         # logits, would be a near-tie the tiny models do not have; a replica stepping out of lock hangs or
@@ -300,6 +355,12 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
         assert torch.equal(case["greedy"], expect["greedy"]), f"{name} rank {rank}: greedy {case['greedy']}"
         if "sampled" in case:
             assert torch.equal(case["sampled"], expect["sampled"]), f"{name} rank {rank}: sampled {case['sampled']}"
+        # Beam search (Mixtral, where sampling runs): transformers' sequences on one process, exactly (the
+        # replicas' shares gathered, padded with its fill id to the longest returned beam; a near-tie flipped by
+        # the all-to-all's ~1e-7 the tiny models do not have; a replica out of lock step hangs its peers).
+        assert ("beam" in case) == ("beam" in expect and "sampled" in case), f"{name} rank {rank}: beam ran?"
+        for b, got, want in zip(BEAMS, case["beam"], expect["beam"], strict=True) if "beam" in case else ():
+            assert torch.equal(got, want), f"{name} rank {rank}: beam search {b}: {got} != {want}"
         # Every replica cuts its share into as many microbatches (3 asked, capped by the smallest share), and
         # feeds each prompt in one forward.
         assert (case["microbatches"], case["prefill_steps"]) == (min(3, ROWS // dims[1]), 1), (name, rank)
@@ -321,7 +382,7 @@ def _check(name, per_rank, i, path, saved, dims, pp1, gen, share=2):
 
 def test_pp1_ep2_over_dp2_mixtral_and_qwen3_moe_equal_transformers(tmp_path):
     paths = {t: _checkpoint(tmp_path, t) for t in ("mixtral", "qwen3_moe")}
-    gens = {t: _generation_refs(paths[t]) for t in paths}
+    gens = {t: _generation_refs(paths[t], beam=t == "mixtral") for t in paths}
     kwargs = {"num_stages": 1, "n_microbatches": 2}
     cases = [(paths[t], kwargs, str(tmp_path / f"saved-{t}"), str(tmp_path / "state") if t == "mixtral" else None,
               t == "qwen3_moe", gens[t][0]) for t in paths]
@@ -336,8 +397,9 @@ def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_fsdp_and_hsdp_with_experts_over_replicas_
     # Mixtral with the routers' load-balancing loss in its loss (train_step and the labelled forward).
     paths = {"mixtral": _checkpoint(tmp_path, "mixtral", output_router_logits=True, router_aux_loss_coef=0.1),
              "qwen3_moe": _checkpoint(tmp_path, "qwen3_moe")}
-    gens = {t: _generation_refs(paths[t]) for t in paths}
-    # Sampling where the ring or the ep groups change (pp2, two ep groups); greedy alone at ZBV and tp2 (time).
+    gens = {t: _generation_refs(paths[t], beam=t == "mixtral") for t in paths}
+    # Sampling and beam search where the ring or the ep groups change (pp2, two ep groups); greedy alone at ZBV
+    # and tp2 (time).
     greedy_only = {"greedy": gens["qwen3_moe"][0]["greedy"]}
     cases = [
         (paths["mixtral"], {"num_stages": 2, "schedule": "1f1b", "n_microbatches": 2}, str(tmp_path / "s-1f1b"),

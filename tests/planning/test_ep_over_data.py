@@ -1,8 +1,8 @@
 """Experts over data-parallel ranks (``ep_over="data"``, transformers' ``ep_size > tp_size``), asked for and
 planned on one process: the request keeps ``ep_size`` alone meaning the stage's own ranks, ``ep_over="data"``
 makes ``ep_size / tp_size`` replicas per expert group, and what cannot run is refused by name (an ``ep_size``
-that is no multiple k > 1 of ``tp_size``, k not dividing the replicas, FSDP, all-reduce dispatch, beam search,
-serving), and replicas generating in lock step cut their rows into the same microbatch count.
+that is no multiple k > 1 of ``tp_size``, k not dividing the replicas, FSDP, all-reduce dispatch, serving),
+and replicas generating in lock step (beam search too) cut their rows into the same microbatch count.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from transformers.distributed import DistributedConfig
 
 from hf_pipeline.errors import InputError
 from hf_pipeline.generation.microbatches import replica_share
-from hf_pipeline.generation.refusals import refuse
 from hf_pipeline.load_options import LoadOptions
 from hf_pipeline.planning.options import PipelineOptions
 from hf_pipeline.planning.tp_plan import ParallelRequest, parallel_request
@@ -69,11 +68,6 @@ def test_transformers_config_asking_ep_over_its_fsdp_ranks_is_ep_over_data_and_o
                                 parallel=_req(ep_size=4, fsdp_size=2, ep_over="data", world_size=8))
     hsdp = _req(ep_size=2, fsdp_size=2, ep_over="data", world_size=8)  # fsdp2 x 2 replicas: ep within each
     assert PipelineOptions.resolve(decoder_config("mixtral"), 8, num_stages=2, parallel=hsdp).ep_data == 2
-    rows = dict(copies=1, do_sample=False, batch=4, dp_size=2, n_microbatches=2, return_dict=False, criteria=False)
-    refuse("rows", beams=1, ep_data=2, **rows)  # greedy and sampling run in lock step
-    refuse("rows", beams=2, ep_data=1, **rows)
-    with pytest.raises(InputError, match=r"^beam search \(num_beams=2\) is not supported .*ep_over='data'"):
-        refuse("rows", beams=2, ep_data=2, **rows)
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4])
