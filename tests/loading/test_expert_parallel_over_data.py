@@ -436,5 +436,5 @@ def test_pp2_x_dp2_pp1_x_dp4_dp2_x_tp2_fsdp_and_hsdp_with_experts_over_replicas_
     _check("qwen3_moe fsdp4, ep2", per_rank, 4, qwen[0], cases[4][2], (1, 4, 1), pp1=False, gen=qwen[1])
     _check("mixtral pp2 x fsdp2 1F1B, ep2", per_rank, 5, mixtral[0], cases[5][2], (2, 2, 1), pp1=False, gen=mixtral[1])
     _check("qwen3_moe dp2 x fsdp2, ep2", per_rank, 6, qwen[0], cases[6][2], (1, 4, 1), pp1=False, gen=qwen[1])
-    _check("mixtral fsdp2 x tp2, ep4", per_rank, 7, mixtral[0], cases[6][2], (1, 2, 2), pp1=False, gen=mixtral[1],
+    _check("mixtral fsdp2 x tp2, ep4", per_rank, 7, mixtral[0], cases[7][2], (1, 2, 2), pp1=False, gen=mixtral[1],
            share=4)
