@@ -433,3 +433,19 @@ def stopping_stream(ref, stream: list[tuple[int, int]], early: tuple[int, ...], 
         full, _ = alone_choice(ref, reqs[k])
         reqs[k]["stop_token_ids"] = [full[2]]
     return reqs
+
+
+def adapter_logits(peft_model, inputs: dict) -> dict[str, torch.Tensor]:
+    """A peft model's logits on ``inputs`` with its adapter disabled (``base``), active (``unmerged``), merged into
+    the base weights (``merged``) and unmerged again (``unmerged_again``); the model is left in eval mode."""
+    peft_model.eval()
+    out = {}
+    with torch.no_grad():
+        with peft_model.disable_adapter():
+            out["base"] = peft_model(**inputs).logits
+        out["unmerged"] = peft_model(**inputs).logits
+        peft_model.merge_adapter()
+        out["merged"] = peft_model(**inputs).logits
+        peft_model.unmerge_adapter()
+        out["unmerged_again"] = peft_model(**inputs).logits
+    return out

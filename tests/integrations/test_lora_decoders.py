@@ -99,16 +99,7 @@ def _lora_run(model, peft_model, train) -> dict:
     opt.step()
     opt.zero_grad()
     res["trained"] = _adapter(model)
-    peft_model.eval()
-    with torch.no_grad():
-        with peft_model.disable_adapter():
-            res["base"] = peft_model(**_eval_inputs()).logits
-        res["unmerged"] = peft_model(**_eval_inputs()).logits
-        peft_model.merge_adapter()
-        res["merged"] = peft_model(**_eval_inputs()).logits
-        peft_model.unmerge_adapter()
-        res["unmerged_again"] = peft_model(**_eval_inputs()).logits
-    return res
+    return {**res, **tiny.adapter_logits(peft_model, _eval_inputs())}
 
 
 def _job(paths: dict[str, str], out: str, load: dict, lora: tuple, trained: tuple) -> dict:
