@@ -6,6 +6,9 @@ several times a pipeline hop: :func:`benchmarks.checkpoints.decode_heavy_checkpo
 contenders, one after another, each a server started on a free port and stopped (all its processes) after:
 
   * ``served``: ``hf-pipeline serve`` at ``world`` ranks, one thread per rank;
+  * ``replicas``: ``hf-pipeline serve`` at ``world`` ranks as ``world`` whole-model replicas (``--num-stages 1``),
+    rank 0 planning every replica's continuous ring: what a model that fits one device should be served as, where
+    a pipeline hop costs more than a stage's decode step (the tiny model);
   * ``one_process``: one ``transformers serve --continuous-batching`` process, one thread;
   * ``limit``: the machine's 2-way limit: that process and a second, independent one, each taking half of
     the same requests at once (two guidellm runs side by side, each at half the concurrency against its own
@@ -51,11 +54,12 @@ from devtools.process_tree import kill_tree
 
 __all__ = ["CONTENDERS", "NO_EOS", "guidellm_command", "prompts", "run"]
 
-CONTENDERS = ("served", "one_process", "limit")
+CONTENDERS = ("served", "replicas", "one_process", "limit")
 # Each server's own way of making a completion run to max_tokens (guidellm's ignore_eos is refused by
 # transformers serve), and greedy for both.
 NO_EOS = {
     "hf_pipeline": {"temperature": 0, "ignore_eos": True},
+    "hf_pipeline_replicas": {"temperature": 0, "ignore_eos": True},
     "transformers": {"temperature": 0, "generation_config": json.dumps({"eos_token_id": []})},
 }
 STARTUP_S = 600.0  # two ranks or a process importing torch and loading a 1 GB model on a loaded 2-core machine
@@ -117,10 +121,13 @@ def _start(kind: str, model: str, log: pathlib.Path, sizes: Sizes, device: str) 
     port = _free_port()
     longest = sizes.http_prompt_tokens * 2 + sizes.http_output_tokens  # decoded prompts may re-tokenize longer
     top = max(sizes.http_concurrency)
-    if kind == "hf_pipeline":
+    if kind.startswith("hf_pipeline"):
+        # replicas: one stage, every rank a whole model with --max-batch rows of its own
+        replicas = kind == "hf_pipeline_replicas"
         cmd = [sys.executable, "-m", "hf_pipeline.cli", "serve", model, "--num-processes", str(sizes.world),
-               "--num-cpu-threads-per-process", "1", "--max-batch", str(top), "--dtype", "float32",
-               "--device", device.split(":")[0], "--served-model-name", model]
+               "--num-cpu-threads-per-process", "1", "--max-batch", str(-(-top // sizes.world) if replicas else top),
+               "--dtype", "float32", "--device", device.split(":")[0], "--served-model-name", model,
+               *(["--num-stages", "1"] if replicas else [])]
     else:
         block = 32
         # Sized for the load, as serve.py's continuous batching: the default sizes the cache from free memory.
@@ -217,8 +224,8 @@ def _model_section(name: str, model: str, sizes: Sizes, work: pathlib.Path, devi
     pool = prompts(model, max(counts.values()), sizes.http_prompt_tokens)
     texts = {c: pool[:n] for c, n in counts.items()}
     rows: dict[int, dict] = {c: {} for c in counts}
-    for key, kinds in (("served", ["hf_pipeline"]), ("one_process", ["transformers"]),
-                       ("limit", ["transformers", "transformers"])):
+    for key, kinds in (("served", ["hf_pipeline"]), ("replicas", ["hf_pipeline_replicas"]),
+                       ("one_process", ["transformers"]), ("limit", ["transformers", "transformers"])):
         log(f"  serve-http {name}: {key}")
         try:
             _measure(kinds, model, texts, sizes, work, rows, key, device, log)

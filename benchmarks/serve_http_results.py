@@ -73,6 +73,12 @@ def ratios(rows: dict[str, dict]) -> dict[str, Any]:
         out["outputs_equal_one_process"] = _equal(served, one)
     if "output_tokens_per_s" in served and "output_tokens_per_s" in limit:
         out["served_vs_limit"] = served["output_tokens_per_s"] / limit["output_tokens_per_s"]
+    replicas = rows.get("replicas", {})
+    if "output_tokens_per_s" in replicas and "output_tokens_per_s" in one:
+        out["replicas_vs_one_process"] = replicas["output_tokens_per_s"] / one["output_tokens_per_s"]
+        out["replicas_outputs_equal_one_process"] = _equal(replicas, one)
+        if "output_tokens_per_s" in limit:
+            out["replicas_vs_limit"] = replicas["output_tokens_per_s"] / limit["output_tokens_per_s"]
     if "output_tokens_per_s" in one and "output_tokens_per_s" in limit:
         out["limit_vs_one_process"] = limit["output_tokens_per_s"] / one["output_tokens_per_s"]
     return out

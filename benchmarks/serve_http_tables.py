@@ -11,6 +11,7 @@ __all__ = ["GPU_NOTE", "markdown", "readme"]
 
 NAMES = {
     "served": "hf-pipeline serve, {world} ranks",
+    "replicas": "hf-pipeline serve, {world} ranks as {world} replicas (--num-stages 1)",
     "one_process": "transformers serve --continuous-batching, 1 process",
     "limit": "2-way limit: 2 transformers processes, half the requests each",
 }
@@ -49,14 +50,16 @@ def _table(sh: dict) -> Table:
 
 def _ratios(sh: dict) -> Table:
     t = Table(["model", "concurrency", "served / limit", "served / one process", "limit / one process",
-               "TTFT p50 served / one process", "outputs equal one process"])
+               "TTFT p50 served / one process", "outputs equal one process", "replicas / one process",
+               "replicas' outputs equal"])
     for name, m in sh["models"].items():
         for c, per in m["concurrency"].items():
             r = per["ratios"]
-            equal = r.get("outputs_equal_one_process")
+            equal, twin = r.get("outputs_equal_one_process"), r.get("replicas_outputs_equal_one_process")
             t.add(name, c, _x(r.get("served_vs_limit")), _x(r.get("served_vs_one_process")),
                   _x(r.get("limit_vs_one_process")), _x(r.get("ttft_p50_served_vs_one_process")),
-                  "-" if equal is None else f"{equal} / {m['requests'][c]}")
+                  "-" if equal is None else f"{equal} / {m['requests'][c]}", _x(r.get("replicas_vs_one_process")),
+                  "-" if twin is None else f"{twin} / {m['requests'][c]}")
     return t
 
 
@@ -84,13 +87,13 @@ def readme(res: dict[str, Any]) -> list:
     if not sh:
         return []
     t = Table(["model", "concurrency", "served tokens/s", "1 process", "2-way limit", "served / limit",
-               "served / 1 process", "TTFT p50 served / 1 process"])
+               "served / 1 process", "TTFT p50 served / 1 process", "replicas / 1 process"])
     for name, m in sh["models"].items():
         for c, per in m["concurrency"].items():
             rows, r = per["contenders"], per["ratios"]
             t.add(name, c, *(_f(rows.get(k, {}).get("output_tokens_per_s")) or "-" for k in CONTENDER_ORDER),
                   _x(r.get("served_vs_limit")), _x(r.get("served_vs_one_process")),
-                  _x(r.get("ttft_p50_served_vs_one_process")))
+                  _x(r.get("ttft_p50_served_vs_one_process")), _x(r.get("replicas_vs_one_process")))
     return [f"Serving over HTTP, measured by guidellm (`--sections serve-http`; {sh['world']} ranks against "
             "`transformers serve --continuous-batching`, 1 thread per process). " + GPU_NOTE, "", t, ""]
 

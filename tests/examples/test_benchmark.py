@@ -151,7 +151,10 @@ def test_serve_http_figures_come_from_guidellm_reports():
     assert limit["ttft_p50_ms"] == pytest.approx(30.0) and limit["itl_p50_ms"] == pytest.approx(2.0)
     assert limit["ttft_p90_ms"] == pytest.approx(46.0)  # numpy's linear percentile of (10, 50)
     assert one["errors"] == 1 and one["successful"] == 2 and served["errors"] == 0
-    r = ratios({"served": served, "one_process": one, "limit": limit})
+    replicas = contender_row([_guidellm_report(3.0, 12.0, [("a", "x", 10, 2), ("b", "z", 30, 4)])])
+    r = ratios({"served": served, "replicas": replicas, "one_process": one, "limit": limit})
+    assert r["replicas_vs_one_process"] == pytest.approx(1.5) and r["replicas_vs_limit"] == pytest.approx(1.2)
+    assert r["replicas_outputs_equal_one_process"] == 2
     assert r["served_vs_limit"] == pytest.approx(1.6) and r["served_vs_one_process"] == pytest.approx(2.0)
     assert r["limit_vs_one_process"] == pytest.approx(1.25)
     assert r["ttft_p50_served_vs_one_process"] == pytest.approx(2 / 3)
@@ -166,12 +169,13 @@ def test_serve_http_figures_come_from_guidellm_reports():
                           "models": {"tiny": {"path": "p", "requests": {"1": 2, "8": 2}, "concurrency": {
                               "1": {"contenders": {"served": served, "one_process": one, "limit": skipped},
                                     "ratios": ratios({"served": served, "one_process": one})},
-                              "8": {"contenders": {"served": served, "one_process": one, "limit": limit},
+                              "8": {"contenders": {"served": served, "replicas": replicas, "one_process": one,
+                                                   "limit": limit},
                                     "ratios": r}}}}}}
     md = render(markdown(res))
-    assert "| tiny | 8 | 1.60x | 2.00x | 1.25x | 0.67x | 1 / 2 |" in md
+    assert "| tiny | 8 | 1.60x | 2.00x | 1.25x | 0.67x | 1 / 2 | 1.50x | 2 / 2 |" in md
     assert "| tiny | 1 | 2-way limit: 2 transformers processes, half the requests each | concurrency 1 cannot" in md
-    assert "| tiny | 8 | 16.0 | 8.0 | 10.0 | 1.60x | 2.00x | 0.67x |" in render(readme(res))
+    assert "| tiny | 8 | 16.0 | 8.0 | 10.0 | 1.60x | 2.00x | 0.67x | 1.50x |" in render(readme(res))
     assert "~2x one process" in md and markdown({}) == readme({}) == []
 
 
