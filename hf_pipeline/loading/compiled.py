@@ -55,9 +55,12 @@ def check_compile(setting: Any, options: Any) -> dict[str, Any] | None:
         raise InputError(
             f"compile={setting!r}: {unknown} are not torch.compile arguments taken here; use {COMPILE_KEYS}"
         )
+    # FSDP2 gathers a block's parameters in its module hooks, around the compiled forward, which then sees plain
+    # tensors (as torchtitan compiles per block under FSDP); tensor- and expert-parallel blocks hold DTensors, whose
+    # tracing fails in this torch (aot_eager: RecursionError in proxy_tensor) for transformers' blocks.
     why = ("the stages are traced (a graph already, run by torch's interpreter)" if options.traced else
-           "tensor / expert parallelism shards the blocks (DTensor)" if options.tp_size > 1 else
-           "FSDP wraps the blocks" if options.fsdp_size > 1 else None)
+           "tensor parallelism shards the blocks (DTensor)" if options.tp_size > 1 else
+           "expert parallelism splits the experts (DTensor)" if options.ep_size > 1 else None)
     if why:
         raise InputError(f"compile=True is not supported here: {why}; load without compile")
     return kwargs
