@@ -20,6 +20,9 @@ adapter is a few ``r x hidden`` matrices per projection, not worth sharding. Wha
 
 Refused here, at injection, on every rank (no communication):
 
+* replicas of fsdp-sharded pipelines (HSDP, ``dims.replicas > 1``): peft sizes a LoRA layer from its base
+  weight, and takes a ``DTensor`` weight whose mesh has any dim but ``"fsdp"`` (HSDP's is ``("dp", "fsdp")``)
+  for a tensor-parallel one, sizing the layer by the local shard (``lora_B`` of half the rows here);
 * ``modules_to_save`` (peft's ``SEQ_CLS`` classifier): peft's trainable copy of a head module would be a copy
   of FSDP's ``DTensor`` shards that no FSDP unit gathers or reduces;
 * an adapter on expert parameters (``target_parameters``) FSDP chunks (experts within a stage, ``ep_over=
@@ -55,6 +58,14 @@ def refuse_under_fsdp(model: PipelineCore, config: Any) -> None:
     fsdp = getattr(model.dims, "fsdp_size", 1)
     if fsdp == 1:
         return
+    replicas = getattr(model.dims, "replicas", 1)
+    if replicas > 1:
+        raise InputError(
+            f"a PEFT adapter on a model loaded with fsdp_size={fsdp} and {replicas} replicas of it (HSDP) is not "
+            "supported: peft sizes each LoRA layer by the local shard of a weight on a mesh with a dim besides "
+            "'fsdp', which HSDP's ('dp', 'fsdp') mesh has. Launch fsdp_size x pp_size processes (one replica: set "
+            "fsdp_size to world size / pp_size), or load without fsdp_size"
+        )
     saved = list(getattr(config, "modules_to_save", None) or [])
     if saved:
         raise InputError(

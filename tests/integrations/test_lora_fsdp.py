@@ -13,7 +13,8 @@ data-parallel ranks (``hf_pipeline/integrations/peft_fsdp.py``). One spawned job
   ``transformers.Trainer`` + peft on one process with the global batch;
 * refused at injection on every rank, naming the field: ``modules_to_save`` under fsdp.
 
-A second job of 4 ranks runs LLaMA at pp2 x fsdp2 (1F1B, 2 microbatches; each rank checks its stage's entries).
+A second job of 4 ranks runs LLaMA at pp2 x fsdp2 (1F1B, 2 microbatches; each rank checks its stage's entries), and
+checks an adapter at dp2 x fsdp2 (HSDP) refused on every rank.
 
 Every LoRA rank checks against peft on one process with the whole batch: the fresh adapter bitwise, the losses of 2
 ``train_step`` calls (rows whose real-token counts differ: a per-rank mean instead of the global item count moves
@@ -47,7 +48,10 @@ CASES = {  # name -> (model_type, load options), at 2 ranks
     "qwen3_moe fsdp2 x ep2 over data": ("qwen3_moe", {"num_stages": 1, "fsdp_size": 2, "ep_size": 2,
                                                       "ep_over": "data", "n_microbatches": 1}),
 }
-PP2_FSDP2 = {"num_stages": 2, "fsdp_size": 2, "schedule": "1f1b", "n_microbatches": 2}  # 4 ranks
+FOUR_RANKS = {  # name -> load options of LLaMA at 4 ranks, and whether each rank holds the whole adapter
+    "pp2 x fsdp2": ({"num_stages": 2, "fsdp_size": 2, "schedule": "1f1b", "n_microbatches": 2}, False),
+}
+HSDP = {"num_stages": 1, "fsdp_size": 2, "n_microbatches": 2}  # at 4 ranks: 2 replicas of an fsdp2 stage
 
 
 def _lora(model_type: str):
@@ -108,10 +112,13 @@ def _two_ranks(paths: dict, out: str) -> dict:
 
 
 def _four_ranks(path: str, out: str) -> dict:
-    model, peft_model = _adapted(path, "llama", PP2_FSDP2)
-    res = _run(model, peft_model, model.train_step)
-    peft_model.save_pretrained(f"{out}/adapter")  # the first fsdp rank of each stage's adapter, gathered to rank 0
-    return res
+    results = {}
+    for case, (load, _) in FOUR_RANKS.items():
+        model, peft_model = _adapted(path, "llama", load)
+        results[case] = _run(model, peft_model, model.train_step)
+        peft_model.save_pretrained(f"{out}/adapter-{case}")  # the first fsdp rank's pipeline's, gathered to rank 0
+    results["refused"] = _refused(path, HSDP, _lora("llama"))
+    return results
 
 
 def _reference(model_type: str, path, out) -> dict:
@@ -174,15 +181,22 @@ def test_lora_on_fsdp_and_fsdp_with_experts_over_data_equals_peft(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_lora_on_two_stages_of_two_fsdp_ranks_equals_peft(tmp_path):
-    """pp2 x fsdp2 (4 ranks, LLaMA): each rank checks its stage's entries; the adapter saved from both stages."""
+def test_lora_on_four_ranks_of_fsdp_meshes_equals_peft(tmp_path):
+    """LLaMA at pp2 x fsdp2 (each rank checks its stage's entries; the adapter saved from both stages); an
+    adapter at dp2 x fsdp2 (HSDP) refused on every rank, naming the replicas."""
     path, out = tiny.make_checkpoint(tmp_path / "llama", "llama"), tmp_path / "out"
     ref = _reference("llama", path, out / "ref-llama")
     results = run_distributed(_four_ranks, 4, str(path), str(out), timeout=600)
-    for rank, got in enumerate(results):
-        _check(got, ref, f"llama pp2 x fsdp2 rank {rank}", whole=False)
-    assert set(results[0]["init"]) | set(results[1]["init"]) == set(ref["init"]), "adapter entries no stage holds"
-    _check_saved(out / "adapter", out / "ref-llama", path, ref, "llama pp2 x fsdp2")
+    for case, (_, whole) in FOUR_RANKS.items():
+        for rank, got in enumerate(results):
+            _check(got[case], ref, f"llama {case} rank {rank}", whole=whole)
+        held = set().union(*(got[case]["init"] for got in results))
+        assert held == set(ref["init"]), f"{case}: adapter entries no stage holds"
+        _check_saved(out / f"adapter-{case}", out / "ref-llama", path, ref, f"llama {case}")
+    for rank, res in enumerate(results):
+        msg = res["refused"]
+        assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
+        assert "fsdp_size=2 and 2 replicas" in msg, f"rank {rank}: {msg}"
 
 
 def test_refusals_under_fsdp_name_the_field():
@@ -192,8 +206,8 @@ def test_refusals_under_fsdp_name_the_field():
     from hf_pipeline.errors import InputError
     from hf_pipeline.integrations.peft_fsdp import refuse_under_fsdp
 
-    def model(fsdp: int, ep: int = 1, ep_data: int = 1):
-        return SimpleNamespace(dims=SimpleNamespace(fsdp_size=fsdp, ep_data=ep_data),
+    def model(fsdp: int, ep: int = 1, ep_data: int = 1, replicas: int = 1):
+        return SimpleNamespace(dims=SimpleNamespace(fsdp_size=fsdp, ep_data=ep_data, replicas=replicas),
                                options=SimpleNamespace(ep_size=ep))
 
     experts = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
@@ -201,6 +215,8 @@ def test_refusals_under_fsdp_name_the_field():
     for config in (experts, saved):
         refuse_under_fsdp(model(1, ep=2), config)  # no FSDP: nothing refused here
     refuse_under_fsdp(model(2, ep=2, ep_data=2), experts)  # experts over the fsdp ranks: left out of FSDP
+    with pytest.raises(InputError, match=r"fsdp_size=2 and 2 replicas of it \(HSDP\)"):
+        refuse_under_fsdp(model(2, replicas=2), _lora("llama"))
     with pytest.raises(InputError, match=r"modules_to_save=\['lm_head'\].*fsdp_size=2"):
         refuse_under_fsdp(model(2), saved)
     with pytest.raises(InputError, match=r"ep_size=2 within each stage and fsdp_size=2.*ep_over='data'"):
