@@ -10,8 +10,7 @@ others go on, and a different adapter folder on each rank would load silently as
 * the per-rank step runs inside :func:`agreed`: a failure on any rank becomes :class:`AdapterError` on
   every rank, naming the failing rank and its cause, and no rank is left waiting in a later collective;
 * tensor parallelism is refused by name at injection (:func:`refuse_tensor_parallel`): a LoRA weight of a
-  tensor-parallel module would be one shard per rank, and saving it would write rank 0's shard only; so are
-  expert parameters split over FSDP ranks.
+  tensor-parallel module would be one shard per rank, and saving it would write rank 0's shard only.
 """
 
 from __future__ import annotations
@@ -48,19 +47,10 @@ def _plain(value: Any) -> Any:
 
 def refuse_tensor_parallel(model: PipelineCore, config: Any = None) -> None:
     """Refuse an adapter on a model whose stages shard what it would adapt (every rank raises it, with no
-    communication): tensor-parallel modules (``tp_size > 1`` with a plan), or expert parameters (peft's
-    ``target_parameters``) split by expert parallelism over FSDP ranks (``fsdp_size``). Under ``ep_size``
-    alone or over plain replicas the attention and every module outside the experts are whole on each rank,
-    and so are their adapters and the experts' ``lora_A`` / ``lora_B`` (``peft_experts.py``)."""
+    communication): tensor-parallel modules (``tp_size > 1`` with a plan). Under ``ep_size`` alone or over
+    plain replicas the attention and every module outside the experts are whole on each rank, and so are their
+    adapters and the experts' ``lora_A`` / ``lora_B`` (``peft_experts.py``); FSDP's rules: ``peft_fsdp.py``."""
     options = getattr(model, "options", None)
-    ep, fsdp = getattr(options, "ep_size", 1), getattr(model.dims, "fsdp_size", 1)
-    if ep > 1 and fsdp > 1 and getattr(config, "target_parameters", None):
-        raise InputError(
-            f"a PEFT adapter on parameters ({sorted(config.target_parameters)}) of a model loaded with ep_size={ep} "
-            f"and fsdp_size={fsdp} is not supported: its lora_A / lora_B would be whole tensors beside FSDP's "
-            "shards. Load without fsdp_size (ep_size alone, or ep_over='data' over plain replicas, takes such an "
-            "adapter), or adapt no expert parameters"
-        )
     tp = getattr(model.dims, "tp_size", 1)
     if tp > 1 and (options is None or getattr(options, "tp_plan", ())):
         raise InputError(

@@ -26,6 +26,7 @@ from ..errors import InputError
 from . import peft_patches
 from .peft_agree import agree_on_config, agree_on_files, agreed, refuse_tensor_parallel
 from .peft_experts import on_parameter_mesh, run_locally
+from .peft_fsdp import refuse_under_fsdp
 from .peft_inject import AdapterState, inject_on_stages, local_adapter_keys, wrapped_module_keys
 from .peft_save import adapter_tensors, save_adapter_files, saving, write_peft_model
 
@@ -76,6 +77,7 @@ class AdapterHost(PeftAdapterMixin):
         """peft's injection on this rank's stages (see :func:`~hf_pipeline.integrations.peft_inject.inject_on_stages`).
         Collective: the config is compared across ranks first, and a failure on any rank raises on every rank."""
         refuse_tensor_parallel(self, tuner.peft_config[adapter_name])
+        refuse_under_fsdp(self, tuner.peft_config[adapter_name])
         agree_on_config(self, tuner.peft_config[adapter_name], adapter_name)
         with agreed(self, f"injecting adapter {adapter_name!r}"):
             targets = inject_on_stages(tuner, original, self, adapter_name, **kwargs)

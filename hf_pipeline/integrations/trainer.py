@@ -390,6 +390,6 @@ class PipelineTrainer(PipelineTrainerMixin, Trainer):
     Raises:
         UsageError: at construction, on every rank, for what the pipeline cannot do (``model_init``,
             an unpipelined model, DeepSpeed, FSDP, ``torch_compile``, fp16, an indivisible batch,
-            ``compute_loss_func``, label smoothing, a PEFT adapter on a model loaded with ``fsdp_size``, a
-            subclass with a loss of its own; see :mod:`.trainer_refusals`).
+            ``compute_loss_func``, label smoothing, a subclass with a loss of its own; see
+            :mod:`.trainer_refusals`).
     """

@@ -223,16 +223,6 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        # A pipeline loaded with fsdp_size trains under PipelineTrainer (tests/integrations/test_trainer_fsdp.py); a
-        # PEFT adapter on it has not been checked against transformers + peft there (its adapter state is not sharded).
-        applies=lambda args, model, extra: bool(extra.get("adapter")) and getattr(model.dims, "fsdp_size", 1) > 1,
-        message=lambda args, model: (
-            f"PipelineTrainer does not train a PEFT adapter on a model loaded with fsdp_size={model.dims.fsdp_size} "
-            "yet; load the model without fsdp_size / tp_size / distributed_config / device_mesh for LoRA, or "
-            "train the whole model at fsdp_size (pass the pipelined model itself)"
-        ),
-    ),
-    Refusal(
         applies=lambda args, model, extra: _lacks_checkpointing(args, model),
         message=lambda args, model: (
             f"{_checkpointing_name(args)}=True needs {type(model).__name__}.activation_checkpointing_enable "

@@ -12,7 +12,7 @@ from ..distributed.dims import ParallelDims
 from ..distributed.shards import is_sharded
 from ..errors import TrainingError
 
-__all__ = ["BUCKET_BYTES", "all_reduce_flat", "fsdp_sync_group", "refuse_unsharded"]
+__all__ = ["BUCKET_BYTES", "all_reduce_flat", "fsdp_sync_group", "replicated_keys"]
 
 BUCKET_BYTES = 32 << 20  # gradients are all-reduced in flat buckets of at most this size
 
@@ -61,13 +61,28 @@ def fsdp_sync_group(
     return made[dims.ranks(pp_ranks, dims.tp_rank, (dims.dp_rank,))]
 
 
-def refuse_unsharded(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Under FSDP every trainable parameter must be one of FSDP's shards: a plain one added after loading
-    (a LoRA adapter) would get no reduce-scatter and, its key held on one pipeline rank, no sum here, so
-    each fsdp rank would step it with its own rows' gradient alone."""
-    plain = [name for name, p in named if not is_sharded(p)]
-    if plain:
+def replicated_keys(dims: ParallelDims, named: list[tuple[str, torch.Tensor]], held_here: set[str]) -> set[str]:
+    """Under FSDP, the keys of trainable parameters FSDP does not shard (a LoRA adapter's ``lora_A`` /
+    ``lora_B``, added after loading): each rank keeps them whole, as a replica does, and FSDP neither
+    reduce-scatters nor all-reduces their gradients, so the step sums them over the data-parallel group
+    (:attr:`~hf_pipeline.distributed.dims.ParallelDims.dp_group`: every fsdp rank, and every replica's,
+    of this pipeline slot), as it sums plain replicas'. Every microbatch loss is already divided by the
+    global batch's item count, so that sum is the whole batch's gradient, the one FSDP's reduce-scatter
+    (forced to a sum, ``loading/fsdp.py``) gives the sharded parameters. Empty without FSDP.
+
+    Args:
+        dims: the job's ranks.
+        named: ``(key, parameter)`` of every trainable parameter this rank holds.
+        held_here: the keys this pipeline rank alone holds (a plain key held by several, a tied pair,
+            would need a sum over pipeline ranks too, which nothing adds after loading).
+    """
+    if dims.fsdp_size == 1:
+        return set()
+    plain = {name for name, p in named if not is_sharded(p)}
+    shared = sorted(plain - held_here)
+    if shared:
         raise TrainingError(
-            f"training with fsdp_size > 1 needs every trainable parameter sharded by FSDP, but {plain[:3]} "
-            f"({len(plain)} in all) were added after loading (an adapter?); train them without fsdp_size"
+            f"training with fsdp_size > 1: {shared[:3]} are whole tensors (not sharded by FSDP) held by several "
+            "pipeline ranks; untie them or train without fsdp_size"
         )
+    return plain

@@ -20,7 +20,9 @@ the same batch. What it adds around the schedule:
   token-weighted average — the gradient of the full batch on one pipeline. FSDP ranks are data-parallel
   ranks too, but each stage's reduce-scatter sums their gradients (torch's ``PipelineStage`` runs it once,
   after the last backward; with replicas of fsdp pipelines, HSDP, FSDP2 also all-reduces the chunks over
-  them) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``).
+  them) and only tied keys are summed here (``flat_reduce.fsdp_sync_group``), with the whole tensors FSDP
+  does not shard (an adapter's, added after loading), summed over the data-parallel ranks as replicas'
+  (``flat_reduce.replicated_keys``).
 * **Gradient accumulation.** Gradients from earlier steps are set aside during a step and added back after
   the sync; ``loss_scale=1/k`` scales a step's gradients as ``(loss / k).backward()`` would.
 
@@ -58,7 +60,7 @@ from ..planning.schedules import check_training
 from ..runtime import weight_pass
 from ..runtime.cache import run_local_stages, signature, split_microbatches
 from ..runtime.checks import check_microbatches, check_model_inputs
-from .flat_reduce import all_reduce_flat, fsdp_sync_group, refuse_unsharded
+from .flat_reduce import all_reduce_flat, fsdp_sync_group, replicated_keys
 from .router_aux import aux_pass, forward_only
 
 __all__ = ["TrainStepState", "train_state", "train_step"]
@@ -161,8 +163,6 @@ def _new_train_state(model: PipelineCore) -> TrainStepState:
             entry = by_key.setdefault(key, _LocalKey(key=key, params=[], shared=len(layout.holders.get(key, ())) > 1))
             entry.params.append(p)
     local = list(by_key.values())
-    if model.dims.fsdp_size > 1:
-        refuse_unsharded([(e.key, p) for e in local for p in e.params])
     # Buckets: keys grouped by the set of pipeline ranks holding them. The set of all such rank
     # sets is derived from the plan alone, so every rank creates the same groups in the same order.
     all_sets = sorted({layout.pp_ranks(k) for k in layout.holders if k in layout.parameters})
@@ -174,16 +174,22 @@ def _new_train_state(model: PipelineCore) -> TrainStepState:
         groups[mine] = _group_for(model, mine, made)
     ranks_of = {e.key: layout.pp_ranks(e.key) if e.key in layout.holders else mine for e in local}
     experts = _experts_over_data(model, local)
+    # Under FSDP, whole tensors beside the shards (an adapter): summed over the data-parallel ranks, as replicas'.
+    whole = replicated_keys(model.dims, [(e.key, p) for e in local for p in e.params],
+                            {e.key for e in local if ranks_of[e.key] == mine})
     buckets = []
     for s in groups:
         if model.dims.pp_rank not in s:
             continue
         # Sorted by key: the flat buffers of all members of the group must line up.
-        keys = sorted((e for e in local if ranks_of[e.key] == s and e.key not in experts), key=lambda e: e.key)
+        keys = sorted((e for e in local if ranks_of[e.key] == s and e.key not in experts and e.key not in whole),
+                      key=lambda e: e.key)
         if keys:
             buckets.append((groups[s], keys))
     if experts:
         buckets.append((model.dims.expert_replica_group, sorted(experts.values(), key=lambda e: e.key)))
+    if whole:
+        buckets.append((model.dims.dp_group, sorted((e for e in local if e.key in whole), key=lambda e: e.key)))
     norm_params = [e.params[0] for e in local if ranks_of[e.key] == mine or layout.owner_stage(e.key) in local_stages]
     return TrainStepState(
         loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),

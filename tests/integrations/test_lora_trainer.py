@@ -57,10 +57,10 @@ def _adapter(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters() if "lora_" in n}
 
 
-def _train_rank(path: str, out: str, num_stages: int | None) -> dict:
+def _train_rank(path: str, out: str, num_stages: int | None, extra: dict | None = None) -> dict:
     import hf_pipeline
 
-    load = {"num_stages": num_stages} if num_stages else {}
+    load = {"num_stages": num_stages, **(extra or {})} if num_stages else {}
     root, res = pathlib.Path(out), {}
 
     def trained(name: str, seed: int, resume: str | None = None, **overrides) -> tuple:
