@@ -17,10 +17,11 @@ steps by name, every LoRA parameter after 2 AdamW steps, eval logits with the ad
 merged / unmerged again; and the adapter each mesh saves: the keys and values one process writes, and loaded by
 plain peft on plain transformers, its tensors and its logits; and one process's adapter loaded by
 ``PeftModel.from_pretrained`` into an ep2 model, its logits. Refused on every rank at injection, naming the
-field: an adapter on expert parameters split over FSDP ranks (pp1 x fsdp2 x ep2), and any adapter on a model whose
-attention tensor parallelism shards (``tp_size=2``). ``PipelineTrainer`` full fine-tuning with the experts over
-the replicas equals transformers' ``Trainer`` on one process with the replicas' global batch (logs and every
-parameter, ``test_lora_decoders._check_trainer``'s tolerances).
+field: an adapter on expert parameters split over FSDP ranks (pp1 x fsdp2 x ep2), and one with ``lora_bias`` on a
+model whose attention tensor parallelism shards (``tp_size=2``; test_lora_tensor_parallel.py adapts it without).
+``PipelineTrainer`` full fine-tuning with the experts over the replicas equals transformers' ``Trainer`` on one
+process with the replicas' global batch (logs and every parameter, ``test_lora_decoders._check_trainer``'s
+tolerances).
 
 Tolerances (fp32), as tests/integrations/test_lora_decoders.py: 1e-5 absolute on the losses (~4.6; measured under
 5e-7), on every LoRA gradient (the experts' up to ~0.03; measured under 1e-8), on the adapter after 2 AdamW steps
@@ -127,7 +128,7 @@ def _ranks(paths: dict, out: str) -> dict:
     over_fsdp = {"ep_size": 2, "ep_over": "data", "fsdp_size": 2, "num_stages": 1}
     results["refused"] = (
         _refusal(mixtral, over_fsdp, target_modules=["q_proj"], target_parameters=EXPERTS),
-        _refusal(mixtral, {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"]),
+        _refusal(mixtral, {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"], lora_bias=True),
     )
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(mixtral, pipeline=True, device="cpu",
                                                              **MESHES["ep2 over dp2"])
@@ -226,7 +227,7 @@ def test_lora_on_attention_and_experts_under_expert_parallelism_equals_peft(tmp_
         diff = (res["loaded"] - refs["mixtral"]["unmerged"]).abs().max().item()
         assert diff <= TOL, f"rank {rank}: one process's adapter loaded at ep2 gives logits off by {diff:.3g}"
     wants = (("['mlp.experts.down_proj', 'mlp.experts.gate_up_proj']", "ep_size=2", "fsdp_size=2"),
-             ("tp_size=2 (tensor parallelism)",))
+             ("lora_bias=True", "tp_size=2 (tensor parallelism)"))
     for rank, res in enumerate(results):
         for msg, want in zip(res["refused"], wants, strict=True):
             assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
