@@ -13,7 +13,7 @@ unmerged again; and the adapter each mesh saves (whole tensors, written once): o
 loaded by plain peft on plain transformers, its tensors and its logits. The tp sum is shown to matter: LLaMA at tp2
 with ``copy_to_ranks`` made the identity in the LoRA layers (each rank keeping its rows' part of the gradients) must
 miss the reference gradients by more than 1e-3. Refused on every rank at injection, naming the field:
-``lora_bias=True`` at tp2, and tp2 x fsdp2.
+``lora_bias=True`` at tp2, GPT-2's packed ``Conv1D`` ``c_attn`` at tp2, and tp2 x fsdp2.
 
 Tolerances (fp32), as tests/integrations/test_lora_decoders.py: 1e-5 absolute on the losses (~4.6), on every LoRA
 gradient (up to ~0.1), on the adapter after 2 AdamW steps of lr 1e-2 (eps 1e-3, see EPS) and on logits (|logits|
@@ -77,9 +77,9 @@ def _run(model, peft_model, train) -> dict:
 
 
 def _paths(tmp_path, model_types) -> dict:
-    paths = _checkpoints(tmp_path, [t for t in model_types if t != "llama"])
-    if "llama" in model_types:
-        paths["llama"] = tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1)
+    paths = _checkpoints(tmp_path, [t for t in model_types if t not in ("llama", "gpt2")])
+    for arch in {"llama", "gpt2"} & set(model_types):
+        paths[arch] = tiny.make_checkpoint(tmp_path / arch, arch, shards=1)
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -112,7 +112,8 @@ def _tp2(paths: dict, out: str) -> dict:
         results[model_type] = _run(model, peft_model, model.train_step)
         peft_model.save_pretrained(f"{out}/adapter-{model_type}-tp2")
     results["unsummed"] = _unsummed_grads(paths["llama"])
-    results["refused"] = (_refusal(paths["llama"], TP2, target_modules=["q_proj"], lora_bias=True),)
+    results["refused"] = (_refusal(paths["llama"], TP2, target_modules=["q_proj"], lora_bias=True),
+                          _refusal(paths["gpt2"], TP2, target_modules=["c_attn"]))  # packed Conv1D q, k, v
     return results
 
 
@@ -176,7 +177,7 @@ def _check_refused(results: list[dict], wants: tuple) -> None:
 @pytest.mark.slow
 def test_lora_on_tensor_parallel_llama_and_qwen3_equals_peft(tmp_path):
     families = ("llama", "qwen3")
-    paths, out = _paths(tmp_path, families), tmp_path / "out"
+    paths, out = _paths(tmp_path, (*families, "gpt2")), tmp_path / "out"
     refs = {t: _reference(t, paths[t], out / f"ref-{t}") for t in families}
     results = run_distributed(_tp2, 2, paths, str(out), timeout=600)
     for model_type in families:
@@ -188,7 +189,7 @@ def test_lora_on_tensor_parallel_llama_and_qwen3_equals_peft(tmp_path):
     for rank, res in enumerate(results):
         missed = max((g - want[n]).abs().max().item() for n, g in res["unsummed"].items())
         assert missed > 1e-3, f"rank {rank}: LoRA gradients not summed over tp miss by {missed:.3g} only: blind check"
-    _check_refused(results, (("lora_bias=True", "tp_size=2"),))
+    _check_refused(results, (("lora_bias=True", "tp_size=2"), ("transformer.h.0.attn.c_attn", "Conv1D", "tp_size=2")))
 
 
 @pytest.mark.dist
