@@ -416,10 +416,12 @@ PARAMETRIZE_CACHE = ("torch.nn.utils.parametrize", "_cache")
 # classifier``), which a one-process file cannot have; it asks transformers for the model's weight conversions.
 PEFT_WEIGHTS_READER = ("peft.peft_model", "load_peft_weights")
 PEFT_CONVERSIONS = ("peft.utils.transformers_weight_conversion", "get_model_conversion_mapping")
-
+# peft sizes the LoRA factors of a DTensor layer by its local shard; while injecting into a tensor-parallel stage
+# it is given the whole layer's features (integrations/peft_tensor_parallel.py: the factors stay whole).
+PEFT_FEATURES = ("peft.tuners.lora.layer", "_get_in_out_features")
 __all__ += [
-    "PARAMETRIZE_CACHE", "PEFT_CONVERSIONS", "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER", "peft_create_and_replace",
-    "peft_freeze_base", "peft_override_create_and_replace",
+    "PARAMETRIZE_CACHE", "PEFT_CONVERSIONS", "PEFT_FEATURES", "PEFT_PATCHED_METHODS", "PEFT_WEIGHTS_READER",
+    "peft_create_and_replace", "peft_freeze_base", "peft_override_create_and_replace",
 ]
 # --- for loading/tensor_parallel ----------------------------------------------------------------------
 # A packed weight (GPT-2's fused q, k, v) sharded block by block is torch's strided shard placement (what
@@ -467,8 +469,6 @@ def whole_placement(mesh: Any) -> Any:
 
 
 __all__ += ["unflatten_mesh", "whole_placement"]
-
-
 # ---- mixtures of experts: transformers' expert dispatch (no public entry point for one module) and router records
 def install_expert_dispatch(
     experts: torch.nn.Module, mesh: Any, implementation: str, *, batch_mesh: Any = None

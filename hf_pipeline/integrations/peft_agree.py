@@ -9,8 +9,8 @@ others go on, and a different adapter folder on each rank would load silently as
   of the weight file, never the path), through :func:`~hf_pipeline.distributed.agreement.check_same_on_all_ranks`;
 * the per-rank step runs inside :func:`agreed`: a failure on any rank becomes :class:`AdapterError` on
   every rank, naming the failing rank and its cause, and no rank is left waiting in a later collective;
-* tensor parallelism is refused by name at injection (:func:`refuse_tensor_parallel`): a LoRA weight of a
-  tensor-parallel module would be one shard per rank, and saving it would write rank 0's shard only.
+* what the stages' sharding cannot adapt is refused by name at injection (:func:`refuse_tensor_parallel`):
+  what ``peft_tensor_parallel.py`` does not take under tensor parallelism (FSDP's rules: ``peft_fsdp.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any
 
 from ..core import PipelineCore
 from ..distributed.agreement import check_same_on_all_ranks, is_lost_peer_error, raise_on_any_rank
-from ..errors import AdapterError, InputError, PipelineError, RankError
+from ..errors import AdapterError, PipelineError, RankError
+from .peft_tensor_parallel import refuse_unsupported
 
 __all__ = ["agree_on_config", "agree_on_files", "agreed", "refuse_tensor_parallel"]
 
@@ -47,18 +48,11 @@ def _plain(value: Any) -> Any:
 
 def refuse_tensor_parallel(model: PipelineCore, config: Any = None) -> None:
     """Refuse an adapter on a model whose stages shard what it would adapt (every rank raises it, with no
-    communication): tensor-parallel modules (``tp_size > 1`` with a plan). Under ``ep_size`` alone or over
-    plain replicas the attention and every module outside the experts are whole on each rank, and so are their
-    adapters and the experts' ``lora_A`` / ``lora_B`` (``peft_experts.py``); FSDP's rules: ``peft_fsdp.py``."""
-    options = getattr(model, "options", None)
-    tp = getattr(model.dims, "tp_size", 1)
-    if tp > 1 and (options is None or getattr(options, "tp_plan", ())):
-        raise InputError(
-            f"a PEFT adapter on a model loaded with tp_size={tp} (tensor parallelism) is not supported: its LoRA "
-            "weights of tensor-parallel modules would be sharded across the tensor-parallel ranks, and the saved "
-            "adapter would hold one shard only. Load the model without tp_size (pipeline and data parallelism "
-            "work with adapters), or train the whole model at tp_size"
-        )
+    communication): what tensor parallelism does not take (``peft_tensor_parallel.refuse_unsupported``). Under
+    ``ep_size`` alone or over plain replicas the attention and every module outside the experts are whole on each
+    rank, and so are their adapters and the experts' ``lora_A`` / ``lora_B`` (``peft_experts.py``); FSDP's rules:
+    ``peft_fsdp.py``."""
+    refuse_unsupported(model, config)  # what tensor parallelism's LoRA does not take (peft_tensor_parallel.py)
 
 
 def agree_on_config(model: PipelineCore, config: Any, adapter_name: str) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 from ..compat import peft_create_and_replace, peft_freeze_base, peft_override_create_and_replace
 from ..core import PipelineCore
 from ..errors import InputError
+from .peft_tensor_parallel import shard_adapters, tp_styles, whole_features
 
 __all__ = ["AdapterState", "check_config", "inject_on_stages", "local_adapter_keys", "wrapped_module_keys"]
 
@@ -181,6 +182,7 @@ def inject_on_stages(tuner, original, model: PipelineCore, adapter_name: str, **
     try:
         targets, states = _whole_model_targets(tuner, original, model, adapter_name, kwargs)
         _check_targets(model, targets)
+        styles = tp_styles(model, targets)  # refuses what tensor parallelism's LoRA does not take
     finally:
         end = torch.get_rng_state()
         torch.set_rng_state(start)  # a refusal leaves the random stream as it found it
@@ -190,11 +192,13 @@ def inject_on_stages(tuner, original, model: PipelineCore, adapter_name: str, **
             mine = {n for n, _ in stage.named_modules()} | {n for n, _ in stage.named_parameters()}
             if any(t in mine for t in targets):
                 hook = _recording(tuner, lambda key: torch.set_rng_state(states[key]))
-                _with_create_hook(tuner, hook, lambda s=stage: original(tuner, s, adapter_name, **kwargs))
+                with whole_features(styles):  # lora_A / lora_B whole on tensor-parallel layers
+                    _with_create_hook(tuner, hook, lambda s=stage: original(tuner, s, adapter_name, **kwargs))
             else:
                 peft_freeze_base(tuner, stage)
     finally:
         torch.set_rng_state(end)  # where one process leaves the stream
+    shard_adapters(model, styles)  # each tp rank's share of lora_A / lora_B (peft_tensor_parallel.py)
     return targets
 
 

@@ -49,7 +49,10 @@ from ..errors import InputError, InternalError
 from ..planning.mesh_rules import match_plan, parse_style, plan_pattern
 from .weights import chunk_bounds
 
-__all__ = ["apply_tensor_parallel", "check_plan", "local_slice", "plan_for_stage", "shard_parts"]
+__all__ = [
+    "apply_tensor_parallel", "check_plan", "copy_to_ranks", "local_slice", "plan_for_stage", "shard_parts",
+    "sum_over_ranks",
+]
 
 
 def plan_for_stage(stage: nn.Module, plan: tuple[tuple[str, str], ...]) -> dict[str, str]:
@@ -174,14 +177,14 @@ def _wrap_read_slices(stage: nn.Module, by_name: dict[str, str], tp_mesh) -> Non
                 module.register_parameter(attr, nn.Parameter(shard, requires_grad=p.requires_grad))
 
 
-def _copy_to_ranks(x: torch.Tensor, mesh) -> torch.Tensor:
+def copy_to_ranks(x: torch.Tensor, mesh) -> torch.Tensor:
     """``x`` as it is, its gradient summed over the tensor-parallel ranks (each saw only its columns)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def _sum_over_ranks(x: torch.Tensor, mesh) -> torch.Tensor:
+def sum_over_ranks(x: torch.Tensor, mesh) -> torch.Tensor:
     """``x`` summed over the tensor-parallel ranks (each holds a partial sum); its gradient passes as it is."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -202,7 +205,7 @@ def _gather_last(x: torch.Tensor, size: int, mesh) -> torch.Tensor:
 def _share_last(x: torch.Tensor, mesh) -> torch.Tensor:
     """This rank's slice of ``x``'s last dim, as the weights are cut; the ranks' gradients summed (each
     gives only its slice's)."""
-    return _copy_to_ranks(x, mesh).narrow(-1, *chunk_bounds(x.shape[-1], mesh.get_local_rank(), mesh.size()))
+    return copy_to_ranks(x, mesh).narrow(-1, *chunk_bounds(x.shape[-1], mesh.get_local_rank(), mesh.size()))
 
 
 def _lookup(module: nn.Embedding, ids: torch.Tensor, weight: torch.Tensor, mesh) -> torch.Tensor:
@@ -238,7 +241,7 @@ class LocalParallel(ParallelStyle):
                     "vocabulary rows ('embedding_rowwise') and only as torch's nn.Embedding (not a subclass with "
                     "its own forward); leave it out of tp_plan"
                 )
-            module.forward = types.MethodType(lambda mod, ids: _sum_over_ranks(
+            module.forward = types.MethodType(lambda mod, ids: sum_over_ranks(
                 _lookup(mod, ids, mod.weight.to_local(), device_mesh), device_mesh), module)
             return module
         size = module.weight.shape[1 if conv else 0] if kind == "colwise_gather" else None  # out features, whole
@@ -248,12 +251,12 @@ class LocalParallel(ParallelStyle):
             bias = mod.bias
             bias = None if bias is None else bias.to_local() if hasattr(bias, "to_local") else bias
             if kind in ("colwise", "colwise_gather"):
-                x = _copy_to_ranks(x, device_mesh)
+                x = copy_to_ranks(x, device_mesh)
             if kind == "rowwise_split":
                 x = _share_last(x, device_mesh)
             out = x @ weight if conv else x @ weight.t()
             if kind in ("rowwise", "rowwise_split"):
-                out = _sum_over_ranks(out, device_mesh)
+                out = sum_over_ranks(out, device_mesh)
             out = out if bias is None else out + bias
             return _gather_last(out, size, device_mesh) if size is not None else out
 

@@ -6,7 +6,8 @@ model per case:
 * a one-process adapter whose layer-0 ``lora_A`` has a wrong shape (only the rank holding layer 0 reads it);
 * the same in the last layer (only the last stage's rank reads it);
 * a different adapter folder on each rank (same config and shapes, other values);
-* a LoRA adapter on a model loaded with ``tp_size=2`` (refused by name: its save would hold one shard).
+* a LoRA adapter with ``lora_bias=True`` on a model loaded with ``tp_size=2`` (refused by name; an adapter without it
+  loads: tests/integrations/test_lora_tensor_parallel.py).
 
 Every rank must raise the same library error naming the cause (``AdapterError``, or ``InputError`` for a
 refusal), and the model must still run a forward after it, with the same logits on both ranks.
@@ -117,24 +118,23 @@ def _tp_case(dirs):
 
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(dirs["base"], pipeline=True, device="cpu", tp_size=2)
     refused = []
-    for call in (lambda: peft.get_peft_model(model, _config()), lambda: peft.PeftModel.from_pretrained(model,
-                                                                                                      dirs["rank0"])):
-        try:
-            call()
-        except InputError as e:
-            refused.append(str(e))
+    try:
+        peft.get_peft_model(model, _config(lora_bias=True))
+    except InputError as e:
+        refused.append(str(e))
     assert not any("lora_" in n for n, _ in model.named_parameters()), "a refused adapter changed the model"
+    loaded = peft.PeftModel.from_pretrained(model, dirs["rank0"])  # what tensor parallelism takes: loads
     with torch.no_grad():
-        logits = model(**tiny.sample_inputs("llama")).logits
+        logits = loaded(**tiny.sample_inputs("llama")).logits
     return refused, logits
 
 
 @pytest.mark.dist
-def test_lora_under_tensor_parallelism_is_refused_by_name(adapter_dirs):
+def test_lora_bias_under_tensor_parallelism_is_refused_by_name(adapter_dirs):
     results = run_distributed(_tp_case, 2, adapter_dirs, timeout=300)
     for rank, (refused, _) in enumerate(results):
-        assert len(refused) == 2, f"rank {rank}: {refused}"
-        assert all("tensor parallel" in m and "tp_size=2" in m for m in refused), refused
+        assert len(refused) == 1, f"rank {rank}: {refused}"
+        assert all("lora_bias=True" in m and "tp_size=2" in m for m in refused), refused
     assert torch.equal(results[0][1], results[1][1])
 
 

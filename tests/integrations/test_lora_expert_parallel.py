@@ -17,10 +17,11 @@ steps by name, every LoRA parameter after 2 AdamW steps, eval logits with the ad
 merged / unmerged again; and the adapter each mesh saves: the keys and values one process writes, and loaded by
 plain peft on plain transformers, its tensors and its logits; and one process's adapter loaded by
 ``PeftModel.from_pretrained`` into an ep2 model, its logits. Refused on every rank at injection, naming the
-field: any adapter on a model whose attention tensor parallelism shards (``tp_size=2``). (Experts over FSDP
-ranks: tests/integrations/test_lora_fsdp.py.) ``PipelineTrainer`` full fine-tuning with the experts over
-the replicas equals transformers' ``Trainer`` on one process with the replicas' global batch (logs and every
-parameter, ``test_lora_decoders._check_trainer``'s tolerances).
+field: one with ``lora_bias`` on a model whose attention tensor parallelism shards (``tp_size=2``;
+test_lora_tensor_parallel.py adapts it without). (Experts over FSDP ranks: tests/integrations/test_lora_fsdp.py.)
+``PipelineTrainer`` full fine-tuning with the experts over the replicas equals transformers' ``Trainer`` on one
+process with the replicas' global batch (logs and every parameter, ``test_lora_decoders._check_trainer``'s
+tolerances).
 
 Tolerances (fp32), as tests/integrations/test_lora_decoders.py: 1e-5 absolute on the losses (~4.6; measured under
 5e-7), on every LoRA gradient (the experts' up to ~0.03; measured under 1e-8), on the adapter after 2 AdamW steps
@@ -115,7 +116,9 @@ def _ranks(paths: dict, out: str) -> dict:
     loaded = peft.PeftModel.from_pretrained(model, f"{out}/ref-mixtral").eval()
     with torch.no_grad():
         results["loaded"] = loaded(**_eval_inputs()).logits
-    results["refused"] = (_refusal(mixtral, {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"]),)
+    results["refused"] = (
+        _refusal(mixtral, {"tp_size": 2, "n_microbatches": 2}, target_modules=["q_proj"], lora_bias=True),
+    )
     model = hf_pipeline.AutoModelForCausalLM.from_pretrained(mixtral, pipeline=True, device="cpu",
                                                              **MESHES["ep2 over dp2"])
     trainer = hf_pipeline.PipelineTrainer(model=model, args=_trainer_args(f"{out}/trainer-over-data"),
@@ -212,7 +215,7 @@ def test_lora_on_attention_and_experts_under_expert_parallelism_equals_peft(tmp_
     for rank, res in enumerate(results):
         diff = (res["loaded"] - refs["mixtral"]["unmerged"]).abs().max().item()
         assert diff <= TOL, f"rank {rank}: one process's adapter loaded at ep2 gives logits off by {diff:.3g}"
-    wants = (("tp_size=2 (tensor parallelism)",),)
+    wants = (("lora_bias=True", "tp_size=2 (tensor parallelism)"),)
     for rank, res in enumerate(results):
         for msg, want in zip(res["refused"], wants, strict=True):
             assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
