@@ -87,6 +87,31 @@ def test_compiled_blocks_equal_the_eager_pipeline_and_share_one_graph(llama):
         assert (got["grads"][name] - grad).abs().max().item() <= 1e-6, name
 
 
+@pytest.mark.equiv  # torch.compile's tracing of the continuous ring's steps: about 10 s
+def test_compiled_stages_serve_continuously_equal_to_transformers(llama):
+    """The serving engine's continuous ring on compiled stages (its caches are the compiled kind: the steps run
+    compiled): a staggered stream of 7 requests over 3 slots, two ended by stop ids, each equal to transformers'
+    generate of that request alone; dynamo captured the steps' graphs."""
+    from torch._dynamo.utils import counters
+
+    import hf_pipeline
+    from hf_pipeline.serving import Engine
+
+    path, ref = llama
+    stream = [(3, 9), (8, 3), (5, 12), (2, 5), (10, 7), (4, 10), (6, 4)]
+    requests = tiny.stopping_stream(ref, stream, (2, 5))
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, compile={"backend": "aot_eager"},
+                                                             **LOAD)
+    engine = Engine(model, max_batch=3, batching="continuous", idle_s=0.05)
+    assert engine.batching == "continuous", engine.static_reason
+    torch.compiler.reset()  # graphs an earlier test compiled for the same code would be reused, not counted
+    before = counters["stats"]["unique_graphs"]
+    choices = tiny.serve_staggered(engine, requests)
+    assert counters["stats"]["unique_graphs"] > before, "the ring's steps ran eager"
+    for j, (got, req) in enumerate(zip(choices, requests, strict=True)):
+        assert [(c.token_ids, c.finish_reason) for c in got] == [tiny.alone_choice(ref, req)], (j, req)
+
+
 @pytest.mark.dist  # inductor runs the C++ compiler in processes of its own: not a quick-tier test
 @pytest.mark.slow
 def test_inductor_compiled_blocks_equal_transformers(llama):
