@@ -99,7 +99,9 @@ class LoadOptions:
         "--schedule is given)", cli_type="positive")
     num_stages: int | None = _option(
         None, "total stages (default: world size x `virtual_stages`); fewer ranks per pipeline than the world size "
-        "gives data-parallel replicas (pp x dp)", concern="pipeline", acts="resolve")
+        "gives data-parallel replicas (pp x dp)", concern="pipeline", acts="resolve",
+        cli="total pipeline stages (default: processes x --virtual-stages); fewer give data-parallel replicas (1: "
+        "every process a whole model)", cli_type="positive")
     virtual_stages: int | None = _option(
         None, "stages per rank (interleaved schedules use 2+)", concern="pipeline", acts="resolve",
         cli="stages per process", cli_type="positive")
