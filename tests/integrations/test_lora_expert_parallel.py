@@ -14,9 +14,10 @@ gathered from the two stages' first ep ranks).
 
 Every rank checks: the fresh adapter bitwise, the losses of 2 ``train_step`` calls, every LoRA gradient of both
 steps by name, every LoRA parameter after 2 AdamW steps, eval logits with the adapter disabled / unmerged /
-merged / unmerged again; and the adapter each mesh saves: the keys and values one process writes, and loaded by
-plain peft on plain transformers, its tensors and its logits; and one process's adapter loaded by
-``PeftModel.from_pretrained`` into an ep2 model, its logits. Refused on every rank at injection, naming the
+merged / unmerged again, 6 greedy tokens of ``generate`` on 2 prompts with the adapter on and off (exactly; the
+reference asserts the adapter changes them); and the adapter each mesh saves: the keys and values one process
+writes, and loaded by plain peft on plain transformers, its tensors and its logits; and one process's adapter loaded
+by ``PeftModel.from_pretrained`` into an ep2 model, its logits. Refused on every rank at injection, naming the
 field: one with ``lora_bias`` on a model whose attention tensor parallelism shards (``tp_size=2``;
 test_lora_tensor_parallel.py adapts it without). (Experts over FSDP ranks: tests/integrations/test_lora_fsdp.py.)
 ``PipelineTrainer`` full fine-tuning with the experts over the replicas equals transformers' ``Trainer`` on one

@@ -13,7 +13,10 @@ unmerged again; and the adapter each mesh saves (whole tensors, written once): o
 loaded by plain peft on plain transformers, its tensors and its logits. The tp sum is shown to matter: LLaMA at tp2
 with ``copy_to_ranks`` made the identity in the LoRA layers (each rank keeping its rows' part of the gradients) must
 miss the reference gradients by more than 1e-3. Refused on every rank at injection, naming the field:
-``lora_bias=True`` at tp2, GPT-2's packed ``Conv1D`` ``c_attn`` at tp2, and tp2 x fsdp2.
+``lora_bias=True`` at tp2, GPT-2's packed ``Conv1D`` ``c_attn`` at tp2, and tp2 x fsdp2. The 2-rank job also runs
+``PipelineTrainer`` on a LLaMA adapter at tp2: ``test_lora_trainer``'s checks (logs, evaluation, the adapter after
+4 steps, a resumed run, the checkpoint's files, the saved adapter loaded by peft) against ``transformers.Trainer``
++ peft on one process, at its tolerance (2e-5).
 
 Tolerances (fp32), as tests/integrations/test_lora_decoders.py: 1e-5 absolute on the losses (~4.6), on every LoRA
 gradient (up to ~0.1), on the adapter after 2 AdamW steps of lr 1e-2 (eps 1e-3, see EPS) and on logits (|logits|
