@@ -16,20 +16,23 @@ adapter is a few ``r x hidden`` matrices per projection, not worth sharding. Wha
   sharded parameters' reduce-scatter (forced to a sum) gives them;
 * clipping and AdamW: a whole tensor counts once in the global norm (``distributed/shards.norm_power``), and
   each rank steps the same summed gradient, so the copies stay equal;
-* saving: every fsdp rank holds the whole adapter, so the first one's pipeline writes it (``peft_save.py``).
+* saving: every fsdp rank holds the whole adapter, so the first one's pipeline writes it (``peft_save.py``);
+* merging (``merge_adapter``, ``merge_and_unload``): peft adds the whole delta ``B A * scaling`` to the base
+  weight, here FSDP's sharded ``DTensor``; the delta is laid out as the weight first (this rank's chunk of rows,
+  taken locally: ``peft_tensor_parallel.shard_adapters``), so the add updates FSDP's shard in place and the next
+  gather reads the merged weight;
+* replicas of fsdp-sharded pipelines (HSDP, ``dims.replicas > 1``, the weights on a ``("dp", "fsdp")`` mesh):
+  peft would size a LoRA layer on such a mesh by the local shard (it takes any dim but ``"fsdp"`` for tensor
+  parallelism); while it injects it is given the whole layer's features (``peft_tensor_parallel.whole_features``),
+  and the gradients are summed over every replica's fsdp ranks, as above.
 
 Refused here, at injection, on every rank (no communication):
 
-* replicas of fsdp-sharded pipelines (HSDP, ``dims.replicas > 1``): peft sizes a LoRA layer from its base
-  weight, and takes a ``DTensor`` weight whose mesh has any dim but ``"fsdp"`` (HSDP's is ``("dp", "fsdp")``)
-  for a tensor-parallel one, sizing the layer by the local shard (``lora_B`` of half the rows here);
 * ``modules_to_save`` (peft's ``SEQ_CLS`` classifier): peft's trainable copy of a head module would be a copy
   of FSDP's ``DTensor`` shards that no FSDP unit gathers or reduces;
 * an adapter on expert parameters (``target_parameters``) FSDP chunks (experts within a stage, ``ep_over=
   "stage"``): its delta would have to match FSDP's chunk of each expert. Experts over the fsdp ranks
   (``ep_over="data"``) are left out of FSDP, whole on their rank, and take one (``peft_experts.py``).
-
-Not done: ``merge_adapter`` on an fsdp model (peft adds a whole delta to a sharded weight).
 
 Example (every rank; ``torchrun --nproc_per_node 2``):
     >>> model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, num_stages=1, fsdp_size=2)
@@ -58,14 +61,6 @@ def refuse_under_fsdp(model: PipelineCore, config: Any) -> None:
     fsdp = getattr(model.dims, "fsdp_size", 1)
     if fsdp == 1:
         return
-    replicas = getattr(model.dims, "replicas", 1)
-    if replicas > 1:
-        raise InputError(
-            f"a PEFT adapter on a model loaded with fsdp_size={fsdp} and {replicas} replicas of it (HSDP) is not "
-            "supported: peft sizes each LoRA layer by the local shard of a weight on a mesh with a dim besides "
-            "'fsdp', which HSDP's ('dp', 'fsdp') mesh has. Launch fsdp_size x pp_size processes (one replica: set "
-            "fsdp_size to world size / pp_size), or load without fsdp_size"
-        )
     saved = list(getattr(config, "modules_to_save", None) or [])
     if saved:
         raise InputError(

@@ -192,13 +192,13 @@ def inject_on_stages(tuner, original, model: PipelineCore, adapter_name: str, **
             mine = {n for n, _ in stage.named_modules()} | {n for n, _ in stage.named_parameters()}
             if any(t in mine for t in targets):
                 hook = _recording(tuner, lambda key: torch.set_rng_state(states[key]))
-                with whole_features(styles):  # lora_A / lora_B whole on tensor-parallel layers
+                with whole_features():  # lora_A / lora_B whole on DTensor layers (tp, HSDP)
                     _with_create_hook(tuner, hook, lambda s=stage: original(tuner, s, adapter_name, **kwargs))
             else:
                 peft_freeze_base(tuner, stage)
     finally:
         torch.set_rng_state(end)  # where one process leaves the stream
-    shard_adapters(model, styles)  # each tp rank's share of lora_A / lora_B (peft_tensor_parallel.py)
+    shard_adapters(model, styles)  # each tp rank's share of lora_A / lora_B, merges into shards
     return targets
 
 

@@ -105,14 +105,11 @@ def tp_styles(model: PipelineCore, targets: list[str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def whole_features(styles: dict[str, str]):
-    """While peft injects into a tensor-parallel stage (``styles`` non-empty): a linear layer whose weight is a
-    ``DTensor`` reports its whole features to peft, which would size the factors by the local shard (peft's own
-    tensor parallelism, whose factors hold this rank's part, drawn from the random stream in that shape, not one
-    process's values); any other layer peft's own answer."""
-    if not styles:
-        yield
-        return
+def whole_features():
+    """While peft injects into a stage: a linear layer whose weight is a ``DTensor`` reports its whole features to
+    peft, which sizes the factors by the local shard on any mesh with a dim besides ``"fsdp"`` (a tensor-parallel
+    stage's, and HSDP's ``("dp", "fsdp")``: peft's own tensor parallelism, whose factors hold this rank's part, drawn
+    from the random stream in that shape, not one process's values); any other layer peft's own answer."""
     module_name, name = PEFT_FEATURES
     module = importlib.import_module(module_name)
     features = getattr(module, name)
@@ -133,19 +130,28 @@ def whole_features(styles: dict[str, str]):
 
 def shard_adapters(model: PipelineCore, styles: dict[str, str]) -> None:
     """After injection: make every LoRA layer of this rank's stages whose base is tensor-parallel use its share of
-    ``lora_A`` / ``lora_B`` (see the module doc); idempotent, so each new adapter's modules are set up too.
+    ``lora_A`` / ``lora_B`` (see the module doc), and every one whose base weight is a ``DTensor`` (a tp shard, or
+    FSDP's chunk: ``peft_fsdp.py``) merge its part of the delta; idempotent, so each new adapter's modules are set
+    up too.
 
     Args:
         model: the pipelined model, with adapters injected.
         styles: :func:`tp_styles` of the whole model's targets.
     """
+    from torch.distributed.tensor import DTensor
+
     for stage in model.stages:
         for name, module in stage.named_modules():
-            if name not in styles or not hasattr(module, "lora_A"):
+            # peft's lora.Linear (a ParamWrapper, on expert parameters, has a parameter_name: peft_experts.py)
+            if not hasattr(module, "lora_A") or hasattr(module, "parameter_name"):
+                continue
+            weight = getattr(module.get_base_layer(), "weight", None)
+            if isinstance(weight, DTensor):  # a tp shard or FSDP's chunk: merging adds this rank's part of the delta
+                module.get_delta_weight = types.MethodType(_delta_on_mesh(type(module).get_delta_weight), module)
+            if name not in styles:
                 continue
             kind, packs = parse_style(styles[name])
-            weight = module.get_base_layer().weight
-            mesh, placements = weight.device_mesh, tuple(weight.placements)
+            mesh = weight.device_mesh
             rank, size = mesh.get_local_rank(), mesh.size()
             for adapter in module.lora_A:
                 lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
@@ -153,8 +159,6 @@ def shard_adapters(model: PipelineCore, styles: dict[str, str]) -> None:
                     lora_b.forward = types.MethodType(_rows_forward((0, rank, size, packs), mesh), lora_b)
                 elif kind == "rowwise":  # lora_A's columns of this rank's input features
                     lora_a.forward = types.MethodType(_columns_forward((1, rank, size), mesh), lora_a)
-            module.get_delta_weight = types.MethodType(_delta_on_mesh(type(module).get_delta_weight, mesh,
-                                                                      placements), module)
 
 
 def _rows_forward(part: tuple, mesh):
@@ -173,11 +177,17 @@ def _columns_forward(part: tuple, mesh):
     return forward
 
 
-def _delta_on_mesh(get_delta_weight, mesh, placements):
+def _delta_on_mesh(get_delta_weight):
     from torch.distributed.tensor import DTensor, Replicate
 
     def delta(module: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
         whole = get_delta_weight(module, adapter, *args, **kwargs)  # (out, in) as the base weight, every rank's
-        return DTensor.from_local(whole, mesh, (Replicate(),), run_check=False).redistribute(mesh, placements)
+        weight = module.get_base_layer().weight  # read now: FSDP swaps its parameters as it gathers and reshards
+        if not isinstance(weight, DTensor):
+            return whole
+        mesh = weight.device_mesh
+        # this rank's part (a tp slice, FSDP's torch.chunk of rows), taken locally: no communication
+        replicated = DTensor.from_local(whole, mesh, (Replicate(),) * mesh.ndim, run_check=False)
+        return replicated.redistribute(mesh, tuple(weight.placements))
 
     return delta

@@ -13,7 +13,10 @@ unmerged again; and the adapter each mesh saves (whole tensors, written once): o
 loaded by plain peft on plain transformers, its tensors and its logits. The tp sum is shown to matter: LLaMA at tp2
 with ``copy_to_ranks`` made the identity in the LoRA layers (each rank keeping its rows' part of the gradients) must
 miss the reference gradients by more than 1e-3. Refused on every rank at injection, naming the field:
-``lora_bias=True`` at tp2, GPT-2's packed ``Conv1D`` ``c_attn`` at tp2, and tp2 x fsdp2.
+``lora_bias=True`` at tp2, GPT-2's packed ``Conv1D`` ``c_attn`` at tp2, and tp2 x fsdp2. The 2-rank job also runs
+``PipelineTrainer`` on a LLaMA adapter at tp2: ``test_lora_trainer``'s checks (logs, evaluation, the adapter after
+4 steps, a resumed run, the checkpoint's files, the saved adapter loaded by peft) against ``transformers.Trainer``
++ peft on one process, at its tolerance (2e-5).
 
 Tolerances (fp32), as tests/integrations/test_lora_decoders.py: 1e-5 absolute on the losses (~4.6), on every LoRA
 gradient (up to ~0.1), on the adapter after 2 AdamW steps of lr 1e-2 (eps 1e-3, see EPS) and on logits (|logits|
@@ -29,14 +32,15 @@ import pytest
 import tiny
 import torch
 from harness import run_distributed
-from test_lora_decoders import LR, SEED, TOL, _adapter, _checkpoints, _close, _eval_inputs, _grads
-from test_lora_expert_parallel import _check_saved, _refusal
+from lora_checks import EXPERTS, check, check_refused, check_saved, reference, refusal, run
+from test_lora_decoders import SEED, _checkpoints, _grads
+from test_lora_trainer import _check as _check_trainer
+from test_lora_trainer import _train_rank
 
 peft = pytest.importorskip("peft")
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 TP2 = {"tp_size": 2, "n_microbatches": 2}
 PP2_TP2 = {"num_stages": 2, "tp_size": 2, "n_microbatches": 2}  # 4 ranks: ranks 0, 1 stage 0; 2, 3 stage 1
 # AdamW's eps: the tp ranks' partial sums reorder the gradients' round-off (measured under 4e-7 on step 0's), and
@@ -52,28 +56,6 @@ def _lora(model_type: str, **extra):
         extra = {"target_modules": ATTENTION + MLP, **extra}
     return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM",
                            **extra)
-
-
-def _run(model, peft_model, train) -> dict:
-    """The same calls on a pipelined or a one-process model; ``train(batch)`` returns the loss, grads set."""
-    res = {"init": _adapter(model), "losses": [], "grads": []}
-    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR, eps=EPS)
-    for seed in (3, 4):
-        res["losses"].append(train(tiny.make_batch("llama", 8, seed=seed)).detach())
-        res["grads"].append(_grads(model))
-        opt.step()
-        opt.zero_grad()
-    res["trained"] = _adapter(model)
-    peft_model.eval()
-    with torch.no_grad():
-        with peft_model.disable_adapter():
-            res["base"] = peft_model(**_eval_inputs()).logits
-        res["unmerged"] = peft_model(**_eval_inputs()).logits
-        peft_model.merge_adapter()
-        res["merged"] = peft_model(**_eval_inputs()).logits
-        peft_model.unmerge_adapter()
-        res["unmerged_again"] = peft_model(**_eval_inputs()).logits
-    return res
 
 
 def _paths(tmp_path, model_types) -> dict:
@@ -109,11 +91,12 @@ def _tp2(paths: dict, out: str) -> dict:
     results = {}
     for model_type in ("llama", "qwen3"):
         model, peft_model = _adapted(paths[model_type], TP2, model_type)
-        results[model_type] = _run(model, peft_model, model.train_step)
+        results[model_type] = run(model, peft_model, model.train_step, eps=EPS)
         peft_model.save_pretrained(f"{out}/adapter-{model_type}-tp2")
     results["unsummed"] = _unsummed_grads(paths["llama"])
-    results["refused"] = (_refusal(paths["llama"], TP2, target_modules=["q_proj"], lora_bias=True),
-                          _refusal(paths["gpt2"], TP2, target_modules=["c_attn"]))  # packed Conv1D q, k, v
+    results["trainer"] = _train_rank(paths["llama"], f"{out}/trainer", 1, {"tp_size": 2})
+    results["refused"] = (refusal(paths["llama"], TP2, target_modules=["q_proj"], lora_bias=True),
+                          refusal(paths["gpt2"], TP2, target_modules=["c_attn"]))  # packed Conv1D q, k, v
     return results
 
 
@@ -125,52 +108,11 @@ def _pp2_tp2(paths: dict, out: str) -> dict:
                                               "n_microbatches": 2}}
     for model_type, load in meshes.items():
         model, peft_model = _adapted(paths[model_type], load, model_type)
-        results[model_type] = _run(model, peft_model, model.train_step)
+        results[model_type] = run(model, peft_model, model.train_step, eps=EPS)
         peft_model.save_pretrained(f"{out}/adapter-{model_type}-pp2")  # each stage's first tp rank's, gathered
-    results["refused"] = (_refusal(paths["llama"], {"tp_size": 2, "fsdp_size": 2, "num_stages": 1},
+    results["refused"] = (refusal(paths["llama"], {"tp_size": 2, "fsdp_size": 2, "num_stages": 1},
                                    target_modules=["q_proj"]),)
     return results
-
-
-def _reference(model_type: str, path, out) -> dict:
-    base = tiny.reference(path, "AutoModelForCausalLM")
-    torch.manual_seed(SEED)
-    peft_model = peft.get_peft_model(base, _lora(model_type))
-    peft_model.train()
-
-    def train(batch):
-        loss = peft_model(**batch).loss
-        loss.backward()
-        return loss
-
-    ref = _run(base, peft_model, train)
-    peft_model.save_pretrained(out)
-    moved = (ref["merged"] - ref["base"]).abs().max().item()
-    assert moved > 0.1, f"{model_type}: the adapter moves the logits by {moved:.3g} only: the checks are blind"
-    return ref
-
-
-def _check(got: dict, ref: dict, what: str, whole: bool = True) -> None:
-    """One rank's results against one process's; ``whole``: the rank holds every adapter entry (one stage)."""
-    held = set(got["init"])
-    assert held == set(ref["init"]) if whole else held < set(ref["init"]), f"{what}: adapter entries differ"
-    _close(got["init"], ref["init"], what + " fresh adapter", tol=0)
-    for step, (loss, want) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-        assert (loss - want).abs().item() <= TOL, f"{what}: loss of step {step} {loss.item()} != {want.item()}"
-    for step, (grads, want) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
-        assert set(grads) == held, f"{what}: adapter entries without a gradient at step {step}"
-        _close(grads, want, f"{what} gradient of step {step}")
-    _close(got["trained"], ref["trained"], what + " after 2 AdamW steps")
-    for key in ("base", "unmerged", "merged", "unmerged_again"):
-        diff = (got[key] - ref[key]).abs().max().item()
-        assert diff <= TOL, f"{what}: {key} logits differ by {diff:.3g}"
-
-
-def _check_refused(results: list[dict], wants: tuple) -> None:
-    for rank, res in enumerate(results):
-        for msg, want in zip(res["refused"], wants, strict=True):
-            assert msg is not None and msg.startswith("InputError: "), f"rank {rank}: {msg}"
-            assert all(w in msg for w in want), f"rank {rank}: {msg}"
 
 
 @pytest.mark.dist
@@ -178,18 +120,19 @@ def _check_refused(results: list[dict], wants: tuple) -> None:
 def test_lora_on_tensor_parallel_llama_and_qwen3_equals_peft(tmp_path):
     families = ("llama", "qwen3")
     paths, out = _paths(tmp_path, (*families, "gpt2")), tmp_path / "out"
-    refs = {t: _reference(t, paths[t], out / f"ref-{t}") for t in families}
+    refs = {t: reference(_lora(t), paths[t], out / f"ref-{t}", eps=EPS) for t in families}
     results = run_distributed(_tp2, 2, paths, str(out), timeout=600)
     for model_type in families:
         for rank, res in enumerate(results):
-            _check(res[model_type], refs[model_type], f"{model_type} tp2 rank {rank}")
-        _check_saved(out / f"adapter-{model_type}-tp2", out / f"ref-{model_type}", paths[model_type], refs[model_type],
+            check(res[model_type], refs[model_type], f"{model_type} tp2 rank {rank}")
+        check_saved(out / f"adapter-{model_type}-tp2", out / f"ref-{model_type}", paths[model_type], refs[model_type],
                      f"{model_type} tp2")
     want = refs["llama"]["grads"][0]
     for rank, res in enumerate(results):
         missed = max((g - want[n]).abs().max().item() for n, g in res["unsummed"].items())
         assert missed > 1e-3, f"rank {rank}: LoRA gradients not summed over tp miss by {missed:.3g} only: blind check"
-    _check_refused(results, (("lora_bias=True", "tp_size=2"), ("transformer.h.0.attn.c_attn", "Conv1D", "tp_size=2")))
+    check_refused(results, (("lora_bias=True", "tp_size=2"), ("transformer.h.0.attn.c_attn", "Conv1D", "tp_size=2")))
+    _check_trainer([res["trainer"] for res in results], paths["llama"], out / "trainer", 1, 1)
 
 
 @pytest.mark.dist
@@ -199,13 +142,13 @@ def test_lora_on_two_stages_of_two_tensor_parallel_ranks_equals_peft(tmp_path):
     and the adapter saved from both stages."""
     families = ("llama", "qwen3_moe")
     paths, out = _paths(tmp_path, families), tmp_path / "out"
-    refs = {t: _reference(t, paths[t], out / f"ref-{t}") for t in families}
+    refs = {t: reference(_lora(t), paths[t], out / f"ref-{t}", eps=EPS) for t in families}
     results = run_distributed(_pp2_tp2, 4, paths, str(out), timeout=600)
     for model_type in families:
         for rank, res in enumerate(results):
-            _check(res[model_type], refs[model_type], f"{model_type} pp2 x tp2 rank {rank}", whole=False)
+            check(res[model_type], refs[model_type], f"{model_type} pp2 x tp2 rank {rank}", whole=False)
         held = set(results[0][model_type]["init"]) | set(results[2][model_type]["init"])
         assert held == set(refs[model_type]["init"]), f"{model_type}: adapter entries no stage holds"
-        _check_saved(out / f"adapter-{model_type}-pp2", out / f"ref-{model_type}", paths[model_type],
+        check_saved(out / f"adapter-{model_type}-pp2", out / f"ref-{model_type}", paths[model_type],
                      refs[model_type], f"{model_type} pp2 x tp2")
-    _check_refused(results, (("tp_size=2", "fsdp_size=2"),))
+    check_refused(results, (("tp_size=2", "fsdp_size=2"),))
