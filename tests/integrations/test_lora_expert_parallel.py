@@ -104,7 +104,7 @@ def _ranks(paths: dict, out: str) -> dict:
 
 @pytest.mark.equiv  # about 10 s on 2 shared cores: the full suite, not the quick tier
 def test_lora_on_experts_on_two_stages_in_one_process_equals_peft(tmp_path):
-    """Without expert parallelism (world size 1, both stages in this process: the fast tier), Mixtral's experts whole
+    """Without expert parallelism (world size 1, both stages in this process), Mixtral's experts whole
     on their stage: the same checks and tolerances."""
     paths, out = _checkpoints(tmp_path, ["mixtral"]), tmp_path / "out"
     ref = reference(_lora("mixtral"), paths["mixtral"], out / "ref-mixtral")
