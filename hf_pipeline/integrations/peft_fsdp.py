@@ -68,6 +68,12 @@ def refuse_under_fsdp(model: PipelineCore, config: Any) -> None:
             "copies of those modules would be copies of FSDP's shards, which no FSDP unit gathers or reduces. "
             "Leave modules_to_save unset (a task_type other than SEQ_CLS), or load without fsdp_size"
         )
+    if getattr(config, "lora_bias", False):  # merging would add peft's whole bias delta to FSDP's bias chunk
+        raise InputError(
+            f"LoraConfig(lora_bias=True) on a model loaded with fsdp_size={fsdp} is not supported: merging adds the "
+            "adapter's bias to the base layer's bias, which FSDP shards; leave lora_bias unset, or load without "
+            "fsdp_size"
+        )
     ep = getattr(getattr(model, "options", None), "ep_size", 1)
     if ep > 1 and model.dims.ep_data == 1 and getattr(config, "target_parameters", None):
         raise InputError(

@@ -153,5 +153,9 @@ def test_refusals_under_fsdp_name_the_field():
     refuse_under_fsdp(model(2, replicas=2), _lora("llama"))  # HSDP: the adapter whole on every rank too
     with pytest.raises(InputError, match=r"modules_to_save=\['lm_head'\].*fsdp_size=2"):
         refuse_under_fsdp(model(2), saved)
+    biased = peft.LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True)
+    refuse_under_fsdp(model(1), biased)
+    with pytest.raises(InputError, match=r"lora_bias=True\) on a model loaded with fsdp_size=2"):
+        refuse_under_fsdp(model(2), biased)
     with pytest.raises(InputError, match=r"ep_size=2 within each stage and fsdp_size=2.*ep_over='data'"):
         refuse_under_fsdp(model(2, ep=2), experts)
