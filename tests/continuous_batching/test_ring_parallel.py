@@ -1,18 +1,18 @@
 """Continuous batching beyond one stage per rank (one spawned job per world size): at 4 ranks, LLaMA with tensor
 parallelism (pp2 x tp2), Mixtral with expert parallelism (pp2 x ep2: each stage's two ranks keep half of every MoE
-layer's experts; and pp2 x dp2 with the experts over the two replicas), LLaMA in two data-parallel replicas (dp2 x
-pp2: rank 0 plans both replicas' rings, each runs its own rows), LLaMA FSDP-sharded (pp2 x fsdp2: the fsdp ranks
-are such replicas; every FSDP unit is gathered as the ring starts and no all-gather runs inside a ring op, counted
-by a patch on torch's all-gather) and the encoder-decoder T5 (encoder | decoder) both with tensor parallelism and
-in two data-parallel replicas; at 2 ranks, LLaMA with two stages per rank, interleaved (stages 0, 2 | 1, 3: the
-reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2: two hand-overs within a rank), and
-experts over two replicas (Mixtral over dp2, gpt-oss over fsdp2). The engine must report ``batching ==
-"continuous"`` and serve a stream whose requests join and leave at different times (different prompt lengths and
-``max_new_tokens``, two ended early by a stop id from their own continuation, the rest submitted while the first
-decodes, 3 slots for 7 requests); every greedy output equals transformers' ``generate`` of that request alone on
-one process, token for token (fp32: a tp rank's partial sums add up in another order, ~1e-7 on logits of order 1,
-far below the gap between the top two logits these tiny models leave; a row run with another row's positions, cache
-or plan moves its tokens)."""
+layer's experts; and pp2 x dp2 with the experts over the two replicas), Qwen3-MoE at pp2 x tp2 x ep2, LLaMA in two
+data-parallel replicas (dp2 x pp2: rank 0 plans both replicas' rings, each runs its own rows), LLaMA FSDP-sharded
+(pp2 x fsdp2: the fsdp ranks are such replicas; every FSDP unit is gathered as the ring starts and no all-gather
+runs inside a ring op, counted by a patch on torch's all-gather) and the encoder-decoder T5 (encoder | decoder)
+both with tensor parallelism and in two data-parallel replicas; at 2 ranks, LLaMA with two stages per rank,
+interleaved (stages 0, 2 | 1, 3: the reply 3 -> 0 shares rank 1 -> 0 with stage 1 -> 2) and V-shaped (0, 3 | 1, 2:
+two hand-overs within a rank), and experts over two replicas (Mixtral over dp2, gpt-oss over fsdp2). The engine
+must report ``batching == "continuous"`` and serve a stream whose requests join and leave at different times
+(different prompt lengths and ``max_new_tokens``, two ended early by a stop id from their own continuation, the
+rest submitted while the first decodes, 3 slots for 7 requests); every greedy output equals transformers'
+``generate`` of that request alone on one process, token for token (fp32: a tp rank's partial sums add up in
+another order, ~1e-7 on logits of order 1, far below the gap between the top two logits these tiny models leave; a
+row run with another row's positions, cache or plan moves its tokens)."""
 
 from __future__ import annotations
 
@@ -117,6 +117,7 @@ def test_continuous_ring_under_tensor_expert_and_data_parallelism_at_4_ranks(tmp
     mixtral = _moe(tmp_path / "mixtral")
     paths = {"llama tp2": (llama, {"tp_size": 2}), "mixtral ep2": (mixtral, {"ep_size": 2}),
              "mixtral ep2 over dp2": (mixtral, {"num_stages": 2, "ep_size": 2, "ep_over": "data"}),
+             "qwen3-moe tp2 x ep2": (_moe(tmp_path / "qwen3_moe", "qwen3_moe"), {"tp_size": 2, "ep_size": 2}),
              "llama dp2": (llama, {"num_stages": 2}), "llama fsdp2": (llama, {"num_stages": 2, "fsdp_size": 2}),
              "t5 tp2": (t5, {"tp_size": 2}), "t5 dp2": (t5, {"num_stages": 2})}
     autos = {name: "AutoModelForSeq2SeqLM" if name.startswith("t5") else "AutoModelForCausalLM" for name in paths}
