@@ -125,8 +125,7 @@ class RingStage:
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache for this stage's rows (its compiled blocks' kind when compiled: generation/kv_cache.py)."""
-        compiled = bool(getattr(self.stage, "compiled_blocks", 0))  # traced stages have none
-        return new_cache(self.model.config, encoder_decoder=False, compiled=compiled)
+        return new_cache(self.model.config, encoder_decoder=False, stage=self.stage)
 
     takes_tokens = False  # kept rows' inputs are token ids sent in the states' bytes (encoder-decoder stages)
 
@@ -150,7 +149,7 @@ class RingStage:
         old_slots = list(header.kept)
         g = self.state[i]
         self._keep(g, old_slots)
-        pads = self._lock_step(int(bool(old_slots)) + (len(self._batches(new)) if new else 0))
+        pads = self._lock_step(bool(old_slots), new)
         old_out = self._decode(g, old_in) if old_slots else None
         new_out = self._prefill(g, new, new_in) if new else None
         for _ in range(pads):
@@ -159,9 +158,10 @@ class RingStage:
         return old_out, new_out
 
     # ------------------------------------------------------------ lock step
-    def _lock_step(self, forwards: int) -> int:
-        """Experts over data-parallel replicas: the forwards this rank must add to its op's ``forwards`` so that
-        every rank of its expert group runs as many (one MAX all-reduce over the group); 0 otherwise.
+    def _lock_step(self, decodes: bool, new: list[NewRow]) -> int:
+        """Experts over data-parallel replicas: the forwards this rank must add to its op's (a decode if
+        ``decodes``, the prefill forwards of the joining ``new`` rows) so that every rank of its expert group runs
+        as many (one MAX all-reduce over the group); 0 otherwise, counting nothing.
 
         Each forward calls transformers' all-to-all at every MoE layer of the stage, which every rank of the
         group must join; the replicas run the same ops in the same order (the coordinator plans them together,
@@ -170,6 +170,7 @@ class RingStage:
         the same sequence of collectives), so the short ranks add forwards of one throwaway row."""
         if self.lock_group is None:
             return 0
+        forwards = int(decodes) + (len(self._batches(new)) if new else 0)
         most = torch.tensor([forwards], dtype=torch.long, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.lock_group)
         return int(most) - forwards

@@ -16,7 +16,7 @@ from ..loading.compiled import CompiledStepCache
 __all__ = ["cache_nbytes", "new_cache"]
 
 
-def new_cache(config: Any, *, encoder_decoder: bool, compiled: bool = False) -> DynamicCache | EncoderDecoderCache:
+def new_cache(config: Any, *, encoder_decoder: bool, stage: Any = None) -> DynamicCache | EncoderDecoderCache:
     """An empty cache for one (stage, microbatch), as transformers' generate makes it.
 
     A ``DynamicCache`` built from the (decoder) config, so layer indices are the model's own and each
@@ -27,12 +27,14 @@ def new_cache(config: Any, *, encoder_decoder: bool, compiled: bool = False) -> 
     Args:
         config: the model's config (its decoder's text config is used).
         encoder_decoder: an ``EncoderDecoderCache`` (self- and cross-attention) instead.
-        compiled: for a stage whose blocks are compiled (``stage.compiled_blocks``): a decoder-only model's cache
-            is then a :class:`~hf_pipeline.loading.compiled.CompiledStepCache`, which its compiled blocks run with.
+        stage: the stage the cache is for: one whose blocks are compiled (``stage.compiled_blocks``; traced stages
+            have none) gets a decoder-only model's cache as a :class:`~hf_pipeline.loading.compiled.CompiledStepCache`,
+            which its compiled blocks run with.
     """
     decoder_config = config.get_text_config(decoder=True)
     if encoder_decoder:
         return EncoderDecoderCache(DynamicCache(config=decoder_config), DynamicCache(config=decoder_config))
+    compiled = getattr(stage, "compiled_blocks", 0) > 0
     return (CompiledStepCache if compiled else DynamicCache)(config=decoder_config)
 
 

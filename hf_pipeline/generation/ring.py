@@ -128,8 +128,7 @@ class Ring:
         self.slots = {
             (s, i): _Slot(
                 stage=self.local_stages[s], stage_index=s, microbatch=i, rows=torch.arange(hi - lo, device=self.device),
-                cache=new_cache(model.config, encoder_decoder=req.encoder_decoder,
-                                compiled=bool(getattr(self.local_stages[s], "compiled_blocks", 0))),
+                cache=new_cache(model.config, encoder_decoder=req.encoder_decoder, stage=self.local_stages[s]),
             )
             for s in self.local_decode
             for i, (lo, hi) in enumerate(req.bounds)
