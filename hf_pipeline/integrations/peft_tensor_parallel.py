@@ -178,16 +178,15 @@ def _columns_forward(part: tuple, mesh):
 
 
 def _delta_on_mesh(get_delta_weight):
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     def delta(module: nn.Module, adapter: str, *args: Any, **kwargs: Any) -> torch.Tensor:
         whole = get_delta_weight(module, adapter, *args, **kwargs)  # (out, in) as the base weight, every rank's
         weight = module.get_base_layer().weight  # read now: FSDP swaps its parameters as it gathers and reshards
         if not isinstance(weight, DTensor):
             return whole
-        mesh = weight.device_mesh
-        # this rank's part (a tp slice, FSDP's torch.chunk of rows), taken locally: no communication
-        replicated = DTensor.from_local(whole, mesh, (Replicate(),) * mesh.ndim, run_check=False)
-        return replicated.redistribute(mesh, tuple(weight.placements))
+        # this rank's part (a tp slice, FSDP's torch.chunk of rows), sliced from the whole delta every rank holds:
+        # no communication (src_data_rank=None, as checkpointing/state_shards.py lays out a saved state)
+        return distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
 
     return delta
