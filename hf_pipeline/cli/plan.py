@@ -48,19 +48,15 @@ def _default_choice(config, args, auto) -> dict:
     import torch
 
     from ..memory.auto_choice_costs import default_choice
-    from ..memory.mesh_report import mesh_shape
+    from ..memory.mesh_report import mesh_layout, mesh_shape
     from ..planning.tp_plan import ParallelRequest
 
-    data = args.ep_over == "data"
-    per_rank = args.virtual_stages or 1
-    stage_ranks = (args.tp_size if data else max(args.tp_size, args.ep_size)) * args.fsdp_size
-    # without --num-processes one replica, or the replicas an ep group over data spans (as mesh_report)
-    group = max(1, args.ep_size // (args.tp_size * args.fsdp_size)) if data else 1
-    stages = args.stages or (max(1, args.mesh_processes // stage_ranks) if args.mesh_processes else 2) * per_rank
-    world = args.mesh_processes or stages // per_rank * stage_ranks * group
+    stages, world = mesh_layout(args.mesh_processes, args.stages, virtual_stages=args.virtual_stages,
+                                tp_size=args.tp_size, fsdp_size=args.fsdp_size, ep_size=args.ep_size,
+                                ep_over=args.ep_over)
     # the mesh's own checks first, worded for the flags (the report repeats them)
-    mesh_shape(world, pp_size=max(1, stages // per_rank), tp_size=args.tp_size, fsdp_size=args.fsdp_size,
-               ep_size=args.ep_size, ep_over=args.ep_over)
+    mesh_shape(world, pp_size=max(1, stages // (args.virtual_stages or 1)), tp_size=args.tp_size,
+               fsdp_size=args.fsdp_size, ep_size=args.ep_size, ep_over=args.ep_over)
     parallel = ParallelRequest(tp_size=args.tp_size, ep_size=args.ep_size, fsdp_size=args.fsdp_size,
                                ep_over=args.ep_over)
     kwargs, _ = default_choice(

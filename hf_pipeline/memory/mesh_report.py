@@ -40,13 +40,13 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from ..planning.tp_plan import EP_OVER, ParallelRequest
+from ..planning.tp_plan import EP_OVER, ParallelRequest, ep_data_ranks
 from .mesh_shares import fsdp_unit_bytes, human_bytes, tp_local_shapes
 from .planner import plan_report
 
 __all__ = [
-    "MeshRankMemory", "MeshReport", "MeshShape", "fsdp_share", "fsdp_unit_bytes", "mesh_report", "mesh_shape",
-    "tp_local_shapes", "with_fsdp",
+    "MeshRankMemory", "MeshReport", "MeshShape", "fsdp_share", "fsdp_unit_bytes", "mesh_layout", "mesh_report",
+    "mesh_shape", "tp_local_shapes", "with_fsdp",
 ]  # fsdp_unit_bytes and tp_local_shapes live in .mesh_shares (the planner uses them too)
 
 
@@ -74,7 +74,7 @@ class MeshShape:
     @property
     def ep_data(self) -> int:
         """Replicas (or fsdp ranks) one ep group spans: ``ep / tp`` with ``ep_over="data"``, else 1."""
-        return self.ep // self.tp if self.ep_over == "data" else 1
+        return ep_data_ranks(self.ep, self.tp, self.ep_over)
 
     @property
     def stage_ranks(self) -> int:
@@ -226,6 +226,20 @@ def _count(n: int) -> str:
     return human_count(n)
 
 
+def mesh_layout(num_processes: int | None, stages: int | None, *, virtual_stages: int | None, tp_size: int,
+                fsdp_size: int, ep_size: int, ep_over: str) -> tuple[int, int]:
+    """``(stages, world)`` of a planned mesh, as ``from_pretrained`` places it: ``stages`` given, or what the world
+    leaves a stage's ranks and fsdp (2 pipeline ranks without ``num_processes``), x ``virtual_stages``; the world
+    given, or one replica of that pipeline, or the replicas an ep group over data spans (``ep_over="data"``). A
+    layout :func:`mesh_shape` refuses comes out as the plain one, for it to refuse by name."""
+    per_rank = virtual_stages or 1
+    data = ep_over == "data" and ep_size > tp_size and ep_size % tp_size == 0
+    stage_ranks, group = (tp_size, ep_size // tp_size) if data else (max(tp_size, ep_size), 1)
+    if stages is None:  # as from_pretrained: the pipeline takes what the stage's ranks and fsdp leave
+        stages = (2 if num_processes is None else max(1, num_processes // (stage_ranks * fsdp_size))) * per_rank
+    return stages, num_processes or max(1, stages // per_rank) * stage_ranks * max(fsdp_size, group)
+
+
 def mesh_report(
     path_or_config: Any,
     *,
@@ -265,14 +279,10 @@ def mesh_report(
     """
     if fsdp_size < 1 or tp_size < 1 or ep_size < 1:
         raise InputError(f"--tp-size, --ep-size and --fsdp-size must be >= 1, got {tp_size}, {ep_size} and {fsdp_size}")
-    per_rank_stages = virtual_stages or 1
-    data = ep_over == "data" and ep_size > tp_size and ep_size % tp_size == 0  # else mesh_shape refuses it by name
-    stage_ranks, group = (tp_size, ep_size // tp_size) if data else (max(tp_size, ep_size), 1)
-    if stages is None:  # as from_pretrained: the pipeline takes what the stage's ranks and fsdp leave
-        stages = (2 if num_processes is None else max(1, num_processes // (stage_ranks * fsdp_size))) * per_rank_stages
-    pp = max(1, stages // per_rank_stages)
-    mesh = mesh_shape(num_processes or pp * stage_ranks * max(fsdp_size, group), pp_size=pp, tp_size=tp_size,
-                      fsdp_size=fsdp_size, ep_size=ep_size, ep_over=ep_over)
+    stages, world = mesh_layout(num_processes, stages, virtual_stages=virtual_stages, tp_size=tp_size,
+                                fsdp_size=fsdp_size, ep_size=ep_size, ep_over=ep_over)
+    mesh = mesh_shape(world, pp_size=max(1, stages // (virtual_stages or 1)), tp_size=tp_size, fsdp_size=fsdp_size,
+                      ep_size=ep_size, ep_over=ep_over)
     pipelines = mesh.dp * mesh.fsdp
     if batch % pipelines:
         raise InputError(
