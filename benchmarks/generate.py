@@ -103,6 +103,7 @@ class _Runs:
     share: slice
     sizes: dict
     compiled: Any = None  # the same pipeline loaded with compile=True (its blocks compiled, decode steps too)
+    v_layout: Any = None  # the same model loaded as zbv-zero-bubble places it: two stages per rank in a V
 
     def two_way(self, new_tokens: int | None = None) -> float:
         """The 2-way limit: every rank runs transformers' generate on its share of the prompts at once."""
@@ -117,15 +118,16 @@ class _Runs:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
 
-    def pipelined(self, new_tokens: int, compiled: bool = False, **kwargs) -> tuple[float, Any, Any]:
-        """One pipelined generate of every prompt, ranks starting together: the slowest rank's
-        seconds (the call ends with the result's broadcast, so the ranks end together), ids, stats."""
+    def pipelined(self, new_tokens: int, model: Any = None, **kwargs) -> tuple[float, Any, Any]:
+        """One pipelined generate of every prompt (by ``model``, default the plain pipeline), ranks starting
+        together: the slowest rank's seconds (the call ends with the result's broadcast, so the ranks end
+        together), ids, stats."""
         import torch
         import torch.distributed as dist
 
         sync()
         t = time.perf_counter()
-        model = self.compiled if compiled else self.model
+        model = self.model if model is None else model
         tokens, stats = model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=new_tokens,
                                        do_sample=False, pad_token_id=0, return_stats=True, **kwargs)
         took = torch.tensor([time.perf_counter() - t])
@@ -142,15 +144,17 @@ def _timed_runs(runs: _Runs, world: int) -> dict[str, Any]:
     # Chunked prefill: the prompt fed in chunks (transformers' prefill_chunk_size), so the pipeline's
     # prefill fills with chunks x microbatches units instead of microbatches.
     # Compiled: the same calls with every block compiled (inductor), decode steps included; its first call, which
-    # compiles, is the warm-up (its seconds kept: what compiling costs once).
+    # compiles, is the warm-up (its seconds kept: what compiling costs once). V layout: the model as the
+    # zero-bubble V schedules place it (two stages per rank), what a load that picks one generates with.
     kinds = (("pipelined", None, None), ("chunked_prefill", None, sizes["prefill_chunk"]), ("one_microbatch", 1, None),
-             ("more_microbatches", world + 1, None), ("compiled", None, None))
+             ("more_microbatches", world + 1, None), ("compiled", None, None), ("v_layout", None, None))
+    models = {"compiled": runs.compiled, "v_layout": runs.v_layout}
     for label, m, chunk in kinds:
         times, stats, tokens, limit, splits = [], None, None, [], []
         for _ in range(sizes["gen_reps"] + 1):
-            if label in ("pipelined", "chunked_prefill", "compiled"):
+            if label in ("pipelined", "chunked_prefill", "compiled", "v_layout"):
                 limit.append(runs.two_way())
-            took, tokens, stats = runs.pipelined(sizes["new_tokens"], compiled=label == "compiled", n_microbatches=m,
+            took, tokens, stats = runs.pipelined(sizes["new_tokens"], model=models.get(label), n_microbatches=m,
                                                  prefill_chunk_size=chunk)
             times.append(took)
             splits.append({k: v / stats.seconds for k, v in stats.time_split.items()})
@@ -281,7 +285,10 @@ def generate_pp(spec: dict, out: dict) -> None:
     lo, hi = microbatch_bounds(sizes["prompts"], world)[rank]
     compiled = AutoModelForCausalLM.from_pretrained(
         spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, compile=True)
-    runs = _Runs(model=model, hf=hf, ids=ids, mask=mask, share=slice(lo, hi), sizes=sizes, compiled=compiled)
+    v_layout = AutoModelForCausalLM.from_pretrained(
+        spec["path"], pipeline=True, device="cpu", dtype=torch.float32, progress=False, schedule="zbv-zero-bubble")
+    runs = _Runs(model=model, hf=hf, ids=ids, mask=mask, share=slice(lo, hi), sizes=sizes, compiled=compiled,
+                 v_layout=v_layout)
     results = _timed_runs(runs, world)
     results["prefill_seconds"] = _prefill_seconds(runs)
     results.update(_per_token_seconds(runs))

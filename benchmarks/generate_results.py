@@ -13,7 +13,7 @@ from benchmarks.timing import median
 __all__ = ["RUNS", "summarize"]
 
 # The pipelined runs, in the order of the job and of the tables.
-RUNS = ("pipelined", "chunked_prefill", "one_microbatch", "more_microbatches", "compiled")
+RUNS = ("pipelined", "chunked_prefill", "one_microbatch", "more_microbatches", "compiled", "v_layout")
 
 
 def _ratios(over: list[float], under: list[float]) -> float:
@@ -105,6 +105,8 @@ def _pipelined(gen: dict, base: dict, pp: dict, world: int) -> None:
     gen["speedup_vs_one_microbatch"] = gen["pipelined"]["tokens_per_s"] / gen["one_microbatch"]["tokens_per_s"]
     if "seconds" in gen.get("compiled", {}):  # compiled over eager, each next to its own 2-way run
         gen["compiled_vs_eager"] = gen["compiled"]["fraction_of_two_way"] / gen["pipelined"]["fraction_of_two_way"]
+    if "seconds" in gen.get("v_layout", {}):  # two stages per rank in a V over one per rank, the same way
+        gen["v_layout_vs_one_stage"] = gen["v_layout"]["fraction_of_two_way"] / gen["pipelined"]["fraction_of_two_way"]
 
 
 def summarize(sizes: Sizes, find) -> dict[str, Any]:

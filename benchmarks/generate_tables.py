@@ -21,7 +21,8 @@ def _runs_table(g: dict, s: dict) -> Table:
               f"pipelined, prefill_chunk_size={s.get('prefill_chunk')} (tokens against transformers' chunked prefill)"),
              ("one_microbatch", "pipelined, n_microbatches=1"),
              ("more_microbatches", f"pipelined, n_microbatches={s['world'] + 1}"),
-             ("compiled", "pipelined, compile=True (inductor, decode steps too; after the first call's compile)"))
+             ("compiled", "pipelined, compile=True (inductor, decode steps too; after the first call's compile)"),
+             ("v_layout", "pipelined, loaded for zbv-zero-bubble (2 stages per rank in a V)"))
     for label, name in names:
         if label in g:
             r = g[label]
@@ -231,6 +232,11 @@ def readme(res: dict[str, Any]) -> list:
             equal = "equal" if c["tokens_equal_transformers"] else "NOT equal"
             text += (f"; `compile=True` {pct(c['fraction_of_two_way'])} ({g['compiled_vs_eager']:.2f}x eager's, "
                      f"paired; tokens {equal}; its first call, compiling, {c['first_seconds']:.0f} s)")
+        if "v_layout_vs_one_stage" in g:
+            v = g["v_layout"]
+            equal = "equal" if v["tokens_equal_transformers"] else "NOT equal"
+            text += (f"; loaded for zbv-zero-bubble (2 stages per rank in a V) {pct(v['fraction_of_two_way'])} "
+                     f"({g['v_layout_vs_one_stage']:.2f}x one stage per rank, paired; tokens {equal})")
     bd = g.get("bound", {})
     if "torch_ring_token_s" in bd and bd.get("decode_token_s", 0) > 0:
         per_token = bd["decode_token_s"]

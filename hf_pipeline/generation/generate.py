@@ -149,7 +149,7 @@ def generate(
         generation_config: a ``GenerationConfig``; ``kwargs`` that are its fields override it, and the
             checkpoint's ``generation_config.json`` fills what neither sets (transformers' merging).
         streamer: ``.put(ids)`` / ``.end()`` object (e.g. ``TextStreamer``), fed on the last stage's rank.
-        n_microbatches: microbatches in flight (default ``num_stages``, capped by the batch size,
+        n_microbatches: microbatches in flight (default: one per pipeline rank, capped by the batch size,
             whatever the load's ``n_microbatches``); 1 is the naive pipeline without overlap.
         seed: sampling seed; each row samples from its own generator seeded from (seed, row), so the
             tokens do not depend on the number of stages or microbatches. Default: drawn from torch's

@@ -228,10 +228,12 @@ def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_mic
     copies = gc.num_return_sequences or 1
     beams = gc.num_beams or 1
     if n_microbatches is None:
-        # One microbatch per stage (capped by the rows below): the fewest that keep every stage busy each
-        # tick. The load's n_microbatches plans training steps, not this: each microbatch more makes every
-        # decode forward smaller for no more overlap (3 instead of 2 on 2 ranks: ~20% fewer tokens/s on CPU).
-        n_microbatches = model.plan.num_stages
+        # One microbatch per pipeline rank (capped by the rows below): the fewest that keep every rank busy
+        # (a rank runs each of its stages once per microbatch, a microbatch's round trip every stage once).
+        # The load's n_microbatches plans training steps, not this: each microbatch more makes every decode
+        # forward smaller and reads every weight once more per token for no more overlap (3 instead of 2 on 2
+        # ranks: ~20% fewer tokens/s on CPU; one per stage with 2 stages on each of 2 ranks: 0.6x).
+        n_microbatches = model.plan.pp_size
     # Units the rows are cut in: a beam group (a prompt's num_beams rows) is never split, since its
     # beams are chosen together and reorder each other's caches; otherwise single rows.
     unit = beams if beams > 1 else 1

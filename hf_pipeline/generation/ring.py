@@ -231,10 +231,9 @@ class Ring:
                     "pipelined generation did not finish in the expected number of ticks (protocol error)"
                 )
             self._post_receives(tick)
-            for s in self.local_decode:
-                at = self.timetable.decode_at(s, tick)
-                if at is not None and not self.slots[(s, at[1])].done:
-                    self._op(self.slots[(s, at[1])], at[0])
+            for s, t, i in self.timetable.ops_at(self.local_decode, tick):
+                if not self.slots[(s, i)].done:
+                    self._op(self.slots[(s, i)], t)
             if self.is_last:
                 self._end_step(tick)
             self.mailbox.prune()
@@ -245,8 +244,10 @@ class Ring:
             self.streamer.end()
 
     def _post_receives(self, tick: int) -> None:
-        # Receives for the messages sent at this tick, in sender-stage order (the order they are sent in).
+        # Receives for the messages sent at this tick, in the order their senders run the ops that send
+        # them (microbatch, then stage: Timetable.ops_at); an op's own messages in the order it sends them.
         timetable, last = self.timetable, self.last_stage
+        posts = []  # ((microbatch, sender stage, n-th message of the op), key, sender stage, shape, dtype)
         for s in self.local_decode:
             if s == self.first_decode or self._rank_of(s - 1) == self.pp_rank:
                 continue
@@ -254,9 +255,9 @@ class Ring:
             if at is not None and not self.slots[(s, at[1])].done:
                 t, i = at
                 shape = (timetable.rows(i), timetable.message_positions(t), self.hidden_size + 1)
-                self.mailbox.post(("h", s, i), s - 1, shape, self.dtype)
+                posts.append(((i, s - 1, 0), ("h", s, i), s - 1, shape, self.dtype))
                 if self.beam:  # sent right after the hidden states, so received in that order
-                    self.mailbox.post(("src", s, i), s - 1, (timetable.rows(i),), torch.long)
+                    posts.append(((i, s - 1, 1), ("src", s, i), s - 1, (timetable.rows(i),), torch.long))
         if self.first_decode in self.local_stages and self._rank_of(last) != self.pp_rank:
             at = timetable.decode_at(last, tick)
             # Prefill steps before the last chunk choose no token: nothing comes back from them.
@@ -264,7 +265,10 @@ class Ring:
                 at is not None and at[0] >= timetable.first_token_step
                 and not self.slots[(self.first_decode, at[1])].done
             ):
-                self.mailbox.post(("tok", at[1]), last, (timetable.rows(at[1]), self.token_width), torch.long)
+                i = at[1]
+                posts.append(((i, last, 0), ("tok", i), last, (timetable.rows(i), self.token_width), torch.long))
+        for _, key, sender, shape, dtype in sorted(posts, key=lambda p: p[0]):
+            self.mailbox.post(key, sender, shape, dtype)
 
     def _op(self, slot: _Slot, t: int) -> None:
         """Decode stage ``slot.stage_index`` runs step ``t`` of microbatch ``slot.microbatch``."""

@@ -4,10 +4,15 @@ No rank ever sends metadata: the (step, microbatch) a decode stage runs at a tic
 ticks and every message's shape follow from the :class:`Timetable` alone.
 
 Note (protocol): decode stage k (0 = first decode stage) runs microbatch i of step t at tick
-``t*M + i + k`` with ``M = max(m, number of decode stages)``; ranks run their ops in tick order
-(ties: stage order) and, at each tick, first post the receives for the messages sent at that
-tick, in sender-stage order, which is the order the senders send them (so the pairing also holds
-on backends without tags). A decoder-only prompt may be fed in chunks (``prefill_chunk_size`` of
+``t*M + i + k`` with ``M = max(m, number of decode stages)``; ranks run their ops in tick order,
+ties by microbatch, then stage (:meth:`Timetable.ops_at`), and, at each tick, first post the
+receives for the messages sent at that tick in the order their senders run the ops that send them
+(so the pairing also holds on backends without tags). Ties arise only where a rank holds several
+decode stages. Microbatch first keeps a microbatch's pass depth-first through a rank's stages: on a
+V layout (rank 0 holding stages 0 and 3, rank 1 stages 1 and 2), rank 1 at the tick of stage 1's
+microbatch 1 and stage 2's microbatch 0 runs stage 2 first, so microbatch 0 goes on to rank 0
+while rank 1 works on microbatch 1; stage order would hold microbatch 0 behind microbatch 1 there,
+and with one microbatch per rank (no slack) each step would take 1.5x the ranks' work. A decoder-only prompt may be fed in chunks (``prefill_chunk_size`` of
 the generation config, as transformers' chunked prefill): its C chunks are steps 0..C-1, the last
 of which chooses the first new token, so the ring fills with C x m units of work instead of m (a
 pipeline's prefill idles (p - 1) / (units + p - 1) of its time). Message shapes follow from the
@@ -30,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import InputError
@@ -95,6 +101,12 @@ class Timetable:
             return None
         step, microbatch = divmod(since_start, self.period)
         return (step, microbatch) if microbatch < self.n_microbatches else None
+
+    def ops_at(self, stages: Iterable[int], tick: int) -> list[tuple[int, int, int]]:
+        """``(stage, step, microbatch)`` of the ops ``stages`` run at ``tick``, in the order a rank runs them:
+        by microbatch, then stage (see the Note)."""
+        ops = [(s, *at) for s in stages if (at := self.decode_at(s, tick)) is not None]
+        return sorted(ops, key=lambda op: (op[2], op[0]))
 
     def encode_at(self, stage: int, tick: int) -> int | None:
         """Microbatch that encoder stage ``stage`` runs at encoder tick ``tick`` (tick = i + stage), or None."""

@@ -88,7 +88,7 @@ def _run_generation(case):
     model = getattr(hf_pipeline, case["auto"]).from_pretrained(
         case["path"], pipeline=True, device="cpu", progress=False, **case["load"]
     )
-    res = {"blocks": _generating_blocks(model), "num_stages": model.plan.num_stages}
+    res = {"blocks": _generating_blocks(model), "num_stages": model.plan.num_stages, "pp_size": model.plan.pp_size}
     for label, inputs, kwargs in case["requests"]:
         streamer = _Collect() if label.endswith("stream") else None
         ids, stats = model.generate(**inputs, **kwargs, streamer=streamer, return_stats=True)
@@ -283,6 +283,8 @@ def _gen_cases(assets, world: int):
             }
             if virtual == 1:
                 requests.append(("full", a["inputs"], full_kwargs))
+            else:  # one microbatch per stage: two ops of a rank at one tick, two messages to one peer at one tick
+                requests.append(("per_stage", a["inputs"], dict(greedy_kwargs, n_microbatches=2 * world)))
             if virtual == 1 and arch == "llama":
                 requests.append(("naive", a["inputs"], dict(greedy_kwargs, n_microbatches=1)))
                 requests.append(("stream", a["inputs"], greedy_kwargs))
@@ -340,6 +342,20 @@ def _gen_cases(assets, world: int):
                         ],
                     }
                 )
+        # A V layout (zbv-zero-bubble: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2): its ranks run
+        # ops of two stages at one tick, microbatch first (timetable.ops_at).
+        a = assets["gen"]["llama"]
+        greedy = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=a["eos"], pad_token_id=0)
+        cases.append({
+            "arch": "llama", "virtual": 2, "path": a["path"], "auto": "AutoModelForCausalLM",
+            "load": {"schedule": "zbv-zero-bubble"},
+            "requests": [
+                ("greedy", a["inputs"], greedy), ("sampled", a["inputs"], a["sample_kwargs"]),
+                ("full", a["inputs"], dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)),
+                ("per_stage", a["inputs"], dict(greedy, n_microbatches=4)),
+                ("chunked", a["inputs"], dict(greedy, prefill_chunk_size=CHUNK)),
+            ],
+        })
         # two data-parallel replicas of a one-stage pipeline
         a = assets["gen"]["llama"]
         cases.append(
@@ -411,9 +427,12 @@ def _check_generation(assets, cases, per_rank, world):
                 assert torch.equal(res["naive"]["ids"], a["greedy"]), f"{where}: n_microbatches=1 differs"
             if "full" in res:
                 assert torch.equal(res["full"]["ids"], a["full"]), f"{where}: min_new_tokens run differs"
+            if "per_stage" in res:
+                assert torch.equal(res["per_stage"]["ids"], a["greedy"]), f"{where}: one microbatch per stage differs"
             assert res["greedy"]["prefill_steps"] == 1, where
             rows = a["inputs"]["input_ids"].shape[0]
-            assert res["greedy"]["n_microbatches"] == min(res["num_stages"], rows), (where, res["greedy"])
+            # One microbatch per pipeline rank, not per stage (2 stages per rank would read every weight twice per token)
+            assert res["greedy"]["n_microbatches"] == min(res["pp_size"], rows), (where, res["greedy"])
             # the call's time in parts that never overlap, "other" the remainder (rounding: 1 us)
             split = res["greedy"]["split"]
             assert set(split) == {"compute", "fill", "wait", "drain", "other"} and min(split.values()) >= 0, split

@@ -110,3 +110,47 @@ def test_chunked_prefill_steps(chunk, n_decode, m):
 def test_prefill_chunk_must_be_positive():
     with pytest.raises(ValueError, match="prefill_chunk"):
         Timetable(first_decode=0, n_decode=2, bounds=((0, 2),), prompt_len=7, max_new=2, prefill_chunk=0)
+
+
+def _steady_period(tt: Timetable, rank_of: dict[int, int], steps: int, key=None) -> float:
+    """Ticks between steps of microbatch 0 on the first stage once the ring is full, each rank running its ops in
+    ``Timetable.ops_at`` order (or sorted by ``key``), every op taking one unit, messages free."""
+    orders: dict[int, list] = {r: [] for r in set(rank_of.values())}
+    for r in orders:
+        mine = [s for s in rank_of if rank_of[s] == r]
+        for tick in range(tt.tick_limit):
+            ops = tt.ops_at(mine, tick)
+            orders[r] += sorted(ops, key=key) if key else ops
+    last = max(rank_of)
+    done: dict[tuple[int, int, int], float] = {}
+    free = dict.fromkeys(orders, 0.0)
+    pending = {r: list(o) for r, o in orders.items()}
+    while any(pending.values()):
+        progressed = False
+        for r, ops in pending.items():
+            while ops:
+                s, t, i = ops[0]
+                need = (s - 1, t, i) if s > 0 else ((last, t - 1, i) if t > 0 else None)
+                if need is not None and need not in done:
+                    break
+                start = max(free[r], done[need] if need else 0.0)
+                done[(s, t, i)] = free[r] = start + 1
+                ops.pop(0)
+                progressed = True
+        assert progressed, "the ranks' orders deadlock"
+    return done[(0, steps - 1, 0)] - done[(0, steps - 2, 0)]
+
+
+def test_v_layout_runs_each_microbatch_depth_first():
+    # zbv's V on 2 ranks (rank 0: stages 0 and 3, rank 1: stages 1 and 2), one microbatch per rank: each step
+    # takes exactly the 4 ops a rank runs per step. Stage order at a tie (rank 1 running stage 1 of
+    # microbatch 1 before stage 2 of microbatch 0) would hold microbatch 0 back: 1.5x as long per step.
+    tt = _table(0, 4, 2, 8)
+    v = {0: 0, 1: 1, 2: 1, 3: 0}
+    assert _steady_period(tt, v, 8) == 4
+    assert _steady_period(tt, v, 8, key=lambda op: op[0]) == 6
+    # A looped layout (rank 0: stages 0 and 2) has no ties at m=2; at one microbatch per stage, a rank runs 2 ops
+    # per step per microbatch pair without stalls either way.
+    loop = {0: 0, 1: 1, 2: 0, 3: 1}
+    assert _steady_period(tt, loop, 8) == 4
+    assert _steady_period(_table(0, 4, 4, 8), loop, 8) == 8
