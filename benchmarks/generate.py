@@ -197,7 +197,9 @@ def _per_token_seconds(runs: _Runs) -> dict[str, float]:
     half = full // 2
     calls: dict[int, list[float]] = {full: [], half: []}
     two_way_calls: dict[int, list[float]] = {full: [], half: []}
-    for _ in range(runs.sizes["gen_reps"]):
+    # Differences of whole calls are noisy on a shared machine (a call moves by several percent between runs): three
+    # times the timed runs' pairs.
+    for _ in range(3 * runs.sizes["gen_reps"]):
         for n in calls:
             calls[n].append(runs.pipelined(n)[0])
             two_way_calls[n].append(runs.two_way(n))

@@ -217,7 +217,7 @@ def train_pp(spec: dict, out: dict) -> None:
         step_seconds=step_seconds, two_way_seconds=two_way[1:], two_way_microbatched_seconds=two_way_micro[1:],
         loss=float(loss), **_profiled_step(model, batch, spec, sizes),
         picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages,  # as this batch runs
-                "n_microbatches": model.microbatches_for(sizes["batch"], training=True)},
+                "n_microbatches": model.microbatches_for(sizes["batch"], training=True, seq=sizes["seq"])},
         split=list(model.plan.split_points),
     )
 

@@ -119,7 +119,12 @@ class Ring:
         self.local_decode = [s for s in self.decode_stages if s in self.local_stages]
         self.hidden_size = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
-        self.mailbox = Mailbox(pp_rank=self.pp_rank, rank_of=self._rank_of, dims=model.dims, device=self.device)
+        # Sends kept in flight at most: a rank runs at most the prompt's steps plus one step of every local stage and
+        # microbatch ahead of the ranks it sends to (the first stage waits for each token; stages after it for the
+        # previous stage's message), so the oldest send past this many was received long ago (Mailbox's Note).
+        window = 4 * len(req.bounds) * self.n_stages * (len(self.timetable.chunks) + 2)
+        self.mailbox = Mailbox(pp_rank=self.pp_rank, rank_of=self._rank_of, dims=model.dims, device=self.device,
+                               window=window)
         self.peak_cache_bytes = 0
         # Seconds this rank spent in its stages' forwards ("compute", the encoder's too) and blocked on
         # messages while the pipe fills ("fill": the encoder, the prompt's steps and the first token's trip
@@ -282,10 +287,14 @@ class Ring:
         started = time.perf_counter()
         received = self._receive(s, i, hi - lo, prefill=span is not None)
         self.seconds["fill" if t <= self.timetable.first_token_step + 1 else "wait"] += time.perf_counter() - started
-        if not bool(received.alive.any()):
+        alive = received.alive
+        # Most ops have every row alive: then the live rows are the cache's (nothing was ever dropped), taken
+        # without nonzero's copy, and the message is built without indexing (below).
+        every = bool(alive.all())
+        if not every and not bool(alive.any()):
             self._pass_end(slot, t, token_step)
             return
-        live = received.alive.nonzero()[:, 0]
+        live = slot.rows if every else alive.nonzero()[:, 0]
         if live.numel() < slot.rows.numel():
             self._compact(slot, live)
         if received.sources is not None and span is None:
@@ -299,9 +308,12 @@ class Ring:
             return
         n, q, hidden = hi - lo, self.timetable.message_positions(t), self.hidden_size
         self._check(out, (live.numel(), q, hidden), f"stage {s}")
-        nxt = torch.zeros(n, q, hidden + 1, dtype=self.dtype, device=self.device)
-        nxt[live, :, :hidden] = out.to(self.dtype)
-        nxt[live, :, hidden] = 1
+        if every:  # one op instead of a zero block and two scatters: this sits on the ring's critical path
+            nxt = torch.cat([out.to(self.dtype), out.new_ones(n, q, 1, dtype=self.dtype)], dim=2)
+        else:
+            nxt = torch.zeros(n, q, hidden + 1, dtype=self.dtype, device=self.device)
+            nxt[live, :, :hidden] = out.to(self.dtype)
+            nxt[live, :, hidden] = 1
         self.mailbox.deliver(("h", s + 1, i), s + 1, nxt)
         if self.beam:  # the next stage reorders its cache as this one did
             sources = received.sources if received.sources is not None else torch.arange(n, device=self.device)
