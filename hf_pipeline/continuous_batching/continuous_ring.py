@@ -3,9 +3,11 @@
 A long-lived ring over the pipeline's stages. Its ``groups`` microbatches are each a group of
 ``group_size`` slots; stage 0 runs group ``i`` of step ``t`` after group ``i - 1``, and every other
 stage follows it one op behind, as in :mod:`hf_pipeline.generation.timetable`: stage ``k`` runs
-group ``i`` of step ``t`` at tick ``t * groups + i + k`` (``groups`` equal to the number of stages
-fills the pipe), and a rank that holds several stages (interleaved and V layouts) runs its stages'
-ops in tick order, stage order within a tick. Before each of its ops, stage 0 (whose rank holds the
+group ``i`` of step ``t`` at tick ``t * M + i + k`` with ``M = max(groups, stages)`` (one group per
+pipeline rank fills the pipe: a rank runs each of its stages once per group), and a rank that holds
+several stages (interleaved and V layouts) runs its stages' ops in tick order, group first within a
+tick (then stage), so a group goes depth first through the rank's stages, as the static ring's
+``Timetable.ops_at`` does. Before each of its ops, stage 0 (whose rank holds the
 request queue, through a :class:`~.feeder.Feeder`) hands the tokens that came back to the feeder,
 which says which rows finished (stop ids, stop strings, ``max_new_tokens``, a cancelled request),
 and lets queued rows into the group's free slots. It sends that decision down the pipe with the
@@ -56,8 +58,10 @@ so the fixed-size message is received ahead (posted once the previous op's messa
 reply from the moment stage 0 sends the op; the others when the header gives their size. With
 several stages per rank, two streams may share a pair (interleaved at 2 ranks: stage 1 -> 2 and the
 reply 3 -> 0 both run rank 1 -> 0), so each tick starts by taking every message its ops need, in the
-order their senders sent them (sender stage order, the reply from the last stage last): the
-receives pair up on any backend, tags or not, and wait only for messages of the tick before.
+order their senders sent them (the senders' ops' order: group, then stage): the receives pair up on
+any backend, tags or not, and wait only for messages of the tick before (with several stages per rank
+there are at most as many groups as stages, so ``M`` is the number of stages and a reply, too, comes
+from the tick before).
 Stage 0 stops the ring when a whole step had no rows, no row is part-way into its prompt and its feeder
 has nothing queued: a stop
 header for every group of that step, which each stage passes on before leaving.
@@ -108,8 +112,8 @@ class ContinuousRing:
     Args:
         model: the pipelined model (:func:`continuous_refusal` says None: any number of stages per rank,
             any tp / ep size).
-        groups: microbatches in flight (the number of stages fills the pipe; with several stages per rank,
-            exactly that many).
+        groups: microbatches in flight (one per pipeline rank fills the pipe; with several stages per rank,
+            at most one per stage).
         group_size: slots per group.
         feeder: stage 0's queue (rank 0: stage 0's tp lead); None on the other ranks.
         grammars: the tokenizer compiled for rows that follow a grammar (``response_format``); the last stage's.
@@ -145,8 +149,10 @@ class ContinuousRing:
             raise InternalError("stage 0 of the continuous ring needs the feeder (the request queue)")
         # Several stages per rank: a tick's messages are taken at its start, in their senders' order (module Note).
         self.ordered = len(self.lanes) > 1
-        if self.ordered and groups != self.n_stages:
-            raise InternalError(f"several stages per rank run {self.n_stages} groups (one per stage), got {groups}")
+        if self.ordered and groups > self.n_stages:
+            raise InternalError(f"several stages per rank run at most {self.n_stages} groups (one per stage), "
+                                f"got {groups}")
+        self.period = max(groups, self.n_stages)  # ticks per step (the module docstring's M)
         self.hidden = int(model.config.get_text_config(decoder=True).hidden_size)
         self.dtype, self.device = model.dtype, model.device
         if encdec and self._op_bytes[1] < 8 * group_size:
@@ -234,18 +240,32 @@ class ContinuousRing:
             new_in = self._recv((len(rows), lane.received_width(rows), self.hidden), self.dtype, stage - 1)
         return header, kept, payload, new_in
 
-    def _gather(self, tick: int) -> None:
-        """Several stages per rank: take every message from another rank that this tick's ops need, in the order
-        their senders sent them at the tick before (sender stage order; stage 0's reply, from the last, last)."""
-        for lane in self.lanes[1:] + self.lanes[:1] if self.first else self.lanes:
+    def _ops_at(self, tick: int) -> list[tuple[int, int, RingStage]]:
+        """``(group, step, lane)`` of this rank's ops at ``tick``, in the order it runs them: group, then stage."""
+        ops = []
+        for lane in self.lanes:
             since = tick - lane.index
             if since < 0 or lane.done:
                 continue
-            t, i = divmod(since, self.groups)
+            t, i = divmod(since, self.period)
+            if i < self.groups:
+                ops.append((i, t, lane))
+        return sorted(ops, key=lambda op: (op[0], op[2].index))
+
+    def _gather(self, tick: int) -> None:
+        """Several stages per rank: take every message from another rank that this tick's ops need, in the order
+        their senders sent them at the tick before: the order of the senders' ops (group, then sender stage)."""
+        takes = []
+        for i, t, lane in self._ops_at(tick):
             if not lane.first and not self._local(lane.index - 1):
+                takes.append(((i, lane.index - 1), lane, i, t))
+            elif lane.first and t > 0 and self.lead and not self._local(self.n_stages - 1):
+                takes.append(((i, self.n_stages - 1), lane, i, t))
+        for _, lane, i, _ in sorted(takes, key=lambda take: take[0]):
+            if not lane.first:
                 fixed = self._recv((sum(self._op_bytes),), torch.uint8, lane.index - 1)
                 self.inbox[("h", lane.index, i)] = self._read_op(fixed, lane)
-            elif lane.first and t > 0 and self.lead and not self._local(self.n_stages - 1):
+            else:
                 self.inbox[("tok", i)] = self._recv((self.reply_sizes[i],), torch.float64, self.n_stages - 1)
 
     def _take(self, lane: RingStage, i: int) -> tuple:
@@ -305,11 +325,7 @@ class ContinuousRing:
             while not all(lane.done for lane in self.lanes):
                 if self.ordered:
                     self._gather(tick)
-                for lane in self.lanes:
-                    since = tick - lane.index
-                    if since < 0 or lane.done:
-                        continue
-                    t, i = divmod(since, self.groups)
+                for i, t, lane in self._ops_at(tick):
                     if not self._op(lane, i, t) and i == self.groups - 1:
                         lane.done = True
                 tick += 1

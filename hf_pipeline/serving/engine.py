@@ -461,8 +461,9 @@ class Engine:
 
 
     def _ring_shape(self) -> tuple[int, int]:
-        """(groups, slots per group): one group per stage fills the pipe; the pool's rows shared out."""
-        groups = self.model.plan.num_stages
+        """(groups, slots per group): one group per pipeline rank fills the pipe (one per stage would read every
+        weight of a rank holding several stages twice per token); the pool's rows shared out."""
+        groups = self.model.plan.pp_size
         return groups, -(-self.pool // groups)
 
     def _run_ring(self) -> None:

@@ -1,7 +1,7 @@
 """Chunked prefill and prefix caching in the continuous ring (one spawned job per world size): LLaMA at 2
 ranks with one stage per rank and with two stages per rank (interleaved: stages 0, 2 | 1, 3), and at 4
 ranks with tensor parallelism (pp2 x tp2: each tp rank's prefix cache holds its own heads), 4 slots
-(groups of 2; interleaved: 4 groups of 1), ``prefill_chunk=4`` and prefix blocks of 4 tokens. A short
+(one group per pipeline rank: groups of 2), ``prefill_chunk=4`` and prefix blocks of 4 tokens. A short
 request decodes from the start; the next carries a 12-token head (3 blocks) and arrives with it; once it
 has tokens the rest arrive, four of them with the same head and tails of their own, so their prompts (13
 to 20 tokens, longer than a chunk) join in chunks beside the rows decoding and copy the head's keys and
@@ -56,7 +56,7 @@ def _serve(path: str, load: dict, requests: list[dict], together: list[dict]) ->
                                                              **load)
     engine = Engine(model, max_batch=4, batching="continuous", idle_s=0.05, prefill_chunk=4, prefix_block=4)
     out: dict = {"batching": engine.batching, "prefix": engine.prefix_reason, "stages": len(model.stages),
-                 "pipeline": model.plan.num_stages}
+                 "pipeline": model.plan.pp_size}
     if model.ctx.rank == 0:
         gate = _gate()
 
@@ -142,8 +142,9 @@ def _check(tmp_path, world: int, layouts: dict) -> None:
             assert r["reused"] == r["stages"] * HIT_TOKENS, (name, r)
             ops, forwards, stacked = r["prefill"]
             assert forwards == ops, (name, r["prefill"])  # all of an op's joining rows ran in one forward
-            # groups of 2 slots (4 stages: 1): two rows with a past (an earlier chunk, a reused head) in one forward
-            assert stacked == (1 if r["pipeline"] == 4 else 2), (name, r["prefill"])
+            # one group per pipeline rank (2: interleaved stages too), so groups of 2 slots: two rows with a past (an
+            # earlier chunk, a reused head) in one forward
+            assert r["pipeline"] == 2 and stacked == 2, (name, r["prefill"])
 
 
 def test_chunked_prefill_and_prefix_caching_at_2_ranks(tmp_path):
