@@ -1,4 +1,4 @@
-"""Serve section, measuring side: one seeded request stream through four servers.
+"""Serve section, measuring side: one seeded request stream through five servers.
 
 The stream (:func:`request_stream`): prompt lengths, ``max_new_tokens`` and Poisson arrival times drawn
 from one seed, the same for every contender. Each contender is fed the stream at its arrival times
@@ -9,6 +9,8 @@ its last token were ready, and its tokens. The contenders:
     default batching, fed from a client thread on rank 0;
   * ``static``: the same Engine with ``batching="static"`` (when the Engine has no such option, the
     Engine as it is: its batches are static; the results say which ran);
+  * ``served_v``: the same Engine on the model loaded for ``zbv-zero-bubble`` (two stages per rank in a V):
+    what a load that picks a V schedule serves with;
   * ``hf_continuous``: transformers' own continuous batching (``init_continuous_batching``) on one process;
   * ``hf_native_pp``: transformers' native pipeline (``DistributedConfig(pp_size=world)``) on ``world``
     ranks, the stream served in static batches through its ``generate``.
@@ -117,7 +119,7 @@ def serve_engine(task: dict, out: dict) -> None:
     sizes = task["sizes"]
     stream = request_stream(sizes)
     model = AutoModelForCausalLM.from_pretrained(task["path"], pipeline=True, device="cpu", dtype=torch.float32,
-                                                 progress=False)
+                                                 progress=False, **task.get("load", {}))
     kwargs = {"max_batch": sizes["serve_batch"], "max_queue": len(stream) + 1}
     has_option = "batching" in inspect.signature(Engine).parameters
     if has_option and task["batching"]:
@@ -275,8 +277,8 @@ def serve_hf_native_pp(task: dict, out: dict) -> None:
 
 TASKS = {"serve_engine": serve_engine, "serve_hf_continuous": serve_hf_continuous,
          "serve_hf_native_pp": serve_hf_native_pp}
-CONTENDERS = {"served": "serve served", "static": "serve static", "hf_continuous": "serve transformers continuous",
-              "hf_native_pp": "serve transformers native pp"}
+CONTENDERS = {"served": "serve served", "static": "serve static", "served_v": "serve served V layout",
+              "hf_continuous": "serve transformers continuous", "hf_native_pp": "serve transformers native pp"}
 
 
 def launches(sizes: Sizes, ckpts: dict[str, str]) -> dict[int, list[dict]]:
@@ -289,6 +291,8 @@ def launches(sizes: Sizes, ckpts: dict[str, str]) -> dict[int, list[dict]]:
         sizes.world: [
             {"task": "serve_engine", "label": CONTENDERS["served"], "batching": None, **common},
             {"task": "serve_engine", "label": CONTENDERS["static"], "batching": "static", **common},
+            {"task": "serve_engine", "label": CONTENDERS["served_v"], "batching": None,
+             "load": {"schedule": "zbv-zero-bubble"}, **common},
             {"task": "serve_hf_native_pp", "label": CONTENDERS["hf_native_pp"], **common},
         ],
     }

@@ -13,7 +13,7 @@ __all__ = ["EXACT", "summarize"]
 
 # Contenders whose greedy tokens must equal the served pipeline's, request by request (transformers'
 # native pipeline is compared and reported, not required: its padded rows are its own business).
-EXACT = ("static", "hf_continuous")
+EXACT = ("static", "served_v", "hf_continuous")
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -1,4 +1,4 @@
-"""Serve section, tables side: one request stream through four servers, each against the served pipeline."""
+"""Serve section, tables side: one request stream through five servers, each against the served pipeline."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ __all__ = ["markdown"]
 NAMES = {
     "served": "hf_pipeline Engine, default batching",
     "static": "hf_pipeline Engine, static batches",
+    "served_v": "hf_pipeline Engine, default batching, loaded for zbv-zero-bubble (2 stages per rank in a V)",
     "hf_continuous": "transformers continuous batching, 1 process",
     "hf_native_pp": "transformers native pipeline (pp_size), static batches",
 }
@@ -41,7 +42,7 @@ def markdown(res: dict[str, Any]) -> list:
     if not sv:
         return []
     lines = [
-        "## Serve: one request stream through four servers", "",
+        "## Serve: one request stream through five servers", "",
         f"{sv['requests']} greedy requests (seed {sv['seed']}): prompts of {sv['prompt_len'][0]}-{sv['prompt_len'][1]} "
         f"tokens, {sv['new_tokens'][0]}-{sv['new_tokens'][1]} new tokens each ({sv['requested_tokens']} in all), "
         f"Poisson arrivals at {sv['rate']:g} requests/s (the last at {sv['stream_seconds']:.1f} s); at most "
@@ -49,7 +50,7 @@ def markdown(res: dict[str, Any]) -> list:
         "the stream at its arrival times. Throughput: generated tokens over the time from the first arrival to "
         "the last token; latency: a request's arrival to its last token (queueing included); time to first token "
         "likewise. Ratios against the served pipeline: above 1 is more tokens/s, or a longer wait. Tokens equal "
-        "served: requests whose greedy tokens are the served pipeline's (required of the static Engine and of "
+        "served: requests whose greedy tokens are the served pipeline's (required of the static Engine, of the V layout and of "
         "transformers' continuous batching; reported for transformers' native pipeline).", "",
         _table(sv), "",
     ]
