@@ -50,8 +50,8 @@ def markdown(res: dict[str, Any]) -> list:
         "the stream at its arrival times. Throughput: generated tokens over the time from the first arrival to "
         "the last token; latency: a request's arrival to its last token (queueing included); time to first token "
         "likewise. Ratios against the served pipeline: above 1 is more tokens/s, or a longer wait. Tokens equal "
-        "served: requests whose greedy tokens are the served pipeline's (required of the static Engine, of the V layout and of "
-        "transformers' continuous batching; reported for transformers' native pipeline).", "",
+        "served: requests whose greedy tokens are the served pipeline's (required of the static Engine, of the V "
+        "layout and of transformers' continuous batching; reported for transformers' native pipeline).", "",
         _table(sv), "",
     ]
     if sv.get("mismatches"):

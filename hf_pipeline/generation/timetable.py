@@ -12,10 +12,11 @@ decode stages. Microbatch first keeps a microbatch's pass depth-first through a 
 V layout (rank 0 holding stages 0 and 3, rank 1 stages 1 and 2), rank 1 at the tick of stage 1's
 microbatch 1 and stage 2's microbatch 0 runs stage 2 first, so microbatch 0 goes on to rank 0
 while rank 1 works on microbatch 1; stage order would hold microbatch 0 behind microbatch 1 there,
-and with one microbatch per rank (no slack) each step would take 1.5x the ranks' work. A decoder-only prompt may be fed in chunks (``prefill_chunk_size`` of
-the generation config, as transformers' chunked prefill): its C chunks are steps 0..C-1, the last
-of which chooses the first new token, so the ring fills with C x m units of work instead of m (a
-pipeline's prefill idles (p - 1) / (units + p - 1) of its time). Message shapes follow from the
+and with one microbatch per rank (no slack) each step would take 1.5x the ranks' work.
+A decoder-only prompt may be fed in chunks (``prefill_chunk_size`` of the generation config, as
+transformers' chunked prefill): its C chunks are steps 0..C-1, the last of which chooses the first
+new token, so the ring fills with C x m units of work instead of m (a pipeline's prefill idles
+(p - 1) / (units + p - 1) of its time). Message shapes follow from the
 microbatch size, the step (a prompt chunk's length at a prefill step, else 1) and the hidden size:
   stage -> next stage   float ``(rows, q, hidden + 1)``: hidden states, last column 1 for rows still
                         generating; all zeros once the microbatch is done (sent once, then nothing)

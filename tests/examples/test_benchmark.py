@@ -197,7 +197,7 @@ def _check_serve(serve: dict, sizes: dict) -> None:
     stream = request_stream(sizes)
     assert serve["requests"] == len(stream) == sizes["serve_requests"] and not serve["mismatches"]
     assert serve["requested_tokens"] == sum(r["max_new_tokens"] for r in stream)
-    assert set(serve["contenders"]) == {"served", "static", "hf_continuous", "hf_native_pp"}, serve
+    assert set(serve["contenders"]) == {"served", "static", "served_v", "hf_continuous", "hf_native_pp"}, serve
     for key, row in serve["contenders"].items():
         assert "error" not in row, (key, row)
         assert row["tokens"] == serve["requested_tokens"] and len(row["latencies"]) == len(stream), key
@@ -206,7 +206,7 @@ def _check_serve(serve: dict, sizes: dict) -> None:
         assert row["seconds"] >= stream[-1]["arrival"], key  # the last request is served after it arrived
         assert row["throughput_vs_served"] == pytest.approx(
             row["tokens_per_s"] / serve["contenders"]["served"]["tokens_per_s"]), key
-    for key in ("served", "static", "hf_continuous"):
+    for key in ("served", "static", "served_v", "hf_continuous"):
         assert serve["contenders"][key]["tokens_equal_served"] == len(stream), key
     assert serve["contenders"]["hf_continuous"]["batching"] == "continuous"
 
@@ -327,6 +327,11 @@ def test_quick_benchmark_runs_every_section(tmp_path):
         ch["tokens_equal_transformers"] and ch["prefill_steps"] == -(-sizes["prompt_len"] // sizes["prefill_chunk"]) > 1
     )
     assert gen["pipelined"]["prefill_steps"] == 1
+    # the V layout (2 stages per rank): one microbatch per rank, not per stage; tokens equal; paired with the limit
+    v = gen["v_layout"]
+    assert v["tokens_equal_transformers"] and v["n_microbatches"] == world, v
+    one_stage = gen["pipelined"]["fraction_of_two_way"]
+    assert gen["v_layout_vs_one_stage"] == pytest.approx(v["fraction_of_two_way"] / one_stage)
     assert len(ch["two_way_seconds"]) == len(ch["seconds"]) == sizes["gen_reps"]
     assert ch["fraction_of_two_way"] == pytest.approx(
         statistics.median([w / p for w, p in zip(ch["two_way_seconds"], ch["seconds"])])

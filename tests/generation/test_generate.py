@@ -431,7 +431,7 @@ def _check_generation(assets, cases, per_rank, world):
                 assert torch.equal(res["per_stage"]["ids"], a["greedy"]), f"{where}: one microbatch per stage differs"
             assert res["greedy"]["prefill_steps"] == 1, where
             rows = a["inputs"]["input_ids"].shape[0]
-            # One microbatch per pipeline rank, not per stage (2 stages per rank would read every weight twice per token)
+            # One microbatch per pipeline rank, not per stage (2 stages per rank: every weight read twice per token)
             assert res["greedy"]["n_microbatches"] == min(res["pp_size"], rows), (where, res["greedy"])
             # the call's time in parts that never overlap, "other" the remainder (rounding: 1 us)
             split = res["greedy"]["split"]
