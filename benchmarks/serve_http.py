@@ -52,16 +52,21 @@ from benchmarks.processes import ROOT, worker_env
 from benchmarks.serve_http_results import contender_row, ratios
 from devtools.process_tree import kill_tree
 
-__all__ = ["CONTENDERS", "NO_EOS", "guidellm_command", "prompts", "run"]
+__all__ = ["CONTENDERS", "NO_EOS", "guidellm_command", "no_eos", "prompts", "run"]
 
 CONTENDERS = ("served", "replicas", "one_process", "limit")
 # Each server's own way of making a completion run to max_tokens (guidellm's ignore_eos is refused by
 # transformers serve), and greedy for both.
 NO_EOS = {
     "hf_pipeline": {"temperature": 0, "ignore_eos": True},
-    "hf_pipeline_replicas": {"temperature": 0, "ignore_eos": True},
     "transformers": {"temperature": 0, "generation_config": json.dumps({"eos_token_id": []})},
 }
+
+
+def no_eos(kind: str) -> dict:
+    """The request fields that make server ``kind``'s completions greedy and run to ``max_tokens`` (every
+    ``hf-pipeline serve`` contender, replicas too, takes hf_pipeline's)."""
+    return NO_EOS["hf_pipeline" if kind.startswith("hf_pipeline") else kind]
 STARTUP_S = 600.0  # two ranks or a process importing torch and loading a 1 GB model on a loaded 2-core machine
 PROMPT_SEED = 43
 
@@ -104,7 +109,7 @@ class _Server:
                 raise RuntimeError(f"{self.kind} did not answer in {STARTUP_S} s: {self.tail()}")
             time.sleep(0.5)
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
-        body = {"model": model, "prompt": "Return the value.", "max_tokens": 2, **NO_EOS[self.kind]}
+        body = {"model": model, "prompt": "Return the value.", "max_tokens": 2, **no_eos(self.kind)}
         httpx.post(f"{self.url}/v1/completions", json=body, timeout=STARTUP_S).raise_for_status()
 
     def tail(self) -> str:
@@ -161,7 +166,7 @@ def guidellm_command(url: str, model: str, data: pathlib.Path, out: pathlib.Path
     """``guidellm run``: ``requests`` completions of ``data``'s prompts, ``streams`` at a time, greedy,
     ``max_tokens`` each (the server's own no-EOS field), offline with ``model``'s tokenizer."""
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
-               "max_tokens": max_tokens, "extras": {"body": NO_EOS[kind]}}
+               "max_tokens": max_tokens, "extras": {"body": no_eos(kind)}}
     return [shutil.which("guidellm") or "guidellm", "run", "--backend", json.dumps(backend),
             "--profile", f"kind=concurrent,streams={streams}", "--constraint", f"kind=max_requests,count={requests}",
             "--data", f"kind=json_file,path={data}", "--tokenizer", f"kind=huggingface_auto,model={model}",
