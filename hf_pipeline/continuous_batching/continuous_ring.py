@@ -6,8 +6,8 @@ stage follows it one op behind, as in :mod:`hf_pipeline.generation.timetable`: s
 group ``i`` of step ``t`` at tick ``t * M + i + k`` with ``M = max(groups, stages)`` (one group per
 pipeline rank fills the pipe: a rank runs each of its stages once per group), and a rank that holds
 several stages (interleaved and V layouts) runs its stages' ops in tick order, group first within a
-tick (then stage), so a group goes depth first through the rank's stages, as the static ring's
-``Timetable.ops_at`` does. Before each of its ops, stage 0 (whose rank holds the
+tick (then stage), so a group goes depth first through the rank's stages: the static ring's rule
+(:func:`~hf_pipeline.generation.timetable.ops_at_tick`). Before each of its ops, stage 0 (whose rank holds the
 request queue, through a :class:`~.feeder.Feeder`) hands the tokens that came back to the feeder,
 which says which rows finished (stop ids, stop strings, ``max_new_tokens``, a cancelled request),
 and lets queued rows into the group's free slots. It sends that decision down the pipe with the
@@ -84,6 +84,7 @@ from ..core import PipelineCore
 from ..errors import InternalError
 from ..generation.grammar import GrammarTokenizer
 from ..generation.mailbox import Mailbox
+from ..generation.timetable import ops_at_tick
 from ..loading.fsdp import gathered
 from .encoder_decoder_stage import EncoderDecoderStage
 from .feeder import Feeder
@@ -240,28 +241,21 @@ class ContinuousRing:
             new_in = self._recv((len(rows), lane.received_width(rows), self.hidden), self.dtype, stage - 1)
         return header, kept, payload, new_in
 
-    def _ops_at(self, tick: int) -> list[tuple[int, int, RingStage]]:
-        """``(group, step, lane)`` of this rank's ops at ``tick``, in the order it runs them: group, then stage."""
-        ops = []
-        for lane in self.lanes:
-            since = tick - lane.index
-            if since < 0 or lane.done:
-                continue
-            t, i = divmod(since, self.period)
-            if i < self.groups:
-                ops.append((i, t, lane))
-        return sorted(ops, key=lambda op: (op[0], op[2].index))
+    def _ops_at(self, tick: int) -> list[tuple[RingStage, int, int]]:
+        """``(lane, step, group)`` of this rank's ops at ``tick``, in the order it runs them: group, then stage."""
+        return ops_at_tick(((lane, lane.index) for lane in self.lanes if not lane.done), tick, period=self.period,
+                           count=self.groups)
 
     def _gather(self, tick: int) -> None:
         """Several stages per rank: take every message from another rank that this tick's ops need, in the order
         their senders sent them at the tick before: the order of the senders' ops (group, then sender stage)."""
         takes = []
-        for i, t, lane in self._ops_at(tick):
+        for lane, t, i in self._ops_at(tick):
             if not lane.first and not self._local(lane.index - 1):
-                takes.append(((i, lane.index - 1), lane, i, t))
+                takes.append(((i, lane.index - 1), lane, i))
             elif lane.first and t > 0 and self.lead and not self._local(self.n_stages - 1):
-                takes.append(((i, self.n_stages - 1), lane, i, t))
-        for _, lane, i, _ in sorted(takes, key=lambda take: take[0]):
+                takes.append(((i, self.n_stages - 1), lane, i))
+        for _, lane, i in sorted(takes, key=lambda take: take[0]):
             if not lane.first:
                 fixed = self._recv((sum(self._op_bytes),), torch.uint8, lane.index - 1)
                 self.inbox[("h", lane.index, i)] = self._read_op(fixed, lane)
@@ -325,7 +319,7 @@ class ContinuousRing:
             while not all(lane.done for lane in self.lanes):
                 if self.ordered:
                     self._gather(tick)
-                for i, t, lane in self._ops_at(tick):
+                for lane, t, i in self._ops_at(tick):
                     if not self._op(lane, i, t) and i == self.groups - 1:
                         lane.done = True
                 tick += 1

@@ -38,10 +38,24 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["Timetable"]
+__all__ = ["Timetable", "ops_at_tick"]
+
+
+def ops_at_tick(stages: Iterable[tuple[Any, int]], tick: int, *, period: int, count: int) -> list[tuple[Any, int, int]]:
+    """``(stage, step, microbatch)`` of the ops run at ``tick`` by ``stages``, given as ``(stage, offset)`` with
+    ``offset`` the ticks the stage starts after the first: a stage runs microbatch ``i`` (of ``count``) of step
+    ``t`` at tick ``t * period + i + offset``. In the order a rank runs them: microbatch first, then offset (the
+    Note). The static ring (:meth:`Timetable.ops_at`) and the continuous one (``ContinuousRing``) both keep it."""
+    ops = []
+    for stage, offset in stages:
+        since = tick - offset
+        if since >= 0 and since % period < count:
+            ops.append((stage, since // period, since % period, offset))
+    return [op[:3] for op in sorted(ops, key=lambda op: (op[2], op[3]))]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,17 +111,15 @@ class Timetable:
 
     def decode_at(self, stage: int, tick: int) -> tuple[int, int] | None:
         """(step, microbatch) that decode stage ``stage`` runs at ``tick``, or None."""
-        since_start = tick - (stage - self.first_decode)  # stage k starts k ticks after the first decode stage
-        if since_start < 0:
-            return None
-        step, microbatch = divmod(since_start, self.period)
-        return (step, microbatch) if microbatch < self.n_microbatches else None
+        ops = self.ops_at((stage,), tick)
+        return ops[0][1:] if ops else None
 
     def ops_at(self, stages: Iterable[int], tick: int) -> list[tuple[int, int, int]]:
         """``(stage, step, microbatch)`` of the ops ``stages`` run at ``tick``, in the order a rank runs them:
         by microbatch, then stage (see the Note)."""
-        ops = [(s, *at) for s in stages if (at := self.decode_at(s, tick)) is not None]
-        return sorted(ops, key=lambda op: (op[2], op[0]))
+        # decode stage k starts k ticks after the first decode stage
+        return ops_at_tick(((s, s - self.first_decode) for s in stages), tick, period=self.period,
+                           count=self.n_microbatches)
 
     def encode_at(self, stage: int, tick: int) -> int | None:
         """Microbatch that encoder stage ``stage`` runs at encoder tick ``tick`` (tick = i + stage), or None."""
