@@ -149,6 +149,12 @@ def _slowest(per_rank: list[float]) -> list[float]:
     return [max(ts[i] for ts in gathered) for i in range(1, len(per_rank))]
 
 
+def _step_microbatches(model, sizes: dict) -> int:
+    """Microbatches a step of the benchmark's batch runs (a count the default chose adapts to each batch's shape, so
+    the model's own ``n_microbatches``, planned for its load's batch, may not be it)."""
+    return model.microbatches_for(sizes["batch"] // model.dims.dp_size, training=True, seq=sizes["seq"])
+
+
 def _profiled_step(model, batch: dict, spec: dict, sizes: dict) -> dict[str, Any]:
     """Profiled steps of ``model``: the median one's (by wall time) idle, breakdown with one measured
     activation hop, per-rank busy and wall time, and whether the action order is the schedule's."""
@@ -161,7 +167,8 @@ def _profiled_step(model, batch: dict, spec: dict, sizes: dict) -> dict[str, Any
             model.train_step(batch)
             for p in model.parameters():
                 p.grad = None
-    timeline = prof.timeline(title=f"{spec['schedule']}: {model.n_microbatches} microbatches, "
+    m = _step_microbatches(model, sizes)
+    timeline = prof.timeline(title=f"{spec['schedule']}: {m} microbatches, "
                                    f"{model.plan.pp_size} ranks x {model.plan.virtual_stages} stages")
     steps = sorted({x.step for x in timeline.records})
     walls = {st: max(timeline.wall_seconds(r, st) for r in timeline.ranks) for st in steps}
@@ -170,7 +177,7 @@ def _profiled_step(model, batch: dict, spec: dict, sizes: dict) -> dict[str, Any
     # One hop of a stage's activation (a microbatch's hidden states) between ranks, nothing else
     # running: the replay with it on every cross-rank dependency is the step with this machine's
     # message latency and no other time between actions.
-    rows = max(1, sizes["batch"] // model.n_microbatches // model.dims.dp_size)
+    rows = max(1, sizes["batch"] // m // model.dims.dp_size)
     rounds = 20 if sizes["train_reps"] > 1 else 3
     hop = median([hop_seconds((rows, sizes["seq"], sizes["hidden"]), rounds) for _ in range(5)])
     if model.ctx.is_main_process and spec.get("timeline_dir"):
@@ -217,7 +224,7 @@ def train_pp(spec: dict, out: dict) -> None:
         step_seconds=step_seconds, two_way_seconds=two_way[1:], two_way_microbatched_seconds=two_way_micro[1:],
         loss=float(loss), **_profiled_step(model, batch, spec, sizes),
         picked={"schedule": model.schedule.name, "virtual_stages": model.plan.virtual_stages,  # as this batch runs
-                "n_microbatches": model.microbatches_for(sizes["batch"], training=True, seq=sizes["seq"])},
+                "n_microbatches": _step_microbatches(model, sizes)},
         split=list(model.plan.split_points),
     )
 
