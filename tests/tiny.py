@@ -8,6 +8,7 @@ same weights, so a test's reference model is ``AUTO[arch].from_pretrained(path)`
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import torch
@@ -266,13 +267,20 @@ WORDS = (
 
 
 def text_file(path: pathlib.Path, lines: int = 60) -> pathlib.Path:
-    """Write ``lines`` seeded lines of 6-15 words from :data:`WORDS` to ``path``; return it."""
+    """Write ``lines`` seeded lines of 6-15 words from :data:`WORDS` to ``path``; return it.
+
+    Written to a file of this process's own and renamed into place: ranks of one test each write the same
+    (seeded) text to a shared folder, and a plain ``write_text`` truncates the file under a rank reading it,
+    which then trains its tokenizer on part of the text (a batch that differs across ranks).
+    """
     g = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(lines):
         n = int(torch.randint(6, 16, (1,), generator=g))
         rows.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=g)))
-    path.write_text("\n".join(rows) + "\n")
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text("\n".join(rows) + "\n")
+    os.replace(part, path)
     return path
 
 
