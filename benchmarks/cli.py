@@ -8,7 +8,7 @@ import pathlib
 import sys
 
 import benchmarks
-from benchmarks import checkpointing, generate, load, lora, mesh, serve, train
+from benchmarks import checkpointing, generate, load, lora, mesh, serve, serve_capacity, train
 from benchmarks.config import SECTIONS
 from benchmarks.processes import ROOT, run_worker
 from benchmarks.report import to_markdown, update_readme
@@ -19,7 +19,8 @@ __all__ = ["main"]
 
 # Every task a launched rank can run, by the name its job file gives.
 TASKS = {
-    **load.TASKS, **train.TASKS, **generate.TASKS, **checkpointing.TASKS, **lora.TASKS, **serve.TASKS, **mesh.TASKS,
+    **load.TASKS, **train.TASKS, **generate.TASKS, **checkpointing.TASKS, **lora.TASKS, **serve.TASKS,
+    **serve_capacity.TASKS, **mesh.TASKS,
 }
 
 

@@ -70,6 +70,7 @@ class Sizes:
     serve_prompt_len: tuple[int, int] = (8, 64)
     serve_new_tokens: tuple[int, int] = (8, 48)
     serve_batch: int = 8
+    serve_capacity_repeats: int = 3  # turns of the capacity measurement (every request at once, no HTTP)
     # serve-http: guidellm against live servers; the models by name (benchmarks.serve_http), the decode-heavy
     # one's shape (LLaMA, random weights, the bundled tokenizer), fixed prompt and output lengths
     http_models: tuple[str, ...] = ("tiny", "decode-heavy")
@@ -93,6 +94,7 @@ class Sizes:
             new_tokens=8, gen_reps=1, compile_backend="aot_eager", moe_experts=4, moe_intermediate=64, ckpt_seq=64,
             ckpt_batch=4, ckpt_microbatches=2, ckpt_reps=1,
             serve_requests=6, serve_rate=50.0, serve_prompt_len=(2, 8), serve_new_tokens=(2, 6), serve_batch=4,
+            serve_capacity_repeats=1,
             http_models=("tiny",), http_concurrency=(1, 2), http_requests_per_stream=2, http_min_requests=2,
             http_prompt_tokens=8, http_output_tokens=4,
         )

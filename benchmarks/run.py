@@ -19,6 +19,7 @@ from benchmarks import (
     lora_results,
     mesh,
     serve,
+    serve_capacity,
     serve_http,
     serve_results,
     train,
@@ -57,8 +58,13 @@ def _http_models(args, sizes: Sizes) -> dict[str, str]:
     return {name: str(paths[name]()) for name in sizes.http_models}
 
 
-def _launches(sections: list[str], sizes: Sizes, ckpts: dict[str, str], *, quick: bool,
-              timeline_dir: str) -> dict[int, list[dict]]:
+def _capacity_models(args, sizes: Sizes, ckpts: dict[str, str]) -> dict[str, str]:
+    """The serve section's capacity models by name: its own (the train section's), and the serve-http section's."""
+    return {"train model": ckpts["train"], **_http_models(args, sizes)}
+
+
+def _launches(sections: list[str], sizes: Sizes, ckpts: dict[str, str], *, quick: bool, timeline_dir: str,
+              capacity: dict[str, str]) -> dict[int, list[dict]]:
     """Which work runs in which launch: one launch per world size, fresh processes (peak RSS); each
     world's tasks in section order (load, train with the bubble, generate)."""
     per_section = []
@@ -74,6 +80,7 @@ def _launches(sections: list[str], sizes: Sizes, ckpts: dict[str, str], *, quick
         per_section.append(lora.launches(sizes, ckpts))
     if "serve" in sections:
         per_section.append(serve.launches(sizes, ckpts))
+        per_section.append(serve_capacity.launches(sizes, capacity))
     if "mesh" in sections:
         per_section.append(mesh.launches(sizes, ckpts))
     launches: dict[int, list[dict]] = {}
@@ -107,9 +114,10 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "sizes": asdict(sizes),
     }
-    launches = _launches(sections, sizes, ckpts, quick=args.quick, timeline_dir=str(timeline_dir))
+    capacity = _capacity_models(args, sizes, ckpts) if "serve" in sections else {}
+    launches = _launches(sections, sizes, ckpts, quick=args.quick, timeline_dir=str(timeline_dir), capacity=capacity)
     raw = {world: launch(world, launches[world], timeout=args.timeout, log=log) for world in sorted(launches)}
-    results.update(summarize(raw, sections, sizes, ckpts))
+    results.update(summarize(raw, sections, sizes, ckpts, capacity=list(capacity)))
     if "serve-http" in sections:  # real servers, each its own processes: no launch of benchmark workers
         results["serve_http"] = serve_http.run(sizes, _http_models(args, sizes), device=args.http_device, log=log)
         results["errors"] += results["serve_http"]["errors"]
@@ -119,7 +127,7 @@ def run_benchmark(args, log=print) -> dict[str, Any]:
 
 
 def summarize(raw: dict[int, list[list[dict]]], sections: list[str], sizes: Sizes,
-              ckpts: dict[str, str]) -> dict[str, Any]:
+              ckpts: dict[str, str], *, capacity: list[str] = ()) -> dict[str, Any]:
     """``results.json``'s errors and sections from ``raw``: per world size, each rank's task results."""
     def find(world: int, label: str) -> list[dict]:
         return [next(t for t in rr if t["label"] == label) for rr in raw.get(world, [])]
@@ -138,7 +146,9 @@ def summarize(raw: dict[int, list[list[dict]]], sections: list[str], sizes: Size
         summary["lora"] = lora_results.summarize(sizes, find)
     if "serve" in sections:
         summary["serve"] = serve_results.summarize(sizes, find)
+        summary["serve"]["capacity"] = serve_capacity.summarize(sizes, find, list(capacity))
         summary["errors"] += summary["serve"]["mismatches"]  # a speed figure for wrong tokens is an error
+        summary["errors"] += summary["serve"]["capacity"]["mismatches"]
     if "mesh" in sections:
         summary["mesh"] = mesh.summarize(sizes, find)
     return summary

@@ -31,7 +31,7 @@ from typing import Any
 
 from benchmarks.config import Sizes
 
-__all__ = ["CONTENDERS", "STREAM_SEED", "TASKS", "launches", "request_stream"]
+__all__ = ["CONTENDERS", "STREAM_SEED", "TASKS", "hf_manager", "hf_results", "launches", "request_stream"]
 
 STREAM_SEED = 20
 _POLL_S = 0.002  # how often the client looks at its handles: far below a decode step
@@ -150,30 +150,18 @@ def serve_hf_continuous(task: dict, out: dict) -> None:
     sizes = task["sizes"]
     stream = request_stream(sizes)
     model = transformers.AutoModelForCausalLM.from_pretrained(task["path"], dtype=torch.float32).eval()
-    if not hasattr(model, "init_continuous_batching"):
-        raise RuntimeError(f"transformers {transformers.__version__} has no init_continuous_batching")
-    longest = sizes["serve_prompt_len"][1] + sizes["serve_new_tokens"][1]
-    page = 32
-    # Sized for the stream, as a server would be: its default sizes the cache from free device memory,
-    # which on a CPU host means minutes of allocation.
-    cb = transformers.ContinuousBatchingConfig(
-        page_size=page, num_blocks=sizes["serve_batch"] * -(-longest // page) * 2,
-        max_batch_tokens=sizes["serve_batch"] * sizes["serve_prompt_len"][1],
-        max_requests_per_batch=sizes["serve_batch"])
-    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=sizes["serve_new_tokens"][1],
-                                        eos_token_id=None, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager = hf_manager(model, sizes, sizes["serve_batch"])
     manager.start()
     try:
         manager.add_request(stream[0]["prompt"], request_id="warm-up", max_new_tokens=2)
-        _hf_results(manager, 1)
+        hf_results(manager, 1)
         start = time.perf_counter()
         records: list[dict] = [{"arrival": r["arrival"]} for r in stream]
         for i, r in enumerate(stream):
             _wait_until(start, r["arrival"])
             manager.add_request(r["prompt"], request_id=f"r{i}", max_new_tokens=r["max_new_tokens"],
                                 record_timestamps=True)
-        for res in _hf_results(manager, len(stream)).values():
+        for res in hf_results(manager, len(stream)).values():
             rec = records[int(res.request_id[1:])]
             rec.update(first=res.timestamps[0] - start, done=res.timestamps[-1] - start,
                        tokens=list(res.generated_tokens), finish_reason="length")
@@ -182,7 +170,26 @@ def serve_hf_continuous(task: dict, out: dict) -> None:
     out.update(records=records, batching="continuous")
 
 
-def _hf_results(manager, n: int) -> dict[str, Any]:
+def hf_manager(model, sizes: dict, max_batch: int):
+    """transformers' continuous batching manager of ``model`` (not started): greedy, no EOS, at most
+    ``max_batch`` requests per batch, its cache sized for the stream's longest request."""
+    import transformers
+
+    if not hasattr(model, "init_continuous_batching"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no init_continuous_batching")
+    longest = sizes["serve_prompt_len"][1] + sizes["serve_new_tokens"][1]
+    page = 32
+    # Sized for the stream, as a server would be: its default sizes the cache from free device memory,
+    # which on a CPU host means minutes of allocation.
+    cb = transformers.ContinuousBatchingConfig(
+        page_size=page, num_blocks=max_batch * -(-longest // page) * 2,
+        max_batch_tokens=max_batch * sizes["serve_prompt_len"][1], max_requests_per_batch=max_batch)
+    gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=sizes["serve_new_tokens"][1],
+                                        eos_token_id=None, pad_token_id=0)
+    return model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+
+
+def hf_results(manager, n: int) -> dict[str, Any]:
     """The next ``n`` finished results of transformers' manager, by request id."""
     got: dict[str, Any] = {}
     deadline = time.monotonic() + 1800

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import serve_capacity
 from benchmarks.tables import Table
 
 __all__ = ["markdown"]
@@ -54,6 +55,7 @@ def markdown(res: dict[str, Any]) -> list:
         "layout and of transformers' continuous batching; reported for transformers' native pipeline).", "",
         _table(sv), "",
     ]
+    lines += serve_capacity.markdown(sv)
     if sv.get("mismatches"):
         lines += ["Mismatches (the speed figures above are not comparable):", ""] + [
             f"- {m}" for m in sv["mismatches"]] + [""]

@@ -124,6 +124,38 @@ def test_serve_stream_is_seeded_and_wrong_tokens_are_errors():
     assert not res["mismatches"] and res["contenders"]["hf_native_pp"]["tokens_equal_served"] == len(stream) - 1
 
 
+def test_serve_capacity_ratios_are_of_paired_medians_and_wrong_tokens_are_errors():
+    # The capacity table: tokens/s over each contender's median turn, ratios against one process and the
+    # 2-way limit, and a contender whose tokens differ from one process's is an error (no speed figure stands).
+    from benchmarks.config import Sizes
+    from benchmarks.serve_capacity import CONTENDERS, markdown, summarize
+    from benchmarks.tables import render
+
+    sizes = Sizes.quick()
+    tokens = [[5, 6], [7]]
+    seconds = {"served": [2.0, 1.0, 9.0], "one_process": [4.0, 4.0, 4.0], "limit": [1.0, 2.0, 2.0]}
+
+    def find_with(toks: dict):
+        result = {"ok": True, "wall_seconds": 1.0, "seconds": seconds, "generated": 12, "tokens": toks}
+        return lambda world, label: [result, {"ok": True, "wall_seconds": 1.0}]
+
+    res = summarize(sizes, find_with({k: tokens for k in CONTENDERS}), ["tiny"])
+    assert not res["mismatches"]
+    rows = res["models"]["tiny"]["contenders"]
+    assert res["models"]["tiny"]["repeats"] == 3
+    assert rows["served"]["tokens_per_s"] == pytest.approx(6.0)  # 12 tokens over the median turn, 2 s
+    assert rows["served"]["vs_one_process"] == pytest.approx(2.0) and rows["served"]["vs_limit"] == pytest.approx(1.0)
+    assert rows["limit"]["vs_one_process"] == pytest.approx(2.0) and rows["served"]["tokens_equal_one_process"] == 2
+    text = render(markdown({"world": 2, "capacity": res}))
+    assert f"| tiny | {CONTENDERS['served']} | 2 | 6.0 | 2.00x | 1.00x | 2.00, 1.00, 9.00 | 2 / 2 |" in text
+    bad = summarize(sizes, find_with({"served": [[5, 6], [8]], "one_process": tokens, "limit": tokens}), ["tiny"])
+    assert bad["mismatches"] == [f"serve capacity, tiny, {CONTENDERS['served']}: greedy tokens differ from one "
+                                 "process's in 1 of 2 requests"]
+    failed = summarize(sizes, lambda world, label: [{"ok": False, "error": "RuntimeError: x"}], ["tiny"])
+    assert failed == {"models": {"tiny": {"error": "RuntimeError: x"}}, "mismatches": []}
+    assert "| tiny | all | | did not run: RuntimeError: x |" in render(markdown({"world": 2, "capacity": failed}))
+
+
 def _guidellm_report(rps: float, tps: float, requests: list[tuple[str, str, float, float]], errored: int = 0) -> dict:
     """A guidellm JSON report as ``guidellm run --output kind=json`` writes it (the fields the section reads):
     its mean rates, and per successful request (prompt, output text, TTFT ms, ITL ms)."""
