@@ -69,6 +69,7 @@ def _engine_turn(model, prompts: list[list[int]], new: list[int], max_batch: int
         feeder.join()
     if "error" in box:
         raise RuntimeError(f"the served pipeline failed: {box['error']}")
+    box["times"] = asdict(engine.ring_times)  # every rank: where its time in the ring went
     return box
 
 
@@ -108,9 +109,13 @@ def serve_capacity(task: dict, out: dict) -> None:
     batch = sizes["serve_batch"]
     turns: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     tokens: dict[str, list[list[int]]] = {}
+    ring_times: list[list[dict]] = []  # per turn, per rank: the served ring's time split
     for _ in range(sizes["serve_capacity_repeats"]):
         dist.barrier()
         served = _engine_turn(model, prompts, new, batch)
+        per_rank: list[Any] = [None] * world
+        dist.all_gather_object(per_rank, served["times"])
+        ring_times.append(per_rank)
         if rank == 0:
             turns["served"].append(served["seconds"])
             tokens["served"] = served["tokens"]
@@ -132,7 +137,7 @@ def serve_capacity(task: dict, out: dict) -> None:
             tokens["one_process"] = one["tokens"]
         dist.barrier()
     if rank == 0:
-        out.update(seconds=turns, tokens=tokens, generated=sum(new))
+        out.update(seconds=turns, tokens=tokens, generated=sum(new), ring_times=ring_times)
 
 
 TASKS = {"serve_capacity": serve_capacity}
@@ -174,11 +179,31 @@ def _summarize_model(sizes: Sizes, find, name: str) -> dict[str, Any]:
         if equal != len(want):
             mismatches.append(f"{label(name)}, {CONTENDERS[key]}: greedy tokens differ from one process's in "
                               f"{len(want) - equal} of {len(want)} requests")
+    # The served ranks' ring time over all turns (each turn's engine counts from zero), as shares.
+    ranks = zip(*main["ring_times"])
+    rows["served"]["ring_shares"] = [_sum_times(turns).fractions() for turns in ranks]
     one, limit = rows["one_process"]["tokens_per_s"], rows["limit"]["tokens_per_s"]
     for row in rows.values():
         row["vs_one_process"], row["vs_limit"] = row["tokens_per_s"] / one, row["tokens_per_s"] / limit
     return {"requests": len(want), "generated": main["generated"], "repeats": len(main["seconds"]["served"]),
             "max_batch": sizes.serve_batch, "contenders": rows, "mismatches": mismatches}
+
+
+def _sum_times(turns) -> Any:
+    from hf_pipeline.continuous_batching.ring_times import RingTimes
+
+    total = RingTimes()
+    for t in turns:
+        total += RingTimes(**t)
+    return total
+
+
+def _shares(row: dict) -> str | None:
+    """The served row's ring time per rank: decode / prefill / waiting (the rest: planning, sends, choices)."""
+    if "ring_shares" not in row:
+        return None
+    return "; ".join(f"rank {r}: {100 * f['decode']:.0f} / {100 * f['prefill']:.0f} / {100 * f['wait']:.0f}%"
+                     for r, f in enumerate(row["ring_shares"]))
 
 
 def markdown(sv: dict[str, Any]) -> list:
@@ -198,17 +223,20 @@ def markdown(sv: dict[str, Any]) -> list:
             f"{max(1, r['max_batch'] // sv['world'])} rows each, every rank its share at once (its time the slowest "
             f"rank's). {r['repeats']} turns of the three in order; tokens/s over each contender's median turn. Tokens "
             "equal: requests whose greedy tokens are one process's. Models: the train section's, and the serve-http "
-            "section's (the bundled tiny model, the decode-heavy one).", "",
+            "section's (the bundled tiny model, the decode-heavy one). Ring time: where each served rank's time in "
+            "the ring went, over all turns: its stages' decode forwards / prefill forwards (joining prompts) / "
+            "waiting for a message (`Engine.ring_times`); with one group of rows per rank the ring has no slack, so "
+            "a long op on one rank is waiting on the other.", "",
         ]
     t = Table(["model", "contender", "processes", "tokens/s", "vs one process", "vs 2-way limit", "turns (s)",
-               "tokens equal"])
+               "tokens equal", "ring time: decode / prefill / waiting"])
     for name, r in cap["models"].items():
         if "error" in r:
-            t.add(name, "all", None, f"did not run: {r['error']}", None, None, None, None)
+            t.add(name, "all", None, f"did not run: {r['error']}", None, None, None, None, None)
             continue
         for key, row in r["contenders"].items():
             t.add(name, CONTENDERS[key], "1" if key == "one_process" else str(sv["world"]),
                   f"{row['tokens_per_s']:.1f}", f"{row['vs_one_process']:.2f}x", f"{row['vs_limit']:.2f}x",
                   ", ".join(f"{s:.2f}" for s in row["seconds"]),
-                  f"{row.get('tokens_equal_one_process', r['requests'])} / {r['requests']}")
+                  f"{row.get('tokens_equal_one_process', r['requests'])} / {r['requests']}", _shares(row))
     return lines + [t, ""]

@@ -14,8 +14,9 @@ heads' keys and values kept per stage, in blocks, LRU, with the coordinator's mi
 :mod:`.wire` (what travels down the ring with each op: :class:`OpHeader`, the typed header that packs
 itself into its int64 tensor and parses itself back, and :class:`NewRow`, the joining rows as JSON),
 :mod:`.feeder` (:class:`Feeder`, what the ring asks of stage 0's queue, and :class:`RingFeeder`, the
-serving queue as the rows that join the slot pool) and :mod:`.kv_budget` (the pool's rows from a
-KV-cache budget per rank).
+serving queue as the rows that join the slot pool), :mod:`.kv_budget` (the pool's rows from a
+KV-cache budget per rank) and :mod:`.ring_times` (:class:`RingTimes`, where a rank's time in the ring
+went: its stages' decode and prefill forwards, waiting for messages).
 
 May import: the base modules and the rooms below it (``distributed`` up to ``generation``, whose
 caches, mailbox, generation config and sampling the ring reuses); never ``serving``, which wires the

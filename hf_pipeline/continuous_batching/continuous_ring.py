@@ -74,6 +74,7 @@ Example (every rank; stage 0 passes the feeder):
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from typing import Any
 
@@ -92,6 +93,7 @@ from .group_cache import merge_refusal
 from .prefill_plan import PrefillPlanner
 from .prefix_cache import RingPrefix
 from .ring_stage import RingStage
+from .ring_times import RingTimes
 from .wire import NewRow, OpHeader, Reply, pack_rows, unpack_rows
 
 __all__ = ["ContinuousRing", "continuous_refusal"]
@@ -174,6 +176,7 @@ class ContinuousRing:
                              dims=model.dims, device=self.device, window=self._window)
         self.steps = 0  # stage 0: steps in which some row ran
         self.peak_cache_bytes = 0
+        self.times = RingTimes()  # this rank's seconds: its stages' forwards, waiting on receives, in all
         self._stopping = False  # stage 0: this step stops the ring
         self._tokens_ahead: dict[int, tuple[Any, torch.Tensor]] = {}  # stage 0: token receives posted ahead
         self._ahead: tuple = ()  # one stage per rank, not stage 0: the next op's header and kept-row receives
@@ -210,8 +213,14 @@ class ContinuousRing:
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src=self._peer(stage), group=self.model.dims.pp_group)
+        self._wait(dist.recv, buf, src=self._peer(stage), group=self.model.dims.pp_group)
         return buf
+
+    def _wait(self, fn, *args, **kwargs) -> None:
+        """A blocking receive (or a posted one's ``wait``), its seconds counted as this rank's waiting."""
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        self.times.wait += time.perf_counter() - start
 
     def _post(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> tuple[Any, torch.Tensor]:
         # Posted ahead, in the order the peer sends: the message lands while this rank computes.
@@ -268,7 +277,7 @@ class ContinuousRing:
         if self.ordered:
             return self.inbox.pop(("h", lane.index, i))
         work, buf = self._ahead
-        work.wait()
+        self._wait(work.wait)
         header, kept, payload, new_in = self._read_op(buf, lane)
         # After a stop only the other groups' stops follow; after the last group's, nothing.
         if header.run or i < self.groups - 1:
@@ -308,8 +317,13 @@ class ContinuousRing:
     def run(self) -> None:
         """Serve until stage 0 finds a whole step without rows and nothing queued (collective)."""
         # FSDP: every unit gathered here, on every rank at once; none inside the ring (module docstring).
-        with gathered(self.model.stages) if self.model.dims.fsdp_size > 1 else contextlib.nullcontext():
-            self._loop()
+        start = time.perf_counter()
+        try:
+            with gathered(self.model.stages) if self.model.dims.fsdp_size > 1 else contextlib.nullcontext():
+                self._loop()
+        finally:
+            self.times.total += time.perf_counter() - start
+            self.times.forwards_of(self.lanes)
 
     def _loop(self) -> None:
         if not self.ordered and not self.first:
@@ -385,7 +399,7 @@ class ContinuousRing:
         if ("tok", i) in self.inbox:
             return self.inbox.pop(("tok", i))
         work, message = self._tokens_ahead.pop(i)
-        work.wait()
+        self._wait(work.wait)
         return message
 
     def _coordinate(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:
@@ -425,7 +439,7 @@ class ContinuousRing:
 
     def _dp_recv(self, shape: tuple[int, ...], dtype: torch.dtype, replica: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, group=self.dp_group, group_src=replica)
+        self._wait(dist.recv, buf, group=self.dp_group, group_src=replica)
         return buf
 
     def _relayed(self, i: int, t: int) -> tuple[OpHeader, list[NewRow], torch.Tensor | None, list[int]]:

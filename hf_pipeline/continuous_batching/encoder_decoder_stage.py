@@ -104,8 +104,8 @@ class EncoderDecoderStage(RingStage):
             g.slots = old_slots + [r.slot for r in new]
             return old_in if old_slots else None, (self._encode(new, new_in) if new else None)
         self._keep(g, old_slots)
-        old_out = self._decode(g, old_in) if old_slots else None
-        new_out = self._prefill(g, new, new_in) if new else None
+        old_out = self._timed("decode", self._decode, g, old_in) if old_slots else None
+        new_out = self._timed("prefill", self._prefill, g, new, new_in) if new else None
         g.slots = old_slots + [r.slot for r in new]
         return old_out, new_out
 

@@ -37,6 +37,7 @@ Example (inside the ring, for group ``i``):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,7 @@ class RingStage:
         self.rows: dict[int, _Row] = {}  # last stage
         self._configs: dict[tuple, Any] = {}
         self.forwards = 0  # forward calls of this stage
+        self.seconds = {"decode": 0.0, "prefill": 0.0}  # in this stage's forwards (:mod:`.ring_times`)
         self.pending: dict[int, DynamicCache] = {}  # chunked prefill: a row's own cache until its prompt is in
         self.prefix = prefix  # this stage's prefix cache (None: prefixes are not reused)
         self.reused_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
@@ -150,12 +152,20 @@ class RingStage:
         g = self.state[i]
         self._keep(g, old_slots)
         pads = self._lock_step(bool(old_slots), new)
-        old_out = self._decode(g, old_in) if old_slots else None
-        new_out = self._prefill(g, new, new_in) if new else None
+        old_out = self._timed("decode", self._decode, g, old_in) if old_slots else None
+        new_out = self._timed("prefill", self._prefill, g, new, new_in) if new else None
         for _ in range(pads):
             self._pad_forward()
         g.slots = old_slots + [r.slot for r in new if r.final]
         return old_out, new_out
+
+    def _timed(self, part: str, fn, *args):
+        """``fn(*args)``, its seconds added to this stage's ``part`` ("decode" or "prefill")."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[part] += time.perf_counter() - start
 
     # ------------------------------------------------------------ lock step
     def _lock_step(self, decodes: bool, new: list[NewRow]) -> int:

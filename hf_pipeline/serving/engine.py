@@ -56,6 +56,7 @@ from ..continuous_batching.continuous_ring import ContinuousRing, continuous_ref
 from ..continuous_batching.feeder import RingFeeder
 from ..continuous_batching.kv_budget import pool_rows, prefix_blocks
 from ..continuous_batching.prefix_cache import RingPrefix, prefix_refusal
+from ..continuous_batching.ring_times import RingTimes
 from ..core import PipelineCore
 from ..errors import InputError, PipelineError, ServerBusy, ServingRequestError, UsageError
 from ..generation.config import generation_config
@@ -194,6 +195,7 @@ class Engine:
         reused_tokens: continuous: prompt tokens this rank's stages copied from their prefix caches.
         prefill_ops / prefill_forwards / peak_stacked: continuous, this rank's stages: ops with joining rows, the
             forwards they ran (one an op but on sliding-window caches), the most rows with a past one forward ran.
+        ring_times: continuous: this rank's seconds in the rings' forwards (decode, prefill), waiting, in all.
     """
 
     @property
@@ -231,8 +233,8 @@ class Engine:
         self.prefix = None if self.prefix_reason else RingPrefix(block=prefix_block, capacity=blocks)
         self.prefill_chunks = self.prefix_hits = self.prefix_tokens = self.reused_tokens = 0
         self.prefill_ops = self.prefill_forwards = self.peak_stacked = 0
-        self.decode_steps = 0
-        self.forwards = 0  # continuous: this rank's stage forward calls
+        self.decode_steps = self.forwards = 0  # forwards: continuous, this rank's stage forward calls
+        self.ring_times = RingTimes()  # continuous: where this rank's time in the rings went
         self.peak_cache_bytes = 0  # continuous: the largest KV cache this rank held (the pool bounds it)
         self.peak_rows = 0  # continuous, rank 0: the most rows in flight at once
         self.context, self.max_queue, self.max_n, self.idle_s = context, max_queue, max_n, idle_s
@@ -459,7 +461,6 @@ class Engine:
             for w, row in zip(writers, out[:, width:].tolist()):
                 w.finish(row)
 
-
     def _ring_shape(self) -> tuple[int, int]:
         """(groups, slots per group): one group per pipeline rank fills the pipe (one per stage would read every
         weight of a rank holding several stages twice per token); the pool's rows shared out."""
@@ -486,14 +487,14 @@ class Engine:
             self.running = []
         self.decode_steps += broadcast_json(self.ctx, ring.steps if self.ctx.rank == 0 else None)
         self.forwards += ring.forwards
+        self.ring_times += ring.times
         self.reused_tokens += ring.reused_tokens
         ops, forwards, stacked = ring.prefill
         self.prefill_ops, self.prefill_forwards = self.prefill_ops + ops, self.prefill_forwards + forwards
         self.peak_stacked = max(self.peak_stacked, stacked)
-        planner = ring.planner
-        self.prefill_chunks += planner.chunks
-        self.prefix_hits += planner.prefix_hits
-        self.prefix_tokens += planner.reused_tokens
+        p = ring.planner
+        self.prefill_chunks, self.prefix_hits, self.prefix_tokens = (
+            self.prefill_chunks + p.chunks, self.prefix_hits + p.prefix_hits, self.prefix_tokens + p.reused_tokens)
         self.peak_cache_bytes = max(self.peak_cache_bytes, ring.peak_cache_bytes)
         if feeder is not None:
             self.peak_rows = max(self.peak_rows, feeder.peak_rows)

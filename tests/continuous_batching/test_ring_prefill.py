@@ -78,7 +78,7 @@ def _serve(path: str, load: dict, requests: list[dict], together: list[dict]) ->
         thread.join(timeout=60)
     return {**out, "reused": engine.reused_tokens, "chunks": engine.prefill_chunks, "hits": engine.prefix_hits,
             "hit_tokens": engine.prefix_tokens, "prefill": (engine.prefill_ops, engine.prefill_forwards,
-                                                            engine.peak_stacked)}
+                                                            engine.peak_stacked), "times": engine.ring_times}
 
 
 def _gate() -> threading.Event:
@@ -145,6 +145,13 @@ def _check(tmp_path, world: int, layouts: dict) -> None:
             # one group per pipeline rank (2: interleaved stages too), so groups of 2 slots: two rows with a past (an
             # earlier chunk, a reused head) in one forward
             assert r["pipeline"] == 2 and stacked == 2, (name, r["prefill"])
+            # The time split is of this rank's rings: its stages decoded and prefilled (joining rows at every stage),
+            # and its parts fit inside the time it spent in the rings.
+            t = r["times"]
+            assert t.decode > 0 and t.prefill > 0 and t.wait >= 0, (name, t)
+            assert t.decode + t.prefill + t.wait <= t.total, (name, t)
+        # a ring without slack: some rank waited for a message
+        assert max(r["times"].wait for r in ranks) > 0, (name, [r["times"] for r in ranks])
 
 
 def test_chunked_prefill_and_prefix_caching_at_2_ranks(tmp_path):

@@ -136,7 +136,13 @@ def test_serve_capacity_ratios_are_of_paired_medians_and_wrong_tokens_are_errors
     seconds = {"served": [2.0, 1.0, 9.0], "one_process": [4.0, 4.0, 4.0], "limit": [1.0, 2.0, 2.0]}
 
     def find_with(toks: dict):
-        result = {"ok": True, "wall_seconds": 1.0, "seconds": seconds, "generated": 12, "tokens": toks}
+        # per turn, per rank: the served ring's seconds (rank 1 waited 3 s of 10 over the turns)
+        times = [[{"decode": 2.0, "prefill": 1.0, "wait": 0.0, "total": 4.0},
+                  {"decode": 2.0, "prefill": 1.0, "wait": 1.0, "total": 4.0}],
+                 [{"decode": 4.0, "prefill": 1.0, "wait": 0.5, "total": 6.0},
+                  {"decode": 2.0, "prefill": 0.0, "wait": 2.0, "total": 6.0}]]
+        result = {"ok": True, "wall_seconds": 1.0, "seconds": seconds, "generated": 12, "tokens": toks,
+                  "ring_times": times}
         return lambda world, label: [result, {"ok": True, "wall_seconds": 1.0}]
 
     res = summarize(sizes, find_with({k: tokens for k in CONTENDERS}), ["tiny"])
@@ -147,7 +153,10 @@ def test_serve_capacity_ratios_are_of_paired_medians_and_wrong_tokens_are_errors
     assert rows["served"]["vs_one_process"] == pytest.approx(2.0) and rows["served"]["vs_limit"] == pytest.approx(1.0)
     assert rows["limit"]["vs_one_process"] == pytest.approx(2.0) and rows["served"]["tokens_equal_one_process"] == 2
     text = render(markdown({"world": 2, "capacity": res}))
-    assert f"| tiny | {CONTENDERS['served']} | 2 | 6.0 | 2.00x | 1.00x | 2.00, 1.00, 9.00 | 2 / 2 |" in text
+    assert rows["served"]["ring_shares"][1] == pytest.approx({"decode": 0.4, "prefill": 0.1, "wait": 0.3, "other": 0.2})
+    assert (f"| tiny | {CONTENDERS['served']} | 2 | 6.0 | 2.00x | 1.00x | 2.00, 1.00, 9.00 | 2 / 2 | rank 0: 60 / 20 / "
+            "5%; rank 1: 40 / 10 / 30% |") in text
+    assert f"| tiny | {CONTENDERS['limit']} | 2 | 6.0 | 2.00x | 1.00x | 1.00, 2.00, 2.00 | 2 / 2 | |" in text
     bad = summarize(sizes, find_with({"served": [[5, 6], [8]], "one_process": tokens, "limit": tokens}), ["tiny"])
     assert bad["mismatches"] == [f"serve capacity, tiny, {CONTENDERS['served']}: greedy tokens differ from one "
                                  "process's in 1 of 2 requests"]
