@@ -217,7 +217,7 @@ class ContinuousRing:
         return buf
 
     def _wait(self, fn, *args, **kwargs) -> None:
-        """A blocking receive (or a posted one's ``wait``), its seconds counted as this rank's waiting."""
+        """A blocking receive (a posted one's ``wait``, the plan's broadcast to the tp ranks), timed as waiting."""
         start = time.perf_counter()
         fn(*args, **kwargs)
         self.times.wait += time.perf_counter() - start
@@ -385,12 +385,12 @@ class ContinuousRing:
         if self.lead:
             fixed[:head] = header.pack(self.group_size, self.device)
             fixed[head: head + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        dist.broadcast(fixed, group=self.tp_group, group_src=0)
+        self._wait(dist.broadcast, fixed, group=self.tp_group, group_src=0)
         header = OpHeader.unpack(fixed[:head])
         if header.payload_bytes:
             if not self.lead:
                 payload = torch.empty(header.payload_bytes, dtype=torch.uint8, device=self.device)
-            dist.broadcast(payload, group=self.tp_group, group_src=0)
+            self._wait(dist.broadcast, payload, group=self.tp_group, group_src=0)
         new = unpack_rows(payload) if payload is not None else []
         return header, new, payload, fixed[head: head + len(header.kept)].tolist()
 
