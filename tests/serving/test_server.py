@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 PROMPTS = ["Return the", "This module provides a way to", "If the file does not exist, the function", "def"]
 
 
-def _greedy(ref, tok, ids: list[int], n: int) -> str:
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+SIGTERM_TOKENS = 96
+
+
+def _greedy(ref, tok, ids: list[int], n: int, at_least: int = 0) -> str:
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=at_least, do_sample=False
+                       )[0, len(ids):].tolist()
     return tok.decode(out, skip_special_tokens=True)
 
 
@@ -93,8 +97,11 @@ def _check_sigterm(server: LiveServer, expected: str) -> None:
 
     proc, port, children = server.proc, server.port, server.children
 
-    # Some requests still queued when SIGTERM comes: the drain serves them all and refuses new ones.
-    body = {"model": "tiny", "prompt": "Return the", "max_tokens": 40, "temperature": 0}
+    # Some requests still queued when SIGTERM comes: the drain serves them all and refuses new ones. Each runs
+    # SIGTERM_TOKENS tokens (no EOS before: the prompt's greedy text ends at 30), so the drain lasts long enough
+    # (3 rounds of 2 rows) for the late request below to reach a server still listening on a loaded machine.
+    body = {"model": "tiny", "prompt": "Return the", "max_tokens": SIGTERM_TOKENS, "min_tokens": SIGTERM_TOKENS,
+            "temperature": 0}
     url = f"http://127.0.0.1:{port}"
 
     def post():
@@ -151,6 +158,6 @@ def test_serve_two_processes_with_the_openai_client(tmp_path):
         _check_chat(client, ref, tok)
         _check_400_then_good(client, openai)
         _check_queue_full(client, openai)
-        _check_sigterm(server, _greedy(ref, tok, tok("Return the")["input_ids"], 40))
+        _check_sigterm(server, _greedy(ref, tok, tok("Return the")["input_ids"], SIGTERM_TOKENS, SIGTERM_TOKENS))
     finally:
         server.stop()
