@@ -31,7 +31,8 @@ from typing import Any
 
 from benchmarks.config import Sizes
 
-__all__ = ["CONTENDERS", "STREAM_SEED", "TASKS", "hf_manager", "hf_results", "launches", "request_stream"]
+__all__ = ["CONTENDERS", "STREAM_SEED", "TASKS", "hf_manager", "hf_results", "launches", "request_stream",
+           "serve_with_client"]
 
 STREAM_SEED = 20
 _POLL_S = 0.002  # how often the client looks at its handles: far below a decode step
@@ -132,14 +133,19 @@ def serve_engine(task: dict, out: dict) -> None:
     if getattr(engine, "static_reason", None):
         out["batching"] += f" ({engine.static_reason})"
     out["engine_has_batching_option"] = has_option
-    feeder = None
-    if model.ctx.rank == 0:
-        feeder = threading.Thread(target=_feed_engine, args=(engine, stream, out), daemon=True)
+    serve_with_client(engine, lambda: _feed_engine(engine, stream, out))
+    out.update(rank=model.ctx.rank, rounds=engine.rounds)
+
+
+def serve_with_client(engine, client) -> None:
+    """Every rank serves until drained; rank 0 runs ``client()`` (which submits, waits and drains the engine) in a
+    thread beside its ring, and joins it after."""
+    feeder = threading.Thread(target=client, daemon=True) if engine.ctx.rank == 0 else None
+    if feeder is not None:
         feeder.start()
     engine.serve_forever()
     if feeder is not None:
         feeder.join()
-    out.update(rank=model.ctx.rank, rounds=engine.rounds)
 
 
 def serve_hf_continuous(task: dict, out: dict) -> None:

@@ -23,13 +23,12 @@ equal one process's, request by request. Each contender gets one warm-up request
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from dataclasses import asdict
 from typing import Any
 
 from benchmarks.config import Sizes
-from benchmarks.serve import hf_manager, hf_results, request_stream
+from benchmarks.serve import hf_manager, hf_results, request_stream, serve_with_client
 from benchmarks.tables import Table
 
 __all__ = ["CONTENDERS", "TASKS", "label", "launches", "markdown", "summarize"]
@@ -61,12 +60,7 @@ def _engine_turn(model, prompts: list[list[int]], new: list[int], max_batch: int
         finally:
             engine.drain()
 
-    feeder = threading.Thread(target=feed, daemon=True) if model.ctx.rank == 0 else None
-    if feeder is not None:
-        feeder.start()
-    engine.serve_forever()
-    if feeder is not None:
-        feeder.join()
+    serve_with_client(engine, feed)
     if "error" in box:
         raise RuntimeError(f"the served pipeline failed: {box['error']}")
     box["times"] = asdict(engine.ring_times)  # every rank: where its time in the ring went
@@ -157,15 +151,19 @@ def launches(sizes: Sizes, models: dict[str, str]) -> dict[int, list[dict]]:
 def summarize(sizes: Sizes, find, models: list[str]) -> dict[str, Any]:
     """results.json's ``serve["capacity"]``: per model, per contender the turns' seconds, median tokens/s and the
     ratios; ``mismatches``: contenders whose tokens differ from one process's (all models')."""
-    per = {name: _summarize_model(sizes, find, name) for name in models}
-    return {"models": per, "mismatches": [m for r in per.values() for m in r.pop("mismatches")]}
+    per, mismatches = {}, []
+    for name in models:
+        per[name], wrong = _summarize_model(sizes, find, name)
+        mismatches += wrong
+    return {"models": per, "mismatches": mismatches}
 
 
-def _summarize_model(sizes: Sizes, find, name: str) -> dict[str, Any]:
+def _summarize_model(sizes: Sizes, find, name: str) -> tuple[dict[str, Any], list[str]]:
+    """One model's figures, and its contenders' token mismatches."""
     results = find(sizes.world, label(name))
     failed = [r for r in results if not r.get("ok")]
     if not results or failed:
-        return {"error": failed[0]["error"] if failed else "did not run", "mismatches": []}
+        return {"error": failed[0]["error"] if failed else "did not run"}, []
     main = next(r for r in results if r.get("seconds"))
     rows: dict[str, Any] = {}
     for key in CONTENDERS:
@@ -186,7 +184,7 @@ def _summarize_model(sizes: Sizes, find, name: str) -> dict[str, Any]:
     for row in rows.values():
         row["vs_one_process"], row["vs_limit"] = row["tokens_per_s"] / one, row["tokens_per_s"] / limit
     return {"requests": len(want), "generated": main["generated"], "repeats": len(main["seconds"]["served"]),
-            "max_batch": sizes.serve_batch, "contenders": rows, "mismatches": mismatches}
+            "max_batch": sizes.serve_batch, "contenders": rows}, mismatches
 
 
 def _sum_times(turns) -> Any:
