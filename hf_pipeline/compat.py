@@ -1,10 +1,10 @@
 """Every private torch, transformers and peft API the package relies on, in one place.
 
 Each name here reaches into another library's internals because the public API lacks what the package needs; the
-comment beside it says which public API is missing. The third-party methods the package replaces for a while (peft's,
-while a pipelined model is alive) are named here too, each with its reason. Nothing else in the package imports a
-private torch or transformers name: when a torch or transformers release moves one, this is the only file to change,
-and ``pyproject.toml`` bounds the versions it was tested with (torch 2.13, transformers 5.24-5.25).
+comment beside it says which. The third-party methods the package replaces for a while (peft's, while a pipelined
+model is alive) are named here too, each with its reason. Nothing else in the package imports a private torch or
+transformers name: when a release moves one, this is the only file to change, and ``pyproject.toml`` bounds the
+versions it was tested with (torch 2.13, transformers 5.24-5.25).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from .errors import InternalError
 
 __all__ = [
     "Action", "ComputationType", "FakeTensorMode", "PROFILED_METHODS", "PipelineScheduleRuntime", "PipelineStageBase",
-    "ACCELERATE_PREPARED_FLAG", "abort_process_group", "auto_model_mapping", "decoder_start_token_tensor",
+    "ACCELERATE_PREPARED_FLAG", "abort_process_group", "attn_implementation", "auto_model_mapping",
+    "decoder_start_token_tensor",
     "default_store", "eos_token_tensor", "flatten_dense_tensors", "generation_helper", "pad_token_tensor", "pytree",
-    "revert_weight_conversion", "set_attn_implementation", "torch_schedules", "unflatten_dense_tensors",
+    "revert_weight_conversion", "torch_schedules", "unflatten_dense_tensors",
 ]
 
 # --- torch.distributed -------------------------------------------------------------------------
@@ -120,16 +121,17 @@ def auto_model_mapping(auto_class: Any):
     return getattr(auto_class, "_model_mapping", None)
 
 
-def set_attn_implementation(config: Any, name: str) -> None:
-    """Ask for an attention implementation on ``config`` before a model is built from it, validated as
-    ``from_pretrained(attn_implementation=...)`` validates it (the setter is the private attribute)."""
-    config._attn_implementation = name
+def attn_implementation(config: Any, name: str | None = None) -> str:
+    """``config``'s attention implementation, first set to ``name`` if given (before a model is built from it,
+    validated as ``from_pretrained(attn_implementation=...)`` validates it): the attribute is private."""
+    if name is not None:
+        config._attn_implementation = name
+    return config._attn_implementation
 
 
 def no_init_weights():
-    """transformers' context that skips weight initialisation while a model is built. On the meta
-    device that initialisation computes nothing and was most of the skeleton's build time; the
-    context lives in ``transformers.initialization`` with no documented public alias."""
+    """transformers' context that skips weight initialisation while a model is built (on the meta device it computes
+    nothing and was most of the skeleton's build time): ``transformers.initialization`` has no public alias."""
     from transformers.initialization import no_init_weights as _no_init_weights
 
     return _no_init_weights()
@@ -264,10 +266,10 @@ def cache_dummy_layer(seq_length: Any) -> Any:
     """A transformers ``DummyLayer`` (a cache layer that stores nothing, which the mask functions skip)
     whose ``get_seq_length()`` answers ``seq_length()``.
 
-    A pipeline stage's cache holds every layer of the model but fills only the stage's own; shown
-    as dummies for the rest while the model's forward runs, the mask functions size the masks against
-    the stage's own layers, and a forward that counts the past from layer 0 (Falcon, BLOOM) gets the
-    stage's own count. ``cache_utils`` defines ``DummyLayer`` but transformers does not export it.
+    A pipeline stage's cache holds every layer of the model but fills only the stage's own; shown as dummies for
+    the rest while the model's forward runs, the mask functions size the masks against the stage's own layers, and
+    a forward that counts the past from layer 0 (Falcon, BLOOM) gets the stage's own count. ``cache_utils`` defines
+    ``DummyLayer`` but transformers does not export it.
     """
     global _STAGE_DUMMY
     if _STAGE_DUMMY is None:
@@ -297,7 +299,6 @@ def fx_graph_of(module: torch.nn.Module):
 __all__ += ["fx_graph_of", "mark_hf_initialized", "module_registries", "transformers_load_exceptions"]
 
 
-
 # --- for generation/ -------------------------------------------------------------------------------
 
 
@@ -318,7 +319,6 @@ def checkpointing_function(module: torch.nn.Module) -> Any:
 
 
 __all__ += ["checkpointing_function", "set_checkpointing_function"]
-
 
 
 # --- for tools/ and the command line ----------------------------------------------------------------

@@ -139,15 +139,20 @@ def _full_only(layers: list[Any], what: str) -> None:
 
 
 def stack(cache: DynamicCache, rows: list[dict[int, tuple[torch.Tensor, torch.Tensor]] | None],
-          columns: int) -> DynamicCache:
+          columns: int, *, whole: bool = False) -> DynamicCache:
     """Fill the fresh ``cache`` with each row's keys and values (``{layer: (keys, values)}``, each
-    ``(heads, length, D)``; None: the row has none), right aligned in ``columns``, zeros before; returns it."""
+    ``(heads, length, D)``; None: the row has none), right aligned in ``columns``, zeros before; returns it.
+
+    ``whole``: each row's keys and values are its last tokens with no column missing between them and its end
+    (a sliding layer's, at least its window's last ``window - 1``), so a sliding layer may take them: it keeps
+    its window's last columns of them and counts ``columns``. Otherwise full-attention layers only."""
     for k in sorted({k for kv in rows if kv for k in kv}):
         ref = next(kv[k] for kv in rows if kv)
         keys = torch.stack([_fit(kv[k][0] if kv else ref[0][:, :0], columns, 1) for kv in rows])
         values = torch.stack([_fit(kv[k][1] if kv else ref[1][:, :0], columns, 1) for kv in rows])
         cache.update(keys, values, k)
-    _full_only(_filled(cache), "a stacked cache")
+    if not whole:
+        _full_only(_filled(cache), "a stacked cache")
     return cache
 
 

@@ -17,7 +17,10 @@
   * prefix caching: a row whose prompt head is in the stage's :class:`~.prefix_cache.PrefixCache`
     starts its own cache from those blocks' keys and values and runs only the rest; every row whose
     prompt is in adds its whole blocks.
-  * all of an op's joining rows (whole prompts, chunks, reused prefixes) run in one forward: their
+  * packed ops: on a stage whose glue packs rows (:mod:`.packed_op`), an op's decoding rows and joining
+    rows run in one forward of ragged rows, so a join costs no second read of the stage's weights (a mask
+    per attention kind: a sliding layer's stops at its window);
+  * otherwise all of an op's joining rows (whole prompts, chunks, reused prefixes) run in one forward: their
     own caches stacked right aligned (:func:`~.group_cache.stack`), their parts after them, a mask
     hiding the columns between, then each row's columns moved together (:func:`~.group_cache.compact`).
     On sliding-window caches (a window counts columns, which that gap would stretch) whole prompts
@@ -55,6 +58,7 @@ from ..generation.logprobs import entries
 from ..generation.penalties import penalty_processors
 from ..generation.sampling import row_generators, select_tokens
 from .group_cache import compact, cut_unused, merge, stack, take_rows
+from .packed_op import PackedCache, PackedOp, attention_form, packs_rows
 from .prefix_cache import PrefixCache
 from .wire import NewRow, OpHeader, Reply
 
@@ -118,8 +122,15 @@ class RingStage:
         # ops with joining rows, the forwards they ran, and the most rows with a past (an earlier chunk, a reused
         # prefix) one forward ran: all of an op's joining rows run in one forward on full-attention caches
         self.prefill_ops = self.prefill_forwards = self.peak_stacked = 0
-        self.full_attention = not any(getattr(layer, "is_sliding", False)
-                                      for layer in new_cache(model.config, encoder_decoder=False).layers)
+        self.packed_ops = 0  # ops whose decoding and joining rows ran in one forward (packed_op.py)
+        layers = new_cache(model.config, encoder_decoder=False).layers
+        windows = {layer.sliding_window for layer in layers if getattr(layer, "is_sliding", False)}
+        self.full_attention = not windows
+        self.any_full = not all(getattr(layer, "is_sliding", False) for layer in layers)
+        # An op's rows in one forward (packed_op.py): one mask per attention kind, so one sliding window at most.
+        self.packs, self.window = packs_rows(model, stage) and len(windows) <= 1, next(iter(windows), None)
+        blocks = getattr(stage, "blocks", None) or [(None, stage)]
+        self.layer_params = sum(p.numel() for _, b in blocks for p in b.parameters()) / len(blocks)  # packs or not
         self.done = False  # the ring's stop passed this stage for every group
         # Experts over data-parallel replicas: the expert group whose ranks run each op's forwards together.
         self.lock_group = model.dims.ep_mesh.get_group() if model.dims.ep_data > 1 else None
@@ -151,9 +162,15 @@ class RingStage:
         old_slots = list(header.kept)
         g = self.state[i]
         self._keep(g, old_slots)
-        pads = self._lock_step(bool(old_slots), new)
-        old_out = self._timed("decode", self._decode, g, old_in) if old_slots else None
-        new_out = self._timed("prefill", self._prefill, g, new, new_in) if new else None
+        packed = bool(new) and self.packs and all(r.prompt_logprobs is None for r in new) and PackedOp(
+            decoding=len(old_slots), columns=g.mask.shape[1] if old_slots else 0, rows=new, device=self.device
+        ).pays(self.hidden, self.layer_params)
+        pads = self._lock_step(bool(old_slots), new, packed)
+        if packed:  # one forward for both (its time counted as prefill: the op ran because rows joined)
+            old_out, new_out = self._timed("prefill", self._packed, g, len(old_slots), new, old_in, new_in)
+        else:
+            old_out = self._timed("decode", self._decode, g, old_in) if old_slots else None
+            new_out = self._timed("prefill", self._prefill, g, new, new_in) if new else None
         for _ in range(pads):
             self._pad_forward()
         g.slots = old_slots + [r.slot for r in new if r.final]
@@ -168,7 +185,7 @@ class RingStage:
             self.seconds[part] += time.perf_counter() - start
 
     # ------------------------------------------------------------ lock step
-    def _lock_step(self, decodes: bool, new: list[NewRow]) -> int:
+    def _lock_step(self, decodes: bool, new: list[NewRow], packed: bool = False) -> int:
         """Experts over data-parallel replicas: the forwards this rank must add to its op's (a decode if
         ``decodes``, the prefill forwards of the joining ``new`` rows) so that every rank of its expert group runs
         as many (one MAX all-reduce over the group); 0 otherwise, counting nothing.
@@ -180,7 +197,7 @@ class RingStage:
         the same sequence of collectives), so the short ranks add forwards of one throwaway row."""
         if self.lock_group is None:
             return 0
-        forwards = int(decodes) + (len(self._batches(new)) if new else 0)
+        forwards = 1 if packed else int(decodes) + (len(self._batches(new)) if new else 0)
         most = torch.tensor([forwards], dtype=torch.long, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.lock_group)
         return int(most) - forwards
@@ -207,14 +224,17 @@ class RingStage:
         g.mask, g.next_pos, g.slots = g.mask[keep], g.next_pos[keep], slots
         g.mask = cut_unused(g.cache, g.mask)
 
-    def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False) -> torch.Tensor:
+    def _forward(self, received: torch.Tensor, cache, mask, positions, every_logit: bool = False,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
         inputs: dict[str, Any] = {"cache": cache, "attention_mask": mask, "position_ids": positions}
         if self.first:
             inputs["input_ids"] = received
             hidden: tuple = ()
         else:
             hidden = (received,)
-        if self.last and not every_logit:  # every position's logits: a joining row asked for its prompt's logprobs
+        if self.last and keep is not None:  # a packed op: the logits at these positions
+            inputs["logits_to_keep"] = keep
+        elif self.last and not every_logit:  # every position's logits: a joining row asked for its prompt's logprobs
             inputs["logits_to_keep"] = 1
         self.forwards += 1
         out = self.stage(*hidden, **inputs)
@@ -255,6 +275,52 @@ class RingStage:
         return torch.cat([o if o.shape[1] == widest else torch.cat([o.new_zeros(o.shape[0], widest - o.shape[1],
                                                                                 *o.shape[2:]), o], dim=1)
                           for o in outs])
+
+    def _packed(self, g: _Group, decoding: int, new: list[NewRow], old_in: torch.Tensor | None,
+                new_in: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The group's ``decoding`` rows and the joining ``new`` rows in one forward (:mod:`.packed_op`); their new
+        keys and values then go where :meth:`_decode` and :meth:`_prefill` put them. Returns their outputs as
+        those do (the last stage's joining rows: ``(joining, 1, V)``, zeros for rows part-way in)."""
+        taken = [self.prefix.take(r.prompt, r.reused) if r.reused else None for r in new]  # before any add
+        own = [_row_kv(self._row_cache(r, t), 0, 0) if r.start else None for r, t in zip(new, taken)]
+        op = PackedOp(decoding=decoding, columns=g.mask.shape[1] if decoding else 0, rows=new, device=self.device)
+        group = {k: (layer.keys, layer.values) for k, layer in enumerate(g.cache.layers)
+                 if layer.is_initialized and layer.keys is not None and layer.keys.numel()} if decoding else {}
+        cache = PackedCache(op.past(group, own))
+        received, positions = op.inputs(self.first, old_in, new_in, g.next_pos)
+        # transformers' hybrid models take a mask per attention kind; a model of one kind, its mask
+        masks = {"full_attention": op.mask(g.mask)} if self.any_full else {}
+        if self.window is not None:
+            masks["sliding_attention"] = op.mask(g.mask, self.window)
+        masks = {kind: attention_form(m, self.model.config, self.model.dtype) for kind, m in masks.items()}
+        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        out = self._forward(received, cache, mask, positions, keep=op.keep() if self.last else None)
+        self.prefill_ops, self.prefill_forwards, self.packed_ops = (self.prefill_ops + 1, self.prefill_forwards + 1,
+                                                                    self.packed_ops + 1)
+        self.peak_stacked = max(self.peak_stacked, sum(bool(r.start) for r in new))
+        decoded, rows = op.new_keys(cache.new, own)
+        if decoding:  # a column more for the decoding rows, as _decode's
+            for k, (keys, values) in decoded.items():
+                g.cache.update(keys, values, k)
+            g.mask = torch.cat([g.mask, g.mask.new_ones(decoding, 1)], dim=1)
+            g.next_pos = g.next_pos + 1
+        for r, kv in zip(new, rows):
+            if not r.final:
+                self.pending[r.slot] = stack(self._new_cache(), [kv], r.end, whole=True)
+        finals = [(r, kv) for r, kv in zip(new, rows) if r.final]
+        if finals:
+            width = max(len(r.prompt) for r, _ in finals)
+            mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r, _ in finals],
+                                dtype=torch.long, device=self.device)
+            self._join(g, stack(self._new_cache(), [kv for _, kv in finals], width, whole=True), mask)
+        if self.prefix is not None:  # as _prefill's: touches in row order, then additions
+            for r in new:
+                if r.reused:
+                    self.prefix.touch(r.prompt, r.reused)
+                    self.reused_tokens += r.reused
+            for r, kv in finals:
+                self.prefix.add(r.prompt, lambda b, kv=kv: _block(kv, b, self.prefix.block))
+        return op.outputs(out, self.last)
 
     def _batches(self, new: list[NewRow]) -> list[range]:
         """The joining rows of each prefill forward: all at once on full-attention caches; on sliding-window caches

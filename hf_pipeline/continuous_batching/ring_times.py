@@ -3,7 +3,8 @@
 A ring with one group of rows per pipeline rank has no slack: while one rank runs an op, the other waits for
 it unless it has an op of its own to run, so an op made longer by a joining prompt's prefill shows here as the
 other ranks' waiting. :class:`RingTimes` adds up, per rank and over the rings an Engine ran, the seconds its
-stages spent in decode forwards (the kept rows' step) and in prefill forwards (the joining rows' prompts), and
+stages spent in decode forwards (the kept rows' step) and in prefill forwards (the joining rows' prompts; a
+packed op's one forward, its decoding rows' step with them, counts here: :mod:`.packed_op`), and
 the seconds it was blocked receiving a message it needed (another stage's op, a reply, a replica's plan, the
 stage lead's plan under tensor parallelism).
 

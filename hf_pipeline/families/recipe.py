@@ -96,6 +96,9 @@ class Recipe:
     positions: str = "learned"
     # Per model_type where the recipe's families differ (a roles recipe serving many): model_type -> kind.
     positions_by_type: tuple[tuple[str, str], ...] = ()
+    # model_type -> why its forward cannot run a continuous-batching op's rows packed in one sequence
+    # (continuous_batching/packed_op.py; the ``[unpacked]`` table): those ops run in two forwards.
+    unpacked: tuple[tuple[str, str], ...] = ()
     # Tensor parallelism for a family transformers gives no ``base_model_tp_plan`` (the ``[tp]`` table):
     # module pattern -> style, as transformers' plans name them; per module pattern the attributes its
     # forward reads that count heads or widths (divided by tp_size on each rank once it is sharded); the
@@ -186,7 +189,7 @@ def _halves(source: str, where: str, value: Any, glue: str) -> tuple[tuple[str, 
 
 
 # Fields of a recipe, by TOML section: the top level, each [[stacks]] table, each [heads.<Suffix>] table.
-_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions", "tp", "roles"}
+_TOP_FIELDS = {"model_types", "glue", "flows", "stacks", "heads", "tied", "positions", "tp", "roles", "unpacked"}
 _TOP_REQUIRED = ("model_types", "glue", "stacks", "heads")
 _STACK_FIELDS = {"name", "blocks", "embed", "final", "every_stage", "halves"}
 _STACK_REQUIRED = ("name", "blocks")
@@ -232,9 +235,14 @@ def _parse_top(data: dict[str, Any], source: str) -> dict[str, Any]:
     if "default" not in kinds:
         raise RecipeError(f"{source}: field 'positions' as a table needs a 'default' kind")
     roles = _expect(source, "roles", data.get("roles", False), bool)
+    unpacked = _expect(source, "unpacked", data.get("unpacked", {}), dict)
+    for key, why in unpacked.items():
+        _expect(source, f"unpacked.{key}", why, str)
+        if key not in model_types:
+            raise RecipeError(f"{source}: field 'unpacked.{key}' names a model_type the recipe does not claim")
     return {
         "model_types": model_types, "glue": glue, "flows": flows, "positions": kinds.pop("default"),
-        "positions_by_type": tuple(sorted(kinds.items())), "roles": roles,
+        "positions_by_type": tuple(sorted(kinds.items())), "roles": roles, "unpacked": tuple(sorted(unpacked.items())),
     }
 
 
@@ -414,7 +422,8 @@ def get_recipe(model_type: str) -> Recipe:
         raise RecipeError(
             f"no pipeline recipe for model_type {model_type!r}. Supported: {sorted(known)}. A standard transformers "
             f"decoder (a base model holding a ModuleList of config.num_hidden_layers layers) needs only a copy of "
-            f"model_recipes/decoder.toml naming {model_type!r} in model_types, passed to "
+            f"model_recipes/decoder.toml naming {model_type!r} in model_types (without the other types' [positions] "
+            f"and [unpacked] entries), passed to "
             f"hf_pipeline.register_recipe(path); another layout, a TOML file like model_recipes/llama.toml naming its "
             f"embeddings, blocks, final modules and heads; or load with split_method='trace' to let torch.export "
             f"split it (forward and training only)."

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..checked_files import is_regular_file, read_json
-from ..compat import set_attn_implementation
+from ..compat import attn_implementation as set_attention
 from ..distributed.agreement import check_same_on_all_ranks, collective_errors
 from ..distributed.context import RankContext, init_distributed
 from ..distributed.dims import ParallelDims
@@ -130,7 +130,7 @@ def _read_config(ckpt: pathlib.Path, config, *, attn_implementation: str | None,
         config = copy.deepcopy(config)  # as transformers: the caller's config is left as it was
     if attn_implementation is not None:
         # transformers' own setter (sub-configs too); the model's __init__ validates it when the meta model is built.
-        set_attn_implementation(config, attn_implementation)
+        set_attention(config, attn_implementation)
     return config
 
 

@@ -8,7 +8,8 @@ to 20 tokens, longer than a chunk) join in chunks beside the rows decoding and c
 values at each stage instead of computing them. Once all are done, five more are let in at once (the
 feeder held while they are queued, so the plan is the same every run): two head rows join one group in
 one op, one of them cut by the budget; a 9-token prompt's last chunk joins its group beside a head row
-with a longer tail, in one forward whose mask hides columns between a row's past and its new tokens;
+with a longer tail, in one forward with the group's decoding rows (LLaMA's glue packs an op's rows:
+``packed_op.py``, whose own test compares it with the two forwards of a glue that does not);
 the fifth reuses two blocks that 9-token row's stages stored from its columns as moved after that
 forward. Every greedy output must equal transformers' ``generate`` of that request alone on one
 process, token for token (fp32, a LLaMA whose weights are large enough that positions matter; a head

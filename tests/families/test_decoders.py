@@ -106,8 +106,13 @@ def test_roles_are_found_on_each_class_in_the_forwards_order():
         (lambda t: t.replace('blocks = "{blocks}"', 'blocks = "model.{blocks}"'), "a role stands alone"),
         (lambda t: t.replace('default = "rotary"\n', ""), "needs a 'default' kind"),
         (lambda t: t.replace('opt = "learned"', 'opt = "tabled"'), r"'positions.opt' is 'tabled'"),
+        (lambda t: t.replace('xglm = "sinusoidal positions', 'gpt2 = "sinusoidal positions'),
+         r"'unpacked.gpt2' names a model_type the recipe does not claim"),
+        (lambda t: t.replace('bloom = "ALiBi biases built from the 2D attention mask"', "bloom = 1"),
+         r"'unpacked.bloom' must be a str"),
     ],
-    ids=["role without roles", "role inside a path", "positions without default", "unknown position kind"],
+    ids=["role without roles", "role inside a path", "positions without default", "unknown position kind",
+         "unpacked type not claimed", "unpacked reason not a string"],
 )
 def test_malformed_roles_recipes_are_refused_naming_the_field(tmp_path, change, message):
     from hf_pipeline.families.recipe import RecipeError, load_recipe

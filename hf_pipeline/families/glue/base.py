@@ -41,6 +41,10 @@ class Glue:
     # Whether the glue can run half a block (a stage boundary between attention and MLP); a
     # recipe may declare block halves only for such a glue.
     runs_halves: bool = False
+    # Whether a stage's forward can run ragged rows packed in one sequence (the continuous ring's packed ops,
+    # continuous_batching/packed_op.py): transformers' layers given a 4D attention mask as it is, positions per
+    # token, the cache's ``update`` called by every attention layer, and ``logits_to_keep`` as an index tensor.
+    packs_rows: bool = False
 
     def check(self, stage: Any) -> None:
         """Refuse, when the stage is built, a model whose forward this glue cannot reproduce (default: none)."""
@@ -64,7 +68,9 @@ class Glue:
             outs = [hidden] + [m(hidden) for m in mods]  # e.g. BertModel: (last_hidden_state, pooler_output)
             return tuple(outs) if len(outs) > 1 else hidden
         keep = inputs.get("logits_to_keep")
-        if head.pool is None and keep:
+        if head.pool is None and isinstance(keep, torch.Tensor):
+            hidden = hidden[:, keep, :]  # (B, len(keep), H): the positions asked for (transformers' index form)
+        elif head.pool is None and keep:
             hidden = hidden[:, -int(keep) :, :]  # (B, keep, H): generation only needs the last position's logits
         out = hidden
         for m in mods:

@@ -165,6 +165,8 @@ class _StageView:
 class DecoderGlue(Glue):
     """Standard transformers decoders (``decoder.toml``): the model's own forward over the stage's layers."""
 
+    packs_rows = True  # but the recipe's [unpacked] model types (their forwards read the 2D mask or the cache's length)
+
     def check(self, stage: Any) -> None:
         if len(stage.stack_runs) != 1:
             raise InternalError("a decoder stage runs one stack")
@@ -221,7 +223,9 @@ class DecoderGlue(Glue):
         args = {"input_ids": inputs.get("input_ids"), "attention_mask": inputs.get("attention_mask")}
         if inputs.get("input_ids") is None:
             args["inputs_embeds"] = out.last_hidden_state  # only its batch size is read (pooling heads)
-        if keep:
+        if isinstance(keep, torch.Tensor):  # the positions asked for (a packed op's)
+            args["logits_to_keep"] = keep
+        elif keep:
             args["logits_to_keep"] = int(keep)
         args.update(view.no_router_records)
         view.answer.output = out

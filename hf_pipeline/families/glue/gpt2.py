@@ -10,6 +10,7 @@ __all__ = ["GPT2Glue"]
 
 
 class GPT2Glue(SingleStackGlue):
+    packs_rows = True  # an op's rows packed in one sequence (continuous_batching/packed_op.py)
     """GPT-2: token + learned position embeddings, pre-LN blocks, final LayerNorm."""
 
     def embed(self, stage, inputs):

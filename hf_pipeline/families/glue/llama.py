@@ -113,6 +113,8 @@ class LlamaGlue(SingleStackGlue):
     layer's keeps them all, so their key lengths differ once the sequence passes the window.
     """
 
+    packs_rows = True
+
     def check(self, stage):
         config = stage.config.get_text_config(decoder=True)
         kinds = attention_kinds(config)
@@ -133,9 +135,12 @@ class LlamaGlue(SingleStackGlue):
         first: dict[str, int] = {}  # attention kind -> the stage's first layer of that kind
         for fqn in stage.attention_blocks:
             first.setdefault(kinds[layer_index(fqn)], layer_index(fqn))
+        given = inputs.get("attention_mask")
+        # A mask per kind already made (a dict, as transformers' hybrid models take it: the continuous ring's packed
+        # ops), else each kind's from the 2D mask.
         masks = {
-            kind: _LLAMA_MASKS[kind](
-                config=stage.config, inputs_embeds=hidden, attention_mask=inputs.get("attention_mask"),
+            kind: given[kind] if isinstance(given, dict) else _LLAMA_MASKS[kind](
+                config=stage.config, inputs_embeds=hidden, attention_mask=given,
                 cache=cache, position_ids=pos, layer_idx=layer if cache is not None else None,
             )
             for kind, layer in first.items()
