@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from ..compat import attn_implementation
+from ..core import PipelineCore
 from .wire import NewRow
 
 __all__ = ["MASK_FORMS", "READ_TOKENS", "PackedCache", "PackedOp", "attention_form", "packs_rows"]
@@ -68,7 +69,7 @@ KV = tuple[torch.Tensor, torch.Tensor]  # a layer's keys and values
 MASK_FORMS = ("sdpa", "eager")
 
 
-def packs_rows(model: Any, stage: Any) -> bool:
+def packs_rows(model: PipelineCore, stage: Any) -> bool:
     """Whether ``stage``'s ops may run packed (its caches' sliding windows are the caller's to check): its glue packs
     rows, its blocks run eager (compiled ones keep a graph per shape class), its attention takes a 4D mask
     (:data:`MASK_FORMS`) and its recipe does not list the model type as ``[unpacked]``."""

@@ -264,13 +264,7 @@ class RingStage:
             out, cache, mask = self._run_rows(rows, part, taken[ks.start: ks.stop])
             outs.append(out)
             finals += self._settle(g, rows, cache, mask)
-        if self.prefix is not None:
-            for r in new:
-                if r.reused:
-                    self.prefix.touch(r.prompt, r.reused)
-                    self.reused_tokens += r.reused
-            for r, kv in finals:
-                self.prefix.add(r.prompt, lambda b, kv=kv: _block(kv, b, self.prefix.block))
+        self._record_prefixes(new, finals)
         widest = max(o.shape[1] for o in outs)
         return torch.cat([o if o.shape[1] == widest else torch.cat([o.new_zeros(o.shape[0], widest - o.shape[1],
                                                                                 *o.shape[2:]), o], dim=1)
@@ -313,14 +307,21 @@ class RingStage:
             mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r, _ in finals],
                                 dtype=torch.long, device=self.device)
             self._join(g, stack(self._new_cache(), [kv for _, kv in finals], width, whole=True), mask)
-        if self.prefix is not None:  # as _prefill's: touches in row order, then additions
-            for r in new:
-                if r.reused:
-                    self.prefix.touch(r.prompt, r.reused)
-                    self.reused_tokens += r.reused
-            for r, kv in finals:
-                self.prefix.add(r.prompt, lambda b, kv=kv: _block(kv, b, self.prefix.block))
+        self._record_prefixes(new, finals)
         return op.outputs(out, self.last)
+
+    def _record_prefixes(self, new: list[NewRow], finals: list) -> None:
+        """After an op's joining rows ran: the prefix cache touched for the rows that reused a head (in row order),
+        then given the whole blocks of each row whose prompt is in (``(row, {layer: (keys, values)})``), in the
+        order the coordinator's index mirrors (:mod:`.prefix_cache` Note)."""
+        if self.prefix is None:
+            return
+        for r in new:
+            if r.reused:
+                self.prefix.touch(r.prompt, r.reused)
+                self.reused_tokens += r.reused
+        for r, kv in finals:
+            self.prefix.add(r.prompt, lambda b, kv=kv: _block(kv, b, self.prefix.block))
 
     def _batches(self, new: list[NewRow]) -> list[range]:
         """The joining rows of each prefill forward: all at once on full-attention caches; on sliding-window caches
