@@ -162,12 +162,12 @@ class RingStage:
         old_slots = list(header.kept)
         g = self.state[i]
         self._keep(g, old_slots)
-        packed = bool(new) and self.packs and all(r.prompt_logprobs is None for r in new) and PackedOp(
-            decoding=len(old_slots), columns=g.mask.shape[1] if old_slots else 0, rows=new, device=self.device
-        ).pays(self.hidden, self.layer_params)
+        op = PackedOp(decoding=len(old_slots), columns=len(g.mask[0]) if old_slots else 0, rows=new, device=self.device)
+        packed = bool(new) and self.packs and all(r.prompt_logprobs is None for r in new) and op.pays(
+            self.hidden, self.layer_params)
         pads = self._lock_step(bool(old_slots), new, packed)
         if packed:  # one forward for both (its time counted as prefill: the op ran because rows joined)
-            old_out, new_out = self._timed("prefill", self._packed, g, len(old_slots), new, old_in, new_in)
+            old_out, new_out = self._timed("prefill", self._packed, g, op, old_in, new_in)
         else:
             old_out = self._timed("decode", self._decode, g, old_in) if old_slots else None
             new_out = self._timed("prefill", self._prefill, g, new, new_in) if new else None
@@ -270,14 +270,14 @@ class RingStage:
                                                                                 *o.shape[2:]), o], dim=1)
                           for o in outs])
 
-    def _packed(self, g: _Group, decoding: int, new: list[NewRow], old_in: torch.Tensor | None,
+    def _packed(self, g: _Group, op: PackedOp, old_in: torch.Tensor | None,
                 new_in: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The group's ``decoding`` rows and the joining ``new`` rows in one forward (:mod:`.packed_op`); their new
+        """The group's decoding rows and the joining rows of ``op`` in one forward (:mod:`.packed_op`); their new
         keys and values then go where :meth:`_decode` and :meth:`_prefill` put them. Returns their outputs as
         those do (the last stage's joining rows: ``(joining, 1, V)``, zeros for rows part-way in)."""
+        new, decoding = op.rows, op.decoding
         taken = [self.prefix.take(r.prompt, r.reused) if r.reused else None for r in new]  # before any add
         own = [_row_kv(self._row_cache(r, t), 0, 0) if r.start else None for r, t in zip(new, taken)]
-        op = PackedOp(decoding=decoding, columns=g.mask.shape[1] if decoding else 0, rows=new, device=self.device)
         group = {k: (layer.keys, layer.values) for k, layer in enumerate(g.cache.layers)
                  if layer.is_initialized and layer.keys is not None and layer.keys.numel()} if decoding else {}
         cache = PackedCache(op.past(group, own))

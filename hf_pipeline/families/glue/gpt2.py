@@ -10,8 +10,9 @@ __all__ = ["GPT2Glue"]
 
 
 class GPT2Glue(SingleStackGlue):
-    packs_rows = True  # an op's rows packed in one sequence (continuous_batching/packed_op.py)
     """GPT-2: token + learned position embeddings, pre-LN blocks, final LayerNorm."""
+
+    packs_rows = True  # an op's rows packed in one sequence (continuous_batching/packed_op.py)
 
     def embed(self, stage, inputs):
         wte, wpe, drop = stage.embeds
