@@ -59,12 +59,32 @@ def _default_choice(config, args, auto) -> dict:
                fsdp_size=args.fsdp_size, ep_size=args.ep_size, ep_over=args.ep_over)
     parallel = ParallelRequest(tp_size=args.tp_size, ep_size=args.ep_size, fsdp_size=args.fsdp_size,
                                ep_over=args.ep_over)
-    kwargs, _ = default_choice(
-        config, world,
-        device_type="cuda" if torch.cuda.is_available() else "cpu", auto_class=auto, virtual_stages=args.virtual_stages,
-        num_stages=stages, split=split_option(args.split), parallel=None if parallel == ParallelRequest() else parallel,
-    )
+    common = dict(device_type="cuda" if torch.cuda.is_available() else "cpu", auto_class=auto,
+                  split=split_option(args.split), parallel=None if parallel == ParallelRequest() else parallel)
+    kwargs, choice = default_choice(config, world, virtual_stages=args.virtual_stages, num_stages=stages, **common)
+    if choice is not None and args.virtual_stages is None:  # the placement the default does not weigh, compared
+        kwargs["schedule_note"] += _two_per_rank(config, world, stages, choice, common)
     return {k: kwargs.get(k, None) for k in ("schedule", "n_microbatches", "virtual_stages", "schedule_note")}
+
+
+def _two_per_rank(config, world: int, stages: int, default, common: dict) -> str:
+    """What ``schedule="auto"`` chooses for the same pipeline ranks holding 2 stages each, against the default's
+    simulated step (the same cost model), as a sentence for the schedule note."""
+    from ..errors import PipelineError
+    from ..memory.auto_choice_costs import choose
+
+    try:
+        _, auto = choose(config, world, schedule="auto", n_microbatches="auto", virtual_stages=2,
+                         num_stages=2 * stages, **common)
+    except PipelineError as e:
+        return f". With 2 stages per rank schedule='auto' finds no schedule ({e})"
+    step = {e.candidate: e.relative_step for e in (*default.estimates, *auto.estimates)}
+    ours, theirs = step[default.chosen], step[auto.chosen]
+    verdict = ("slower or no faster: the default loses nothing" if theirs >= ours else
+               f"{ours / theirs - 1:.0%} faster: load with schedule='auto' (or {auto.chosen.schedule!r} with "
+               f"n_microbatches={auto.chosen.n_microbatches}) to take it")
+    return (f". With 2 stages per rank schedule='auto' would choose {auto.chosen} ({theirs:.2f}x ideal against "
+            f"{ours:.2f}x for this default, same batch and cost model): {verdict}")
 
 
 def cmd_convert(args) -> int:

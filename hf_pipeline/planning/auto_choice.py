@@ -383,13 +383,15 @@ def choose_default(
         except PipelineError as e:  # the default never refuses a load: it keeps the old default
             why = f"the automatic choice found none ({e})"
         else:
-            return {**kwargs, "schedule_note": _default_note(choice, base), "adapt_microbatches": True}, choice
+            note = _default_note(choice, base, placed=option_kwargs.get("virtual_stages") is not None)
+            return {**kwargs, "schedule_note": note, "adapt_microbatches": True}, choice
     note = (f"schedule {base.schedule.name!r}, n_microbatches={base.n_microbatches}: the fixed default, not chosen "
             f"automatically because {why} ({base.schedule_note})")
     return {**option_kwargs, "schedule_note": note}, None
 
 
-def _default_note(choice: AutoChoice, base: PipelineOptions) -> str:
+def _default_note(choice: AutoChoice, base: PipelineOptions, *, placed: bool) -> str:
+    """The default's ``schedule_note``; ``placed``: the user named the stages per rank."""
     c = choice.chosen
     by = {e.candidate: e for e in choice.estimates}
     old = by.get(Candidate(schedule=base.schedule.name, virtual_stages=base.virtual_stages,
@@ -401,7 +403,10 @@ def _default_note(choice: AutoChoice, base: PipelineOptions) -> str:
         f"was named, as the shortest simulated training step of a {choice.batch} x {choice.seq} batch among the "
         f"schedules of this placement ({by[c].relative_step:.2f}x ideal{against}), as the most a call runs: a "
         f"training step runs the count up to it simulated fastest for its own rows and length"
-    )
+    ) + ("" if placed else (
+        f"; placements with more stages per rank (the interleaved and V schedules) are not considered: they change "
+        f"the stages each rank holds, hence its memory and how generate and serve run; schedule='auto' weighs them, "
+        f"and `hf-pipeline plan` compares"))
 
 
 # ----------------------------------------------------------------------------- switching

@@ -56,6 +56,9 @@ def test_default_picks_what_auto_picks_among_the_schedules_of_its_placement(worl
     assert opts.adapt_microbatches and opts.virtual_stages == old.virtual_stages
     assert f"schedule {choice.chosen.schedule!r}, n_microbatches={choice.chosen.n_microbatches}: chosen" in \
         opts.schedule_note
+    # The note says which placements it did not weigh, unless the user placed the stages (named virtual_stages).
+    assert ("placements with more stages per rank (the interleaved and V schedules) are not considered"
+            in opts.schedule_note) == (v is None)
     # The arithmetic is the same every time (so on every rank): the same note, word for word.
     again, _ = default_choice(cfg, world, device_type="cpu", auto_class=CAUSAL, virtual_stages=v)
     assert again["schedule_note"] == kwargs["schedule_note"]

@@ -106,6 +106,45 @@ def test_plan_on_each_architecture_from_its_config(tmp_path, arch, capsys):
     assert "4 stages on 2 rank(s)" in out and "bfloat16" in out
 
 
+def test_plan_compares_the_default_with_two_stages_per_rank(tmp_path, capsys):
+    """With nothing named, ``plan``'s note gives the default's simulated step beside what ``schedule="auto"`` picks
+    for the same ranks holding 2 stages each (the placement the default does not weigh), from the same cost model;
+    where 2 stages per rank cannot be cut, it says so."""
+    from hf_pipeline.memory.auto_choice_costs import choose, default_choice
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                      max_position_embeddings=256)
+    config.save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "--json"]) == 0
+    note = _schedule_note(capsys)
+    kw = dict(device_type="cuda" if torch.cuda.is_available() else "cpu", auto_class="AutoModelForCausalLM")
+    _, default = default_choice(config, 2, num_stages=2, **kw)
+    _, auto = choose(config, 2, schedule="auto", n_microbatches="auto", virtual_stages=2, num_stages=4, **kw)
+    step = {e.candidate: e.relative_step for e in (*default.estimates, *auto.estimates)}
+    assert auto.chosen.virtual_stages == 2 and default.chosen.virtual_stages == 1
+    assert (f"With 2 stages per rank schedule='auto' would choose {auto.chosen} ({step[auto.chosen]:.2f}x ideal "
+            f"against {step[default.chosen]:.2f}x for this default") in note
+    faster = step[auto.chosen] < step[default.chosen]
+    assert ("to take it" in note) == faster and ("the default loses nothing" in note) == (not faster)
+
+    # One block: 2 halves, no 4 stages on 2 ranks.
+    config.num_hidden_layers = 1
+    config.save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "--json"]) == 0
+    assert "With 2 stages per rank schedule='auto' finds no schedule (" in _schedule_note(capsys)
+    # Stages per rank named: the user placed them, nothing compared.
+    config.num_hidden_layers = 8
+    config.save_pretrained(tmp_path)
+    assert cli.main(["plan", str(tmp_path), "--json", "--stages", "4", "--virtual-stages", "2"]) == 0
+    assert "With 2 stages per rank" not in _schedule_note(capsys)
+
+
+def _schedule_note(capsys) -> str:
+    """The schedule's note of the ``plan --json`` report just printed."""
+    return next(n for n in json.loads(capsys.readouterr().out)["notes"] if n.startswith("schedule "))
+
+
 # ------------------------------------------------------------------------------------------ errors
 def test_user_mistakes_are_one_line_exit_2(tmp_path, capsys):
     ckpt = tiny.make_checkpoint(tmp_path / "llama", "llama", shards=1)
