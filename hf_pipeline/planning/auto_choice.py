@@ -404,9 +404,9 @@ def _default_note(choice: AutoChoice, base: PipelineOptions, *, placed: bool) ->
         f"schedules of this placement ({by[c].relative_step:.2f}x ideal{against}), as the most a call runs: a "
         f"training step runs the count up to it simulated fastest for its own rows and length"
     ) + ("" if placed else (
-        f"; placements with more stages per rank (the interleaved and V schedules) are not considered: they change "
-        f"the stages each rank holds, hence its memory and how generate and serve run; schedule='auto' weighs them, "
-        f"and `hf-pipeline plan` compares"))
+        "; placements with more stages per rank (the interleaved and V schedules) are not considered: they change "
+        "the stages each rank holds, hence its memory and how generate and serve run; schedule='auto' weighs them, "
+        "and `hf-pipeline plan` compares"))
 
 
 # ----------------------------------------------------------------------------- switching
