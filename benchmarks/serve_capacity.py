@@ -10,6 +10,8 @@ turn (the VM's speed drifts between runs; each ratio is of medians over the same
 
   * ``served``: hf_pipeline's :class:`~hf_pipeline.serving.Engine` on the pipelined model (its default
     batching), at most ``serve_batch`` rows, the requests submitted by a thread on rank 0;
+  * ``replicas``: the same Engine on the model loaded as replicas (``num_stages=1``: a whole model per rank,
+    rank 0 sharing the requests out), ``serve_batch / world`` rows each (``max_batch`` counts per replica);
   * ``one_process``: transformers' continuous batching on rank 0 alone (the other ranks wait), at most
     ``serve_batch`` rows;
   * ``limit``: the machine's 2-way limit: every rank runs transformers' continuous batching on its share
@@ -35,6 +37,7 @@ __all__ = ["CONTENDERS", "TASKS", "label", "launches", "markdown", "summarize"]
 
 CONTENDERS = {
     "served": "hf_pipeline Engine, default batching",
+    "replicas": "hf_pipeline Engine, replicas (a whole model per rank)",
     "one_process": "transformers continuous batching, 1 process",
     "limit": "2-way limit: transformers continuous batching on each rank, its share of the requests",
 }
@@ -95,6 +98,8 @@ def serve_capacity(task: dict, out: dict) -> None:
     sizes = task["sizes"]
     model = AutoModelForCausalLM.from_pretrained(task["path"], pipeline=True, device="cpu", dtype=torch.float32,
                                                  progress=False)
+    replicas = AutoModelForCausalLM.from_pretrained(task["path"], pipeline=True, device="cpu", dtype=torch.float32,
+                                                    progress=False, num_stages=1)
     plain = transformers.AutoModelForCausalLM.from_pretrained(task["path"], dtype=torch.float32).eval()
     # The stream's seeded lengths; its token ids within this model's vocabulary.
     stream = request_stream(dict(sizes, vocab=min(sizes["vocab"], plain.config.vocab_size)))
@@ -113,6 +118,11 @@ def serve_capacity(task: dict, out: dict) -> None:
         if rank == 0:
             turns["served"].append(served["seconds"])
             tokens["served"] = served["tokens"]
+        dist.barrier()
+        dp = _engine_turn(replicas, prompts, new, max(1, batch // replicas.dims.dp_size))
+        if rank == 0:
+            turns["replicas"].append(dp["seconds"])
+            tokens["replicas"] = dp["tokens"]
         dist.barrier()
         share = list(range(rank, len(prompts), world))
         mine = _hf_turn(plain, [prompts[i] for i in share], [new[i] for i in share], max(1, batch // world), sizes)
@@ -171,7 +181,7 @@ def _summarize_model(sizes: Sizes, find, name: str) -> tuple[dict[str, Any], lis
         rows[key] = {"seconds": seconds, "tokens_per_s": main["generated"] / statistics.median(seconds)}
     mismatches = []
     want = main["tokens"]["one_process"]
-    for key in ("served", "limit"):
+    for key in ("served", "replicas", "limit"):
         equal = sum(a == b for a, b in zip(main["tokens"][key], want))
         rows[key]["tokens_equal_one_process"] = equal
         if equal != len(want):
@@ -219,7 +229,9 @@ def markdown(sv: dict[str, Any]) -> list:
             f"tokenizer or client. At most {r['max_batch']} rows on the machine: the served pipeline's ring on "
             f"{sv['world']} ranks, one transformers process, or the 2-way limit's {sv['world']} processes with "
             f"{max(1, r['max_batch'] // sv['world'])} rows each, every rank its share at once (its time the slowest "
-            f"rank's). {r['repeats']} turns of the three in order; tokens/s over each contender's median turn. Tokens "
+            f"rank's); the Engine on the model loaded as {sv['world']} replicas (a whole model per rank, "
+            f"{max(1, r['max_batch'] // sv['world'])} rows each, rank 0 planning every replica's op). "
+            f"{r['repeats']} turns of the four in order; tokens/s over each contender's median turn. Tokens "
             "equal: requests whose greedy tokens are one process's. Models: the train section's, and the serve-http "
             "section's (the bundled tiny model, the decode-heavy one). Ring time: where each served rank's time in "
             "the ring went, over all turns: its stages' decode forwards / prefill forwards (joining prompts) / "

@@ -133,7 +133,8 @@ def test_serve_capacity_ratios_are_of_paired_medians_and_wrong_tokens_are_errors
 
     sizes = Sizes.quick()
     tokens = [[5, 6], [7]]
-    seconds = {"served": [2.0, 1.0, 9.0], "one_process": [4.0, 4.0, 4.0], "limit": [1.0, 2.0, 2.0]}
+    seconds = {"served": [2.0, 1.0, 9.0], "replicas": [3.0, 3.0, 3.0], "one_process": [4.0, 4.0, 4.0],
+               "limit": [1.0, 2.0, 2.0]}
 
     def find_with(toks: dict):
         # per turn, per rank: the served ring's seconds (rank 1 waited 3 s of 10 over the turns)
@@ -157,9 +158,11 @@ def test_serve_capacity_ratios_are_of_paired_medians_and_wrong_tokens_are_errors
     assert (f"| tiny | {CONTENDERS['served']} | 2 | 6.0 | 2.00x | 1.00x | 2.00, 1.00, 9.00 | 2 / 2 | rank 0: 60 / 20 / "
             "5%; rank 1: 40 / 10 / 30% |") in text
     assert f"| tiny | {CONTENDERS['limit']} | 2 | 6.0 | 2.00x | 1.00x | 1.00, 2.00, 2.00 | 2 / 2 | |" in text
-    bad = summarize(sizes, find_with({"served": [[5, 6], [8]], "one_process": tokens, "limit": tokens}), ["tiny"])
-    assert bad["mismatches"] == [f"serve capacity, tiny, {CONTENDERS['served']}: greedy tokens differ from one "
-                                 "process's in 1 of 2 requests"]
+    assert f"| tiny | {CONTENDERS['replicas']} | 2 | 4.0 | 1.33x | 0.67x | 3.00, 3.00, 3.00 | 2 / 2 | |" in text
+    for key in ("served", "replicas"):
+        bad = summarize(sizes, find_with({k: [[5, 6], [8]] if k == key else tokens for k in CONTENDERS}), ["tiny"])
+        assert bad["mismatches"] == [f"serve capacity, tiny, {CONTENDERS[key]}: greedy tokens differ from one "
+                                     "process's in 1 of 2 requests"]
     failed = summarize(sizes, lambda world, label: [{"ok": False, "error": "RuntimeError: x"}], ["tiny"])
     assert failed == {"models": {"tiny": {"error": "RuntimeError: x"}}, "mismatches": []}
     assert "| tiny | all | | did not run: RuntimeError: x |" in render(markdown({"world": 2, "capacity": failed}))
