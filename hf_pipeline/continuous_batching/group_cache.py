@@ -31,6 +31,7 @@ by one, each on its own cache).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, ge
 from ..errors import InternalError
 
 __all__ = [
-    "MERGED", "compact", "cut_columns", "cut_unused", "merge", "merge_refusal", "stack", "stored_columns", "take_rows",
+    "MERGED", "compact", "cut_columns", "cut_unused", "filled", "merge", "merge_refusal", "stack", "stored_columns",
+    "take_rows",
 ]
 
 # attention kind (``config.layer_types``, as the cache reads it) -> the cache layer class merged for it
@@ -78,10 +80,10 @@ def _fit(t: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def _filled(cache: DynamicCache) -> list[Any]:
-    """The layers that hold keys (a stage fills only its own; indices are the model's global ones)."""
-    return [layer for layer in cache.layers if layer.is_initialized and layer.keys is not None
-            and layer.keys.numel()]
+def filled(cache: DynamicCache) -> dict[int, Any]:
+    """The layers that hold keys, by index (a stage fills only its own; indices are the model's global ones)."""
+    return {k: layer for k, layer in enumerate(cache.layers)
+            if layer.is_initialized and layer.keys is not None and layer.keys.numel()}
 
 
 def _set_columns(layer: Any, columns: int) -> None:
@@ -99,12 +101,12 @@ def merge(cache: DynamicCache, mask: torch.Tensor, fresh: DynamicCache, fresh_ma
         the mask ``(rows + new, max(columns, width))``: zeros where a side was left padded.
     """
     total = max(mask.shape[1], fresh_mask.shape[1])
-    for a, b in zip(cache.layers, fresh.layers):
-        if b.is_initialized and b.keys is not None and b.keys.numel():
-            n = stored_columns(a, total)
-            a.keys = torch.cat([_fit(a.keys, n), _fit(b.keys, n)])
-            a.values = torch.cat([_fit(a.values, n), _fit(b.values, n)])
-            _set_columns(a, total)
+    for k, b in filled(fresh).items():
+        a = cache.layers[k]
+        n = stored_columns(a, total)
+        a.keys = torch.cat([_fit(a.keys, n), _fit(b.keys, n)])
+        a.values = torch.cat([_fit(a.values, n), _fit(b.values, n)])
+        _set_columns(a, total)
     return torch.cat([_fit(mask, total, 1), _fit(fresh_mask, total, 1)])
 
 
@@ -112,7 +114,7 @@ def cut_columns(cache: DynamicCache, cut: int, columns: int) -> None:
     """Drop the first ``cut`` columns (no row uses them any more), leaving ``columns``, from every filled layer."""
     if not cut:
         return
-    for layer in _filled(cache):
+    for layer in filled(cache).values():
         n = stored_columns(layer, columns)
         layer.keys, layer.values = _fit(layer.keys, n), _fit(layer.values, n)
         _set_columns(layer, columns)
@@ -133,7 +135,7 @@ def cut_unused(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _full_only(layers: list[Any], what: str) -> None:
+def _full_only(layers: Iterable[Any], what: str) -> None:
     if any(getattr(layer, "is_sliding", False) for layer in layers):
         raise InternalError(f"{what} holds full-attention cache layers only (a sliding window counts columns)")
 
@@ -152,7 +154,7 @@ def stack(cache: DynamicCache, rows: list[dict[int, tuple[torch.Tensor, torch.Te
         values = torch.stack([_fit(kv[k][1] if kv else ref[1][:, :0], columns, 1) for kv in rows])
         cache.update(keys, values, k)
     if not whole:
-        _full_only(_filled(cache), "a stacked cache")
+        _full_only(filled(cache).values(), "a stacked cache")
     return cache
 
 
@@ -163,7 +165,7 @@ def compact(cache: DynamicCache, mask: torch.Tensor) -> torch.Tensor:
     # A stable sort puts each row's masked columns first and its own after them, each in their order.
     order = torch.sort(mask, dim=1, stable=True).indices[:, mask.shape[1] - width:]
     kept = torch.gather(mask, 1, order)
-    layers = _filled(cache)
+    layers = filled(cache).values()
     _full_only(layers, "compact")
     for layer in layers:
         index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
@@ -180,9 +182,8 @@ def take_rows(cache: DynamicCache, mask: torch.Tensor, rows: list[int], fresh: D
     index = torch.tensor(rows, dtype=torch.long, device=mask.device)
     mask = mask[index]
     cut = _leading_unused(mask)
-    layers = _filled(cache)
-    _full_only(layers, "take_rows")
-    for k, layer in enumerate(cache.layers):
-        if layer in layers:
-            fresh.update(layer.keys[index, :, cut:], layer.values[index, :, cut:], k)
+    layers = filled(cache)
+    _full_only(layers.values(), "take_rows")
+    for k, layer in layers.items():
+        fresh.update(layer.keys[index, :, cut:], layer.values[index, :, cut:], k)
     return fresh, mask[:, cut:]

@@ -57,7 +57,7 @@ from ..generation.kv_cache import cache_nbytes, new_cache
 from ..generation.logprobs import entries
 from ..generation.penalties import penalty_processors
 from ..generation.sampling import row_generators, select_tokens
-from .group_cache import compact, cut_unused, merge, stack, take_rows
+from .group_cache import compact, cut_unused, filled, merge, stack, take_rows
 from .packed_op import PackedCache, PackedOp, attention_form, packs_rows
 from .prefix_cache import PrefixCache
 from .wire import NewRow, OpHeader, Reply
@@ -162,8 +162,10 @@ class RingStage:
         old_slots = list(header.kept)
         g = self.state[i]
         self._keep(g, old_slots)
-        op = PackedOp(decoding=len(old_slots), columns=len(g.mask[0]) if old_slots else 0, rows=new, device=self.device)
-        packed = bool(new) and self.packs and all(r.prompt_logprobs is None for r in new) and op.pays(
+        # Packing is weighed only for an op with joining rows on a stage that packs (not on every decode step).
+        op = (PackedOp(decoding=len(old_slots), columns=len(g.mask[0]) if old_slots else 0, rows=new,
+                       device=self.device) if new and self.packs else None)
+        packed = op is not None and all(r.prompt_logprobs is None for r in new) and op.pays(
             self.hidden, self.layer_params)
         pads = self._lock_step(bool(old_slots), new, packed)
         if packed:  # one forward for both (its time counted as prefill: the op ran because rows joined)
@@ -278,8 +280,7 @@ class RingStage:
         new, decoding = op.rows, op.decoding
         taken = [self.prefix.take(r.prompt, r.reused) if r.reused else None for r in new]  # before any add
         own = [_row_kv(self._row_cache(r, t), 0, 0) if r.start else None for r, t in zip(new, taken)]
-        group = {k: (layer.keys, layer.values) for k, layer in enumerate(g.cache.layers)
-                 if layer.is_initialized and layer.keys is not None and layer.keys.numel()} if decoding else {}
+        group = {k: (layer.keys, layer.values) for k, layer in filled(g.cache).items()} if decoding else {}
         cache = PackedCache(op.past(group, own))
         received, positions = op.inputs(self.first, old_in, new_in, g.next_pos)
         # transformers' hybrid models take a mask per attention kind; a model of one kind, its mask
@@ -490,8 +491,7 @@ def kept_rows(held: list[int], slots: list[int], device: torch.device) -> torch.
 def _row_kv(cache: DynamicCache, row: int, offset: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Row ``row``'s keys and values ``(heads, prompt, D)`` in each layer this stage filled, from column ``offset``
     (its left padding skipped): views, valid for this op (the ring replaces cache tensors, never writes into them)."""
-    return {k: (layer.keys[row, :, offset:], layer.values[row, :, offset:]) for k, layer in enumerate(cache.layers)
-            if layer.is_initialized and layer.keys is not None and layer.keys.numel()}
+    return {k: (layer.keys[row, :, offset:], layer.values[row, :, offset:]) for k, layer in filled(cache).items()}
 
 
 def _block(kv: dict, b: int, size: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
