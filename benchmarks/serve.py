@@ -30,9 +30,9 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.config import Sizes
+from devtools.engine_client import serve_with_client
 
-__all__ = ["CONTENDERS", "STREAM_SEED", "TASKS", "hf_manager", "hf_results", "launches", "request_stream",
-           "serve_with_client"]
+__all__ = ["CONTENDERS", "STREAM_SEED", "TASKS", "hf_manager", "hf_results", "launches", "request_stream"]
 
 STREAM_SEED = 20
 _POLL_S = 0.002  # how often the client looks at its handles: far below a decode step
@@ -135,17 +135,6 @@ def serve_engine(task: dict, out: dict) -> None:
     out["engine_has_batching_option"] = has_option
     serve_with_client(engine, lambda: _feed_engine(engine, stream, out))
     out.update(rank=model.ctx.rank, rounds=engine.rounds)
-
-
-def serve_with_client(engine, client) -> None:
-    """Every rank serves until drained; rank 0 runs ``client()`` (which submits, waits and drains the engine) in a
-    thread beside its ring, and joins it after."""
-    feeder = threading.Thread(target=client, daemon=True) if engine.ctx.rank == 0 else None
-    if feeder is not None:
-        feeder.start()
-    engine.serve_forever()
-    if feeder is not None:
-        feeder.join()
 
 
 def serve_hf_continuous(task: dict, out: dict) -> None:

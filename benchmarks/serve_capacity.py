@@ -30,8 +30,9 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.config import Sizes
-from benchmarks.serve import hf_manager, hf_results, request_stream, serve_with_client
+from benchmarks.serve import hf_manager, hf_results, request_stream
 from benchmarks.tables import Table
+from devtools.engine_client import serve_with_client
 
 __all__ = ["CONTENDERS", "TASKS", "label", "launches", "markdown", "summarize"]
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import threading
 from dataclasses import dataclass, field
+
+from devtools.engine_client import serve_with_client
 
 __all__ = ["LAYOUTS", "Stream", "fuzz", "main", "stream_for"]
 
@@ -74,12 +75,7 @@ def _serve(model, stream: Stream) -> tuple[list[list[int]], dict]:
         finally:
             engine.drain()
 
-    thread = threading.Thread(target=client, daemon=True) if model.ctx.rank == 0 else None
-    if thread is not None:
-        thread.start()
-    engine.serve_forever()
-    if thread is not None:
-        thread.join(timeout=60)
+    serve_with_client(engine, client)
     if errors:
         raise RuntimeError(f"seed {stream.seed}: {errors[0]}")
     return got, {"chunks": engine.prefill_chunks, "prefix_hits": engine.prefix_hits,
