@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .compat import ACCELERATE_PREPARED_FLAG
 from .distributed.agreement import check_same_on_all_ranks
@@ -48,7 +47,8 @@ from .planning.schedules import ScheduleSpec
 from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, run_local_stages, signature
-from .training.inference_loss import inference_only
+from .training.differentiable import differentiable_outputs
+from .training.inference_loss import forward_result
 from .training.router_aux import forward_aux_loss
 
 if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
@@ -268,22 +268,30 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
                 return inputs[key].shape[0]
         raise InputError("pass input_ids (or inputs_embeds) to the pipelined model")
 
-    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
-        """Pipelined forward (inference). Collective: every rank passes the same inputs.
+        """Pipelined forward. Collective: every rank passes the same inputs.
+
+        Under grad mode (and ``gather_output=True``) the outputs are differentiable: ``loss.backward()`` on a loss
+        computed from them, called on every rank, runs the pipeline's training step (``training/differentiable.py``).
 
         Returns:
             The transformers output class of the head (e.g. ``CausalLMOutputWithPast``) with the full
             batch's outputs, on every rank (or only on the last stage's rank with ``gather_output=False``;
             other ranks then get None).
         """
-        from .families.losses import get_loss, output_loss
+        grad = torch.is_grad_enabled() and self.gather_output
+        with torch.no_grad():
+            return self._forward(input_ids, attention_mask, grad, **kwargs)
+
+    def _forward(self, input_ids, attention_mask, grad: bool, **kwargs: Any):
+        from .families.losses import get_loss
 
         # The loss's targets under transformers' names: labels, or start/end positions (question answering).
         head_loss = self.resolved.head.loss
         names = get_loss(head_loss, class_name=self.resolved.class_name).targets if head_loss else ()
         targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
         targets = {k: v for k, v in targets.items() if v is not None}
+        num_items = kwargs.pop("num_items_in_batch", None)  # transformers' loss kwarg: the summed loss over it
         labels = targets.get("labels")
         raise_if_broken("a forward pass")
         given = dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -307,19 +315,11 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
                                                      ids.shape[:2].numel())
         if outputs is None:
             return None
-        result = dict(zip(self.resolved.head.outputs, outputs))
-        # As transformers: a loss when every target of the head's loss is given (QA: both positions).
-        if names and all(k in targets for k in names):
-            result["loss"] = output_loss(self, result, {k: targets[k] for k in names})
-        if self.router_aux is not None:
-            result["aux_loss"] = aux_loss
-            if "loss" in result:
-                result["loss"] = result["loss"] + self.router_aux.coef * aux_loss.to(result["loss"].device)
-            return MoeCausalLMOutputWithPast(**{k: inference_only(v) if k == "loss" else v for k, v in result.items()})
-        if "loss" in result:
-            result["loss"] = inference_only(result["loss"])
-        # The transformers output class of the head (a traced model records its own).
-        return self.stage_maker.output_class(**result)
+        if grad:  # the step of its backward runs the inputs again (T5's decoder inputs as derived from the labels)
+            given = {**given, **{k: inputs[k] for k in ("decoder_input_ids",) if k in inputs and k not in given}}
+            outputs = differentiable_outputs(self, given, outputs, rows=batch)
+        aux = (aux_loss, self.router_aux.coef) if self.router_aux is not None else None
+        return forward_result(self, outputs, names, targets, aux, grad=grad, num_items=num_items)
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         # forward() is inference at every world size: the stages run in eval mode (no dropout),

@@ -327,8 +327,11 @@ class PipelineLoss:
         return value if loss_scale == 1.0 else value * loss_scale
 
 
-def output_loss(model, outputs: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The loss transformers' forward returns for the head's ``outputs`` and the targets in ``given``.
+def output_loss(model, outputs: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], *,
+                num_items: Any = None) -> torch.Tensor:
+    """The loss transformers' forward returns for the head's ``outputs`` and the targets in ``given``; with
+    ``num_items`` (transformers' ``num_items_in_batch``) a token-level loss is its sum over ``num_items``, as
+    transformers' loss functions return it (a plain mean ignores it there too).
 
     For any head: ``given`` holds the loss's :attr:`LossFunction.targets`
     under transformers' names (``labels``; ``start_positions`` / ``end_positions`` for question
@@ -341,4 +344,6 @@ def output_loss(model, outputs: Mapping[str, torch.Tensor], given: Mapping[str, 
     head = tuple(outputs[name] for name in model.resolved.head.outputs)
     length = head[0].shape[1] if head[0].dim() > 1 else 0
     targets = fn.make_targets({k: v.to(head[0].device) for k, v in given.items()}, length)
+    if num_items is not None and fn.token_level:
+        return fn.share(head, targets, model.config, float(num_items))
     return fn.mean(head, targets, model.config)

@@ -70,7 +70,7 @@ from .trainer_refusals import (
     check_arguments,
     check_model,
     check_output_dir,
-    check_trainer_class,
+    own_loss_class,
     pipelined_model_of,
 )
 
@@ -109,7 +109,8 @@ class PipelineTrainerMixin:
         # on one rank raises on every rank, instead of one rank raising while the others train on.
         ctx, describe = self.pipelined.ctx, self.pipelined.rank_label
         with collective_errors(ctx, "checking PipelineTrainer's arguments", describe=describe):
-            check_trainer_class(type(self), PipelineTrainerMixin)
+            # A loss of the class's own (its compute_loss) trains through the differentiable pipelined forward.
+            self.own_loss = own_loss_class(type(self), PipelineTrainerMixin)
             check_arguments(args, self.pipelined, **extra)
             check_output_dir(args.output_dir)
             if dpo:
@@ -119,6 +120,9 @@ class PipelineTrainerMixin:
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
         with collective_errors(ctx, "setting up the Trainer", describe=describe), building_pipeline_trainer():
             super().__init__(model=model, args=args, **given)
+        # Every rank holds the whole batch and counts its items itself (_get_num_items_in_batch): nothing to average
+        # across devices, which transformers' compute_loss would do by multiplying by accelerate's process count.
+        self.args.average_tokens_across_devices = False
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from an accelerate launch config
             raise UsageError(
                 "PipelineTrainer cannot run under DeepSpeed or FSDP (set by the accelerate launch config): the "
@@ -209,7 +213,12 @@ class PipelineTrainerMixin:
         return float(mine) / max(float(num_items_in_batch), 1.0)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
-        """``model.train_step`` on the global batch; returns the loss as transformers' Trainer logs it."""
+        """``model.train_step`` on the global batch; returns the loss as transformers' Trainer logs it.
+
+        A Trainer with a loss of its own runs its own step: its ``compute_loss`` on the pipelined model's
+        differentiable outputs, whose backward runs the pipeline's step (``training/differentiable.py``)."""
+        if self.own_loss is not None:
+            return super().training_step(model, inputs, num_items_in_batch)
         model.train()
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
@@ -226,7 +235,10 @@ class PipelineTrainerMixin:
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch=None):
-        """The pipelined forward's loss (evaluation; training runs :meth:`training_step`)."""
+        """The pipelined forward's loss (evaluation; training runs :meth:`training_step`), or the class's own."""
+        if self.own_loss is not None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
         if self.dpo is not None:
             loss, logits = self.dpo.eval_loss(self, model, inputs)
             return (loss, CausalLMOutput(loss=loss, logits=logits)) if return_outputs else loss

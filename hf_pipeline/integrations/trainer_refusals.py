@@ -22,7 +22,7 @@ from .trainer_dpo import DPO_TRAINERS
 
 __all__ = [
     "OWN_LOSS_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments", "check_model",
-    "check_output_dir", "check_trainer_class", "pipelined_model_of", "refuse_plain_trainer",
+    "check_output_dir", "own_loss_class", "pipelined_model_of", "refuse_plain_trainer",
 ]
 
 # Set while PipelineTrainerMixin runs the Trainer's own constructor (in this thread or task).
@@ -93,34 +93,39 @@ OWN_LOSS_TRAINERS: frozenset[str] = frozenset({"trl.trainer.sft_trainer.SFTTrain
 _LOSS_METHODS = ("compute_loss", "training_step")
 
 
-def check_trainer_class(trainer_class: type, mixin: type) -> None:
-    """Refuse a Trainer class with a loss of its own: one of its classes (below transformers' ``Trainer``,
-    other than ``mixin`` and :data:`OWN_LOSS_TRAINERS`) defines ``compute_loss`` or ``training_step``.
+def own_loss_class(trainer_class: type, mixin: type) -> type | None:
+    """The class that gives ``trainer_class`` a loss of its own, if one does: one of its classes (below
+    transformers' ``Trainer``, other than ``mixin`` and :data:`OWN_LOSS_TRAINERS`) defines ``compute_loss`` or
+    ``training_step``.
 
-    The pipeline's step (``model.train_step``) computes the model's own loss from ``labels`` on the last stage,
-    microbatch by microbatch, inside the schedule, or a loss the mixin knows (TRL's DPOTrainer's,
-    :mod:`.trainer_dpo`): any other Trainer's own loss (GRPO, KTO, RLOO, reward modelling, distillation) would
-    be silently replaced by it.
+    The mixin trains such a Trainer through its own step: its ``compute_loss`` calls the pipelined model, whose
+    outputs are differentiable (``training/differentiable.py``), and its backward runs the pipeline's step.
+    TRL's other trainers (GRPO, KTO, RLOO, reward, distillation...) are refused: they call the model with
+    arguments of TRL's own (``fused_lm_head``) and size and split their batches by accelerate's process count,
+    which counts the pipeline's ranks as data-parallel processes.
 
     Raises:
-        UsageError: naming the class, its method and what the pipeline lacks.
+        UsageError: a TRL trainer other than SFT and DPO, naming it.
     """
     from transformers import Trainer  # here: importing transformers' Trainer imports peft, which loading must not
 
     for cls in trainer_class.__mro__:
         if cls is Trainer:
-            return
+            return None
         if cls is mixin or f"{cls.__module__}.{cls.__qualname__}" in OWN_LOSS_TRAINERS | DPO_TRAINERS:
             continue
-        defined = [name for name in _LOSS_METHODS if name in vars(cls)]
-        if defined:
+        if not any(name in vars(cls) for name in _LOSS_METHODS):
+            continue
+        if cls.__module__.split(".")[0] == "trl":
             raise UsageError(
-                f"{trainer_class.__name__} cannot train a pipelined model: {cls.__name__} defines its own "
-                f"{' and '.join(defined)}, and the pipeline's step runs only the model's own loss on its labels, on "
-                f"the last stage inside the pipeline schedule, or the losses it knows (it has no place for another "
-                f"Trainer's loss over the logits, such as GRPO's or KTO's); train with hf_pipeline.PipelineTrainer or "
-                f"PipelineTrainerMixin on a Trainer whose loss is the model's (trl's SFTTrainer) or trl's DPOTrainer"
+                f"{trainer_class.__name__} cannot train a pipelined model: {cls.__name__} is one of TRL's trainers "
+                f"that call the model with arguments of TRL's own (fused_lm_head) and split their batches by "
+                f"accelerate's process count, which counts the pipeline's ranks as data-parallel processes; train "
+                f"with PipelineTrainerMixin on trl's SFTTrainer or DPOTrainer, or on a Trainer whose compute_loss "
+                f"calls the model as transformers' does"
             )
+        return cls
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,8 +8,9 @@ with one line that says what to change, and the model usable afterwards.
   loss cannot do as TRL does is refused naming the option (``check_dpo``): a loss type that is no per-pair
   function (``aot``), full fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would
   load an unsplit copy on every rank), an unpipelined ``ref_model``, ``use_weighting``.
-* A PipelineTrainer subclass with a ``compute_loss`` of its own is refused (``check_trainer_class``), and so is
-  SFTConfig's ``loss_type="dft"``.
+* TRL's trainers with a loss of their own other than SFT's and DPO's (GRPO, KTO, RLOO, reward) are refused
+  (``own_loss_class``), and so is SFTConfig's ``loss_type="dft"``. Other Trainer subclasses with their own
+  ``compute_loss`` train (tests/integrations/test_trainer_own_loss.py).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_trl_trainers_without_the_mixin_are_refused_naming_it(bundled, tmp_path)
     _one_line(e)
 
 
-def test_a_trainer_with_a_loss_of_its_own_is_refused_through_the_mixin(bundled, tmp_path):
+def test_what_the_mixin_cannot_train_as_trl_does_is_refused(bundled, tmp_path):
     model, tok = bundled
 
     class PipelineDPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
@@ -94,14 +95,14 @@ def test_a_trainer_with_a_loss_of_its_own_is_refused_through_the_mixin(bundled, 
             PipelineDPOTrainer(model=model, args=dpo_args, train_dataset=dpo_data, processing_class=tok, **extra)
         _one_line(e)
 
-    class OwnLoss(hf_pipeline.PipelineTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return torch.zeros(())
-
     args = transformers.TrainingArguments(str(tmp_path / "own"), report_to=[], use_cpu=True)
-    with pytest.raises(UsageError, match=r"^OwnLoss cannot train a pipelined model: OwnLoss defines its own "
-                       r"compute_loss,"):
-        OwnLoss(model=model, args=args)
+    for trainer_class in (trl.GRPOTrainer, trl.KTOTrainer, trl.RLOOTrainer, trl.RewardTrainer):
+        pipelined = type(f"Pipeline{trainer_class.__name__}", (PipelineTrainerMixin, trainer_class), {})
+        with pytest.raises(UsageError, match=rf"^Pipeline{trainer_class.__name__} cannot train a pipelined model: "
+                           rf"{trainer_class.__name__} is one of TRL's trainers that call the model with arguments "
+                           r"of TRL's own \(fused_lm_head\)") as e:
+            pipelined(model=model, args=args)
+        _one_line(e)
 
     class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
         pass

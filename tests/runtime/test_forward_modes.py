@@ -1,8 +1,10 @@
-"""forward() is inference at every world size; its loss says how to train; per-layer outputs are refused.
+"""forward() computes as in eval mode at every world size; its loss says how to train; per-layer outputs are refused.
 
 With dropout in the model, ``model.train()`` then ``model(**inputs)`` must give the eval-mode
 logits of transformers at 1 and at 2 ranks alike, and leave the stages in the mode the user set.
-``model(**batch).loss.backward()`` raises an error that points to ``train_step``.
+``model(**batch).loss.backward()`` then raises an error naming the active dropout and ``model.eval()`` (the
+backward would draw other masks, ``training/differentiable.py``); on the loss of a forward under
+``torch.no_grad()`` it raises an error that points to ``train_step``.
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ def _job(path: str) -> dict:
     try:
         out.loss.backward()
         backward = None
-    except RuntimeError as e:
+    except InputError as e:
         backward = str(e)
+    with torch.no_grad():
+        quiet = model(**inputs, labels=inputs["input_ids"])
+    try:
+        quiet.loss.backward()
+        no_grad = None
+    except RuntimeError as e:
+        no_grad = str(e)
     try:
         model(**inputs, output_hidden_states=True)
         hidden = None
@@ -52,6 +61,7 @@ def _job(path: str) -> dict:
         "loss": out.loss.detach(),
         "modes": modes,
         "backward": backward,
+        "no_grad": no_grad,
         "hidden": hidden,
         "again": again,
     }
@@ -73,7 +83,9 @@ def _check(res: dict, path: str, what: str) -> None:
     # fp32 loss, relative: summation order ~1e-6; dropout left on or a wrong label shift moves it by 1e-2 or more.
     assert torch.allclose(res["loss"], want.loss, rtol=1e-5), (what, res["loss"], want.loss)
     assert res["modes"] and all(res["modes"]), f"{what}: forward left the stages out of train mode"
-    assert res["backward"] is not None and "train_step" in res["backward"], (what, res["backward"])
+    assert res["backward"] is not None and "dropout is active" in res["backward"], (what, res["backward"])
+    assert "model.eval()" in res["backward"], (what, res["backward"])
+    assert res["no_grad"] is not None and "train_step" in res["no_grad"], (what, res["no_grad"])
     assert res["hidden"] is not None and "output_hidden_states=True" in res["hidden"], (what, res["hidden"])
 
 

@@ -1,0 +1,162 @@
+"""``loss = f(model(**batch)); loss.backward()`` on a pipelined model equals transformers on one process.
+
+The pipelined forward under grad mode returns differentiable outputs whose backward runs the pipeline's
+training step with the caller's output gradients (``training/differentiable.py``). Compared with transformers
+on one process, on every rank: the gradients by checkpoint key after one backward, then the parameters after
+AdamW steps, for losses the pipeline does not know (a z-loss over the logits, a loss over the last positions'
+log-probabilities with ``logits_to_keep``) and the model's own ``.loss``: LLaMA, GPT-2 (dropout off), T5
+(its decoder inputs derived from the labels) and BERT at pp=2, LLaMA with 2 stages per rank (ZBV), at
+pp=2 x dp=2 and pp=2 x tp=2; batches of rows the schedule cannot split (5 and 3 rows: padded with a zero
+gradient). Refused on every rank at backward, the model usable afterwards: dropout active in training mode.
+
+Tolerances as ``test_train.py`` (fp32, only the summation order differs): a gradient off by 2x, a padded row
+counted, or a microbatch dropped moves gradients by far more than 1e-5 of the largest entry.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+from harness import run_distributed
+from tiny import make_batch
+
+pytestmark = pytest.mark.dist
+
+GRAD_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+LR, EPS, STEPS = 1e-3, 1e-5, 2
+NO_DROPOUT = {
+    "llama": {}, "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}, "t5": {"dropout_rate": 0.0},
+}
+AUTO = {"llama": "AutoModelForCausalLM", "gpt2": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM",
+        "t5": "AutoModelForSeq2SeqLM"}
+
+
+def _loss(model, batch: dict, kind: str) -> torch.Tensor:
+    """The same loss on the pipelined model and on transformers' (``model(...)`` is all they share)."""
+    if kind == "own":
+        return model(**batch).loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if kind == "z":  # a z-loss plus a squared-logit penalty: no loss the pipeline knows
+        logits = model(**inputs).logits
+        return logits.logsumexp(-1).pow(2).mean() + 1e-3 * logits.pow(2).mean()
+    # "last": log-probabilities of the last 3 positions' next tokens, as RL trainers score completions
+    logits = model(**inputs, logits_to_keep=4).logits[:, :-1]
+    targets = batch["input_ids"][:, -3:]
+    return -logits.log_softmax(-1).gather(-1, targets[..., None]).mean()
+
+
+def _pipelined(path, arch, kind, rows, load_kwargs):
+    import hf_pipeline
+    from hf_pipeline.distributed.shards import full_tensor
+
+    model = getattr(hf_pipeline, AUTO[arch]).from_pretrained(path, pipeline=True, device="cpu", **load_kwargs)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    grads = None
+    for step in range(STEPS):
+        loss = _loss(model, make_batch(arch, rows, seed=step + 1), kind)
+        loss.backward()
+        if step == 0:
+            grads = tiny.tensors_by_key(model, lambda p: p.grad if p.grad is None else full_tensor(p.grad))
+        opt.step()
+        opt.zero_grad()
+    # whole tensors (tensor-parallel shards gathered: collective, in the same order on every rank)
+    return {"grads": grads, "params": tiny.tensors_by_key(model, lambda p: full_tensor(p.detach())),
+            "loss": float(loss.detach())}
+
+
+def _reference(path, arch, kind, rows):
+    ref = tiny.reference(path, AUTO[arch]).train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    grads = None
+    for step in range(STEPS):
+        loss = _loss(ref, make_batch(arch, rows, seed=step + 1), kind)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return ref, grads, float(loss.detach())
+
+
+def _dropout_refused(path):
+    """GPT-2 with its default dropout: refused at backward on every rank, then the model still trains."""
+    import hf_pipeline
+    from hf_pipeline.errors import InputError
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu")
+    model.train()
+    batch = make_batch("gpt2", 4)
+    try:
+        model(**batch).loss.backward()
+        message = None
+    except InputError as e:
+        message = str(e)
+    grads_left = [p for p in model.parameters() if p.grad is not None]
+    model.eval()
+    model(**batch).loss.backward()  # eval mode: no dropout, the same outputs twice
+    return message, len(grads_left), sum(1 for p in model.parameters() if p.grad is not None)
+
+
+def _job(cases, dropout_path=None):
+    out = [_pipelined(*case) for case in cases]
+    return {"cases": out, "dropout": _dropout_refused(dropout_path) if dropout_path else None}
+
+
+def _check(what, results, ref, ref_grads, ref_loss):
+    keys = set()
+    for r, res in enumerate(results):
+        assert abs(res["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), f"{what} rank {r}: loss {res['loss']} != {ref_loss}"
+        for key, copies in res["grads"].items():
+            want = ref_grads.get(key, ref.get_parameter(key).grad)
+            assert want is not None, f"{what}: transformers has no gradient for {key}"
+            for got in copies:
+                diff = (got - want).abs().max().item()
+                bound = GRAD_RTOL * want.abs().max().item() + 1e-9
+                assert diff <= bound, f"{what} rank {r}: gradient of {key}: {diff:.3g}"
+            keys.add(key)
+        for key, copies in res["params"].items():
+            want = ref.get_parameter(key).detach()
+            for got in copies:
+                diff = (got - want).abs().max().item()
+                assert diff <= PARAM_ATOL, f"{what} rank {r}: parameter {key} after {STEPS} steps: {diff:.3g}"
+    missing = {n for n in ref_grads if n not in keys and not any(ref.get_parameter(k) is ref.get_parameter(n)
+                                                                   for k in keys)}
+    assert not missing, f"{what}: no rank returned a gradient for {sorted(missing)}"
+
+
+def test_backward_through_the_pipelined_forward_equals_transformers(tmp_path):
+    paths = {arch: str(tiny.make_checkpoint(tmp_path / arch, arch, auto=AUTO[arch], **NO_DROPOUT[arch]))
+             for arch in AUTO}
+    dropout = str(tiny.make_checkpoint(tmp_path / "gpt2-dropout", "gpt2"))
+    cases = [
+        (paths["llama"], "llama", "z", 8, {"n_microbatches": 4}),
+        (paths["llama"], "llama", "last", 5, {"n_microbatches": 2}),  # 5 rows: padded to 6
+        (paths["llama"], "llama", "own", 4, {"schedule": "zbv-zero-bubble", "virtual_stages": 2}),
+        (paths["gpt2"], "gpt2", "z", 3, {}),
+        (paths["t5"], "t5", "own", 4, {"n_microbatches": 2}),
+        (paths["bert"], "bert", "own", 4, {}),
+    ]
+    per_rank = run_distributed(_job, 2, cases, dropout, timeout=600)
+    for i, (path, arch, kind, rows, kwargs) in enumerate(cases):
+        ref, grads, loss = _reference(path, arch, kind, rows)
+        _check(f"{arch} {kind} {rows} rows {kwargs}", [r["cases"][i] for r in per_rank], ref, grads, loss)
+    for message, left, after in (r["dropout"] for r in per_rank):
+        assert message is not None and "dropout is active" in message and "model.eval()" in message, message
+        assert left == 0, "a refused backward left gradients"
+        assert after > 0, "the model did not backpropagate after the refusal"
+
+
+def test_backward_at_pp2_x_dp2_and_pp2_x_tp2_equals_transformers(tmp_path):
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
+    cases = [
+        (path, "llama", "z", 6, {"num_stages": 2, "n_microbatches": 2}),  # 3 rows a replica: padded to 4
+        (path, "llama", "own", 4, {"num_stages": 2, "tp_size": 2, "n_microbatches": 2}),
+    ]
+    per_rank = run_distributed(_job, 4, cases, timeout=600)
+    for i, (what, kind, rows) in enumerate((("pp2 x dp2", "z", 6), ("pp2 x tp2", "own", 4))):
+        ref, grads, loss = _reference(path, "llama", kind, rows)
+        _check(what, [r["cases"][i] for r in per_rank], ref, grads, loss)
