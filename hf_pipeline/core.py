@@ -60,6 +60,8 @@ class PipelineCore(Protocol):
         training: ``nn.Module``'s mode flag.
         name_or_path, checkpoint_dir, load_report, gather_output, auto_choice: as loaded.
         adapter_loading: while an adapter is loaded, its name (``integrations.peft_host.AdapterHost``'s).
+        fused_head: TRL's fused LM head's settings (``training.fused_head.FusedHead``) once a TRL trainer asked
+            for it, else None.
     """
 
     config: Any
@@ -82,6 +84,7 @@ class PipelineCore(Protocol):
     gather_output: bool
     auto_choice: Any
     adapter_loading: str | None  # the adapter being loaded (the integrations room's AdapterHost sets it)
+    fused_head: Any
 
     @property
     def skeleton(self) -> nn.Module: ...

@@ -48,7 +48,7 @@ from .recompute.layers import ActivationCheckpointingMixin
 from .runtime import checks as validate
 from .runtime.cache import PipelineRuntime, pad_batch, run_local_stages, signature
 from .training.differentiable import differentiable_outputs
-from .training.inference_loss import forward_result
+from .training.inference_loss import CallTargets, forward_result
 from .training.router_aux import forward_aux_loss
 
 if TYPE_CHECKING:  # imported when training starts (training.step is not needed to load or run a model)
@@ -100,6 +100,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         self.schedule: ScheduleSpec = built.options.schedule
         self.n_microbatches: int = built.options.n_microbatches
         self.gather_output: bool = gather_output
+        self.fused_head = None  # TRL's fused LM head's settings, once a TRL trainer asked for it (training/fused_head)
         self.checkpoint_dir: pathlib.Path | None = built.checkpoint_dir
         self.load_report: LoadReport = built.load_report
         self.name_or_path: str = str(built.checkpoint_dir or "")
@@ -159,6 +160,14 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
         """Whether ``generate`` works: a generation head (as transformers' ``can_generate``) built from a recipe."""
         return bool(self.skeleton.can_generate()) and self.stage_maker.generate_refusal is None
 
+    @property
+    def loss_type(self) -> str | None:
+        """transformers' loss type of the class (``ForCausalLM``...): its Trainer counts a batch's items by it."""
+        return getattr(self.skeleton, "loss_type", None)
+
+    def _get_name(self) -> str:  # nn.Module's: transformers' Trainer tells a causal LM by it (label smoothing's shift)
+        return type(self.skeleton).__name__
+
     def add_model_tags(self, tags: list[str] | str) -> None:
         """Model card tags, kept as transformers' ``add_model_tags`` keeps them (trl's trainers add theirs)."""
         self.skeleton.add_model_tags(tags)
@@ -179,12 +188,9 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     def tie_weights(self, missing_keys: set[str] | None = None, recompute_mapping: bool = True) -> None:
         """Nothing to do: the ties were made at load, as transformers makes them in ``from_pretrained``.
 
-        Code written for a ``PreTrainedModel`` calls it after loading (lm-eval's ``HFLM`` does). The
-        names transformers ties (``resolved.tied``: an embedding and its LM head) are one Parameter
-        within this rank's stages; a tied tensor on stages of different ranks is one copy per stage,
-        all read from the same checkpoint key, and ``train_step`` sums their gradients so the copies
-        step alike. Tying again from one rank could only break that, so this is local, not collective,
-        and returns None on every rank. The arguments are transformers' and change nothing here.
+        Code written for a ``PreTrainedModel`` calls it after loading (lm-eval's ``HFLM`` does). Tied names are one
+        Parameter within a rank's stages; on stages of different ranks, one copy per stage read from the same key,
+        whose gradients ``train_step`` sums so the copies step alike. Local, not collective; returns None.
         """
         return None
 
@@ -288,11 +294,9 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
 
         # The loss's targets under transformers' names: labels, or start/end positions (question answering).
         head_loss = self.resolved.head.loss
-        names = get_loss(head_loss, class_name=self.resolved.class_name).targets if head_loss else ()
-        targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
-        targets = {k: v for k, v in targets.items() if v is not None}
-        num_items = kwargs.pop("num_items_in_batch", None)  # transformers' loss kwarg: the summed loss over it
-        labels = targets.get("labels")
+        call = CallTargets.take(kwargs, get_loss(head_loss, class_name=self.resolved.class_name).targets
+                                if head_loss else ())
+        targets, labels = call.targets, call.targets.get("labels")
         raise_if_broken("a forward pass")
         given = dict(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         given = {k: v for k, v in given.items() if v is not None}
@@ -319,7 +323,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
             given = {**given, **{k: inputs[k] for k in ("decoder_input_ids",) if k in inputs and k not in given}}
             outputs = differentiable_outputs(self, given, outputs, rows=batch)
         aux = (aux_loss, self.router_aux.coef) if self.router_aux is not None else None
-        return forward_result(self, outputs, names, targets, aux, grad=grad, num_items=num_items)
+        return forward_result(self, outputs, call, aux, grad=grad)
 
     def _run_forward(self, inputs: dict[str, Any], batch: int) -> tuple[torch.Tensor, ...] | None:
         # forward() is inference at every world size: the stages run in eval mode (no dropout),

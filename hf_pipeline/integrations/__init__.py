@@ -14,9 +14,12 @@ Lives here (flat modules, named by the library they serve):
 * :mod:`.peft_patches`: the peft methods replaced (named in ``compat.PEFT_PATCHED_METHODS``), in place
   only while a pipelined model is alive, each calling peft's own method for any other model.
 * :mod:`.trainer`: ``PipelineTrainer`` and ``PipelineTrainerMixin``, a ``transformers.Trainer`` whose
-  step is ``model.train_step``, whose clipping is ``model.clip_grad_norm_`` and whose checkpoints are
-  written by every rank.
+  step is ``model.train_step`` (or, for a loss of the Trainer's own, its step through the differentiable
+  pipelined forward), whose clipping is ``model.clip_grad_norm_`` and whose checkpoints are written by every rank.
 * :mod:`.trainer_refusals`: the arguments it cannot honour, refused at construction on every rank.
+* :mod:`.one_process`: a Trainer's own step (its ``compute_loss``: TRL's GRPO, a user's) with accelerate's state
+  saying one process, and the batches TRL's configs sized by accelerate's process count.
+* :mod:`.trainer_dpo`: TRL's DPO loss computed through the pipeline.
 * :mod:`.trainer_data`: data loaders giving every rank the same global batch, and a step's item count.
 * :mod:`.trainer_checkpoints`: Trainer checkpoints in the package's data-only format, resuming, and
   rotating away only the checkpoints the Trainer wrote (each marked).

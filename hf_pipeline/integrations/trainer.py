@@ -13,6 +13,9 @@ stages live on several ranks:
   pipeline schedule); its gradients are scaled as transformers' Trainer scales its loss under
   gradient accumulation (see :meth:`PipelineTrainer.loss_scale`). Clipping is
   ``model.clip_grad_norm_``: the norm over every stage, not over this rank's parameters.
+* **A loss of the Trainer's own** (its ``compute_loss``: TRL's GRPO, a subclass's; ``label_smoothing_factor``, a
+  ``compute_loss_func``): the Trainer's own step, its ``compute_loss`` on the pipelined model's differentiable
+  outputs (``training/differentiable.py``), with accelerate's state saying one process (:mod:`.one_process`).
 * **No wrapping.** accelerate returns the model as it is (it syncs its own gradients; see
   ``compat.ACCELERATE_PREPARED_FLAG``), and the model is never moved: its stages are placed.
 * **Evaluation.** The pipelined forward gives every rank the whole batch's outputs, so nothing is
@@ -35,13 +38,14 @@ Example (``torchrun --nproc-per-node 2 finetune.py``):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from functools import partial
 from typing import Any
 
 import torch
-from accelerate.utils import recursively_apply
+from accelerate.utils import recursively_apply, synchronize_rng_states
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainingArguments
@@ -54,6 +58,8 @@ from ..checkpointing.training_state import load_training_state
 from ..distributed.agreement import collective_errors
 from ..errors import UsageError
 from ..families.losses import get_loss
+from ..training.fused_head import take_over
+from .one_process import one_process, one_process_batches
 from .trainer_adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
 from .trainer_checkpoints import (
     keep_only_checkpoint,
@@ -66,8 +72,10 @@ from .trainer_checkpoints import (
 from .trainer_data import count_items, single_process_loader
 from .trainer_dpo import DPOStep, check_dpo, is_dpo
 from .trainer_refusals import (
+    OWN_STEP_TRAINERS,
     building_pipeline_trainer,
     check_arguments,
+    check_grpo,
     check_model,
     check_output_dir,
     own_loss_class,
@@ -109,10 +117,16 @@ class PipelineTrainerMixin:
         # on one rank raises on every rank, instead of one rank raising while the others train on.
         ctx, describe = self.pipelined.ctx, self.pipelined.rank_label
         with collective_errors(ctx, "checking PipelineTrainer's arguments", describe=describe):
-            # A loss of the class's own (its compute_loss) trains through the differentiable pipelined forward.
-            self.own_loss = own_loss_class(type(self), PipelineTrainerMixin)
-            check_arguments(args, self.pipelined, **extra)
+            # A loss of the class's own (its compute_loss), or transformers' compute_loss_func or label smoothing over
+            # the outputs: the Trainer's own step, through the differentiable pipelined forward.
+            own = own_loss_class(type(self), PipelineTrainerMixin)
+            self.own_loss = (own is not None or extra["compute_loss_func"] is not None
+                             or args.label_smoothing_factor != 0)
+            check_arguments(args, self.pipelined, own_loss=own is not None, **extra)
             check_output_dir(args.output_dir)
+            one_process_batches(args, self.pipelined.dims.dp_size)
+            if own is not None and f"{own.__module__}.{own.__qualname__}" in OWN_STEP_TRAINERS:
+                check_grpo(args, adapter)
             if dpo:
                 check_dpo(args, given, adapter, rows=partial(self.pipelined.microbatches_for, training=True))
         # TRL's DPOTrainer's loss, reference and metrics through the pipeline (its constructor may already need them).
@@ -128,6 +142,13 @@ class PipelineTrainerMixin:
                 "PipelineTrainer cannot run under DeepSpeed or FSDP (set by the accelerate launch config): the "
                 "pipeline places its stages and syncs its gradients itself; launch without them"
             )
+        # The ranks are one process to the Trainer: one random stream (TRL's GRPO re-seeds per process, so that
+        # processes sample differently; every rank here holds the same rows, as one process would).
+        device = self.pipelined.device.type
+        synchronize_rng_states(["torch"] + ([device] if device != "cpu" else []))
+        # TRL's trainers patch the model's forward with their fused LM head: the pipelined forward computes it.
+        head = take_over(self.pipelined, getattr(self, "temperature", 1.0))
+        self.pipelined.fused_head = head or self.pipelined.fused_head
         # What transformers reads from the model's class, read from the class the stages come from.
         skeleton = type(self.pipelined.skeleton)
         self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.pipelined.skeleton)
@@ -186,6 +207,8 @@ class PipelineTrainerMixin:
         self.state.num_input_tokens_seen = before + added // self.pipelined.ctx.world_size
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        if self.own_loss:  # transformers' count of the whole batch (average_tokens_across_devices is off)
+            return super()._get_num_items_in_batch(batch_samples, device)
         if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
             return None
         return count_items(self.pipeline_loss, batch_samples, self.pipelined.config, device)
@@ -217,8 +240,9 @@ class PipelineTrainerMixin:
 
         A Trainer with a loss of its own runs its own step: its ``compute_loss`` on the pipelined model's
         differentiable outputs, whose backward runs the pipeline's step (``training/differentiable.py``)."""
-        if self.own_loss is not None:
-            return super().training_step(model, inputs, num_items_in_batch)
+        if self.own_loss:
+            with one_process(self.accelerator):
+                return super().training_step(model, inputs, num_items_in_batch)
         model.train()
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
@@ -236,9 +260,10 @@ class PipelineTrainerMixin:
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch=None):
         """The pipelined forward's loss (evaluation; training runs :meth:`training_step`), or the class's own."""
-        if self.own_loss is not None:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+        if self.own_loss:
+            with one_process(self.accelerator):
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
         if self.dpo is not None:
             loss, logits = self.dpo.eval_loss(self, model, inputs)
             return (loss, CausalLMOutput(loss=loss, logits=logits)) if return_outputs else loss
@@ -265,6 +290,12 @@ class PipelineTrainerMixin:
 
     def _move_model_to_device(self, model: nn.Module, device) -> None:
         """Nothing to move: the pipeline placed each stage on its rank's device when it loaded."""
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        """The Trainer's own; a Trainer with a loss of its own runs it as one process (TRL's GRPO generates and
+        scores its evaluation completions there)."""
+        with one_process(self.accelerator) if self.own_loss else contextlib.nullcontext():
+            return super().prediction_step(model, inputs, *args, **kwargs)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         """transformers' loop, gathering nothing: every rank holds the whole batch's outputs.

@@ -21,8 +21,8 @@ from .peft_host import is_pipelined_model
 from .trainer_dpo import DPO_TRAINERS
 
 __all__ = [
-    "OWN_LOSS_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments", "check_model",
-    "check_output_dir", "own_loss_class", "pipelined_model_of", "refuse_plain_trainer",
+    "OWN_LOSS_TRAINERS", "OWN_STEP_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments",
+    "check_grpo", "check_model", "check_output_dir", "own_loss_class", "pipelined_model_of", "refuse_plain_trainer",
 ]
 
 # Set while PipelineTrainerMixin runs the Trainer's own constructor (in this thread or task).
@@ -93,39 +93,67 @@ OWN_LOSS_TRAINERS: frozenset[str] = frozenset({"trl.trainer.sft_trainer.SFTTrain
 _LOSS_METHODS = ("compute_loss", "training_step")
 
 
+# TRL's trainers with a loss of their own that train through the mixin's own-loss step, each checked equal to itself
+# on one process (tests/integrations/test_trl_grpo.py): module-qualified names.
+OWN_STEP_TRAINERS: frozenset[str] = frozenset({"trl.trainer.grpo_trainer.GRPOTrainer"})
+
+
 def own_loss_class(trainer_class: type, mixin: type) -> type | None:
     """The class that gives ``trainer_class`` a loss of its own, if one does: one of its classes (below
     transformers' ``Trainer``, other than ``mixin`` and :data:`OWN_LOSS_TRAINERS`) defines ``compute_loss`` or
     ``training_step``.
 
     The mixin trains such a Trainer through its own step: its ``compute_loss`` calls the pipelined model, whose
-    outputs are differentiable (``training/differentiable.py``), and its backward runs the pipeline's step.
-    TRL's other trainers (GRPO, KTO, RLOO, reward, distillation...) are refused: they call the model with
-    arguments of TRL's own (``fused_lm_head``) and size and split their batches by accelerate's process count,
-    which counts the pipeline's ranks as data-parallel processes.
+    outputs are differentiable (``training/differentiable.py``), and its backward runs the pipeline's step, with
+    accelerate's state saying one process (``one_process.py``). TRL's trainers other than those of
+    :data:`OWN_STEP_TRAINERS` (KTO, RLOO, reward, distillation...) are refused: they have not been checked against
+    themselves on one process.
 
     Raises:
-        UsageError: a TRL trainer other than SFT and DPO, naming it.
+        UsageError: a TRL trainer other than SFT, DPO and GRPO, naming it.
     """
     from transformers import Trainer  # here: importing transformers' Trainer imports peft, which loading must not
 
     for cls in trainer_class.__mro__:
         if cls is Trainer:
             return None
-        if cls is mixin or f"{cls.__module__}.{cls.__qualname__}" in OWN_LOSS_TRAINERS | DPO_TRAINERS:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if cls is mixin or name in OWN_LOSS_TRAINERS | DPO_TRAINERS:
             continue
-        if not any(name in vars(cls) for name in _LOSS_METHODS):
+        if not any(method in vars(cls) for method in _LOSS_METHODS):
             continue
-        if cls.__module__.split(".")[0] == "trl":
+        if cls.__module__.split(".")[0] == "trl" and name not in OWN_STEP_TRAINERS:
             raise UsageError(
                 f"{trainer_class.__name__} cannot train a pipelined model: {cls.__name__} is one of TRL's trainers "
-                f"that call the model with arguments of TRL's own (fused_lm_head) and split their batches by "
-                f"accelerate's process count, which counts the pipeline's ranks as data-parallel processes; train "
-                f"with PipelineTrainerMixin on trl's SFTTrainer or DPOTrainer, or on a Trainer whose compute_loss "
-                f"calls the model as transformers' does"
+                f"not yet checked through the pipeline (its loss over the model's outputs, the batches it sizes by "
+                f"accelerate's process count); train with PipelineTrainerMixin on trl's SFTTrainer, DPOTrainer or "
+                f"GRPOTrainer, or on a Trainer whose compute_loss calls the model"
             )
         return cls
     return None
+
+
+def check_grpo(args: Any, adapter: bool) -> None:
+    """Refuse what TRL's ``GRPOTrainer`` cannot do with a pipelined model, naming the option.
+
+    Raises:
+        UsageError: ``use_vllm`` (vLLM generates from its own unsplit copy of the weights), transformers'
+            continuous batching (``generate_batch``: generate runs the pipeline), or ``beta != 0`` when fully
+            fine-tuning (GRPO would load an unsplit reference copy of the model on every rank).
+    """
+    if getattr(args, "use_vllm", False):
+        raise UsageError("use_vllm=True is not supported with a pipelined model: vLLM generates from an unsplit "
+                         "copy of the weights it syncs from the model; pass use_vllm=False (generate runs the "
+                         "pipeline)")
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise UsageError("use_transformers_continuous_batching=True is not supported with a pipelined model (its "
+                         "generate_batch runs one process's model); pass False: generate runs the pipeline")
+    if getattr(args, "beta", 0.0) != 0.0 and not adapter:
+        raise UsageError(
+            f"beta={args.beta} with full fine-tuning is not supported with a pipelined model: GRPOTrainer would load "
+            f"an unsplit reference copy of the model on every rank; pass beta=0.0, or train a PEFT adapter "
+            f"(get_peft_model first: the reference is the model with its adapter disabled)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,25 +234,12 @@ REFUSALS: tuple[Refusal, ...] = (
         message=_batch_message,
     ),
     Refusal(
-        applies=lambda args, model, extra: args.label_smoothing_factor != 0,
-        message=lambda args, model: (
-            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by PipelineTrainer: the "
-            "pipeline trains on the model's own loss; pass label_smoothing_factor=0"
-        ),
-    ),
-    Refusal(
         # trl's SFTConfig: "dft" weighs each token's loss by its probability, which the model's own loss does not.
-        applies=lambda args, model, extra: not extra.get("dpo") and getattr(args, "loss_type", "nll") != "nll",
+        applies=lambda args, model, extra: not (extra.get("dpo") or extra.get("own_loss"))
+        and getattr(args, "loss_type", "nll") != "nll",
         message=lambda args, model: (
             f"loss_type={args.loss_type!r} is not supported by PipelineTrainer: the pipeline trains on the model's own "
             "loss; pass loss_type='nll'"
-        ),
-    ),
-    Refusal(
-        applies=lambda args, model, extra: extra.get("compute_loss_func") is not None,
-        message=lambda args, model: (
-            "compute_loss_func= is not supported by PipelineTrainer: the loss is computed on the last stage "
-            "by the model's own loss inside the pipeline schedule; remove compute_loss_func"
         ),
     ),
     Refusal(

@@ -7,7 +7,8 @@ Lives here:
   :mod:`.flat_reduce` (gradients summed in flat buckets).
 * :mod:`.inference_loss`: what a pipelined ``forward()`` returns (outputs, and the loss whose backward points
   at ``train_step`` where no graph is kept); :mod:`.differentiable`: the forward's outputs under grad mode,
-  whose backward runs the pipeline's step with the caller's output gradients.
+  whose backward runs the pipeline's step with the caller's output gradients; :mod:`.fused_head`: TRL's fused
+  LM head's per-token fields computed from the forward's logits.
 * :mod:`.data`: fixed-length rows from a local file, the same batches on every rank.
 * :mod:`.loop`: the fine-tuning loop of ``hf-pipeline train`` and ``scripts/train.py`` (accumulation,
   clipping, logging, periodic saves through a ``save`` callback, resume from a start step).

@@ -9,7 +9,8 @@ differentiable (``differentiable.py``) and so is the loss. Otherwise (``torch.no
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -17,8 +18,9 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from ..core import PipelineCore
 from ..errors import UsageError
 from ..families.losses import output_loss
+from .fused_head import fused_output
 
-__all__ = ["forward_result", "inference_only"]
+__all__ = ["CallTargets", "forward_result", "inference_only"]
 
 
 class _NoBackward(torch.autograd.Function):
@@ -45,26 +47,54 @@ def inference_only(loss: torch.Tensor) -> torch.Tensor:
         return _NoBackward.apply(loss.detach(), torch.zeros((), requires_grad=True))
 
 
-def forward_result(model: PipelineCore, outputs: tuple[torch.Tensor, ...], names: tuple[str, ...],
-                   targets: Mapping[str, Any], aux: tuple[torch.Tensor, float] | None, *, grad: bool,
-                   num_items: Any = None):
+@dataclass(kw_only=True)
+class CallTargets:
+    """What a forward call's keyword arguments ask of the outputs, besides the model's inputs.
+
+    Attributes:
+        names: the targets of the head's loss (transformers' names); the loss is computed when all are given.
+        targets: the given ones.
+        num_items: transformers' ``num_items_in_batch``: a token-level loss is then summed over it.
+        fused: TRL's ``fused_lm_head=True``: the labels' log-probabilities instead of the model's loss
+            (``fused_head.py``), with its ``shift_labels`` if given.
+    """
+
+    names: tuple[str, ...]
+    targets: dict[str, Any]
+    num_items: Any = None
+    fused: bool = False
+    shift_labels: torch.Tensor | None = None
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any], names: tuple[str, ...]) -> CallTargets:
+        """Pop them from a forward call's ``kwargs``."""
+        targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
+        return cls(names=names, targets={k: v for k, v in targets.items() if v is not None},
+                   num_items=kwargs.pop("num_items_in_batch", None), fused=bool(kwargs.pop("fused_lm_head", False)),
+                   shift_labels=kwargs.pop("shift_labels", None))
+
+
+def forward_result(model: PipelineCore, outputs: tuple[torch.Tensor, ...], call: CallTargets,
+                   aux: tuple[torch.Tensor, float] | None, *, grad: bool):
     """The head's output class (e.g. ``CausalLMOutputWithPast``) for the gathered ``outputs``.
 
     Args:
         model: the pipelined model.
         outputs: the head's outputs in the recipe's order (differentiable when ``grad``).
-        names: the targets of the head's loss; the loss is computed when every one is in ``targets``.
-        targets: the call's targets under transformers' names.
+        call: the call's targets and what it asks of the outputs.
         aux: the routers' load-balancing loss of the batch and its coefficient (``output_router_logits``), else None.
         grad: whether the outputs are differentiable (else the loss only reports).
-        num_items: transformers' ``num_items_in_batch``: a token-level loss is then summed over it.
     """
     done = (lambda v: v) if grad else inference_only
     with torch.set_grad_enabled(grad):
+        if call.fused:
+            return fused_output(outputs[0], call.targets.get("labels"), shift_labels=call.shift_labels,
+                                num_items=call.num_items, head=model.fused_head)
         result = dict(zip(model.resolved.head.outputs, outputs))
         # As transformers: a loss when every target of the head's loss is given (QA: both positions).
-        if names and all(k in targets for k in names):
-            result["loss"] = output_loss(model, result, {k: targets[k] for k in names}, num_items=num_items)
+        if call.names and all(k in call.targets for k in call.names):
+            result["loss"] = output_loss(model, result, {k: call.targets[k] for k in call.names},
+                                         num_items=call.num_items)
         if aux is not None:
             result["aux_loss"], coef = aux
             if "loss" in result:

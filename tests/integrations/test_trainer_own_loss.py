@@ -7,7 +7,8 @@ pipelined model's differentiable outputs, and its backward runs the pipeline's s
 LR warm-up, gradient accumulation 2, clipping, 3 optimizer steps; the logged losses, gradient norms and every
 parameter at the end, at pp=2 and at pp=2 x dp=2 (whose reference takes the replicas' rows at once); and a
 subclass that calls transformers' own ``compute_loss`` (the model's loss through ``labels``), whose
-``num_items_in_batch`` scaling must not count the pipeline's ranks as devices.
+``num_items_in_batch`` scaling must not count the pipeline's ranks as devices; and ``PipelineTrainer`` itself with
+``label_smoothing_factor=0.1`` and with a ``compute_loss_func`` (transformers' loss over the outputs).
 
 Tolerances as ``test_trainer.py``: a step moves parameters by about the learning rate (1e-2); 2e-5 is fp32
 summation-order noise, so a gradient scaled by the process count, a missed accumulation scale or replicas
@@ -48,7 +49,18 @@ class ModelLossTrainer(transformers.Trainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
 
-TRAINERS = {"smoothed": SmoothedTrainer, "model_loss": ModelLossTrainer}
+def z_loss(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func: the token loss summed over the accumulated batches' items, plus a z-loss."""
+    logits = outputs.logits[:, :-1]
+    summed = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
+    return summed / num_items_in_batch + 1e-3 * logits.logsumexp(-1).pow(2).mean()
+
+
+TRAINERS = {"smoothed": SmoothedTrainer, "model_loss": ModelLossTrainer, "label_smoothing": transformers.Trainer,
+            "compute_loss_func": transformers.Trainer}
+# (TrainingArguments, constructor arguments) of a run
+EXTRA = {"label_smoothing": ({"label_smoothing_factor": 0.1}, {}),
+         "compute_loss_func": ({}, {"compute_loss_func": z_loss})}
 
 
 def _dataset(rows: int = 24) -> datasets.Dataset:
@@ -58,11 +70,11 @@ def _dataset(rows: int = 24) -> datasets.Dataset:
                                        "attention_mask": ids["attention_mask"].tolist(), "labels": labels.tolist()})
 
 
-def _args(out, batch: int) -> transformers.TrainingArguments:
+def _args(out, batch: int, name: str) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
         str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=2, learning_rate=1e-2,
         warmup_steps=1, max_grad_norm=0.5, logging_steps=1, max_steps=3, save_strategy="no", seed=7, data_seed=11,
-        report_to=[], use_cpu=True, disable_tqdm=True,
+        report_to=[], use_cpu=True, disable_tqdm=True, **EXTRA.get(name, ({}, {}))[0],
     )
 
 
@@ -79,7 +91,8 @@ def _rank(path: str, out: str, num_stages: int | None) -> dict:
         trainer_class = type(f"Pipeline{base.__name__}", (PipelineTrainerMixin, base), {})
         model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2,
                                                                  num_stages=num_stages)
-        trainer = trainer_class(model=model, args=_args(pathlib.Path(out) / name, BATCH), train_dataset=_dataset())
+        args = _args(pathlib.Path(out) / name, BATCH, name)
+        trainer = trainer_class(model=model, args=args, train_dataset=_dataset(), **EXTRA.get(name, ({}, {}))[1])
         trainer.train()
         results[name] = {"logs": _logs(trainer.state.log_history),
                          "params": {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}}
@@ -88,7 +101,8 @@ def _rank(path: str, out: str, num_stages: int | None) -> dict:
 
 def _reference(path: str, out: pathlib.Path, name: str, batch: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer = TRAINERS[name](model=model, args=_args(out / name, batch), train_dataset=_dataset())
+    trainer = TRAINERS[name](model=model, args=_args(out / name, batch, name), train_dataset=_dataset(),
+                             **EXTRA.get(name, ({}, {}))[1])
     trainer.train()
     return {"logs": _logs(trainer.state.log_history), "params": dict(model.named_parameters())}
 

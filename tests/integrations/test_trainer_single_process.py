@@ -33,8 +33,6 @@ REFUSED = [  # (TrainingArguments overrides, other constructor arguments, what t
     ({"torch_compile": True}, {}, "torch_compile=True"),
     ({"fsdp": "full_shard"}, {}, "fsdp="),
     ({"fp16": True}, {}, "fp16=True"),
-    ({"label_smoothing_factor": 0.1}, {}, "label_smoothing_factor=0.1"),
-    ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}, "compute_loss_func"),
     ({}, {"model_init": lambda: None}, "model_init"),
 ]
 

@@ -8,9 +8,10 @@ with one line that says what to change, and the model usable afterwards.
   loss cannot do as TRL does is refused naming the option (``check_dpo``): a loss type that is no per-pair
   function (``aot``), full fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would
   load an unsplit copy on every rank), an unpipelined ``ref_model``, ``use_weighting``.
-* TRL's trainers with a loss of their own other than SFT's and DPO's (GRPO, KTO, RLOO, reward) are refused
-  (``own_loss_class``), and so is SFTConfig's ``loss_type="dft"``. Other Trainer subclasses with their own
-  ``compute_loss`` train (tests/integrations/test_trainer_own_loss.py).
+* TRL's trainers with a loss of their own other than SFT's, DPO's and GRPO's (KTO, RLOO, reward) are refused
+  (``own_loss_class``), and so is SFTConfig's ``loss_type="dft"``; GRPO's ``use_vllm`` and ``beta`` with full
+  fine-tuning (``check_grpo``). Other Trainer subclasses with their own ``compute_loss`` train
+  (tests/integrations/test_trainer_own_loss.py), GRPO too (tests/integrations/test_trl_grpo.py).
 """
 
 from __future__ import annotations
@@ -96,12 +97,27 @@ def test_what_the_mixin_cannot_train_as_trl_does_is_refused(bundled, tmp_path):
         _one_line(e)
 
     args = transformers.TrainingArguments(str(tmp_path / "own"), report_to=[], use_cpu=True)
-    for trainer_class in (trl.GRPOTrainer, trl.KTOTrainer, trl.RLOOTrainer, trl.RewardTrainer):
+    for trainer_class in (trl.KTOTrainer, trl.RLOOTrainer, trl.RewardTrainer):
         pipelined = type(f"Pipeline{trainer_class.__name__}", (PipelineTrainerMixin, trainer_class), {})
         with pytest.raises(UsageError, match=rf"^Pipeline{trainer_class.__name__} cannot train a pipelined model: "
-                           rf"{trainer_class.__name__} is one of TRL's trainers that call the model with arguments "
-                           r"of TRL's own \(fused_lm_head\)") as e:
+                           rf"{trainer_class.__name__} is one of TRL's trainers not yet checked through the "
+                           r"pipeline") as e:
             pipelined(model=model, args=args)
+        _one_line(e)
+
+    class PipelineGRPOTrainer(PipelineTrainerMixin, trl.GRPOTrainer):
+        pass
+
+    grpo = dict(per_device_train_batch_size=2, num_generations=2, max_steps=1, report_to=[], use_cpu=True,
+                bf16=False, save_strategy="no")
+    prompts = datasets.Dataset.from_dict({"prompt": ["Return the"] * 4})
+    for overrides, message in (({"use_vllm": True}, r"^use_vllm=True is not supported with a pipelined model"),
+                               ({"beta": 0.04}, r"^beta=0.04 with full fine-tuning is not supported with a pipelined "
+                                r"model: GRPOTrainer would load an unsplit reference copy")):
+        grpo_args = trl.GRPOConfig(str(tmp_path / "grpo"), **{**grpo, **overrides})
+        with pytest.raises(UsageError, match=message) as e:
+            PipelineGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                args=grpo_args, train_dataset=prompts, processing_class=tok)
         _one_line(e)
 
     class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):

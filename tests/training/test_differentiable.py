@@ -160,3 +160,17 @@ def test_backward_at_pp2_x_dp2_and_pp2_x_tp2_equals_transformers(tmp_path):
     for i, (what, kind, rows) in enumerate((("pp2 x dp2", "z", 6), ("pp2 x tp2", "own", 4))):
         ref, grads, loss = _reference(path, "llama", kind, rows)
         _check(what, [r["cases"][i] for r in per_rank], ref, grads, loss)
+
+
+def _cost(path: str):
+    from devtools import backward_cost
+
+    return backward_cost.measure(path, rows=4, seq=8, reps=1)
+
+
+def test_the_backward_cost_tool_runs_tiny(tmp_path):
+    # devtools.backward_cost's figures are the README's; here it only runs, at tiny size, and reports both ways.
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
+    rank0, rank1 = run_distributed(_cost, 2, path, timeout=300)
+    assert rank1 is None and rank0["train_step"] > 0 and rank0["forward_backward"] > 0
+    assert rank0["ratio"] == rank0["forward_backward"] / rank0["train_step"]
