@@ -79,6 +79,7 @@ from .trainer_refusals import (
     check_model,
     check_output_dir,
     own_loss_class,
+    own_step_for_loss_options,
     pipelined_model_of,
 )
 
@@ -120,9 +121,8 @@ class PipelineTrainerMixin:
             # A loss of the class's own (its compute_loss), or transformers' compute_loss_func or label smoothing over
             # the outputs: the Trainer's own step, through the differentiable pipelined forward.
             own = own_loss_class(type(self), PipelineTrainerMixin)
-            self.own_loss = (own is not None or extra["compute_loss_func"] is not None
-                             or args.label_smoothing_factor != 0)
-            check_arguments(args, self.pipelined, own_loss=own is not None, **extra)
+            self.own_loss = own is not None or own_step_for_loss_options(type(self), args, extra["compute_loss_func"])
+            check_arguments(args, self.pipelined, own_loss=own is not None, own_step=self.own_loss, **extra)
             check_output_dir(args.output_dir)
             one_process_batches(args, self.pipelined.dims.dp_size)
             if own is not None and f"{own.__module__}.{own.__qualname__}" in OWN_STEP_TRAINERS:

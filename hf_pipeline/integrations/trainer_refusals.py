@@ -22,7 +22,8 @@ from .trainer_dpo import DPO_TRAINERS
 
 __all__ = [
     "OWN_LOSS_TRAINERS", "OWN_STEP_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments",
-    "check_grpo", "check_model", "check_output_dir", "own_loss_class", "pipelined_model_of", "refuse_plain_trainer",
+    "check_grpo", "check_model", "check_output_dir", "own_loss_class", "own_step_for_loss_options",
+    "pipelined_model_of", "refuse_plain_trainer",
 ]
 
 # Set while PipelineTrainerMixin runs the Trainer's own constructor (in this thread or task).
@@ -133,6 +134,16 @@ def own_loss_class(trainer_class: type, mixin: type) -> type | None:
     return None
 
 
+def own_step_for_loss_options(trainer_class: type, args: Any, compute_loss_func: Any) -> bool:
+    """Whether transformers' own loss options (``label_smoothing_factor``, ``compute_loss_func``) make a Trainer
+    whose loss is the model's run the Trainer's own step: transformers' ``Trainer`` and its subclasses other than
+    TRL's SFT and DPO trainers (whose step the mixin computes itself: such options there stay refused)."""
+    if args.label_smoothing_factor == 0 and compute_loss_func is None:
+        return False
+    names = {f"{c.__module__}.{c.__qualname__}" for c in trainer_class.__mro__}
+    return not names & (OWN_LOSS_TRAINERS | DPO_TRAINERS)
+
+
 def check_grpo(args: Any, adapter: bool) -> None:
     """Refuse what TRL's ``GRPOTrainer`` cannot do with a pipelined model, naming the option.
 
@@ -232,6 +243,20 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         applies=lambda args, model, extra: _misfits(args.per_device_train_batch_size, model),
         message=_batch_message,
+    ),
+    Refusal(
+        applies=lambda args, model, extra: not extra.get("own_step") and args.label_smoothing_factor != 0,
+        message=lambda args, model: (
+            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by PipelineTrainerMixin with trl's "
+            "SFTTrainer or DPOTrainer: their step trains on the model's own loss; pass label_smoothing_factor=0"
+        ),
+    ),
+    Refusal(
+        applies=lambda args, model, extra: not extra.get("own_step") and extra.get("compute_loss_func") is not None,
+        message=lambda args, model: (
+            "compute_loss_func= is not supported by PipelineTrainerMixin with trl's SFTTrainer or DPOTrainer: their "
+            "step trains on the model's own loss (or DPO's); remove compute_loss_func"
+        ),
     ),
     Refusal(
         # trl's SFTConfig: "dft" weighs each token's loss by its probability, which the model's own loss does not.

@@ -12,9 +12,10 @@ counts, clip ratios, KL) and every trained parameter at the end. Completions com
 one-process sampler and the pipeline's per-row sampling streams draw differently) for: the default loss (DAPO),
 ``loss_type="grpo"`` with ``scale_rewards="batch"`` and ``num_iterations=2`` (old log-probabilities from a
 forward), ``dr_grpo`` with ``steps_per_generation=4``, a LoRA adapter with ``beta=0.5`` (the reference is the model
-with its adapter disabled), all at pp=2, and the default at pp=2 x dp=2 (one process with both replicas' rows).
-Greedy completions from the pipelined ``generate`` (no rollout) give the first step's logs of one process, the
-same completions included.
+with its adapter disabled), all at pp=2; the default at pp=2 x dp=2 (one process with both replicas' rows) and
+pp=2 x tp=2. Greedy completions from the pipelined ``generate`` (no rollout) give the first step's logs of one
+process, the same completions included; sampled ones (GRPO's defaults) are the same on every rank, with one
+process's logged names.
 
 Tolerances: SGD, so parameters move by lr x gradient (no Adam normalisation of round-off); TRL's fused head sums
 its log-probabilities in tiles, ~1e-6 relative apart from a plain log-softmax; logged values within 1e-4 relative
@@ -46,6 +47,7 @@ CASES = {
     "dr_grpo": {"loss_type": "dr_grpo", "steps_per_generation": 4},
     "lora": {"beta": 0.5},
     "greedy": {"max_steps": 1, "generation_kwargs": {"do_sample": False}},
+    "sampled": {"max_steps": 2},  # GRPO's own sampling settings: every rank the same, not one process's draws
 }
 _TIMES = ("runtime", "per_second", "time")
 
@@ -80,7 +82,7 @@ def _args(out: pathlib.Path, case: str, batch: int):
 
 
 def _train(trainer_class, model, path: str, out: pathlib.Path, case: str, batch: int) -> dict:
-    extra = {} if case == "greedy" else {"rollout_func": rollout}
+    extra = {} if case in ("greedy", "sampled") else {"rollout_func": rollout}
     if case == "lora":
         import peft
 
@@ -90,19 +92,23 @@ def _train(trainer_class, model, path: str, out: pathlib.Path, case: str, batch:
                             processing_class=_tokenizer(path), **extra)
     trainer.train()
     logs = [{k: v for k, v in e.items() if not any(t in k for t in _TIMES)} for e in trainer.state.log_history]
-    completions = trainer._logs["completion"] if case == "greedy" else []
+    completions = trainer._logs["completion"] if case in ("greedy", "sampled") else []
     return {"logs": logs, "completions": list(completions), "params": _params(model, case == "lora")}
 
 
 def _params(model, adapter: bool) -> dict[str, torch.Tensor]:
     import re
 
+    from hf_pipeline.distributed.shards import full_tensor
+
     named = model.named_parameters()
-    # stage parameter names are checkpoint keys inside ``stages.<i>.``
-    return {re.sub(r"stages\.\d+\.", "", n): p.detach().clone() for n, p in named if not adapter or "lora_" in n}
+    # stage parameter names are checkpoint keys inside ``stages.<i>.``; tensor-parallel shards gathered whole
+    # (collective: the same order on every rank of a tensor-parallel group)
+    return {re.sub(r"stages\.\d+\.", "", n): full_tensor(p.detach()).clone() for n, p in named
+            if not adapter or "lora_" in n}
 
 
-def _rank(path: str, out: str, cases: list[str], num_stages: int | None) -> dict:
+def _rank(path: str, out: str, cases: list[str], num_stages: int | None, tp_size: int = 1) -> dict:
     import hf_pipeline
     from hf_pipeline.integrations.trainer import PipelineTrainerMixin
 
@@ -112,7 +118,7 @@ def _rank(path: str, out: str, cases: list[str], num_stages: int | None) -> dict
     results = {}
     for case in cases:
         model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, n_microbatches=2,
-                                                                 num_stages=num_stages)
+                                                                 num_stages=num_stages, tp_size=tp_size)
         results[case] = _train(PipelineGRPOTrainer, model, path, pathlib.Path(out), case, 4)
     return results
 
@@ -158,6 +164,12 @@ def test_grpo_at_pp2_equals_trl_on_one_process(checkpoint, tmp_path):
     for case in cases:
         want = _reference(checkpoint, tmp_path / "reference", case, 4)
         for r, result in enumerate(per_rank):
+            if case == "sampled":  # the same samples and step on every rank; one process's logged names
+                got, first = result[case], per_rank[0][case]
+                assert got["completions"] == first["completions"] and len(set(got["completions"])) > 1
+                assert got["logs"] == first["logs"] and [sorted(e) for e in got["logs"]] == [
+                    sorted(e) for e in want["logs"]], f"sampled rank {r}"
+                continue
             _compare(f"{case} rank {r}", result[case], want)
 
 
@@ -166,3 +178,10 @@ def test_grpo_at_pp2_x_dp2_equals_trl_on_one_process_with_both_replicas_rows(che
     want = _reference(checkpoint, tmp_path / "reference", "dapo", 8)
     for r, result in enumerate(per_rank):
         _compare(f"dapo rank {r} of 4", result["dapo"], want)
+
+
+def test_grpo_at_pp2_x_tp2_equals_trl_on_one_process(checkpoint, tmp_path):
+    per_rank = run_distributed(_rank, 4, checkpoint, str(tmp_path / "pipelined"), ["dapo"], 2, 2, timeout=900)
+    want = _reference(checkpoint, tmp_path / "reference", "dapo", 4)
+    for r, result in enumerate(per_rank):
+        _compare(f"dapo rank {r} of pp2 x tp2", result["dapo"], want)

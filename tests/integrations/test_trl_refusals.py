@@ -126,6 +126,11 @@ def test_what_the_mixin_cannot_train_as_trl_does_is_refused(bundled, tmp_path):
     sft_args, sft_data = _sft(tmp_path, loss_type="dft")
     with pytest.raises(UsageError, match=r"^loss_type='dft' is not supported by PipelineTrainer"):
         PipelineSFTTrainer(model=model, args=sft_args, train_dataset=sft_data, processing_class=tok)
+    # transformers' loss options train a plain Trainer's own step; on SFT's step (the model's loss) they are refused
+    sft_args, sft_data = _sft(tmp_path, label_smoothing_factor=0.1)
+    with pytest.raises(UsageError, match=r"^label_smoothing_factor=0.1 is not supported by PipelineTrainerMixin "
+                       r"with trl's SFTTrainer or DPOTrainer"):
+        PipelineSFTTrainer(model=model, args=sft_args, train_dataset=sft_data, processing_class=tok)
     # nothing ran: the same model trains one SFT step through the mixin
     sft_args, sft_data = _sft(tmp_path)
     trainer = PipelineSFTTrainer(model=model, args=sft_args, train_dataset=sft_data, processing_class=tok)

@@ -48,38 +48,37 @@ def _loss(model, batch: dict, kind: str) -> torch.Tensor:
     return -logits.log_softmax(-1).gather(-1, targets[..., None]).mean()
 
 
-def _pipelined(path, arch, kind, rows, load_kwargs):
-    import hf_pipeline
-    from hf_pipeline.distributed.shards import full_tensor
-
-    model = getattr(hf_pipeline, AUTO[arch]).from_pretrained(path, pipeline=True, device="cpu", **load_kwargs)
-    model.train()
+def _steps(model, arch, kind, rows, grads_of) -> tuple[dict, float]:
+    """AdamW steps on ``kind``'s loss: the first step's gradients (``grads_of(model)``) and the last loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     grads = None
     for step in range(STEPS):
         loss = _loss(model, make_batch(arch, rows, seed=step + 1), kind)
         loss.backward()
         if step == 0:
-            grads = tiny.tensors_by_key(model, lambda p: p.grad if p.grad is None else full_tensor(p.grad))
+            grads = grads_of(model)
         opt.step()
         opt.zero_grad()
+    return grads, float(loss.detach())
+
+
+def _pipelined(path, arch, kind, rows, load_kwargs):
+    import hf_pipeline
+    from hf_pipeline.distributed.shards import full_tensor
+
+    model = getattr(hf_pipeline, AUTO[arch]).from_pretrained(path, pipeline=True, device="cpu", **load_kwargs)
+    model.train()
     # whole tensors (tensor-parallel shards gathered: collective, in the same order on every rank)
-    return {"grads": grads, "params": tiny.tensors_by_key(model, lambda p: full_tensor(p.detach())),
-            "loss": float(loss.detach())}
+    grads, loss = _steps(model, arch, kind, rows, lambda m: tiny.tensors_by_key(
+        m, lambda p: p.grad if p.grad is None else full_tensor(p.grad)))
+    return {"grads": grads, "params": tiny.tensors_by_key(model, lambda p: full_tensor(p.detach())), "loss": loss}
 
 
 def _reference(path, arch, kind, rows):
     ref = tiny.reference(path, AUTO[arch]).train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    grads = None
-    for step in range(STEPS):
-        loss = _loss(ref, make_batch(arch, rows, seed=step + 1), kind)
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-    return ref, grads, float(loss.detach())
+    grads, loss = _steps(ref, arch, kind, rows, lambda m: {
+        n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+    return ref, grads, loss
 
 
 def _dropout_refused(path):
