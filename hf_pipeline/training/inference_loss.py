@@ -16,7 +16,7 @@ import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from ..core import PipelineCore
-from ..errors import UsageError
+from ..errors import InputError, UsageError
 from ..families.losses import output_loss
 from .fused_head import fused_output
 
@@ -69,9 +69,13 @@ class CallTargets:
     def take(cls, kwargs: dict[str, Any], names: tuple[str, ...]) -> CallTargets:
         """Pop them from a forward call's ``kwargs``."""
         targets = {k: kwargs.pop(k) for k in dict.fromkeys(("labels", *names)) if k in kwargs}
-        return cls(names=names, targets={k: v for k, v in targets.items() if v is not None},
+        call = cls(names=names, targets={k: v for k, v in targets.items() if v is not None},
                    num_items=kwargs.pop("num_items_in_batch", None), fused=bool(kwargs.pop("fused_lm_head", False)),
                    shift_labels=kwargs.pop("shift_labels", None))
+        if call.shift_labels is not None and not call.fused:
+            raise InputError("shift_labels is taken with fused_lm_head=True only (TRL's fused head); the model's own "
+                             "loss shifts labels itself: pass labels")
+        return call
 
 
 def forward_result(model: PipelineCore, outputs: tuple[torch.Tensor, ...], call: CallTargets,

@@ -55,6 +55,11 @@ def _job(path: str) -> dict:
         hidden = None
     except InputError as e:
         hidden = str(e)
+    try:  # the model's own loss shifts its labels: pre-shifted ones are TRL's fused head's only
+        model(**inputs, labels=inputs["input_ids"], shift_labels=inputs["input_ids"])
+        shifted = None
+    except InputError as e:
+        shifted = str(e)
     again = model(**inputs).logits  # the model is still usable
     return {
         "logits": out.logits,
@@ -63,6 +68,7 @@ def _job(path: str) -> dict:
         "backward": backward,
         "no_grad": no_grad,
         "hidden": hidden,
+        "shifted": shifted,
         "again": again,
     }
 
@@ -87,6 +93,7 @@ def _check(res: dict, path: str, what: str) -> None:
     assert "model.eval()" in res["backward"], (what, res["backward"])
     assert res["no_grad"] is not None and "train_step" in res["no_grad"], (what, res["no_grad"])
     assert res["hidden"] is not None and "output_hidden_states=True" in res["hidden"], (what, res["hidden"])
+    assert res["shifted"] is not None and "shift_labels" in res["shifted"], (what, res["shifted"])
 
 
 def test_forward_is_inference_on_one_process(path):
