@@ -321,7 +321,7 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
             return None
         if grad:  # the step of its backward runs the inputs again (T5's decoder inputs as derived from the labels)
             given = {**given, **{k: inputs[k] for k in ("decoder_input_ids",) if k in inputs and k not in given}}
-            outputs = differentiable_outputs(self, given, outputs, rows=batch)
+            outputs = differentiable_outputs(self, given, outputs, rows=batch, router_aux=self.router_aux is not None)
         aux = (aux_loss, self.router_aux.coef) if self.router_aux is not None else None
         return forward_result(self, outputs, call, aux, grad=grad)
 

@@ -40,7 +40,6 @@ from ..core import PipelineCore
 from ..distributed.agreement import collective_errors
 from ..errors import InputError, UsageError
 from ..families.losses import LossFunction
-from ..families.router_loss import router_aux_of
 from ..runtime.cache import pad_batch
 from ..runtime.checks import check_microbatches
 
@@ -117,9 +116,10 @@ def _padded_rows(model: PipelineCore, rows: int, length: int) -> int:
 class _Call:
     """One differentiable forward call: what its backward needs to run the pipeline's step."""
 
-    def __init__(self, model: PipelineCore, inputs: dict[str, Any], training: bool, count: int) -> None:
+    def __init__(self, model: PipelineCore, inputs: dict[str, Any], training: bool, count: int,
+                 router_aux: bool) -> None:
         self.model = weakref.ref(model)
-        self.inputs, self.training, self.count = inputs, training, count
+        self.inputs, self.training, self.count, self.router_aux = inputs, training, count, router_aux
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         model = self.model()
@@ -151,7 +151,7 @@ class _Call:
             model.training, holder.grads = was, ()
 
     def _check(self, model: PipelineCore) -> None:
-        if router_aux_of(model.skeleton, model.config) is not None:
+        if self.router_aux:
             raise InputError(
                 "a pipelined forward with output_router_logits=True cannot be backpropagated: the routers' "
                 "load-balancing loss is added by the pipeline's own step; train with model.train_step(batch) (or "
@@ -186,7 +186,7 @@ class _PipelineOutputs(torch.autograd.Function):
 
 
 def differentiable_outputs(model: PipelineCore, inputs: dict[str, Any], outputs: tuple[torch.Tensor, ...], *,
-                           rows: int) -> tuple[torch.Tensor, ...]:
+                           rows: int, router_aux: bool) -> tuple[torch.Tensor, ...]:
     """``outputs`` (the head's, gathered on every rank) as outputs of a node whose backward trains the pipeline.
 
     Args:
@@ -194,7 +194,9 @@ def differentiable_outputs(model: PipelineCore, inputs: dict[str, Any], outputs:
         inputs: the forward's model inputs without its targets (the step runs them again).
         outputs: the head's outputs of the ``rows`` rows, in the recipe's order.
         rows: the call's batch size.
+        router_aux: whether the forward added the routers' load-balancing loss (``output_router_logits``): its
+            backward is refused.
     """
     anchor = torch.zeros((), requires_grad=True)  # gives the node an input that requires grad
     with torch.enable_grad():
-        return _PipelineOutputs.apply(anchor, _Call(model, inputs, model.training, rows), *outputs)
+        return _PipelineOutputs.apply(anchor, _Call(model, inputs, model.training, rows, router_aux), *outputs)

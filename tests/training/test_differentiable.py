@@ -7,7 +7,8 @@ AdamW steps, for losses the pipeline does not know (a z-loss over the logits, a 
 log-probabilities with ``logits_to_keep``) and the model's own ``.loss``: LLaMA, GPT-2 (dropout off), T5
 (its decoder inputs derived from the labels) and BERT at pp=2, LLaMA with 2 stages per rank (ZBV), at
 pp=2 x dp=2 and pp=2 x tp=2; batches of rows the schedule cannot split (5 and 3 rows: padded with a zero
-gradient). Refused on every rank at backward, the model usable afterwards: dropout active in training mode.
+gradient). Refused on every rank at backward, the model usable afterwards: dropout active in training mode, and
+the routers' loss of a mixture of experts loaded with ``output_router_logits``.
 
 Tolerances as ``test_train.py`` (fp32, only the summation order differs): a gradient off by 2x, a padded row
 counted, or a microbatch dropped moves gradients by far more than 1e-5 of the largest entry.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import pytest
 import tiny
 import torch
+import transformers
+from decoders import decoder_config
 from harness import run_distributed
 from tiny import make_batch
 
@@ -100,9 +103,26 @@ def _dropout_refused(path):
     return message, len(grads_left), sum(1 for p in model.parameters() if p.grad is not None)
 
 
-def _job(cases, dropout_path=None):
+def _router_loss_refused(path):
+    """A mixture of experts loaded with output_router_logits: its backward is refused on every rank (the step adds the
+    routers' loss itself), and the model still trains through train_step."""
+    import hf_pipeline
+    from hf_pipeline.errors import InputError
+
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, device="cpu", progress=False)
+    batch = make_batch("decoder", 4, seed=7)
+    try:
+        model(**batch).loss.backward()
+        message = None
+    except InputError as e:
+        message = str(e)
+    return message, float(model.train_step(batch))
+
+
+def _job(cases, dropout_path=None, moe_path=None):
     out = [_pipelined(*case) for case in cases]
-    return {"cases": out, "dropout": _dropout_refused(dropout_path) if dropout_path else None}
+    return {"cases": out, "dropout": _dropout_refused(dropout_path) if dropout_path else None,
+            "router": _router_loss_refused(moe_path) if moe_path else None}
 
 
 def _check(what, results, ref, ref_grads, ref_loss):
@@ -139,7 +159,11 @@ def test_backward_through_the_pipelined_forward_equals_transformers(tmp_path):
         (paths["t5"], "t5", "own", 4, {"n_microbatches": 2}),
         (paths["bert"], "bert", "own", 4, {}),
     ]
-    per_rank = run_distributed(_job, 2, cases, dropout, timeout=600)
+    torch.manual_seed(0)
+    moe = tmp_path / "mixtral"
+    transformers.AutoModelForCausalLM.from_config(
+        decoder_config("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)).save_pretrained(moe)
+    per_rank = run_distributed(_job, 2, cases, dropout, str(moe), timeout=600)
     for i, (path, arch, kind, rows, kwargs) in enumerate(cases):
         ref, grads, loss = _reference(path, arch, kind, rows)
         _check(f"{arch} {kind} {rows} rows {kwargs}", [r["cases"][i] for r in per_rank], ref, grads, loss)
@@ -147,6 +171,9 @@ def test_backward_through_the_pipelined_forward_equals_transformers(tmp_path):
         assert message is not None and "dropout is active" in message and "model.eval()" in message, message
         assert left == 0, "a refused backward left gradients"
         assert after > 0, "the model did not backpropagate after the refusal"
+    for message, loss in (r["router"] for r in per_rank):
+        assert message is not None and "output_router_logits=True cannot be backpropagated" in message, message
+        assert loss > 0  # the model still trains
 
 
 def test_backward_at_pp2_x_dp2_and_pp2_x_tp2_equals_transformers(tmp_path):
