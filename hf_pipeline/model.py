@@ -175,8 +175,8 @@ class PipelinedModel(ActivationCheckpointingMixin, AdapterHost, nn.Module):
     def num_parameters(
         self, only_trainable: bool = False, exclude_embeddings: bool = False, *, local: bool = False
     ) -> int:
-        """Parameters of the whole model as transformers' ``num_parameters`` counts them (a tied tensor once);
-        ``local``: this rank's stages only. Collective with ``only_trainable``. See :func:`count_parameters`."""
+        """The whole model's parameters as transformers' ``num_parameters`` counts them (a tied tensor once); ``local``:
+        this rank's stages only. Collective with ``only_trainable`` or PEFT adapters (:func:`count_parameters`)."""
         return count_parameters(self, only_trainable, exclude_embeddings, local=local)
 
     @property

@@ -69,21 +69,29 @@ from .trainer_checkpoints import (
     rotate_checkpoints,
     written_by_trainer,
 )
-from .trainer_data import count_items, single_process_loader
+from .trainer_data import count_items, single_process_loader, uncached_datasets
 from .trainer_dpo import DPOStep, check_dpo, is_dpo
 from .trainer_refusals import (
-    OWN_STEP_TRAINERS,
     building_pipeline_trainer,
     check_arguments,
-    check_grpo,
     check_model,
     check_output_dir,
+    check_own_step,
     own_loss_class,
     own_step_for_loss_options,
     pipelined_model_of,
 )
 
 __all__ = ["PipelineTrainer", "PipelineTrainerMixin"]
+
+
+def _names_columns(trainer_class: type) -> bool:
+    """Whether a class between the mixin and transformers' ``Trainer`` names its dataset's columns itself."""
+    from transformers import Trainer
+
+    mro = trainer_class.__mro__
+    return any("_set_signature_columns_if_needed" in vars(c) for c in mro[mro.index(PipelineTrainerMixin) + 1:]
+               if c is not Trainer and issubclass(c, Trainer))
 
 
 def _accepts_loss_kwargs(module: torch.nn.Module) -> bool:
@@ -125,8 +133,8 @@ class PipelineTrainerMixin:
             check_arguments(args, self.pipelined, own_loss=own is not None, own_step=self.own_loss, **extra)
             check_output_dir(args.output_dir)
             one_process_batches(args, self.pipelined.dims.dp_size)
-            if own is not None and f"{own.__module__}.{own.__qualname__}" in OWN_STEP_TRAINERS:
-                check_grpo(args, adapter)
+            if own is not None:
+                check_own_step(type(self), args, given.get("ref_model"), adapter, self.pipelined.dims.tp_size)
             if dpo:
                 check_dpo(args, given, adapter, rows=partial(self.pipelined.microbatches_for, training=True))
         # TRL's DPOTrainer's loss, reference and metrics through the pipeline (its constructor may already need them).
@@ -146,9 +154,7 @@ class PipelineTrainerMixin:
         # processes sample differently; every rank here holds the same rows, as one process would).
         device = self.pipelined.device.type
         synchronize_rng_states(["torch"] + ([device] if device != "cpu" else []))
-        # TRL's trainers patch the model's forward with their fused LM head: the pipelined forward computes it.
-        head = take_over(self.pipelined, getattr(self, "temperature", 1.0))
-        self.pipelined.fused_head = head or self.pipelined.fused_head
+        self._take_over_fused_head()
         # What transformers reads from the model's class, read from the class the stages come from.
         skeleton = type(self.pipelined.skeleton)
         self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.pipelined.skeleton)
@@ -188,7 +194,9 @@ class PipelineTrainerMixin:
         return single_process_loader(self.accelerator, DataLoader(dataset, **params))
 
     def _set_signature_columns_if_needed(self) -> None:
-        if self.dpo is not None:  # DPOTrainer's own (prompt / chosen / rejected ids, reference columns)
+        # DPOTrainer's own (prompt / chosen / rejected ids, reference columns), and those of a Trainer class that names
+        # the columns its collator reads (TRL's GRPO prompts, reward trainer's chosen / rejected ids).
+        if self.dpo is not None or _names_columns(type(self)):
             return super()._set_signature_columns_if_needed()
         # The columns the transformers model's forward takes (the pipelined forward takes **kwargs).
         if self._signature_columns is None:
@@ -205,6 +213,12 @@ class PipelineTrainerMixin:
         super()._track_num_input_tokens(inputs)
         added = self.state.num_input_tokens_seen - before
         self.state.num_input_tokens_seen = before + added // self.pipelined.ctx.world_size
+
+    def store_flos(self) -> None:
+        # transformers sums every process's count of its own rows; every rank here counted the whole batch (and the
+        # whole model's parameters): the count of one, as one process counts it.
+        self.state.total_flos += self.current_flos
+        self.current_flos = 0
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         if self.own_loss:  # transformers' count of the whole batch (average_tokens_across_devices is off)
@@ -277,10 +291,21 @@ class PipelineTrainerMixin:
             return super().compute_ref_log_probs(model, inputs)
         return self.dpo.reference_logps(self, inputs).chunk(2)
 
+    def _take_over_fused_head(self) -> None:
+        # TRL's trainers patch the model's forward with their fused LM head: the pipelined forward computes it.
+        head = take_over(self.pipelined, getattr(self, "temperature", 1.0))
+        self.pipelined.fused_head = head or self.pipelined.fused_head
+
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
-        if self.dpo is None:
+        if self.dpo is not None:
+            return self.dpo.precompute(self, dataset, name, batch_size)
+        if not self.own_loss:
             return super()._precompute_ref_logps(dataset, name, batch_size)
-        return self.dpo.precompute(self, dataset, name, batch_size)
+        # TRL's KTO precomputes inside its constructor, its fused head already patched in: the pipelined forward's
+        # from now on. Every rank computes the whole dataset's log-probabilities as one process, into its own file.
+        self._take_over_fused_head()
+        with one_process(self.accelerator), uncached_datasets():
+            return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def _clip_grad_norm(self, model: nn.Module):
         return self.pipelined.clip_grad_norm_(self.args.max_grad_norm)

@@ -12,13 +12,33 @@ replicas see distinct rows of it.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader
 
-__all__ = ["count_items", "single_process_loader"]
+__all__ = ["count_items", "single_process_loader", "uncached_datasets"]
+
+
+@contextlib.contextmanager
+def uncached_datasets() -> Iterator[None]:
+    """datasets' caching off inside the block: a ``map`` writes its result to a temporary file of a random name.
+
+    Every rank of a pipelined Trainer runs the code of one process (main process included): a ``map`` named by the
+    dataset's fingerprint would have ranks holding the same stage (data-parallel replicas) write the same cache file
+    at once, in the dataset's own folder.
+    """
+    import datasets
+
+    was = datasets.is_caching_enabled()
+    datasets.disable_caching()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_caching()
 
 
 def single_process_loader(accelerator, loader: DataLoader) -> DataLoader:

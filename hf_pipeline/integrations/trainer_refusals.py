@@ -22,7 +22,7 @@ from .trainer_dpo import DPO_TRAINERS
 
 __all__ = [
     "OWN_LOSS_TRAINERS", "OWN_STEP_TRAINERS", "Refusal", "REFUSALS", "building_pipeline_trainer", "check_arguments",
-    "check_grpo", "check_model", "check_output_dir", "own_loss_class", "own_step_for_loss_options",
+    "check_model", "check_own_step", "check_output_dir", "own_loss_class", "own_step_for_loss_options",
     "pipelined_model_of", "refuse_plain_trainer",
 ]
 
@@ -95,8 +95,10 @@ _LOSS_METHODS = ("compute_loss", "training_step")
 
 
 # TRL's trainers with a loss of their own that train through the mixin's own-loss step, each checked equal to itself
-# on one process (tests/integrations/test_trl_grpo.py): module-qualified names.
-OWN_STEP_TRAINERS: frozenset[str] = frozenset({"trl.trainer.grpo_trainer.GRPOTrainer"})
+# on one process (tests/integrations/test_trl_grpo.py, _rloo, _kto, _reward): module-qualified names.
+_ONLINE = ("trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer")  # generate, then train
+_KTO = "trl.trainer.kto_trainer.KTOTrainer"
+OWN_STEP_TRAINERS: frozenset[str] = frozenset({*_ONLINE, _KTO, "trl.trainer.reward_trainer.RewardTrainer"})
 
 
 def own_loss_class(trainer_class: type, mixin: type) -> type | None:
@@ -107,11 +109,11 @@ def own_loss_class(trainer_class: type, mixin: type) -> type | None:
     The mixin trains such a Trainer through its own step: its ``compute_loss`` calls the pipelined model, whose
     outputs are differentiable (``training/differentiable.py``), and its backward runs the pipeline's step, with
     accelerate's state saying one process (``one_process.py``). TRL's trainers other than those of
-    :data:`OWN_STEP_TRAINERS` (KTO, RLOO, reward, distillation...) are refused: they have not been checked against
+    :data:`OWN_STEP_TRAINERS` (distillation, the experimental ones...) are refused: they have not been checked against
     themselves on one process.
 
     Raises:
-        UsageError: a TRL trainer other than SFT, DPO and GRPO, naming it.
+        UsageError: a TRL trainer other than SFT, DPO, GRPO, RLOO, KTO and reward, naming it.
     """
     from transformers import Trainer  # here: importing transformers' Trainer imports peft, which loading must not
 
@@ -127,8 +129,9 @@ def own_loss_class(trainer_class: type, mixin: type) -> type | None:
             raise UsageError(
                 f"{trainer_class.__name__} cannot train a pipelined model: {cls.__name__} is one of TRL's trainers "
                 f"not yet checked through the pipeline (its loss over the model's outputs, the batches it sizes by "
-                f"accelerate's process count); train with PipelineTrainerMixin on trl's SFTTrainer, DPOTrainer or "
-                f"GRPOTrainer, or on a Trainer whose compute_loss calls the model"
+                f"accelerate's process count); train with PipelineTrainerMixin on trl's SFTTrainer, DPOTrainer, "
+                f"GRPOTrainer, RLOOTrainer, KTOTrainer or RewardTrainer, or on a Trainer whose compute_loss calls "
+                f"the model"
             )
         return cls
     return None
@@ -144,14 +147,23 @@ def own_step_for_loss_options(trainer_class: type, args: Any, compute_loss_func:
     return not names & (OWN_LOSS_TRAINERS | DPO_TRAINERS)
 
 
-def check_grpo(args: Any, adapter: bool) -> None:
-    """Refuse what TRL's ``GRPOTrainer`` cannot do with a pipelined model, naming the option.
+def check_own_step(trainer_class: type, args: Any, ref_model: Any, adapter: bool, tp_size: int) -> None:
+    """Refuse what TRL's trainers of :data:`OWN_STEP_TRAINERS` that ``trainer_class`` derives from cannot do with a
+    pipelined model, naming the option.
 
     Raises:
-        UsageError: ``use_vllm`` (vLLM generates from its own unsplit copy of the weights), transformers'
-            continuous batching (``generate_batch``: generate runs the pipeline), or ``beta != 0`` when fully
-            fine-tuning (GRPO would load an unsplit reference copy of the model on every rank).
+        UsageError: GRPO and RLOO: ``use_vllm`` (vLLM generates from its own unsplit copy of the weights),
+            transformers' continuous batching (``generate_batch``: generate runs the pipeline), or ``beta != 0``
+            when fully fine-tuning (the trainer would load an unsplit reference copy of the model on every rank).
+            KTO: a ``ref_model``, full fine-tuning without ``precompute_ref_log_probs`` (an unsplit reference), and
+            ``precompute_ref_log_probs`` under tensor parallelism (TRL hashes the model's tensors with numpy).
     """
+    names = {f"{c.__module__}.{c.__qualname__}": c.__name__ for c in trainer_class.__mro__}
+    online = [names[n] for n in _ONLINE if n in names]
+    if _KTO in names:
+        _check_kto(args, ref_model, adapter, tp_size)
+    if not online:
+        return
     if getattr(args, "use_vllm", False):
         raise UsageError("use_vllm=True is not supported with a pipelined model: vLLM generates from an unsplit "
                          "copy of the weights it syncs from the model; pass use_vllm=False (generate runs the "
@@ -161,9 +173,32 @@ def check_grpo(args: Any, adapter: bool) -> None:
                          "generate_batch runs one process's model); pass False: generate runs the pipeline")
     if getattr(args, "beta", 0.0) != 0.0 and not adapter:
         raise UsageError(
-            f"beta={args.beta} with full fine-tuning is not supported with a pipelined model: GRPOTrainer would load "
+            f"beta={args.beta} with full fine-tuning is not supported with a pipelined model: {online[0]} would load "
             f"an unsplit reference copy of the model on every rank; pass beta=0.0, or train a PEFT adapter "
             f"(get_peft_model first: the reference is the model with its adapter disabled)"
+        )
+
+
+def _check_kto(args: Any, ref_model: Any, adapter: bool, tp_size: int) -> None:
+    if ref_model is not None:
+        raise UsageError(
+            f"ref_model={type(ref_model).__name__} is not supported by PipelineTrainerMixin with KTOTrainer; pass "
+            f"ref_model=None with precompute_ref_log_probs=True (the model's own log-probabilities before training) "
+            f"or with a PEFT adapter (the reference is the model with its adapter disabled)"
+        )
+    precompute = getattr(args, "precompute_ref_log_probs", False)
+    if not adapter and not precompute:
+        raise UsageError(
+            "ref_model=None with full fine-tuning is not supported by PipelineTrainerMixin with KTOTrainer unless "
+            "precompute_ref_log_probs=True: KTOTrainer would load an unsplit reference copy of the model on every "
+            "rank; pass precompute_ref_log_probs=True, or train a PEFT adapter (get_peft_model first)"
+        )
+    if precompute and tp_size > 1:
+        raise UsageError(
+            f"precompute_ref_log_probs=True is not supported by PipelineTrainerMixin with KTOTrainer on a model "
+            f"loaded with tp_size={tp_size}: KTOTrainer fingerprints the model's tensors with numpy, which cannot "
+            f"read tensor-parallel shards (DTensors); train a PEFT adapter (the reference is the model with its "
+            f"adapter disabled), or load the model with tp_size=1"
         )
 
 

@@ -118,7 +118,8 @@ def count_parameters(
         model: a :class:`~hf_pipeline.model.PipelinedModel`.
         only_trainable: count parameters with ``requires_grad`` only. For the whole model that is
             collective (each pipeline rank counts the tensors it owns, summed over the pipeline):
-            call it on every rank.
+            call it on every rank. So is the whole count of a model with PEFT adapters (counted as
+            transformers counts them, with the base weights; each rank holds its stages' adapters).
         exclude_embeddings: leave out ``nn.Embedding`` weights, as transformers does.
         local: count this rank's stages only (a tensor held by two of them once).
 
@@ -126,7 +127,9 @@ def count_parameters(
         The count.
     """
     embeddings = {f"{n}.weight" for n, m in model.skeleton.named_modules() if isinstance(m, nn.Embedding)}
-    if not (local or only_trainable):
+    # peft sets ``peft_config`` on every rank's model as it injects adapters (each rank into its own stages).
+    adapters = bool(getattr(model, "peft_config", None))
+    if not (local or only_trainable or adapters):
         # The meta-device model has every parameter's shape: no communication, the same number everywhere.
         return model.skeleton.num_parameters(exclude_embeddings=exclude_embeddings)
     layout = model.param_layout

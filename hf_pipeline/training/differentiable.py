@@ -42,6 +42,7 @@ from ..errors import InputError, UsageError
 from ..families.losses import LossFunction
 from ..runtime.cache import pad_batch
 from ..runtime.checks import check_microbatches
+from .step import forward_arguments
 
 __all__ = ["differentiable_outputs"]
 
@@ -127,7 +128,10 @@ class _Call:
             raise UsageError("the pipelined model of this forward was deleted before its backward")
         with collective_errors(model.ctx, "backpropagating a pipelined forward", describe=model.rank_label):
             self._check(model)
-        inputs = {k: v for k, v in self.inputs.items() if k not in _OUTPUT_ONLY}
+        # What the forward ran on: a key its transformers forward takes only through **kwargs was ignored there, as
+        # transformers ignores it (TRL's reward trainer passes its batch's margin), and the step would refuse it.
+        takes = forward_arguments(model.skeleton)
+        inputs = {k: v for k, v in self.inputs.items() if k not in _OUTPUT_ONLY and k in takes}
         keep = self.inputs.get("logits_to_keep")
         ids = inputs.get("input_ids", inputs.get("decoder_input_ids", inputs.get("inputs_embeds")))
         length = ids.shape[1]

@@ -63,7 +63,7 @@ from ..runtime.checks import check_microbatches, check_model_inputs
 from .flat_reduce import all_reduce_flat, fsdp_sync_group, replicated_keys
 from .router_aux import aux_pass, forward_only
 
-__all__ = ["TrainStepState", "train_state", "train_step"]
+__all__ = ["TrainStepState", "forward_arguments", "train_state", "train_step"]
 
 # Inputs a training step cannot take: caches and precomputed encoder outputs belong to generation.
 _NOT_FOR_TRAINING = ("past_key_values", "encoder_outputs", "cache_position", "use_cache", "logits_to_keep")
@@ -95,7 +95,8 @@ class TrainStepState:
     loss_fns: dict[LossFunction, PipelineLoss] = field(default_factory=dict)
 
 
-def _forward_arguments(skeleton: nn.Module) -> frozenset[str]:
+def forward_arguments(skeleton: nn.Module) -> frozenset[str]:
+    """The input names ``skeleton``'s forward takes by name (not through its ``**kwargs``, which it ignores)."""
     sig = inspect.signature(type(skeleton).forward)
     return frozenset(
         n for n, p in sig.parameters.items() if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
@@ -192,7 +193,7 @@ def _new_train_state(model: PipelineCore) -> TrainStepState:
         buckets.append((model.dims.dp_group, sorted((e for e in local if e.key in whole), key=lambda e: e.key)))
     norm_params = [e.params[0] for e in local if ranks_of[e.key] == mine or layout.owner_stage(e.key) in local_stages]
     return TrainStepState(
-        loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=_forward_arguments(model.skeleton),
+        loss=loss, loss_fn=PipelineLoss(loss, model.config), accepted=forward_arguments(model.skeleton),
         local=local, buckets=buckets, norm_params=norm_params, params=[p for e in local for p in e.params],
         router_aux=router_aux_of(model.skeleton, model.config),
     )

@@ -72,7 +72,7 @@ def _lora():
 
 
 def _logs(trainer) -> list[dict]:
-    return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k and k != "total_flos"}
+    return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
             for e in trainer.state.log_history]
 
 

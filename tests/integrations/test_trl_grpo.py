@@ -128,13 +128,16 @@ def _reference(path: str, out: pathlib.Path, case: str, batch: int) -> dict:
     return _train(trl.GRPOTrainer, model, path, out, case, batch)
 
 
-def _compare(what: str, got: dict, want: dict) -> None:
+def _compare(what: str, got: dict, want: dict, floors: dict[str, float] | None = None) -> None:
+    """Logged values within LOG_RTOL of ``max(|value|, floor)`` (gradient norms NORM_RTOL), parameters within
+    PARAM_ATOL. ``floors``: the floor of the logged names starting with each key (others: 1e-2)."""
     assert len(got["logs"]) == len(want["logs"]) and got["completions"] == want["completions"], what
     for step, (g, w) in enumerate(zip(got["logs"], want["logs"])):
         assert sorted(g) == sorted(w), f"{what} step {step}: logged {sorted(g)} != {sorted(w)}"
         for k, v in w.items():
             if isinstance(v, float):
-                tol = (NORM_RTOL if k == "grad_norm" else LOG_RTOL) * max(abs(v), 1e-2)
+                floor = next((f for prefix, f in (floors or {}).items() if k.startswith(prefix)), 1e-2)
+                tol = (NORM_RTOL if k == "grad_norm" else LOG_RTOL) * max(abs(v), floor)
                 assert abs(g[k] - v) <= tol, f"{what} step {step}: {k} {g[k]} != {v}"
     if what.startswith("greedy"):
         return  # greedy groups hold equal completions: their gradient is round-off, which SGD moves by lr x it

@@ -8,10 +8,12 @@ with one line that says what to change, and the model usable afterwards.
   loss cannot do as TRL does is refused naming the option (``check_dpo``): a loss type that is no per-pair
   function (``aot``), full fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would
   load an unsplit copy on every rank), an unpipelined ``ref_model``, ``use_weighting``.
-* TRL's trainers with a loss of their own other than SFT's, DPO's and GRPO's (KTO, RLOO, reward) are refused
-  (``own_loss_class``), and so is SFTConfig's ``loss_type="dft"``; GRPO's ``use_vllm`` and ``beta`` with full
-  fine-tuning (``check_grpo``). Other Trainer subclasses with their own ``compute_loss`` train
-  (tests/integrations/test_trainer_own_loss.py), GRPO too (tests/integrations/test_trl_grpo.py).
+* TRL's trainers with a loss of their own other than SFT's, DPO's, GRPO's, RLOO's, KTO's and the reward trainer's
+  (distillation) are refused (``own_loss_class``), and so is SFTConfig's ``loss_type="dft"``; GRPO's and RLOO's
+  ``use_vllm`` and ``beta`` with full fine-tuning, KTO's ``ref_model`` and its full fine-tuning without
+  ``precompute_ref_log_probs`` (``check_own_step``). Other Trainer subclasses with their own
+  ``compute_loss`` train (tests/integrations/test_trainer_own_loss.py), GRPO, RLOO, KTO and the reward trainer
+  too (tests/integrations/test_trl_grpo.py, test_trl_rloo.py, test_trl_kto.py, test_trl_reward.py).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def test_what_the_mixin_cannot_train_as_trl_does_is_refused(bundled, tmp_path):
         _one_line(e)
 
     args = transformers.TrainingArguments(str(tmp_path / "own"), report_to=[], use_cpu=True)
-    for trainer_class in (trl.KTOTrainer, trl.RLOOTrainer, trl.RewardTrainer):
+    for trainer_class in (trl.DistillationTrainer,):
         pipelined = type(f"Pipeline{trainer_class.__name__}", (PipelineTrainerMixin, trainer_class), {})
         with pytest.raises(UsageError, match=rf"^Pipeline{trainer_class.__name__} cannot train a pipelined model: "
                            rf"{trainer_class.__name__} is one of TRL's trainers not yet checked through the "
@@ -118,6 +120,30 @@ def test_what_the_mixin_cannot_train_as_trl_does_is_refused(bundled, tmp_path):
         with pytest.raises(UsageError, match=message) as e:
             PipelineGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                 args=grpo_args, train_dataset=prompts, processing_class=tok)
+        _one_line(e)
+
+    class PipelineRLOOTrainer(PipelineTrainerMixin, trl.RLOOTrainer):
+        pass
+
+    with pytest.raises(UsageError, match=r"^beta=0.05 with full fine-tuning is not supported with a pipelined model: "
+                       r"RLOOTrainer would load an unsplit reference copy") as e:  # RLOO's default beta
+        PipelineRLOOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                            args=trl.RLOOConfig(str(tmp_path / "rloo"), **grpo), train_dataset=prompts,
+                            processing_class=tok)
+    _one_line(e)
+
+    class PipelineKTOTrainer(PipelineTrainerMixin, trl.KTOTrainer):
+        pass
+
+    kto_data = datasets.Dataset.from_dict({"prompt": ["Return the"] * 4, "completion": [" value"] * 4,
+                                           "label": [True, False] * 2})
+    for extra, message in (({}, r"^ref_model=None with full fine-tuning is not supported by PipelineTrainerMixin with "
+                                r"KTOTrainer unless precompute_ref_log_probs=True"),
+                           ({"ref_model": model}, r"^ref_model=PipelinedModel is not supported by PipelineTrainerMixin "
+                                                  r"with KTOTrainer")):
+        with pytest.raises(UsageError, match=message) as e:
+            PipelineKTOTrainer(model=model, args=trl.KTOConfig(str(tmp_path / "kto"), report_to=[], use_cpu=True),
+                               train_dataset=kto_data, processing_class=tok, **extra)
         _one_line(e)
 
     class PipelineSFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
