@@ -4,6 +4,7 @@
 a crafted pickle (or just a different library version) runs code or fails obscurely on the
 receivers. :func:`all_gather_json` moves JSON data instead, checked after decoding; the library's
 agreements (:mod:`.agreement`) exchange their error descriptions and digests through it.
+:func:`adopt_random_state` gives every rank one rank's random stream, as bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from ..errors import InternalError
 from .context import RankContext
 
-__all__ = ["all_gather_json"]
+__all__ = ["adopt_random_state", "all_gather_json"]
 
 
 def _exchange_device(ctx: RankContext) -> torch.device:
@@ -88,3 +89,30 @@ def all_gather_json(
             )
         out.append(decoded)
     return out
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def adopt_random_state(ctx: RankContext, device: torch.device, drew: int) -> None:
+    """Collective: every rank takes the random state of ``device``'s default generator from the first rank
+    that ``drew`` the most (ranks that drew nothing pass -1); a no-op on one process.
+
+    A collective operation whose random draws one process would make in one place (pipelined sampling draws on
+    the last stage) leaves every rank's stream where that process's would be: the ranks go on drawing alike
+    (dropout, shuffles, the next call's samples), as their one process would.
+    """
+    if not ctx.is_distributed:
+        return
+    drawn = all_gather_json(ctx, int(drew), check=lambda v: isinstance(v, int))
+    src = max(range(len(drawn)), key=lambda r: (drawn[r], -r))
+    state = _generator_state(device).to(_exchange_device(ctx))
+    dist.broadcast(state, group=ctx.group, group_src=src)
+    state = state.cpu()
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)

@@ -33,7 +33,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from ..compat import generation_helper
 from ..errors import InternalError
 from .request import Request
-from .sampling import row_generators, select_tokens
+from .sampling import row_generators, select_from_noise, select_tokens, step_noise
 
 __all__ = ["TokenChooser"]
 
@@ -72,7 +72,7 @@ class TokenChooser:
             )
             n = hi - lo
             rows = range(req.row_offset + lo, req.row_offset + hi)  # global row indices seed the generators
-            gens = row_generators(req.seed, rows, device) if req.do_sample else []
+            gens = row_generators(req.seed, rows, device) if req.do_sample and not req.stream else []
             self.seqs[i] = _Sequences(
                 ids=req.prompt[lo:hi].clone(), unfinished=torch.ones(n, dtype=torch.bool, device=device),
                 finished_at=torch.full((n,), -1, dtype=torch.long, device=device), processors=processors,
@@ -88,6 +88,9 @@ class TokenChooser:
         self.user_stopping = StoppingCriteriaList(callers)  # whole batch, once per step (see the Note)
         self.checked = -1  # the last step the caller's criteria were called for
         self.batch_scores: list[torch.Tensor] = []  # (B, vocab) per step: what transformers passes them as scores
+        # Sampling from the global stream: the step whose draws ``noise`` holds, and how many steps drew.
+        self.noise: torch.Tensor | None = None
+        self.noise_step, self.draws = -1, 0
 
     def choose(self, i: int, t: int, live: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Step ``t`` of microbatch ``i``: ``logits`` (live rows, vocab) -> ``(n,)`` tokens, pad for finished rows."""
@@ -112,8 +115,13 @@ class TokenChooser:
             st.scores_seen.append(scores)
         if req.config.return_dict_in_generate and req.config.output_logits:
             st.logits_seen.append(raw)
-        gens = [st.generators[j] for j in live.tolist()] if req.do_sample else None
-        chosen = select_tokens(scores if every else scores[live], do_sample=req.do_sample, generators=gens)
+        if req.stream:
+            first = req.row_offset + req.bounds[i][0]  # the microbatch's first row in the whole batch
+            noise = self._noise(t, scores.shape[-1])[first: first + n]
+            chosen = select_from_noise(scores if every else scores[live], noise if every else noise[live])
+        else:
+            gens = [st.generators[j] for j in live.tolist()] if req.do_sample else None
+            chosen = select_tokens(scores if every else scores[live], do_sample=req.do_sample, generators=gens)
         # A finished row still run (records asked for, or stopped by the caller's criteria after the ring
         # fed it on, see the Note) gets pad, as transformers gives it.
         if every:
@@ -130,6 +138,20 @@ class TokenChooser:
         if st.own_steps == 0 and not bool(st.unfinished.any()):
             st.own_steps = t + 1
         return tokens
+
+    def _noise(self, t: int, vocab: int) -> torch.Tensor:
+        """Step ``t``'s draws for the whole batch, drawn at its first choice (every step ``t - 1`` choice and the
+        caller's criteria of ``t - 1`` came before) when some row of this replica still generates, as transformers'
+        loop draws for every row while any generates; ones (every row finished: each gets pad) otherwise."""
+        if t < self.noise_step:
+            raise InternalError(f"step {t} chose a token after step {self.noise_step} began (protocol error)")
+        if t != self.noise_step:
+            self.noise_step = t
+            if self.generated(t):
+                self.noise, self.draws = step_noise(self.req.total_rows, vocab, self.device), self.draws + 1
+            else:
+                self.noise = torch.ones(self.req.total_rows, vocab, device=self.device)
+        return self.noise
 
     def end_step(self, t: int) -> None:
         """Every microbatch has chosen its step-``t`` token (or left the ring): the caller's stopping

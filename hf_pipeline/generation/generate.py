@@ -35,9 +35,12 @@ Note (protocol): the ring's ticks, messages and shapes are described in :mod:`hf
 its parts in :mod:`hf_pipeline.generation.ring`; what a call may not ask for is the table of
 :mod:`hf_pipeline.generation.refusals`, checked as :mod:`hf_pipeline.generation.request` builds the request.
 
-Note (seeded sampling): each row samples from its own generator seeded from ``seed`` and its row
-index (``sampling.row_seed``), so a seed gives the same tokens whatever the number of stages,
-microbatches or replicas; the stream differs from transformers' single global one.
+Note (sampling): without a ``seed``, the last stage draws every step's random numbers for the whole batch from
+torch's global stream as transformers' ``generate`` draws them (``sampling.step_noise``), so sampled tokens are
+transformers' on one process with the same stream, and every rank's stream ends where that process's would
+(``adopt_random_state``). With ``seed``, each row samples from its own generator seeded from ``seed`` and its row
+index (``sampling.row_seed``), so a seed gives the same tokens whatever the number of stages, microbatches or
+replicas, and whatever the global stream.
 
 Note (streamer): ``streamer.put`` / ``.end()`` are called on the last stage's rank (where tokens
 are chosen): first the prompt, then one ``(B,)`` tensor per step once every microbatch has its
@@ -62,6 +65,7 @@ from transformers import GenerationConfig
 
 from ..core import PipelineCore
 from ..distributed.agreement import check_same_on_all_ranks
+from ..distributed.exchange import adopt_random_state
 from ..runtime.checks import check_sequence_length
 from ..runtime.prompt_checks import check_generate_inputs
 from .beam import beam_fill
@@ -152,8 +156,9 @@ def generate(
         n_microbatches: microbatches in flight (default: one per pipeline rank, capped by the batch size,
             whatever the load's ``n_microbatches``); 1 is the naive pipeline without overlap.
         seed: sampling seed; each row samples from its own generator seeded from (seed, row), so the
-            tokens do not depend on the number of stages or microbatches. Default: drawn from torch's
-            global generator (``torch.manual_seed`` on every rank makes it reproducible).
+            tokens do not depend on the number of stages or microbatches. Default (None): sample from torch's
+            global stream as transformers does (``torch.manual_seed`` on every rank makes it reproducible; the
+            tokens are transformers' on one process after the same ``manual_seed``).
         logits_processor / stopping_criteria / tokenizer: as transformers' ``generate``
             (``tokenizer`` is needed for ``stop_strings``).
         return_stats: also return a :class:`GenerationStats`.
@@ -194,6 +199,8 @@ def generate(
     ring.decode_loop()
     drain = time.perf_counter()
     output, ids, lengths = _collect(model, req, ring)
+    if req.stream:  # the last stage drew what one process draws: every rank's stream goes on from there
+        adopt_random_state(model.ctx, model.device, ring.chooser.draws if ring.chooser is not None else -1)
     if not return_stats:
         return output
     end = time.perf_counter()

@@ -105,8 +105,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # ---- sampling and streaming arguments (facts: seed, streamer), checked like transformers checks its own
     Refusal(
         "call", lambda f: _bad_seed(f.seed),
-        "seed must be an int (or None for one drawn from torch's generator), got {f.seed!r} of type "
-        "{f.seed_type}; pass e.g. seed=0",
+        "seed must be an int (or None to sample from torch's global stream as transformers does), got {f.seed!r} of "
+        "type {f.seed_type}; pass e.g. seed=0",
         InputTypeError,
     ),
     Refusal(

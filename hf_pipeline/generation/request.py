@@ -71,12 +71,14 @@ class Request:
     enc_mask: torch.Tensor | None
     bounds: list[tuple[int, int]]  # microbatch row ranges
     row_offset: int  # global index of this replica's first row (seeds)
+    total_rows: int  # rows of the whole batch, every replica's (sampling's draws cover them all)
     max_new: int
     do_sample: bool
     num_beams: int  # > 1: beam search; each microbatch holds whole groups of num_beams rows
     keep_rows: bool  # per-step scores / logits asked for: finished rows stay in the ring (see Ring)
     lock_step: bool  # experts over data-parallel ranks: every replica's ring runs the same ops (see Ring)
     seed: int | None
+    stream: bool  # sampling without a seed: transformers' draws from the global stream (sampling.step_noise)
     pad: int
     streamer: Any
     logits_processor: Any
@@ -123,9 +125,8 @@ def build_request(model: PipelineCore, call: GenerateCall) -> Request:
     )
     prompt_length = tensors["prompt"].shape[1]
     gc = _with_generated_length(model, merged, share.rows, prompt_length)
-    seed = call.seed
-    if gc.do_sample and seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global stream: torch.manual_seed reproduces it
+    # Sampling without a seed draws what transformers draws from the global stream; beam sampling is refused.
+    stream = bool(gc.do_sample) and call.seed is None
     pad = pad_token_tensor(gc)
     pad = int(pad.reshape(-1)[0].item()) if pad is not None else 0  # no pad and no EOS: no row finishes early
     can_finish = gc.eos_token_id is not None or bool(gc.stop_strings) or bool(call.stopping_criteria)
@@ -135,8 +136,9 @@ def build_request(model: PipelineCore, call: GenerateCall) -> Request:
     )
     return Request(
         config=gc, encoder_decoder=encoder_decoder, prefill_chunk=merged.prefill_chunk, **tensors,
-        bounds=share.bounds, row_offset=share.row_offset, max_new=gc.max_length - prompt_length,
-        do_sample=bool(gc.do_sample), seed=seed, pad=pad, streamer=call.streamer, num_beams=int(gc.num_beams or 1),
+        bounds=share.bounds, row_offset=share.row_offset, total_rows=share.total_rows,
+        max_new=gc.max_length - prompt_length, do_sample=bool(gc.do_sample), seed=call.seed, stream=stream, pad=pad,
+        streamer=call.streamer, num_beams=int(gc.num_beams or 1),
         keep_rows=bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits)),
         lock_step=model.dims.ep_data > 1,
         logits_processor=call.logits_processor, stopping_criteria=call.stopping_criteria, tokenizer=call.tokenizer,
@@ -217,6 +219,7 @@ class _Share:
 
     rows: _Rows
     row_offset: int  # global index of the first row (seeds)
+    total_rows: int  # the whole batch's (every replica's) rows
     bounds: list[tuple[int, int]]  # microbatch row ranges
     all_ones: bool  # the whole batch's mask is all ones (dropped, as transformers drops it)
 
@@ -253,7 +256,7 @@ def _replica_share(model: PipelineCore, gc: GenerationConfig, rows: _Rows, n_mic
         units, model.dims.dp_size, model.dims.dp_rank, n_microbatches, same_count=model.dims.ep_data > 1
     )
     return _Share(
-        rows=rows.select(lambda t: t[lo * unit: hi * unit]), row_offset=lo * unit,
+        rows=rows.select(lambda t: t[lo * unit: hi * unit]), row_offset=lo * unit, total_rows=rows.ids.shape[0],
         bounds=[(a * unit, b * unit) for a, b in bounds], all_ones=all_ones,
     )
 

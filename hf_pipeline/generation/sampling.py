@@ -3,18 +3,26 @@
 Everything here is a function of its arguments only, so it is tested alone (``tests/generation/test_sampling.py``)
 and the decode ring in ``ring.py`` stays about communication and caches.
 
-Seeded sampling. transformers samples the whole batch with one ``torch.multinomial`` call on the
-global random stream, so which random numbers a row gets depends on the batch shape. A pipeline
-samples one microbatch at a time, so that stream would change with the number of microbatches
-and stages. Instead each row gets its own ``torch.Generator`` seeded from ``(seed, row index in the
-whole batch)`` (:func:`row_seed`): a row draws the same numbers whatever the microbatching, the
-number of stages or data-parallel replicas, so a seed gives the same tokens at every world size.
-(It is a different stream from transformers' own, so sampled tokens are not expected to equal
-``transformers.generate(do_sample=True)``; greedy tokens are.)
+Sampling as transformers samples (no ``seed`` given). transformers draws every step's tokens with one
+``torch.multinomial(probs, 1)`` over the whole batch on the device's global random stream. For one sample per
+row torch computes that as ``argmax(probs / q)`` with ``q`` one ``(B, vocab)`` block of Exp(1) draws (the
+exponential race: ``aten/src/ATen/native/Distributions.cpp``; checked against ``torch.multinomial`` in
+``tests/generation/test_sampling.py``, so a torch that changes it fails there). The pipeline samples one
+microbatch at a time, but its last stage chooses every microbatch's step ``t`` before any step ``t + 1``: it
+draws step ``t``'s whole block once, at the step's first choice (:func:`step_noise`), and gives each microbatch
+its rows of it (:func:`select_from_noise`), so each row gets the numbers transformers gives it and the stream
+advances by what transformers draws.
+
+Seeded sampling (``generate(..., seed=s)``, the pipeline's own argument). Each row gets its own
+``torch.Generator`` seeded from ``(seed, row index in the whole batch)`` (:func:`row_seed`): a row draws the same
+numbers whatever the microbatching, the number of stages or data-parallel replicas, and whatever the global
+stream, so a seed gives the same tokens at every world size. (It is a different stream from transformers' own.)
 
 Example:
     >>> gens = row_generators(1234, range(0, 4))
     >>> select_tokens(scores, do_sample=True, generators=gens)   # (4,) token ids
+    >>> noise = step_noise(16, scores.shape[-1], scores.device)     # the whole batch's step, global stream
+    >>> select_from_noise(scores, noise[4:8])                       # rows 4..7 as transformers samples them
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ __all__ = [
     "left_padded_position_ids",
     "row_generators",
     "row_seed",
+    "select_from_noise",
     "select_tokens",
+    "step_noise",
 ]
 
 # Odd 64-bit constants of splitmix64: consecutive rows get unrelated seeds, not seed, seed+1, ...
@@ -95,3 +105,22 @@ def select_tokens(
     for j, gen in enumerate(generators):
         out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
     return out
+
+
+def step_noise(rows: int, vocab: int, device: str | torch.device) -> torch.Tensor:
+    """One sampling step's ``(rows, vocab)`` float32 block of Exp(1) draws from the device's global random stream:
+    what ``torch.multinomial`` of a ``(rows, vocab)`` float32 ``probs`` draws for one sample per row."""
+    return torch.empty(rows, vocab, dtype=torch.float32, device=device).exponential_(1)
+
+
+def select_from_noise(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The token ``torch.multinomial(softmax(scores), 1)`` picks for each row given its draws ``noise``.
+
+    Args:
+        scores: ``(N, V)`` processed logits (after temperature / top-k / top-p ...).
+        noise: ``(N, V)`` the rows' part of :func:`step_noise`.
+    Returns:
+        ``(N,)`` long token ids.
+    """
+    probs = torch.softmax(scores.float(), dim=-1)  # as transformers' generate: softmax of float32 scores
+    return (probs / noise).argmax(dim=-1)

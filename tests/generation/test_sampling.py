@@ -12,7 +12,9 @@ from hf_pipeline.generation.sampling import (
     left_padded_position_ids,
     row_generators,
     row_seed,
+    select_from_noise,
     select_tokens,
+    step_noise,
 )
 
 
@@ -100,3 +102,19 @@ def test_sampling_respects_transformers_top_k():
 def test_sampling_needs_one_generator_per_row():
     with pytest.raises(ValueError, match="one generator per row"):
         select_tokens(torch.randn(3, 4), do_sample=True, generators=row_generators(0, range(2)))
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 10), (6, 96), (16, 8192), (3, 50257)])
+def test_a_step_of_noise_samples_what_torch_multinomial_samples(rows, vocab):
+    # transformers samples with torch.multinomial(probs, 1) on the global stream; the pipeline's last stage draws
+    # that step's block once (step_noise) and picks each microbatch's rows from it (select_from_noise). Equal tokens
+    # and an equal stream afterwards, whole or in row groups: a torch that samples otherwise fails here.
+    scores = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)) * 3
+    scores[0, : vocab // 2] = float("-inf")  # a warper's masked tokens
+    torch.manual_seed(7)
+    want = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    noise = step_noise(rows, vocab, "cpu")
+    parts = [select_from_noise(scores[lo:hi], noise[lo:hi]) for lo, hi in [(0, rows // 2), (rows // 2, rows)]]
+    assert torch.equal(torch.cat(parts), want) and torch.equal(torch.rand(3), after)

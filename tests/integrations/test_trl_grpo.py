@@ -14,8 +14,8 @@ one-process sampler and the pipeline's per-row sampling streams draw differently
 forward), ``dr_grpo`` with ``steps_per_generation=4``, a LoRA adapter with ``beta=0.5`` (the reference is the model
 with its adapter disabled), all at pp=2; the default at pp=2 x dp=2 (one process with both replicas' rows) and
 pp=2 x tp=2. Greedy completions from the pipelined ``generate`` (no rollout) give the first step's logs of one
-process, the same completions included; sampled ones (GRPO's defaults) are the same on every rank, with one
-process's logged names.
+process, the same completions included; sampled ones (GRPO's defaults: ``generate`` draws what transformers draws
+from the global stream, every rank seeded as one process) give one process's completions, logs and parameters.
 
 Tolerances: SGD, so parameters move by lr x gradient (no Adam normalisation of round-off); TRL's fused head sums
 its log-probabilities in tiles, ~1e-6 relative apart from a plain log-softmax; logged values within 1e-4 relative
@@ -47,7 +47,7 @@ CASES = {
     "dr_grpo": {"loss_type": "dr_grpo", "steps_per_generation": 4},
     "lora": {"beta": 0.5},
     "greedy": {"max_steps": 1, "generation_kwargs": {"do_sample": False}},
-    "sampled": {"max_steps": 2},  # GRPO's own sampling settings: every rank the same, not one process's draws
+    "sampled": {"max_steps": 2},  # GRPO's own sampling settings: one process's draws from the global stream
 }
 _TIMES = ("runtime", "per_second", "time")
 
@@ -166,13 +166,9 @@ def test_grpo_at_pp2_equals_trl_on_one_process(checkpoint, tmp_path):
     per_rank = run_distributed(_rank, 2, checkpoint, str(tmp_path / "pipelined"), cases, None, timeout=900)
     for case in cases:
         want = _reference(checkpoint, tmp_path / "reference", case, 4)
+        if case == "sampled":  # distinct samples in a group: advantages and the gradient are not zero
+            assert len(set(want["completions"])) > len(want["completions"]) // 2, want["completions"]
         for r, result in enumerate(per_rank):
-            if case == "sampled":  # the same samples and step on every rank; one process's logged names
-                got, first = result[case], per_rank[0][case]
-                assert got["completions"] == first["completions"] and len(set(got["completions"])) > 1
-                assert got["logs"] == first["logs"] and [sorted(e) for e in got["logs"]] == [
-                    sorted(e) for e in want["logs"]], f"sampled rank {r}"
-                continue
             _compare(f"{case} rank {r}", result[case], want)
 
 

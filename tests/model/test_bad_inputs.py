@@ -486,7 +486,8 @@ CALL_CASES = {
         r"got shape \(2, 9, 7\)"),
     "generate: seed=nan": (
         lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, seed=float("nan")), ("TypeError",),
-        r"seed must be an int \(or None for one drawn from torch's generator\), got nan of type float"),
+        r"seed must be an int \(or None to sample from torch's global stream as transformers does\), got nan of "
+        r"type float"),
     "generate: seed='abc'": (
         lambda _: _m().generate(**_ids(2, 5), max_new_tokens=2, do_sample=True, seed="abc"), ("TypeError",),
         r"seed must be an int .*got 'abc' of type str"),
