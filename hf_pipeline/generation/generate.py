@@ -181,19 +181,7 @@ def generate(
         n_microbatches=n_microbatches, seed=seed, streamer=streamer, logits_processor=logits_processor,
         stopping_criteria=stopping_criteria, tokenizer=tokenizer,
     )
-    if model.check_inputs:
-        # One small digest of every argument (the generation config too) before anything else: the
-        # checks below then raise the same error on every rank, and no rank starts a different ring.
-        check_same_on_all_ranks(model.ctx, "generate inputs", _agreed_arguments(call), describe=model.rank_label)
-    check_generate_inputs(input_ids)
-    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and model.config.is_encoder_decoder:
-        check_sequence_length(model.config, input_ids.shape[1], what="the encoder input")  # BART: learned
-    elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
-        # The max_new_tokens keyword, as given (its message names the keyword); the effective length,
-        # however it is set, is checked again once the GenerationConfig is merged (request.py).
-        new = kwargs.get("max_new_tokens")
-        new = new if isinstance(new, int) and not isinstance(new, bool) else 0
-        check_sequence_length(model.config, input_ids.shape[1], what="the prompt", new_tokens=new)
+    _check_call(model, call)
     req = build_request(model, call)
     ring = Ring(model, req)
     ring.decode_loop()
@@ -212,6 +200,24 @@ def generate(
         prefill_steps=len(ring.timetable.chunks), time_split=split,
     )
     return output, stats
+
+
+def _check_call(model: PipelineCore, call: GenerateCall) -> None:
+    """The checks before the request is built, raised alike on every rank."""
+    if model.check_inputs:
+        # One small digest of every argument (the generation config too) before anything else: the
+        # checks below then raise the same error on every rank, and no rank starts a different ring.
+        check_same_on_all_ranks(model.ctx, "generate inputs", _agreed_arguments(call), describe=model.rank_label)
+    input_ids = call.input_ids
+    check_generate_inputs(input_ids)
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and model.config.is_encoder_decoder:
+        check_sequence_length(model.config, input_ids.shape[1], what="the encoder input")  # BART: learned
+    elif isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+        # The max_new_tokens keyword, as given (its message names the keyword); the effective length,
+        # however it is set, is checked again once the GenerationConfig is merged (request.py).
+        new = call.kwargs.get("max_new_tokens")
+        new = new if isinstance(new, int) and not isinstance(new, bool) else 0
+        check_sequence_length(model.config, input_ids.shape[1], what="the prompt", new_tokens=new)
 
 
 def _collect(model: PipelineCore, req, ring: Ring) -> tuple[Any, torch.Tensor, torch.Tensor]:
