@@ -17,10 +17,11 @@ Lives here (flat modules, named by the library they serve):
   step is ``model.train_step`` (or, for a loss of the Trainer's own, its step through the differentiable
   pipelined forward), whose clipping is ``model.clip_grad_norm_`` and whose checkpoints are written by every rank.
 * :mod:`.trainer_refusals`: the arguments it cannot honour, refused at construction on every rank.
-* :mod:`.one_process`: a Trainer's own step (its ``compute_loss``: TRL's GRPO, a user's) with accelerate's state
-  saying one process, and the batches TRL's configs sized by accelerate's process count.
+* :mod:`.one_process`: a Trainer's own step (its ``compute_loss``: TRL's GRPO, RLOO, KTO, reward, a user's) with
+  accelerate's state saying one process, and the batches TRL's configs sized by accelerate's process count.
 * :mod:`.trainer_dpo`: TRL's DPO loss computed through the pipeline.
 * :mod:`.trainer_data`: data loaders giving every rank the same global batch, and a step's item count.
+* :mod:`.padding_free`: a padding-free batch (TRL's packing) as the rows a pipelined step splits.
 * :mod:`.trainer_checkpoints`: Trainer checkpoints in the package's data-only format, resuming, and
   rotating away only the checkpoints the Trainer wrote (each marked).
 * :mod:`.trainer_adapter_checkpoints`: the same for a PEFT model wrapping a pipelined one.

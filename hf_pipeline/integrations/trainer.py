@@ -58,8 +58,10 @@ from ..checkpointing.training_state import load_training_state
 from ..distributed.agreement import collective_errors
 from ..errors import UsageError
 from ..families.losses import get_loss
+from ..training.differentiable import padded_rows
 from ..training.fused_head import take_over
 from .one_process import one_process, one_process_batches
+from .padding_free import is_padding_free, unflatten
 from .trainer_adapter_checkpoints import load_adapter_training_state, reload_adapter, save_adapter_checkpoint
 from .trainer_checkpoints import (
     keep_only_checkpoint,
@@ -260,7 +262,7 @@ class PipelineTrainerMixin:
         model.train()
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
+        inputs = self._padding_free_rows(self._prepare_inputs(inputs), training=True)
         scale = self.loss_scale(inputs, num_items_in_batch)
         if scale == 0:  # no real item in this batch: no gradient, as transformers' summed loss of nothing
             return torch.zeros((), device=self.args.device)
@@ -281,9 +283,17 @@ class PipelineTrainerMixin:
         if self.dpo is not None:
             loss, logits = self.dpo.eval_loss(self, model, inputs)
             return (loss, CausalLMOutput(loss=loss, logits=logits)) if return_outputs else loss
-        outputs = model(**inputs)
+        outputs = model(**self._padding_free_rows(inputs, training=False))
         loss = outputs["loss"]
         return (loss, outputs) if return_outputs else loss
+
+    def _padding_free_rows(self, inputs: dict[str, Any], training: bool) -> dict[str, Any]:
+        """A padding-free batch (TRL's packing) as rows the pipeline splits (:mod:`.padding_free`); else as given."""
+        if not is_padding_free(inputs):
+            return inputs
+        pad = getattr(self.pipelined.config, "pad_token_id", None)
+        rows = (lambda n, longest: padded_rows(self.pipelined, n, longest)) if training else (lambda n, longest: n)
+        return unflatten(inputs, pad_token_id=pad if isinstance(pad, int) else 0, rows_for=rows)
 
     # DPOTrainer's reference log-probabilities (precompute_ref_log_probs): the pipelined reference on every rank.
     def compute_ref_log_probs(self, model: nn.Module, inputs: dict[str, Any]):

@@ -22,7 +22,7 @@ over the pairs. Here:
 
 Refused at construction (:func:`check_dpo`), naming the option: loss types that are no per-pair function
 (``aot``, ``aot_unpaired`` sort over the batch; ``sft`` is a token mean over the batch), ``f_divergence_type``
-other than ``reverse_kl``, ``use_weighting``, ``ld_alpha``, ``sync_ref_model``, an MoE auxiliary loss, an
+other than ``reverse_kl``, ``use_weighting``, ``padding_free``, ``ld_alpha``, ``sync_ref_model``, an MoE auxiliary loss, an
 unpipelined ``ref_model``, ``peft_config=`` (wrap the model with ``get_peft_model`` first) and full
 fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would load an unsplit copy of
 the model on every rank).
@@ -254,6 +254,9 @@ def check_dpo(args, given: dict[str, Any], adapter: bool, rows: Callable[[int], 
         (args.f_divergence_type != "reverse_kl", f"f_divergence_type={args.f_divergence_type!r}",
          "pass f_divergence_type='reverse_kl'"),
         (args.use_weighting, "use_weighting=True", "pass use_weighting=False"),
+        (getattr(args, "padding_free", False), "padding_free=True",
+         "pass padding_free=False (the pipeline's DPO step reorders whole rows of pairs, which a padding-free batch's "
+         "one row has not)"),
         (args.ld_alpha is not None, f"ld_alpha={args.ld_alpha}", "pass ld_alpha=None"),
         (args.sync_ref_model, "sync_ref_model=True", "pass sync_ref_model=False"),
         (bool(args.router_aux_loss_coef), f"router_aux_loss_coef={args.router_aux_loss_coef}",

@@ -44,7 +44,7 @@ from ..runtime.cache import pad_batch
 from ..runtime.checks import check_microbatches
 from .step import forward_arguments
 
-__all__ = ["differentiable_outputs"]
+__all__ = ["differentiable_outputs", "padded_rows"]
 
 # Forward arguments that change what comes back, not what is computed: the step takes none of them.
 _OUTPUT_ONLY = ("use_cache", "return_dict", "logits_to_keep")
@@ -101,7 +101,7 @@ def _dropout(model: nn.Module) -> str | None:
     return None
 
 
-def _padded_rows(model: PipelineCore, rows: int, length: int) -> int:
+def padded_rows(model: PipelineCore, rows: int, length: int) -> int:
     """The fewest rows, at least ``rows``, that a training step of ``length`` tokens splits into its microbatches."""
     dp = model.dims.dp_size
     total = math.ceil(rows / dp) * dp
@@ -139,7 +139,7 @@ class _Call:
             grads = [g if g is None else torch.cat([g.new_zeros(g.shape[0], length - g.shape[1], *g.shape[2:]), g], 1)
                      for g in grads]
         rows = self.count
-        total = _padded_rows(model, rows, length)
+        total = padded_rows(model, rows, length)
         batch = pad_batch(inputs, rows, total) if total > rows else dict(inputs)
         if total > rows:  # the padded rows are copies of the last one: pointed at a zero gradient
             grads = [g if g is None else torch.cat([g, g.new_zeros(1, *g.shape[1:])]) for g in grads]

@@ -7,11 +7,11 @@ stage, a step's block at a time (``sampling.step_noise``), and leaves every rank
 Checked against transformers on one process after the same ``manual_seed``: two calls in a row (the second starts
 from the stream the first left, on every rank), each a batch with left padding whose rows end at different steps
 (several EOS ids drawn at a high temperature; top-k, top-p and a repetition penalty), and ``num_return_sequences``
-copies; then the stream itself (a draw after the calls is one process's). Layouts: pp=2 with 1 and 3
-microbatches, 2 stages per rank (V layout) with chunked prefill, pp=3, pp=2 x dp=2 (each replica draws the whole
-batch's block and keeps its rows), pp=2 x tp=2, and a Mixtral's replicas in lock step (experts over them). A stream off by one row, one step, a step drawn for no row or a
-rank left on its own stream changes tokens at once (the calls' rows are sampled at temperature 1.5 over a vocabulary
-of 96).
+copies; then the stream itself (a draw after the calls is one process's). Layouts: pp=2 with 1 and 3 microbatches, 2
+stages per rank (V layout) with chunked prefill, pp=3, pp=2 x dp=2 (each replica draws the whole batch's block and
+keeps its rows), pp=2 x tp=2, and a Mixtral's replicas in lock step (experts over them). A stream off by one row,
+one step, a step drawn for no row or a rank left on its own stream changes tokens at once (the calls' rows are
+sampled at temperature 1.5 over a vocabulary of 96).
 """
 
 from __future__ import annotations

@@ -75,3 +75,60 @@ def test_sft_trainer_through_the_mixin_equals_sft_trainer(tmp_path):
             for key, value in expected.items():
                 assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), f"rank {rank} {key}"
         _assert_params_equal(params, model.state_dict(), f"rank {rank}")
+
+
+def _packed_config(out: str, batch: int):
+    from trl import SFTConfig
+
+    # packing (best-fit decreasing): TRL's collator then puts each batch's sequences end to end in one row
+    return SFTConfig(
+        out, per_device_train_batch_size=batch, gradient_accumulation_steps=2, learning_rate=1e-2, max_grad_norm=0.5,
+        logging_steps=1, max_steps=3, seed=7, report_to=[], use_cpu=True, disable_tqdm=True, max_length=32,
+        save_strategy="no", gradient_checkpointing=False, activation_checkpointing=False, bf16=False, packing=True,
+    )
+
+
+def _packed_rank(path: str, directory: str, num_stages: int):
+    from trl import SFTTrainer
+
+    import hf_pipeline
+    from hf_pipeline.integrations.trainer import PipelineTrainerMixin
+
+    class PipelineSFTTrainer(PipelineTrainerMixin, SFTTrainer):
+        pass
+
+    data, tokenizer = _data(directory)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2,
+                                                             num_stages=num_stages)
+    out = os.path.join(directory, f"packed{os.environ['RANK']}")
+    trainer = PipelineSFTTrainer(model=model, args=_packed_config(out, 2), train_dataset=data,
+                                 processing_class=tokenizer)
+    trainer.train()
+    return _logs(trainer), {n: p.detach().clone() for n, p in model.checkpoint_named_parameters()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_sft_trainer_with_packing_equals_sft_trainer(tmp_path, world):
+    """TRL's padding-free batches (one row of sequences end to end) train as the same sequences in rows: one
+    process's logged losses, gradient norms and parameters (integrations/padding_free.py), at pp=2 and pp=2 x dp=2
+    (against one process with both replicas' rows). A batch run as one sequence (attention across the boundaries)
+    or with the boundary labels scored moves the loss by ~1e-1."""
+    from trl import SFTTrainer
+
+    from hf_pipeline.integrations.padding_free import is_padding_free
+
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
+    data, tokenizer = _data(str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = SFTTrainer(model=model, args=_packed_config(str(tmp_path / "ref"), 2 * (world // 2)), train_dataset=data,
+                     processing_class=tokenizer)
+    assert is_padding_free(next(iter(ref.get_train_dataloader()))), "packing should make the batches padding-free"
+    ref.train()
+    want = _logs(ref)
+    for rank, (logs, params) in enumerate(run_distributed(_packed_rank, world, path, str(tmp_path), 2)):
+        assert len(logs) == len(want)
+        for got, expected in zip(logs, want):
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), f"{world} ranks, rank {rank} {key}"
+        _assert_params_equal(params, model.state_dict(), f"{world} ranks, rank {rank}")

@@ -91,6 +91,7 @@ def test_what_the_mixin_cannot_train_as_trl_does_is_refused(bundled, tmp_path):
         ({}, {"ref_model": torch.nn.Linear(1, 1)}, r"^ref_model=Linear is not supported .*from_pretrained\(path, "
          r"pipeline=True\)"),
         ({"use_weighting": True, "precompute_ref_log_probs": True}, {}, r"^use_weighting=True is not supported"),
+        ({"padding_free": True, "precompute_ref_log_probs": True}, {}, r"^padding_free=True is not supported"),
     ]
     for overrides, extra, message in refused:
         dpo_args, dpo_data = _dpo(tmp_path, **overrides)
