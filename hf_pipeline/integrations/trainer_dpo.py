@@ -22,8 +22,8 @@ over the pairs. Here:
 
 Refused at construction (:func:`check_dpo`), naming the option: loss types that are no per-pair function
 (``aot``, ``aot_unpaired`` sort over the batch; ``sft`` is a token mean over the batch), ``f_divergence_type``
-other than ``reverse_kl``, ``use_weighting``, ``padding_free``, ``ld_alpha``, ``sync_ref_model``, an MoE auxiliary loss, an
-unpipelined ``ref_model``, ``peft_config=`` (wrap the model with ``get_peft_model`` first) and full
+other than ``reverse_kl``, ``use_weighting``, ``padding_free``, ``ld_alpha``, ``sync_ref_model``, an MoE auxiliary
+loss, an unpipelined ``ref_model``, ``peft_config=`` (wrap the model with ``get_peft_model`` first) and full
 fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would load an unsplit copy of
 the model on every rank).
 """
