@@ -172,11 +172,19 @@ def test_grpo_at_pp2_equals_trl_on_one_process(checkpoint, tmp_path):
             _compare(f"{case} rank {r}", result[case], want)
 
 
-def test_grpo_at_pp2_x_dp2_equals_trl_on_one_process_with_both_replicas_rows(checkpoint, tmp_path):
-    per_rank = run_distributed(_rank, 4, checkpoint, str(tmp_path / "pipelined"), ["dapo"], 2, timeout=900)
-    want = _reference(checkpoint, tmp_path / "reference", "dapo", 8)
+def replicas_equal_one_process(rank_fn, reference_fn, checkpoint: str, tmp_path, case: str) -> None:
+    """``case`` at pp=2 x dp=2 (4 ranks, 4 rows a replica) against one process with both replicas' 8 rows.
+
+    ``rank_fn(path, out, cases, num_stages)`` trains on each rank, ``reference_fn(path, out, case, batch)`` on one
+    process; each returns what :func:`_compare` reads."""
+    per_rank = run_distributed(rank_fn, 4, checkpoint, str(tmp_path / "pipelined"), [case], 2, timeout=900)
+    want = reference_fn(checkpoint, tmp_path / "reference", case, 8)
     for r, result in enumerate(per_rank):
-        _compare(f"dapo rank {r} of 4", result["dapo"], want)
+        _compare(f"{case} rank {r} of 4", result[case], want)
+
+
+def test_grpo_at_pp2_x_dp2_equals_trl_on_one_process_with_both_replicas_rows(checkpoint, tmp_path):
+    replicas_equal_one_process(_rank, _reference, checkpoint, tmp_path, "dapo")
 
 
 def test_grpo_at_pp2_x_tp2_equals_trl_on_one_process(checkpoint, tmp_path):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 from harness import run_distributed
-from test_trl_grpo import _compare, _params, _tokenizer
+from test_trl_grpo import _compare, _params, _tokenizer, replicas_equal_one_process
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -112,7 +112,4 @@ def test_reward_trainer_at_pp2_equals_trl_on_one_process(checkpoint, tmp_path):
 
 
 def test_reward_trainer_at_pp2_x_dp2_equals_trl_on_one_process_with_both_replicas_rows(checkpoint, tmp_path):
-    per_rank = run_distributed(_rank, 4, checkpoint, str(tmp_path / "pipelined"), ["default"], 2, timeout=900)
-    want = _reference(checkpoint, tmp_path / "reference", "default", 8)
-    for r, result in enumerate(per_rank):
-        _compare(f"default rank {r} of 4", result["default"], want)
+    replicas_equal_one_process(_rank, _reference, checkpoint, tmp_path, "default")

@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 from harness import run_distributed
-from test_trl_grpo import LORA, _compare, _dataset, _params, _tokenizer, checkpoint, reward
+from test_trl_grpo import LORA, _compare, _dataset, _params, _tokenizer, checkpoint, replicas_equal_one_process, reward
 
 trl = pytest.importorskip("trl")
 
@@ -91,7 +91,4 @@ def test_rloo_at_pp2_equals_trl_on_one_process(checkpoint, tmp_path):
 
 
 def test_rloo_at_pp2_x_dp2_equals_trl_on_one_process_with_both_replicas_rows(checkpoint, tmp_path):
-    per_rank = run_distributed(_rank, 4, checkpoint, str(tmp_path / "pipelined"), ["rloo"], 2, timeout=900)
-    want = _reference(checkpoint, tmp_path / "reference", "rloo", 8)
-    for r, result in enumerate(per_rank):
-        _compare(f"rloo rank {r} of 4", result["rloo"], want)
+    replicas_equal_one_process(_rank, _reference, checkpoint, tmp_path, "rloo")
