@@ -122,7 +122,8 @@ class PipelineTrainerMixin:
         self.pipelined = pipelined_model_of(model)
         # A PEFT model wrapping the pipelined one: its checkpoints are the adapter and the training state.
         self.adapter_model = model if model is not self.pipelined else None
-        adapter, dpo = self.adapter_model is not None, is_dpo(type(self))
+        # TRL's peft_config= wraps the model in its own constructor: a PEFT model from then on.
+        adapter, dpo = self.adapter_model is not None or given.get("peft_config") is not None, is_dpo(type(self))
         extra = {"compute_loss_func": given.get("compute_loss_func"), "adapter": adapter, "dpo": dpo}
         # Agreed: a refusal, a bad output_dir or a failure of the Trainer's own set-up (rank 0 creates output_dir)
         # on one rank raises on every rank, instead of one rank raising while the others train on.
@@ -144,6 +145,8 @@ class PipelineTrainerMixin:
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
         with collective_errors(ctx, "setting up the Trainer", describe=describe), building_pipeline_trainer():
             super().__init__(model=model, args=args, **given)
+        if self.model is not self.pipelined:  # a PEFT model TRL made from peft_config=, or the one given
+            self.adapter_model = self.model
         # Every rank holds the whole batch and counts its items itself (_get_num_items_in_batch): nothing to average
         # across devices, which transformers' compute_loss would do by multiplying by accelerate's process count.
         self.args.average_tokens_across_devices = False

@@ -132,3 +132,65 @@ def test_sft_trainer_with_packing_equals_sft_trainer(tmp_path, world):
             for key, value in expected.items():
                 assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), f"{world} ranks, rank {rank} {key}"
         _assert_params_equal(params, model.state_dict(), f"{world} ranks, rank {rank}")
+
+
+def _peft_config(out: str):
+    from trl import SFTConfig
+
+    return SFTConfig(
+        out, per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, max_steps=3,
+        seed=7, report_to=[], use_cpu=True, disable_tqdm=True, max_length=16, save_strategy="steps", save_steps=3,
+        gradient_checkpointing=False, activation_checkpointing=False, bf16=False,
+    )
+
+
+def _lora():
+    import peft
+
+    return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+
+
+def _peft_config_rank(path: str, directory: str):
+    from trl import SFTTrainer
+
+    import hf_pipeline
+    from hf_pipeline.integrations.trainer import PipelineTrainerMixin
+
+    class PipelineSFTTrainer(PipelineTrainerMixin, SFTTrainer):
+        pass
+
+    data, tokenizer = _data(directory)
+    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, n_microbatches=2)
+    torch.manual_seed(5)  # LoRA's initial values: one process's draws, on every rank (peft_inject.py)
+    trainer = PipelineSFTTrainer(model=model, args=_peft_config(os.path.join(directory, "pipelined")),
+                                 train_dataset=data, processing_class=tokenizer, peft_config=_lora())
+    trainer.train()
+    return _logs(trainer)
+
+
+@pytest.mark.dist
+def test_sft_trainer_with_its_peft_config_trains_and_saves_the_adapter_as_sft_trainer(tmp_path):
+    """``peft_config=`` wraps the pipelined model inside TRL's constructor: the mixin then treats it as the PEFT
+    model it is (its checkpoints are the adapter, in peft's format), equal to SFTTrainer on one process: the logged
+    losses and the saved adapter's tensors. Before, the checkpoint was the whole model's and failed."""
+    from safetensors.torch import load_file
+    from trl import SFTTrainer
+
+    path = str(tiny.make_checkpoint(tmp_path / "llama", "llama"))
+    data, tokenizer = _data(str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(5)
+    ref = SFTTrainer(model=model, args=_peft_config(str(tmp_path / "ref")), train_dataset=data,
+                     processing_class=tokenizer, peft_config=_lora())
+    ref.train()
+    want = _logs(ref)
+    for rank, logs in enumerate(run_distributed(_peft_config_rank, 2, path, str(tmp_path))):
+        assert len(logs) == len(want)
+        for got, expected in zip(logs, want):
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=TOL, abs=TOL), f"rank {rank} {key}"
+    saved, ref_saved = (load_file(tmp_path / d / "checkpoint-3" / "adapter_model.safetensors")
+                        for d in ("pipelined", "ref"))
+    assert sorted(saved) == sorted(ref_saved) and len(saved) == 16
+    for name, tensor in ref_saved.items():
+        assert torch.allclose(saved[name], tensor, rtol=0, atol=1e-6), name
