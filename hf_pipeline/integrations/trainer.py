@@ -145,8 +145,7 @@ class PipelineTrainerMixin:
         self.pipeline_loss = get_loss(self.pipelined.resolved.head.loss, class_name=self.pipelined.resolved.class_name)
         with collective_errors(ctx, "setting up the Trainer", describe=describe), building_pipeline_trainer():
             super().__init__(model=model, args=args, **given)
-        if self.model is not self.pipelined:  # a PEFT model TRL made from peft_config=, or the one given
-            self.adapter_model = self.model
+        self._find_adapter()
         # Every rank holds the whole batch and counts its items itself (_get_num_items_in_batch): nothing to average
         # across devices, which transformers' compute_loss would do by multiplying by accelerate's process count.
         self.args.average_tokens_across_devices = False
@@ -309,7 +308,13 @@ class PipelineTrainerMixin:
         head = take_over(self.pipelined, getattr(self, "temperature", 1.0))
         self.pipelined.fused_head = head or self.pipelined.fused_head
 
+    def _find_adapter(self) -> None:
+        # A PEFT model TRL made from peft_config= in its constructor (or the one given) is the model the Trainer trains.
+        if getattr(self, "model", None) is not None and self.model is not self.pipelined:
+            self.adapter_model = self.model
+
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        self._find_adapter()  # inside TRL's constructor, after it applied peft_config=: the reference is adapter-off
         if self.dpo is not None:
             return self.dpo.precompute(self, dataset, name, batch_size)
         if not self.own_loss:

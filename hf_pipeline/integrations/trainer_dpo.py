@@ -23,7 +23,7 @@ over the pairs. Here:
 Refused at construction (:func:`check_dpo`), naming the option: loss types that are no per-pair function
 (``aot``, ``aot_unpaired`` sort over the batch; ``sft`` is a token mean over the batch), ``f_divergence_type``
 other than ``reverse_kl``, ``use_weighting``, ``padding_free``, ``ld_alpha``, ``sync_ref_model``, an MoE auxiliary
-loss, an unpipelined ``ref_model``, ``peft_config=`` (wrap the model with ``get_peft_model`` first) and full
+loss, an unpipelined ``ref_model`` and full
 fine-tuning with neither ``ref_model`` nor ``precompute_ref_log_probs`` (TRL would load an unsplit copy of
 the model on every rank).
 """
@@ -261,8 +261,6 @@ def check_dpo(args, given: dict[str, Any], adapter: bool, rows: Callable[[int], 
         (args.sync_ref_model, "sync_ref_model=True", "pass sync_ref_model=False"),
         (bool(args.router_aux_loss_coef), f"router_aux_loss_coef={args.router_aux_loss_coef}",
          "pass router_aux_loss_coef=0 (a mixture of experts' auxiliary loss is not computed)"),
-        (given.get("peft_config") is not None, "peft_config=",
-         "wrap the pipelined model with peft.get_peft_model(model, config) first and pass that"),
         (ref_model is not None and not is_pipelined_model(ref_model), f"ref_model={type(ref_model).__name__}",
          "load the reference with from_pretrained(path, pipeline=True) too"),
         (ref_model is None and not adapter and not args.precompute_ref_log_probs, "ref_model=None",

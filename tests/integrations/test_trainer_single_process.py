@@ -154,7 +154,7 @@ def test_the_trainer_methods_overridden_exist_in_transformers_with_the_same_argu
     defined = {n for n in vars(PipelineTrainerMixin) if n.startswith("_") and not n.startswith("__")}
     listed = set(TRAINER_OVERRIDES) | set(TRL_DPO_OVERRIDES)
     assert defined - {"_gather_nothing", "_store_callback_states", "_reload_model", "_take_over_fused_head",
-                       "_padding_free_rows"} == listed
+                       "_padding_free_rows", "_find_adapter"} == listed
 
 
 @pytest.mark.equiv

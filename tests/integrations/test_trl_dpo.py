@@ -1,6 +1,6 @@
 """TRL's DPOTrainer on a pipelined model through PipelineTrainerMixin, against DPOTrainer on one process.
 
-One spawned 2-rank job (2 stages, 2 microbatches of whole pairs) trains three set-ups, each also trained by
+One spawned 2-rank job (2 stages, 2 microbatches of whole pairs) trains four set-ups, each also trained by
 ``trl.DPOTrainer`` on one process in this process:
 
 * ``ref``: full fine-tuning, the reference a second pipelined model (another seed, so rewards are not zero
@@ -8,6 +8,7 @@ One spawned 2-rank job (2 stages, 2 microbatches of whole pairs) trains three se
 * ``precompute``: ``precompute_ref_log_probs=True`` from that reference (TRL's columns, made by the pipelined
   reference on every rank); ``loss_type="ipo"`` (length-normalised).
 * ``peft``: a LoRA adapter, no ``ref_model``: TRL's frozen copy of the adapter as the reference.
+* ``peft_config``: the same adapter made by ``DPOTrainer`` itself from its ``peft_config=`` argument.
 
 Compared at every logged step: the loss, the gradient norm, the learning rate and every metric TRL logs
 (``rewards/*``, ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``, ``num_tokens``); after 2
@@ -44,6 +45,7 @@ CASES = {
     "ref": dict(loss_type="sigmoid"),
     "precompute": dict(loss_type="ipo", precompute_ref_log_probs=True),
     "peft": dict(loss_type="sigmoid"),
+    "peft_config": dict(loss_type="sigmoid"),  # the adapter made by DPOTrainer itself from peft_config=
 }
 
 
@@ -105,33 +107,39 @@ def _dpo_rank(path: str, ref_path: str, directory: str, load: dict | None = None
     for case in CASES:
         model = AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **load)
         results["dims"] = (model.dims.dp_size, model.dims.pp_size)
-        ref = None
+        ref, extra = None, {}
         if case == "peft":
             torch.manual_seed(0)
             model = peft.get_peft_model(model, _lora())
+        elif case == "peft_config":
+            torch.manual_seed(0)
+            extra["peft_config"] = _lora()
         else:
             ref = AutoModelForCausalLM.from_pretrained(ref_path, pipeline=True, progress=False, **load)
         out = os.path.join(directory, f"{case}-rank{os.environ['RANK']}")
         trainer = PipelineDPOTrainer(model=model, ref_model=ref, args=_config(out, case, pairs), train_dataset=data,
-                                     processing_class=tokenizer)
+                                     processing_class=tokenizer, **extra)
         trainer.train()
-        results[case] = {"logs": _logs(trainer), "params": _trained(model), "eval": _eval(trainer, case, data)}
+        results[case] = {"logs": _logs(trainer), "params": _trained(trainer.model), "eval": _eval(trainer, case, data)}
     return results
 
 
 def _reference(path: str, ref_path: str, directory: str, case: str) -> dict:
     data, tokenizer = _data(directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ref = None
+    ref, extra = None, {}
     if case == "peft":
         torch.manual_seed(0)
         model = peft.get_peft_model(model, _lora())
+    elif case == "peft_config":
+        torch.manual_seed(0)
+        extra["peft_config"] = _lora()
     else:
         ref = transformers.AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32)
     trainer = trl.DPOTrainer(model=model, ref_model=ref, args=_config(os.path.join(directory, f"trl-{case}"), case),
-                             train_dataset=data, processing_class=tokenizer)
+                             train_dataset=data, processing_class=tokenizer, **extra)
     trainer.train()
-    return {"logs": _logs(trainer), "params": _trained(model), "eval": _eval(trainer, case, data)}
+    return {"logs": _logs(trainer), "params": _trained(trainer.model), "eval": _eval(trainer, case, data)}
 
 
 @pytest.mark.dist
@@ -152,7 +160,7 @@ def assert_equal_to_trl(results: list[dict], path: str, ref_path: str, directory
         held = set().union(*(by_case[case]["params"] for by_case in results))
         assert held == set(want["params"]), f"{case}: trained parameters {sorted(held ^ set(want['params']))[:3]}"
         assert len(want["logs"]) == 3  # 2 steps and the summary
-        assert abs(want["logs"][0]["rewards/margins"]) > 1e-4 or case == "peft"  # the reference counts
+        assert abs(want["logs"][0]["rewards/margins"]) > 1e-4 or case.startswith("peft")  # the reference counts
         for rank, by_case in enumerate(results):
             got, what = by_case[case], f"{mesh} {case} rank {rank}"
             assert [sorted(e) for e in got["logs"]] == [sorted(e) for e in want["logs"]], what
