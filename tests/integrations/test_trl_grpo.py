@@ -5,17 +5,17 @@ from the pipelined ``generate``, its rewards and advantages from its own code wi
 (``integrations/one_process.py``), its loss from the log-probabilities of TRL's fused LM head computed from the
 pipelined model's differentiable logits (``training/fused_head.py``, ``training/differentiable.py``).
 
-Against ``GRPOTrainer`` on one process with the same arguments and seed, 3 optimizer steps of 2 accumulated
-batches, on every rank: every logged value (loss, gradient norm, rewards, advantages' statistics, entropy, token
-counts, clip ratios, KL) and every trained parameter at the end. Completions come from a deterministic
-``rollout_func`` (prompt groups of distinct completions, so the advantages and the gradient are not zero; the
-one-process sampler and the pipeline's per-row sampling streams draw differently) for: the default loss (DAPO),
-``loss_type="grpo"`` with ``scale_rewards="batch"`` and ``num_iterations=2`` (old log-probabilities from a
-forward), ``dr_grpo`` with ``steps_per_generation=4``, a LoRA adapter with ``beta=0.5`` (the reference is the model
-with its adapter disabled), all at pp=2; the default at pp=2 x dp=2 (one process with both replicas' rows) and
-pp=2 x tp=2. Greedy completions from the pipelined ``generate`` (no rollout) give the first step's logs of one
-process, the same completions included; sampled ones (GRPO's defaults: ``generate`` draws what transformers draws
-from the global stream, every rank seeded as one process) give one process's completions, logs and parameters.
+Against ``GRPOTrainer`` on one process with the same arguments and seed, 3 optimizer steps of 2 accumulated batches,
+on every rank: every logged value (loss, gradient norm, rewards, advantages' statistics, entropy, token counts, clip
+ratios, KL) and every trained parameter at the end. Completions come from a deterministic ``rollout_func`` (prompt
+groups of distinct completions, so the advantages and the gradient are not zero) for: the default loss (DAPO),
+``loss_type="grpo"`` with ``scale_rewards="batch"`` and ``num_iterations=2`` (old log-probabilities from a forward),
+``dr_grpo`` with ``steps_per_generation=4``, a LoRA adapter with ``beta=0.5`` (the reference is the model with its
+adapter disabled), given wrapped or made by GRPOTrainer from ``peft_config=``, all at pp=2; the default at pp=2 x
+dp=2 (one process with both replicas' rows) and pp=2 x tp=2. Greedy completions from the pipelined ``generate`` (no
+rollout) give the first step's logs of one process, the same completions included; sampled ones (GRPO's defaults:
+``generate`` draws what transformers draws from the global stream, every rank seeded as one process) give one
+process's completions, logs and parameters.
 
 Tolerances: SGD, so parameters move by lr x gradient (no Adam normalisation of round-off); TRL's fused head sums
 its log-probabilities in tiles, ~1e-6 relative apart from a plain log-softmax; logged values within 1e-4 relative
@@ -46,6 +46,7 @@ CASES = {
     "grpo": {"loss_type": "grpo", "scale_rewards": "batch", "num_iterations": 2},
     "dr_grpo": {"loss_type": "dr_grpo", "steps_per_generation": 4},
     "lora": {"beta": 0.5},
+    "peft_config": {"beta": 0.5, "max_steps": 2},  # the adapter made by GRPOTrainer itself from peft_config=
     "greedy": {"max_steps": 1, "generation_kwargs": {"do_sample": False}},
     "sampled": {"max_steps": 2},  # GRPO's own sampling settings: one process's draws from the global stream
 }
@@ -83,17 +84,21 @@ def _args(out: pathlib.Path, case: str, batch: int):
 
 def _train(trainer_class, model, path: str, out: pathlib.Path, case: str, batch: int) -> dict:
     extra = {} if case in ("greedy", "sampled") else {"rollout_func": rollout}
-    if case == "lora":
+    if case in ("lora", "peft_config"):
         import peft
 
         torch.manual_seed(5)
-        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+        if case == "lora":
+            model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+        else:
+            extra["peft_config"] = peft.LoraConfig(**LORA)
     trainer = trainer_class(model=model, reward_funcs=reward, args=_args(out, case, batch), train_dataset=_dataset(),
                             processing_class=_tokenizer(path), **extra)
     trainer.train()
     logs = [{k: v for k, v in e.items() if not any(t in k for t in _TIMES)} for e in trainer.state.log_history]
     completions = trainer._logs["completion"] if case in ("greedy", "sampled") else []
-    return {"logs": logs, "completions": list(completions), "params": _params(model, case == "lora")}
+    adapter = case in ("lora", "peft_config")
+    return {"logs": logs, "completions": list(completions), "params": _params(trainer.model, adapter)}
 
 
 def _params(model, adapter: bool) -> dict[str, torch.Tensor]:
