@@ -9,9 +9,9 @@ from the stream the first left, on every rank), each a batch with left padding w
 (several EOS ids drawn at a high temperature; top-k, top-p and a repetition penalty), and ``num_return_sequences``
 copies; then the stream itself (a draw after the calls is one process's). Layouts: pp=2 with 1 and 3 microbatches, 2
 stages per rank (V layout) with chunked prefill, pp=3, pp=2 x dp=2 (each replica draws the whole batch's block and
-keeps its rows), pp=2 x tp=2, and a Mixtral's replicas in lock step (experts over them). A stream off by one row,
-one step, a step drawn for no row or a rank left on its own stream changes tokens at once (the calls' rows are
-sampled at temperature 1.5 over a vocabulary of 96).
+keeps its rows), pp=2 x tp=2, a Mixtral's replicas in lock step (experts over them), and T5 at pp=2. A stream off by
+one row, one step, a step drawn for no row or a rank left on its own stream changes tokens at once (the calls' rows
+are sampled at temperature 1.5 over a vocabulary of 96).
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ LAYOUTS = {  # name -> (checkpoint, world size, load options, generate options)
     "pp2 x tp2": ("llama", 4, {"num_stages": 2, "tp_size": 2}, {}),
     # experts over the replicas: their rings step together, finished rows padded until every replica's are done
     "dp2 lock step": ("mixtral", 2, {"num_stages": 1, "ep_size": 2, "ep_over": "data"}, {}),
+    "t5 pp2": ("t5", 2, {}, {}),  # an encoder-decoder: the decoder's last stage draws
 }
+_NEW = {"llama": 7, "mixtral": 7, "t5": 1}  # where the generated part starts (T5: after the decoder start token)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +54,10 @@ def _calls(model, extra: dict) -> dict:
     return {"first": first, "second": second, "after": torch.rand(4)}
 
 
-def _rank(path: str, options: dict, extra: dict) -> dict:
+def _rank(path: str, auto: str, options: dict, extra: dict) -> dict:
     import hf_pipeline
 
-    model = hf_pipeline.AutoModelForCausalLM.from_pretrained(path, pipeline=True, progress=False, **options)
+    model = getattr(hf_pipeline, auto).from_pretrained(path, pipeline=True, progress=False, **options)
     return _calls(model, extra)
 
 
@@ -67,14 +69,19 @@ def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("stream")
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(decoder_config("mixtral")).save_pretrained(root / "mixtral")
-    return {"llama": tiny.make_checkpoint(root / "llama", "llama"), "mixtral": root / "mixtral"}
+    return {"llama": tiny.make_checkpoint(root / "llama", "llama"), "mixtral": root / "mixtral",
+            "t5": tiny.make_checkpoint(root / "t5", "t5")}
+
+
+def _auto(kind: str) -> str:
+    return "AutoModelForSeq2SeqLM" if kind == "t5" else "AutoModelForCausalLM"
 
 
 @pytest.fixture(scope="module")
 def references(checkpoints) -> dict:
-    out = {kind: _calls(tiny.reference(path, "AutoModelForCausalLM"), {}) for kind, path in checkpoints.items()}
-    for calls in out.values():
-        lengths = (calls["first"][:, 7:] != 0).sum(1)
+    out = {kind: _calls(tiny.reference(path, _auto(kind)), {}) for kind, path in checkpoints.items()}
+    for kind, calls in out.items():
+        lengths = (calls["first"][:, _NEW[kind]:] != 0).sum(1)
         assert len(set(lengths.tolist())) > 1, "rows should end at different steps"  # EOS drawn, then pad
     return out
 
@@ -83,7 +90,7 @@ def references(checkpoints) -> dict:
 def test_sampling_without_a_seed_equals_transformers(checkpoints, references, layout):
     kind, world, options, extra = LAYOUTS[layout]
     reference = references[kind]
-    for rank, got in enumerate(run_distributed(_rank, world, str(checkpoints[kind]), options, extra)):
+    for rank, got in enumerate(run_distributed(_rank, world, str(checkpoints[kind]), _auto(kind), options, extra)):
         for key in ("first", "second"):
             assert torch.equal(got[key], reference[key]), f"{layout} rank {rank}: {key} call"
         assert torch.equal(got["after"], reference["after"]), f"{layout} rank {rank}: the stream after the calls"
