@@ -21,7 +21,7 @@ from ..errors import InputError
 
 __all__ = ["is_padding_free", "unflatten"]
 
-# Varlen attention arguments the collators add (flash attention's, and mamba's seq_idx): the rows carry them.
+# Varlen attention arguments the collators add (flash attention's, and mamba's seq_idx): padded rows need none.
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
