@@ -4,7 +4,7 @@
 a crafted pickle (or just a different library version) runs code or fails obscurely on the
 receivers. :func:`all_gather_json` moves JSON data instead, checked after decoding; the library's
 agreements (:mod:`.agreement`) exchange their error descriptions and digests through it.
-:func:`adopt_random_state` gives every rank one rank's random stream, as bytes.
+:func:`broadcast_random_state` and :func:`adopt_random_state` give every rank one rank's random stream, as bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..errors import InternalError
 from .context import RankContext
 
-__all__ = ["adopt_random_state", "all_gather_json"]
+__all__ = ["adopt_random_state", "all_gather_json", "broadcast_random_state"]
 
 
 def _exchange_device(ctx: RankContext) -> torch.device:
@@ -97,6 +97,17 @@ def _generator_state(device: torch.device) -> torch.Tensor:
     return torch.get_device_module(device.type).get_rng_state(device)
 
 
+def broadcast_random_state(ctx: RankContext, device: torch.device, src: int) -> torch.Tensor:
+    """Collective: the state of ``device``'s default generator on the group's rank ``src``, on every rank (its bytes
+    in a tensor, never pickle); this rank's own state on one process."""
+    state = _generator_state(device)
+    if not ctx.is_distributed or ctx.group is None:
+        return state
+    state = state.to(_exchange_device(ctx))
+    dist.broadcast(state, group=ctx.group, group_src=src)
+    return state.cpu()
+
+
 def adopt_random_state(ctx: RankContext, device: torch.device, drew: int) -> None:
     """Collective: every rank takes the random state of ``device``'s default generator from the first rank
     that ``drew`` the most (ranks that drew nothing pass -1); a no-op on one process.
@@ -108,10 +119,7 @@ def adopt_random_state(ctx: RankContext, device: torch.device, drew: int) -> Non
     if not ctx.is_distributed:
         return
     drawn = all_gather_json(ctx, int(drew), check=lambda v: isinstance(v, int))
-    src = max(range(len(drawn)), key=lambda r: (drawn[r], -r))
-    state = _generator_state(device).to(_exchange_device(ctx))
-    dist.broadcast(state, group=ctx.group, group_src=src)
-    state = state.cpu()
+    state = broadcast_random_state(ctx, device, max(range(len(drawn)), key=lambda r: (drawn[r], -r)))
     if device.type == "cpu":
         torch.set_rng_state(state)
     else:

@@ -12,11 +12,11 @@ import copy
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..compat import mark_hf_initialized
 from ..distributed.context import RankContext
+from ..distributed.exchange import broadcast_random_state
 
 __all__ = ["agreed_rng_state", "initialize_missing"]
 
@@ -63,7 +63,4 @@ def initialize_missing(
 
 def agreed_rng_state(ctx: RankContext) -> torch.Tensor:
     """Global rank 0's CPU generator state, on every rank (collective when distributed)."""
-    state = [torch.get_rng_state()]
-    if ctx.is_distributed and ctx.group is not None:
-        dist.broadcast_object_list(state, src=0, group=ctx.group)
-    return state[0]
+    return broadcast_random_state(ctx, torch.device("cpu"), 0)
